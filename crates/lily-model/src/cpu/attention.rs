@@ -1,0 +1,103 @@
+//! Gated full attention on the CPU: partial NeoX RoPE and causal softmax attention of GQA query heads over the
+//! KV cache.
+
+use rayon::prelude::*;
+
+/// Inverse frequencies of the rotated dims, computed as HF does (f32 powers of theta).
+pub fn rope_inv_freq(theta: f64, rotary_dim: usize) -> Vec<f32> {
+    (0..rotary_dim / 2).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32)).collect()
+}
+
+/// Rotates the first `2 * inv_freq.len()` dims of one head in place: pairs (i, i + half).
+pub fn rope(head: &mut [f32], position: usize, inv_freq: &[f32]) {
+    let half = inv_freq.len();
+    for i in 0..half {
+        let angle = position as f32 * inv_freq[i];
+        let (sin, cos) = angle.sin_cos();
+        let (a, b) = (head[i], head[i + half]);
+        head[i] = a * cos - b * sin;
+        head[i + half] = b * cos + a * sin;
+    }
+}
+
+/// Causal attention for `tokens` new queries at positions `start..start + tokens`, over a cache that already
+/// holds their keys and values (`[position][kv_heads * head_dim]`). `q` is `[tokens][heads * head_dim]`.
+pub fn attend(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    start: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    let group = heads / kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let kv_dim = kv_heads * head_dim;
+    out.par_chunks_mut(head_dim).enumerate().for_each(|(index, o)| {
+        let (t, h) = (index / heads, index % heads);
+        let kvh = h / group;
+        let qh = &q[(t * heads + h) * head_dim..(t * heads + h + 1) * head_dim];
+        let visible = start + t + 1;
+        let mut scores = Vec::with_capacity(visible);
+        let mut max = f32::NEG_INFINITY;
+        for p in 0..visible {
+            let k = &k_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
+            let s = super::linalg::dot(qh, k) * scale;
+            max = max.max(s);
+            scores.push(s);
+        }
+        let mut denom = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            denom += *s;
+        }
+        o.fill(0.0);
+        for (p, s) in scores.iter().enumerate() {
+            let v = &v_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
+            let w = s / denom;
+            for j in 0..head_dim {
+                o[j] += w * v[j];
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    #[test]
+    fn rope_preserves_norm_and_is_relative() {
+        let inv = rope_inv_freq(1e7, 64);
+        let mut rng = Rng::new(1);
+        let q: Vec<f32> = (0..256).map(|_| rng.normal()).collect();
+        let k: Vec<f32> = (0..256).map(|_| rng.normal()).collect();
+        let rotated_dot = |pq: usize, pk: usize| {
+            let (mut a, mut b) = (q.clone(), k.clone());
+            rope(&mut a, pq, &inv);
+            rope(&mut b, pk, &inv);
+            crate::cpu::linalg::dot(&a, &b)
+        };
+        assert!((rotated_dot(10, 3) - rotated_dot(107, 100)).abs() < 1e-3);
+        let mut a = q.clone();
+        rope(&mut a, 12345, &inv);
+        let n0: f32 = q.iter().map(|v| v * v).sum();
+        let n1: f32 = a.iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-3 * n0);
+        assert_eq!(&a[64..], &q[64..]);
+    }
+
+    #[test]
+    fn one_visible_position_returns_its_value() {
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let k = vec![1.0; 8];
+        let q = vec![0.5; 16];
+        let mut out = vec![0.0; 16];
+        attend(&q, &k, &v, 0, 2, 1, 8, &mut out);
+        assert_eq!(&out[..8], &v[..]);
+        assert_eq!(&out[8..], &v[..]);
+    }
+}

@@ -1,0 +1,10 @@
+//! The CPU backend: the reference every GPU kernel is tested against, and the product's fallback.
+//! The whole forward pass, in order, is in [`model`].
+
+pub mod attention;
+pub mod deltanet;
+pub mod linalg;
+pub mod model;
+pub mod moe;
+
+pub use model::{CpuModel, State};

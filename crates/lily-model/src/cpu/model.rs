@@ -1,0 +1,349 @@
+//! The forward pass on the CPU, f32 throughout, on the 4-bit weights in place.
+//!
+//! Per layer: `h += mixer(norm1(h)); h += moe(norm2(h))`, the mixer being a Gated DeltaNet or gated full
+//! attention; then the final norm and lm_head. Prefill runs the prompt in slices of [`PREFILL_SLICE`] tokens with
+//! the chunked DeltaNet; decode runs one token with the DeltaNet recurrence. All state is allocated up front.
+
+use rayon::prelude::*;
+
+use super::attention::{attend, rope, rope_inv_freq};
+use super::deltanet::{self, conv_sequence, l2norm};
+use super::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
+use super::moe::moe_forward;
+use crate::config::{Config, LayerKind};
+use crate::weights::{Attention, GatedDeltaNet, Mixer, Weights};
+
+/// Prompt tokens processed per pass through the layers (bounds activation memory; a multiple of the DeltaNet
+/// chunk so that slices do not split chunks).
+pub const PREFILL_SLICE: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("context full: {needed} tokens needed but the context holds {max_context}")]
+    ContextFull { needed: usize, max_context: usize },
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+    #[error("empty prompt")]
+    EmptyPrompt,
+}
+
+/// One sequence's state: KV cache of the full-attention layers, conv and recurrent state of the DeltaNet layers.
+pub struct State {
+    /// Tokens already processed (the next token's position).
+    pub position: usize,
+    pub max_context: usize,
+    /// Per full-attention layer: keys and values, `[max_context][kv_heads * head_dim]`.
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    /// Per DeltaNet layer: the last `taps - 1` conv inputs, `[taps - 1][conv_dim]`.
+    conv: Vec<Vec<f32>>,
+    /// Per DeltaNet layer: `[value_heads][key_dim][value_dim]`.
+    recurrent: Vec<Vec<f32>>,
+    act: Activations,
+}
+
+/// Activation buffers for up to `PREFILL_SLICE` tokens.
+struct Activations {
+    hidden: Vec<f32>,
+    normed: Vec<f32>,
+    mixer_out: Vec<f32>,
+    moe_out: Vec<f32>,
+    projected: Vec<f32>,
+    conv_out: Vec<f32>,
+    z: Vec<f32>,
+    beta: Vec<f32>,
+    decay: Vec<f32>,
+    core: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    queries: Vec<f32>,
+}
+
+impl State {
+    pub fn new(config: &Config, max_context: usize) -> State {
+        let c = config;
+        let n = PREFILL_SLICE;
+        let zeros = |len: usize| vec![0.0f32; len];
+        State {
+            position: 0,
+            max_context,
+            k_cache: (0..c.num_full_layers()).map(|_| zeros(max_context * c.kv_dim())).collect(),
+            v_cache: (0..c.num_full_layers()).map(|_| zeros(max_context * c.kv_dim())).collect(),
+            conv: (0..c.num_linear_layers()).map(|_| zeros((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim())).collect(),
+            recurrent: (0..c.num_linear_layers())
+                .map(|_| zeros(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
+                .collect(),
+            act: Activations {
+                hidden: zeros(n * c.hidden_size),
+                normed: zeros(n * c.hidden_size),
+                mixer_out: zeros(n * c.hidden_size),
+                moe_out: zeros(n * c.hidden_size),
+                projected: zeros(n * c.linear_conv_dim().max(2 * c.q_dim())),
+                conv_out: zeros(n * c.linear_conv_dim()),
+                z: zeros(n * c.linear_value_dim()),
+                beta: zeros(n * c.linear_num_value_heads),
+                decay: zeros(n * c.linear_num_value_heads),
+                core: zeros(n * c.linear_value_dim().max(c.q_dim())),
+                keys: zeros(n * c.kv_dim()),
+                values: zeros(n * c.kv_dim()),
+                queries: zeros(n * c.q_dim()),
+            },
+        }
+    }
+
+    /// Forgets the sequence (the buffers are kept).
+    pub fn reset(&mut self) {
+        self.position = 0;
+        self.conv.iter_mut().for_each(|s| s.fill(0.0));
+        self.recurrent.iter_mut().for_each(|s| s.fill(0.0));
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Pass {
+    Prefill,
+    Decode,
+}
+
+pub struct CpuModel {
+    pub weights: Weights,
+    inv_freq: Vec<f32>,
+    /// For each layer, its index among the layers of its kind (into the KV cache or the DeltaNet state).
+    slot: Vec<usize>,
+}
+
+impl CpuModel {
+    pub fn new(weights: Weights) -> CpuModel {
+        let c = &weights.config;
+        let inv_freq = rope_inv_freq(c.rope_theta, c.rotary_dim());
+        let (mut full, mut linear) = (0, 0);
+        let slot = c
+            .layer_types
+            .iter()
+            .map(|kind| match kind {
+                LayerKind::Full => (full, full += 1).0,
+                LayerKind::Linear => (linear, linear += 1).0,
+            })
+            .collect();
+        CpuModel { weights, inv_freq, slot }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.weights.config
+    }
+
+    pub fn new_state(&self, max_context: usize) -> State {
+        State::new(self.config(), max_context)
+    }
+
+    /// Runs a prompt (continuing the sequence in `state`) and writes the logits of its last token.
+    pub fn prefill(&self, state: &mut State, tokens: &[u32], logits: &mut [f32]) -> Result<(), ForwardError> {
+        self.prefill_inner(state, tokens, false, |_, row| logits.copy_from_slice(row))
+    }
+
+    /// Runs a prompt and returns the logits of every position, `[tokens][vocab]` (for tests and scoring).
+    pub fn prefill_all_logits(&self, state: &mut State, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        let vocab = self.config().vocab_size;
+        let mut all = vec![0.0; tokens.len() * vocab];
+        self.prefill_inner(state, tokens, true, |t, row| all[t * vocab..(t + 1) * vocab].copy_from_slice(row))?;
+        Ok(all)
+    }
+
+    fn prefill_inner(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        every_position: bool,
+        mut emit: impl FnMut(usize, &[f32]),
+    ) -> Result<(), ForwardError> {
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        self.check(state, tokens)?;
+        let vocab = self.config().vocab_size;
+        let mut row = vec![0.0; vocab];
+        for (slice_index, slice) in tokens.chunks(PREFILL_SLICE).enumerate() {
+            let base = slice_index * PREFILL_SLICE;
+            self.forward(state, slice, Pass::Prefill);
+            let h = self.config().hidden_size;
+            for t in 0..slice.len() {
+                if every_position || base + t + 1 == tokens.len() {
+                    self.lm_head(&state.act.normed[t * h..(t + 1) * h], &mut row);
+                    emit(base + t, &row);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One decode step: appends `token` to the sequence and writes the next-token logits.
+    pub fn decode(&self, state: &mut State, token: u32, logits: &mut [f32]) -> Result<(), ForwardError> {
+        self.check(state, &[token])?;
+        self.forward(state, &[token], Pass::Decode);
+        let h = self.config().hidden_size;
+        self.lm_head(&state.act.normed[..h], logits);
+        Ok(())
+    }
+
+    fn check(&self, state: &State, tokens: &[u32]) -> Result<(), ForwardError> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config().vocab_size) {
+            return Err(ForwardError::BadToken(bad));
+        }
+        let needed = state.position + tokens.len();
+        if needed > state.max_context {
+            return Err(ForwardError::ContextFull { needed, max_context: state.max_context });
+        }
+        Ok(())
+    }
+
+    fn lm_head(&self, normed: &[f32], logits: &mut [f32]) {
+        qmatmul(self.weights.lm_head.view(), normed, logits);
+    }
+
+    /// The whole forward pass for up to `PREFILL_SLICE` tokens; leaves the final-normed hidden states in
+    /// `state.act.normed` and advances `state.position`.
+    fn forward(&self, state: &mut State, tokens: &[u32], pass: Pass) {
+        let c = self.config();
+        let (h, n) = (c.hidden_size, tokens.len());
+        let w = &self.weights;
+        for (t, &token) in tokens.iter().enumerate() {
+            w.embed_tokens.view().dequantize_row(token as usize, &mut state.act.hidden[t * h..(t + 1) * h]);
+        }
+        for (l, layer) in w.layers.iter().enumerate() {
+            rmsnorm(&state.act.hidden[..n * h], &layer.input_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
+            match &layer.mixer {
+                Mixer::Linear(gdn) => self.gated_deltanet(gdn, self.slot[l], state, n, pass),
+                Mixer::Full(attn) => self.attention(attn, self.slot[l], state, n),
+            }
+            add(&mut state.act.hidden[..n * h], &state.act.mixer_out[..n * h]);
+            rmsnorm(&state.act.hidden[..n * h], &layer.post_attention_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
+            moe_forward(&layer.moe, c.num_experts, c.num_experts_per_tok, &state.act.normed[..n * h], &mut state.act.moe_out[..n * h]);
+            add(&mut state.act.hidden[..n * h], &state.act.moe_out[..n * h]);
+        }
+        rmsnorm(&state.act.hidden[..n * h], &w.final_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
+        state.position += n;
+    }
+
+    fn gated_deltanet(&self, gdn: &GatedDeltaNet, slot: usize, state: &mut State, n: usize, pass: Pass) {
+        let c = self.config();
+        let (h, conv_dim) = (c.hidden_size, c.linear_conv_dim());
+        let (nk, nv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let key_dim = c.linear_key_dim();
+        let act = &mut state.act;
+        let x = &act.normed[..n * h];
+        qmatmul(gdn.in_proj_qkv.view(), x, &mut act.projected[..n * conv_dim]);
+        qmatmul(gdn.in_proj_z.view(), x, &mut act.z[..n * nv * dv]);
+        qmatmul(gdn.in_proj_b.view(), x, &mut act.beta[..n * nv]);
+        qmatmul(gdn.in_proj_a.view(), x, &mut act.decay[..n * nv]);
+        conv_sequence(
+            &act.projected[..n * conv_dim],
+            &mut state.conv[slot],
+            &gdn.conv1d,
+            c.linear_conv_kernel_dim,
+            conv_dim,
+            &mut act.conv_out[..n * conv_dim],
+        );
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        for t in 0..n {
+            let row = &mut act.conv_out[t * conv_dim..(t + 1) * conv_dim];
+            for head in row[..2 * key_dim].chunks_exact_mut(dk) {
+                l2norm(head);
+            }
+            row[..key_dim].iter_mut().for_each(|v| *v *= q_scale);
+            for j in 0..nv {
+                let i = t * nv + j;
+                act.beta[i] = sigmoid(act.beta[i]);
+                act.decay[i] = -gdn.a_log[j].exp() * softplus(act.decay[i] + gdn.dt_bias[j]);
+            }
+        }
+        let conv_out = &act.conv_out[..n * conv_dim];
+        let (beta, decay) = (&act.beta[..n * nv], &act.decay[..n * nv]);
+        let heads_per_key = nv / nk;
+        let core = &mut act.core[..n * nv * dv];
+        let recurrent = &mut state.recurrent[slot];
+        // Each value head is independent: its own state block and its own column block of `core`.
+        let head_outputs: Vec<Vec<f32>> = recurrent
+            .par_chunks_mut(dk * dv)
+            .enumerate()
+            .map(|(head, s)| {
+                let kh = head / heads_per_key;
+                let q_of = |t: usize| &conv_out[t * conv_dim + kh * dk..t * conv_dim + (kh + 1) * dk];
+                let k_of = |t: usize| &conv_out[t * conv_dim + key_dim + kh * dk..t * conv_dim + key_dim + (kh + 1) * dk];
+                let v_of = |t: usize| &conv_out[t * conv_dim + 2 * key_dim + head * dv..t * conv_dim + 2 * key_dim + (head + 1) * dv];
+                let mut out = vec![0.0; n * dv];
+                match pass {
+                    Pass::Decode => {
+                        for t in 0..n {
+                            let i = t * nv + head;
+                            deltanet::recurrent_step(q_of(t), k_of(t), v_of(t), decay[i], beta[i], s, &mut out[t * dv..(t + 1) * dv]);
+                        }
+                    }
+                    Pass::Prefill => {
+                        let q: Vec<f32> = (0..n).flat_map(|t| q_of(t).iter().copied()).collect();
+                        let k: Vec<f32> = (0..n).flat_map(|t| k_of(t).iter().copied()).collect();
+                        let v: Vec<f32> = (0..n).flat_map(|t| v_of(t).iter().copied()).collect();
+                        let g: Vec<f32> = (0..n).map(|t| decay[t * nv + head]).collect();
+                        let b: Vec<f32> = (0..n).map(|t| beta[t * nv + head]).collect();
+                        deltanet::chunked(&q, &k, &v, &g, &b, s, &mut out);
+                    }
+                }
+                out
+            })
+            .collect();
+        for (head, out) in head_outputs.iter().enumerate() {
+            for t in 0..n {
+                core[t * nv * dv + head * dv..t * nv * dv + (head + 1) * dv].copy_from_slice(&out[t * dv..(t + 1) * dv]);
+            }
+        }
+        // Gated RMSNorm per value head: w * rmsnorm(o) * silu(z).
+        rmsnorm_in_place(core, &gdn.norm, c.rms_norm_eps);
+        for (o, z) in core.iter_mut().zip(&act.z[..n * nv * dv]) {
+            *o *= silu(*z);
+        }
+        qmatmul(gdn.out_proj.view(), core, &mut act.mixer_out[..n * h]);
+    }
+
+    fn attention(&self, attn: &Attention, slot: usize, state: &mut State, n: usize) {
+        let c = self.config();
+        let (h, hd, heads, kv_heads) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+        let start = state.position;
+        let act = &mut state.act;
+        let x = &act.normed[..n * h];
+        qmatmul(attn.q_proj.view(), x, &mut act.projected[..n * 2 * q_dim]);
+        qmatmul(attn.k_proj.view(), x, &mut act.keys[..n * kv_dim]);
+        qmatmul(attn.v_proj.view(), x, &mut act.values[..n * kv_dim]);
+        for t in 0..n {
+            let position = start + t;
+            for head in 0..heads {
+                let src = &act.projected[t * 2 * q_dim + head * 2 * hd..t * 2 * q_dim + head * 2 * hd + hd];
+                let q = &mut act.queries[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
+                rmsnorm(src, &attn.q_norm, c.rms_norm_eps, q);
+                rope(q, position, &self.inv_freq);
+            }
+            for head in act.keys[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
+                rmsnorm_in_place(head, &attn.k_norm, c.rms_norm_eps);
+                rope(head, position, &self.inv_freq);
+            }
+        }
+        let (k_cache, v_cache) = (&mut state.k_cache[slot], &mut state.v_cache[slot]);
+        k_cache[start * kv_dim..(start + n) * kv_dim].copy_from_slice(&act.keys[..n * kv_dim]);
+        v_cache[start * kv_dim..(start + n) * kv_dim].copy_from_slice(&act.values[..n * kv_dim]);
+        let core = &mut act.core[..n * q_dim];
+        attend(&act.queries[..n * q_dim], &k_cache[..(start + n) * kv_dim], &v_cache[..(start + n) * kv_dim], start, heads, kv_heads, hd, core);
+        for t in 0..n {
+            for head in 0..heads {
+                let gate = &act.projected[t * 2 * q_dim + head * 2 * hd + hd..t * 2 * q_dim + (head + 1) * 2 * hd];
+                let o = &mut core[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
+                for (v, g) in o.iter_mut().zip(gate) {
+                    *v *= sigmoid(*g);
+                }
+            }
+        }
+        qmatmul(attn.o_proj.view(), core, &mut act.mixer_out[..n * h]);
+    }
+}
+
+fn add(acc: &mut [f32], x: &[f32]) {
+    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+}

@@ -1,0 +1,14 @@
+//! lily's model: configuration, checkpoint loading, synthetic weights, and the CPU backend.
+
+pub mod checkpoint;
+pub mod config;
+pub mod cpu;
+pub mod default_model;
+pub mod quant;
+pub mod rng;
+pub mod sampling;
+pub mod synth;
+pub mod weights;
+
+pub use config::Config;
+pub use weights::Weights;

@@ -1,0 +1,176 @@
+//! Choosing the next token from logits: greedy, or seeded sampling with temperature, top-k, top-p and min-p
+//! (applied in that order, as vLLM and HF do).
+
+use crate::rng::Rng;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no limit.
+    pub top_k: usize,
+    /// 1 means no limit.
+    pub top_p: f32,
+    /// 0 means no limit.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SamplingError {
+    #[error("temperature must be a finite number >= 0, got {0}")]
+    Temperature(f32),
+    #[error("top_p must be in (0, 1], got {0}")]
+    TopP(f32),
+    #[error("min_p must be in [0, 1], got {0}")]
+    MinP(f32),
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(SamplingError::Temperature(self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplingError::TopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::MinP(self.min_p));
+        }
+        Ok(())
+    }
+}
+
+/// Index of the largest logit (the lowest index among equals).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    /// Candidate (token, probability) pairs, reused between steps.
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Sampler {
+        let rng = Rng::new(params.seed);
+        Sampler { params, rng, candidates: Vec::new() }
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        if p.temperature == 0.0 || p.top_k == 1 {
+            return argmax(logits);
+        }
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit_desc);
+        let max = c[0].1;
+        let mut total = 0.0f64;
+        for cand in c.iter_mut() {
+            cand.1 = (cand.1 - max).exp();
+            total += cand.1 as f64;
+        }
+        for cand in c.iter_mut() {
+            cand.1 = (cand.1 as f64 / total) as f32;
+        }
+        if p.top_p < 1.0 {
+            let mut cumulative = 0.0;
+            let mut keep = c.len();
+            for (i, cand) in c.iter().enumerate() {
+                cumulative += cand.1;
+                if cumulative >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            c.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let threshold = c[0].1 * p.min_p;
+            c.retain(|cand| cand.1 >= threshold);
+        }
+        let kept: f32 = c.iter().map(|cand| cand.1).sum();
+        let mut r = self.rng.uniform() * kept;
+        for cand in c.iter() {
+            if r < cand.1 {
+                return cand.0;
+            }
+            r -= cand.1;
+        }
+        c.last().unwrap().0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, min_p, seed: 42 }
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 0.0]), 1);
+        assert_eq!(Sampler::new(params(0.0, 0, 1.0, 0.0)).sample(&[0.0, 5.0, 1.0]), 1);
+    }
+
+    #[test]
+    fn filters_restrict_the_support() {
+        let logits = [2.0, 1.9, 0.0, -1.0, 1.8];
+        let draw = |p: SamplingParams| {
+            let mut s = Sampler::new(p);
+            (0..2000).map(|_| s.sample(&logits)).collect::<std::collections::BTreeSet<u32>>()
+        };
+        assert_eq!(draw(params(1.0, 2, 1.0, 0.0)), [0, 1].into());
+        assert_eq!(draw(params(1.0, 0, 1.0, 0.5)), [0, 1, 4].into());
+        assert_eq!(draw(params(1.0, 0, 0.3, 0.0)), [0].into());
+        assert_eq!(draw(params(1.0, 0, 1.0, 0.0)), [0, 1, 2, 3, 4].into());
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_frequencies_follow_the_softmax() {
+        let logits = [0.0, (2.0f32).ln(), (3.0f32).ln()];
+        let run = |seed| {
+            let mut s = Sampler::new(SamplingParams { seed, ..params(1.0, 0, 1.0, 0.0) });
+            (0..6000).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+        let draws = run(7);
+        for (token, expected) in [(0, 1.0 / 6.0), (1, 2.0 / 6.0), (2, 3.0 / 6.0)] {
+            let freq = draws.iter().filter(|&&t| t == token).count() as f64 / draws.len() as f64;
+            assert!((freq - expected).abs() < 0.03, "token {token}: {freq}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_refused() {
+        assert!(params(-1.0, 0, 1.0, 0.0).validate().is_err());
+        assert!(params(f32::NAN, 0, 1.0, 0.0).validate().is_err());
+        assert!(params(1.0, 0, 0.0, 0.0).validate().is_err());
+        assert!(params(1.0, 0, 1.0, 1.5).validate().is_err());
+        assert!(params(0.7, 20, 0.95, 0.05).validate().is_ok());
+    }
+}
