@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lily_model::cpu::CpuModel;
 use lily_model::sampling::{Sampler, SamplingParams};
-use lily_model::{default_model, synth, Config, Weights};
+use lily_model::{default_model, synth, Backend, Config, CpuBackend, Weights};
 
 #[derive(Parser)]
 #[command(name = "lily", version, about = "An inference server for Qwen3.5/3.6-35B-A3B")]
@@ -133,13 +133,12 @@ fn generate(args: GenerateArgs) -> Result<()> {
             args.context
         );
     }
-    let mut state = model.new_state(args.context);
+    let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(model, args.context));
     let mut sampler = Sampler::new(params);
-    let mut logits = vec![0.0; model.config().vocab_size];
-    let eos = &model.config().eos_token_ids;
+    let eos = backend.config().eos_token_ids.clone();
 
     let prefill_start = Instant::now();
-    model.prefill(&mut state, &prompt, &mut logits)?;
+    backend.prefill(&prompt)?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
 
     let mut stdout = std::io::stdout().lock();
@@ -148,7 +147,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut generated = 0;
     let mut decode_steps = 0;
     loop {
-        let token = sampler.sample(&logits);
+        let token = backend.sample(&mut sampler);
         generated += 1;
         if !args.ignore_eos && eos.contains(&token) {
             break;
@@ -158,7 +157,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         if generated >= args.max_tokens {
             break;
         }
-        model.decode(&mut state, token, &mut logits)?;
+        backend.decode(token)?;
         decode_steps += 1;
     }
     writeln!(stdout, "{}", decoder.flush()?)?;

@@ -1,5 +1,6 @@
 //! lily's model: configuration, checkpoint loading, synthetic weights, and the CPU backend.
 
+pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
@@ -12,3 +13,4 @@ pub mod weights;
 
 pub use config::Config;
 pub use weights::Weights;
+pub use backend::{Backend, CpuBackend};

@@ -1,0 +1,66 @@
+//! The seam between the engine (server, CLI) and a compute backend: one sequence at a time, prefill then decode
+//! steps, with the next-token choice left to the backend so a GPU can sample without copying logits out.
+
+use crate::config::Config;
+use crate::cpu::model::ForwardError;
+use crate::cpu::{CpuModel, State};
+use crate::sampling::Sampler;
+
+pub trait Backend: Send {
+    fn config(&self) -> &Config;
+    /// Tokens of context (prompt plus generated) a sequence may hold.
+    fn max_context(&self) -> usize;
+    /// Starts a new sequence with `prompt` (non-empty) and computes the next-token logits.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<(), ForwardError>;
+    /// Appends `token` to the sequence and computes the next-token logits.
+    fn decode(&mut self, token: u32) -> Result<(), ForwardError>;
+    /// The next-token logits after the last `prefill` or `decode` (may copy them from a device).
+    fn logits(&mut self) -> &[f32];
+    /// Chooses the next token.
+    fn sample(&mut self, sampler: &mut Sampler) -> u32 {
+        sampler.sample(self.logits())
+    }
+    /// A short name for logs ("cpu", "cuda: NVIDIA H200").
+    fn describe(&self) -> String;
+}
+
+/// The CPU backend with its preallocated state.
+pub struct CpuBackend {
+    model: CpuModel,
+    state: State,
+    logits: Vec<f32>,
+}
+
+impl CpuBackend {
+    pub fn new(model: CpuModel, max_context: usize) -> CpuBackend {
+        let state = model.new_state(max_context);
+        let logits = vec![0.0; model.config().vocab_size];
+        CpuBackend { model, state, logits }
+    }
+
+    pub fn model(&self) -> &CpuModel {
+        &self.model
+    }
+}
+
+impl Backend for CpuBackend {
+    fn config(&self) -> &Config {
+        self.model.config()
+    }
+    fn max_context(&self) -> usize {
+        self.state.max_context
+    }
+    fn prefill(&mut self, prompt: &[u32]) -> Result<(), ForwardError> {
+        self.state.reset();
+        self.model.prefill(&mut self.state, prompt, &mut self.logits)
+    }
+    fn decode(&mut self, token: u32) -> Result<(), ForwardError> {
+        self.model.decode(&mut self.state, token, &mut self.logits)
+    }
+    fn logits(&mut self) -> &[f32] {
+        &self.logits
+    }
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+}
