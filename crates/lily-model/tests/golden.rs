@@ -11,7 +11,7 @@ use safetensors::SafeTensors;
 
 /// Largest difference allowed between a lily logit and transformers' (both f32 on the same dequantized weights;
 /// the difference is summation order only).
-const LOGIT_ABS_TOLERANCE: f32 = 2e-3;
+const LOGIT_ABS_TOLERANCE: f32 = 5e-4;
 /// Seed of the synthetic tiny model the golden file was made from (`lily synth --shape tiny --seed 1`).
 const SYNTH_SEED: u64 = 1;
 
