@@ -1,15 +1,11 @@
 //! `lily`: the command-line entry point.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use lily_model::cpu::CpuModel;
-use lily_model::sampling::{Sampler, SamplingParams};
-use lily_model::{default_model, synth, Backend, Config, CpuBackend, Weights};
+use clap::{Parser, Subcommand};
+
+mod generate;
+mod synth_cmd;
 
 #[derive(Parser)]
 #[command(name = "lily", version, about = "An inference server for Qwen3.5/3.6-35B-A3B")]
@@ -21,59 +17,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate a continuation of a prompt and report prefill and decode speed.
-    Generate(GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// Write a synthetic checkpoint (random weights, MLX 4-bit layout) at a tiny or the full shape.
-    Synth(SynthArgs),
-}
-
-#[derive(Args)]
-struct ModelArgs {
-    /// Model directory (MLX 4-bit or HF bf16 safetensors). Default: the bundled lily-tiny-shakespeare.
-    #[arg(long, env = "LILY_MODEL")]
-    model: Option<PathBuf>,
-}
-
-#[derive(Args)]
-struct GenerateArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-    #[arg(long, default_value = "ROMEO.\n")]
-    prompt: String,
-    #[arg(long, default_value_t = 64)]
-    max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Maximum tokens of context (prompt + generated) to allocate state for.
-    #[arg(long, default_value_t = 4096)]
-    context: usize,
-    /// Keep generating past end-of-sequence tokens.
-    #[arg(long)]
-    ignore_eos: bool,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Shape {
-    Tiny,
-    Full,
-}
-
-#[derive(Args)]
-struct SynthArgs {
-    #[arg(long, value_enum)]
-    shape: Shape,
-    #[arg(long)]
-    out: PathBuf,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    Synth(synth_cmd::SynthArgs),
 }
 
 fn main() -> ExitCode {
@@ -83,8 +29,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => generate(args),
-        Command::Synth(args) => synth_command(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Synth(args) => synth_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -95,102 +41,3 @@ fn main() -> ExitCode {
     }
 }
 
-fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
-    match &args.model {
-        Some(dir) => Ok(dir.clone()),
-        None => Ok(default_model::locate()?),
-    }
-}
-
-fn load_model(dir: &Path) -> Result<CpuModel> {
-    let start = Instant::now();
-    let weights = Weights::load(dir).with_context(|| format!("loading {}", dir.display()))?;
-    tracing::info!("loaded {} in {:.2} s", dir.display(), start.elapsed().as_secs_f64());
-    Ok(CpuModel::new(weights))
-}
-
-fn generate(args: GenerateArgs) -> Result<()> {
-    let dir = model_dir(&args.model)?;
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    };
-    params.validate()?;
-    let tokenizer = std::sync::Arc::new(lily_chat::Tokenizer::from_dir(&dir)?);
-    let model = load_model(&dir)?;
-    let prompt = tokenizer.encode(&args.prompt, false)?;
-    if prompt.is_empty() {
-        bail!("the prompt is empty");
-    }
-    if prompt.len() + args.max_tokens > args.context {
-        bail!(
-            "prompt ({} tokens) + --max-tokens ({}) exceeds --context ({})",
-            prompt.len(),
-            args.max_tokens,
-            args.context
-        );
-    }
-    let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(model, args.context));
-    let mut sampler = Sampler::new(params);
-    let eos = backend.config().eos_token_ids.clone();
-
-    let prefill_start = Instant::now();
-    backend.prefill(&prompt)?;
-    let prefill_secs = prefill_start.elapsed().as_secs_f64();
-
-    let mut stdout = std::io::stdout().lock();
-    let mut decoder = lily_chat::StreamDecoder::new(tokenizer.clone(), false);
-    let decode_start = Instant::now();
-    let mut generated = 0;
-    let mut decode_steps = 0;
-    loop {
-        let token = backend.sample(&mut sampler);
-        generated += 1;
-        if !args.ignore_eos && eos.contains(&token) {
-            break;
-        }
-        write!(stdout, "{}", decoder.push(token)?)?;
-        stdout.flush()?;
-        if generated >= args.max_tokens {
-            break;
-        }
-        backend.decode(token)?;
-        decode_steps += 1;
-    }
-    writeln!(stdout, "{}", decoder.flush()?)?;
-    let decode_secs = decode_start.elapsed().as_secs_f64();
-    eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tok/s); decode: {} tokens in {:.3} s ({:.1} tok/s)",
-        prompt.len(),
-        prefill_secs,
-        prompt.len() as f64 / prefill_secs,
-        decode_steps,
-        decode_secs,
-        decode_steps as f64 / decode_secs.max(1e-9)
-    );
-    Ok(())
-}
-
-fn synth_command(args: SynthArgs) -> Result<()> {
-    let config = match args.shape {
-        Shape::Tiny => Config::tiny_shape(),
-        Shape::Full => Config::full_shape(),
-    };
-    let start = Instant::now();
-    let bar = indicatif::ProgressBar::new(0).with_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} shards")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(format!("writing {:.2} GB", synth::total_bytes(&config) as f64 / 1e9));
-    synth::write_dir(&config, args.seed, &args.out, &|done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
-    bar.finish();
-    eprintln!("wrote {} in {:.1} s", args.out.display(), start.elapsed().as_secs_f64());
-    Ok(())
-}

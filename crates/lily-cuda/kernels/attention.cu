@@ -1,0 +1,178 @@
+// Gated full attention, decode: q/k norms and partial RoPE with the cache write; flash-decoding over the context
+// split in ATTN_SPLITS parts per KV head (the GQA query heads of a KV head read each key and value once); the
+// merge of the parts with the output gate applied.
+//
+// KV cache: bf16, [position][kv head][HEAD_DIM] per layer for keys and for values.
+
+#define GQA (N_HEADS / N_KV_HEADS)
+#define ATTN_THREADS 256
+#define ATTN_TILE 256       // positions scored at once by a block
+#define ATTN_MIN_CHUNK 256  // fewest positions a part takes
+static_assert(HEAD_DIM == ATTN_THREADS, "one thread per head dimension");
+static_assert(GQA == 8, "the score loop holds the 8 query heads of a KV head");
+
+// Positions per part for a context of `len`; the same in the partial and the merge kernels.
+__device__ __forceinline__ int attn_chunk(int len) {
+    int c = (len + ATTN_SPLITS - 1) / ATTN_SPLITS;
+    c = (c + 31) / 32 * 32;
+    return c < ATTN_MIN_CHUNK ? ATTN_MIN_CHUNK : c;
+}
+
+// Blocks 0..N_HEADS: query heads (rmsnorm, RoPE, scaled by 1/sqrt(HEAD_DIM)) into q_out; then KV heads: key
+// (rmsnorm, RoPE) and value into the cache at `position`. proj: [q|gate per head (2 Q_DIM) | k | v].
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* position_ptr, const float* proj,
+                                                                 const float* q_norm, const float* k_norm,
+                                                                 const float* inv_freq, float* q_out,
+                                                                 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache) {
+    __shared__ float x[HEAD_DIM];
+    __shared__ float scratch[32];
+    const int position = *position_ptr;
+    const int d = threadIdx.x;
+    const bool is_query = blockIdx.x < N_HEADS;
+    const int kv_head = blockIdx.x - N_HEADS;
+    const float raw = is_query ? proj[blockIdx.x * 2 * HEAD_DIM + d] : proj[2 * Q_DIM + kv_head * HEAD_DIM + d];
+    const float inv = 1.f / sqrtf(block_sum(raw * raw, scratch) / HEAD_DIM + RMS_EPS);
+    x[d] = raw * inv * (is_query ? q_norm[d] : k_norm[d]);
+    __syncthreads();
+    float y = x[d];
+    constexpr int HALF = ROT_DIM / 2;
+    if (d < ROT_DIM) {
+        const int i = d % HALF;
+        float sn, cs;
+        sincosf((float)position * inv_freq[i], &sn, &cs);
+        y = d < HALF ? x[d] * cs - x[d + HALF] * sn : x[d] * cs + x[d - HALF] * sn;
+    }
+    if (is_query) {
+        q_out[blockIdx.x * HEAD_DIM + d] = y * (1.f / sqrtf((float)HEAD_DIM));
+    } else {
+        const size_t at = ((size_t)position * N_KV_HEADS + kv_head) * HEAD_DIM + d;
+        k_cache[at] = __float2bfloat16_rn(y);
+        v_cache[at] = __float2bfloat16_rn(proj[2 * Q_DIM + KV_DIM + kv_head * HEAD_DIM + d]);
+    }
+}
+
+// Grid (N_KV_HEADS, ATTN_SPLITS). Part `split` of the context [0, position] for the GQA query heads of a KV head:
+// writes the unnormalised output, the running max and the sum of exponentials per query head.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const int* position_ptr, const float* q,
+                                                                        const __nv_bfloat16* k_cache,
+                                                                        const __nv_bfloat16* v_cache,
+                                                                        float* part_o, float* part_ml) {
+    __shared__ __align__(16) float qs[HEAD_DIM][GQA];  // dims outer, heads inner: one 32-byte read per dim
+    __shared__ __align__(16) float p[ATTN_TILE][GQA];
+    __shared__ float tile_max[GQA], run_max[GQA], run_sum[GQA], rescale[GQA];
+    const int len = *position_ptr + 1;
+    const int chunk = attn_chunk(len);
+    const int kv_head = blockIdx.x, split = blockIdx.y;
+    const int start = split * chunk, end = min(len, start + chunk);
+    if (start >= end) return;
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    for (int i = t; i < HEAD_DIM * GQA; i += ATTN_THREADS) {
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        qs[d][h] = q[(kv_head * GQA + h) * HEAD_DIM + d];
+    }
+    if (t < GQA) run_max[t] = -INFINITY, run_sum[t] = 0.f;
+    float acc[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; h++) acc[h] = 0.f;
+    __syncthreads();
+
+    for (int tile = start; tile < end; tile += ATTN_TILE) {
+        // Scores: thread t takes position tile + t, all GQA heads.
+        const int pos = tile + t;
+        float s[GQA];
+#pragma unroll
+        for (int h = 0; h < GQA; h++) s[h] = 0.f;
+        if (pos < end) {
+            const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
+#pragma unroll 4
+            for (int c = 0; c < HEAD_DIM / 8; c++) {
+                const uint4 raw = krow[c];
+                const __nv_bfloat162* k2 = (const __nv_bfloat162*)&raw;
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 kf = __bfloat1622float2(k2[e]);
+                    const float4* qa = (const float4*)qs[8 * c + 2 * e];
+                    const float4* qb = (const float4*)qs[8 * c + 2 * e + 1];
+                    const float4 a0 = qa[0], a1 = qa[1], b0 = qb[0], b1 = qb[1];
+                    s[0] += kf.x * a0.x + kf.y * b0.x;
+                    s[1] += kf.x * a0.y + kf.y * b0.y;
+                    s[2] += kf.x * a0.z + kf.y * b0.z;
+                    s[3] += kf.x * a0.w + kf.y * b0.w;
+                    s[4] += kf.x * a1.x + kf.y * b1.x;
+                    s[5] += kf.x * a1.y + kf.y * b1.y;
+                    s[6] += kf.x * a1.z + kf.y * b1.z;
+                    s[7] += kf.x * a1.w + kf.y * b1.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < GQA; h++) p[t][h] = pos < end ? s[h] : -INFINITY;
+        __syncthreads();
+        // Warp h: the tile's max for head h, the new running max, and the rescale of what came before.
+        {
+            const int h = warp;
+            float m = -INFINITY;
+            for (int i = lane; i < ATTN_TILE; i += WARP) m = fmaxf(m, p[i][h]);
+            m = warp_max(m);
+            const float new_max = fmaxf(run_max[h], m);
+            float sum = 0.f;
+            for (int i = lane; i < ATTN_TILE; i += WARP) {
+                const float e = p[i][h] == -INFINITY ? 0.f : expf(p[i][h] - new_max);
+                p[i][h] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                const float r = run_max[h] == -INFINITY ? 0.f : expf(run_max[h] - new_max);
+                rescale[h] = r;
+                run_sum[h] = run_sum[h] * r + sum;
+                run_max[h] = new_max;
+                tile_max[h] = m;
+            }
+        }
+        __syncthreads();
+        // Values: thread t owns dimension t of the GQA heads' outputs.
+#pragma unroll
+        for (int h = 0; h < GQA; h++) acc[h] *= rescale[h];
+        const int n = min(ATTN_TILE, end - tile);
+        const __nv_bfloat16* vcol = v_cache + ((size_t)tile * N_KV_HEADS + kv_head) * HEAD_DIM + t;
+#pragma unroll 4
+        for (int i = 0; i < n; i++) {
+            const float vv = __bfloat162float(vcol[(size_t)i * N_KV_HEADS * HEAD_DIM]);
+            const float4 pa = *(const float4*)&p[i][0], pb = *(const float4*)&p[i][4];
+            acc[0] += pa.x * vv; acc[1] += pa.y * vv; acc[2] += pa.z * vv; acc[3] += pa.w * vv;
+            acc[4] += pb.x * vv; acc[5] += pb.y * vv; acc[6] += pb.z * vv; acc[7] += pb.w * vv;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < GQA; h++) {
+        const int qh = kv_head * GQA + h;
+        part_o[((size_t)qh * ATTN_SPLITS + split) * HEAD_DIM + t] = acc[h];
+    }
+    if (t < GQA) {
+        const int qh = kv_head * GQA + t;
+        part_ml[(qh * ATTN_SPLITS + split) * 2] = run_max[t];
+        part_ml[(qh * ATTN_SPLITS + split) * 2 + 1] = run_sum[t];
+    }
+}
+
+// One block per query head: merges the parts and applies the output gate, attn = o * sigmoid(gate).
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_merge(const int* position_ptr, const float* part_o,
+                                                                  const float* part_ml, const float* proj,
+                                                                  float* attn) {
+    const int len = *position_ptr + 1;
+    const int parts = (len + attn_chunk(len) - 1) / attn_chunk(len);
+    const int qh = blockIdx.x, d = threadIdx.x;
+    float mx = -INFINITY;
+    for (int s = 0; s < parts; s++) mx = fmaxf(mx, part_ml[(qh * ATTN_SPLITS + s) * 2]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < parts; s++) {
+        const float w = expf(part_ml[(qh * ATTN_SPLITS + s) * 2] - mx);
+        num += w * part_o[((size_t)qh * ATTN_SPLITS + s) * HEAD_DIM + d];
+        den += w * part_ml[(qh * ATTN_SPLITS + s) * 2 + 1];
+    }
+    const float gate = proj[qh * 2 * HEAD_DIM + HEAD_DIM + d];
+    attn[qh * HEAD_DIM + d] = num / den * sigmoidf_(gate);
+}

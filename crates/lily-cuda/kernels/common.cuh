@@ -1,0 +1,205 @@
+// Shared by every kernel file (prepended to each at compile time). The model's dimensions arrive as -D defines
+// from the Config (see kernels.rs), so the tiny and the full model run the same code.
+//
+// Quantized matrices: MLX's packed 4-bit (or 8-bit) rows, `cols * bits / 32` u32 words a row, low bits first;
+// beside them one bf16x2 (scale, bias) per group of 64 inputs, `[rows][cols / 64]` (repacked from MLX's two
+// arrays so one 4-byte load gives both).
+
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define GROUP 64
+#define WARP 32
+
+struct Q4 {
+    const u32* packed;
+    const __nv_bfloat162* scale_bias;
+};
+
+__device__ __forceinline__ uint4 load_stream(const u32* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < warps; w++) total += scratch[w];
+    return total;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// 2^23 + q as a float's bits, minus 2^23: a 4-bit integer to float in two integer/float ops, no conversion unit.
+__device__ __forceinline__ float nibble_to_float(u32 word, int shift) {
+    return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFu)) - 8388608.f;
+}
+__device__ __forceinline__ float byte_to_float(u32 word, int shift) {
+    return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFFu)) - 8388608.f;
+}
+
+// sum_i q_i x_i over the 32 4-bit values of one 16-byte load.
+__device__ __forceinline__ float dot_q4x32(uint4 w, const float (&x)[32]) {
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        a0 = fmaf(nibble_to_float(w.x, 4 * j), x[j], a0);
+        a1 = fmaf(nibble_to_float(w.y, 4 * j), x[8 + j], a1);
+        a2 = fmaf(nibble_to_float(w.z, 4 * j), x[16 + j], a2);
+        a3 = fmaf(nibble_to_float(w.w, 4 * j), x[24 + j], a3);
+    }
+    return (a0 + a1) + (a2 + a3);
+}
+
+// The input vector of a matrix-vector product lives in shared memory with the 32 floats of each 16-byte weight
+// load swizzled (element j of chunk u at 32u + (j ^ (u % 32))), so that lanes loading consecutive chunks into
+// registers hit 32 different banks.
+__device__ __forceinline__ int swz(int c) { return (c & ~31) | ((c & 31) ^ ((c >> 5) & 31)); }
+
+// One warp's share of 4-bit matrix rows: the warp reads the SEG inputs starting at `seg0` of rows `COLS` wide;
+// each row is read by LPR lanes, RPP rows a pass; a lane keeps its UPL chunks of 32 inputs in registers for
+// every row it reads.
+template <int SEG, int COLS>
+struct RowDot4 {
+    static constexpr int CHUNKS = SEG / 32;
+    static constexpr int LPR = CHUNKS < WARP ? CHUNKS : WARP;
+    static constexpr int RPP = WARP / LPR;
+    static constexpr int UPL = CHUNKS / LPR;
+    static_assert(SEG % GROUP == 0 && COLS % SEG == 0, "segments must be whole groups");
+    float x[UPL][32];
+    float xsum[UPL];
+    int sub;  // this lane's place among the LPR lanes of its row
+    int seg0;
+
+    __device__ __forceinline__ void load_x(const float* xs_swizzled, int seg_start) {
+        sub = (threadIdx.x % WARP) % LPR;
+        seg0 = seg_start;
+#pragma unroll
+        for (int k = 0; k < UPL; k++) {
+            const int u = seg0 / 32 + sub + LPR * k;
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < 32; j++) {
+                x[k][j] = xs_swizzled[32 * u + (j ^ (u & 31))];
+                s += x[k][j];
+            }
+            xsum[k] = s;
+        }
+    }
+    // The lane's row in the current pass, relative to the pass's first row.
+    __device__ __forceinline__ int row_in_pass() const { return (threadIdx.x % WARP) / LPR; }
+
+    __device__ __forceinline__ void load_row(Q4 m, int row, uint4 (&w)[UPL], __nv_bfloat162 (&sb)[UPL]) const {
+#pragma unroll
+        for (int k = 0; k < UPL; k++) {
+            const int u = seg0 / 32 + sub + LPR * k;
+            w[k] = load_stream(m.packed + (size_t)row * (COLS / 8) + 4 * u);
+            sb[k] = m.scale_bias[(size_t)row * (COLS / GROUP) + u / 2];
+        }
+    }
+    // This lane's part of the row's dot product; `reduce` sums the LPR parts.
+    __device__ __forceinline__ float partial(const uint4 (&w)[UPL], const __nv_bfloat162 (&sb)[UPL]) const {
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < UPL; k++) {
+            const float2 f = __bfloat1622float2(sb[k]);
+            acc += f.x * dot_q4x32(w[k], x[k]) + f.y * xsum[k];
+        }
+        return acc;
+    }
+    __device__ __forceinline__ static float reduce(float v) {
+#pragma unroll
+        for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    }
+};
+
+// Rows of a 4-bit matrix times the swizzled shared vector `xs` (COLS long), for blocks of MV_THREADS threads
+// that take tiles of ROWS_PER_BLOCK rows in turn (the input is prepared once per block, not once per tile).
+// Inputs wider than MV_SEG are split over several warps whose parts meet in shared memory. `store(row, value)` is
+// called once per row, by one thread.
+#define MV_THREADS 256
+#define MV_SEG 2048
+template <int COLS>
+struct Matvec {
+    static constexpr int NSEG = COLS > MV_SEG ? COLS / MV_SEG : 1;
+    static constexpr int SEG = COLS / NSEG;
+    typedef RowDot4<SEG, COLS> Dot;
+    static constexpr int PASSES = Dot::UPL >= 2 ? 2 : 4;
+    static constexpr int GROUPS = (MV_THREADS / WARP) / NSEG;
+    static constexpr int ROWS_PER_BLOCK = GROUPS * PASSES * Dot::RPP;
+    static_assert((MV_THREADS / WARP) % NSEG == 0, "segments must divide the warps");
+
+    template <typename Store>
+    __device__ __forceinline__ static void run(const float* xs, Q4 m, int rows, float* acc_smem, Store store) {
+        const int warp = threadIdx.x / WARP;
+        const int seg = warp % NSEG, group = warp / NSEG;
+        Dot d;
+        d.load_x(xs, seg * SEG);
+        const int base = group * PASSES * Dot::RPP;
+        for (int first_row = blockIdx.x * ROWS_PER_BLOCK; first_row < rows; first_row += gridDim.x * ROWS_PER_BLOCK) {
+            if (NSEG > 1) {
+                for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += blockDim.x) acc_smem[i] = 0.f;
+                __syncthreads();
+            }
+            uint4 w[PASSES][Dot::UPL];
+            __nv_bfloat162 sb[PASSES][Dot::UPL];
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int row = min(first_row + base + p * Dot::RPP + d.row_in_pass(), rows - 1);
+                d.load_row(m, row, w[p], sb[p]);
+            }
+#pragma unroll
+            for (int p = 0; p < PASSES; p++) {
+                const int local = base + p * Dot::RPP + d.row_in_pass();
+                const float v = Dot::reduce(d.partial(w[p], sb[p]));
+                if (d.sub == 0 && first_row + local < rows) {
+                    if (NSEG > 1) atomicAdd(&acc_smem[local], v);
+                    else store(first_row + local, v);
+                }
+            }
+            if (NSEG > 1) {
+                __syncthreads();
+                for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += blockDim.x)
+                    if (first_row + i < rows) store(first_row + i, acc_smem[i]);
+                __syncthreads();
+            }
+        }
+    }
+};
+
+// Writes `value(c)` for c < n into swizzled shared memory.
+#define STORE_SWIZZLED(xs, n, value_expr)                          \
+    for (int c = threadIdx.x; c < (n); c += blockDim.x) (xs)[swz(c)] = (value_expr);
+
+// Zero-centred RMSNorm scale factor of x[0..n) (block-wide; all threads get it).
+__device__ __forceinline__ float rms_inv(const float* x, int n, float* scratch) {
+    float s = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) s += x[c] * x[c];
+    s = block_sum(s, scratch);
+    return 1.f / sqrtf(s / n + RMS_EPS);
+}

@@ -1,0 +1,103 @@
+// One decode step of a Gated DeltaNet layer, fused: the causal conv update of the new q/k/v input, SiLU, the
+// l2-norms, the gates and the delta-rule update of the f32 state; writes the raw output o (the gated RMSNorm is
+// applied in front of the output projection, which needs the whole head).
+//
+// Grid (value heads, GDN_SPLIT): a block owns DV/GDN_SPLIT state columns of one value head (the columns of the
+// recurrence are independent). The conv keeps the last CONV_K inputs in a ring indexed by position % CONV_K, so
+// the slot written this step is one no block reads this step.
+
+#define GDN_SPLIT 4
+#define GDN_THREADS 256
+#define DK LIN_HEAD_DIM
+#define DV LIN_HEAD_DIM
+#define COLS_PER_BLOCK (DV / GDN_SPLIT)
+#define ROW_GROUPS (GDN_THREADS / COLS_PER_BLOCK)
+#define ROWS_PER_THREAD (DK / ROW_GROUPS)
+static_assert(2 * DK == GDN_THREADS, "one thread per q/k channel of the key head");
+static_assert(DK % ROW_GROUPS == 0, "state rows split evenly");
+
+__device__ __forceinline__ float conv_channel(const float* proj, const float* ring, const float* conv_w, int c,
+                                              int position) {
+    const float* w = conv_w + c * CONV_K;
+    float acc = w[CONV_K - 1] * proj[c];
+#pragma unroll
+    for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * ring[((position + 1 + j) % CONV_K) * LIN_CONV_DIM + c];
+    return siluf_(acc);
+}
+
+// proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)].
+extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_step(const int* position_ptr, const float* proj,
+                                                                   float* ring, const float* conv_w,
+                                                                   const float* a_log, const float* dt_bias,
+                                                                   float* state, float* core) {
+    __shared__ float q[DK], k[DK];
+    __shared__ float v[COLS_PER_BLOCK];
+    __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];
+    __shared__ float sums[2][WARP];
+    const int position = *position_ptr;
+    const int head = blockIdx.x, key_head = head / (LIN_V_HEADS / LIN_K_HEADS);
+    const int col0 = blockIdx.y * COLS_PER_BLOCK;
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    const bool owns_qk_ring = blockIdx.y == 0 && head % (LIN_V_HEADS / LIN_K_HEADS) == 0;
+
+    // q (threads 0..DK) and k (DK..2DK) of the key head, then their l2-norms (4 warps each).
+    const int c_qk = t < DK ? key_head * DK + t : LIN_K_DIM + key_head * DK + (t - DK);
+    float x = conv_channel(proj, ring, conv_w, c_qk, position);
+    const float sq = warp_sum(x * x);
+    if (lane == 0) sums[t / DK][warp % (DK / WARP)] = sq;
+    if (t < COLS_PER_BLOCK) {
+        const int c = 2 * LIN_K_DIM + head * DV + col0 + t;
+        v[t] = conv_channel(proj, ring, conv_w, c, position);
+    }
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < DK / WARP; i++) total += sums[t / DK][i];
+    x *= 1.f / sqrtf(total + 1e-6f);
+    if (t < DK) q[t] = x * (1.f / sqrtf((float)DK));
+    else k[t - DK] = x;
+    // The new inputs enter the ring; each channel is written by exactly one block.
+    const int slot = position % CONV_K;
+    if (owns_qk_ring) ring[slot * LIN_CONV_DIM + c_qk] = proj[c_qk];
+    if (t < COLS_PER_BLOCK) {
+        const int c = 2 * LIN_K_DIM + head * DV + col0 + t;
+        ring[slot * LIN_CONV_DIM + c] = proj[c];
+    }
+    const float beta = sigmoidf_(proj[LIN_CONV_DIM + LIN_V_DIM + head]);
+    const float g = -expf(a_log[head]) * softplusf_(proj[LIN_CONV_DIM + LIN_V_DIM + LIN_V_HEADS + head] + dt_bias[head]);
+    const float decay = expf(g);
+    __syncthreads();
+
+    // State columns col0 + j, rows i0 .. i0 + ROWS_PER_THREAD.
+    const int j = t % COLS_PER_BLOCK, group = t / COLS_PER_BLOCK, i0 = group * ROWS_PER_THREAD;
+    float* s = state + (size_t)head * DK * DV + col0 + j;
+    float col[ROWS_PER_THREAD];
+    float kv = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; r++) {
+        col[r] = s[(size_t)(i0 + r) * DV] * decay;
+        kv += col[r] * k[i0 + r];
+    }
+    red[group][j] = kv;
+    __syncthreads();
+    float kv_mem = 0.f;
+#pragma unroll
+    for (int gi = 0; gi < ROW_GROUPS; gi++) kv_mem += red[gi][j];
+    const float u = (v[j] - kv_mem) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; r++) {
+        col[r] += k[i0 + r] * u;
+        o += col[r] * q[i0 + r];
+        s[(size_t)(i0 + r) * DV] = col[r];
+    }
+    __syncthreads();
+    red[group][j] = o;
+    __syncthreads();
+    if (group == 0) {
+        float out = 0.f;
+#pragma unroll
+        for (int gi = 0; gi < ROW_GROUPS; gi++) out += red[gi][j];
+        core[head * DV + col0 + j] = out;
+    }
+}

@@ -1,0 +1,170 @@
+// The sparse MoE block: router (8-bit) and shared-expert gate in one launch; routing (softmax, top-k,
+// renormalise) recomputed by every block of the gate/up launch, which runs the gate and up projections of the
+// routed and the shared experts together; the down projections with the routing weights applied and the
+// residual add in a third launch. Chosen experts' weights are read in place from the stacked tensors.
+
+static_assert(SHARED_INTER == MOE_INTER, "the shared expert runs beside the routed ones");
+static_assert(HIDDEN <= MV_SEG, "gate/up keep the whole input in registers");
+#define SLOTS (TOP_K + 1)  // routed experts, then the shared expert
+
+// logits[e] = router[e] . rmsnorm(hidden) for e < NUM_EXPERTS, and logits[NUM_EXPERTS] = the shared expert's
+// gate; both 8-bit matrices, stacked.
+extern "C" __global__ void __launch_bounds__(MV_THREADS) router(const float* hidden, const float* norm, Q4 w,
+                                                                float* logits) {
+    __shared__ float xs[HIDDEN];
+    __shared__ float scratch[32];
+    const float inv = rms_inv(hidden, HIDDEN, scratch);
+    for (int c = threadIdx.x; c < HIDDEN; c += blockDim.x) xs[c] = hidden[c] * inv * norm[c];
+    __syncthreads();
+    const int lane = threadIdx.x % WARP;
+    const int row = blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP;
+    if (row > NUM_EXPERTS) return;
+    float acc = 0.f;
+    for (int u = lane; u < HIDDEN / 16; u += WARP) {
+        const uint4 q = load_stream(w.packed + (size_t)row * (HIDDEN / 4) + 4 * u);
+        const float2 f = __bfloat1622float2(w.scale_bias[(size_t)row * (HIDDEN / GROUP) + u / 4]);
+        const float* x = xs + 16 * u;
+        const u32 words[4] = {q.x, q.y, q.z, q.w};
+        float qx = 0.f, sx = 0.f;
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                qx = fmaf(byte_to_float(words[m], 8 * j), x[4 * m + j], qx);
+                sx += x[4 * m + j];
+            }
+        acc += f.x * qx + f.y * sx;
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) logits[row] = acc;
+}
+
+// Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.
+__device__ void route(const float* logits, int* ids, float* weights) {
+    constexpr int PER_LANE = (NUM_EXPERTS + WARP - 1) / WARP;
+    const int lane = threadIdx.x % WARP;
+    float v[PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const int e = lane + WARP * i;
+        v[i] = e < NUM_EXPERTS ? logits[e] : -INFINITY;
+        mx = fmaxf(mx, v[i]);
+    }
+    mx = warp_max(mx);
+    float denom = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++)
+        if (lane + WARP * i < NUM_EXPERTS) denom += expf(v[i] - mx);
+    denom = warp_sum(denom);
+    float chosen_sum = 0.f;
+    for (int slot = 0; slot < TOP_K; slot++) {
+        float best = -INFINITY;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const int e = lane + WARP * i;
+            if (e < NUM_EXPERTS && (v[i] > best || (v[i] == best && e < best_e))) best = v[i], best_e = e;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+        }
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + WARP * i == best_e) v[i] = -INFINITY;
+        const float p = expf(best - mx) / denom;
+        chosen_sum += p;
+        if (lane == 0) ids[slot] = best_e, weights[slot] = p;
+    }
+    __syncwarp();
+    if (lane < TOP_K) weights[lane] /= chosen_sum;
+    __syncwarp();
+}
+
+// act[slot][i] = silu(gate_e[i] . x) * (up_e[i] . x), x = rmsnorm(hidden), for the routed experts e and the shared
+// expert (slot TOP_K). Block 0 also publishes the routing: ids, weights and the shared expert's sigmoid gate.
+extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
+    const float* hidden, const float* norm, const float* logits, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
+    float* act, int* route_ids, float* route_w) {
+    typedef RowDot4<HIDDEN, HIDDEN> Dot;
+    constexpr int PASSES = Dot::UPL >= 2 ? 2 : 4;
+    constexpr int PAIRS_PER_BLOCK = (MV_THREADS / WARP) * PASSES * Dot::RPP;
+    __shared__ float xs[HIDDEN];
+    __shared__ float scratch[32];
+    __shared__ int ids[TOP_K];
+    __shared__ float weights[TOP_K];
+    if (threadIdx.x < WARP) route(logits, ids, weights);
+    const float inv = rms_inv(hidden, HIDDEN, scratch);
+    STORE_SWIZZLED(xs, HIDDEN, hidden[c] * inv * norm[c]);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < SLOTS) {
+        if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = weights[threadIdx.x];
+        else route_w[TOP_K] = sigmoidf_(logits[NUM_EXPERTS]);
+    }
+    Dot d;
+    d.load_x(xs, 0);
+    uint4 wg[PASSES][Dot::UPL], wu[PASSES][Dot::UPL];
+    __nv_bfloat162 sg[PASSES][Dot::UPL], su[PASSES][Dot::UPL];
+    const int base = blockIdx.x * PAIRS_PER_BLOCK + (threadIdx.x / WARP) * PASSES * Dot::RPP;
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int pair = min(base + p * Dot::RPP + d.row_in_pass(), SLOTS * MOE_INTER - 1);
+        const int slot = pair / MOE_INTER, i = pair % MOE_INTER;
+        if (slot < TOP_K) {
+            const int row = ids[slot] * MOE_INTER + i;
+            d.load_row(gate, row, wg[p], sg[p]);
+            d.load_row(up, row, wu[p], su[p]);
+        } else {
+            d.load_row(shared_gate, i, wg[p], sg[p]);
+            d.load_row(shared_up, i, wu[p], su[p]);
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < PASSES; p++) {
+        const int pair = base + p * Dot::RPP + d.row_in_pass();
+        const float g = Dot::reduce(d.partial(wg[p], sg[p]));
+        const float u = Dot::reduce(d.partial(wu[p], su[p]));
+        if (d.sub == 0 && pair < SLOTS * MOE_INTER) act[pair] = siluf_(g) * u;
+    }
+}
+
+// hidden[r] += sum_slot weight_slot * (down_e[r] . act[slot]): one warp per slot, DOWN_ROWS rows per block.
+#define DOWN_PASSES 8
+extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const float* act, const int* route_ids,
+                                                                       const float* route_w, Q4 down,
+                                                                       Q4 shared_down, float* hidden) {
+    typedef RowDot4<MOE_INTER, MOE_INTER> Dot;
+    constexpr int ROWS = DOWN_PASSES * Dot::RPP;
+    __shared__ float xs[SLOTS][MOE_INTER];
+    __shared__ float part[SLOTS][ROWS];
+    const int slot = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    for (int c = lane; c < MOE_INTER; c += WARP) xs[slot][swz(c)] = act[slot * MOE_INTER + c];
+    __syncwarp();
+    Dot d;
+    d.load_x(xs[slot], 0);
+    const Q4 m = slot < TOP_K ? down : shared_down;
+    const int row0 = slot < TOP_K ? route_ids[slot] * HIDDEN : 0;
+    const float weight = route_w[slot];
+    uint4 w[DOWN_PASSES][Dot::UPL];
+    __nv_bfloat162 sb[DOWN_PASSES][Dot::UPL];
+    const int first = blockIdx.x * ROWS;
+#pragma unroll
+    for (int p = 0; p < DOWN_PASSES; p++)
+        d.load_row(m, row0 + min(first + p * Dot::RPP + d.row_in_pass(), HIDDEN - 1), w[p], sb[p]);
+#pragma unroll
+    for (int p = 0; p < DOWN_PASSES; p++) {
+        const float v = Dot::reduce(d.partial(w[p], sb[p]));
+        if (d.sub == 0) part[slot][p * Dot::RPP + d.row_in_pass()] = weight * v;
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < ROWS; r += blockDim.x) {
+        if (first + r >= HIDDEN) continue;
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < SLOTS; k++) s += part[k][r];
+        hidden[first + r] += s;
+    }
+}
