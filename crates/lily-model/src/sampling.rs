@@ -71,6 +71,10 @@ impl Sampler {
         Sampler { params, rng, candidates: Vec::new() }
     }
 
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k == 1 {

@@ -313,3 +313,25 @@ mod tests {
         assert!((18.5..20.5).contains(&gb), "{gb} GB");
     }
 }
+
+#[cfg(test)]
+mod depth_tests {
+    use super::*;
+    use crate::cpu::CpuModel;
+    use crate::weights::Weights;
+
+    /// The real depth (40 layers) at the tiny width: activations and logits stay finite and of sane size.
+    #[test]
+    fn activations_stay_finite_through_forty_layers() {
+        let mut config = Config::tiny_shape();
+        config.num_hidden_layers = 40;
+        config.layer_types = Config::full_shape().layer_types;
+        config.quantization = Config::from_json(&config.to_mlx_json()).unwrap().quantization;
+        let ckpt = checkpoint_in_memory(&config, 9).unwrap();
+        let model = CpuModel::new(Weights::from_checkpoint(config, &ckpt).unwrap());
+        let tokens: Vec<u32> = (0..150).map(|i| (i * 7717 + 11) % 200_000).collect();
+        let logits = model.prefill_all_logits(&mut model.new_state(150), &tokens).unwrap();
+        let max = logits.iter().fold(0.0f32, |m, l| m.max(l.abs()));
+        assert!(logits.iter().all(|l| l.is_finite()) && max < 200.0, "max |logit| {max}");
+    }
+}

@@ -25,6 +25,9 @@ pub enum ForwardError {
     BadToken(u32),
     #[error("empty prompt")]
     EmptyPrompt,
+    /// A compute device failed (a GPU backend's driver error).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// One sequence's state: KV cache of the full-attention layers, conv and recurrent state of the DeltaNet layers.
