@@ -116,6 +116,7 @@ impl<'a> QView<'a> {
     }
 
     /// Writes row `r` dequantized into `out` (f32, exact: bf16 scale and bias times a small integer).
+    #[inline(always)]
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let wpr = words_per_row(self.cols, self.bits);
         let groups = self.cols / GROUP_SIZE;
@@ -134,7 +135,7 @@ impl<'a> QView<'a> {
     }
 
     /// Dot product of row `r` with `x`, given `x_group_sums[g]` = sum of x over group g.
-    #[inline]
+    #[inline(always)]
     pub fn dot_row(&self, r: usize, x: &[f32], x_group_sums: &[f32]) -> f32 {
         let wpr = words_per_row(self.cols, self.bits);
         let groups = self.cols / GROUP_SIZE;
