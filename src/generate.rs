@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use lily_model::cpu::CpuModel;
 use lily_model::sampling::{Sampler, SamplingParams};
-use lily_model::{default_model, Backend, CpuBackend, Weights};
+use lily_model::{default_model, Weights};
 
 #[derive(Args)]
 pub struct ModelArgs {
@@ -42,6 +42,22 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Where to run: CUDA where a GPU is usable (auto), or the one named.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: lily_cuda::cli::Device,
+    /// Treat --prompt as a user message: render it with the model's chat template and print only the answer on
+    /// stdout (the reasoning goes to stderr).
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: turn thinking off (the template's enable_thinking=false).
+    #[arg(long, requires = "chat")]
+    no_think: bool,
+    /// With --chat: a system prompt.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// With --chat: drop the reasoning instead of printing it on stderr.
+    #[arg(long, requires = "chat")]
+    hide_reasoning: bool,
 }
 
 pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
@@ -68,8 +84,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         seed: args.seed,
     };
     params.validate()?;
+    if args.chat {
+        return run_chat(&args, &dir, params);
+    }
     let tokenizer = std::sync::Arc::new(lily_chat::Tokenizer::from_dir(&dir)?);
-    let model = load_model(&dir)?;
     let prompt = tokenizer.encode(&args.prompt, false)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -82,7 +100,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             args.context
         );
     }
-    let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(model, args.context));
+    let mut backend = lily_cuda::cli::backend(args.device, &dir, args.context, || load_model(&dir))?;
     let mut sampler = Sampler::new(params);
     let eos = backend.config().eos_token_ids.clone();
 
@@ -123,3 +141,67 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// `generate --chat`: one user message through the chat template; the answer on stdout, the reasoning on stderr.
+fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<()> {
+    let tokenizer = std::sync::Arc::new(lily_chat::Tokenizer::from_dir(dir)?);
+    let template = lily_chat::ChatTemplate::from_dir(dir)?;
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(serde_json::json!({"role": "system", "content": system}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
+    let prompt_text = crate::chat::render_prompt(&template, messages, !args.no_think)?;
+    let prompt_tokens = tokenizer.encode(&prompt_text, false)?.len();
+    if prompt_tokens + args.max_tokens > args.context {
+        bail!(
+            "prompt ({prompt_tokens} tokens) + --max-tokens ({}) exceeds --context ({})",
+            args.max_tokens,
+            args.context
+        );
+    }
+    let mut backend = lily_cuda::cli::backend(args.device, dir, args.context, || load_model(dir))?;
+    let mut sampler = Sampler::new(params);
+    let eos = if args.ignore_eos { Vec::new() } else { backend.config().eos_token_ids.clone() };
+
+    let mut stdout = std::io::stdout().lock();
+    let mut stderr = std::io::stderr().lock();
+    let mut wrote_reasoning = false;
+    let mut wrote_content = false;
+    let turn = crate::chat::generate_turn(
+        backend.as_mut(),
+        &mut sampler,
+        &tokenizer,
+        &prompt_text,
+        lily_chat::OutputOptions { eos_token_ids: eos, max_tokens: Some(args.max_tokens), ..Default::default() },
+        None,
+        |delta| {
+            match delta {
+                lily_chat::Delta::Reasoning(text) if !args.hide_reasoning => {
+                    let text = if wrote_reasoning { text.as_str() } else { text.trim_start() };
+                    wrote_reasoning |= !text.is_empty();
+                    write!(stderr, "{text}")?;
+                    stderr.flush()?;
+                }
+                lily_chat::Delta::Content(text) => {
+                    let text = if wrote_content { text.as_str() } else { text.trim_start() };
+                    wrote_content |= !text.is_empty();
+                    write!(stdout, "{text}")?;
+                    stdout.flush()?;
+                }
+                _ => {}
+            }
+            Ok(())
+        },
+    )?;
+    if wrote_reasoning {
+        writeln!(stderr)?;
+    }
+    if turn.unclosed_think {
+        // The model answered where it was expected to think and never closed the block: that text is the answer.
+        write!(stdout, "{}", turn.answer().1)?;
+    }
+    writeln!(stdout)?;
+    stdout.flush()?;
+    eprintln!("{}", turn.stats_line());
+    Ok(())
+}

@@ -4,7 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod chat;
 mod generate;
+mod inspect;
 mod synth_cmd;
 
 #[derive(Parser)]
@@ -20,6 +22,19 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Write a synthetic checkpoint (random weights, MLX 4-bit layout) at a tiny or the full shape.
     Synth(synth_cmd::SynthArgs),
+    /// Chat with the model in the terminal: multi-turn, streaming, thinking shown apart from the answer.
+    Chat(chat::ChatArgs),
+    /// Print the token ids of a text as a JSON list (--decode: the text of token ids).
+    Tokenize(inspect::TokenizeArgs),
+    /// Print the exact prompt the chat template makes of an OpenAI-style {"messages", "tools"} request body.
+    Render(inspect::RenderArgs),
+    /// Check every CUDA kernel and the whole GPU model against the CPU backend (needs a GPU, except
+    /// --compile-only).
+    Selftest(lily_cuda::cli::SelftestArgs),
+    /// Measure GPU decode and prompt speed, llama-bench style.
+    Bench(lily_cuda::cli::BenchArgs),
+    /// Serve the OpenAI-compatible HTTP API (chat, completions, models, tokenize, metrics).
+    Serve(lily_server::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -31,6 +46,12 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Synth(args) => synth_cmd::run(args),
+        Command::Chat(args) => chat::run(args),
+        Command::Tokenize(args) => inspect::run_tokenize(args),
+        Command::Render(args) => inspect::run_render(args),
+        Command::Selftest(args) => lily_cuda::cli::selftest(args),
+        Command::Bench(args) => lily_cuda::cli::bench(args),
+        Command::Serve(args) => lily_server::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

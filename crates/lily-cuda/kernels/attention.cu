@@ -23,7 +23,7 @@ __device__ __forceinline__ int attn_chunk(int len) {
 extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* position_ptr, const float* proj,
                                                                  const float* q_norm, const float* k_norm,
                                                                  const float* inv_freq, float* q_out,
-                                                                 __nv_bfloat16* k_cache, __nv_bfloat16* v_cache) {
+                                                                 bf16* k_cache, bf16* v_cache) {
     __shared__ float x[HEAD_DIM];
     __shared__ float scratch[32];
     const int position = *position_ptr;
@@ -46,31 +46,34 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
         q_out[blockIdx.x * HEAD_DIM + d] = y * (1.f / sqrtf((float)HEAD_DIM));
     } else {
         const size_t at = ((size_t)position * N_KV_HEADS + kv_head) * HEAD_DIM + d;
-        k_cache[at] = __float2bfloat16_rn(y);
-        v_cache[at] = __float2bfloat16_rn(proj[2 * Q_DIM + KV_DIM + kv_head * HEAD_DIM + d]);
+        k_cache[at] = float_to_bf16(y);
+        v_cache[at] = float_to_bf16(proj[2 * Q_DIM + KV_DIM + kv_head * HEAD_DIM + d]);
     }
 }
 
 // Grid (N_KV_HEADS, ATTN_SPLITS). Part `split` of the context [0, position] for the GQA query heads of a KV head:
 // writes the unnormalised output, the running max and the sum of exponentials per query head.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const int* position_ptr, const float* q,
-                                                                        const __nv_bfloat16* k_cache,
-                                                                        const __nv_bfloat16* v_cache,
+                                                                        const bf16* k_cache,
+                                                                        const bf16* v_cache,
                                                                         float* part_o, float* part_ml) {
     __shared__ __align__(16) float qs[HEAD_DIM][GQA];  // dims outer, heads inner: one 32-byte read per dim
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
-    __shared__ float tile_max[GQA], run_max[GQA], run_sum[GQA], rescale[GQA];
+    __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
     const int len = *position_ptr + 1;
     const int chunk = attn_chunk(len);
     const int kv_head = blockIdx.x, split = blockIdx.y;
     const int start = split * chunk, end = min(len, start + chunk);
     if (start >= end) return;
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
-    for (int i = t; i < HEAD_DIM * GQA; i += ATTN_THREADS) {
-        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-        qs[d][h] = q[(kv_head * GQA + h) * HEAD_DIM + d];
+    {
+        float qv[GQA];  // thread t loads dimension t of each head: all loads in flight at once
+#pragma unroll
+        for (int h = 0; h < GQA; h++) qv[h] = q[(kv_head * GQA + h) * HEAD_DIM + t];
+#pragma unroll
+        for (int h = 0; h < GQA; h++) qs[t][h] = qv[h];
     }
-    if (t < GQA) run_max[t] = -INFINITY, run_sum[t] = 0.f;
+    if (t < GQA) run_max[t] = -INF_F, run_sum[t] = 0.f;
     float acc[GQA];
 #pragma unroll
     for (int h = 0; h < GQA; h++) acc[h] = 0.f;
@@ -84,13 +87,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
         for (int h = 0; h < GQA; h++) s[h] = 0.f;
         if (pos < end) {
             const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
-#pragma unroll 4
+#pragma unroll 8
             for (int c = 0; c < HEAD_DIM / 8; c++) {
                 const uint4 raw = krow[c];
-                const __nv_bfloat162* k2 = (const __nv_bfloat162*)&raw;
+                const u32 k2[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const float2 kf = __bfloat1622float2(k2[e]);
+                    const float2 kf = pair_to_float2(k2[e]);  // dims 8c+2e (low) and 8c+2e+1 (high)
                     const float4* qa = (const float4*)qs[8 * c + 2 * e];
                     const float4* qb = (const float4*)qs[8 * c + 2 * e + 1];
                     const float4 a0 = qa[0], a1 = qa[1], b0 = qb[0], b1 = qb[1];
@@ -106,29 +109,28 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
             }
         }
 #pragma unroll
-        for (int h = 0; h < GQA; h++) p[t][h] = pos < end ? s[h] : -INFINITY;
+        for (int h = 0; h < GQA; h++) p[t][h] = pos < end ? s[h] : -INF_F;
         __syncthreads();
         // Warp h: the tile's max for head h, the new running max, and the rescale of what came before.
         {
             const int h = warp;
-            float m = -INFINITY;
+            float m = -INF_F;
             for (int i = lane; i < ATTN_TILE; i += WARP) m = fmaxf(m, p[i][h]);
             m = warp_max(m);
             const float new_max = fmaxf(run_max[h], m);
             float sum = 0.f;
             for (int i = lane; i < ATTN_TILE; i += WARP) {
-                const float e = p[i][h] == -INFINITY ? 0.f : expf(p[i][h] - new_max);
+                const float e = p[i][h] == -INF_F ? 0.f : expf(p[i][h] - new_max);
                 p[i][h] = e;
                 sum += e;
             }
             sum = warp_sum(sum);
             __syncwarp();
             if (lane == 0) {
-                const float r = run_max[h] == -INFINITY ? 0.f : expf(run_max[h] - new_max);
+                const float r = run_max[h] == -INF_F ? 0.f : expf(run_max[h] - new_max);
                 rescale[h] = r;
                 run_sum[h] = run_sum[h] * r + sum;
                 run_max[h] = new_max;
-                tile_max[h] = m;
             }
         }
         __syncthreads();
@@ -136,10 +138,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
 #pragma unroll
         for (int h = 0; h < GQA; h++) acc[h] *= rescale[h];
         const int n = min(ATTN_TILE, end - tile);
-        const __nv_bfloat16* vcol = v_cache + ((size_t)tile * N_KV_HEADS + kv_head) * HEAD_DIM + t;
+        const bf16* vcol = v_cache + ((size_t)tile * N_KV_HEADS + kv_head) * HEAD_DIM + t;
 #pragma unroll 4
         for (int i = 0; i < n; i++) {
-            const float vv = __bfloat162float(vcol[(size_t)i * N_KV_HEADS * HEAD_DIM]);
+            const float vv = bf16_to_float(vcol[(size_t)i * N_KV_HEADS * HEAD_DIM]);
             const float4 pa = *(const float4*)&p[i][0], pb = *(const float4*)&p[i][4];
             acc[0] += pa.x * vv; acc[1] += pa.y * vv; acc[2] += pa.z * vv; acc[3] += pa.w * vv;
             acc[4] += pb.x * vv; acc[5] += pb.y * vv; acc[6] += pb.z * vv; acc[7] += pb.w * vv;
@@ -165,9 +167,11 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_merge(const int* pos
     const int len = *position_ptr + 1;
     const int parts = (len + attn_chunk(len) - 1) / attn_chunk(len);
     const int qh = blockIdx.x, d = threadIdx.x;
-    float mx = -INFINITY;
+    float mx = -INF_F;
+#pragma unroll 8
     for (int s = 0; s < parts; s++) mx = fmaxf(mx, part_ml[(qh * ATTN_SPLITS + s) * 2]);
     float num = 0.f, den = 0.f;
+#pragma unroll 8
     for (int s = 0; s < parts; s++) {
         const float w = expf(part_ml[(qh * ATTN_SPLITS + s) * 2] - mx);
         num += w * part_o[((size_t)qh * ATTN_SPLITS + s) * HEAD_DIM + d];

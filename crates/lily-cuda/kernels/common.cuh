@@ -5,17 +5,30 @@
 // beside them one bf16x2 (scale, bias) per group of 64 inputs, `[rows][cols / 64]` (repacked from MLX's two
 // arrays so one 4-byte load gives both).
 
-#include <cuda_bf16.h>
-
 typedef unsigned int u32;
 typedef unsigned long long u64;
+// bf16 as raw bits: NVRTC's own headers are all the kernels rely on, so CI compiles them with NVRTC alone.
+typedef unsigned short bf16;
+#define INF_F __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf16_to_float(bf16 h) { return __uint_as_float((u32)h << 16); }
+// Round to nearest even, as half::bf16::from_f32.
+__device__ __forceinline__ bf16 float_to_bf16(float f) {
+    const u32 b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16)((b >> 16) | 0x40u);
+    return (bf16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+// A (scale, bias) pair: scale in the low half (the lower address), bias in the high half.
+__device__ __forceinline__ float2 pair_to_float2(u32 p) {
+    return make_float2(__uint_as_float(p << 16), __uint_as_float(p & 0xffff0000u));
+}
 
 #define GROUP 64
 #define WARP 32
 
 struct Q4 {
     const u32* packed;
-    const __nv_bfloat162* scale_bias;
+    const u32* scale_bias;
 };
 
 __device__ __forceinline__ uint4 load_stream(const u32* p) {
@@ -62,15 +75,22 @@ __device__ __forceinline__ float byte_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFFu)) - 8388608.f;
 }
 
-// sum_i q_i x_i over the 32 4-bit values of one 16-byte load.
-__device__ __forceinline__ float dot_q4x32(uint4 w, const float (&x)[32]) {
+// 1 + q/16 for the 4-bit value q at bits 4j..4j+3: the nibble moved under the exponent of 1.0 (mantissa bits
+// 19..22), a shift and a mask-or, so a weight costs one FMA more instead of a conversion.
+__device__ __forceinline__ float nibble_one_plus(u32 word, int j) {
+    const u32 at19 = 4 * j <= 19 ? word << (19 - 4 * j) : word >> (4 * j - 19);
+    return __uint_as_float((at19 & 0x00780000u) | 0x3F800000u);
+}
+
+// sum_i (1 + q_i/16) x_i over the 32 4-bit values of one 16-byte load; sum_i q_i x_i = 16 (that - sum_i x_i).
+__device__ __forceinline__ float dot_q4x32_one_plus(uint4 w, const float (&x)[32]) {
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        a0 = fmaf(nibble_to_float(w.x, 4 * j), x[j], a0);
-        a1 = fmaf(nibble_to_float(w.y, 4 * j), x[8 + j], a1);
-        a2 = fmaf(nibble_to_float(w.z, 4 * j), x[16 + j], a2);
-        a3 = fmaf(nibble_to_float(w.w, 4 * j), x[24 + j], a3);
+        a0 = fmaf(nibble_one_plus(w.x, j), x[j], a0);
+        a1 = fmaf(nibble_one_plus(w.y, j), x[8 + j], a1);
+        a2 = fmaf(nibble_one_plus(w.z, j), x[16 + j], a2);
+        a3 = fmaf(nibble_one_plus(w.w, j), x[24 + j], a3);
     }
     return (a0 + a1) + (a2 + a3);
 }
@@ -95,9 +115,11 @@ struct RowDot4 {
     int sub;  // this lane's place among the LPR lanes of its row
     int seg0;
 
-    __device__ __forceinline__ void load_x(const float* xs_swizzled, int seg_start) {
+    __device__ __forceinline__ void init(int seg_start) {
         sub = (threadIdx.x % WARP) % LPR;
         seg0 = seg_start;
+    }
+    __device__ __forceinline__ void load_x(const float* xs_swizzled) {
 #pragma unroll
         for (int k = 0; k < UPL; k++) {
             const int u = seg0 / 32 + sub + LPR * k;
@@ -113,7 +135,7 @@ struct RowDot4 {
     // The lane's row in the current pass, relative to the pass's first row.
     __device__ __forceinline__ int row_in_pass() const { return (threadIdx.x % WARP) / LPR; }
 
-    __device__ __forceinline__ void load_row(Q4 m, int row, uint4 (&w)[UPL], __nv_bfloat162 (&sb)[UPL]) const {
+    __device__ __forceinline__ void load_row(Q4 m, int row, uint4 (&w)[UPL], u32 (&sb)[UPL]) const {
 #pragma unroll
         for (int k = 0; k < UPL; k++) {
             const int u = seg0 / 32 + sub + LPR * k;
@@ -122,12 +144,12 @@ struct RowDot4 {
         }
     }
     // This lane's part of the row's dot product; `reduce` sums the LPR parts.
-    __device__ __forceinline__ float partial(const uint4 (&w)[UPL], const __nv_bfloat162 (&sb)[UPL]) const {
+    __device__ __forceinline__ float partial(const uint4 (&w)[UPL], const u32 (&sb)[UPL]) const {
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < UPL; k++) {
-            const float2 f = __bfloat1622float2(sb[k]);
-            acc += f.x * dot_q4x32(w[k], x[k]) + f.y * xsum[k];
+            const float2 f = pair_to_float2(sb[k]);
+            acc += f.x * 16.f * (dot_q4x32_one_plus(w[k], x[k]) - xsum[k]) + f.y * xsum[k];
         }
         return acc;
     }
@@ -154,24 +176,34 @@ struct Matvec {
     static constexpr int ROWS_PER_BLOCK = GROUPS * PASSES * Dot::RPP;
     static_assert((MV_THREADS / WARP) % NSEG == 0, "segments must divide the warps");
 
-    template <typename Store>
-    __device__ __forceinline__ static void run(const float* xs, Q4 m, int rows, float* acc_smem, Store store) {
+    // `prologue()` fills `xs` (ending with a barrier); it runs after the first tile's weights are requested, so
+    // their latency overlaps it.
+    template <typename Prologue, typename Store>
+    __device__ __forceinline__ static void run(const float* xs, Q4 m, int rows, float* acc_smem, Prologue prologue,
+                                               Store store) {
         const int warp = threadIdx.x / WARP;
         const int seg = warp % NSEG, group = warp / NSEG;
         Dot d;
-        d.load_x(xs, seg * SEG);
+        d.init(seg * SEG);
         const int base = group * PASSES * Dot::RPP;
-        for (int first_row = blockIdx.x * ROWS_PER_BLOCK; first_row < rows; first_row += gridDim.x * ROWS_PER_BLOCK) {
-            if (NSEG > 1) {
-                for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += blockDim.x) acc_smem[i] = 0.f;
-                __syncthreads();
-            }
-            uint4 w[PASSES][Dot::UPL];
-            __nv_bfloat162 sb[PASSES][Dot::UPL];
+        uint4 w[PASSES][Dot::UPL];
+        u32 sb[PASSES][Dot::UPL];
+        auto load_tile = [&](int first_row) {
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
                 const int row = min(first_row + base + p * Dot::RPP + d.row_in_pass(), rows - 1);
                 d.load_row(m, row, w[p], sb[p]);
+            }
+        };
+        int first_row = blockIdx.x * ROWS_PER_BLOCK;
+        if (first_row < rows) load_tile(first_row);
+        prologue();
+        d.load_x(xs);
+        for (; first_row < rows; first_row += gridDim.x * ROWS_PER_BLOCK) {
+            if (first_row != blockIdx.x * ROWS_PER_BLOCK) load_tile(first_row);
+            if (NSEG > 1) {
+                for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += blockDim.x) acc_smem[i] = 0.f;
+                __syncthreads();
             }
 #pragma unroll
             for (int p = 0; p < PASSES; p++) {
@@ -192,14 +224,46 @@ struct Matvec {
     }
 };
 
-// Writes `value(c)` for c < n into swizzled shared memory.
-#define STORE_SWIZZLED(xs, n, value_expr)                          \
-    for (int c = threadIdx.x; c < (n); c += blockDim.x) (xs)[swz(c)] = (value_expr);
+// The prologues below issue every global load before the first use: a loop that loads, uses and stores one
+// element at a time waits out the cache latency once per element.
 
-// Zero-centred RMSNorm scale factor of x[0..n) (block-wide; all threads get it).
-__device__ __forceinline__ float rms_inv(const float* x, int n, float* scratch) {
+// xs = hidden * rsqrt(mean(hidden^2) + eps) * norm (zero-centred RMSNorm, scale stored as 1 + w), written
+// swizzled (or plain) into shared memory by a block of THREADS threads. Ends with a barrier.
+template <int N, int THREADS, bool SWIZZLE>
+__device__ __forceinline__ void rmsnorm_to_shared(const float* hidden, const float* norm, float* xs, float* scratch) {
+    constexpr int PER = (N + THREADS - 1) / THREADS;
+    float h[PER], w[PER];
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int c = threadIdx.x + i * THREADS;
+        h[i] = c < N ? hidden[c] : 0.f;
+        w[i] = c < N ? norm[c] : 0.f;
+    }
     float s = 0.f;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) s += x[c] * x[c];
-    s = block_sum(s, scratch);
-    return 1.f / sqrtf(s / n + RMS_EPS);
+#pragma unroll
+    for (int i = 0; i < PER; i++) s += h[i] * h[i];
+    const float inv = 1.f / sqrtf(block_sum(s, scratch) / N + RMS_EPS);
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int c = threadIdx.x + i * THREADS;
+        if (c < N) xs[SWIZZLE ? swz(c) : c] = h[i] * inv * w[i];
+    }
+    __syncthreads();
+}
+
+// xs[swz(c)] = src[c] for c < N, by the THREADS threads numbered `index` (a block, or a warp's lanes).
+template <int N, int THREADS>
+__device__ __forceinline__ void copy_to_shared_swizzled(const float* src, float* xs, int index) {
+    constexpr int PER = (N + THREADS - 1) / THREADS;
+    float v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int c = index + i * THREADS;
+        v[i] = c < N ? src[c] : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int c = index + i * THREADS;
+        if (c < N) xs[swz(c)] = v[i];
+    }
 }

@@ -6,7 +6,7 @@ extern "C" __global__ void embed(const int* position, const int* tokens, Q4 tabl
     const int token = tokens[*position];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < HIDDEN; c += gridDim.x * blockDim.x) {
         const u32 word = table.packed[(size_t)token * (HIDDEN / 8) + c / 8];
-        const float2 f = __bfloat1622float2(table.scale_bias[(size_t)token * (HIDDEN / GROUP) + c / GROUP]);
+        const float2 f = pair_to_float2(table.scale_bias[(size_t)token * (HIDDEN / GROUP) + c / GROUP]);
         hidden[c] = f.x * nibble_to_float(word, 4 * (c % 8)) + f.y;
     }
 }
@@ -18,10 +18,8 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) proj_normed(const float
     __shared__ float xs[HIDDEN];
     __shared__ float acc[M::ROWS_PER_BLOCK];
     __shared__ float scratch[32];
-    const float inv = rms_inv(hidden, HIDDEN, scratch);
-    STORE_SWIZZLED(xs, HIDDEN, hidden[c] * inv * norm[c]);
-    __syncthreads();
-    M::run(xs, w, rows, acc, [&](int r, float v) { out[r] = v; });
+    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS, true>(hidden, norm, xs, scratch); };
+    M::run(xs, w, rows, acc, prologue, [&](int r, float v) { out[r] = v; });
 }
 
 // hidden[r] += W[r] . gated_norm(core, z): the Gated DeltaNet's output projection. Per value head,
@@ -31,19 +29,41 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_gdn(const floa
     typedef Matvec<LIN_V_DIM> M;
     __shared__ float xs[LIN_V_DIM];
     __shared__ float acc[M::ROWS_PER_BLOCK];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    for (int head = warp; head < LIN_V_HEADS; head += MV_THREADS / WARP) {
-        const float* o = core + head * LIN_HEAD_DIM;
-        float s = 0.f;
-        for (int d = lane; d < LIN_HEAD_DIM; d += WARP) s += o[d] * o[d];
-        const float inv = 1.f / sqrtf(warp_sum(s) / LIN_HEAD_DIM + RMS_EPS);
-        for (int d = lane; d < LIN_HEAD_DIM; d += WARP) {
-            const int c = head * LIN_HEAD_DIM + d;
-            xs[swz(c)] = o[d] * (inv * norm_w[d]) * siluf_(z[c]);
+    auto prologue = [&]() {
+        constexpr int WARPS = MV_THREADS / WARP;
+        constexpr int HEADS = (LIN_V_HEADS + WARPS - 1) / WARPS, PER = LIN_HEAD_DIM / WARP;
+        const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+        float o[HEADS][PER], zv[HEADS][PER], nw[PER];
+#pragma unroll
+        for (int i = 0; i < PER; i++) nw[i] = norm_w[lane + i * WARP];
+#pragma unroll
+        for (int k = 0; k < HEADS; k++) {
+            const int head = min(warp + k * WARPS, LIN_V_HEADS - 1);
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                const int c = head * LIN_HEAD_DIM + lane + i * WARP;
+                o[k][i] = core[c];
+                zv[k][i] = z[c];
+            }
         }
-    }
-    __syncthreads();
-    M::run(xs, w, HIDDEN, acc, [&](int r, float v) { hidden[r] += v; });
+#pragma unroll
+        for (int k = 0; k < HEADS; k++) {
+            const int head = warp + k * WARPS;
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < PER; i++) s += o[k][i] * o[k][i];
+            const float inv = 1.f / sqrtf(warp_sum(s) / LIN_HEAD_DIM + RMS_EPS);
+            if (head < LIN_V_HEADS) {
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int c = head * LIN_HEAD_DIM + lane + i * WARP;
+                    xs[swz(c)] = o[k][i] * (inv * nw[i]) * siluf_(zv[k][i]);
+                }
+            }
+        }
+        __syncthreads();
+    };
+    M::run(xs, w, HIDDEN, acc, prologue, [&](int r, float v) { hidden[r] += v; });
 }
 
 // hidden[r] += W[r] . attn: the full attention's output projection (attn already gated).
@@ -51,12 +71,16 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_attn(const flo
     typedef Matvec<Q_DIM> M;
     __shared__ float xs[Q_DIM];
     __shared__ float acc[M::ROWS_PER_BLOCK];
-    STORE_SWIZZLED(xs, Q_DIM, attn[c]);
-    __syncthreads();
-    M::run(xs, w, HIDDEN, acc, [&](int r, float v) { hidden[r] += v; });
+    auto prologue = [&]() {
+        copy_to_shared_swizzled<Q_DIM, MV_THREADS>(attn, xs, threadIdx.x);
+        __syncthreads();
+    };
+    M::run(xs, w, HIDDEN, acc, prologue, [&](int r, float v) { hidden[r] += v; });
 }
 
-extern "C" __global__ void advance_position(int* position) { *position += 1; }
+extern "C" __global__ void advance_position(int* position) {
+    *position += 1;
+}
 
 // Rows a block of each matrix-vector kernel takes at once; the host sizes grids with them.
 extern "C" __device__ const int rows_per_block_hidden = Matvec<HIDDEN>::ROWS_PER_BLOCK;

@@ -4,25 +4,36 @@
 // residual add in a third launch. Chosen experts' weights are read in place from the stacked tensors.
 
 static_assert(SHARED_INTER == MOE_INTER, "the shared expert runs beside the routed ones");
-static_assert(HIDDEN <= MV_SEG, "gate/up keep the whole input in registers");
+static_assert(HIDDEN <= 2048, "gate/up keep the whole input (64 floats a lane) in registers");
 #define SLOTS (TOP_K + 1)  // routed experts, then the shared expert
 
 // logits[e] = router[e] . rmsnorm(hidden) for e < NUM_EXPERTS, and logits[NUM_EXPERTS] = the shared expert's
 // gate; both 8-bit matrices, stacked.
 extern "C" __global__ void __launch_bounds__(MV_THREADS) router(const float* hidden, const float* norm, Q4 w,
                                                                 float* logits) {
+    constexpr int CHUNKS = HIDDEN / 16;  // 16 bytes of 8-bit values each
+    constexpr int PER_LANE = (CHUNKS + WARP - 1) / WARP;
     __shared__ float xs[HIDDEN];
     __shared__ float scratch[32];
-    const float inv = rms_inv(hidden, HIDDEN, scratch);
-    for (int c = threadIdx.x; c < HIDDEN; c += blockDim.x) xs[c] = hidden[c] * inv * norm[c];
-    __syncthreads();
     const int lane = threadIdx.x % WARP;
-    const int row = blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP;
-    if (row > NUM_EXPERTS) return;
+    const int row = min(blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP, NUM_EXPERTS);
+    uint4 qs[PER_LANE];
+    u32 sbs[PER_LANE];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; k++) {
+        const int u = min(lane + WARP * k, CHUNKS - 1);
+        qs[k] = load_stream(w.packed + (size_t)row * (HIDDEN / 4) + 4 * u);
+        sbs[k] = w.scale_bias[(size_t)row * (HIDDEN / GROUP) + u / 4];
+    }
+    rmsnorm_to_shared<HIDDEN, MV_THREADS, false>(hidden, norm, xs, scratch);
+    if (blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP > NUM_EXPERTS) return;
     float acc = 0.f;
-    for (int u = lane; u < HIDDEN / 16; u += WARP) {
-        const uint4 q = load_stream(w.packed + (size_t)row * (HIDDEN / 4) + 4 * u);
-        const float2 f = __bfloat1622float2(w.scale_bias[(size_t)row * (HIDDEN / GROUP) + u / 4]);
+#pragma unroll
+    for (int k = 0; k < PER_LANE; k++) {
+        const int u = lane + WARP * k;
+        if (u >= CHUNKS) break;
+        const uint4 q = qs[k];
+        const float2 f = pair_to_float2(sbs[k]);
         const float* x = xs + 16 * u;
         const u32 words[4] = {q.x, q.y, q.z, q.w};
         float qx = 0.f, sx = 0.f;
@@ -44,11 +55,11 @@ __device__ void route(const float* logits, int* ids, float* weights) {
     constexpr int PER_LANE = (NUM_EXPERTS + WARP - 1) / WARP;
     const int lane = threadIdx.x % WARP;
     float v[PER_LANE];
-    float mx = -INFINITY;
+    float mx = -INF_F;
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
         const int e = lane + WARP * i;
-        v[i] = e < NUM_EXPERTS ? logits[e] : -INFINITY;
+        v[i] = e < NUM_EXPERTS ? logits[e] : -INF_F;
         mx = fmaxf(mx, v[i]);
     }
     mx = warp_max(mx);
@@ -59,7 +70,7 @@ __device__ void route(const float* logits, int* ids, float* weights) {
     denom = warp_sum(denom);
     float chosen_sum = 0.f;
     for (int slot = 0; slot < TOP_K; slot++) {
-        float best = -INFINITY;
+        float best = -INF_F;
         int best_e = 0x7fffffff;
 #pragma unroll
         for (int i = 0; i < PER_LANE; i++) {
@@ -74,7 +85,7 @@ __device__ void route(const float* logits, int* ids, float* weights) {
         }
 #pragma unroll
         for (int i = 0; i < PER_LANE; i++)
-            if (lane + WARP * i == best_e) v[i] = -INFINITY;
+            if (lane + WARP * i == best_e) v[i] = -INF_F;
         const float p = expf(best - mx) / denom;
         chosen_sum += p;
         if (lane == 0) ids[slot] = best_e, weights[slot] = p;
@@ -84,30 +95,33 @@ __device__ void route(const float* logits, int* ids, float* weights) {
     __syncwarp();
 }
 
+// Row passes a warp of the gate/up launch makes (each pass loads a gate and an up row). One pass at the full
+// width (more, smaller blocks) measured slower than two.
+#define GATE_UP_PASSES (RowDot4<HIDDEN, HIDDEN>::UPL >= 2 ? 2 : 4)
+
 // act[slot][i] = silu(gate_e[i] . x) * (up_e[i] . x), x = rmsnorm(hidden), for the routed experts e and the shared
 // expert (slot TOP_K). Block 0 also publishes the routing: ids, weights and the shared expert's sigmoid gate.
 extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
     const float* hidden, const float* norm, const float* logits, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
     float* act, int* route_ids, float* route_w) {
     typedef RowDot4<HIDDEN, HIDDEN> Dot;
-    constexpr int PASSES = Dot::UPL >= 2 ? 2 : 4;
+    constexpr int PASSES = GATE_UP_PASSES;
     constexpr int PAIRS_PER_BLOCK = (MV_THREADS / WARP) * PASSES * Dot::RPP;
     __shared__ float xs[HIDDEN];
     __shared__ float scratch[32];
     __shared__ int ids[TOP_K];
     __shared__ float weights[TOP_K];
     if (threadIdx.x < WARP) route(logits, ids, weights);
-    const float inv = rms_inv(hidden, HIDDEN, scratch);
-    STORE_SWIZZLED(xs, HIDDEN, hidden[c] * inv * norm[c]);
-    __syncthreads();
+    rmsnorm_to_shared<HIDDEN, MV_THREADS, true>(hidden, norm, xs, scratch);
     if (blockIdx.x == 0 && threadIdx.x < SLOTS) {
         if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = weights[threadIdx.x];
         else route_w[TOP_K] = sigmoidf_(logits[NUM_EXPERTS]);
     }
     Dot d;
-    d.load_x(xs, 0);
+    d.init(0);
+    d.load_x(xs);
     uint4 wg[PASSES][Dot::UPL], wu[PASSES][Dot::UPL];
-    __nv_bfloat162 sg[PASSES][Dot::UPL], su[PASSES][Dot::UPL];
+    u32 sg[PASSES][Dot::UPL], su[PASSES][Dot::UPL];
     const int base = blockIdx.x * PAIRS_PER_BLOCK + (threadIdx.x / WARP) * PASSES * Dot::RPP;
 #pragma unroll
     for (int p = 0; p < PASSES; p++) {
@@ -141,15 +155,16 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
     __shared__ float xs[SLOTS][MOE_INTER];
     __shared__ float part[SLOTS][ROWS];
     const int slot = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    for (int c = lane; c < MOE_INTER; c += WARP) xs[slot][swz(c)] = act[slot * MOE_INTER + c];
+    copy_to_shared_swizzled<MOE_INTER, WARP>(act + slot * MOE_INTER, xs[slot], lane);
     __syncwarp();
     Dot d;
-    d.load_x(xs[slot], 0);
+    d.init(0);
+    d.load_x(xs[slot]);
     const Q4 m = slot < TOP_K ? down : shared_down;
     const int row0 = slot < TOP_K ? route_ids[slot] * HIDDEN : 0;
     const float weight = route_w[slot];
     uint4 w[DOWN_PASSES][Dot::UPL];
-    __nv_bfloat162 sb[DOWN_PASSES][Dot::UPL];
+    u32 sb[DOWN_PASSES][Dot::UPL];
     const int first = blockIdx.x * ROWS;
 #pragma unroll
     for (int p = 0; p < DOWN_PASSES; p++)
@@ -168,3 +183,7 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
         hidden[first + r] += s;
     }
 }
+
+// Block sizes of the gate/up and down launches; the host sizes grids with them.
+extern "C" __device__ const int pairs_per_block = (MV_THREADS / WARP) * GATE_UP_PASSES * RowDot4<HIDDEN, HIDDEN>::RPP;
+extern "C" __device__ const int down_rows_per_block = DOWN_PASSES * RowDot4<MOE_INTER, MOE_INTER>::RPP;

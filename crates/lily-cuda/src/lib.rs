@@ -1,1 +1,15 @@
-pub fn x(){}
+//! lily's CUDA backend: the decode step of Qwen3.5/3.6-35B-A3B on one NVIDIA GPU.
+//!
+//! [`model`] holds the whole step in order; [`kernels`] compiles the `.cu` files; [`weights`] puts the 4-bit
+//! weights on the GPU (from a checkpoint, or generated in place); [`selftest`] checks every kernel and the whole
+//! model against the CPU backend; [`bench`] measures decode speed llama-bench's way.
+
+pub mod bench;
+pub mod cli;
+pub mod driver;
+pub mod kernels;
+pub mod model;
+pub mod selftest;
+pub mod weights;
+
+pub use model::{CudaBackend, CudaModel};

@@ -1,1 +1,23 @@
-pub fn placeholder() {}
+//! lily's OpenAI-compatible HTTP server (`lily serve`).
+//!
+//! Layout (after mistral.rs's server core): [`types`] holds the request and response bodies in OpenAI's shapes,
+//! [`routes`] the thin HTTP handlers, [`engine`] the engine thread that owns the backend and serves a FIFO queue
+//! one sequence at a time, [`chat`] and [`completions`] the translation between the two, and [`server`] the
+//! lifecycle (bind, background load, graceful shutdown).
+
+pub mod args;
+pub mod chat;
+pub mod completions;
+pub mod engine;
+pub mod error;
+pub mod logits;
+pub mod metrics;
+pub mod output;
+pub mod params;
+pub mod routes;
+pub mod server;
+pub mod token_bytes;
+pub mod types;
+
+pub use args::{ReasoningField, ServeArgs};
+pub use server::{cpu_backend_factory, run, start, BackendFactory, RunningServer, ServerConfig, Status, StopHandle};

@@ -1,0 +1,41 @@
+// Synthetic weights generated in place, bit for bit what lily_model::synth::SynthTensor::bytes() produces (the
+// same counter-based hash: every element is a function of seed, stream and index alone); and random fills for
+// benchmark state.
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ u64 hash3(u64 seed, u64 stream, u64 index) {
+    return mix64(seed ^ mix64((stream + 0x9e3779b97f4a7c15ull) ^ mix64(index)));
+}
+__device__ __forceinline__ float uniform_at(u64 seed, u64 stream, u64 index) {
+    return (float)(hash3(seed, stream, index) >> 40) * (1.f / 16777216.f);
+}
+
+// Fill::Packed: the low 32 bits of the hash.
+extern "C" __global__ void synth_packed(u32* out, u64 n, u64 seed, u64 stream) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = (u32)hash3(seed, stream, i);
+}
+
+// Fill::Scales and Fill::Biases of one matrix (they share a stream), written as (scale, bias) pairs.
+extern "C" __global__ void synth_scale_bias(u32* out, u64 n, u64 seed, u64 stream, float base,
+                                            float levels) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float scale = bf16_to_float(float_to_bf16(__fmul_rn(base, __fadd_rn(0.5f, uniform_at(seed, stream, i)))));
+        const float bias = __fdiv_rn(__fmul_rn(-scale, levels), 2.f);
+        out[i] = (u32)float_to_bf16(scale) | ((u32)float_to_bf16(bias) << 16);
+    }
+}
+
+// Benchmark state: lo + (hi - lo) * u, as f32 or bf16.
+extern "C" __global__ void fill_uniform_f32(float* out, u64 n, u64 seed, u64 stream, float lo, float hi) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = lo + (hi - lo) * uniform_at(seed, stream, i);
+}
+extern "C" __global__ void fill_uniform_bf16(bf16* out, u64 n, u64 seed, u64 stream, float lo, float hi) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = float_to_bf16(lo + (hi - lo) * uniform_at(seed, stream, i));
+}

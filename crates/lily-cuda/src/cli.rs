@@ -1,0 +1,202 @@
+//! What the `lily` binary's commands need from this crate: the device choice for `generate`, and the
+//! `selftest` and `bench` commands.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use lily_model::{Config, Weights};
+
+use crate::bench::{self, DepthFill, Plan};
+use crate::driver::{Gpu, GpuError};
+use crate::model::{CudaBackend, CudaModel};
+use crate::weights::Source;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    /// CUDA where a GPU is usable, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Shape {
+    Tiny,
+    Full,
+}
+
+impl Shape {
+    fn config(self) -> Config {
+        match self {
+            Shape::Tiny => Config::tiny_shape(),
+            Shape::Full => Config::full_shape(),
+        }
+    }
+}
+
+fn progress_bar(message: String) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(message);
+    bar
+}
+
+fn load(gpu: Gpu, config: Config, source: &Source, max_context: usize, what: &str) -> Result<CudaModel> {
+    let bar = progress_bar(format!("loading {what} onto {}", gpu.name));
+    let model = CudaModel::new(gpu, config, source, max_context, &|done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    Ok(model)
+}
+
+/// The CUDA backend for `generate` with the model in `dir`, or `None` where the CPU should run it (`--device cpu`,
+/// or `auto` with no usable GPU; the reason is logged).
+pub fn open_backend(device: Device, dir: &Path, max_context: usize) -> Result<Option<CudaBackend>> {
+    if device == Device::Cpu {
+        return Ok(None);
+    }
+    let gpu = match Gpu::open() {
+        Ok(gpu) => gpu,
+        Err(e @ (GpuError::NoDriver | GpuError::NoDevice)) if device == Device::Auto => {
+            tracing::info!("running on the CPU: {e}");
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let weights = Weights::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let config = weights.config.clone();
+    let model = load(gpu, config, &Source::Cpu(&weights), max_context, &dir.display().to_string())?;
+    Ok(Some(CudaBackend::new(model)))
+}
+
+/// The backend `--device` asks for: CUDA (`cuda`, or `auto` where a GPU is usable), else the CPU model that
+/// `load_cpu` loads.
+pub fn backend(
+    device: Device,
+    dir: &Path,
+    max_context: usize,
+    load_cpu: impl FnOnce() -> Result<lily_model::cpu::CpuModel>,
+) -> Result<Box<dyn lily_model::Backend>> {
+    match open_backend(device, dir, max_context)? {
+        Some(cuda) => Ok(Box::new(cuda)),
+        None => Ok(Box::new(lily_model::CpuBackend::new(load_cpu()?, max_context))),
+    }
+}
+
+#[derive(clap::Args)]
+pub struct SelftestArgs {
+    /// Only compile every kernel with NVRTC for sm_90a at both shapes (no GPU needed); fails if one does not.
+    #[arg(long)]
+    pub compile_only: bool,
+    /// Also compare GPU and CPU logits at the full shape (builds the 19.5 GB synthetic checkpoint on both).
+    #[arg(long)]
+    pub full_shape: bool,
+}
+
+pub fn selftest(args: SelftestArgs) -> Result<()> {
+    if args.compile_only {
+        if !crate::kernels::nvrtc_available() {
+            bail!("libnvrtc not found: pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH");
+        }
+        for config in [Config::full_shape(), Config::tiny_shape()] {
+            for (name, bytes, log) in crate::kernels::compile_all(&config, "sm_90a")? {
+                println!("ok   {name:<14} hidden {:<5} {bytes} bytes of sm_90a code", config.hidden_size);
+                if !log.trim().is_empty() {
+                    println!("{log}");
+                }
+            }
+        }
+        return Ok(());
+    }
+    let failures = crate::selftest::run_all(&crate::selftest::Options { full_shape: args.full_shape })?;
+    if failures > 0 {
+        bail!("{failures} selftest check(s) failed");
+    }
+    Ok(())
+}
+
+/// A comma-separated list of sizes (an option may also be repeated).
+#[derive(Clone, Debug)]
+pub struct List(pub Vec<usize>);
+
+fn parse_list(s: &str) -> std::result::Result<List, String> {
+    s.split(',').filter(|p| !p.is_empty()).map(|p| p.trim().parse::<usize>().map_err(|e| format!("`{p}`: {e}"))).collect::<std::result::Result<_, _>>().map(List)
+}
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Weights generated on the GPU at this shape (no checkpoint needed).
+    #[arg(long, value_enum, conflicts_with = "model")]
+    pub synthetic: Option<Shape>,
+    /// Model directory (MLX 4-bit or HF bf16). Default: the bundled lily-tiny-shakespeare.
+    #[arg(long, env = "LILY_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Prompt sizes to time (comma-separated; empty for none).
+    #[arg(short = 'p', long = "n-prompt", value_parser = parse_list, default_value = "")]
+    pub prompts: Vec<List>,
+    /// Tokens to generate in the decode test.
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub generate: usize,
+    /// Context depths (comma-separated).
+    #[arg(short = 'd', long = "n-depth", value_parser = parse_list, default_value = "0")]
+    pub depths: Vec<List>,
+    /// Timed repetitions (after one warm-up).
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    pub repetitions: usize,
+    /// How the context is filled before the timed part.
+    #[arg(long, value_enum, default_value = "random")]
+    pub fill: DepthFill,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Also print the per-kernel GPU time of one step at each depth (CUDA events).
+    #[arg(long)]
+    pub profile: bool,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    let prompts: Vec<usize> = args.prompts.into_iter().flat_map(|l| l.0).collect();
+    let depths: Vec<usize> = args.depths.into_iter().flat_map(|l| l.0).collect();
+    if depths.is_empty() || args.repetitions == 0 {
+        bail!("give at least one depth and one repetition");
+    }
+    let longest = prompts.iter().copied().max().unwrap_or(0).max(args.generate);
+    let max_context = depths.iter().max().copied().unwrap_or(0) + longest + 1;
+    let gpu = Gpu::open()?;
+    let (model, model_name) = match args.synthetic {
+        Some(shape) => {
+            let config = shape.config();
+            let name = format!("synthetic {shape:?} (4-bit, seed {})", args.seed).to_lowercase();
+            (load(gpu, config.clone(), &Source::synthetic(&config, args.seed), max_context, &name)?, name)
+        }
+        None => {
+            let dir = match args.model {
+                Some(dir) => dir,
+                None => lily_model::default_model::locate()?,
+            };
+            let weights = Weights::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
+            let config = weights.config.clone();
+            let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            (load(gpu, config, &Source::Cpu(&weights), max_context, &name)?, name)
+        }
+    };
+    if max_context > model.config.max_position_embeddings {
+        bail!("depth + tokens ({max_context}) exceeds the model's {} positions", model.config.max_position_embeddings);
+    }
+    let device = model.gpu.name.clone();
+    let mut backend = CudaBackend::new(model);
+    let plan = Plan { model_name, prompts, generate: args.generate, depths, repetitions: args.repetitions, fill: args.fill, profile: args.profile };
+    let rows = bench::run(&mut backend, &plan)?;
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&bench::to_json(&plan, &device, &rows))?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

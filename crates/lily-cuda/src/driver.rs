@@ -1,0 +1,328 @@
+//! The few CUDA driver calls lily needs, over cudarc's raw bindings (loaded at run time, so a machine without a
+//! driver never touches them): one context and one stream, device buffers, copies, kernel launches, graphs and
+//! events. Every call's status is checked and returned as an error.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver library (libcuda) found")]
+    NoDriver,
+    #[error("no CUDA device found")]
+    NoDevice,
+    #[error("CUDA {call}: {name} ({code})")]
+    Driver { call: &'static str, name: String, code: i32 },
+    #[error("NVRTC: {0}")]
+    Nvrtc(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+pub type Result<T> = std::result::Result<T, GpuError>;
+
+/// Attaches the call's name to a driver status.
+pub(crate) fn check(call: &'static str, status: sys::CUresult) -> Result<()> {
+    if status == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let name = result::DriverError(status)
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{status:?}"));
+    Err(GpuError::Driver { call, name, code: status as i32 })
+}
+
+fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> GpuError {
+    move |e| {
+        let name = e.error_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+        GpuError::Driver { call, name, code: e.0 as i32 }
+    }
+}
+
+/// A device allocation, freed on drop.
+pub struct DevBuf {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+}
+
+impl DevBuf {
+    /// The address `offset` bytes in.
+    pub fn at(&self, offset: usize) -> sys::CUdeviceptr {
+        debug_assert!(offset <= self.bytes);
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            // Errors while freeing at drop have nowhere to go; the context is torn down soon after anyway.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// One GPU, its primary context and the stream all of lily's work goes to.
+pub struct Gpu {
+    _ctx: Arc<CudaContext>,
+    pub stream: sys::CUstream,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub sm_count: usize,
+    pub driver_version: i32,
+    pub total_memory: usize,
+}
+
+// The stream and context handles are used from one thread at a time (the backend is moved, not shared).
+unsafe impl Send for Gpu {}
+
+impl Gpu {
+    /// Opens device 0, or says why not (no driver library, no device).
+    pub fn open() -> Result<Gpu> {
+        if !unsafe { sys::is_culib_present() } {
+            return Err(GpuError::NoDriver);
+        }
+        check("cuInit", unsafe { sys::cuInit(0) })?;
+        let count = result::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
+        if count < 1 {
+            return Err(GpuError::NoDevice);
+        }
+        let ctx = CudaContext::new(0).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+        ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))?;
+        let mut driver_version = 0;
+        check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver_version) })?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_err("cuDeviceGetAttribute"))? as usize;
+        Ok(Gpu {
+            name: ctx.name().map_err(driver_err("cuDeviceGetName"))?,
+            compute_capability: ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?,
+            total_memory: ctx.total_mem().map_err(driver_err("cuDeviceTotalMem"))?,
+            sm_count,
+            driver_version,
+            stream,
+            _ctx: ctx,
+        })
+    }
+
+    /// Makes this GPU's context current on the calling thread (needed once per thread).
+    pub fn bind(&self) -> Result<()> {
+        self._ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
+    }
+
+    pub fn alloc(&self, bytes: usize) -> Result<DevBuf> {
+        if bytes == 0 {
+            return Ok(DevBuf { ptr: 0, bytes: 0 });
+        }
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| match driver_err("cuMemAlloc")(e) {
+            GpuError::Driver { name, .. } => GpuError::Other(format!("cuMemAlloc of {bytes} bytes: {name}")),
+            other => other,
+        })?;
+        Ok(DevBuf { ptr, bytes })
+    }
+
+    /// An allocation filled with zero bytes.
+    pub fn alloc_zeroed(&self, bytes: usize) -> Result<DevBuf> {
+        let buf = self.alloc(bytes)?;
+        self.memset_u8(buf.ptr, 0, bytes)?;
+        Ok(buf)
+    }
+
+    pub fn memset_u8(&self, ptr: sys::CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, value, bytes, self.stream) })
+    }
+
+    pub fn memset_u32(&self, ptr: sys::CUdeviceptr, value: u32, count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(ptr, value, count, self.stream) })
+    }
+
+    /// Copies host data to `ptr` and waits for it.
+    pub fn upload<T: bytemuck::Pod>(&self, ptr: sys::CUdeviceptr, data: &[T]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr() as *const c_void, bytes.len(), self.stream)
+        })?;
+        self.sync()
+    }
+
+    /// Queues a copy of host data to `ptr`; `data` is pageable memory, which the driver stages before returning.
+    pub fn upload_async<T: bytemuck::Pod>(&self, ptr: sys::CUdeviceptr, data: &[T]) -> Result<()> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr() as *const c_void, bytes.len(), self.stream)
+        })
+    }
+
+    /// Copies device data at `ptr` into `out`, waiting for all queued work first.
+    pub fn download<T: bytemuck::Pod>(&self, ptr: sys::CUdeviceptr, out: &mut [T]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(bytes.as_mut_ptr() as *mut c_void, ptr, bytes.len(), self.stream)
+        })?;
+        self.sync()
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream) })
+    }
+
+    pub fn launch(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, args: &mut Args) -> Result<()> {
+        let mut params = args.pointers();
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                kernel.0,
+                grid.0,
+                grid.1,
+                grid.2,
+                block,
+                1,
+                1,
+                0,
+                self.stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Records what `enqueue` queues on the stream as a graph, ready to replay.
+    pub fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        check("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        })?;
+        let queued = enqueue();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) });
+        queued?;
+        ended?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        let instantiated = check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) });
+        check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) })?;
+        instantiated?;
+        Ok(Graph { exec })
+    }
+
+    pub fn replay(&self, graph: &Graph) -> Result<()> {
+        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(graph.exec, self.stream) })
+    }
+
+    pub fn event(&self) -> Result<Event> {
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) })?;
+        Ok(Event { event })
+    }
+
+    pub fn record(&self, event: &Event) -> Result<()> {
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event.event, self.stream) })
+    }
+
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = unsafe { sys::cuStreamDestroy_v2(self.stream) };
+    }
+}
+
+pub struct Graph {
+    exec: sys::CUgraphExec,
+}
+
+// Graphs and events belong to the backend, which one thread uses at a time.
+unsafe impl Send for Graph {}
+unsafe impl Send for Event {}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = unsafe { sys::cuGraphExecDestroy(self.exec) };
+    }
+}
+
+pub struct Event {
+    event: sys::CUevent,
+}
+
+impl Event {
+    /// Milliseconds from `self` to `end` (both recorded and completed).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(end.event) })?;
+        let mut ms = 0.0f32;
+        check("cuEventElapsedTime", unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.event, end.event) })?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+    }
+}
+
+/// A kernel function of a loaded module (only [`crate::kernels::Kernels`] makes them).
+#[derive(Clone, Copy)]
+pub struct Kernel(pub(crate) sys::CUfunction);
+
+/// A kernel's arguments, each kept in its own 16-byte slot so the driver can read it through a pointer.
+pub struct Args {
+    slots: [[u64; 2]; MAX_ARGS],
+    len: usize,
+}
+
+const MAX_ARGS: usize = 16;
+
+impl Default for Args {
+    fn default() -> Args {
+        Args::new()
+    }
+}
+
+impl Args {
+    pub fn new() -> Args {
+        Args { slots: [[0; 2]; MAX_ARGS], len: 0 }
+    }
+    fn push(mut self, slot: [u64; 2]) -> Args {
+        assert!(self.len < MAX_ARGS, "a kernel takes at most {MAX_ARGS} arguments");
+        self.slots[self.len] = slot;
+        self.len += 1;
+        self
+    }
+    pub fn ptr(self, p: sys::CUdeviceptr) -> Args {
+        self.push([p, 0])
+    }
+    pub fn i32(self, v: i32) -> Args {
+        self.push([v as u32 as u64, 0])
+    }
+    pub fn u64(self, v: u64) -> Args {
+        self.push([v, 0])
+    }
+    pub fn f32(self, v: f32) -> Args {
+        self.push([v.to_bits() as u64, 0])
+    }
+    /// Two pointers passed as one struct (the kernels' `Q4`).
+    pub fn pair(self, a: sys::CUdeviceptr, b: sys::CUdeviceptr) -> Args {
+        self.push([a, b])
+    }
+    fn pointers(&mut self) -> [*mut c_void; MAX_ARGS] {
+        let mut out = [std::ptr::null_mut(); MAX_ARGS];
+        for (o, s) in out.iter_mut().zip(self.slots[..self.len].iter_mut()) {
+            *o = s.as_mut_ptr() as *mut c_void;
+        }
+        out
+    }
+}

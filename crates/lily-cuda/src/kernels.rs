@@ -1,0 +1,286 @@
+//! The CUDA kernels: `.cu` files embedded in the binary, compiled at start-up with NVRTC for the GPU's
+//! architecture and the model's dimensions, cached on disk.
+//!
+//! Every file gets `common.cuh` in front and the model's dimensions as `-D` defines, so the tiny models run the
+//! very kernels the full one does. On Hopper the target is `sm_90a` (machine code, no JIT); on other GPUs
+//! `compute_XY` PTX that the driver compiles. The cache key hashes source, options, target and driver version.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::path::PathBuf;
+
+use cudarc::driver::sys;
+use cudarc::nvrtc::sys as nvrtc;
+use lily_model::rng::mix64;
+use lily_model::Config;
+
+use crate::driver::{check, Gpu, GpuError, Kernel, Result};
+
+const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// Kernel families, one file each: (file name, source, kernels, module constants).
+pub const FILES: [(&str, &str, &[&str], &[&str]); 6] = [
+    (
+        "matvec.cu",
+        include_str!("../kernels/matvec.cu"),
+        &["embed", "proj_normed", "out_proj_gdn", "out_proj_attn", "advance_position"],
+        &["rows_per_block_hidden", "rows_per_block_lin_v", "rows_per_block_q"],
+    ),
+    ("moe.cu", include_str!("../kernels/moe.cu"), &["router", "experts_gate_up", "experts_down"], &["pairs_per_block", "down_rows_per_block"]),
+    ("deltanet.cu", include_str!("../kernels/deltanet.cu"), &["gdn_step"], &[]),
+    ("attention.cu", include_str!("../kernels/attention.cu"), &["attn_prep", "attn_partial", "attn_merge"], &[]),
+    ("sampling.cu", include_str!("../kernels/sampling.cu"), &["lm_head", "sample"], &[]),
+    (
+        "synth.cu",
+        include_str!("../kernels/synth.cu"),
+        &["synth_packed", "synth_scale_bias", "fill_uniform_f32", "fill_uniform_bf16"],
+        &[],
+    ),
+];
+
+/// Parts each KV head's context is split into by the attention decode kernel.
+pub const ATTN_SPLITS: usize = 256;
+/// Most candidates the sampler considers (see sampling.cu).
+pub const SAMPLE_MAX_CANDIDATES: usize = 64;
+
+/// The `-D` defines that specialise the kernels to a model.
+pub fn defines(c: &Config) -> Vec<(String, String)> {
+    let n = |v: usize| v.to_string();
+    vec![
+        ("HIDDEN".into(), n(c.hidden_size)),
+        ("VOCAB".into(), n(c.vocab_size)),
+        ("N_HEADS".into(), n(c.num_attention_heads)),
+        ("N_KV_HEADS".into(), n(c.num_key_value_heads)),
+        ("HEAD_DIM".into(), n(c.head_dim)),
+        ("ROT_DIM".into(), n(c.rotary_dim())),
+        ("Q_DIM".into(), n(c.q_dim())),
+        ("KV_DIM".into(), n(c.kv_dim())),
+        ("LIN_K_HEADS".into(), n(c.linear_num_key_heads)),
+        ("LIN_V_HEADS".into(), n(c.linear_num_value_heads)),
+        ("LIN_HEAD_DIM".into(), n(c.linear_key_head_dim)),
+        ("LIN_K_DIM".into(), n(c.linear_key_dim())),
+        ("LIN_V_DIM".into(), n(c.linear_value_dim())),
+        ("LIN_CONV_DIM".into(), n(c.linear_conv_dim())),
+        ("CONV_K".into(), n(c.linear_conv_kernel_dim)),
+        ("NUM_EXPERTS".into(), n(c.num_experts)),
+        ("TOP_K".into(), n(c.num_experts_per_tok)),
+        ("MOE_INTER".into(), n(c.moe_intermediate_size)),
+        ("SHARED_INTER".into(), n(c.shared_expert_intermediate_size)),
+        ("RMS_EPS".into(), format!("{:e}f", c.rms_norm_eps)),
+        ("ATTN_SPLITS".into(), n(ATTN_SPLITS)),
+        ("SAMPLE_MAX_CANDIDATES".into(), n(SAMPLE_MAX_CANDIDATES)),
+    ]
+}
+
+/// What NVRTC compiles for: machine code for an `sm_` target, PTX for a `compute_` one.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub arch: String,
+}
+
+impl Target {
+    pub fn for_device(cc: (i32, i32)) -> Target {
+        match cc {
+            (9, 0) => Target { arch: "sm_90a".into() },
+            (major, minor) => Target { arch: format!("compute_{major}{minor}") },
+        }
+    }
+    fn is_machine_code(&self) -> bool {
+        self.arch.starts_with("sm_")
+    }
+}
+
+fn options(config: &Config, target: &Target) -> Vec<String> {
+    let mut opts = vec![format!("--gpu-architecture={}", target.arch), "--std=c++17".into(), "-lineinfo".into()];
+    if std::env::var_os("LILY_PTXAS_VERBOSE").is_some() {
+        opts.push("--ptxas-options=-v".into());
+    }
+    opts.extend(defines(config).into_iter().map(|(k, v)| format!("-D{k}={v}")));
+    opts
+}
+
+fn full_source(file_source: &str) -> String {
+    format!("{COMMON}\n{file_source}")
+}
+
+/// Whether the NVRTC library can be loaded here.
+pub fn nvrtc_available() -> bool {
+    unsafe { nvrtc::is_culib_present() }
+}
+
+/// Compiles one file; returns the image (cubin or PTX with a NUL) and NVRTC's log.
+pub fn compile(name: &str, source: &str, opts: &[String], machine_code: bool) -> Result<(Vec<u8>, String)> {
+    if !nvrtc_available() {
+        return Err(GpuError::Nvrtc("the NVRTC library (libnvrtc) was not found".into()));
+    }
+    let src = CString::new(full_source(source)).map_err(|e| GpuError::Nvrtc(e.to_string()))?;
+    let cname = CString::new(name).map_err(|e| GpuError::Nvrtc(e.to_string()))?;
+    let nv = |call: &str, r: nvrtc::nvrtcResult| {
+        if r == nvrtc::nvrtcResult::NVRTC_SUCCESS {
+            Ok(())
+        } else {
+            Err(GpuError::Nvrtc(format!("{call} on {name}: {r:?}")))
+        }
+    };
+    unsafe {
+        let mut prog: nvrtc::nvrtcProgram = std::ptr::null_mut();
+        nv("nvrtcCreateProgram", nvrtc::nvrtcCreateProgram(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()))?;
+        let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).expect("options have no NUL")).collect();
+        let ptrs: Vec<*const c_char> = copts.iter().map(|o| o.as_ptr()).collect();
+        let compiled = nvrtc::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr());
+        let mut log_size = 0usize;
+        let mut log = String::new();
+        if nvrtc::nvrtcGetProgramLogSize(prog, &mut log_size) == nvrtc::nvrtcResult::NVRTC_SUCCESS && log_size > 1 {
+            let mut buf = vec![0u8; log_size];
+            if nvrtc::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char) == nvrtc::nvrtcResult::NVRTC_SUCCESS {
+                log = String::from_utf8_lossy(&buf[..log_size - 1]).into_owned();
+            }
+        }
+        if compiled != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+            nvrtc::nvrtcDestroyProgram(&mut prog);
+            return Err(GpuError::Nvrtc(format!("{name} does not compile ({compiled:?}):\n{log}")));
+        }
+        let mut size = 0usize;
+        let image = if machine_code {
+            nv("nvrtcGetCUBINSize", nvrtc::nvrtcGetCUBINSize(prog, &mut size))?;
+            let mut buf = vec![0u8; size];
+            nv("nvrtcGetCUBIN", nvrtc::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char))?;
+            buf
+        } else {
+            nv("nvrtcGetPTXSize", nvrtc::nvrtcGetPTXSize(prog, &mut size))?;
+            let mut buf = vec![0u8; size];
+            nv("nvrtcGetPTX", nvrtc::nvrtcGetPTX(prog, buf.as_mut_ptr() as *mut c_char))?;
+            buf
+        };
+        nvrtc::nvrtcDestroyProgram(&mut prog);
+        Ok((image, log))
+    }
+}
+
+/// Compiles every kernel file for `arch` with `config`'s dimensions, without a GPU (the CI check).
+pub fn compile_all(config: &Config, arch: &str) -> Result<Vec<(String, usize, String)>> {
+    let target = Target { arch: arch.into() };
+    let opts = options(config, &target);
+    FILES
+        .iter()
+        .map(|(name, source, _, _)| {
+            let (image, log) = compile(name, source, &opts, target.is_machine_code())?;
+            Ok((name.to_string(), image.len(), log))
+        })
+        .collect()
+}
+
+fn cache_path(name: &str, key: u64, target: &Target) -> PathBuf {
+    let ext = if target.is_machine_code() { "cubin" } else { "ptx" };
+    lily_model::default_model::cache_dir().join("kernels").join(format!("{name}-{}-{key:016x}.{ext}", target.arch))
+}
+
+fn hash_str(mut h: u64, s: &str) -> u64 {
+    for chunk in s.as_bytes().chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        h = mix64(h ^ u64::from_le_bytes(word));
+    }
+    mix64(h ^ s.len() as u64)
+}
+
+/// Loaded kernels, by name, and the modules' integer constants.
+pub struct Kernels {
+    modules: Vec<sys::CUmodule>,
+    functions: HashMap<&'static str, sys::CUfunction>,
+    constants: HashMap<&'static str, i32>,
+}
+
+unsafe impl Send for Kernels {}
+
+impl Kernels {
+    /// Compiles (or takes from the disk cache) and loads every kernel for this GPU and model.
+    pub fn load(gpu: &Gpu, config: &Config) -> Result<Kernels> {
+        let target = Target::for_device(gpu.compute_capability);
+        let opts = options(config, &target);
+        let mut kernels = Kernels { modules: Vec::new(), functions: HashMap::new(), constants: HashMap::new() };
+        for (name, source, functions, constants) in FILES {
+            let key = hash_str(hash_str(hash_str(0x6c696c79, source), COMMON), &format!("{opts:?} {} {}", target.arch, gpu.driver_version));
+            let path = cache_path(name, key, &target);
+            let image = match std::fs::read(&path) {
+                Ok(bytes) => bytes,
+                Err(_) => {
+                    let (image, log) = compile(name, source, &opts, target.is_machine_code())?;
+                    if !log.trim().is_empty() {
+                        tracing::debug!("NVRTC on {name}:\n{log}");
+                    }
+                    store(&path, &image);
+                    image
+                }
+            };
+            let mut module: sys::CUmodule = std::ptr::null_mut();
+            check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _) })?;
+            kernels.modules.push(module);
+            for f in functions {
+                let cname = CString::new(*f).expect("kernel names have no NUL");
+                let mut func: sys::CUfunction = std::ptr::null_mut();
+                check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut func, module, cname.as_ptr()) })?;
+                kernels.functions.insert(f, func);
+            }
+            for c in constants {
+                let cname = CString::new(*c).expect("constant names have no NUL");
+                let (mut ptr, mut bytes) = (0u64, 0usize);
+                check("cuModuleGetGlobal", unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr()) })?;
+                let mut value = [0i32];
+                gpu.download(ptr, &mut value)?;
+                kernels.constants.insert(c, value[0]);
+            }
+        }
+        Ok(kernels)
+    }
+
+    pub fn get(&self, name: &'static str) -> Kernel {
+        Kernel(*self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in FILES")))
+    }
+
+    pub fn constant(&self, name: &'static str) -> usize {
+        *self.constants.get(name).unwrap_or_else(|| panic!("constant {name} is not in FILES")) as usize
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        for m in &self.modules {
+            let _ = unsafe { sys::cuModuleUnload(*m) };
+        }
+    }
+}
+
+/// Writes the cache file atomically; a cache that cannot be written only costs a recompile next time.
+fn store(path: &PathBuf, image: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, image).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CI's check: every kernel compiles for sm_90a at both shapes with NVRTC, no GPU needed. Skips (with the
+    /// reason) only where libnvrtc cannot be loaded.
+    #[test]
+    fn every_kernel_compiles_for_sm_90a() {
+        if !nvrtc_available() {
+            eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
+            return;
+        }
+        for config in [Config::full_shape(), Config::tiny_shape()] {
+            let compiled = compile_all(&config, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+            for (name, bytes, log) in compiled {
+                assert!(bytes > 0, "{name}: empty image");
+                assert!(!log.contains("warning"), "{name}: {log}");
+            }
+        }
+    }
+}

@@ -1,0 +1,541 @@
+//! The CUDA backend: state preallocated on the GPU, and the decode step (embedding, 40 layers, final norm,
+//! lm_head, greedy choice) as device work captured once into two CUDA graphs and replayed: `layers` (through the
+//! position's advance) and `head`. Positions and token ids are read from device memory, so the graphs never
+//! change; the host copies in a token id and reads back the chosen one.
+
+use lily_model::backend::Backend;
+use lily_model::config::LayerKind;
+use lily_model::cpu::attention::rope_inv_freq;
+use lily_model::cpu::model::ForwardError;
+use lily_model::sampling::Sampler;
+use lily_model::Config;
+
+use crate::driver::{check, Args, DevBuf, Event, Gpu, GpuError, Graph, Result};
+use crate::kernels::{Kernels, ATTN_SPLITS};
+use crate::weights::{GpuMixer, GpuWeights, Source};
+
+/// Per-sequence state and the step's activations, all allocated up front.
+pub struct DeviceState {
+    /// i32: the position of the token being processed (tokens already in the context).
+    pub position: DevBuf,
+    /// i32 `[max_context]`: the sequence's token ids.
+    pub tokens: DevBuf,
+    /// i32: the token the last step chose greedily (or the sampler chose).
+    pub next_token: DevBuf,
+    pub hidden: DevBuf,
+    /// Input projections of the current mixer.
+    pub proj: DevBuf,
+    /// DeltaNet raw output, or the gated attention output.
+    pub core: DevBuf,
+    pub q: DevBuf,
+    pub part_o: DevBuf,
+    pub part_ml: DevBuf,
+    pub router_logits: DevBuf,
+    pub act: DevBuf,
+    pub route_ids: DevBuf,
+    pub route_w: DevBuf,
+    pub logits: DevBuf,
+    pub block_best: DevBuf,
+    pub block_arg: DevBuf,
+    pub blocks_done: DevBuf,
+    pub inv_freq: DevBuf,
+    /// Per full-attention layer: bf16 `[max_context][kv_heads][head_dim]`.
+    pub k_cache: Vec<DevBuf>,
+    pub v_cache: Vec<DevBuf>,
+    /// Per DeltaNet layer: f32 `[conv_k][conv_dim]`, slot `position % conv_k` holds that position's input.
+    pub conv_ring: Vec<DevBuf>,
+    /// Per DeltaNet layer: f32 `[value_heads][key_dim][value_dim]`.
+    pub recurrent: Vec<DevBuf>,
+}
+
+/// Launch geometry fixed by the model and the GPU.
+struct Grids {
+    proj_gdn: u32,
+    proj_attn: u32,
+    out_proj_gdn: u32,
+    out_proj_attn: u32,
+    router: u32,
+    gate_up: u32,
+    down: u32,
+    lm_head: u32,
+}
+
+/// One operation of the decode step; `l` is a layer index.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    Embed,
+    /// The DeltaNet's q/k/v/z/b/a or the attention's q/k/v projection, with the input RMSNorm.
+    MixerInProj(usize),
+    GdnStep(usize),
+    GdnOutProj(usize),
+    AttnPrep(usize),
+    AttnPartial(usize),
+    AttnMerge(usize),
+    AttnOutProj(usize),
+    Router(usize),
+    ExpertsGateUp(usize),
+    ExpertsDown(usize),
+    AdvancePosition,
+    LmHead,
+}
+
+/// Per-kernel GPU time, from events around every launch of an un-captured step.
+#[derive(Default)]
+pub struct Profile {
+    pub entries: Vec<(&'static str, f64, usize)>,
+    pending: Vec<(&'static str, Event, Event)>,
+}
+
+// Fields drop in order: buffers and modules before the context (`gpu`) they belong to.
+pub struct CudaModel {
+    pub kernels: Kernels,
+    pub config: Config,
+    pub weights: GpuWeights,
+    pub state: DeviceState,
+    pub max_context: usize,
+    grids: Grids,
+    slot: Vec<usize>,
+    pub gpu: Gpu,
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+impl CudaModel {
+    /// Compiles the kernels, loads the weights and allocates the state for `max_context` tokens.
+    pub fn new(gpu: Gpu, config: Config, source: &Source, max_context: usize, progress: &dyn Fn(usize, usize)) -> Result<CudaModel> {
+        let c = &config;
+        if c.shared_expert_intermediate_size != c.moe_intermediate_size || c.head_dim != 256 || c.num_attention_heads / c.num_key_value_heads != 8 {
+            return Err(GpuError::Other("the CUDA kernels need shared expert width = expert width, head_dim 256 and 8 query heads per KV head".into()));
+        }
+        let kernels = Kernels::load(&gpu, c)?;
+        let weights = GpuWeights::load(&gpu, &kernels, c, source, progress)?;
+        let f32s = |n: usize| gpu.alloc_zeroed(n * 4);
+        let occupancy = |name: &'static str, threads: i32| -> Result<usize> {
+            let mut n = 0i32;
+            check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+                cudarc::driver::sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, kernels.get(name).0, threads, 0)
+            })?;
+            Ok(n.max(1) as usize * gpu.sm_count)
+        };
+        // A matrix-vector grid: every tile of rows once, or as many blocks as fit at once, each taking tiles in turn.
+        let mv_grid = |name: &'static str, rows: usize, rows_per_block: usize| -> Result<u32> {
+            Ok(rows.div_ceil(rows_per_block).min(occupancy(name, 256)?) as u32)
+        };
+        let rpb_h = kernels.constant("rows_per_block_hidden");
+        let grids = Grids {
+            proj_gdn: mv_grid("proj_normed", c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads, rpb_h)?,
+            proj_attn: mv_grid("proj_normed", 2 * c.q_dim() + 2 * c.kv_dim(), rpb_h)?,
+            out_proj_gdn: mv_grid("out_proj_gdn", c.hidden_size, kernels.constant("rows_per_block_lin_v"))?,
+            out_proj_attn: mv_grid("out_proj_attn", c.hidden_size, kernels.constant("rows_per_block_q"))?,
+            router: blocks(c.num_experts + 1, 8),
+            gate_up: blocks((c.num_experts_per_tok + 1) * c.moe_intermediate_size, kernels.constant("pairs_per_block")),
+            down: blocks(c.hidden_size, kernels.constant("down_rows_per_block")),
+            lm_head: mv_grid("lm_head", c.vocab_size, rpb_h)?,
+        };
+        let kv_bytes = max_context * c.kv_dim() * 2;
+        let state = DeviceState {
+            position: gpu.alloc_zeroed(4)?,
+            tokens: gpu.alloc_zeroed(max_context * 4)?,
+            next_token: gpu.alloc_zeroed(4)?,
+            hidden: f32s(c.hidden_size)?,
+            proj: f32s((c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(2 * c.q_dim() + 2 * c.kv_dim()))?,
+            core: f32s(c.linear_value_dim().max(c.q_dim()))?,
+            q: f32s(c.q_dim())?,
+            part_o: f32s(c.num_attention_heads * ATTN_SPLITS * c.head_dim)?,
+            part_ml: f32s(c.num_attention_heads * ATTN_SPLITS * 2)?,
+            router_logits: f32s(c.num_experts + 1)?,
+            act: f32s((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
+            route_ids: gpu.alloc_zeroed(c.num_experts_per_tok * 4)?,
+            route_w: f32s(c.num_experts_per_tok + 1)?,
+            logits: f32s(c.vocab_size)?,
+            block_best: f32s(grids.lm_head as usize)?,
+            block_arg: gpu.alloc_zeroed(grids.lm_head as usize * 4)?,
+            blocks_done: gpu.alloc_zeroed(4)?,
+            inv_freq: {
+                let inv = rope_inv_freq(c.rope_theta, c.rotary_dim());
+                let buf = gpu.alloc(inv.len() * 4)?;
+                gpu.upload(buf.ptr, &inv)?;
+                buf
+            },
+            k_cache: (0..c.num_full_layers()).map(|_| gpu.alloc_zeroed(kv_bytes)).collect::<Result<_>>()?,
+            v_cache: (0..c.num_full_layers()).map(|_| gpu.alloc_zeroed(kv_bytes)).collect::<Result<_>>()?,
+            conv_ring: (0..c.num_linear_layers()).map(|_| f32s(c.linear_conv_kernel_dim * c.linear_conv_dim())).collect::<Result<_>>()?,
+            recurrent: (0..c.num_linear_layers())
+                .map(|_| f32s(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
+                .collect::<Result<_>>()?,
+        };
+        let (mut full, mut linear) = (0, 0);
+        let slot = c
+            .layer_types
+            .iter()
+            .map(|k| match k {
+                LayerKind::Full => (full, full += 1).0,
+                LayerKind::Linear => (linear, linear += 1).0,
+            })
+            .collect();
+        gpu.sync()?;
+        Ok(CudaModel { gpu, kernels, config, weights, state, max_context, grids, slot })
+    }
+
+    fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: Args, profile: &mut Option<&mut Profile>) -> Result<()> {
+        let mut args = args;
+        match profile {
+            None => self.gpu.launch(self.kernels.get(name), grid, block, &mut args),
+            Some(p) => {
+                let (start, end) = (self.gpu.event()?, self.gpu.event()?);
+                self.gpu.record(&start)?;
+                self.gpu.launch(self.kernels.get(name), grid, block, &mut args)?;
+                self.gpu.record(&end)?;
+                p.pending.push((name, start, end));
+                Ok(())
+            }
+        }
+    }
+
+    /// The decode step through the layers, in order, for the token `tokens[position]`, ending with the position's
+    /// advance; then the head (final norm, lm_head, greedy choice).
+    pub fn layer_ops(&self) -> Vec<Op> {
+        let mut ops = vec![Op::Embed];
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            match layer.mixer {
+                GpuMixer::Linear(_) => ops.extend([Op::MixerInProj(l), Op::GdnStep(l), Op::GdnOutProj(l)]),
+                GpuMixer::Full(_) => {
+                    ops.extend([Op::MixerInProj(l), Op::AttnPrep(l), Op::AttnPartial(l), Op::AttnMerge(l), Op::AttnOutProj(l)])
+                }
+            }
+            ops.extend([Op::Router(l), Op::ExpertsGateUp(l), Op::ExpertsDown(l)]);
+        }
+        ops.push(Op::AdvancePosition);
+        ops
+    }
+
+    pub fn enqueue_layers(&self, mut profile: Option<&mut Profile>) -> Result<()> {
+        for op in self.layer_ops() {
+            self.enqueue(op, &mut profile)?;
+        }
+        Ok(())
+    }
+
+    pub fn enqueue_head(&self, mut profile: Option<&mut Profile>) -> Result<()> {
+        self.enqueue(Op::LmHead, &mut profile)
+    }
+
+    /// Queues one operation of the step (its inputs and outputs are the state's buffers).
+    pub fn enqueue(&self, op: Op, p: &mut Option<&mut Profile>) -> Result<()> {
+        let c = &self.config;
+        let s = &self.state;
+        let w = &self.weights;
+        let gdn = |l: usize| match &w.layers[l].mixer {
+            GpuMixer::Linear(g) => Ok(g),
+            GpuMixer::Full(_) => Err(GpuError::Other(format!("layer {l} is not a DeltaNet layer"))),
+        };
+        let attn = |l: usize| match &w.layers[l].mixer {
+            GpuMixer::Full(a) => Ok(a),
+            GpuMixer::Linear(_) => Err(GpuError::Other(format!("layer {l} is not an attention layer"))),
+        };
+        match op {
+            Op::Embed => self.launch("embed", (blocks(c.hidden_size, 256), 1, 1), 256, w.embed.arg(Args::new().ptr(s.position.ptr).ptr(s.tokens.ptr)).ptr(s.hidden.ptr), p),
+            Op::MixerInProj(l) => {
+                let layer = &w.layers[l];
+                let (m, grid) = match &layer.mixer {
+                    GpuMixer::Linear(g) => (&g.in_proj, self.grids.proj_gdn),
+                    GpuMixer::Full(a) => (&a.qkv, self.grids.proj_attn),
+                };
+                self.launch("proj_normed", (grid, 1, 1), 256, m.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr)).ptr(s.proj.ptr).i32(m.rows as i32), p)
+            }
+            Op::GdnStep(l) => {
+                let g = gdn(l)?;
+                let slot = self.slot[l];
+                self.launch(
+                    "gdn_step",
+                    (c.linear_num_value_heads as u32, 4, 1),
+                    256,
+                    Args::new()
+                        .ptr(s.position.ptr)
+                        .ptr(s.proj.ptr)
+                        .ptr(s.conv_ring[slot].ptr)
+                        .ptr(g.conv_w.ptr)
+                        .ptr(g.a_log.ptr)
+                        .ptr(g.dt_bias.ptr)
+                        .ptr(s.recurrent[slot].ptr)
+                        .ptr(s.core.ptr),
+                    p,
+                )
+            }
+            Op::GdnOutProj(l) => {
+                let g = gdn(l)?;
+                let z = s.proj.at(c.linear_conv_dim() * 4);
+                self.launch("out_proj_gdn", (self.grids.out_proj_gdn, 1, 1), 256, g.out_proj.arg(Args::new().ptr(s.core.ptr).ptr(z).ptr(g.norm.ptr)).ptr(s.hidden.ptr), p)
+            }
+            Op::AttnPrep(l) => {
+                let a = attn(l)?;
+                let slot = self.slot[l];
+                self.launch(
+                    "attn_prep",
+                    ((c.num_attention_heads + c.num_key_value_heads) as u32, 1, 1),
+                    c.head_dim as u32,
+                    Args::new()
+                        .ptr(s.position.ptr)
+                        .ptr(s.proj.ptr)
+                        .ptr(a.q_norm.ptr)
+                        .ptr(a.k_norm.ptr)
+                        .ptr(s.inv_freq.ptr)
+                        .ptr(s.q.ptr)
+                        .ptr(s.k_cache[slot].ptr)
+                        .ptr(s.v_cache[slot].ptr),
+                    p,
+                )
+            }
+            Op::AttnPartial(l) => {
+                let slot = self.slot[l];
+                self.launch(
+                    "attn_partial",
+                    (c.num_key_value_heads as u32, ATTN_SPLITS as u32, 1),
+                    256,
+                    Args::new().ptr(s.position.ptr).ptr(s.q.ptr).ptr(s.k_cache[slot].ptr).ptr(s.v_cache[slot].ptr).ptr(s.part_o.ptr).ptr(s.part_ml.ptr),
+                    p,
+                )
+            }
+            Op::AttnMerge(_) => self.launch(
+                "attn_merge",
+                (c.num_attention_heads as u32, 1, 1),
+                c.head_dim as u32,
+                Args::new().ptr(s.position.ptr).ptr(s.part_o.ptr).ptr(s.part_ml.ptr).ptr(s.proj.ptr).ptr(s.core.ptr),
+                p,
+            ),
+            Op::AttnOutProj(l) => {
+                let a = attn(l)?;
+                self.launch("out_proj_attn", (self.grids.out_proj_attn, 1, 1), 256, a.o_proj.arg(Args::new().ptr(s.core.ptr)).ptr(s.hidden.ptr), p)
+            }
+            Op::Router(l) => {
+                let layer = &w.layers[l];
+                self.launch("router", (self.grids.router, 1, 1), 256, layer.router.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr)).ptr(s.router_logits.ptr), p)
+            }
+            Op::ExpertsGateUp(l) => {
+                let layer = &w.layers[l];
+                let args = Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr).ptr(s.router_logits.ptr);
+                let args = layer.shared_up.arg(layer.shared_gate.arg(layer.experts_up.arg(layer.experts_gate.arg(args))));
+                self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), 256, args.ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr), p)
+            }
+            Op::ExpertsDown(l) => {
+                let layer = &w.layers[l];
+                let args = Args::new().ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr);
+                let args = layer.shared_down.arg(layer.experts_down.arg(args)).ptr(s.hidden.ptr);
+                self.launch("experts_down", (self.grids.down, 1, 1), ((c.num_experts_per_tok + 1) * 32) as u32, args, p)
+            }
+            Op::AdvancePosition => self.launch("advance_position", (1, 1, 1), 1, Args::new().ptr(s.position.ptr), p),
+            Op::LmHead => {
+                let args = w.lm_head.arg(Args::new().ptr(s.hidden.ptr).ptr(w.final_norm.ptr));
+                let args = args.ptr(s.logits.ptr).ptr(s.block_best.ptr).ptr(s.block_arg.ptr).ptr(s.blocks_done.ptr).ptr(s.next_token.ptr);
+                self.launch("lm_head", (self.grids.lm_head, 1, 1), 256, args, p)
+            }
+        }
+    }
+
+    /// Runs one step un-captured with events around every launch; sums GPU time per kernel.
+    pub fn profile_step(&self) -> Result<Profile> {
+        let mut profile = Profile::default();
+        self.enqueue_layers(Some(&mut profile))?;
+        self.enqueue_head(Some(&mut profile))?;
+        self.gpu.sync()?;
+        for (name, start, end) in std::mem::take(&mut profile.pending) {
+            let ms = start.elapsed_ms(&end)? as f64;
+            match profile.entries.iter_mut().find(|e| e.0 == name) {
+                Some(e) => {
+                    e.1 += ms;
+                    e.2 += 1;
+                }
+                None => profile.entries.push((name, ms, 1)),
+            }
+        }
+        Ok(profile)
+    }
+
+    /// Forgets the sequence: position 0, DeltaNet conv and recurrent state zeroed (the KV cache is overwritten as
+    /// positions fill).
+    pub fn reset(&self) -> Result<()> {
+        self.gpu.memset_u8(self.state.position.ptr, 0, 4)?;
+        for b in self.state.conv_ring.iter().chain(&self.state.recurrent) {
+            self.gpu.memset_u8(b.ptr, 0, b.bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the context to `depth` tokens of random state (benchmarks): random keys and values in the KV cache
+    /// below `depth`, random conv inputs and recurrent state, position `depth`.
+    pub fn fill_random_state(&self, depth: usize, seed: u64) -> Result<()> {
+        let c = &self.config;
+        let grid = |n: usize| (n.div_ceil(256).min(65536) as u32, 1, 1);
+        let mut stream = 0u64;
+        let mut fill = |name: &'static str, ptr, n: usize, lo: f32, hi: f32| -> Result<()> {
+            stream += 1;
+            if n == 0 {
+                return Ok(());
+            }
+            self.gpu.launch(self.kernels.get(name), grid(n), 256, &mut Args::new().ptr(ptr).u64(n as u64).u64(seed).u64(stream).f32(lo).f32(hi))
+        };
+        for (k, v) in self.state.k_cache.iter().zip(&self.state.v_cache) {
+            fill("fill_uniform_bf16", k.ptr, depth * c.kv_dim(), -1.0, 1.0)?;
+            fill("fill_uniform_bf16", v.ptr, depth * c.kv_dim(), -1.0, 1.0)?;
+        }
+        for (ring, rec) in self.state.conv_ring.iter().zip(&self.state.recurrent) {
+            fill("fill_uniform_f32", ring.ptr, ring.bytes / 4, -1.0, 1.0)?;
+            fill("fill_uniform_f32", rec.ptr, rec.bytes / 4, -0.05, 0.05)?;
+        }
+        self.gpu.upload(self.state.position.ptr, &[depth as i32])
+    }
+}
+
+/// [`Backend`] over a [`CudaModel`]: the step captured as graphs on first use.
+pub struct CudaBackend {
+    graphs: Option<(Graph, Graph)>,
+    /// Host copy of the device position.
+    position: usize,
+    logits: Vec<f32>,
+    logits_current: bool,
+    sample_counter: u64,
+    /// A device error met where the trait has no error to return; reported by the next prefill or decode.
+    failed: Option<String>,
+    /// Last, so the graphs are destroyed before the context.
+    pub model: CudaModel,
+}
+
+impl CudaBackend {
+    pub fn new(model: CudaModel) -> CudaBackend {
+        let vocab = model.config.vocab_size;
+        CudaBackend { model, graphs: None, position: 0, logits: vec![0.0; vocab], logits_current: false, sample_counter: 0, failed: None }
+    }
+
+    fn graphs(&mut self) -> Result<&(Graph, Graph)> {
+        if self.graphs.is_none() {
+            let layers = self.model.gpu.capture(|| self.model.enqueue_layers(None))?;
+            let head = self.model.gpu.capture(|| self.model.enqueue_head(None))?;
+            self.graphs = Some((layers, head));
+        }
+        Ok(self.graphs.as_ref().expect("just captured"))
+    }
+
+    /// Replays the layers for each of `count` tokens already in `tokens[position..]`, then the head.
+    pub fn run_steps(&mut self, count: usize) -> Result<()> {
+        self.graphs()?;
+        let (layers, head) = self.graphs.as_ref().expect("captured");
+        for _ in 0..count {
+            self.model.gpu.replay(layers)?;
+        }
+        self.model.gpu.replay(head)?;
+        self.position += count;
+        self.logits_current = false;
+        Ok(())
+    }
+
+    /// The chosen next token after the last step (waits for the GPU).
+    pub fn read_next_token(&self) -> Result<u32> {
+        let mut t = [0i32];
+        self.model.gpu.download(self.model.state.next_token.ptr, &mut t)?;
+        Ok(t[0] as u32)
+    }
+
+    /// Places the context at `depth` random tokens of state (benchmarks).
+    pub fn set_random_context(&mut self, depth: usize, seed: u64) -> Result<()> {
+        self.model.fill_random_state(depth, seed)?;
+        self.position = depth;
+        Ok(())
+    }
+
+    /// Starts an empty sequence (zeroed state, position 0).
+    pub fn clear(&mut self) -> Result<()> {
+        self.model.reset()?;
+        self.position = 0;
+        self.model.gpu.sync()
+    }
+
+    fn check(&self, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
+        if let Some(e) = &self.failed {
+            return Err(ForwardError::Device(e.clone()));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+            return Err(ForwardError::BadToken(bad));
+        }
+        let needed = self.position + tokens.len();
+        if needed > self.model.max_context {
+            return Err(ForwardError::ContextFull { needed, max_context: self.model.max_context });
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<()> {
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        self.model.gpu.upload_async(self.model.state.tokens.at(self.position * 4), &ids)?;
+        self.run_steps(tokens.len())
+    }
+}
+
+fn device_err(e: GpuError) -> ForwardError {
+    ForwardError::Device(e.to_string())
+}
+
+impl Backend for CudaBackend {
+    fn config(&self) -> &Config {
+        &self.model.config
+    }
+    fn max_context(&self) -> usize {
+        self.model.max_context
+    }
+    fn prefill(&mut self, prompt: &[u32]) -> std::result::Result<(), ForwardError> {
+        self.model.gpu.bind().map_err(device_err)?;
+        if prompt.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        self.position = 0;
+        self.check(prompt)?;
+        self.model.reset().map_err(device_err)?;
+        self.sample_counter = 0;
+        self.append(prompt).map_err(device_err)
+    }
+    fn decode(&mut self, token: u32) -> std::result::Result<(), ForwardError> {
+        self.model.gpu.bind().map_err(device_err)?;
+        self.check(&[token])?;
+        self.append(&[token]).map_err(device_err)
+    }
+    fn logits(&mut self) -> &[f32] {
+        if !self.logits_current {
+            if let Err(e) = self.model.gpu.download(self.model.state.logits.ptr, &mut self.logits) {
+                self.logits.fill(f32::NAN);
+                self.failed = Some(e.to_string());
+            }
+            self.logits_current = true;
+        }
+        &self.logits
+    }
+    fn sample(&mut self, sampler: &mut Sampler) -> u32 {
+        let p = sampler.params().clone();
+        let chosen = if p.temperature == 0.0 || p.top_k == 1 {
+            self.read_next_token()
+        } else {
+            self.sample_counter += 1;
+            let s = &self.model.state;
+            let mut args = Args::new()
+                .ptr(s.logits.ptr)
+                .f32(p.temperature)
+                .i32(p.top_k.min(i32::MAX as usize) as i32)
+                .f32(p.top_p)
+                .f32(p.min_p)
+                .u64(p.seed)
+                .u64(self.sample_counter)
+                .ptr(s.next_token.ptr);
+            self.model
+                .gpu
+                .launch(self.model.kernels.get("sample"), (1, 1, 1), 1024, &mut args)
+                .and_then(|_| self.read_next_token())
+        };
+        chosen.unwrap_or_else(|e| {
+            self.failed = Some(e.to_string());
+            0
+        })
+    }
+    fn describe(&self) -> String {
+        format!("cuda: {}", self.model.gpu.name)
+    }
+}

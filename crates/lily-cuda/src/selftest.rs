@@ -1,0 +1,439 @@
+//! `lily selftest`: every kernel against its CPU twin on fresh random inputs with poisoned (NaN) outputs, then the
+//! whole model against the CPU backend (synthetic tiny, the trained default model, and the full shape).
+//!
+//! Error measure: max |gpu - cpu| / max |cpu| over the compared values (NaN anywhere fails). Tolerances:
+//! bit-exact for the synthetic weights, 1e-4 for f32 kernels (summation order differs), 1e-2 for the values
+//! rounded into the bf16 KV cache, 2e-2 for end-to-end logits on the tiny models and 5e-2 at the full shape (the
+//! bf16 KV cache's rounding carried through the layers; a random 40-layer model amplifies it more).
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use half::bf16;
+use lily_model::backend::{Backend, CpuBackend};
+use lily_model::config::LayerKind;
+use lily_model::cpu::attention::{attend, rope, rope_inv_freq};
+use lily_model::cpu::deltanet::{conv_step, l2norm, recurrent_step};
+use lily_model::cpu::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
+use lily_model::cpu::moe::{moe_forward, route};
+use lily_model::cpu::CpuModel;
+use lily_model::rng::Rng;
+use lily_model::weights::{Mixer, Weights};
+use lily_model::{synth, Config};
+
+use crate::driver::{DevBuf, Gpu, GpuError, Result};
+use crate::model::{CudaBackend, CudaModel, Op};
+use crate::weights::Source;
+
+const NAN_BITS: u32 = 0x7fc0_0000;
+
+struct Report {
+    failures: usize,
+}
+
+impl Report {
+    fn check(&mut self, name: &str, err: f64, tol: f64) {
+        let ok = err <= tol;
+        if !ok {
+            self.failures += 1;
+        }
+        println!("{:<4} {name:<58} error {err:.2e}  (tolerance {tol:.0e})", if ok { "ok" } else { "FAIL" });
+    }
+    fn check_eq(&mut self, name: &str, equal: bool, detail: &str) {
+        if !equal {
+            self.failures += 1;
+        }
+        println!("{:<4} {name:<58} {detail}", if equal { "ok" } else { "FAIL" });
+    }
+}
+
+/// max |a - b| / max |b|; infinite when a value is not finite.
+fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
+    assert_eq!(gpu.len(), cpu.len());
+    let scale = cpu.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64)).max(1e-12);
+    let mut worst = 0.0f64;
+    for (g, c) in gpu.iter().zip(cpu) {
+        if !g.is_finite() {
+            return f64::INFINITY;
+        }
+        worst = worst.max((*g as f64 - *c as f64).abs());
+    }
+    worst / scale
+}
+
+fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() * scale).collect()
+}
+
+fn download_f32(gpu: &Gpu, buf: &DevBuf, n: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0.0f32; n];
+    gpu.download(buf.ptr, &mut out)?;
+    Ok(out)
+}
+
+fn poison(gpu: &Gpu, buf: &DevBuf) -> Result<()> {
+    gpu.memset_u32(buf.ptr, NAN_BITS, buf.bytes / 4)
+}
+
+fn run(model: &CudaModel, op: Op) -> Result<()> {
+    model.enqueue(op, &mut None)?;
+    model.gpu.sync()
+}
+
+pub struct Options {
+    pub full_shape: bool,
+}
+
+/// Runs every check; returns the number of failures.
+pub fn run_all(options: &Options) -> Result<usize> {
+    let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    println!("selftest seed {seed}");
+    let mut report = Report { failures: 0 };
+    let gpu = Gpu::open()?;
+    println!("device: {} (sm_{}{}, {} SMs)", gpu.name, gpu.compute_capability.0, gpu.compute_capability.1, gpu.sm_count);
+
+    // The MLX config (with its quantization block) that a synthetic checkpoint comes with.
+    let tiny = Config::from_json(&Config::tiny_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
+    let ckpt = synth::checkpoint_in_memory(&tiny, seed).map_err(|e| GpuError::Other(e.to_string()))?;
+    let cpu_weights = Weights::from_checkpoint(tiny.clone(), &ckpt).map_err(|e| GpuError::Other(e.to_string()))?;
+    let model = CudaModel::new(gpu, tiny.clone(), &Source::synthetic(&tiny, seed), 4096, &|_, _| {})?;
+    kernel_checks(&model, &cpu_weights, seed, &mut report)?;
+
+    println!("-- end to end: synthetic tiny model (seed {seed}) --");
+    let cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
+    let gpu = CudaBackend::new(model);
+    compare_models(cpu, gpu, seed, 16, 2e-2, false, &mut report)?;
+
+    println!("-- end to end: default model ({}) --", lily_model::default_model::NAME);
+    let dir = lily_model::default_model::locate().map_err(|e| GpuError::Other(e.to_string()))?;
+    let cpu_weights = Weights::load(&dir).map_err(|e| GpuError::Other(e.to_string()))?;
+    let config = cpu_weights.config.clone();
+    let gpu_model = CudaModel::new(Gpu::open()?, config, &Source::Cpu(&cpu_weights), 4096, &|_, _| {})?;
+    let cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
+    compare_models(cpu, CudaBackend::new(gpu_model), seed, 64, 2e-2, true, &mut report)?;
+
+    if options.full_shape {
+        println!("-- full shape, synthetic seed 1 (the GPU generates its weights; the CPU builds the same) --");
+        let full = Config::from_json(&Config::full_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
+        let start = Instant::now();
+        let gpu_model = CudaModel::new(Gpu::open()?, full.clone(), &Source::synthetic(&full, 1), 4096, &|_, _| {})?;
+        println!("     GPU weights generated in {:.1} s", start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        let ckpt = synth::checkpoint_in_memory(&full, 1).map_err(|e| GpuError::Other(e.to_string()))?;
+        let weights = Weights::from_checkpoint(full, &ckpt).map_err(|e| GpuError::Other(e.to_string()))?;
+        println!("     CPU weights built in {:.1} s", start.elapsed().as_secs_f64());
+        kernel_checks(&gpu_model, &weights, seed, &mut report)?;
+        let cpu = CpuBackend::new(CpuModel::new(weights), 4096);
+        // Looser than the tiny models: a random 40-layer model amplifies the bf16 KV cache's rounding.
+        compare_models(cpu, CudaBackend::new(gpu_model), seed, 1, 5e-2, false, &mut report)?;
+    }
+    println!("{} failure(s)", report.failures);
+    Ok(report.failures)
+}
+
+/// Prefills the same random prompt on both, then decodes `steps` greedy tokens (the CPU's choice fed to both),
+/// comparing logits at every step; with `same_tokens`, also requires the GPU's greedy choice to equal the CPU's.
+fn compare_models(mut cpu: CpuBackend, mut gpu: CudaBackend, seed: u64, steps: usize, tol: f64, same_tokens: bool, report: &mut Report) -> Result<()> {
+    let vocab = cpu.config().vocab_size as u64;
+    let prompt: Vec<u32> = if same_tokens {
+        vec![760, 3841, 13477, 37550, 33075, 888, 279, 15217, 5388, 13]
+    } else {
+        let mut rng = Rng::new(seed ^ 0x5eed);
+        (0..if steps > 1 { 12 } else { 2 }).map(|_| (rng.next_u64() % vocab) as u32).collect()
+    };
+    let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
+    cpu.prefill(&prompt).map_err(fe)?;
+    gpu.prefill(&prompt).map_err(fe)?;
+    let mut worst = rel_err(gpu.logits(), cpu.logits());
+    let mut mismatches = 0;
+    let mut first_mismatch = None;
+    let mut greedy = lily_model::sampling::Sampler::new(Default::default());
+    for step in 0..steps {
+        let cpu_token = cpu.sample(&mut greedy);
+        let gpu_token = gpu.sample(&mut greedy);
+        if cpu_token != gpu_token {
+            mismatches += 1;
+            first_mismatch.get_or_insert(step);
+        }
+        if step + 1 == steps {
+            break;
+        }
+        cpu.decode(cpu_token).map_err(fe)?;
+        gpu.decode(cpu_token).map_err(fe)?;
+        worst = worst.max(rel_err(gpu.logits(), cpu.logits()));
+    }
+    report.check(&format!("logits, prompt of {} then {} decode steps", prompt.len(), steps.saturating_sub(1)), worst, tol);
+    // The kernels have no order-dependent reductions: a repeated prefill must give the same bits (a race would not).
+    gpu.prefill(&prompt).map_err(fe)?;
+    let first = gpu.logits().to_vec();
+    gpu.prefill(&prompt).map_err(fe)?;
+    let same = first.iter().zip(gpu.logits()).all(|(a, b)| a.to_bits() == b.to_bits());
+    report.check_eq("GPU logits bit-identical on a repeated prefill", same, "determinism (race check)");
+    let detail = format!("{mismatches} of {steps} differ (first at {first_mismatch:?})");
+    if same_tokens {
+        report.check_eq(&format!("greedy tokens identical for {steps} steps"), mismatches == 0, &detail);
+    } else {
+        println!("     greedy tokens: {detail}");
+    }
+    Ok(())
+}
+
+fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report) -> Result<()> {
+    let c = &model.config;
+    let g = &model.gpu;
+    let s = &model.state;
+    let mut rng = Rng::new(seed);
+    let h = c.hidden_size;
+    let first_linear = c.layer_types.iter().position(|k| *k == LayerKind::Linear).expect("a DeltaNet layer");
+    let first_full = c.layer_types.iter().position(|k| *k == LayerKind::Full).expect("an attention layer");
+    println!("-- kernels against their CPU twins (hidden {h}, seed {seed}) --");
+
+    // Synthetic weights: the GPU's in-place generation against lily_model::synth, byte for byte.
+    {
+        let gw = &model.weights;
+        let mut equal = true;
+        for (gm, cm) in [(&gw.embed, &w.embed_tokens), (&gw.layers[0].experts_down, &w.layers[0].moe.experts_down), (&gw.lm_head, &w.lm_head)] {
+            let v = cm.view();
+            let mut packed = vec![0u32; v.packed.len()];
+            g.download(gm.packed.ptr, &mut packed)?;
+            let mut pairs = vec![0u32; v.scales.len()];
+            g.download(gm.scale_bias.ptr, &mut pairs)?;
+            equal &= packed == v.packed;
+            equal &= pairs.iter().zip(v.scales.iter().zip(v.biases)).all(|(p, (s, b))| *p == (s.to_bits() as u32 | (b.to_bits() as u32) << 16));
+        }
+        report.check_eq("synth: GPU-generated weights == SynthTensor::bytes()", equal, "embed, experts_down, lm_head");
+    }
+
+    // Embedding row.
+    {
+        let position = (rng.next_u64() % 1000) as i32;
+        let token = (rng.next_u64() % c.vocab_size as u64) as i32;
+        g.upload(s.position.ptr, &[position])?;
+        g.upload(s.tokens.at(position as usize * 4), &[token])?;
+        poison(g, &s.hidden)?;
+        run(model, Op::Embed)?;
+        let mut expected = vec![0.0; h];
+        w.embed_tokens.view().dequantize_row(token as usize, &mut expected);
+        report.check("embed", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-6);
+    }
+
+    // Input projections with the RMSNorm, both mixers.
+    for l in [first_linear, first_full] {
+        let hidden = normals(&mut rng, h, 1.0);
+        g.upload(s.hidden.ptr, &hidden)?;
+        poison(g, &s.proj)?;
+        run(model, Op::MixerInProj(l))?;
+        let layer = &w.layers[l];
+        let mut x = vec![0.0; h];
+        rmsnorm(&hidden, &layer.input_norm, c.rms_norm_eps, &mut x);
+        let mats = match &layer.mixer {
+            Mixer::Linear(d) => vec![&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
+            Mixer::Full(a) => vec![&a.q_proj, &a.k_proj, &a.v_proj],
+        };
+        let mut expected = Vec::new();
+        for m in mats {
+            let mut out = vec![0.0; m.rows];
+            qmatmul(m.view(), &x, &mut out);
+            expected.extend(out);
+        }
+        let got = download_f32(g, &s.proj, expected.len())?;
+        report.check(&format!("proj_normed (layer {l}, {} rows, 4-bit matvec + rmsnorm)", expected.len()), rel_err(&got, &expected), 1e-4);
+    }
+
+    // Gated DeltaNet step.
+    {
+        let l = first_linear;
+        let Mixer::Linear(d) = &w.layers[l].mixer else { unreachable!() };
+        let slot = 0;
+        let (conv_dim, taps) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
+        let (nk, nv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let position = (rng.next_u64() % 1000) as usize;
+        let proj = normals(&mut rng, conv_dim + nv * dv + 2 * nv, 1.0);
+        let ring = normals(&mut rng, taps * conv_dim, 1.0);
+        let state = normals(&mut rng, nv * dk * dv, 0.05);
+        g.upload(s.position.ptr, &[position as i32])?;
+        g.upload(s.proj.ptr, &proj)?;
+        g.upload(s.conv_ring[slot].ptr, &ring)?;
+        g.upload(s.recurrent[slot].ptr, &state)?;
+        poison(g, &s.core)?;
+        run(model, Op::GdnStep(l))?;
+        // CPU twin: the conv state oldest first, from the ring.
+        let mut conv_state: Vec<f32> = (0..taps - 1).flat_map(|j| ring[((position + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec()).collect();
+        let mut conv_out = vec![0.0; conv_dim];
+        conv_step(&proj[..conv_dim], &mut conv_state, &d.conv1d, taps, &mut conv_out);
+        let key_dim = nk * dk;
+        for head in conv_out[..2 * key_dim].chunks_exact_mut(dk) {
+            l2norm(head);
+        }
+        conv_out[..key_dim].iter_mut().for_each(|v| *v *= 1.0 / (dk as f32).sqrt());
+        let mut expected_state = state.clone();
+        let mut expected_core = vec![0.0; nv * dv];
+        for head in 0..nv {
+            let kh = head / (nv / nk);
+            let beta = sigmoid(proj[conv_dim + nv * dv + head]);
+            let decay = -d.a_log[head].exp() * softplus(proj[conv_dim + nv * dv + nv + head] + d.dt_bias[head]);
+            recurrent_step(
+                &conv_out[kh * dk..(kh + 1) * dk],
+                &conv_out[key_dim + kh * dk..key_dim + (kh + 1) * dk],
+                &conv_out[2 * key_dim + head * dv..2 * key_dim + (head + 1) * dv],
+                decay,
+                beta,
+                &mut expected_state[head * dk * dv..(head + 1) * dk * dv],
+                &mut expected_core[head * dv..(head + 1) * dv],
+            );
+        }
+        report.check("gdn_step: output (conv, silu, l2norm, gates, delta rule)", rel_err(&download_f32(g, &s.core, nv * dv)?, &expected_core), 1e-4);
+        report.check("gdn_step: recurrent state", rel_err(&download_f32(g, &s.recurrent[slot], nv * dk * dv)?, &expected_state), 1e-4);
+        let ring_after = download_f32(g, &s.conv_ring[slot], taps * conv_dim)?;
+        let slot_now = position % taps;
+        report.check("gdn_step: conv ring holds the new input", rel_err(&ring_after[slot_now * conv_dim..(slot_now + 1) * conv_dim], &proj[..conv_dim]), 0.0);
+
+        // Output projection with the gated norm and the residual.
+        let core = normals(&mut rng, nv * dv, 1.0);
+        let hidden = normals(&mut rng, h, 1.0);
+        g.upload(s.core.ptr, &core)?;
+        g.upload(s.hidden.ptr, &hidden)?;
+        run(model, Op::GdnOutProj(l))?;
+        let mut normed = core.clone();
+        rmsnorm_in_place(&mut normed, &d.norm, c.rms_norm_eps);
+        for (o, z) in normed.iter_mut().zip(&proj[conv_dim..conv_dim + nv * dv]) {
+            *o *= silu(*z);
+        }
+        let mut out = vec![0.0; h];
+        qmatmul(d.out_proj.view(), &normed, &mut out);
+        let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
+        report.check("out_proj_gdn (gated norm + 4-bit matvec + residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
+    }
+
+    // Attention: prep (norms, RoPE, cache write), flash-decoding parts, merge with the gate.
+    {
+        let l = first_full;
+        let Mixer::Full(a) = &w.layers[l].mixer else { unreachable!() };
+        let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+        let position = 1000 + (rng.next_u64() % 3000) as usize;
+        let proj = normals(&mut rng, 2 * q_dim + 2 * kv_dim, 1.0);
+        let cache: Vec<bf16> = (0..2 * position * kv_dim).map(|_| bf16::from_f32(rng.normal())).collect();
+        g.upload(s.k_cache[0].ptr, &cache[..position * kv_dim])?;
+        g.upload(s.v_cache[0].ptr, &cache[position * kv_dim..])?;
+        g.upload(s.position.ptr, &[position as i32])?;
+        g.upload(s.proj.ptr, &proj)?;
+        poison(g, &s.core)?;
+        poison(g, &s.q)?;
+        run(model, Op::AttnPrep(l))?;
+        run(model, Op::AttnPartial(l))?;
+        run(model, Op::AttnMerge(l))?;
+        let inv_freq = rope_inv_freq(c.rope_theta, c.rotary_dim());
+        let mut q = vec![0.0; q_dim];
+        for head in 0..heads {
+            let qh = &mut q[head * hd..(head + 1) * hd];
+            rmsnorm(&proj[head * 2 * hd..head * 2 * hd + hd], &a.q_norm, c.rms_norm_eps, qh);
+            rope(qh, position, &inv_freq);
+        }
+        let mut k_new = proj[2 * q_dim..2 * q_dim + kv_dim].to_vec();
+        for head in k_new.chunks_exact_mut(hd) {
+            rmsnorm_in_place(head, &a.k_norm, c.rms_norm_eps);
+            rope(head, position, &inv_freq);
+        }
+        let to_f32 = |v: Vec<bf16>| v.into_iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let mut k_all = vec![bf16::ZERO; (position + 1) * kv_dim];
+        let mut v_all = vec![bf16::ZERO; (position + 1) * kv_dim];
+        g.download(s.k_cache[0].ptr, &mut k_all)?;
+        g.download(s.v_cache[0].ptr, &mut v_all)?;
+        let (k_all, v_all) = (to_f32(k_all), to_f32(v_all));
+        report.check("attn_prep: new key (k_norm, RoPE) in the bf16 cache", rel_err(&k_all[position * kv_dim..], &k_new), 1e-2);
+        report.check("attn_prep: new value in the bf16 cache", rel_err(&v_all[position * kv_dim..], &proj[2 * q_dim + kv_dim..]), 1e-2);
+        let mut expected = vec![0.0; q_dim];
+        attend(&q, &k_all, &v_all, position, heads, kv_heads, hd, &mut expected);
+        for head in 0..heads {
+            for j in 0..hd {
+                expected[head * hd + j] *= sigmoid(proj[head * 2 * hd + hd + j]);
+            }
+        }
+        let got = download_f32(g, &s.core, q_dim)?;
+        report.check(&format!("attention over {} positions (split decode + merge + gate)", position + 1), rel_err(&got, &expected), 1e-4);
+
+        let attn = normals(&mut rng, q_dim, 1.0);
+        let hidden = normals(&mut rng, h, 1.0);
+        g.upload(s.core.ptr, &attn)?;
+        g.upload(s.hidden.ptr, &hidden)?;
+        run(model, Op::AttnOutProj(l))?;
+        let mut out = vec![0.0; h];
+        qmatmul(a.o_proj.view(), &attn, &mut out);
+        let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
+        report.check("out_proj_attn (4-bit matvec + residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
+    }
+
+    // MoE: router (8-bit) and shared gate, routing, gate/up of the 9 experts, down with weights + residual.
+    {
+        let l = first_linear;
+        let moe = &w.layers[l].moe;
+        let e = c.num_experts;
+        let hidden = normals(&mut rng, h, 1.0);
+        g.upload(s.hidden.ptr, &hidden)?;
+        poison(g, &s.router_logits)?;
+        poison(g, &s.act)?;
+        run(model, Op::Router(l))?;
+        let mut x = vec![0.0; h];
+        rmsnorm(&hidden, &w.layers[l].post_attention_norm, c.rms_norm_eps, &mut x);
+        let mut logits = vec![0.0; e + 1];
+        qmatmul(moe.router.view(), &x, &mut logits[..e]);
+        qmatmul(moe.shared_expert_gate.view(), &x, &mut logits[e..]);
+        report.check("router + shared expert gate (8-bit matvec + rmsnorm)", rel_err(&download_f32(g, &s.router_logits, e + 1)?, &logits), 1e-4);
+        run(model, Op::ExpertsGateUp(l))?;
+        run(model, Op::ExpertsDown(l))?;
+        let gpu_logits = download_f32(g, &s.router_logits, e + 1)?;
+        let (mut ids, mut weights) = (vec![0usize; c.num_experts_per_tok], vec![0.0f32; c.num_experts_per_tok]);
+        route(&gpu_logits[..e], c.num_experts_per_tok, &mut ids, &mut weights);
+        let mut gpu_ids = vec![0i32; c.num_experts_per_tok];
+        g.download(s.route_ids.ptr, &mut gpu_ids)?;
+        report.check_eq("routing: top-k experts (softmax, top-k, renormalise)", gpu_ids.iter().map(|&i| i as usize).eq(ids.iter().copied()), &format!("{gpu_ids:?}"));
+        let mut out = vec![0.0; h];
+        moe_forward(moe, e, c.num_experts_per_tok, &x, &mut out);
+        let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
+        report.check("experts gate/up + down (9 experts, weighted, residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
+    }
+
+    // lm_head with the fused greedy choice, then the sampler.
+    {
+        let hidden = normals(&mut rng, h, 1.0);
+        g.upload(s.hidden.ptr, &hidden)?;
+        poison(g, &s.logits)?;
+        run(model, Op::LmHead)?;
+        let mut x = vec![0.0; h];
+        rmsnorm(&hidden, &w.final_norm, c.rms_norm_eps, &mut x);
+        let mut expected = vec![0.0; c.vocab_size];
+        qmatmul(w.lm_head.view(), &x, &mut expected);
+        let got = download_f32(g, &s.logits, c.vocab_size)?;
+        report.check("lm_head (4-bit matvec + final norm)", rel_err(&got, &expected), 1e-4);
+        let mut token = [0i32];
+        g.download(s.next_token.ptr, &mut token)?;
+        let best = lily_model::sampling::argmax(&got);
+        report.check_eq("lm_head: fused greedy choice == argmax of its logits", token[0] as u32 == best, &format!("{} vs {best}", token[0]));
+
+        let mut order: Vec<u32> = (0..c.vocab_size as u32).collect();
+        order.sort_by(|a, b| got[*b as usize].total_cmp(&got[*a as usize]));
+        let mut backend_tokens = Vec::new();
+        for (temperature, top_k, top_p, min_p, allowed) in [(0.8f32, 10usize, 1.0f32, 0.0f32, 10usize), (1.0, 0, 1.0, 0.0, 64), (1.0, 20, 0.9, 0.05, 20)] {
+            let mut inside = true;
+            for counter in 1..=64u64 {
+                let mut args = crate::driver::Args::new()
+                    .ptr(s.logits.ptr)
+                    .f32(temperature)
+                    .i32(top_k as i32)
+                    .f32(top_p)
+                    .f32(min_p)
+                    .u64(seed)
+                    .u64(counter)
+                    .ptr(s.next_token.ptr);
+                g.launch(model.kernels.get("sample"), (1, 1, 1), 1024, &mut args)?;
+                g.download(s.next_token.ptr, &mut token)?;
+                inside &= order[..allowed].contains(&(token[0] as u32));
+                backend_tokens.push(token[0]);
+            }
+            report.check_eq(&format!("sample (T {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}) in the top {allowed}"), inside, "64 draws");
+        }
+        let distinct = backend_tokens.iter().collect::<std::collections::BTreeSet<_>>().len();
+        report.check_eq("sample: draws vary with the counter", distinct > 1, &format!("{distinct} distinct tokens"));
+    }
+    Ok(())
+}

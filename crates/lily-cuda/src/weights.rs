@@ -1,0 +1,434 @@
+//! The model's weights on the GPU: MLX's packed 4-bit (8-bit for the router) rows as they are, each matrix's
+//! scales and biases interleaved into one (scale, bias) bf16 pair per group, and the matrices one launch reads
+//! together stacked: a DeltaNet layer's q/k/v, z, b, a projections; an attention layer's q(+gate), k, v; the
+//! router and the shared expert's gate. Filled from a checkpoint loaded on the CPU, or generated in place.
+
+use std::collections::HashMap;
+
+use half::bf16;
+use lily_model::config::{LayerKind, GROUP_SIZE};
+use lily_model::quant::{words_per_row, QMatrix};
+use lily_model::synth::{Fill, SynthTensor};
+use lily_model::weights::{Mixer, Weights};
+use lily_model::Config;
+use safetensors::Dtype;
+
+use crate::driver::{Args, DevBuf, Gpu, GpuError, Result};
+use crate::kernels::Kernels;
+
+pub struct GpuMatrix {
+    pub packed: DevBuf,
+    pub scale_bias: DevBuf,
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: u32,
+}
+
+impl GpuMatrix {
+    fn alloc(gpu: &Gpu, rows: usize, cols: usize, bits: u32) -> Result<GpuMatrix> {
+        Ok(GpuMatrix {
+            packed: gpu.alloc(rows * words_per_row(cols, bits) * 4)?,
+            scale_bias: gpu.alloc(rows * cols / GROUP_SIZE * 4)?,
+            rows,
+            cols,
+            bits,
+        })
+    }
+    fn row_bytes(&self) -> usize {
+        words_per_row(self.cols, self.bits) * 4
+    }
+    /// Bytes of one row (packed values plus its scales and biases).
+    pub fn bytes_per_row(&self) -> usize {
+        self.row_bytes() + self.cols / GROUP_SIZE * 4
+    }
+    pub fn bytes(&self) -> usize {
+        self.rows * self.bytes_per_row()
+    }
+    /// The kernels' `Q4` argument.
+    pub fn arg(&self, args: Args) -> Args {
+        args.pair(self.packed.ptr, self.scale_bias.ptr)
+    }
+}
+
+pub struct GpuDeltaNet {
+    /// Rows: q k v (conv channels), z, b, a.
+    pub in_proj: GpuMatrix,
+    /// `[channel][tap]`, f32.
+    pub conv_w: DevBuf,
+    pub a_log: DevBuf,
+    pub dt_bias: DevBuf,
+    pub norm: DevBuf,
+    pub out_proj: GpuMatrix,
+}
+
+pub struct GpuAttention {
+    /// Rows: per head [query | gate], then k, then v.
+    pub qkv: GpuMatrix,
+    pub q_norm: DevBuf,
+    pub k_norm: DevBuf,
+    pub o_proj: GpuMatrix,
+}
+
+pub enum GpuMixer {
+    Linear(GpuDeltaNet),
+    Full(GpuAttention),
+}
+
+pub struct GpuLayer {
+    pub input_norm: DevBuf,
+    pub post_norm: DevBuf,
+    pub mixer: GpuMixer,
+    /// 8-bit; rows: the experts' router, then the shared expert's gate.
+    pub router: GpuMatrix,
+    pub experts_gate: GpuMatrix,
+    pub experts_up: GpuMatrix,
+    pub experts_down: GpuMatrix,
+    pub shared_gate: GpuMatrix,
+    pub shared_up: GpuMatrix,
+    pub shared_down: GpuMatrix,
+}
+
+pub struct GpuWeights {
+    pub embed: GpuMatrix,
+    pub layers: Vec<GpuLayer>,
+    pub final_norm: DevBuf,
+    pub lm_head: GpuMatrix,
+}
+
+/// A quantized matrix of the model, by its place.
+#[derive(Clone, Copy, Debug)]
+pub enum Mat {
+    Embed,
+    LmHead,
+    InProjQkv(usize),
+    InProjZ(usize),
+    InProjB(usize),
+    InProjA(usize),
+    OutProj(usize),
+    QProj(usize),
+    KProj(usize),
+    VProj(usize),
+    OProj(usize),
+    Router(usize),
+    SharedExpertGate(usize),
+    ExpertsGate(usize),
+    ExpertsUp(usize),
+    ExpertsDown(usize),
+    SharedGate(usize),
+    SharedUp(usize),
+    SharedDown(usize),
+}
+
+impl Mat {
+    pub fn mlx_name(self) -> String {
+        let layer = |l: usize, path: &str| format!("language_model.model.layers.{l}.{path}");
+        match self {
+            Mat::Embed => "language_model.model.embed_tokens".into(),
+            Mat::LmHead => "language_model.lm_head".into(),
+            Mat::InProjQkv(l) => layer(l, "linear_attn.in_proj_qkv"),
+            Mat::InProjZ(l) => layer(l, "linear_attn.in_proj_z"),
+            Mat::InProjB(l) => layer(l, "linear_attn.in_proj_b"),
+            Mat::InProjA(l) => layer(l, "linear_attn.in_proj_a"),
+            Mat::OutProj(l) => layer(l, "linear_attn.out_proj"),
+            Mat::QProj(l) => layer(l, "self_attn.q_proj"),
+            Mat::KProj(l) => layer(l, "self_attn.k_proj"),
+            Mat::VProj(l) => layer(l, "self_attn.v_proj"),
+            Mat::OProj(l) => layer(l, "self_attn.o_proj"),
+            Mat::Router(l) => layer(l, "mlp.gate"),
+            Mat::SharedExpertGate(l) => layer(l, "mlp.shared_expert_gate"),
+            Mat::ExpertsGate(l) => layer(l, "mlp.switch_mlp.gate_proj"),
+            Mat::ExpertsUp(l) => layer(l, "mlp.switch_mlp.up_proj"),
+            Mat::ExpertsDown(l) => layer(l, "mlp.switch_mlp.down_proj"),
+            Mat::SharedGate(l) => layer(l, "mlp.shared_expert.gate_proj"),
+            Mat::SharedUp(l) => layer(l, "mlp.shared_expert.up_proj"),
+            Mat::SharedDown(l) => layer(l, "mlp.shared_expert.down_proj"),
+        }
+    }
+
+    fn cpu(self, w: &Weights) -> Option<&QMatrix> {
+        let layer = |l: usize| &w.layers[l];
+        let gdn = |l: usize| match &layer(l).mixer {
+            Mixer::Linear(g) => Some(g),
+            Mixer::Full(_) => None,
+        };
+        let attn = |l: usize| match &layer(l).mixer {
+            Mixer::Full(a) => Some(a),
+            Mixer::Linear(_) => None,
+        };
+        Some(match self {
+            Mat::Embed => &w.embed_tokens,
+            Mat::LmHead => &w.lm_head,
+            Mat::InProjQkv(l) => &gdn(l)?.in_proj_qkv,
+            Mat::InProjZ(l) => &gdn(l)?.in_proj_z,
+            Mat::InProjB(l) => &gdn(l)?.in_proj_b,
+            Mat::InProjA(l) => &gdn(l)?.in_proj_a,
+            Mat::OutProj(l) => &gdn(l)?.out_proj,
+            Mat::QProj(l) => &attn(l)?.q_proj,
+            Mat::KProj(l) => &attn(l)?.k_proj,
+            Mat::VProj(l) => &attn(l)?.v_proj,
+            Mat::OProj(l) => &attn(l)?.o_proj,
+            Mat::Router(l) => &layer(l).moe.router,
+            Mat::SharedExpertGate(l) => &layer(l).moe.shared_expert_gate,
+            Mat::ExpertsGate(l) => &layer(l).moe.experts_gate,
+            Mat::ExpertsUp(l) => &layer(l).moe.experts_up,
+            Mat::ExpertsDown(l) => &layer(l).moe.experts_down,
+            Mat::SharedGate(l) => &layer(l).moe.shared_gate,
+            Mat::SharedUp(l) => &layer(l).moe.shared_up,
+            Mat::SharedDown(l) => &layer(l).moe.shared_down,
+        })
+    }
+}
+
+/// A float vector of the model, by its place.
+#[derive(Clone, Copy, Debug)]
+pub enum Vector {
+    InputNorm(usize),
+    PostNorm(usize),
+    Conv(usize),
+    ALog(usize),
+    DtBias(usize),
+    GatedNorm(usize),
+    QNorm(usize),
+    KNorm(usize),
+    FinalNorm,
+}
+
+impl Vector {
+    fn mlx_name(self) -> String {
+        let layer = |l: usize, path: &str| format!("language_model.model.layers.{l}.{path}");
+        match self {
+            Vector::InputNorm(l) => layer(l, "input_layernorm.weight"),
+            Vector::PostNorm(l) => layer(l, "post_attention_layernorm.weight"),
+            Vector::Conv(l) => layer(l, "linear_attn.conv1d.weight"),
+            Vector::ALog(l) => layer(l, "linear_attn.A_log"),
+            Vector::DtBias(l) => layer(l, "linear_attn.dt_bias"),
+            Vector::GatedNorm(l) => layer(l, "linear_attn.norm.weight"),
+            Vector::QNorm(l) => layer(l, "self_attn.q_norm.weight"),
+            Vector::KNorm(l) => layer(l, "self_attn.k_norm.weight"),
+            Vector::FinalNorm => "language_model.model.norm.weight".into(),
+        }
+    }
+
+    fn cpu(self, w: &Weights) -> Option<&[f32]> {
+        let layer = |l: usize| &w.layers[l];
+        Some(match self {
+            Vector::InputNorm(l) => &layer(l).input_norm,
+            Vector::PostNorm(l) => &layer(l).post_attention_norm,
+            Vector::FinalNorm => &w.final_norm,
+            Vector::Conv(l) | Vector::ALog(l) | Vector::DtBias(l) | Vector::GatedNorm(l) => match &layer(l).mixer {
+                Mixer::Linear(g) => match self {
+                    Vector::Conv(_) => &g.conv1d,
+                    Vector::ALog(_) => &g.a_log,
+                    Vector::DtBias(_) => &g.dt_bias,
+                    _ => &g.norm,
+                },
+                Mixer::Full(_) => return None,
+            },
+            Vector::QNorm(l) | Vector::KNorm(l) => match &layer(l).mixer {
+                Mixer::Full(a) => match self {
+                    Vector::QNorm(_) => &a.q_norm,
+                    _ => &a.k_norm,
+                },
+                Mixer::Linear(_) => return None,
+            },
+        })
+    }
+}
+
+/// Where weights come from.
+pub enum Source<'a> {
+    /// A checkpoint loaded (memory-mapped) on the CPU.
+    Cpu(&'a Weights),
+    /// Synthetic weights (lily_model::synth) generated on the GPU; small float vectors are made on the host.
+    Synthetic { seed: u64, tensors: HashMap<String, SynthTensor> },
+}
+
+impl Source<'_> {
+    pub fn synthetic(config: &Config, seed: u64) -> Source<'static> {
+        let tensors = lily_model::synth::tensors(config, seed).into_iter().map(|t| (t.name.clone(), t)).collect();
+        Source::Synthetic { seed, tensors }
+    }
+
+    fn tensor(&self, name: &str) -> Result<&SynthTensor> {
+        match self {
+            Source::Synthetic { tensors, .. } => {
+                tensors.get(name).ok_or_else(|| GpuError::Other(format!("synthetic checkpoint has no tensor {name}")))
+            }
+            Source::Cpu(_) => unreachable!("only synthetic sources have tensors"),
+        }
+    }
+
+    /// Writes matrix `id` into rows `row0..` of `dest`.
+    fn matrix(&self, gpu: &Gpu, kernels: &Kernels, id: Mat, dest: &GpuMatrix, row0: usize) -> Result<usize> {
+        match self {
+            Source::Cpu(w) => {
+                let m = id.cpu(w).ok_or_else(|| GpuError::Other(format!("{id:?} is not in this layer")))?;
+                if m.cols != dest.cols || m.bits != dest.bits || row0 + m.rows > dest.rows {
+                    return Err(GpuError::Other(format!(
+                        "{id:?}: {}x{} {}-bit does not fit rows {row0}.. of {}x{} {}-bit",
+                        m.rows, m.cols, m.bits, dest.rows, dest.cols, dest.bits
+                    )));
+                }
+                let v = m.view();
+                gpu.upload(dest.packed.at(row0 * dest.row_bytes()), v.packed)?;
+                let pairs: Vec<u32> = v
+                    .scales
+                    .iter()
+                    .zip(v.biases)
+                    .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
+                    .collect();
+                gpu.upload(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE * 4), &pairs)?;
+                Ok(m.rows)
+            }
+            Source::Synthetic { seed, .. } => {
+                let name = id.mlx_name();
+                let weight = self.tensor(&format!("{name}.weight"))?;
+                let scales = self.tensor(&format!("{name}.scales"))?;
+                let rows: usize = weight.shape[..weight.shape.len() - 1].iter().product();
+                let words = rows * words_per_row(dest.cols, dest.bits);
+                let groups = rows * dest.cols / GROUP_SIZE;
+                if weight.shape.iter().product::<usize>() != words || row0 + rows > dest.rows {
+                    return Err(GpuError::Other(format!("{name}: shape {:?} does not fit", weight.shape)));
+                }
+                let Fill::Scales { base } = scales.fill else {
+                    return Err(GpuError::Other(format!("{name}.scales is not a scales tensor")));
+                };
+                let levels = ((1u32 << dest.bits) - 1) as f32;
+                let grid = |n: usize| (n.div_ceil(256).min(65536) as u32, 1, 1);
+                gpu.launch(
+                    kernels.get("synth_packed"),
+                    grid(words),
+                    256,
+                    &mut Args::new().ptr(dest.packed.at(row0 * dest.row_bytes())).u64(words as u64).u64(*seed).u64(weight.stream),
+                )?;
+                gpu.launch(
+                    kernels.get("synth_scale_bias"),
+                    grid(groups),
+                    256,
+                    &mut Args::new()
+                        .ptr(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE * 4))
+                        .u64(groups as u64)
+                        .u64(*seed)
+                        .u64(scales.stream)
+                        .f32(base)
+                        .f32(levels),
+                )?;
+                Ok(rows)
+            }
+        }
+    }
+
+    fn vector(&self, id: Vector) -> Result<Vec<f32>> {
+        match self {
+            Source::Cpu(w) => id.cpu(w).map(<[f32]>::to_vec).ok_or_else(|| GpuError::Other(format!("{id:?} is not in this layer"))),
+            Source::Synthetic { .. } => {
+                let t = self.tensor(&id.mlx_name())?;
+                let bytes = t.bytes();
+                Ok(match t.dtype {
+                    Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+                    Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+                    other => return Err(GpuError::Other(format!("{}: unexpected dtype {other:?}", t.name))),
+                })
+            }
+        }
+    }
+}
+
+impl GpuWeights {
+    /// Allocates every tensor at the config's shape and fills it from `source`; `progress(done, total)` counts
+    /// bytes.
+    pub fn load(gpu: &Gpu, kernels: &Kernels, config: &Config, source: &Source, progress: &dyn Fn(usize, usize)) -> Result<GpuWeights> {
+        let c = config;
+        let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
+        let total = lily_model::synth::total_bytes(c);
+        let mut done = 0usize;
+        let mut fill = |ids: &[Mat], dest: &GpuMatrix| -> Result<()> {
+            let mut row = 0;
+            for id in ids {
+                row += source.matrix(gpu, kernels, *id, dest, row)?;
+            }
+            if row != dest.rows {
+                return Err(GpuError::Other(format!("{ids:?} filled {row} of {} rows", dest.rows)));
+            }
+            gpu.sync()?;
+            done += dest.bytes();
+            progress(done.min(total), total);
+            Ok(())
+        };
+        let vector = |id: Vector, len: usize| -> Result<DevBuf> {
+            let values = source.vector(id)?;
+            if values.len() != len {
+                return Err(GpuError::Other(format!("{id:?}: {} values, expected {len}", values.len())));
+            }
+            let buf = gpu.alloc(len * 4)?;
+            gpu.upload(buf.ptr, &values)?;
+            Ok(buf)
+        };
+
+        let embed = GpuMatrix::alloc(gpu, c.vocab_size, h, 4)?;
+        fill(&[Mat::Embed], &embed)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let mixer = match c.layer_types[l] {
+                LayerKind::Linear => {
+                    let in_proj = GpuMatrix::alloc(gpu, c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads, h, 4)?;
+                    fill(&[Mat::InProjQkv(l), Mat::InProjZ(l), Mat::InProjB(l), Mat::InProjA(l)], &in_proj)?;
+                    let out_proj = GpuMatrix::alloc(gpu, h, c.linear_value_dim(), 4)?;
+                    fill(&[Mat::OutProj(l)], &out_proj)?;
+                    GpuMixer::Linear(GpuDeltaNet {
+                        in_proj,
+                        conv_w: vector(Vector::Conv(l), c.linear_conv_dim() * c.linear_conv_kernel_dim)?,
+                        a_log: vector(Vector::ALog(l), c.linear_num_value_heads)?,
+                        dt_bias: vector(Vector::DtBias(l), c.linear_num_value_heads)?,
+                        norm: vector(Vector::GatedNorm(l), c.linear_value_head_dim)?,
+                        out_proj,
+                    })
+                }
+                LayerKind::Full => {
+                    let qkv = GpuMatrix::alloc(gpu, 2 * c.q_dim() + 2 * c.kv_dim(), h, 4)?;
+                    fill(&[Mat::QProj(l), Mat::KProj(l), Mat::VProj(l)], &qkv)?;
+                    let o_proj = GpuMatrix::alloc(gpu, h, c.q_dim(), 4)?;
+                    fill(&[Mat::OProj(l)], &o_proj)?;
+                    GpuMixer::Full(GpuAttention {
+                        qkv,
+                        q_norm: vector(Vector::QNorm(l), c.head_dim)?,
+                        k_norm: vector(Vector::KNorm(l), c.head_dim)?,
+                        o_proj,
+                    })
+                }
+            };
+            let router = GpuMatrix::alloc(gpu, e + 1, h, 8)?;
+            fill(&[Mat::Router(l), Mat::SharedExpertGate(l)], &router)?;
+            let experts_gate = GpuMatrix::alloc(gpu, e * i, h, 4)?;
+            fill(&[Mat::ExpertsGate(l)], &experts_gate)?;
+            let experts_up = GpuMatrix::alloc(gpu, e * i, h, 4)?;
+            fill(&[Mat::ExpertsUp(l)], &experts_up)?;
+            let experts_down = GpuMatrix::alloc(gpu, e * h, i, 4)?;
+            fill(&[Mat::ExpertsDown(l)], &experts_down)?;
+            let si = c.shared_expert_intermediate_size;
+            let shared_gate = GpuMatrix::alloc(gpu, si, h, 4)?;
+            fill(&[Mat::SharedGate(l)], &shared_gate)?;
+            let shared_up = GpuMatrix::alloc(gpu, si, h, 4)?;
+            fill(&[Mat::SharedUp(l)], &shared_up)?;
+            let shared_down = GpuMatrix::alloc(gpu, h, si, 4)?;
+            fill(&[Mat::SharedDown(l)], &shared_down)?;
+            layers.push(GpuLayer {
+                input_norm: vector(Vector::InputNorm(l), h)?,
+                post_norm: vector(Vector::PostNorm(l), h)?,
+                mixer,
+                router,
+                experts_gate,
+                experts_up,
+                experts_down,
+                shared_gate,
+                shared_up,
+                shared_down,
+            });
+        }
+        let lm_head = GpuMatrix::alloc(gpu, c.vocab_size, h, 4)?;
+        fill(&[Mat::LmHead], &lm_head)?;
+        let final_norm = vector(Vector::FinalNorm, h)?;
+        progress(total, total);
+        Ok(GpuWeights { embed, layers, final_norm, lm_head })
+    }
+}

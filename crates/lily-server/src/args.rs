@@ -1,0 +1,59 @@
+//! `lily serve` command-line arguments.
+
+use std::path::PathBuf;
+
+/// Where chat responses put the model's reasoning (the text inside `<think>...</think>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReasoningField {
+    /// `reasoning_content` (DeepSeek's and vLLM's name, read by most clients).
+    ReasoningContent,
+    /// `reasoning` (vLLM's newer name, OpenRouter's).
+    Reasoning,
+    /// Both fields, same text.
+    Both,
+}
+
+impl ReasoningField {
+    pub fn content(self) -> bool {
+        matches!(self, ReasoningField::ReasoningContent | ReasoningField::Both)
+    }
+
+    pub fn reasoning(self) -> bool {
+        matches!(self, ReasoningField::Reasoning | ReasoningField::Both)
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Model directory (MLX 4-bit or HF bf16 safetensors). Default: the bundled lily-tiny-shakespeare.
+    #[arg(long, env = "LILY_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
+    #[arg(long, env = "LILY_API_KEY")]
+    pub api_key: Option<String>,
+    /// Requests that may wait behind the running one; more are answered 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Tokens of context per request (prompt + completion). Default: min(max_position_embeddings, 32768).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// The model id clients see and send. Default: the model directory's name (lily-tiny-shakespeare for the
+    /// default model).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest request body accepted, in bytes (larger: 413).
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Where chat responses put the model's reasoning.
+    #[arg(long, value_enum, default_value = "reasoning-content")]
+    pub reasoning_field: ReasoningField,
+    /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_timeout: f64,
+}

@@ -1,0 +1,559 @@
+//! `POST /v1/chat/completions`: from the request to sequences for the engine (validation, chat template,
+//! tokens), and from the engine's events to OpenAI's response or chunks.
+
+use std::sync::Arc;
+
+use lily_chat::{Delta, FinalOutput, RenderRequest, TemplateError, Tokenizer};
+use serde_json::{json, Map, Value as Json};
+
+use crate::args::ReasoningField;
+use crate::engine::{Event, OutputKind, SequenceSpec};
+use crate::error::ApiError;
+use crate::logits::TokenLogprob;
+use crate::params::{self, RawSampling, MAX_TOP_LOGPROBS};
+use crate::server::Ready;
+use crate::token_bytes::token_text;
+use crate::types::*;
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// A validated chat request, ready for the engine.
+pub struct ChatPlan {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    pub parallel_tool_calls: bool,
+    pub prompt_tokens: usize,
+    pub sequences: Vec<SequenceSpec>,
+}
+
+/// How the request's `tool_choice` was honoured.
+#[derive(Debug, Clone, PartialEq)]
+enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan, ApiError> {
+    let messages = request.messages.ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+    let mut messages = validate_messages(messages)?;
+    let tools = validate_tools(request.tools.unwrap_or_default())?;
+    let choice = tool_choice(request.tool_choice.as_ref(), &tools)?;
+    let rendered_tools: Vec<Json> = match &choice {
+        ToolChoice::None => Vec::new(),
+        ToolChoice::Auto | ToolChoice::Required => tools.clone(),
+        ToolChoice::Named(name) => tools.iter().filter(|t| function_name(t) == Some(name.as_str())).cloned().collect(),
+    };
+    let mut instructions = Vec::new();
+    match &choice {
+        ToolChoice::Required => instructions.push(
+            "You must call at least one of the functions above in this reply, in the format given.".to_string(),
+        ),
+        ToolChoice::Named(name) => instructions
+            .push(format!("You must call the function `{name}` in this reply, in the format given.")),
+        _ => {}
+    }
+    if let Some(instruction) = response_format_instruction(request.response_format.as_ref())? {
+        instructions.push(instruction);
+    }
+    if !instructions.is_empty() {
+        add_system_instruction(&mut messages, &instructions.join("\n\n"));
+    }
+
+    let mut kwargs = request.chat_template_kwargs.unwrap_or_default();
+    if let Some(effort) = &request.reasoning_effort {
+        let thinking = match effort.as_str() {
+            "none" | "minimal" => false,
+            "low" | "medium" | "high" | "xhigh" => true,
+            other => {
+                return Err(ApiError::invalid(
+                    "reasoning_effort",
+                    format!("`reasoning_effort` must be one of none, minimal, low, medium, high; got {other:?}"),
+                ))
+            }
+        };
+        kwargs.entry("enable_thinking").or_insert(Json::Bool(thinking));
+    }
+
+    let prompt_text = render(ready, messages, &rendered_tools, kwargs, true)?;
+    let prompt = ready
+        .tokenizer
+        .encode(&prompt_text, false)
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?;
+
+    let (requested, param) = match (request.max_completion_tokens, request.max_tokens) {
+        (Some(m), _) => (Some(m), "max_completion_tokens"),
+        (None, m) => (m, "max_tokens"),
+    };
+    let max_tokens = params::max_tokens(requested, param, "messages", prompt.len(), ready.context)?;
+
+    let logprobs = request.logprobs.unwrap_or(false);
+    let top_logprobs = match request.top_logprobs {
+        None => 0,
+        Some(_) if !logprobs => {
+            return Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs` set to true"))
+        }
+        Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+            ))
+        }
+    };
+    let sampling = params::validate(
+        RawSampling {
+            temperature: request.temperature,
+            top_p: request.top_p,
+            top_k: request.top_k,
+            min_p: request.min_p,
+            presence_penalty: request.presence_penalty,
+            frequency_penalty: request.frequency_penalty,
+            repetition_penalty: request.repetition_penalty,
+            logit_bias: request.logit_bias,
+            seed: request.seed,
+            stop: request.stop,
+            n: request.n,
+        },
+        &ready.defaults,
+        ready.vocab_size,
+    )?;
+    let stream = request.stream.unwrap_or(false);
+    let include_usage = request.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    if request.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed when `stream` is true"));
+    }
+
+    let prompt = Arc::new(prompt);
+    let prompt_text: Arc<str> = prompt_text.into();
+    let sequences = (0..sampling.n)
+        .map(|i| {
+            let mut sampling_params = sampling.params.clone();
+            sampling_params.seed = sampling_params.seed.wrapping_add(i as u64);
+            SequenceSpec {
+                index: i,
+                prompt: prompt.clone(),
+                prompt_text: prompt_text.clone(),
+                kind: OutputKind::Chat { tools: rendered_tools.clone() },
+                sampling: sampling_params,
+                penalties: sampling.penalties.clone(),
+                max_tokens,
+                stop: sampling.stop.clone(),
+                ignore_eos: request.ignore_eos.unwrap_or(false),
+                logprobs: logprobs.then_some(top_logprobs),
+            }
+        })
+        .collect();
+    Ok(ChatPlan {
+        stream,
+        include_usage,
+        logprobs,
+        parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
+        prompt_tokens: prompt.len(),
+        sequences,
+    })
+}
+
+/// Renders messages (already validated) with the model's template; the template's own refusals are 400s.
+pub fn render(
+    ready: &Ready,
+    messages: Vec<Json>,
+    tools: &[Json],
+    kwargs: Map<String, Json>,
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
+    let request = RenderRequest {
+        messages,
+        tools: (!tools.is_empty()).then(|| tools.to_vec()),
+        add_generation_prompt,
+        kwargs,
+    };
+    ready.template.render(&request).map_err(|e| match e {
+        TemplateError::Raised { message } => {
+            ApiError::invalid("messages", format!("The conversation is not valid for this model: {message}"))
+        }
+        e @ (TemplateError::MessageNotObject { .. }
+        | TemplateError::UnsupportedContentPart { .. }
+        | TemplateError::BadTextPart { .. }
+        | TemplateError::BadToolCallArguments { .. }
+        | TemplateError::Render(_)) => ApiError::invalid("messages", e.to_string()),
+        other => ApiError::internal(other.to_string()),
+    })
+}
+
+/// Checks roles and content types; `developer` becomes `system` (OpenAI's newer name for it).
+pub fn validate_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must be a non-empty array"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, mut message) in messages.into_iter().enumerate() {
+        let Some(fields) = message.as_object_mut() else {
+            return Err(ApiError::invalid(format!("messages[{i}]"), format!("messages[{i}] must be an object")));
+        };
+        let role = match fields.get("role") {
+            Some(Json::String(role)) => role.clone(),
+            Some(_) => {
+                return Err(ApiError::invalid(format!("messages[{i}].role"), format!("messages[{i}].role must be a string")))
+            }
+            None => return Err(ApiError::invalid(format!("messages[{i}].role"), format!("messages[{i}] has no `role`"))),
+        };
+        if !ROLES.contains(&role.as_str()) {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!("messages[{i}].role {role:?} is not one of system, developer, user, assistant, tool"),
+            ));
+        }
+        if role == "developer" {
+            fields.insert("role".into(), Json::String("system".into()));
+        }
+        let param = format!("messages[{i}].content");
+        match fields.get("content") {
+            None | Some(Json::Null) if role == "assistant" => {}
+            None | Some(Json::Null) => {
+                return Err(ApiError::invalid(param, format!("messages[{i}] ({role}) needs a `content`")))
+            }
+            Some(Json::String(_)) => {}
+            Some(Json::Array(parts)) => {
+                for (j, part) in parts.iter().enumerate() {
+                    let kind = part.get("type").and_then(Json::as_str);
+                    match (kind, part.get("text")) {
+                        (Some("text") | None, Some(Json::String(_))) => {}
+                        (Some("text") | None, _) => {
+                            return Err(ApiError::invalid(
+                                format!("{param}[{j}]"),
+                                format!("{param}[{j}] is a text part without a string `text`"),
+                            ))
+                        }
+                        (Some(other), _) => {
+                            return Err(ApiError::invalid(
+                                format!("{param}[{j}]"),
+                                format!("{param}[{j}] has type {other:?}: only text parts are supported"),
+                            ))
+                        }
+                    }
+                }
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    param.clone(),
+                    format!("{param} must be a string or an array of text parts"),
+                ))
+            }
+        }
+        if let Some(calls) = fields.get("tool_calls") {
+            if !(calls.is_array() || calls.is_null()) {
+                return Err(ApiError::invalid(format!("messages[{i}].tool_calls"), "`tool_calls` must be an array"));
+            }
+        }
+        out.push(message);
+    }
+    Ok(out)
+}
+
+fn function_name(tool: &Json) -> Option<&str> {
+    tool.pointer("/function/name").and_then(Json::as_str)
+}
+
+fn validate_tools(tools: Vec<Json>) -> Result<Vec<Json>, ApiError> {
+    for (i, tool) in tools.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        if tool.get("type").and_then(Json::as_str) != Some("function") {
+            return Err(ApiError::invalid(param, format!("tools[{i}].type must be \"function\"")));
+        }
+        match function_name(tool) {
+            Some(name) if !name.is_empty() => {}
+            _ => return Err(ApiError::invalid(param, format!("tools[{i}].function.name must be a non-empty string"))),
+        }
+        if let Some(parameters) = tool.pointer("/function/parameters") {
+            if !parameters.is_object() {
+                return Err(ApiError::invalid(param, format!("tools[{i}].function.parameters must be a JSON schema object")));
+            }
+        }
+    }
+    Ok(tools)
+}
+
+fn tool_choice(choice: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiError> {
+    let bad = |message: String| Err(ApiError::invalid("tool_choice", message));
+    let choice = match choice {
+        None | Some(Json::Null) => return Ok(if tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto }),
+        Some(Json::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => return bad(format!("`tool_choice` must be none, auto, required or a function; got {other:?}")),
+        },
+        Some(Json::Object(o)) => {
+            let name = o.get("function").and_then(|f| f.get("name")).and_then(Json::as_str);
+            match (o.get("type").and_then(Json::as_str), name) {
+                (Some("function"), Some(name)) => ToolChoice::Named(name.to_string()),
+                _ => return bad("a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}".into()),
+            }
+        }
+        Some(_) => return bad("`tool_choice` must be a string or an object".into()),
+    };
+    match &choice {
+        ToolChoice::Required | ToolChoice::Named(_) if tools.is_empty() => {
+            bad("`tool_choice` asks for a tool call but the request has no `tools`".into())
+        }
+        ToolChoice::Named(name) if !tools.iter().any(|t| function_name(t) == Some(name)) => {
+            bad(format!("`tool_choice` names the function {name:?}, which is not in `tools`"))
+        }
+        _ => Ok(choice),
+    }
+}
+
+/// `text`: nothing; `json_object`: a system instruction (a prompt-level hint, not enforced); `json_schema`:
+/// refused, since lily has no constrained decoding to enforce it.
+fn response_format_instruction(format: Option<&Json>) -> Result<Option<String>, ApiError> {
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Json::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some("Respond with a single valid JSON object and nothing else.".into())),
+        Some("json_schema") => Err(ApiError::invalid(
+            "response_format",
+            "`response_format` of type `json_schema` is not supported: lily cannot enforce a JSON schema yet (no \
+             constrained decoding). Use type `json_object` (a prompt-level hint, not enforced) or `text`.",
+        )
+        .with_code("unsupported_response_format")),
+        _ => Err(ApiError::invalid(
+            "response_format",
+            "`response_format.type` must be one of text, json_object (json_schema is not supported)",
+        )),
+    }
+}
+
+/// Appends an instruction to the leading system message, or adds one.
+fn add_system_instruction(messages: &mut Vec<Json>, instruction: &str) {
+    if let Some(first) = messages.first_mut().filter(|m| m.get("role").and_then(Json::as_str) == Some("system")) {
+        match first.get_mut("content") {
+            Some(Json::String(text)) => {
+                text.push_str("\n\n");
+                text.push_str(instruction);
+            }
+            Some(Json::Array(parts)) => parts.push(json!({"type": "text", "text": format!("\n\n{instruction}")})),
+            _ => {
+                first["content"] = Json::String(instruction.to_string());
+            }
+        }
+        return;
+    }
+    messages.insert(0, json!({"role": "system", "content": instruction}));
+}
+
+pub fn logprob_entry(tokenizer: &Tokenizer, lp: &TokenLogprob) -> ChatLogprobEntry {
+    let (token, bytes) = token_text(tokenizer, lp.token);
+    ChatLogprobEntry {
+        token,
+        logprob: lp.logprob,
+        bytes,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(id, logprob)| {
+                let (token, bytes) = token_text(tokenizer, id);
+                TopLogprob { token, logprob, bytes }
+            })
+            .collect(),
+    }
+}
+
+/// Turns engine events into chat responses; one per request.
+pub struct ChatResponder {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub tokenizer: Arc<Tokenizer>,
+    pub reasoning_field: ReasoningField,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    pub parallel_tool_calls: bool,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Per choice: role sent, and logprobs not yet attached to a chunk.
+    started: Vec<bool>,
+    pending: Vec<Vec<ChatLogprobEntry>>,
+    /// Non-streaming: all logprobs and outputs per choice.
+    all_logprobs: Vec<Vec<ChatLogprobEntry>>,
+    outputs: Vec<Option<FinalOutput>>,
+}
+
+impl ChatResponder {
+    pub fn new(plan: &ChatPlan, model: String, tokenizer: Arc<Tokenizer>, reasoning_field: ReasoningField) -> Self {
+        let n = plan.sequences.len();
+        ChatResponder {
+            id: params::random_id("chatcmpl-"),
+            created: params::unix_now(),
+            model,
+            tokenizer,
+            reasoning_field,
+            include_usage: plan.include_usage,
+            logprobs: plan.logprobs,
+            parallel_tool_calls: plan.parallel_tool_calls,
+            prompt_tokens: plan.prompt_tokens,
+            completion_tokens: 0,
+            started: vec![false; n],
+            pending: vec![Vec::new(); n],
+            all_logprobs: vec![Vec::new(); n],
+            outputs: vec![None; n],
+        }
+    }
+
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: None,
+            choices,
+            usage: self.include_usage.then_some(usage),
+        }
+    }
+
+    fn delta_chunk(&mut self, index: usize, delta: ChatDelta, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+        let pending = std::mem::take(&mut self.pending[index]);
+        let logprobs = (self.logprobs && !pending.is_empty()).then_some(ChatLogprobs { content: pending });
+        self.chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason }], None)
+    }
+
+    fn to_delta(&self, delta: Delta) -> Option<ChatDelta> {
+        match delta {
+            Delta::Content(text) => Some(ChatDelta { content: Some(text), ..Default::default() }),
+            Delta::Reasoning(text) => Some(ChatDelta {
+                reasoning_content: self.reasoning_field.content().then(|| text.clone()),
+                reasoning: self.reasoning_field.reasoning().then_some(text),
+                ..Default::default()
+            }),
+            Delta::ToolCall(call) if !self.parallel_tool_calls && call.index > 0 => None,
+            Delta::ToolCall(call) => Some(ChatDelta {
+                tool_calls: Some(vec![ToolCallDeltaOut {
+                    index: call.index,
+                    kind: call.id.as_ref().map(|_| "function"),
+                    id: call.id,
+                    function: FunctionCallDelta { name: call.name, arguments: call.arguments },
+                }]),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// Streaming: the chunks an event produces (each the JSON of one `data:` line), and whether the stream ends.
+    pub fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+        let mut out: Vec<ChatCompletionChunk> = Vec::new();
+        match event {
+            Event::Token { index, deltas, logprob } => {
+                self.start(index, &mut out);
+                if let Some(lp) = logprob {
+                    let entry = logprob_entry(&self.tokenizer, &lp);
+                    self.pending[index].push(entry);
+                }
+                for delta in deltas {
+                    if let Some(d) = self.to_delta(delta) {
+                        out.push(self.delta_chunk(index, d, None));
+                    }
+                }
+            }
+            Event::Finished { index, output } => {
+                self.start(index, &mut out);
+                for delta in output.deltas {
+                    if let Some(d) = self.to_delta(delta) {
+                        out.push(self.delta_chunk(index, d, None));
+                    }
+                }
+                self.completion_tokens += output.completion_tokens;
+                out.push(self.delta_chunk(index, ChatDelta::default(), Some(output.finish_reason.as_str())));
+            }
+            Event::Done => {
+                let mut data: Vec<String> = out.iter().map(to_json).collect();
+                if self.include_usage {
+                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+                    data.push(to_json(&self.chunk(Vec::new(), Some(usage))));
+                }
+                data.push("[DONE]".into());
+                return (data, true);
+            }
+            Event::Error(error) => return (vec![to_json(&error.body()), "[DONE]".into()], true),
+        }
+        (out.iter().map(to_json).collect(), false)
+    }
+
+    fn start(&mut self, index: usize, out: &mut Vec<ChatCompletionChunk>) {
+        if !self.started[index] {
+            self.started[index] = true;
+            let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
+            out.push(self.chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None));
+        }
+    }
+
+    /// Non-streaming: takes an event; `Some` once the response is complete (or failed).
+    pub fn collect_event(&mut self, event: Event) -> Option<Result<ChatCompletion, ApiError>> {
+        match event {
+            Event::Token { index, logprob, .. } => {
+                if let Some(lp) = logprob {
+                    let entry = logprob_entry(&self.tokenizer, &lp);
+                    self.all_logprobs[index].push(entry);
+                }
+                None
+            }
+            Event::Finished { index, output } => {
+                self.completion_tokens += output.completion_tokens;
+                self.outputs[index] = Some(output);
+                None
+            }
+            Event::Error(error) => Some(Err(error)),
+            Event::Done => Some(Ok(self.completion())),
+        }
+    }
+
+    fn completion(&mut self) -> ChatCompletion {
+        let mut choices = Vec::new();
+        for (index, output) in self.outputs.iter_mut().enumerate() {
+            let Some(output) = output.take() else { continue };
+            let mut calls = output.tool_calls;
+            if !self.parallel_tool_calls {
+                calls.truncate(1);
+            }
+            let reasoning = (!output.reasoning.is_empty()).then_some(output.reasoning);
+            let content = if output.content.is_empty() && !calls.is_empty() { None } else { Some(output.content) };
+            choices.push(ChatChoice {
+                index,
+                message: ChatMessageOut {
+                    role: "assistant",
+                    content,
+                    refusal: None,
+                    reasoning_content: self.reasoning_field.content().then(|| reasoning.clone()),
+                    reasoning: self.reasoning_field.reasoning().then_some(reasoning),
+                    tool_calls: calls
+                        .into_iter()
+                        .map(|c| ToolCallOut {
+                            id: c.id,
+                            kind: "function",
+                            function: FunctionCall { name: c.name, arguments: c.arguments },
+                        })
+                        .collect(),
+                },
+                logprobs: self.logprobs.then(|| ChatLogprobs { content: std::mem::take(&mut self.all_logprobs[index]) }),
+                finish_reason: output.finish_reason.as_str(),
+            });
+        }
+        ChatCompletion {
+            id: self.id.clone(),
+            object: "chat.completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: Usage::new(self.prompt_tokens, self.completion_tokens),
+            system_fingerprint: None,
+        }
+    }
+}
+
+pub fn to_json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("response types serialize")
+}

@@ -1,0 +1,310 @@
+//! `POST /v1/completions` (the legacy text API): raw prompts (text or token ids) in, text out.
+
+use std::sync::Arc;
+
+use lily_chat::{Delta, Tokenizer};
+use serde_json::{Map, Value as Json};
+
+use crate::engine::{Event, OutputKind, SequenceSpec};
+use crate::error::ApiError;
+use crate::logits::TokenLogprob;
+use crate::params::{self, RawSampling};
+use crate::server::Ready;
+use crate::token_bytes::token_text;
+use crate::types::*;
+
+/// Top logprobs per position for completions (OpenAI allows 5; vLLM 20).
+pub const MAX_LOGPROBS: i64 = 20;
+/// OpenAI's default `max_tokens` for completions.
+pub const DEFAULT_MAX_TOKENS: i64 = 16;
+
+pub struct CompletionPlan {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    /// Per prompt: its text, shown first when `echo` is set.
+    pub echo: Vec<Option<String>>,
+    pub n: usize,
+    pub prompt_tokens: usize,
+    pub sequences: Vec<SequenceSpec>,
+}
+
+pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPlan, ApiError> {
+    let prompt = request.prompt.ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+    let tokenizer = &ready.tokenizer;
+    let encode = |text: &str| {
+        tokenizer.encode(text, false).map_err(|e| ApiError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
+    };
+    let check_ids = |ids: Vec<i64>| -> Result<Vec<u32>, ApiError> {
+        ids.into_iter()
+            .map(|id| {
+                u32::try_from(id).ok().filter(|&t| (t as usize) < ready.vocab_size).ok_or_else(|| {
+                    ApiError::invalid("prompt", format!("token id {id} is outside the vocabulary (0..{})", ready.vocab_size))
+                })
+            })
+            .collect()
+    };
+    let prompts: Vec<(Vec<u32>, String)> = match prompt {
+        PromptField::Text(text) => vec![(encode(&text)?, text)],
+        PromptField::Texts(texts) => texts.into_iter().map(|t| Ok((encode(&t)?, t))).collect::<Result<_, ApiError>>()?,
+        PromptField::Tokens(ids) => {
+            let ids = check_ids(ids)?;
+            let text = tokenizer.decode(&ids, false).unwrap_or_default();
+            vec![(ids, text)]
+        }
+        PromptField::TokenLists(lists) => lists
+            .into_iter()
+            .map(|ids| {
+                let ids = check_ids(ids)?;
+                let text = tokenizer.decode(&ids, false).unwrap_or_default();
+                Ok((ids, text))
+            })
+            .collect::<Result<_, ApiError>>()?,
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt", "`prompt` must not be an empty list"));
+    }
+    if prompts.iter().any(|(ids, _)| ids.is_empty()) {
+        return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
+    }
+    if request.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix", "`suffix` (fill-in-the-middle) is not supported by this model"));
+    }
+    let echo = request.echo.unwrap_or(false);
+    let logprobs = match request.logprobs {
+        None => None,
+        Some(k) if (0..=MAX_LOGPROBS).contains(&k) => Some(k as usize),
+        Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {k}"))),
+    };
+    if echo && logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` together with `logprobs` is not supported (prompt logprobs are not computed)",
+        ));
+    }
+    let sampling = params::validate(
+        RawSampling {
+            temperature: request.temperature,
+            top_p: request.top_p,
+            top_k: request.top_k,
+            min_p: request.min_p,
+            presence_penalty: request.presence_penalty,
+            frequency_penalty: request.frequency_penalty,
+            repetition_penalty: request.repetition_penalty,
+            logit_bias: request.logit_bias,
+            seed: request.seed,
+            stop: request.stop,
+            n: request.n,
+        },
+        &ready.defaults,
+        ready.vocab_size,
+    )?;
+    match request.best_of {
+        None => {}
+        Some(b) if b as usize == sampling.n => {}
+        Some(b) => {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("`best_of` other than `n` is not supported (got best_of {b}, n {})", sampling.n),
+            ))
+        }
+    }
+    let stream = request.stream.unwrap_or(false);
+    if request.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed when `stream` is true"));
+    }
+    let include_usage = request.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let requested = Some(request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS));
+    let mut sequences = Vec::new();
+    let mut prompt_tokens = 0;
+    let mut echoes = Vec::new();
+    for (p, (ids, text)) in prompts.into_iter().enumerate() {
+        let max_tokens = if request.max_tokens.is_none() {
+            // The default of 16 shrinks to fit the context rather than failing.
+            let room = ready.context.saturating_sub(ids.len());
+            params::max_tokens(Some(DEFAULT_MAX_TOKENS.min(room.max(1) as i64)), "max_tokens", "prompt", ids.len(), ready.context)?
+        } else {
+            params::max_tokens(requested, "max_tokens", "prompt", ids.len(), ready.context)?
+        };
+        prompt_tokens += ids.len();
+        let ids = Arc::new(ids);
+        let prompt_text: Arc<str> = text.as_str().into();
+        for j in 0..sampling.n {
+            let mut sampling_params = sampling.params.clone();
+            sampling_params.seed = sampling_params.seed.wrapping_add(j as u64);
+            sequences.push(SequenceSpec {
+                index: p * sampling.n + j,
+                prompt: ids.clone(),
+                prompt_text: prompt_text.clone(),
+                kind: OutputKind::Text,
+                sampling: sampling_params,
+                penalties: sampling.penalties.clone(),
+                max_tokens,
+                stop: sampling.stop.clone(),
+                ignore_eos: request.ignore_eos.unwrap_or(false),
+                logprobs,
+            });
+            echoes.push(echo.then(|| text.clone()));
+        }
+    }
+    Ok(CompletionPlan { stream, include_usage, logprobs: logprobs.is_some(), echo: echoes, n: sampling.n, prompt_tokens, sequences })
+}
+
+pub struct CompletionResponder {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    tokenizer: Arc<Tokenizer>,
+    include_usage: bool,
+    logprobs: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    echo: Vec<Option<String>>,
+    started: Vec<bool>,
+    /// Per choice: logprobs not yet sent (streaming) or all of them (not streaming), and the text length so far
+    /// (for `text_offset`).
+    pending: Vec<CompletionLogprobs>,
+    offsets: Vec<usize>,
+    texts: Vec<String>,
+    finish: Vec<Option<&'static str>>,
+}
+
+impl CompletionResponder {
+    pub fn new(plan: &CompletionPlan, model: String, tokenizer: Arc<Tokenizer>) -> Self {
+        let n = plan.sequences.len();
+        CompletionResponder {
+            id: params::random_id("cmpl-"),
+            created: params::unix_now(),
+            model,
+            tokenizer,
+            include_usage: plan.include_usage,
+            logprobs: plan.logprobs,
+            prompt_tokens: plan.prompt_tokens,
+            completion_tokens: 0,
+            echo: plan.echo.clone(),
+            started: vec![false; n],
+            pending: vec![CompletionLogprobs::default(); n],
+            offsets: plan.echo.iter().map(|e| e.as_ref().map_or(0, |t| t.chars().count())).collect(),
+            texts: vec![String::new(); n],
+            finish: vec![None; n],
+        }
+    }
+
+    fn add_logprob(&mut self, index: usize, lp: &TokenLogprob) {
+        let (token, _) = token_text(&self.tokenizer, lp.token);
+        let mut top = Map::new();
+        for &(id, logprob) in &lp.top {
+            let (text, _) = token_text(&self.tokenizer, id);
+            top.entry(text).or_insert(Json::from(logprob as f64));
+        }
+        let p = &mut self.pending[index];
+        p.text_offset.push(self.offsets[index]);
+        self.offsets[index] += token.chars().count();
+        p.tokens.push(token);
+        p.token_logprobs.push(lp.logprob);
+        p.top_logprobs.push(top);
+    }
+
+    fn chunk(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Completion {
+        Completion {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: None,
+            choices,
+            usage: self.include_usage.then_some(usage),
+        }
+    }
+
+    fn text_chunk(&mut self, index: usize, text: String, finish_reason: Option<&'static str>) -> Completion {
+        let logprobs = if self.logprobs && !self.pending[index].tokens.is_empty() {
+            Some(std::mem::take(&mut self.pending[index]))
+        } else {
+            None
+        };
+        self.chunk(vec![CompletionChoice { index, text, logprobs, finish_reason }], None)
+    }
+
+    fn start_text(&mut self, index: usize) -> String {
+        if self.started[index] {
+            return String::new();
+        }
+        self.started[index] = true;
+        self.echo[index].clone().unwrap_or_default()
+    }
+
+    pub fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+        let mut out = Vec::new();
+        match event {
+            Event::Token { index, deltas, logprob } => {
+                if let Some(lp) = logprob {
+                    self.add_logprob(index, &lp);
+                }
+                let mut text = self.start_text(index);
+                text.push_str(&content_of(deltas));
+                if !text.is_empty() {
+                    out.push(self.text_chunk(index, text, None));
+                }
+            }
+            Event::Finished { index, output } => {
+                let mut text = self.start_text(index);
+                text.push_str(&content_of(output.deltas));
+                self.completion_tokens += output.completion_tokens;
+                out.push(self.text_chunk(index, text, Some(output.finish_reason.as_str())));
+            }
+            Event::Done => {
+                let mut data: Vec<String> = out.iter().map(crate::chat::to_json).collect();
+                if self.include_usage {
+                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+                    data.push(crate::chat::to_json(&self.chunk(Vec::new(), Some(usage))));
+                }
+                data.push("[DONE]".into());
+                return (data, true);
+            }
+            Event::Error(error) => return (vec![crate::chat::to_json(&error.body()), "[DONE]".into()], true),
+        }
+        (out.iter().map(crate::chat::to_json).collect(), false)
+    }
+
+    pub fn collect_event(&mut self, event: Event) -> Option<Result<Completion, ApiError>> {
+        match event {
+            Event::Token { index, logprob, .. } => {
+                if let Some(lp) = logprob {
+                    self.add_logprob(index, &lp);
+                }
+                None
+            }
+            Event::Finished { index, output } => {
+                self.completion_tokens += output.completion_tokens;
+                self.texts[index] = format!("{}{}", self.echo[index].as_deref().unwrap_or(""), output.content);
+                self.finish[index] = Some(output.finish_reason.as_str());
+                None
+            }
+            Event::Error(error) => Some(Err(error)),
+            Event::Done => {
+                let choices = (0..self.texts.len())
+                    .map(|index| CompletionChoice {
+                        index,
+                        text: std::mem::take(&mut self.texts[index]),
+                        logprobs: self.logprobs.then(|| std::mem::take(&mut self.pending[index])),
+                        finish_reason: self.finish[index],
+                    })
+                    .collect();
+                let mut completion = self.chunk(choices, None);
+                completion.usage = Some(Some(Usage::new(self.prompt_tokens, self.completion_tokens)));
+                Some(Ok(completion))
+            }
+        }
+    }
+}
+
+fn content_of(deltas: Vec<Delta>) -> String {
+    deltas
+        .into_iter()
+        .filter_map(|d| match d {
+            Delta::Content(text) => Some(text),
+            _ => None,
+        })
+        .collect()
+}

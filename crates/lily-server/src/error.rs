@@ -1,0 +1,151 @@
+//! Errors as OpenAI reports them: an HTTP status and `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use crate::types::{ErrorBody, ErrorDetail};
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (429, 503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+    }
+
+    /// 400 for a request the server cannot serve as sent.
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    /// 400 naming the offending field.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::bad_request(message).with_param(param)
+    }
+
+    pub fn unauthorized() -> ApiError {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "Incorrect or missing API key: send it as the header `Authorization: Bearer <key>`.",
+        )
+        .with_code("invalid_api_key")
+    }
+
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message).with_code("not_found")
+    }
+
+    pub fn model_not_found(model: &str, served: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("The model `{model}` does not exist; this server serves `{served}`."),
+        )
+        .with_param("model")
+        .with_code("model_not_found")
+    }
+
+    pub fn payload_too_large(limit: usize) -> ApiError {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body is larger than the limit of {limit} bytes."),
+        )
+        .with_code("request_too_large")
+    }
+
+    pub fn queue_full(max_queue: usize) -> ApiError {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!("The server is busy: its request queue ({max_queue} waiting) is full. Retry later."),
+        )
+        .with_code("queue_full");
+        e.retry_after = Some(1);
+        e
+    }
+
+    pub fn loading() -> ApiError {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "The model is still loading; retry when GET /health answers 200.",
+        )
+        .with_code("model_loading");
+        e.retry_after = Some(1);
+        e
+    }
+
+    pub fn shutting_down() -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "The server is shutting down.")
+            .with_code("shutting_down")
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message).with_code("internal_error")
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> ApiError {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind,
+                param: self.param.clone(),
+                code: self.code,
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status.as_u16(), self.message)
+    }
+}
+
+/// Parses a JSON body into `T`: malformed JSON, a body that is not an object, and wrong types are 400s (the
+/// last naming the field).
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!("The request body is not valid JSON: {e}")).with_code("invalid_json")
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request("The request body must be a JSON object.").with_code("invalid_json"));
+    }
+    serde_path_to_error::deserialize::<_, T>(value).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let mut e = ApiError::bad_request(format!("Invalid value for `{path}`: {inner}")).with_code("invalid_type");
+        e.param = (path != "." && !path.is_empty()).then_some(path);
+        e
+    })
+}

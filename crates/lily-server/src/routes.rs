@@ -1,0 +1,316 @@
+//! HTTP routes, kept thin: read and check the body, hand the request to `chat`/`completions` for validation,
+//! queue it on the engine, and stream or collect the answer.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use serde_json::json;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::chat::{self, ChatResponder};
+use crate::completions::{self, CompletionResponder};
+use crate::engine::{Event, Job, SequenceSpec, SubmitError};
+use crate::error::{parse_json, ApiError};
+use crate::server::{AppState, Ready};
+use crate::types::*;
+
+type AppStateRef = Arc<AppState>;
+
+pub fn router(state: AppStateRef) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(text_completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .merge(api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .with_state(state)
+}
+
+async fn count_requests(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
+    let endpoint = request.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |p| p.as_str().to_string());
+    let response = next.run(request).await;
+    state.metrics.request(&endpoint, response.status().as_u16());
+    response
+}
+
+async fn require_api_key(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("No such endpoint. This server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /health and GET /metrics.")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "This endpoint does not take this HTTP method.")
+        .with_code("method_not_allowed")
+}
+
+async fn health(State(state): State<AppStateRef>) -> Response {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "shutting_down"}))).into_response();
+    }
+    match state.ready.get() {
+        Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
+    }
+}
+
+async fn metrics(State(state): State<AppStateRef>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render()).into_response()
+}
+
+fn model_card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.config.model_id.clone(),
+        object: "model",
+        created: state.created,
+        owned_by: "lily",
+        root: state.config.model_dir.display().to_string(),
+        parent: None,
+        max_model_len: state.ready.get().map_or(0, |r| r.context),
+    }
+}
+
+async fn list_models(State(state): State<AppStateRef>) -> Json<ModelList> {
+    Json(ModelList { object: "list", data: vec![model_card(&state)] })
+}
+
+async fn get_model(State(state): State<AppStateRef>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
+    if id != state.config.model_id {
+        return Err(ApiError::model_not_found(&id, &state.config.model_id));
+    }
+    Ok(Json(model_card(&state)))
+}
+
+fn read_body(body: Result<Bytes, BytesRejection>, state: &AppState) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::payload_too_large(state.config.max_body_bytes)
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {rejection}"))
+        }
+    })
+}
+
+fn ready(state: &AppState) -> Result<&Ready, ApiError> {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::shutting_down());
+    }
+    state.ready.get().ok_or_else(ApiError::loading)
+}
+
+/// Refuses at once when the queue is full, before the work of rendering and tokenizing the prompt (the send to
+/// the queue is the check that counts; this one keeps an overloaded server cheap to refuse).
+fn check_queue(state: &AppState) -> Result<(), ApiError> {
+    let shared = state.shared();
+    if shared.queue_depth.load(Ordering::SeqCst) >= shared.max_queue {
+        shared.metrics.rejected.increment(1);
+        return Err(ApiError::queue_full(state.config.max_queue));
+    }
+    Ok(())
+}
+
+fn check_model(model: Option<&str>, state: &AppState) -> Result<(), ApiError> {
+    match model {
+        None | Some("") => Ok(()),
+        Some(m) if m == state.config.model_id => Ok(()),
+        Some(m) => Err(ApiError::model_not_found(m, &state.config.model_id)),
+    }
+}
+
+/// Sets the job's cancel flag when dropped: with the response stream (client gone) or the handler's future.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn submit(
+    state: &AppState,
+    sequences: Vec<SequenceSpec>,
+    arrived: Instant,
+) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+    let (events, receiver) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job { sequences, events, cancel: cancel.clone(), arrived };
+    match state.engine.submit(job) {
+        Ok(()) => Ok((receiver, CancelOnDrop(cancel))),
+        Err(SubmitError::QueueFull) => Err(ApiError::queue_full(state.config.max_queue)),
+        Err(SubmitError::EngineGone) => Err(ApiError::shutting_down()),
+    }
+}
+
+/// Server-sent events: each engine event becomes zero or more `data:` lines; the stream ends with `[DONE]`.
+fn sse_response<F>(receiver: UnboundedReceiver<Event>, guard: CancelOnDrop, on_event: F) -> Response
+where
+    F: FnMut(Event) -> (Vec<String>, bool) + Send + 'static,
+{
+    let stream = futures_util::stream::unfold(Some((receiver, guard, on_event)), |state| async move {
+        let (mut receiver, guard, mut on_event) = state?;
+        loop {
+            match receiver.recv().await {
+                Some(event) => {
+                    let (data, done) = on_event(event);
+                    if done {
+                        return Some((data, None));
+                    }
+                    if !data.is_empty() {
+                        return Some((data, Some((receiver, guard, on_event))));
+                    }
+                }
+                None => {
+                    let error = ApiError::internal("the engine stopped before finishing the request");
+                    return Some((vec![chat::to_json(&error.body()), "[DONE]".into()], None));
+                }
+            }
+        }
+    })
+    .flat_map(|data| futures_util::stream::iter(data.into_iter().map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)))));
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn collect<T, F>(mut receiver: UnboundedReceiver<Event>, _guard: CancelOnDrop, mut on_event: F) -> Result<T, ApiError>
+where
+    F: FnMut(Event) -> Option<Result<T, ApiError>>,
+{
+    while let Some(event) = receiver.recv().await {
+        if let Some(result) = on_event(event) {
+            return result;
+        }
+    }
+    Err(ApiError::internal("the engine stopped before finishing the request"))
+}
+
+async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let body = read_body(body, &state)?;
+        let request: ChatCompletionRequest = parse_json(&body)?;
+        check_model(request.model.as_deref(), &state)?;
+        let ready = ready(&state)?;
+        check_queue(&state)?;
+        let plan = chat::prepare(request, ready)?;
+        let mut responder =
+            ChatResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone(), state.config.reasoning_field);
+        let stream = plan.stream;
+        let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
+        if stream {
+            Ok(sse_response(receiver, guard, move |event| responder.stream_event(event)))
+        } else {
+            let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
+            Ok(Json(completion).into_response())
+        }
+    };
+    result.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let body = read_body(body, &state)?;
+        let request: CompletionRequest = parse_json(&body)?;
+        check_model(request.model.as_deref(), &state)?;
+        let ready = ready(&state)?;
+        check_queue(&state)?;
+        let plan = completions::prepare(request, ready)?;
+        let mut responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
+        let stream = plan.stream;
+        let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
+        if stream {
+            Ok(sse_response(receiver, guard, move |event| responder.stream_event(event)))
+        } else {
+            let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
+            Ok(Json(completion).into_response())
+        }
+    };
+    result.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+async fn tokenize(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Result<Json<TokenizeResponse>, ApiError> {
+    let body = read_body(body, &state)?;
+    let request: TokenizeRequest = parse_json(&body)?;
+    check_model(request.model.as_deref(), &state)?;
+    let ready = ready(&state)?;
+    let tokenizer = &ready.tokenizer;
+    let encode_error = |e: lily_chat::TokenizerError| ApiError::bad_request(format!("cannot tokenize: {e}"));
+    let tokens = match (request.prompt, request.messages) {
+        (Some(prompt), None) => tokenizer.encode(&prompt, request.add_special_tokens.unwrap_or(true)).map_err(encode_error)?,
+        (None, Some(messages)) => {
+            let messages = chat::validate_messages(messages)?;
+            let text = chat::render(
+                ready,
+                messages,
+                &request.tools.unwrap_or_default(),
+                request.chat_template_kwargs.unwrap_or_default(),
+                request.add_generation_prompt.unwrap_or(true),
+            )?;
+            tokenizer.encode(&text, false).map_err(encode_error)?
+        }
+        (Some(_), Some(_)) => return Err(ApiError::bad_request("give either `prompt` or `messages`, not both")),
+        (None, None) => return Err(ApiError::invalid("prompt", "`prompt` (text) or `messages` (a conversation) is required")),
+    };
+    let token_strs = request
+        .return_token_strs
+        .unwrap_or(false)
+        .then(|| tokens.iter().map(|&id| tokenizer.id_to_token(id).unwrap_or_default()).collect());
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: ready.context, tokens, token_strs }))
+}
+
+async fn detokenize(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let body = read_body(body, &state)?;
+    let request: DetokenizeRequest = parse_json(&body)?;
+    check_model(request.model.as_deref(), &state)?;
+    let ready = ready(&state)?;
+    let ids = request.tokens.ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
+    let limit = ready.tokenizer.vocab_size().min(ready.vocab_size);
+    let ids = ids
+        .into_iter()
+        .map(|id| {
+            u32::try_from(id).ok().filter(|&t| (t as usize) < limit).ok_or_else(|| {
+                ApiError::invalid("tokens", format!("token id {id} is outside the vocabulary (0..{limit})"))
+            })
+        })
+        .collect::<Result<Vec<u32>, ApiError>>()?;
+    let prompt = ready.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("cannot detokenize: {e}")))?;
+    Ok(Json(DetokenizeResponse { prompt }))
+}

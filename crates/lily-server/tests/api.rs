@@ -1,0 +1,292 @@
+//! The HTTP API against the real default model (lily-tiny-shakespeare on the CPU backend), over loopback.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value as Json};
+
+fn chat_body(content: &str, max_tokens: u32) -> Json {
+    json!({
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": false},
+    })
+}
+
+#[tokio::test]
+async fn health_models_and_unknown_routes() {
+    let s = TestServer::real(config()).await;
+    let (status, body) = s.get("/health").await;
+    assert_eq!(status, 200, "{body}");
+
+    let (status, body) = s.get("/v1/models").await;
+    assert_eq!(status, 200);
+    let models: Json = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL_ID);
+    assert_eq!(models["data"][0]["object"], "model");
+    assert_eq!(models["data"][0]["max_model_len"], 2048);
+
+    let (status, _) = s.get(&format!("/v1/models/{MODEL_ID}")).await;
+    assert_eq!(status, 200);
+    let (status, body) = s.get("/v1/models/gpt-4").await;
+    assert_eq!(status, 404);
+    assert_error_shape(&serde_json::from_str(&body).unwrap());
+
+    let (status, body) = s.get("/v1/nothing-here").await;
+    assert_eq!(status, 404);
+    assert_error_shape(&serde_json::from_str(&body).unwrap());
+    let (status, body) = s.get("/v1/chat/completions").await;
+    assert_eq!(status, 405);
+    assert_error_shape(&serde_json::from_str(&body).unwrap());
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn chat_streaming_matches_non_streaming() {
+    let s = TestServer::real(config()).await;
+    let body = chat_body("What light through yonder window breaks?", 12);
+    let (status, response) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{response}");
+    assert!(response["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(response["object"], "chat.completion");
+    assert_eq!(response["model"], MODEL_ID);
+    let choice = &response["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["message"]["role"], "assistant");
+    let content = choice["message"]["content"].as_str().unwrap().to_string();
+    assert!(!content.is_empty());
+    assert!(choice["message"].get("tool_calls").is_none());
+    assert!(["stop", "length"].contains(&choice["finish_reason"].as_str().unwrap()));
+    assert!(choice["logprobs"].is_null());
+    let usage = &response["usage"];
+    let (prompt_tokens, completion_tokens) = (usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap());
+    assert!(prompt_tokens > 10 && completion_tokens >= 1 && completion_tokens <= 12);
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt_tokens + completion_tokens);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // Streaming, same request: role first, same text, finish reason last, [DONE], no usage unless asked.
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let (status, data) = s.stream("/v1/chat/completions", &streaming).await;
+    assert_eq!(status, 200);
+    let parsed = chunks(&data);
+    assert_eq!(parsed[0]["object"], "chat.completion.chunk");
+    assert_eq!(parsed[0]["choices"][0]["delta"]["role"], "assistant");
+    let id = parsed[0]["id"].clone();
+    let mut streamed = String::new();
+    for chunk in &parsed {
+        assert_eq!(chunk["id"], id, "one id for the whole stream");
+        assert!(chunk.get("usage").is_none(), "no usage unless asked: {chunk}");
+        if let Some(text) = chunk["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(text);
+        }
+    }
+    assert_eq!(streamed, content);
+    let last = parsed.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], choice["finish_reason"]);
+    assert!(parsed[..parsed.len() - 1].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+
+    // With stream_options.include_usage: usage null on every chunk, then a final chunk with empty choices.
+    streaming["stream_options"] = json!({"include_usage": true});
+    let (_, data) = s.stream("/v1/chat/completions", &streaming).await;
+    let with_usage = chunks(&data);
+    let (usage_chunk, rest) = with_usage.split_last().unwrap();
+    assert!(rest.iter().all(|c| c["usage"].is_null()));
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"].as_u64().unwrap(), completion_tokens);
+    assert_eq!(usage_chunk["usage"]["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn sampling_seed_n_stop_and_max_tokens() {
+    let s = TestServer::real(config()).await;
+    let sampled = |seed: u64| {
+        json!({
+            "messages": [{"role": "user", "content": "Speak, Romeo."}],
+            "max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "top_k": 40, "seed": seed,
+            "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
+            "chat_template_kwargs": {"enable_thinking": false},
+        })
+    };
+    let text = |r: &Json| r["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let (status, first) = s.post("/v1/chat/completions", &sampled(42)).await;
+    assert_eq!(status, 200, "{first}");
+    let (_, again) = s.post("/v1/chat/completions", &sampled(42)).await;
+    assert_eq!(text(&first), text(&again), "same seed, same request: same output");
+    let mut others = Vec::new();
+    for seed in [1, 2, 3] {
+        others.push(text(&s.post("/v1/chat/completions", &sampled(seed)).await.1));
+    }
+    assert!(others.iter().any(|o| *o != text(&first)), "other seeds give other outputs");
+
+    // n = 2: two choices, indices 0 and 1, completion tokens summed.
+    let mut two = sampled(7);
+    two["n"] = json!(2);
+    let (_, r) = s.post("/v1/chat/completions", &two).await;
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!((choices[0]["index"].as_u64(), choices[1]["index"].as_u64()), (Some(0), Some(1)));
+
+    // max_tokens 1: one token, finish_reason length.
+    let (_, r) = s.post("/v1/chat/completions", &chat_body("Good morrow.", 1)).await;
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["usage"]["completion_tokens"], 1);
+
+    // A stop string cuts the text before it, finish_reason stop.
+    let (_, r) = s.post("/v1/chat/completions", &chat_body("Good morrow.", 24)).await;
+    let full = text(&r);
+    let words: Vec<&str> = full.split_whitespace().collect();
+    assert!(words.len() >= 3, "{full:?}");
+    let stop = words[2];
+    let position = full.find(stop).unwrap();
+    let mut body = chat_body("Good morrow.", 24);
+    body["stop"] = json!([stop, "zzzzzz"]);
+    let (_, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(text(&r), full[..position]);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    // max_completion_tokens is max_tokens' newer name.
+    let mut body = chat_body("Good morrow.", 24);
+    body.as_object_mut().unwrap().remove("max_tokens");
+    body["max_completion_tokens"] = json!(2);
+    let (_, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(r["usage"]["completion_tokens"], 2);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn chat_logprobs() {
+    let s = TestServer::real(config()).await;
+    let mut body = chat_body("What light through yonder window breaks?", 6);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    let (status, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    let entries = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert!(!entries.is_empty());
+    let mut text = String::new();
+    for entry in entries {
+        let lp = entry["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0);
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["token"], entry["token"]);
+        assert!((top[0]["logprob"].as_f64().unwrap() - lp).abs() < 1e-6);
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+        let bytes: Vec<u8> = entry["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        text.push_str(&String::from_utf8_lossy(&bytes));
+    }
+    // The tokens' bytes spell the content (an end-of-sequence token has no entry).
+    assert!(text.starts_with(r["choices"][0]["message"]["content"].as_str().unwrap()));
+
+    // Streaming: the same entries, spread over the chunks.
+    body["stream"] = json!(true);
+    let (_, data) = s.stream("/v1/chat/completions", &body).await;
+    let streamed: Vec<Json> = chunks(&data)
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&streamed, entries);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn completions_text_stream_logprobs_echo() {
+    let s = TestServer::real(config()).await;
+    let body = json!({"model": MODEL_ID, "prompt": "ROMEO.\n", "max_tokens": 10, "temperature": 0});
+    let (status, r) = s.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "text_completion");
+    assert!(r["id"].as_str().unwrap().starts_with("cmpl-"));
+    let text = r["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!text.is_empty());
+    assert_eq!(r["usage"]["completion_tokens"], 10);
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let (_, data) = s.stream("/v1/completions", &streaming).await;
+    let parsed = chunks(&data);
+    let streamed: String = parsed.iter().map(|c| c["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(streamed, text);
+    assert_eq!(parsed.last().unwrap()["choices"][0]["finish_reason"], "length");
+
+    // Token-id prompt, logprobs, echo, several prompts.
+    let ids = tokenizer().encode("ROMEO.\n", false).unwrap();
+    let (_, r2) = s.post("/v1/completions", &json!({"prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 2})).await;
+    assert_eq!(r2["choices"][0]["text"].as_str().unwrap(), text);
+    let lp = &r2["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 10);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 10);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(lp["text_offset"][0], 0);
+    let (_, r3) = s.post("/v1/completions", &json!({"prompt": "ROMEO.\n", "max_tokens": 10, "temperature": 0, "echo": true})).await;
+    assert_eq!(r3["choices"][0]["text"].as_str().unwrap(), format!("ROMEO.\n{text}"));
+    let (_, r4) = s.post("/v1/completions", &json!({"prompt": ["ROMEO.\n", "JULIET.\n"], "max_tokens": 3, "temperature": 0, "n": 2})).await;
+    let choices = r4["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert_eq!(r4["usage"]["completion_tokens"], 12);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize() {
+    let s = TestServer::real(config()).await;
+    let text = "The quick brown fox jumps over the lazy dog.";
+    let expected = json!([760, 3841, 13477, 37550, 33075, 888, 279, 15217, 5388, 13]);
+    let (status, r) = s.post("/tokenize", &json!({"prompt": text})).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["tokens"], expected);
+    assert_eq!(r["count"], 10);
+    assert_eq!(r["max_model_len"], 2048);
+    let (_, r) = s.post("/detokenize", &json!({"tokens": expected})).await;
+    assert_eq!(r["prompt"], text);
+
+    // Messages are rendered with the chat template first; the generation prompt ends with the think opener.
+    let (_, r) = s
+        .post("/tokenize", &json!({"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": true}))
+        .await;
+    let strs = r["token_strs"].as_array().unwrap();
+    assert_eq!(strs[0], "<|im_start|>");
+    assert_eq!(r["count"].as_u64().unwrap() as usize, strs.len());
+    let (_, chat) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})).await;
+    assert_eq!(chat["usage"]["prompt_tokens"], r["count"]);
+
+    for bad in [json!({"tokens": [-1]}), json!({"tokens": [999999999]}), json!({"tokens": "x"}), json!({})] {
+        let (status, r) = s.post("/detokenize", &bad).await;
+        assert_eq!(status, 400, "{bad} -> {r}");
+        assert_error_shape(&r);
+    }
+    let (status, _) = s.post("/tokenize", &json!({})).await;
+    assert_eq!(status, 400);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn metrics_count_requests_tokens_and_latency() {
+    let s = TestServer::real(config()).await;
+    let (_, r) = s.post("/v1/chat/completions", &chat_body("Good morrow.", 4)).await;
+    let generated = r["usage"]["completion_tokens"].as_f64().unwrap();
+    let prompt = r["usage"]["prompt_tokens"].as_f64().unwrap();
+    let (_, _) = s.post("/v1/chat/completions", &json!({"messages": []})).await;
+    let (status, text) = s.get("/metrics").await;
+    assert_eq!(status, 200);
+    let value = |line: &str| metric_value(&text, line).unwrap_or_else(|| panic!("{line} missing in\n{text}"));
+    assert_eq!(value("lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}"), 1.0);
+    assert_eq!(value("lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"400\"}"), 1.0);
+    assert_eq!(value("lily_prompt_tokens_total"), prompt);
+    assert_eq!(value("lily_generation_tokens_total"), generated);
+    assert_eq!(value("lily_time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(value("lily_time_per_output_token_seconds_count"), generated - 1.0);
+    assert!(text.contains("lily_time_to_first_token_seconds_bucket{le=\"0.1\"}"));
+    assert_eq!(value("lily_queue_depth"), 0.0);
+    assert_eq!(value("lily_requests_running"), 0.0);
+    assert!(text.contains("# HELP lily_time_to_first_token_seconds"));
+    s.shutdown().await;
+}

@@ -1,0 +1,224 @@
+"""`lily serve` driven by the official `openai` Python package: chat (streamed and not), completions, tools,
+logprobs and the error cases. The model is the bundled lily-tiny-shakespeare: it writes Shakespearean English and
+never calls tools by itself, so the tool tests check the request/response plumbing (the exact tool-call shapes are
+tested in Rust with a scripted backend)."""
+
+import json
+import urllib.request
+
+import openai
+import pytest
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def ask(text="What light through yonder window breaks?"):
+    return [{"role": "user", "content": text}]
+
+
+def test_models(client, model):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model]
+    assert client.models.retrieve(model).id == model
+
+
+def test_chat_non_streaming(client, model):
+    r = client.chat.completions.create(model=model, messages=ask(), max_tokens=12, temperature=0, extra_body=NO_THINKING)
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    assert r.model == model
+    choice = r.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streaming_matches_non_streaming(client, model):
+    kwargs = dict(model=model, messages=ask(), max_tokens=12, temperature=0, extra_body=NO_THINKING)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # Without include_usage there is no usage chunk.
+    plain = list(client.chat.completions.create(stream=True, **kwargs))
+    assert all(c.choices for c in plain)
+
+
+def test_reasoning_content_field(client, model):
+    # Thinking on (the template's default): the reasoning goes to reasoning_content, apart from the content.
+    r = client.chat.completions.create(model=model, messages=ask(), max_tokens=24, temperature=0)
+    message = r.choices[0].message.model_dump()
+    assert "reasoning_content" in message
+    r2 = client.chat.completions.create(
+        model=model, messages=ask(), max_tokens=24, temperature=0, reasoning_effort="none"
+    )
+    assert r2.choices[0].message.model_dump().get("reasoning_content") is None
+    assert r2.choices[0].message.content
+
+
+def test_sampling_seed_n_and_stop(client, model):
+    kwargs = dict(model=model, messages=ask("Speak, Romeo."), max_tokens=16, temperature=1.0, top_p=0.95,
+                  presence_penalty=0.3, frequency_penalty=0.3, extra_body={"top_k": 40, **NO_THINKING})
+    a = client.chat.completions.create(seed=1234, **kwargs)
+    b = client.chat.completions.create(seed=1234, **kwargs)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    r = client.chat.completions.create(seed=5, n=3, **kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+
+    greedy = client.chat.completions.create(model=model, messages=ask(), max_tokens=24, temperature=0, extra_body=NO_THINKING)
+    text = greedy.choices[0].message.content
+    words = text.split()
+    assert len(words) >= 3
+    stopped = client.chat.completions.create(model=model, messages=ask(), max_tokens=24, temperature=0, stop=[words[2]],
+                                             extra_body=NO_THINKING)
+    assert stopped.choices[0].message.content == text[: text.find(words[2])]
+    assert stopped.choices[0].finish_reason == "stop"
+    one = client.chat.completions.create(model=model, messages=ask(), max_completion_tokens=1, extra_body=NO_THINKING)
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+
+
+def test_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=ask(), max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body=NO_THINKING)
+    content = r.choices[0].logprobs.content
+    assert content
+    for entry in content:
+        assert entry.logprob <= 0
+        assert isinstance(entry.bytes, list)
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+    streamed = []
+    for chunk in client.chat.completions.create(model=model, messages=ask(), max_tokens=6, temperature=0, logprobs=True,
+                                                top_logprobs=2, stream=True, extra_body=NO_THINKING):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tools_are_accepted(client, model, tool_choice):
+    r = client.chat.completions.create(model=model, messages=ask("What is the weather in Verona?"), tools=[WEATHER_TOOL],
+                                       tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=16, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.tool_calls is None or all(c.type == "function" for c in choice.message.tool_calls)
+    chunks = list(client.chat.completions.create(model=model, messages=ask("Weather?"), tools=[WEATHER_TOOL],
+                                                 tool_choice=tool_choice, max_tokens=8, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_results_in_the_conversation(client, model):
+    messages = [
+        {"role": "system", "content": "You are a herald."},
+        {"role": "user", "content": "What is the weather in Verona?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Verona", "days": 1})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C."},
+    ]
+    r = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_completions(client, model):
+    r = client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=8, temperature=0)
+    assert r.object == "text_completion"
+    text = r.choices[0].text
+    assert text and r.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="ROMEO.\n", max_tokens=8, temperature=0, stream=True))
+    assert streamed == text
+    lp = client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=4, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.tokens) == 4
+    assert all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
+
+
+def test_json_object_is_a_prompt_hint(client, model):
+    r = client.chat.completions.create(model=model, messages=ask("Answer in JSON."), max_tokens=4,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def expect_error(kind, fn, param=None, code=None):
+    with pytest.raises(kind) as info:
+        fn()
+    error = info.value
+    assert isinstance(error.body, dict) and error.body.get("message")
+    assert error.type
+    if param is not None:
+        assert error.param == param
+    if code is not None:
+        assert error.code == code
+    return error
+
+
+def test_errors(client, model, base_url):
+    chat = client.chat.completions.create
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=[]), param="messages")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=[{"role": "wizard", "content": "hi"}]),
+                 param="messages[0].role")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), temperature=-1), param="temperature")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), max_tokens=0), param="max_tokens")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), max_tokens=10**6),
+                 param="max_tokens", code="context_length_exceeded")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask("Speak! " * 3000), max_tokens=1),
+                 code="context_length_exceeded")
+    expect_error(openai.BadRequestError, lambda: chat(
+        model=model, messages=ask(),
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        param="response_format")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), tool_choice="required"),
+                 param="tool_choice")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), extra_body={"temperature": "hot"}),
+                 param="temperature")
+    expect_error(openai.NotFoundError, lambda: chat(model="gpt-4o", messages=ask()), param="model")
+    expect_error(openai.BadRequestError, lambda: client.completions.create(model=model, prompt="", max_tokens=2))
+    wrong_key = openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0)
+    expect_error(openai.AuthenticationError, lambda: wrong_key.models.list(), code="invalid_api_key")
+    # Still healthy afterwards.
+    assert urllib.request.urlopen(base_url + "/health").status == 200
+    assert chat(model=model, messages=ask(), max_tokens=2).choices
+
+
+def test_tokenize_detokenize_and_metrics(base_url, api_key):
+    def post(path, body):
+        request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"content-type": "application/json",
+                                                  "authorization": f"Bearer {api_key}"})
+        return json.loads(urllib.request.urlopen(request).read())
+
+    text = "The quick brown fox jumps over the lazy dog."
+    tokens = post("/tokenize", {"prompt": text})["tokens"]
+    assert tokens == [760, 3841, 13477, 37550, 33075, 888, 279, 15217, 5388, 13]
+    assert post("/detokenize", {"tokens": tokens})["prompt"] == text
+    metrics = urllib.request.urlopen(base_url + "/metrics").read().decode()
+    for name in ("lily_requests_total", "lily_prompt_tokens_total", "lily_generation_tokens_total",
+                 "lily_time_to_first_token_seconds_bucket", "lily_time_per_output_token_seconds_bucket",
+                 "lily_queue_depth", "lily_requests_running"):
+        assert name in metrics, name
