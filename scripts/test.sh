@@ -12,7 +12,7 @@ if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
   export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 
-cargo build --release --bin lily
+# Also builds target/release/lily, which the integration tests and the Python tests run.
 cargo test --workspace --release
 
 if [ -x tests/python/run.sh ]; then
