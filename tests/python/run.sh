@@ -67,7 +67,7 @@ if [ -z "$ready" ]; then
     exit 1
 fi
 
-LILY_BASE_URL="$base" LILY_API_KEY="$key" python3 -m pytest -q "$here" "$@"
+PYTHONDONTWRITEBYTECODE=1 LILY_BASE_URL="$base" LILY_API_KEY="$key" python3 -m pytest -q -p no:cacheprovider "$here" "$@"
 status=$?
 
 if [ "$status" -ne 0 ]; then

@@ -37,22 +37,39 @@ enum ToolChoice {
 }
 
 pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan, ApiError> {
-    let messages = request.messages.ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+    let messages = request
+        .messages
+        .ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+    for (field, value) in [
+        ("functions", &request.functions),
+        ("function_call", &request.function_call),
+    ] {
+        if value.is_some() {
+            return Err(ApiError::invalid(
+                field,
+                format!("`{field}` (deprecated function calling) is not supported: use `tools` and `tool_choice`"),
+            ));
+        }
+    }
     let mut messages = validate_messages(messages)?;
     let tools = validate_tools(request.tools.unwrap_or_default())?;
     let choice = tool_choice(request.tool_choice.as_ref(), &tools)?;
     let rendered_tools: Vec<Json> = match &choice {
         ToolChoice::None => Vec::new(),
         ToolChoice::Auto | ToolChoice::Required => tools.clone(),
-        ToolChoice::Named(name) => tools.iter().filter(|t| function_name(t) == Some(name.as_str())).cloned().collect(),
+        ToolChoice::Named(name) => tools
+            .iter()
+            .filter(|t| function_name(t) == Some(name.as_str()))
+            .cloned()
+            .collect(),
     };
     let mut instructions = Vec::new();
     match &choice {
-        ToolChoice::Required => instructions.push(
-            "You must call at least one of the functions above in this reply, in the format given.".to_string(),
-        ),
-        ToolChoice::Named(name) => instructions
-            .push(format!("You must call the function `{name}` in this reply, in the format given.")),
+        ToolChoice::Required => instructions
+            .push("You must call at least one of the functions above in this reply, in the format given.".to_string()),
+        ToolChoice::Named(name) => instructions.push(format!(
+            "You must call the function `{name}` in this reply, in the format given."
+        )),
         _ => {}
     }
     if let Some(instruction) = response_format_instruction(request.response_format.as_ref())? {
@@ -93,7 +110,10 @@ pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan
     let top_logprobs = match request.top_logprobs {
         None => 0,
         Some(_) if !logprobs => {
-            return Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs` set to true"))
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs` set to true",
+            ))
         }
         Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => k as usize,
         Some(k) => {
@@ -121,9 +141,16 @@ pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan
         ready.vocab_size,
     )?;
     let stream = request.stream.unwrap_or(false);
-    let include_usage = request.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = request
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
     if request.stream_options.is_some() && !stream {
-        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed when `stream` is true"));
+        return Err(ApiError::invalid(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true",
+        ));
     }
 
     let prompt = Arc::new(prompt);
@@ -136,7 +163,9 @@ pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan
                 index: i,
                 prompt: prompt.clone(),
                 prompt_text: prompt_text.clone(),
-                kind: OutputKind::Chat { tools: rendered_tools.clone() },
+                kind: OutputKind::Chat {
+                    tools: rendered_tools.clone(),
+                },
                 sampling: sampling_params,
                 penalties: sampling.penalties.clone(),
                 max_tokens,
@@ -171,9 +200,10 @@ pub fn render(
         kwargs,
     };
     ready.template.render(&request).map_err(|e| match e {
-        TemplateError::Raised { message } => {
-            ApiError::invalid("messages", format!("The conversation is not valid for this model: {message}"))
-        }
+        TemplateError::Raised { message } => ApiError::invalid(
+            "messages",
+            format!("The conversation is not valid for this model: {message}"),
+        ),
         e @ (TemplateError::MessageNotObject { .. }
         | TemplateError::UnsupportedContentPart { .. }
         | TemplateError::BadTextPart { .. }
@@ -191,14 +221,25 @@ pub fn validate_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiError> {
     let mut out = Vec::with_capacity(messages.len());
     for (i, mut message) in messages.into_iter().enumerate() {
         let Some(fields) = message.as_object_mut() else {
-            return Err(ApiError::invalid(format!("messages[{i}]"), format!("messages[{i}] must be an object")));
+            return Err(ApiError::invalid(
+                format!("messages[{i}]"),
+                format!("messages[{i}] must be an object"),
+            ));
         };
         let role = match fields.get("role") {
             Some(Json::String(role)) => role.clone(),
             Some(_) => {
-                return Err(ApiError::invalid(format!("messages[{i}].role"), format!("messages[{i}].role must be a string")))
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    format!("messages[{i}].role must be a string"),
+                ))
             }
-            None => return Err(ApiError::invalid(format!("messages[{i}].role"), format!("messages[{i}] has no `role`"))),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    format!("messages[{i}] has no `role`"),
+                ))
+            }
         };
         if !ROLES.contains(&role.as_str()) {
             return Err(ApiError::invalid(
@@ -213,7 +254,10 @@ pub fn validate_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiError> {
         match fields.get("content") {
             None | Some(Json::Null) if role == "assistant" => {}
             None | Some(Json::Null) => {
-                return Err(ApiError::invalid(param, format!("messages[{i}] ({role}) needs a `content`")))
+                return Err(ApiError::invalid(
+                    param,
+                    format!("messages[{i}] ({role}) needs a `content`"),
+                ))
             }
             Some(Json::String(_)) => {}
             Some(Json::Array(parts)) => {
@@ -245,7 +289,10 @@ pub fn validate_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiError> {
         }
         if let Some(calls) = fields.get("tool_calls") {
             if !(calls.is_array() || calls.is_null()) {
-                return Err(ApiError::invalid(format!("messages[{i}].tool_calls"), "`tool_calls` must be an array"));
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_calls"),
+                    "`tool_calls` must be an array",
+                ));
             }
         }
         out.push(message);
@@ -261,15 +308,26 @@ fn validate_tools(tools: Vec<Json>) -> Result<Vec<Json>, ApiError> {
     for (i, tool) in tools.iter().enumerate() {
         let param = format!("tools[{i}]");
         if tool.get("type").and_then(Json::as_str) != Some("function") {
-            return Err(ApiError::invalid(param, format!("tools[{i}].type must be \"function\"")));
+            return Err(ApiError::invalid(
+                param,
+                format!("tools[{i}].type must be \"function\""),
+            ));
         }
         match function_name(tool) {
             Some(name) if !name.is_empty() => {}
-            _ => return Err(ApiError::invalid(param, format!("tools[{i}].function.name must be a non-empty string"))),
+            _ => {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("tools[{i}].function.name must be a non-empty string"),
+                ))
+            }
         }
         if let Some(parameters) = tool.pointer("/function/parameters") {
             if !parameters.is_object() {
-                return Err(ApiError::invalid(param, format!("tools[{i}].function.parameters must be a JSON schema object")));
+                return Err(ApiError::invalid(
+                    param,
+                    format!("tools[{i}].function.parameters must be a JSON schema object"),
+                ));
             }
         }
     }
@@ -279,18 +337,32 @@ fn validate_tools(tools: Vec<Json>) -> Result<Vec<Json>, ApiError> {
 fn tool_choice(choice: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiError> {
     let bad = |message: String| Err(ApiError::invalid("tool_choice", message));
     let choice = match choice {
-        None | Some(Json::Null) => return Ok(if tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto }),
+        None | Some(Json::Null) => {
+            return Ok(if tools.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            })
+        }
         Some(Json::String(s)) => match s.as_str() {
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
-            other => return bad(format!("`tool_choice` must be none, auto, required or a function; got {other:?}")),
+            other => {
+                return bad(format!(
+                    "`tool_choice` must be none, auto, required or a function; got {other:?}"
+                ))
+            }
         },
         Some(Json::Object(o)) => {
             let name = o.get("function").and_then(|f| f.get("name")).and_then(Json::as_str);
             match (o.get("type").and_then(Json::as_str), name) {
                 (Some("function"), Some(name)) => ToolChoice::Named(name.to_string()),
-                _ => return bad("a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}".into()),
+                _ => {
+                    return bad(
+                        "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+                    )
+                }
             }
         }
         Some(_) => return bad("`tool_choice` must be a string or an object".into()),
@@ -299,9 +371,9 @@ fn tool_choice(choice: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiE
         ToolChoice::Required | ToolChoice::Named(_) if tools.is_empty() => {
             bad("`tool_choice` asks for a tool call but the request has no `tools`".into())
         }
-        ToolChoice::Named(name) if !tools.iter().any(|t| function_name(t) == Some(name)) => {
-            bad(format!("`tool_choice` names the function {name:?}, which is not in `tools`"))
-        }
+        ToolChoice::Named(name) if !tools.iter().any(|t| function_name(t) == Some(name)) => bad(format!(
+            "`tool_choice` names the function {name:?}, which is not in `tools`"
+        )),
         _ => Ok(choice),
     }
 }
@@ -330,7 +402,10 @@ fn response_format_instruction(format: Option<&Json>) -> Result<Option<String>, 
 
 /// Appends an instruction to the leading system message, or adds one.
 fn add_system_instruction(messages: &mut Vec<Json>, instruction: &str) {
-    if let Some(first) = messages.first_mut().filter(|m| m.get("role").and_then(Json::as_str) == Some("system")) {
+    if let Some(first) = messages
+        .first_mut()
+        .filter(|m| m.get("role").and_then(Json::as_str) == Some("system"))
+    {
         match first.get_mut("content") {
             Some(Json::String(text)) => {
                 text.push_str("\n\n");
@@ -416,15 +491,31 @@ impl ChatResponder {
         }
     }
 
-    fn delta_chunk(&mut self, index: usize, delta: ChatDelta, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+    fn delta_chunk(
+        &mut self,
+        index: usize,
+        delta: ChatDelta,
+        finish_reason: Option<&'static str>,
+    ) -> ChatCompletionChunk {
         let pending = std::mem::take(&mut self.pending[index]);
         let logprobs = (self.logprobs && !pending.is_empty()).then_some(ChatLogprobs { content: pending });
-        self.chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason }], None)
+        self.chunk(
+            vec![ChatChunkChoice {
+                index,
+                delta,
+                logprobs,
+                finish_reason,
+            }],
+            None,
+        )
     }
 
     fn to_delta(&self, delta: Delta) -> Option<ChatDelta> {
         match delta {
-            Delta::Content(text) => Some(ChatDelta { content: Some(text), ..Default::default() }),
+            Delta::Content(text) => Some(ChatDelta {
+                content: Some(text),
+                ..Default::default()
+            }),
             Delta::Reasoning(text) => Some(ChatDelta {
                 reasoning_content: self.reasoning_field.content().then(|| text.clone()),
                 reasoning: self.reasoning_field.reasoning().then_some(text),
@@ -436,7 +527,10 @@ impl ChatResponder {
                     index: call.index,
                     kind: call.id.as_ref().map(|_| "function"),
                     id: call.id,
-                    function: FunctionCallDelta { name: call.name, arguments: call.arguments },
+                    function: FunctionCallDelta {
+                        name: call.name,
+                        arguments: call.arguments,
+                    },
                 }]),
                 ..Default::default()
             }),
@@ -486,8 +580,20 @@ impl ChatResponder {
     fn start(&mut self, index: usize, out: &mut Vec<ChatCompletionChunk>) {
         if !self.started[index] {
             self.started[index] = true;
-            let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
-            out.push(self.chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None));
+            let delta = ChatDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+                ..Default::default()
+            };
+            out.push(self.chunk(
+                vec![ChatChunkChoice {
+                    index,
+                    delta,
+                    logprobs: None,
+                    finish_reason: None,
+                }],
+                None,
+            ));
         }
     }
 
@@ -520,7 +626,11 @@ impl ChatResponder {
                 calls.truncate(1);
             }
             let reasoning = (!output.reasoning.is_empty()).then_some(output.reasoning);
-            let content = if output.content.is_empty() && !calls.is_empty() { None } else { Some(output.content) };
+            let content = if output.content.is_empty() && !calls.is_empty() {
+                None
+            } else {
+                Some(output.content)
+            };
             choices.push(ChatChoice {
                 index,
                 message: ChatMessageOut {
@@ -534,11 +644,16 @@ impl ChatResponder {
                         .map(|c| ToolCallOut {
                             id: c.id,
                             kind: "function",
-                            function: FunctionCall { name: c.name, arguments: c.arguments },
+                            function: FunctionCall {
+                                name: c.name,
+                                arguments: c.arguments,
+                            },
                         })
                         .collect(),
                 },
-                logprobs: self.logprobs.then(|| ChatLogprobs { content: std::mem::take(&mut self.all_logprobs[index]) }),
+                logprobs: self.logprobs.then(|| ChatLogprobs {
+                    content: std::mem::take(&mut self.all_logprobs[index]),
+                }),
                 finish_reason: output.finish_reason.as_str(),
             });
         }

@@ -30,23 +30,36 @@ pub struct CompletionPlan {
 }
 
 pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPlan, ApiError> {
-    let prompt = request.prompt.ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+    let prompt = request
+        .prompt
+        .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
     let tokenizer = &ready.tokenizer;
     let encode = |text: &str| {
-        tokenizer.encode(text, false).map_err(|e| ApiError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
+        tokenizer
+            .encode(text, false)
+            .map_err(|e| ApiError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
     };
     let check_ids = |ids: Vec<i64>| -> Result<Vec<u32>, ApiError> {
         ids.into_iter()
             .map(|id| {
-                u32::try_from(id).ok().filter(|&t| (t as usize) < ready.vocab_size).ok_or_else(|| {
-                    ApiError::invalid("prompt", format!("token id {id} is outside the vocabulary (0..{})", ready.vocab_size))
-                })
+                u32::try_from(id)
+                    .ok()
+                    .filter(|&t| (t as usize) < ready.vocab_size)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "prompt",
+                            format!("token id {id} is outside the vocabulary (0..{})", ready.vocab_size),
+                        )
+                    })
             })
             .collect()
     };
     let prompts: Vec<(Vec<u32>, String)> = match prompt {
         PromptField::Text(text) => vec![(encode(&text)?, text)],
-        PromptField::Texts(texts) => texts.into_iter().map(|t| Ok((encode(&t)?, t))).collect::<Result<_, ApiError>>()?,
+        PromptField::Texts(texts) => texts
+            .into_iter()
+            .map(|t| Ok((encode(&t)?, t)))
+            .collect::<Result<_, ApiError>>()?,
         PromptField::Tokens(ids) => {
             let ids = check_ids(ids)?;
             let text = tokenizer.decode(&ids, false).unwrap_or_default();
@@ -68,13 +81,21 @@ pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPl
         return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
     }
     if request.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid("suffix", "`suffix` (fill-in-the-middle) is not supported by this model"));
+        return Err(ApiError::invalid(
+            "suffix",
+            "`suffix` (fill-in-the-middle) is not supported by this model",
+        ));
     }
     let echo = request.echo.unwrap_or(false);
     let logprobs = match request.logprobs {
         None => None,
         Some(k) if (0..=MAX_LOGPROBS).contains(&k) => Some(k as usize),
-        Some(k) => return Err(ApiError::invalid("logprobs", format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {k}"))),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {k}"),
+            ))
+        }
     };
     if echo && logprobs.is_some() {
         return Err(ApiError::invalid(
@@ -105,15 +126,25 @@ pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPl
         Some(b) => {
             return Err(ApiError::invalid(
                 "best_of",
-                format!("`best_of` other than `n` is not supported (got best_of {b}, n {})", sampling.n),
+                format!(
+                    "`best_of` other than `n` is not supported (got best_of {b}, n {})",
+                    sampling.n
+                ),
             ))
         }
     }
     let stream = request.stream.unwrap_or(false);
     if request.stream_options.is_some() && !stream {
-        return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed when `stream` is true"));
+        return Err(ApiError::invalid(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true",
+        ));
     }
-    let include_usage = request.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = request
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
     let requested = Some(request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS));
     let mut sequences = Vec::new();
     let mut prompt_tokens = 0;
@@ -122,7 +153,13 @@ pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPl
         let max_tokens = if request.max_tokens.is_none() {
             // The default of 16 shrinks to fit the context rather than failing.
             let room = ready.context.saturating_sub(ids.len());
-            params::max_tokens(Some(DEFAULT_MAX_TOKENS.min(room.max(1) as i64)), "max_tokens", "prompt", ids.len(), ready.context)?
+            params::max_tokens(
+                Some(DEFAULT_MAX_TOKENS.min(room.max(1) as i64)),
+                "max_tokens",
+                "prompt",
+                ids.len(),
+                ready.context,
+            )?
         } else {
             params::max_tokens(requested, "max_tokens", "prompt", ids.len(), ready.context)?
         };
@@ -147,7 +184,15 @@ pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPl
             echoes.push(echo.then(|| text.clone()));
         }
     }
-    Ok(CompletionPlan { stream, include_usage, logprobs: logprobs.is_some(), echo: echoes, n: sampling.n, prompt_tokens, sequences })
+    Ok(CompletionPlan {
+        stream,
+        include_usage,
+        logprobs: logprobs.is_some(),
+        echo: echoes,
+        n: sampling.n,
+        prompt_tokens,
+        sequences,
+    })
 }
 
 pub struct CompletionResponder {
@@ -184,7 +229,11 @@ impl CompletionResponder {
             echo: plan.echo.clone(),
             started: vec![false; n],
             pending: vec![CompletionLogprobs::default(); n],
-            offsets: plan.echo.iter().map(|e| e.as_ref().map_or(0, |t| t.chars().count())).collect(),
+            offsets: plan
+                .echo
+                .iter()
+                .map(|e| e.as_ref().map_or(0, |t| t.chars().count()))
+                .collect(),
             texts: vec![String::new(); n],
             finish: vec![None; n],
         }
@@ -223,7 +272,15 @@ impl CompletionResponder {
         } else {
             None
         };
-        self.chunk(vec![CompletionChoice { index, text, logprobs, finish_reason }], None)
+        self.chunk(
+            vec![CompletionChoice {
+                index,
+                text,
+                logprobs,
+                finish_reason,
+            }],
+            None,
+        )
     }
 
     fn start_text(&mut self, index: usize) -> String {

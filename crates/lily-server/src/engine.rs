@@ -11,7 +11,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 
-use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, ToolCallIds, Tokenizer};
+use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
 use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Backend;
 use serde_json::Value as Json;
@@ -60,7 +60,11 @@ pub struct Job {
 pub enum Event {
     /// One generated token: the deltas it released (maybe none) and, when asked, its logprob (none for an
     /// end-of-sequence token).
-    Token { index: usize, deltas: Vec<Delta>, logprob: Option<TokenLogprob> },
+    Token {
+        index: usize,
+        deltas: Vec<Delta>,
+        logprob: Option<TokenLogprob>,
+    },
     /// A sequence ended; `output.deltas` is text held back until the end.
     Finished { index: usize, output: FinalOutput },
     /// The job failed or was cancelled by the server; no more events follow.
@@ -132,9 +136,21 @@ enum Outcome {
 }
 
 impl Engine {
-    pub fn new(backend: Box<dyn Backend>, tokenizer: Arc<Tokenizer>, call_ids: ToolCallIds, shared: Arc<EngineShared>) -> Engine {
+    pub fn new(
+        backend: Box<dyn Backend>,
+        tokenizer: Arc<Tokenizer>,
+        call_ids: ToolCallIds,
+        shared: Arc<EngineShared>,
+    ) -> Engine {
         let eos = backend.config().eos_token_ids.clone();
-        Engine { backend, tokenizer, eos, call_ids, shared, scratch: Vec::new() }
+        Engine {
+            backend,
+            tokenizer,
+            eos,
+            call_ids,
+            shared,
+            scratch: Vec::new(),
+        }
     }
 
     /// Serves jobs until every sender is gone.
@@ -168,7 +184,10 @@ impl Engine {
         for seq in &job.sequences {
             match self.generate(&job, seq, &mut first_token) {
                 Ok(Outcome::Finished(output)) => {
-                    let _ = job.events.send(Event::Finished { index: seq.index, output });
+                    let _ = job.events.send(Event::Finished {
+                        index: seq.index,
+                        output,
+                    });
                 }
                 Ok(Outcome::Cancelled) => return self.cancel_event(),
                 Err(error) => {
@@ -192,7 +211,8 @@ impl Engine {
     }
 
     fn generate(&mut self, job: &Job, seq: &SequenceSpec, first_token: &mut bool) -> Result<Outcome, ApiError> {
-        let forward_error = |e: lily_model::cpu::model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
+        let forward_error =
+            |e: lily_model::cpu::model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
         let tokenizer_error = |e: lily_chat::TokenizerError| ApiError::internal(format!("detokenizing failed: {e}"));
         self.backend.prefill(&seq.prompt).map_err(forward_error)?;
         self.shared.metrics.prompt_tokens.increment(seq.prompt.len() as u64);
@@ -207,7 +227,9 @@ impl Engine {
             call_ids: self.call_ids,
         };
         let mut output = match seq.kind {
-            OutputKind::Chat { .. } => Output::Chat(OutputStream::new(self.tokenizer.clone(), &seq.prompt_text, options)),
+            OutputKind::Chat { .. } => {
+                Output::Chat(OutputStream::new(self.tokenizer.clone(), &seq.prompt_text, options))
+            }
             OutputKind::Text => Output::Text(TextStream::new(self.tokenizer.clone(), options)),
         };
         let mut sampler = Sampler::new(seq.sampling.clone());
@@ -220,7 +242,10 @@ impl Engine {
                 self.scratch.extend_from_slice(self.backend.logits());
                 logits::apply(&mut self.scratch, &seq.penalties, &history);
                 let token = sampler.sample(&self.scratch);
-                (token, seq.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)))
+                (
+                    token,
+                    seq.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
+                )
             } else {
                 (self.backend.sample(&mut sampler), None)
             };
@@ -239,7 +264,15 @@ impl Engine {
             let deltas = output.push_token(token).map_err(tokenizer_error)?;
             let is_eos = !seq.ignore_eos && self.eos.contains(&token);
             let logprob = if is_eos { None } else { logprob };
-            if job.events.send(Event::Token { index: seq.index, deltas, logprob }).is_err() {
+            if job
+                .events
+                .send(Event::Token {
+                    index: seq.index,
+                    deltas,
+                    logprob,
+                })
+                .is_err()
+            {
                 return Ok(Outcome::Cancelled);
             }
             if output.is_finished() {

@@ -18,7 +18,14 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
     }
 
     /// 400 for a request the server cannot serve as sent.
@@ -86,8 +93,12 @@ impl ApiError {
     }
 
     pub fn shutting_down() -> ApiError {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "The server is shutting down.")
-            .with_code("shutting_down")
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "The server is shutting down.",
+        )
+        .with_code("shutting_down")
     }
 
     pub fn internal(message: impl Into<String>) -> ApiError {
@@ -120,7 +131,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
         if let Some(seconds) = self.retry_after {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }
@@ -148,4 +161,30 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
         e.param = (path != "." && !path.is_empty()).then_some(path);
         e
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{ChatCompletionRequest, CompletionRequest};
+
+    #[test]
+    fn type_errors_name_the_field_and_what_was_expected() {
+        let e = parse_json::<ChatCompletionRequest>(br#"{"stop": 5}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        assert!(e.message.contains("a string or an array of strings"), "{}", e.message);
+        let e = parse_json::<CompletionRequest>(br#"{"prompt": {"a": 1}}"#).unwrap_err();
+        assert!(e.message.contains("array of token ids"), "{}", e.message);
+        let e = parse_json::<ChatCompletionRequest>(br#"{"messages": [], "temperature": "hot"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        assert_eq!(
+            parse_json::<ChatCompletionRequest>(b"[1]").unwrap_err().code,
+            Some("invalid_json")
+        );
+        assert_eq!(
+            parse_json::<ChatCompletionRequest>(b"{").unwrap_err().code,
+            Some("invalid_json")
+        );
+        assert!(parse_json::<ChatCompletionRequest>(br#"{"unknown": {"x": 1}, "n": null}"#).is_ok());
+    }
 }

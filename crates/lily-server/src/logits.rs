@@ -19,7 +19,12 @@ pub struct Penalties {
 
 impl Penalties {
     pub fn none() -> Penalties {
-        Penalties { presence: 0.0, frequency: 0.0, repetition: 1.0, logit_bias: Vec::new() }
+        Penalties {
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            logit_bias: Vec::new(),
+        }
     }
 
     pub fn is_active(&self) -> bool {
@@ -38,8 +43,15 @@ pub struct History {
 
 impl History {
     pub fn new(prompt: &[u32], penalties: &Penalties) -> History {
-        let prompt = if penalties.repetition != 1.0 { prompt.iter().copied().collect() } else { Default::default() };
-        History { generated: HashMap::new(), prompt }
+        let prompt = if penalties.repetition != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            Default::default()
+        };
+        History {
+            generated: HashMap::new(),
+            prompt,
+        }
     }
 
     pub fn push(&mut self, token: u32) {
@@ -102,7 +114,11 @@ pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
         indexed.sort_unstable_by(order);
         best = indexed.into_iter().map(|(i, l)| (i, lp(l))).collect();
     }
-    TokenLogprob { token, logprob: lp(logits[token as usize]), top: best }
+    TokenLogprob {
+        token,
+        logprob: lp(logits[token as usize]),
+        top: best,
+    }
 }
 
 #[cfg(test)]
@@ -121,7 +137,12 @@ mod tests {
 
     #[test]
     fn penalties_follow_openai_and_hf() {
-        let p = Penalties { presence: 0.5, frequency: 0.25, repetition: 2.0, logit_bias: vec![(3, -100.0)] };
+        let p = Penalties {
+            presence: 0.5,
+            frequency: 0.25,
+            repetition: 2.0,
+            logit_bias: vec![(3, -100.0)],
+        };
         let mut h = History::new(&[0], &p);
         h.push(1);
         h.push(1);

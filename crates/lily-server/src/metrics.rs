@@ -33,9 +33,15 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let latency = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5];
-        let ttft = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0];
-        let e2e = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0];
+        let latency = [
+            0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+        ];
+        let ttft = [
+            0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+        ];
+        let e2e = [
+            0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
+        ];
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(TTFT.into()), &ttft)
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full(TPOT.into()), &latency))
@@ -43,15 +49,22 @@ impl Metrics {
             .expect("non-empty buckets")
             .build_recorder();
         let handle = recorder.handle();
-        let describe = |name: &'static str, unit: Option<Unit>, help: &'static str| {
-            (name, unit, SharedString::const_str(help))
-        };
+        let describe =
+            |name: &'static str, unit: Option<Unit>, help: &'static str| (name, unit, SharedString::const_str(help));
         let counters = [
             describe(REQUESTS, None, "HTTP requests answered, by endpoint and status code."),
-            describe(PROMPT_TOKENS, None, "Prompt tokens processed (prefill), per generated sequence."),
+            describe(
+                PROMPT_TOKENS,
+                None,
+                "Prompt tokens processed (prefill), per generated sequence.",
+            ),
             describe(GENERATION_TOKENS, None, "Tokens generated."),
             describe(REJECTED, None, "Requests refused with 429 because the queue was full."),
-            describe(CANCELLED, None, "Generations cancelled (client disconnect or shutdown)."),
+            describe(
+                CANCELLED,
+                None,
+                "Generations cancelled (client disconnect or shutdown).",
+            ),
         ];
         for (name, unit, help) in counters {
             recorder.describe_counter(KeyName::from_const_str(name), unit, help);
@@ -99,8 +112,13 @@ impl Metrics {
 
     /// Counts one answered HTTP request.
     pub fn request(&self, endpoint: &str, status: u16) {
-        let labels = vec![Label::new("endpoint", endpoint.to_string()), Label::new("status", status.to_string())];
-        self.recorder.register_counter(&Key::from_parts(REQUESTS, labels), &METADATA).increment(1);
+        let labels = vec![
+            Label::new("endpoint", endpoint.to_string()),
+            Label::new("status", status.to_string()),
+        ];
+        self.recorder
+            .register_counter(&Key::from_parts(REQUESTS, labels), &METADATA)
+            .increment(1);
     }
 
     /// The Prometheus text exposition.

@@ -4,9 +4,12 @@
 
 use std::sync::Arc;
 
-use lily_chat::{Delta, FinalOutput, FinishReason, OutputOptions, OutputStream, StopChecker, StreamDecoder, TokenCheck};
+use lily_chat::{
+    Delta, FinalOutput, FinishReason, OutputOptions, OutputStream, StopChecker, StreamDecoder, TokenCheck,
+};
 use lily_chat::{Tokenizer, TokenizerError};
 
+#[allow(clippy::large_enum_variant)] // one per generated sequence
 pub enum Output {
     Chat(OutputStream),
     Text(TextStream),

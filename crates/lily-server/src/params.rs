@@ -24,7 +24,13 @@ pub struct GenerationDefaults {
 
 impl Default for GenerationDefaults {
     fn default() -> Self {
-        GenerationDefaults { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0, repetition_penalty: 1.0 }
+        GenerationDefaults {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+        }
     }
 }
 
@@ -89,22 +95,36 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usize) -> Result<Sampling, ApiError> {
     let temperature = raw.temperature.unwrap_or(defaults.temperature);
     if !(temperature.is_finite() && temperature >= 0.0) {
-        return Err(ApiError::invalid("temperature", format!("`temperature` must be a number >= 0, got {temperature}")));
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be a number >= 0, got {temperature}"),
+        ));
     }
     let top_p = raw.top_p.unwrap_or(defaults.top_p);
     if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid("top_p", format!("`top_p` must be in (0, 1], got {top_p}")));
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
     }
     let top_k = match raw.top_k {
         None => defaults.top_k,
         // vLLM's spelling of "no limit".
         Some(-1) | Some(0) => 0,
         Some(k) if k > 0 => k as usize,
-        Some(k) => return Err(ApiError::invalid("top_k", format!("`top_k` must be >= 0 (or -1 for no limit), got {k}"))),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be >= 0 (or -1 for no limit), got {k}"),
+            ))
+        }
     };
     let min_p = raw.min_p.unwrap_or(defaults.min_p);
     if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::invalid("min_p", format!("`min_p` must be in [0, 1], got {min_p}")));
+        return Err(ApiError::invalid(
+            "min_p",
+            format!("`min_p` must be in [0, 1], got {min_p}"),
+        ));
     }
     let penalty = |name: &str, value: Option<f32>| -> Result<f32, ApiError> {
         let v = value.unwrap_or(0.0);
@@ -128,26 +148,54 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
             .parse()
             .ok()
             .filter(|&t: &u32| (t as usize) < vocab_size)
-            .ok_or_else(|| ApiError::invalid("logit_bias", format!("`logit_bias` key {key:?} is not a token id below {vocab_size}")))?;
-        let bias = value
-            .as_f64()
-            .filter(|b| (-100.0..=100.0).contains(b))
-            .ok_or_else(|| ApiError::invalid("logit_bias", format!("`logit_bias` values must be numbers in [-100, 100], got {value}")))?;
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` key {key:?} is not a token id below {vocab_size}"),
+                )
+            })?;
+        let bias = value.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid(
+                "logit_bias",
+                format!("`logit_bias` values must be numbers in [-100, 100], got {value}"),
+            )
+        })?;
         logit_bias.push((token, bias as f32));
     }
     let n = match raw.n {
         None => 1,
         Some(n) if n >= 1 && n as usize <= MAX_N => n as usize,
-        Some(n) => return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_N}, got {n}"))),
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be between 1 and {MAX_N}, got {n}"),
+            ))
+        }
     };
     let seed = match raw.seed {
         Some(seed) => seed as u64,
         None => random_u64(),
     };
     let stop = raw.stop.map(StopField::into_vec).unwrap_or_default();
-    let params = SamplingParams { temperature, top_k, top_p, min_p, seed };
+    let params = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed,
+    };
     params.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
-    Ok(Sampling { params, penalties: Penalties { presence, frequency, repetition, logit_bias }, stop, n })
+    Ok(Sampling {
+        params,
+        penalties: Penalties {
+            presence,
+            frequency,
+            repetition,
+            logit_bias,
+        },
+        stop,
+        n,
+    })
 }
 
 /// `max_tokens` (or `max_completion_tokens`) checked against the context: the prompt plus the tokens to generate
@@ -172,7 +220,10 @@ pub fn max_tokens(
     let room = context - prompt_len;
     match requested {
         None => Ok(room),
-        Some(m) if m < 1 => Err(ApiError::invalid(param, format!("`{param}` must be at least 1, got {m}"))),
+        Some(m) if m < 1 => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be at least 1, got {m}"),
+        )),
         Some(m) if m as u64 > room as u64 => Err(ApiError::invalid(
             param,
             format!(
@@ -191,7 +242,11 @@ pub fn random_u64() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
     h.finish()
 }
 
@@ -209,5 +264,7 @@ pub fn random_id(prefix: &str) -> String {
 }
 
 pub fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

@@ -49,7 +49,10 @@ pub fn router(state: AppStateRef) -> Router {
 }
 
 async fn count_requests(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
-    let endpoint = request.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |p| p.as_str().to_string());
+    let endpoint = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched".to_string(), |p| p.as_str().to_string());
     let response = next.run(request).await;
     state.metrics.request(&endpoint, response.status().as_u16());
     response
@@ -79,13 +82,21 @@ async fn not_found() -> ApiError {
 }
 
 async fn method_not_allowed() -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "This endpoint does not take this HTTP method.")
-        .with_code("method_not_allowed")
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "This endpoint does not take this HTTP method.",
+    )
+    .with_code("method_not_allowed")
 }
 
 async fn health(State(state): State<AppStateRef>) -> Response {
     if state.shutting_down.load(Ordering::SeqCst) {
-        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "shutting_down"}))).into_response();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "shutting_down"})),
+        )
+            .into_response();
     }
     match state.ready.get() {
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
@@ -94,7 +105,11 @@ async fn health(State(state): State<AppStateRef>) -> Response {
 }
 
 async fn metrics(State(state): State<AppStateRef>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render()).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        state.metrics.render(),
+    )
+        .into_response()
 }
 
 fn model_card(state: &AppState) -> ModelCard {
@@ -110,7 +125,10 @@ fn model_card(state: &AppState) -> ModelCard {
 }
 
 async fn list_models(State(state): State<AppStateRef>) -> Json<ModelList> {
-    Json(ModelList { object: "list", data: vec![model_card(&state)] })
+    Json(ModelList {
+        object: "list",
+        data: vec![model_card(&state)],
+    })
 }
 
 async fn get_model(State(state): State<AppStateRef>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
@@ -172,7 +190,12 @@ fn submit(
 ) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
     let (events, receiver) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job { sequences, events, cancel: cancel.clone(), arrived };
+    let job = Job {
+        sequences,
+        events,
+        cancel: cancel.clone(),
+        arrived,
+    };
     match state.engine.submit(job) {
         Ok(()) => Ok((receiver, CancelOnDrop(cancel))),
         Err(SubmitError::QueueFull) => Err(ApiError::queue_full(state.config.max_queue)),
@@ -205,11 +228,20 @@ where
             }
         }
     })
-    .flat_map(|data| futures_util::stream::iter(data.into_iter().map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)))));
+    .flat_map(|data| {
+        futures_util::stream::iter(
+            data.into_iter()
+                .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
+        )
+    });
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }
 
-async fn collect<T, F>(mut receiver: UnboundedReceiver<Event>, _guard: CancelOnDrop, mut on_event: F) -> Result<T, ApiError>
+async fn collect<T, F>(
+    mut receiver: UnboundedReceiver<Event>,
+    _guard: CancelOnDrop,
+    mut on_event: F,
+) -> Result<T, ApiError>
 where
     F: FnMut(Event) -> Option<Result<T, ApiError>>,
 {
@@ -230,12 +262,18 @@ async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
         let ready = ready(&state)?;
         check_queue(&state)?;
         let plan = chat::prepare(request, ready)?;
-        let mut responder =
-            ChatResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone(), state.config.reasoning_field);
+        let mut responder = ChatResponder::new(
+            &plan,
+            state.config.model_id.clone(),
+            ready.tokenizer.clone(),
+            state.config.reasoning_field,
+        );
         let stream = plan.stream;
         let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
         if stream {
-            Ok(sse_response(receiver, guard, move |event| responder.stream_event(event)))
+            Ok(sse_response(receiver, guard, move |event| {
+                responder.stream_event(event)
+            }))
         } else {
             let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
             Ok(Json(completion).into_response())
@@ -257,7 +295,9 @@ async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
         let stream = plan.stream;
         let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
         if stream {
-            Ok(sse_response(receiver, guard, move |event| responder.stream_event(event)))
+            Ok(sse_response(receiver, guard, move |event| {
+                responder.stream_event(event)
+            }))
         } else {
             let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
             Ok(Json(completion).into_response())
@@ -266,7 +306,10 @@ async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-async fn tokenize(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Result<Json<TokenizeResponse>, ApiError> {
+async fn tokenize(
+    State(state): State<AppStateRef>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<TokenizeResponse>, ApiError> {
     let body = read_body(body, &state)?;
     let request: TokenizeRequest = parse_json(&body)?;
     check_model(request.model.as_deref(), &state)?;
@@ -274,7 +317,9 @@ async fn tokenize(State(state): State<AppStateRef>, body: Result<Bytes, BytesRej
     let tokenizer = &ready.tokenizer;
     let encode_error = |e: lily_chat::TokenizerError| ApiError::bad_request(format!("cannot tokenize: {e}"));
     let tokens = match (request.prompt, request.messages) {
-        (Some(prompt), None) => tokenizer.encode(&prompt, request.add_special_tokens.unwrap_or(true)).map_err(encode_error)?,
+        (Some(prompt), None) => tokenizer
+            .encode(&prompt, request.add_special_tokens.unwrap_or(true))
+            .map_err(encode_error)?,
         (None, Some(messages)) => {
             let messages = chat::validate_messages(messages)?;
             let text = chat::render(
@@ -287,30 +332,53 @@ async fn tokenize(State(state): State<AppStateRef>, body: Result<Bytes, BytesRej
             tokenizer.encode(&text, false).map_err(encode_error)?
         }
         (Some(_), Some(_)) => return Err(ApiError::bad_request("give either `prompt` or `messages`, not both")),
-        (None, None) => return Err(ApiError::invalid("prompt", "`prompt` (text) or `messages` (a conversation) is required")),
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "`prompt` (text) or `messages` (a conversation) is required",
+            ))
+        }
     };
-    let token_strs = request
-        .return_token_strs
-        .unwrap_or(false)
-        .then(|| tokens.iter().map(|&id| tokenizer.id_to_token(id).unwrap_or_default()).collect());
-    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: ready.context, tokens, token_strs }))
+    let token_strs = request.return_token_strs.unwrap_or(false).then(|| {
+        tokens
+            .iter()
+            .map(|&id| tokenizer.id_to_token(id).unwrap_or_default())
+            .collect()
+    });
+    Ok(Json(TokenizeResponse {
+        count: tokens.len(),
+        max_model_len: ready.context,
+        tokens,
+        token_strs,
+    }))
 }
 
-async fn detokenize(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Result<Json<DetokenizeResponse>, ApiError> {
+async fn detokenize(
+    State(state): State<AppStateRef>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<DetokenizeResponse>, ApiError> {
     let body = read_body(body, &state)?;
     let request: DetokenizeRequest = parse_json(&body)?;
     check_model(request.model.as_deref(), &state)?;
     let ready = ready(&state)?;
-    let ids = request.tokens.ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
+    let ids = request
+        .tokens
+        .ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
     let limit = ready.tokenizer.vocab_size().min(ready.vocab_size);
     let ids = ids
         .into_iter()
         .map(|id| {
             u32::try_from(id).ok().filter(|&t| (t as usize) < limit).ok_or_else(|| {
-                ApiError::invalid("tokens", format!("token id {id} is outside the vocabulary (0..{limit})"))
+                ApiError::invalid(
+                    "tokens",
+                    format!("token id {id} is outside the vocabulary (0..{limit})"),
+                )
             })
         })
         .collect::<Result<Vec<u32>, ApiError>>()?;
-    let prompt = ready.tokenizer.decode(&ids, false).map_err(|e| ApiError::bad_request(format!("cannot detokenize: {e}")))?;
+    let prompt = ready
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| ApiError::bad_request(format!("cannot detokenize: {e}")))?;
     Ok(Json(DetokenizeResponse { prompt }))
 }

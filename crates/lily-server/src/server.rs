@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use lily_chat::{ChatTemplate, ToolCallIds, Tokenizer};
+use lily_chat::{ChatTemplate, Tokenizer, ToolCallIds};
 use lily_model::Backend;
 use tokio::sync::watch;
 
@@ -145,7 +145,11 @@ impl RunningServer {
     /// Waits until the model is loaded (Ok) or failed to load (Err).
     pub async fn wait_ready(&self) -> Result<()> {
         let mut status = self.status.clone();
-        let status = status.wait_for(|s| *s != Status::Loading).await.context("the server stopped")?.clone();
+        let status = status
+            .wait_for(|s| *s != Status::Loading)
+            .await
+            .context("the server stopped")?
+            .clone();
         match status {
             Status::Failed(message) => anyhow::bail!(message),
             _ => Ok(()),
@@ -154,7 +158,10 @@ impl RunningServer {
 
     /// Waits for the server to stop, and for its engine thread to finish its last step.
     pub async fn wait(self) -> Result<()> {
-        self.task.await.context("the server task failed")?.context("serving HTTP")?;
+        self.task
+            .await
+            .context("the server task failed")?
+            .context("serving HTTP")?;
         // The router and with it the queue's sender are gone, so the engine's loop ends; a generation still
         // running was cancelled by `cancel_all`.
         let thread = self.engine_thread;
@@ -199,7 +206,10 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
     let (status_tx, status_rx) = watch::channel(Status::Loading);
     let status_tx = Arc::new(status_tx);
     let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
-    let stop = StopHandle { shutdown: Arc::new(shutdown_tx), shared: shared.clone() };
+    let stop = StopHandle {
+        shutdown: Arc::new(shutdown_tx),
+        shared: shared.clone(),
+    };
 
     // The engine thread holds only a weak reference to the state: once the HTTP side is gone, so is the queue's
     // sender, and the engine's loop ends.
@@ -209,18 +219,18 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
         let stop = stop.clone();
         std::thread::Builder::new()
             .name("lily-engine".into())
-            .spawn(move || {
-                match load(&config, factory, &weak, shared) {
-                    Ok(engine) => {
-                        status_tx.send_replace(Status::Ready);
-                        engine.run(receiver);
-                    }
-                    Err(error) => {
-                        let message = format!("loading the model failed: {error:#}");
-                        eprintln!("lily serve: {message}");
-                        status_tx.send_replace(Status::Failed(message));
-                        stop.shutdown();
-                    }
+            .spawn(move || match load(&config, factory, &weak, shared) {
+                Ok(Some(engine)) => {
+                    status_tx.send_replace(Status::Ready);
+                    engine.run(receiver);
+                }
+                // Stopped while loading: nothing to serve, and nothing went wrong.
+                Ok(None) => {}
+                Err(error) => {
+                    let message = format!("loading the model failed: {error:#}");
+                    eprintln!("lily serve: {message}");
+                    status_tx.send_replace(Status::Failed(message));
+                    stop.shutdown();
                 }
             })
             .context("starting the engine thread")?
@@ -253,18 +263,32 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
             result
         })
     };
-    Ok(RunningServer { addr, status: status_rx, stop, task, engine_thread })
+    Ok(RunningServer {
+        addr,
+        status: status_rx,
+        stop,
+        task,
+        engine_thread,
+    })
 }
 
-/// Loads tokenizer, chat template and backend; publishes what requests need into the state.
-fn load(config: &ServerConfig, factory: BackendFactory, state: &Weak<AppState>, shared: Arc<EngineShared>) -> Result<Engine> {
+/// Loads tokenizer, chat template and backend; publishes what requests need into the state. `None`: the server
+/// stopped while the model was loading.
+fn load(
+    config: &ServerConfig,
+    factory: BackendFactory,
+    state: &Weak<AppState>,
+    shared: Arc<EngineShared>,
+) -> Result<Option<Engine>> {
     let start = Instant::now();
     let dir = &config.model_dir;
     eprintln!("lily serve: loading tokenizer and chat template from {}", dir.display());
     let tokenizer = Arc::new(Tokenizer::from_dir(dir).context("loading the tokenizer")?);
     let template = ChatTemplate::from_dir(dir).context("loading the chat template")?;
     let model_config = lily_model::Config::from_dir(dir).context("reading config.json")?;
-    let context = config.context.unwrap_or(DEFAULT_CONTEXT.min(model_config.max_position_embeddings));
+    let context = config
+        .context
+        .unwrap_or(DEFAULT_CONTEXT.min(model_config.max_position_embeddings));
     anyhow::ensure!(context >= 2, "--context must be at least 2 tokens");
     anyhow::ensure!(
         context <= model_config.max_position_embeddings,
@@ -293,9 +317,9 @@ fn load(config: &ServerConfig, factory: BackendFactory, state: &Weak<AppState>, 
         Some(state) => {
             let _ = state.ready.set(ready);
         }
-        None => anyhow::bail!("the server stopped while the model was loading"),
+        None => return Ok(None),
     }
-    Ok(Engine::new(backend, tokenizer, config.tool_call_ids, shared))
+    Ok(Some(Engine::new(backend, tokenizer, config.tool_call_ids, shared)))
 }
 
 /// The CPU backend: `Weights::load(dir)` then `CpuModel::new`.
@@ -311,7 +335,10 @@ pub fn cpu_backend_factory(dir: PathBuf) -> BackendFactory {
 
 /// `lily serve`: serves until SIGINT or SIGTERM (a second one cancels in-flight requests at once).
 pub fn run(args: ServeArgs) -> Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
     runtime.block_on(run_async(args))
 }
 
@@ -326,7 +353,10 @@ async fn run_async(args: ServeArgs) -> Result<()> {
                 .unwrap_or_else(|| "lily".into());
             (dir.clone(), name)
         }
-        None => (lily_model::default_model::locate()?, lily_model::default_model::NAME.to_string()),
+        None => (
+            lily_model::default_model::locate()?,
+            lily_model::default_model::NAME.to_string(),
+        ),
     };
     let mut config = ServerConfig::new(model_dir.clone(), args.served_model_name.clone().unwrap_or(default_id));
     config.host = args.host.clone();

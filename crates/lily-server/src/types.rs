@@ -9,7 +9,7 @@ use serde_json::{Map, Value as Json};
 
 /// `"stop": "x"` or `"stop": ["x", "y"]`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or an array of strings")]
 pub enum StopField {
     One(String),
     Many(Vec<String>),
@@ -59,11 +59,17 @@ pub struct ChatCompletionRequest {
     pub response_format: Option<Json>,
     /// vLLM extension: keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: Option<bool>,
+    /// OpenAI's deprecated function-calling fields: refused (use `tools` and `tool_choice`).
+    pub functions: Option<Json>,
+    pub function_call: Option<Json>,
 }
 
 /// `"prompt"` of `/v1/completions`: a string, strings, token ids, or lists of token ids.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+)]
 pub enum PromptField {
     Text(String),
     Texts(Vec<String>),

@@ -30,7 +30,13 @@ where
 
 /// Opens a stream and reads until `chunks` data lines have arrived; returns the open response.
 async fn open_stream(s: &TestServer, body: &Json, chunks: usize) -> reqwest::Response {
-    let response = s.client.post(s.url("/v1/chat/completions")).json(body).send().await.unwrap();
+    let response = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     let mut response = response;
     let mut seen = 0;
@@ -56,22 +62,41 @@ async fn disconnect_cancels_within_a_decode_step() {
     .await;
     let after_cancel = decodes.load(Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(decodes.load(Ordering::SeqCst) <= after_cancel + 1, "no decoding after the cancel");
+    assert!(
+        decodes.load(Ordering::SeqCst) <= after_cancel + 1,
+        "no decoding after the cancel"
+    );
     assert_eq!(s.metric("lily_requests_running").await, Some(0.0));
 
     // A non-streaming request whose client gives up is cancelled too.
     let before = decodes.load(Ordering::SeqCst);
     let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100_000, "ignore_eos": true});
-    let result = s.client.post(s.url("/v1/chat/completions")).timeout(Duration::from_millis(300)).json(&body).send().await;
+    let result = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .timeout(Duration::from_millis(300))
+        .json(&body)
+        .send()
+        .await;
     assert!(result.is_err(), "the client timed out");
-    eventually(Duration::from_secs(5), "the non-streaming generation is cancelled", || async {
-        s.metric("lily_requests_cancelled_total").await == Some(2.0)
-    })
+    eventually(
+        Duration::from_secs(5),
+        "the non-streaming generation is cancelled",
+        || async { s.metric("lily_requests_cancelled_total").await == Some(2.0) },
+    )
     .await;
-    assert!(decodes.load(Ordering::SeqCst) - before < 200, "stopped soon after the disconnect");
+    assert!(
+        decodes.load(Ordering::SeqCst) - before < 200,
+        "stopped soon after the disconnect"
+    );
 
     // The server answers the next request.
-    let (status, r) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})).await;
+    let (status, r) = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+        )
+        .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["completion_tokens"], 3);
     s.shutdown().await;
@@ -89,7 +114,10 @@ async fn disconnect_mid_stream_with_the_real_model() {
     let generated = s.metric("lily_generation_tokens_total").await.unwrap();
     assert!(generated < 1000.0, "stopped early: {generated} tokens");
     let (status, r) = s
-        .post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Good morrow."}], "max_tokens": 4}))
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Good morrow."}], "max_tokens": 4}),
+        )
         .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(s.get("/health").await.0, 200);
@@ -107,11 +135,24 @@ async fn full_queue_answers_429_with_retry_after() {
     let b = {
         let s = s.clone();
         tokio::spawn(async move {
-            s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})).await
+            s.post(
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+            )
+            .await
         })
     };
-    eventually(Duration::from_secs(5), "B is queued", || async { s.metric("lily_queue_depth").await == Some(1.0) }).await;
-    let response = s.client.post(s.url("/v1/chat/completions")).json(&long_stream(3)).send().await.unwrap();
+    eventually(Duration::from_secs(5), "B is queued", || async {
+        s.metric("lily_queue_depth").await == Some(1.0)
+    })
+    .await;
+    let response = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_stream(3))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 429);
     assert_eq!(response.headers()["retry-after"], "1");
     let body: Json = response.json().await.unwrap();
@@ -153,7 +194,10 @@ async fn graceful_shutdown_finishes_in_flight_requests() {
     let last: Json = serde_json::from_str(&data[data.len() - 2]).unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     let server = s.server.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), server.wait()).await.expect("stops").expect("cleanly");
+    tokio::time::timeout(Duration::from_secs(10), server.wait())
+        .await
+        .expect("stops")
+        .expect("cleanly");
 }
 
 #[tokio::test]
@@ -175,7 +219,10 @@ async fn shutdown_cancels_what_outlives_the_grace_period() {
     assert_error_shape(&error);
     assert!(started.elapsed() < Duration::from_secs(5));
     let server = s.server.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), server.wait()).await.expect("stops").expect("cleanly");
+    tokio::time::timeout(Duration::from_secs(10), server.wait())
+        .await
+        .expect("stops")
+        .expect("cleanly");
 }
 
 /// 200 requests from 16 concurrent clients against the real model, with a queue shorter than the number of
@@ -202,11 +249,20 @@ async fn load_test_200_requests_16_clients() {
                     break;
                 }
                 let (path, body) = match i % 4 {
-                    0 | 2 => ("/v1/completions", json!({"prompt": format!("ROMEO {i}."), "max_tokens": 2, "seed": i})),
-                    1 => ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": format!("Hi {i}")}],
-                                                          "max_tokens": 2, "stream": true})),
-                    _ => ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": format!("Hi {i}")}],
-                                                          "max_tokens": 2, "seed": i})),
+                    0 | 2 => (
+                        "/v1/completions",
+                        json!({"prompt": format!("ROMEO {i}."), "max_tokens": 2, "seed": i}),
+                    ),
+                    1 => (
+                        "/v1/chat/completions",
+                        json!({"messages": [{"role": "user", "content": format!("Hi {i}")}],
+                                                          "max_tokens": 2, "stream": true}),
+                    ),
+                    _ => (
+                        "/v1/chat/completions",
+                        json!({"messages": [{"role": "user", "content": format!("Hi {i}")}],
+                                                          "max_tokens": 2, "seed": i}),
+                    ),
                 };
                 for attempt in 0.. {
                     assert!(attempt < 2000, "request {i} refused too often");
@@ -245,21 +301,36 @@ async fn load_test_200_requests_16_clients() {
         client.await.expect("client ran");
     }
     let (ok, refused) = (ok.load(Ordering::SeqCst), refused.load(Ordering::SeqCst));
-    eprintln!("load test: {ok} answered, {refused} attempts refused with 429, in {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "load test: {ok} answered, {refused} attempts refused with 429, in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     assert_eq!(ok, REQUESTS, "every request answered");
     assert_eq!(s.get("/health").await.0, 200);
     let (_, metrics) = s.get("/metrics").await;
     let count = |endpoint: &str, status: u16| {
-        metric_value(&metrics, &format!("lily_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}}")).unwrap_or(0.0)
+        metric_value(
+            &metrics,
+            &format!("lily_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}}"),
+        )
+        .unwrap_or(0.0)
     };
     let served = count("/v1/chat/completions", 200) + count("/v1/completions", 200);
     let rejected = count("/v1/chat/completions", 429) + count("/v1/completions", 429);
     assert_eq!(served as usize, ok);
     assert_eq!(rejected as usize, refused);
-    assert_eq!(metric_value(&metrics, "lily_requests_rejected_total"), Some(refused as f64));
+    assert_eq!(
+        metric_value(&metrics, "lily_requests_rejected_total"),
+        Some(refused as f64)
+    );
     assert_eq!(metric_value(&metrics, "lily_queue_depth"), Some(0.0));
     assert_eq!(metric_value(&metrics, "lily_requests_running"), Some(0.0));
-    let (status, _) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})).await;
+    let (status, _) = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        )
+        .await;
     assert_eq!(status, 200);
     let s = Arc::into_inner(s).unwrap();
     s.shutdown().await;

@@ -30,21 +30,45 @@ async fn every_bad_request_is_an_openai_error() {
         (json!({"messages": "hello"}), 400, Some("messages")),
         (json!({"messages": [42]}), 400, Some("messages[0]")),
         (json!({"messages": [{"content": "hi"}]}), 400, Some("messages[0].role")),
-        (json!({"messages": [{"role": "wizard", "content": "hi"}]}), 400, Some("messages[0].role")),
-        (json!({"messages": [{"role": "user"}]}), 400, Some("messages[0].content")),
-        (json!({"messages": [{"role": "user", "content": 7}]}), 400, Some("messages[0].content")),
+        (
+            json!({"messages": [{"role": "wizard", "content": "hi"}]}),
+            400,
+            Some("messages[0].role"),
+        ),
+        (
+            json!({"messages": [{"role": "user"}]}),
+            400,
+            Some("messages[0].content"),
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": 7}]}),
+            400,
+            Some("messages[0].content"),
+        ),
         (
             json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
             400,
             Some("messages[0].content[0]"),
         ),
         // The template's own refusal: no user message.
-        (json!({"messages": [{"role": "system", "content": "Be brief."}]}), 400, Some("messages")),
-        (json!({"messages": [{"role": "user", "content": long}], "max_tokens": 1}), 400, Some("messages")),
+        (
+            json!({"messages": [{"role": "system", "content": "Be brief."}]}),
+            400,
+            Some("messages"),
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": long}], "max_tokens": 1}),
+            400,
+            Some("messages"),
+        ),
         (with("max_tokens", json!(0)), 400, Some("max_tokens")),
         (with("max_tokens", json!(-5)), 400, Some("max_tokens")),
         (with("max_tokens", json!(100000)), 400, Some("max_tokens")),
-        (with("max_completion_tokens", json!(0)), 400, Some("max_completion_tokens")),
+        (
+            with("max_completion_tokens", json!(0)),
+            400,
+            Some("max_completion_tokens"),
+        ),
         (with("max_tokens", json!("ten")), 400, Some("max_tokens")),
         (with("temperature", json!(-1)), 400, Some("temperature")),
         (with("temperature", json!("hot")), 400, Some("temperature")),
@@ -60,15 +84,42 @@ async fn every_bad_request_is_an_openai_error() {
         (with("seed", json!("abc")), 400, Some("seed")),
         (with("stop", json!(5)), 400, Some("stop")),
         (with("top_logprobs", json!(3)), 400, Some("top_logprobs")),
-        (json!({"messages": ok_body()["messages"], "logprobs": true, "top_logprobs": 50}), 400, Some("top_logprobs")),
+        (
+            json!({"messages": ok_body()["messages"], "logprobs": true, "top_logprobs": 50}),
+            400,
+            Some("top_logprobs"),
+        ),
         (with("logit_bias", json!({"abc": 1})), 400, Some("logit_bias")),
         (with("logit_bias", json!({"5": 1000})), 400, Some("logit_bias")),
-        (with("stream_options", json!({"include_usage": true})), 400, Some("stream_options")),
-        (with("response_format", json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})), 400, Some("response_format")),
-        (with("response_format", json!({"type": "yaml"})), 400, Some("response_format")),
-        (with("reasoning_effort", json!("maximum")), 400, Some("reasoning_effort")),
+        (
+            with("stream_options", json!({"include_usage": true})),
+            400,
+            Some("stream_options"),
+        ),
+        (
+            with(
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+            ),
+            400,
+            Some("response_format"),
+        ),
+        (
+            with("response_format", json!({"type": "yaml"})),
+            400,
+            Some("response_format"),
+        ),
+        (
+            with("reasoning_effort", json!("maximum")),
+            400,
+            Some("reasoning_effort"),
+        ),
         (with("tools", json!([{"type": "function"}])), 400, Some("tools[0]")),
-        (with("tools", json!([{"type": "retrieval", "function": {"name": "f"}}])), 400, Some("tools[0]")),
+        (
+            with("tools", json!([{"type": "retrieval", "function": {"name": "f"}}])),
+            400,
+            Some("tools[0]"),
+        ),
         (with("tool_choice", json!("required")), 400, Some("tool_choice")),
         (with("tool_choice", json!("sometimes")), 400, Some("tool_choice")),
         (
@@ -84,6 +135,11 @@ async fn every_bad_request_is_an_openai_error() {
             400,
             Some("messages"),
         ),
+        (
+            with("functions", json!([{"name": "f", "parameters": {}}])),
+            400,
+            Some("functions"),
+        ),
         (with("model", json!("gpt-4o")), 404, Some("model")),
     ];
     for (body, status, param) in cases {
@@ -95,7 +151,14 @@ async fn every_bad_request_is_an_openai_error() {
 
     // Malformed JSON, and a body that is not JSON at all.
     for raw in ["{\"messages\": [", "not json", ""] {
-        let response = s.client.post(s.url("/v1/chat/completions")).header("content-type", "application/json").body(raw).send().await.unwrap();
+        let response = s
+            .client
+            .post(s.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(raw)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(response.status(), 400, "{raw:?}");
         assert_error_shape(&response.json::<Json>().await.unwrap());
     }
@@ -151,10 +214,23 @@ async fn api_key_is_required_where_set() {
         assert_error_shape(&body);
         assert_eq!(body["error"]["code"], "invalid_api_key");
     }
-    let response = s.client.post(&url).bearer_auth("sekrit").json(&ok_body()).send().await.unwrap();
+    let response = s
+        .client
+        .post(&url)
+        .bearer_auth("sekrit")
+        .json(&ok_body())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     assert_eq!(s.client.get(s.url("/v1/models")).send().await.unwrap().status(), 401);
-    let tokenize = s.client.post(s.url("/tokenize")).json(&json!({"prompt": "a"})).send().await.unwrap();
+    let tokenize = s
+        .client
+        .post(s.url("/tokenize"))
+        .json(&json!({"prompt": "a"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(tokenize.status(), 401);
     // Health and metrics stay open for probes and scrapers.
     assert_eq!(s.get("/health").await.0, 200);

@@ -3,10 +3,10 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use common::*;
 use lily_server::ReasoningField;
 use serde_json::{json, Value as Json};
+use std::sync::{Arc, Mutex};
 
 const WEATHER_CALL: &str =
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
@@ -41,7 +41,9 @@ async fn tool_call_streaming_and_message_shapes() {
     let s = TestServer::fake(config(), script).await;
 
     // Not streamed.
-    let (status, r) = s.post("/v1/chat/completions", &ask(json!({"tools": weather_tools()}))).await;
+    let (status, r) = s
+        .post("/v1/chat/completions", &ask(json!({"tools": weather_tools()})))
+        .await;
     assert_eq!(status, 200, "{r}");
     let choice = &r["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls");
@@ -58,13 +60,24 @@ async fn tool_call_streaming_and_message_shapes() {
     assert_eq!(calls[0]["function"]["name"], "get_weather");
     let arguments: Json = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
     assert_eq!(arguments, json!({"city": "Paris", "days": 3}), "typed from the schema");
-    assert_eq!(r["usage"]["completion_tokens"].as_u64().unwrap() as usize, completion_tokens);
+    assert_eq!(
+        r["usage"]["completion_tokens"].as_u64().unwrap() as usize,
+        completion_tokens
+    );
 
     // Streamed: role, reasoning deltas, then the call as OpenAI streams it: the first delta with index, id, type,
     // name and empty arguments, the next with arguments only.
-    let (_, data) = s.stream("/v1/chat/completions", &ask(json!({"tools": weather_tools(), "stream": true}))).await;
+    let (_, data) = s
+        .stream(
+            "/v1/chat/completions",
+            &ask(json!({"tools": weather_tools(), "stream": true})),
+        )
+        .await;
     let chunks = chunks(&data);
-    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
     let mut reasoning = String::new();
     let mut call_deltas = Vec::new();
     for chunk in &chunks[1..] {
@@ -86,7 +99,10 @@ async fn tool_call_streaming_and_message_shapes() {
     assert_eq!(call_deltas[1]["index"], 0);
     assert!(call_deltas[1].get("id").is_none() && call_deltas[1].get("type").is_none());
     assert!(call_deltas[1]["function"].get("name").is_none());
-    assert_eq!(call_deltas[1]["function"]["arguments"], calls[0]["function"]["arguments"]);
+    assert_eq!(
+        call_deltas[1]["function"]["arguments"],
+        calls[0]["function"]["arguments"]
+    );
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
     assert_eq!(last["choices"][0]["delta"], json!({}));
@@ -100,44 +116,84 @@ async fn tool_choice_none_and_parallel_tool_calls() {
     let s = TestServer::fake(config(), script).await;
 
     // Both calls by default.
-    let (_, r) = s.post("/v1/chat/completions", &ask(json!({"tools": weather_tools()}))).await;
+    let (_, r) = s
+        .post("/v1/chat/completions", &ask(json!({"tools": weather_tools()})))
+        .await;
     let calls = r["choices"][0]["message"]["tool_calls"].as_array().unwrap();
     assert_eq!(calls.len(), 2);
-    assert_eq!((calls[0]["id"].as_str(), calls[1]["id"].as_str()), (Some("call_0"), Some("call_1")));
+    assert_eq!(
+        (calls[0]["id"].as_str(), calls[1]["id"].as_str()),
+        (Some("call_0"), Some("call_1"))
+    );
 
     // parallel_tool_calls false: only the first.
-    let (_, r) = s.post("/v1/chat/completions", &ask(json!({"tools": weather_tools(), "parallel_tool_calls": false}))).await;
+    let (_, r) = s
+        .post(
+            "/v1/chat/completions",
+            &ask(json!({"tools": weather_tools(), "parallel_tool_calls": false})),
+        )
+        .await;
     assert_eq!(r["choices"][0]["message"]["tool_calls"].as_array().unwrap().len(), 1);
     assert_eq!(r["choices"][0]["finish_reason"], "tool_calls");
     let (_, data) = s
-        .stream("/v1/chat/completions", &ask(json!({"tools": weather_tools(), "parallel_tool_calls": false, "stream": true})))
+        .stream(
+            "/v1/chat/completions",
+            &ask(json!({"tools": weather_tools(), "parallel_tool_calls": false, "stream": true})),
+        )
         .await;
     for chunk in chunks(&data) {
-        for call in chunk["choices"][0]["delta"]["tool_calls"].as_array().into_iter().flatten() {
+        for call in chunk["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
             assert_eq!(call["index"], 0);
         }
     }
 
     // tool_choice none: tools are not rendered and calls are not parsed: the markup is plain content.
-    let (_, with_tools) = s.post("/v1/chat/completions", &ask(json!({"tools": weather_tools()}))).await;
-    let (_, r) = s.post("/v1/chat/completions", &ask(json!({"tools": weather_tools(), "tool_choice": "none"}))).await;
+    let (_, with_tools) = s
+        .post("/v1/chat/completions", &ask(json!({"tools": weather_tools()})))
+        .await;
+    let (_, r) = s
+        .post(
+            "/v1/chat/completions",
+            &ask(json!({"tools": weather_tools(), "tool_choice": "none"})),
+        )
+        .await;
     let message = &r["choices"][0]["message"];
     assert!(message.get("tool_calls").is_none());
     assert!(message["content"].as_str().unwrap().contains("<function=get_weather>"));
     assert_eq!(r["choices"][0]["finish_reason"], "stop");
-    assert!(r["usage"]["prompt_tokens"].as_u64() < with_tools["usage"]["prompt_tokens"].as_u64(), "tools not rendered");
+    assert!(
+        r["usage"]["prompt_tokens"].as_u64() < with_tools["usage"]["prompt_tokens"].as_u64(),
+        "tools not rendered"
+    );
 
     // required and a named function: accepted, with an instruction added to the prompt (not enforced).
     let auto = with_tools["usage"]["prompt_tokens"].as_u64().unwrap();
-    for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_weather"}})] {
-        let (status, r) = s.post("/v1/chat/completions", &ask(json!({"tools": weather_tools(), "tool_choice": choice}))).await;
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        let (status, r) = s
+            .post(
+                "/v1/chat/completions",
+                &ask(json!({"tools": weather_tools(), "tool_choice": choice})),
+            )
+            .await;
         assert_eq!(status, 200, "{r}");
         assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() > auto);
         assert_eq!(r["choices"][0]["finish_reason"], "tool_calls");
     }
     // response_format json_object: accepted as a prompt-level hint.
     let (_, plain) = s.post("/v1/chat/completions", &ask(json!({}))).await;
-    let (status, r) = s.post("/v1/chat/completions", &ask(json!({"response_format": {"type": "json_object"}}))).await;
+    let (status, r) = s
+        .post(
+            "/v1/chat/completions",
+            &ask(json!({"response_format": {"type": "json_object"}})),
+        )
+        .await;
     assert_eq!(status, 200);
     assert!(r["usage"]["prompt_tokens"].as_u64() > plain["usage"]["prompt_tokens"].as_u64());
     s.shutdown().await;
@@ -156,7 +212,9 @@ async fn reasoning_split_follows_enable_thinking_and_the_field_flag() {
     assert_eq!(message["content"], "");
     let (_, data) = s.stream("/v1/chat/completions", &ask(json!({"stream": true}))).await;
     let deltas: Vec<Json> = chunks(&data).iter().map(|c| c["choices"][0]["delta"].clone()).collect();
-    assert!(deltas.iter().any(|d| d["reasoning"] == d["reasoning_content"] && d["reasoning"].is_string()));
+    assert!(deltas
+        .iter()
+        .any(|d| d["reasoning"] == d["reasoning_content"] && d["reasoning"].is_string()));
 
     // reasoning_effort none / minimal, or enable_thinking false: all content.
     for extra in [
@@ -171,7 +229,9 @@ async fn reasoning_split_follows_enable_thinking_and_the_field_flag() {
         assert_eq!(message["content"], "Hello there, friend.", "{extra}");
         assert!(message["reasoning_content"].is_null(), "{extra}: {message}");
     }
-    let (_, r) = s.post("/v1/chat/completions", &ask(json!({"reasoning_effort": "high"}))).await;
+    let (_, r) = s
+        .post("/v1/chat/completions", &ask(json!({"reasoning_effort": "high"})))
+        .await;
     assert_eq!(r["choices"][0]["message"]["reasoning_content"], "Hello there, friend.");
     s.shutdown().await;
 }
@@ -183,15 +243,26 @@ async fn logprobs_and_usage_are_exact() {
     let runner_up = script.runner_up;
     let s = TestServer::fake(config(), script).await;
     let vocab = lily_model::Config::tiny_shape().vocab_size;
-    let body = ask(json!({"logprobs": true, "top_logprobs": 2, "reasoning_effort": "none", "n": 2,
-                          "stream": true, "stream_options": {"include_usage": true}}));
+    let body = ask(
+        json!({"logprobs": true, "top_logprobs": 2, "reasoning_effort": "none", "n": 2,
+                          "stream": true, "stream_options": {"include_usage": true}}),
+    );
     let (_, data) = s.stream("/v1/chat/completions", &body).await;
     let chunks = chunks(&data);
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"].as_u64().unwrap() as usize, 2 * tokens.len());
-    let (_, r) = s.post("/v1/chat/completions", &ask(json!({"logprobs": true, "top_logprobs": 2, "reasoning_effort": "none"}))).await;
+    let (_, r) = s
+        .post(
+            "/v1/chat/completions",
+            &ask(json!({"logprobs": true, "top_logprobs": 2, "reasoning_effort": "none"})),
+        )
+        .await;
     let entries = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
-    assert_eq!(entries.len(), tokens.len() - 1, "no entry for the end-of-sequence token");
+    assert_eq!(
+        entries.len(),
+        tokens.len() - 1,
+        "no entry for the end-of-sequence token"
+    );
     let top_lp = scripted_logprob(10.0, vocab) as f64;
     let second_lp = scripted_logprob(8.0, vocab) as f64;
     let runner_up_text = lily_server::token_bytes::token_text(&tokenizer(), runner_up).0;
@@ -211,22 +282,41 @@ async fn logprobs_and_usage_are_exact() {
 
 #[tokio::test]
 async fn health_is_503_while_loading() {
-    let gate = Arc::new(Mutex::new(()));
-    let held = gate.lock().unwrap();
+    let (release, gate) = std::sync::mpsc::channel::<()>();
     let mut script = Script::text("Hi.");
-    script.load_gate = Some(gate.clone());
+    script.load_gate = Some(Arc::new(Mutex::new(gate)));
     let s = TestServer::start(config(), script.factory()).await;
     let (status, body) = s.get("/health").await;
     assert_eq!(status, 503);
     assert_eq!(serde_json::from_str::<Json>(&body).unwrap()["status"], "loading");
-    let response = s.client.post(s.url("/v1/chat/completions")).json(&ask(json!({}))).send().await.unwrap();
+    let response = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&ask(json!({})))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 503);
     assert_eq!(response.headers()["retry-after"], "1");
     assert_error_shape(&response.json::<Json>().await.unwrap());
-    drop(held);
+    drop(release);
     s.ready().await;
     assert_eq!(s.get("/health").await.0, 200);
     let (status, _) = s.post("/v1/chat/completions", &ask(json!({}))).await;
     assert_eq!(status, 200);
     s.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_model_that_fails_to_load_stops_the_server_with_its_error() {
+    let factory: lily_server::BackendFactory = Box::new(|_| Err(anyhow::anyhow!("no weights here")));
+    let s = TestServer::start(config(), factory).await;
+    let server = s.server.unwrap();
+    let error = server.wait_ready().await.unwrap_err();
+    assert!(format!("{error:#}").contains("no weights here"), "{error:#}");
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), server.wait())
+        .await
+        .expect("stops")
+        .unwrap_err();
+    assert!(format!("{error:#}").contains("no weights here"));
 }

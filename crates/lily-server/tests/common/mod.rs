@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use lily_chat::{ToolCallIds, Tokenizer};
+use lily_chat::{Tokenizer, ToolCallIds};
 use lily_model::cpu::model::ForwardError;
 use lily_model::{Backend, Config};
 use lily_server::{BackendFactory, RunningServer, ServerConfig};
@@ -16,12 +16,15 @@ use serde_json::Value as Json;
 
 pub fn model_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| lily_model::default_model::locate().expect("the default model")).clone()
+    DIR.get_or_init(|| lily_model::default_model::locate().expect("the default model"))
+        .clone()
 }
 
 pub fn tokenizer() -> Arc<Tokenizer> {
     static TOKENIZER: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    TOKENIZER.get_or_init(|| Arc::new(Tokenizer::from_dir(&model_dir()).expect("tokenizer"))).clone()
+    TOKENIZER
+        .get_or_init(|| Arc::new(Tokenizer::from_dir(&model_dir()).expect("tokenizer")))
+        .clone()
 }
 
 pub const MODEL_ID: &str = "lily-tiny-shakespeare";
@@ -45,8 +48,15 @@ impl TestServer {
     pub async fn start(config: ServerConfig, factory: BackendFactory) -> TestServer {
         let server = lily_server::start(config, factory).await.expect("server starts");
         let base = format!("http://{}", server.local_addr());
-        let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
-        TestServer { server: Some(server), base, client }
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        TestServer {
+            server: Some(server),
+            base,
+            client,
+        }
     }
 
     /// The real default model on the CPU backend, ready.
@@ -73,10 +83,19 @@ impl TestServer {
     }
 
     pub async fn post(&self, path: &str, body: &Json) -> (u16, Json) {
-        let response = self.client.post(self.url(path)).json(body).send().await.expect("request");
+        let response = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("request");
         let status = response.status().as_u16();
         let text = response.text().await.expect("body");
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")),
+        )
     }
 
     pub async fn get(&self, path: &str) -> (u16, String) {
@@ -87,7 +106,13 @@ impl TestServer {
 
     /// Posts with `"stream": true` and returns the `data:` payloads (the last is `[DONE]`).
     pub async fn stream(&self, path: &str, body: &Json) -> (u16, Vec<String>) {
-        let response = self.client.post(self.url(path)).json(body).send().await.expect("request");
+        let response = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("request");
         let status = response.status().as_u16();
         let text = response.text().await.unwrap();
         (status, sse_data(&text))
@@ -101,23 +126,39 @@ impl TestServer {
     pub async fn shutdown(mut self) {
         let server = self.server.take().unwrap();
         server.shutdown();
-        tokio::time::timeout(Duration::from_secs(60), server.wait()).await.expect("stops in time").expect("stops cleanly");
+        tokio::time::timeout(Duration::from_secs(60), server.wait())
+            .await
+            .expect("stops in time")
+            .expect("stops cleanly");
     }
 }
 
 pub fn sse_data(text: &str) -> Vec<String> {
-    text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
 }
 
 /// The value of the first exposition line starting with `line_start` (name and labels).
 pub fn metric_value(text: &str, line_start: &str) -> Option<f64> {
-    text.lines().find(|l| l.starts_with(line_start)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok())
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
 }
 
 /// Parses SSE payloads (all but `[DONE]`) as JSON.
 pub fn chunks(data: &[String]) -> Vec<Json> {
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "stream ends with [DONE]: {data:?}");
-    data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+    assert_eq!(
+        data.last().map(String::as_str),
+        Some("[DONE]"),
+        "stream ends with [DONE]: {data:?}"
+    );
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
 }
 
 /// The error body's shape: `{"error": {"message", "type", "param", "code"}}`.
@@ -137,15 +178,21 @@ pub struct Script {
     pub runner_up: u32,
     pub decode_delay: Duration,
     pub decodes: Arc<AtomicUsize>,
-    /// Held while loading: the factory waits until this lock can be taken (tests of the loading state).
-    pub load_gate: Option<Arc<Mutex<()>>>,
+    /// The factory waits for a message (or the sender's drop) here before it returns: tests of the loading state.
+    pub load_gate: Option<Arc<Mutex<std::sync::mpsc::Receiver<()>>>>,
 }
 
 pub const EOS: u32 = 248046;
 
 impl Script {
     pub fn new(tokens: Vec<u32>) -> Script {
-        Script { tokens, runner_up: 99_999, decode_delay: Duration::ZERO, decodes: Arc::new(AtomicUsize::new(0)), load_gate: None }
+        Script {
+            tokens,
+            runner_up: 99_999,
+            decode_delay: Duration::ZERO,
+            decodes: Arc::new(AtomicUsize::new(0)),
+            load_gate: None,
+        }
     }
 
     /// The tokens of `text`, then end-of-sequence.
@@ -166,11 +213,17 @@ impl Script {
         let script = self.clone();
         Box::new(move |context| {
             if let Some(gate) = &script.load_gate {
-                drop(gate.lock().unwrap());
+                let _ = gate.lock().unwrap().recv();
             }
             let config = Config::tiny_shape();
             let logits = vec![0.0; config.vocab_size];
-            Ok(Box::new(ScriptedBackend { config, script, pos: 0, logits, context }) as Box<dyn Backend>)
+            Ok(Box::new(ScriptedBackend {
+                config,
+                script,
+                pos: 0,
+                logits,
+                context,
+            }) as Box<dyn Backend>)
         })
     }
 }
