@@ -267,3 +267,17 @@ __device__ __forceinline__ void copy_to_shared_swizzled(const float* src, float*
         if (c < N) xs[swz(c)] = v[i];
     }
 }
+
+// Counter-based random numbers, the twin of lily_model::rng (synthetic weights and sampling draw the same
+// numbers on CPU and GPU).
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ u64 hash3(u64 seed, u64 stream, u64 index) {
+    return mix64(seed ^ mix64((stream + 0x9e3779b97f4a7c15ull) ^ mix64(index)));
+}
+__device__ __forceinline__ float uniform_at(u64 seed, u64 stream, u64 index) {
+    return (float)(hash3(seed, stream, index) >> 40) * (1.f / 16777216.f);
+}

@@ -60,18 +60,6 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) lm_head(const float* hi
     }
 }
 
-__device__ __forceinline__ u64 mix64(u64 z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-__device__ __forceinline__ u64 hash3(u64 seed, u64 stream, u64 index) {
-    return mix64(seed ^ mix64((stream + 0x9e3779b97f4a7c15ull) ^ mix64(index)));
-}
-__device__ __forceinline__ float uniform_at(u64 seed, u64 stream, u64 index) {
-    return (float)(hash3(seed, stream, index) >> 40) * (1.f / 16777216.f);
-}
-
 // Larger float, larger key.
 __device__ __forceinline__ u32 order_key(float f) {
     const u32 b = __float_as_uint(f);

@@ -2,18 +2,6 @@
 // same counter-based hash: every element is a function of seed, stream and index alone); and random fills for
 // benchmark state.
 
-__device__ __forceinline__ u64 mix64(u64 z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-__device__ __forceinline__ u64 hash3(u64 seed, u64 stream, u64 index) {
-    return mix64(seed ^ mix64((stream + 0x9e3779b97f4a7c15ull) ^ mix64(index)));
-}
-__device__ __forceinline__ float uniform_at(u64 seed, u64 stream, u64 index) {
-    return (float)(hash3(seed, stream, index) >> 40) * (1.f / 16777216.f);
-}
-
 // Fill::Packed: the low 32 bits of the hash.
 extern "C" __global__ void synth_packed(u32* out, u64 n, u64 seed, u64 stream) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
