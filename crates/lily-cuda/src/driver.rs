@@ -72,6 +72,8 @@ pub struct Gpu {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub sm_count: usize,
+    /// The most shared memory a block may use (with the kernel's opt-in).
+    pub max_shared_per_block: usize,
     pub driver_version: i32,
     pub total_memory: usize,
 }
@@ -98,7 +100,11 @@ impl Gpu {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("cuDeviceGetAttribute"))? as usize;
+        let max_shared_per_block = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(driver_err("cuDeviceGetAttribute"))? as usize;
         Ok(Gpu {
+            max_shared_per_block,
             name: ctx.name().map_err(driver_err("cuDeviceGetName"))?,
             compute_capability: ctx.compute_capability().map_err(driver_err("cuDeviceGetAttribute"))?,
             total_memory: ctx.total_mem().map_err(driver_err("cuDeviceTotalMem"))?,
@@ -183,6 +189,11 @@ impl Gpu {
     }
 
     pub fn launch(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, args: &mut Args) -> Result<()> {
+        self.launch_shared(kernel, grid, block, 0, args)
+    }
+
+    /// A launch with `shared` bytes of dynamic shared memory (up to the device's opt-in limit; see `Kernels`).
+    pub fn launch_shared(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, shared: u32, args: &mut Args) -> Result<()> {
         let mut params = args.pointers();
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
@@ -193,7 +204,7 @@ impl Gpu {
                 block,
                 1,
                 1,
-                0,
+                shared,
                 self.stream,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),

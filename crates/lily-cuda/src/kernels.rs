@@ -19,7 +19,7 @@ use crate::driver::{check, Gpu, GpuError, Kernel, Result};
 const COMMON: &str = include_str!("../kernels/common.cuh");
 
 /// Kernel families, one file each: (file name, source, kernels, module constants).
-pub const FILES: [(&str, &str, &[&str], &[&str]); 6] = [
+pub const FILES: &[(&str, &str, &[&str], &[&str])] = &[
     (
         "matvec.cu",
         include_str!("../kernels/matvec.cu"),
@@ -30,6 +30,20 @@ pub const FILES: [(&str, &str, &[&str], &[&str]); 6] = [
     ("deltanet.cu", include_str!("../kernels/deltanet.cu"), &["gdn_step"], &[]),
     ("attention.cu", include_str!("../kernels/attention.cu"), &["attn_prep", "attn_partial", "attn_merge"], &[]),
     ("sampling.cu", include_str!("../kernels/sampling.cu"), &["lm_head", "sample"], &[]),
+    ("gemm.cu", include_str!("../kernels/gemm.cu"), &["gemm_q4", "gemm_q8", "gemm_q4_swiglu", "moe_gate_up", "moe_down"], &["moe_tile_rows"]),
+    (
+        "deltanet_prefill.cu",
+        include_str!("../kernels/deltanet_prefill.cu"),
+        &["gdn_prefill_conv", "gdn_prefill_chunks", "gdn_prefill_norm"],
+        &[],
+    ),
+    ("attention_prefill.cu", include_str!("../kernels/attention_prefill.cu"), &["attn_prefill_prep", "attn_prefill"], &[]),
+    (
+        "prefill.cu",
+        include_str!("../kernels/prefill.cu"),
+        &["embed_rows", "rmsnorm_rows", "route_rows", "moe_sort", "moe_combine"],
+        &[],
+    ),
     (
         "synth.cu",
         include_str!("../kernels/synth.cu"),
@@ -216,13 +230,22 @@ impl Kernels {
             let mut module: sys::CUmodule = std::ptr::null_mut();
             check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _) })?;
             kernels.modules.push(module);
-            for f in functions {
+            for f in functions.iter() {
                 let cname = CString::new(*f).expect("kernel names have no NUL");
                 let mut func: sys::CUfunction = std::ptr::null_mut();
                 check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut func, module, cname.as_ptr()) })?;
+                // Every kernel may take up to the device's limit of dynamic shared memory, less its static part.
+                let mut static_bytes = 0i32;
+                check("cuFuncGetAttribute", unsafe {
+                    sys::cuFuncGetAttribute(&mut static_bytes, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
+                })?;
+                let dynamic = gpu.max_shared_per_block.saturating_sub(static_bytes as usize) as i32;
+                check("cuFuncSetAttribute", unsafe {
+                    sys::cuFuncSetAttribute(func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
+                })?;
                 kernels.functions.insert(f, func);
             }
-            for c in constants {
+            for c in constants.iter() {
                 let cname = CString::new(*c).expect("constant names have no NUL");
                 let (mut ptr, mut bytes) = (0u64, 0usize);
                 check("cuModuleGetGlobal", unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr()) })?;

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod cli;
 pub mod driver;
 pub mod kernels;
+pub mod launch;
 pub mod model;
 pub mod selftest;
 pub mod weights;

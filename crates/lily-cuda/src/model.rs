@@ -10,7 +10,8 @@ use lily_model::cpu::model::ForwardError;
 use lily_model::sampling::Sampler;
 use lily_model::Config;
 
-use crate::driver::{check, Args, DevBuf, Event, Gpu, GpuError, Graph, Result};
+use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, Result};
+use crate::launch::{Launcher, Profile};
 use crate::kernels::{Kernels, ATTN_SPLITS};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
@@ -77,13 +78,6 @@ pub enum Op {
     ExpertsDown(usize),
     AdvancePosition,
     LmHead,
-}
-
-/// Per-kernel GPU time, from events around every launch of an un-captured step.
-#[derive(Default)]
-pub struct Profile {
-    pub entries: Vec<(&'static str, f64, usize)>,
-    pending: Vec<(&'static str, Event, Event)>,
 }
 
 // Fields drop in order: buffers and modules before the context (`gpu`) they belong to.
@@ -180,18 +174,11 @@ impl CudaModel {
     }
 
     fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: Args, profile: &mut Option<&mut Profile>) -> Result<()> {
-        let mut args = args;
-        match profile {
-            None => self.gpu.launch(self.kernels.get(name), grid, block, &mut args),
-            Some(p) => {
-                let (start, end) = (self.gpu.event()?, self.gpu.event()?);
-                self.gpu.record(&start)?;
-                self.gpu.launch(self.kernels.get(name), grid, block, &mut args)?;
-                self.gpu.record(&end)?;
-                p.pending.push((name, start, end));
-                Ok(())
-            }
-        }
+        self.launcher(profile.as_deref_mut()).launch(name, grid, block, 0, args)
+    }
+
+    pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
+        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile }
     }
 
     /// The decode step through the layers, in order, for the token `tokens[position]`, ending with the position's
@@ -339,17 +326,7 @@ impl CudaModel {
         let mut profile = Profile::default();
         self.enqueue_layers(Some(&mut profile))?;
         self.enqueue_head(Some(&mut profile))?;
-        self.gpu.sync()?;
-        for (name, start, end) in std::mem::take(&mut profile.pending) {
-            let ms = start.elapsed_ms(&end)? as f64;
-            match profile.entries.iter_mut().find(|e| e.0 == name) {
-                Some(e) => {
-                    e.1 += ms;
-                    e.2 += 1;
-                }
-                None => profile.entries.push((name, ms, 1)),
-            }
-        }
+        profile.collect()?;
         Ok(profile)
     }
 

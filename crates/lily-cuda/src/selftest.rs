@@ -26,19 +26,19 @@ use crate::weights::Source;
 
 const NAN_BITS: u32 = 0x7fc0_0000;
 
-struct Report {
-    failures: usize,
+pub(crate) struct Report {
+    pub failures: usize,
 }
 
 impl Report {
-    fn check(&mut self, name: &str, err: f64, tol: f64) {
+    pub fn check(&mut self, name: &str, err: f64, tol: f64) {
         let ok = err <= tol;
         if !ok {
             self.failures += 1;
         }
         println!("{:<4} {name:<58} error {err:.2e}  (tolerance {tol:.0e})", if ok { "ok" } else { "FAIL" });
     }
-    fn check_eq(&mut self, name: &str, equal: bool, detail: &str) {
+    pub fn check_eq(&mut self, name: &str, equal: bool, detail: &str) {
         if !equal {
             self.failures += 1;
         }
@@ -47,7 +47,7 @@ impl Report {
 }
 
 /// max |a - b| / max |b|; infinite when a value is not finite.
-fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
+pub(crate) fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
     assert_eq!(gpu.len(), cpu.len());
     let scale = cpu.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64)).max(1e-12);
     let mut worst = 0.0f64;
@@ -60,17 +60,17 @@ fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
     worst / scale
 }
 
-fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+pub(crate) fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.normal() * scale).collect()
 }
 
-fn download_f32(gpu: &Gpu, buf: &DevBuf, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn download_f32(gpu: &Gpu, buf: &DevBuf, n: usize) -> Result<Vec<f32>> {
     let mut out = vec![0.0f32; n];
     gpu.download(buf.ptr, &mut out)?;
     Ok(out)
 }
 
-fn poison(gpu: &Gpu, buf: &DevBuf) -> Result<()> {
+pub(crate) fn poison(gpu: &Gpu, buf: &DevBuf) -> Result<()> {
     gpu.memset_u32(buf.ptr, NAN_BITS, buf.bytes / 4)
 }
 

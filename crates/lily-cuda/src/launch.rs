@@ -1,0 +1,54 @@
+//! Queuing kernels by name on the model's stream, optionally with CUDA events around each launch (per-kernel GPU
+//! time for `lily bench --profile`).
+
+use crate::driver::{Args, Event, Gpu, Result};
+use crate::kernels::Kernels;
+
+/// Per-kernel GPU time, from events around every launch of un-captured work.
+#[derive(Default)]
+pub struct Profile {
+    pub entries: Vec<(&'static str, f64, usize)>,
+    pending: Vec<(&'static str, Event, Event)>,
+}
+
+impl Profile {
+    /// Waits for the recorded launches and adds their times to `entries`, by kernel name.
+    pub fn collect(&mut self) -> Result<()> {
+        for (name, start, end) in std::mem::take(&mut self.pending) {
+            let ms = start.elapsed_ms(&end)? as f64;
+            match self.entries.iter_mut().find(|e| e.0 == name) {
+                Some(e) => {
+                    e.1 += ms;
+                    e.2 += 1;
+                }
+                None => self.entries.push((name, ms, 1)),
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct Launcher<'a> {
+    pub gpu: &'a Gpu,
+    pub kernels: &'a Kernels,
+    pub profile: Option<&'a mut Profile>,
+}
+
+impl Launcher<'_> {
+    /// Queues `name` with `shared` bytes of dynamic shared memory.
+    pub fn launch(&mut self, name: &'static str, grid: (u32, u32, u32), block: u32, shared: u32, args: Args) -> Result<()> {
+        let mut args = args;
+        let kernel = self.kernels.get(name);
+        match self.profile.as_deref_mut() {
+            None => self.gpu.launch_shared(kernel, grid, block, shared, &mut args),
+            Some(p) => {
+                let (start, end) = (self.gpu.event()?, self.gpu.event()?);
+                self.gpu.record(&start)?;
+                self.gpu.launch_shared(kernel, grid, block, shared, &mut args)?;
+                self.gpu.record(&end)?;
+                p.pending.push((name, start, end));
+                Ok(())
+            }
+        }
+    }
+}
