@@ -7,9 +7,13 @@
 pub mod bench;
 pub mod cli;
 pub mod driver;
+pub mod gemm;
 pub mod kernels;
 pub mod launch;
 pub mod model;
+pub mod prefill;
+pub mod prefill_attn;
+pub mod prefill_gdn;
 pub mod selftest;
 pub mod weights;
 
