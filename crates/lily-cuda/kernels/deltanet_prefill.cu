@@ -1,4 +1,612 @@
-// Gated DeltaNet prefill. (being written)
-extern "C" __global__ void gdn_prefill_conv() {}
-extern "C" __global__ void gdn_prefill_chunks() {}
-extern "C" __global__ void gdn_prefill_norm() {}
+// Gated DeltaNet prefill: the whole mixer for t tokens at once, between the input projection (proj rows, f32) and
+// the output projection (bf16 rows), in the chunked WY form of flash-linear-attention's chunk_gated_delta_rule
+// with chunks of 64 tokens.
+//
+// Per value head, with state S [DK][DV] and c_r the cumulative log decay of the chunk up to its token r:
+//   A[r][s] = beta_r (k_r . k_s) e^(c_r - c_s) for s < r,  T = (I + A)^-1  (unit lower triangular)
+//   P[r][s] = (q_r . k_s) e^(c_r - c_s) for s <= r  (the intra-chunk attention)
+//   X_r = beta_r (v_r - e^(c_r) k_r S),  V' = T X  (the WY form's U - W S, with T applied after the state read)
+//   o_r = e^(c_r) q_r S + sum_s P[r][s] V'_s,  S <- e^(c_last) S + sum_s e^(c_last - c_s) k_s V'_s^T
+// lily_model::cpu::deltanet::chunked is the CPU twin (it forms U = T beta v and W = T beta e^c k instead).
+//
+// Work split, three launches:
+//  gdn_prefill_chunks, grid (chunks, key heads), 256 threads: everything that does not need the state, every
+//    chunk at once. A block reads its 64 token rows (and the conv ring before the first token), runs the causal
+//    conv + SiLU of the key head's q and k and of its two value heads' v, the l2-norms and the gates, and for
+//    both value heads builds A and P and inverts I + A: 16 x 16 diagonal blocks by substitution, then the
+//    off-diagonal blocks by distance from the diagonal, T_ij = -T_ii sum_k A_ik T_kj. Writes q, k, v, c, beta,
+//    T and P for the state pass.
+//  gdn_prefill_state, grid (value heads, STATE_SPLIT), 256 threads: the only sequential part, over the chunks in
+//    order. A block owns COLS = 32 columns of one head's state (the columns of the recurrence are independent),
+//    in registers (f32) and as a tf32 operand copy in shared memory; per chunk it computes [q; k] S, X, V' = T X,
+//    o and the next S. The next chunk's operands stream in with cp.async while the current one is computed, each
+//    buffer refilled as soon as its last reader is done. o overwrites v in place.
+//  gdn_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
+//    into the bf16 rows of the output projection, and the conv ring's update (after the chunks kernel read it).
+//
+// Precision: every matrix product runs on tensor cores in tf32 (mma.m16n8k8, f32 accumulation): k k^T, q k^T,
+// the off-diagonal blocks of T, [q; k] S, T X, P V' and k^T V'. Operands are rounded to nearest tf32 (11
+// significant bits, relative error <= 2^-11) where they are stored for a product; the state, the conv, norms,
+// gates, decays and every elementwise step stay f32, and the state is rounded only in its operand copy.
+//
+// Scratch (from the host's GdnScratch), with padded = chunks * 64 (tokens past t are zeros, with g = beta = 0,
+// which leaves T, the decays and the state untouched):
+//   q, k: f32 [LIN_K_HEADS][padded][DK] (q scaled by 1/sqrt(DK), both tf32);  v (then o): f32
+//   [LIN_V_HEADS][padded][DV];  decay (c), beta: f32 [LIN_V_HEADS][padded];  inverse (T), attn (P): f32
+//   [LIN_V_HEADS][chunks][64][64] (tf32).
+
+#define DK LIN_HEAD_DIM
+#define DV LIN_HEAD_DIM
+#define CHUNK 64
+#define HEADS_PER_KEY (LIN_V_HEADS / LIN_K_HEADS)
+#define PROJ_DIM (LIN_CONV_DIM + LIN_V_DIM + 2 * LIN_V_HEADS)
+#define PREFILL_THREADS 256
+#define PREFILL_WARPS (PREFILL_THREADS / WARP)
+#define STATE_SPLIT 4
+#define COLS (DV / STATE_SPLIT)
+static_assert(DK == 128 && COLS == 32, "the warp layouts assume heads of 128 and blocks of 32 state columns");
+static_assert(HEADS_PER_KEY == 2 && HEADS_PER_KEY * DV == PREFILL_THREADS, "a chunks block takes two value heads");
+static_assert(CHUNK == 2 * WARP && PREFILL_WARPS == 8, "the chunk's scan and tiles assume 64 tokens, 8 warps");
+
+#define CHUNKS_SHARED_FLOATS (2 * CHUNK * DK + 2 * CHUNK * CHUNK)
+#define STATE_SHARED_FLOATS (3 * CHUNK * DK + 2 * CHUNK * CHUNK + 4 * CHUNK * COLS + DK * COLS + 4 * CHUNK)
+extern "C" __device__ const int gdn_chunks_shared_bytes = CHUNKS_SHARED_FLOATS * 4;
+extern "C" __device__ const int gdn_state_shared_bytes = STATE_SHARED_FLOATS * 4;
+extern "C" __device__ const int gdn_state_split = STATE_SPLIT;
+
+// Round to nearest tf32 (ties away from zero), kept as an f32 whose low 13 mantissa bits are zero.
+__device__ __forceinline__ float round_tf32(float x) {
+    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
+}
+
+// d += a b for one 16 x 8 x 8 tile: a (16 x 8, row-major) and b (8 x 8, column-major) fragments in tf32 bits.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void cp_async16(float* shared, const float* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(shared)), "l"(global)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most `N` of this thread's newest groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Shared f32 tiles are row-major, WIDTH (a multiple of 32) floats a row, the columns of each row XOR-swizzled by
+// its low 3 bits so that both ways an m16n8k8 fragment is read hit 32 different banks: 8 rows x 4 columns (an A
+// fragment, or B read from a [n][k] tile) and 4 rows x 8 columns (B from a [k][n] tile, or A read transposed).
+// The XOR moves whole groups of 4 floats, so 16-byte copies stay contiguous.
+template <int WIDTH>
+__device__ __forceinline__ int at(int r, int c) {
+    return r * WIDTH + (c ^ (((r & 3) << 3) | (r & 4)));
+}
+
+// Fragment coordinates of this lane: row group g (0..7) and column pair / k index t (0..3).
+__device__ __forceinline__ int frag_g() { return (threadIdx.x % WARP) / 4; }
+__device__ __forceinline__ int frag_t() { return threadIdx.x % 4; }
+
+// The A fragment of rows r0.., columns k0.. of A = tile.
+template <int WIDTH>
+__device__ __forceinline__ void load_a(u32 (&a)[4], const float* tile, int r0, int k0) {
+    const int g = frag_g(), t = frag_t();
+    a[0] = __float_as_uint(tile[at<WIDTH>(r0 + g, k0 + t)]);
+    a[1] = __float_as_uint(tile[at<WIDTH>(r0 + g + 8, k0 + t)]);
+    a[2] = __float_as_uint(tile[at<WIDTH>(r0 + g, k0 + t + 4)]);
+    a[3] = __float_as_uint(tile[at<WIDTH>(r0 + g + 8, k0 + t + 4)]);
+}
+// The A fragment of rows r0.., columns k0.. of A = tile^T.
+template <int WIDTH>
+__device__ __forceinline__ void load_a_transposed(u32 (&a)[4], const float* tile, int r0, int k0) {
+    const int g = frag_g(), t = frag_t();
+    a[0] = __float_as_uint(tile[at<WIDTH>(k0 + t, r0 + g)]);
+    a[1] = __float_as_uint(tile[at<WIDTH>(k0 + t, r0 + g + 8)]);
+    a[2] = __float_as_uint(tile[at<WIDTH>(k0 + t + 4, r0 + g)]);
+    a[3] = __float_as_uint(tile[at<WIDTH>(k0 + t + 4, r0 + g + 8)]);
+}
+// The B fragment of rows k0.., columns n0.. of B = tile.
+template <int WIDTH>
+__device__ __forceinline__ void load_b(u32 (&b)[2], const float* tile, int k0, int n0) {
+    const int g = frag_g(), t = frag_t();
+    b[0] = __float_as_uint(tile[at<WIDTH>(k0 + t, n0 + g)]);
+    b[1] = __float_as_uint(tile[at<WIDTH>(k0 + t + 4, n0 + g)]);
+}
+// The B fragment of rows k0.., columns n0.. of B = tile^T.
+template <int WIDTH>
+__device__ __forceinline__ void load_b_transposed(u32 (&b)[2], const float* tile, int k0, int n0) {
+    const int g = frag_g(), t = frag_t();
+    b[0] = __float_as_uint(tile[at<WIDTH>(n0 + g, k0 + t)]);
+    b[1] = __float_as_uint(tile[at<WIDTH>(n0 + g, k0 + t + 4)]);
+}
+// Stores the accumulator tile of rows r0.., columns c0.. times `scale`, rounded to tf32.
+template <int WIDTH>
+__device__ __forceinline__ void store_c(float* tile, int r0, int c0, const float (&d)[4], float scale) {
+    const int g = frag_g(), t = frag_t();
+    *(float2*)&tile[at<WIDTH>(r0 + g, c0 + 2 * t)] = make_float2(round_tf32(d[0] * scale), round_tf32(d[1] * scale));
+    *(float2*)&tile[at<WIDTH>(r0 + g + 8, c0 + 2 * t)] = make_float2(round_tf32(d[2] * scale), round_tf32(d[3] * scale));
+}
+
+// Copies a [ROWS][WIDTH] f32 block (rows `stride` floats apart) into a swizzled tile, 16 bytes per cp.async.
+template <int ROWS, int WIDTH>
+__device__ __forceinline__ void copy_tile(float* tile, const float* src, int stride) {
+    constexpr int PER_ROW = WIDTH / 4;
+    for (int e = threadIdx.x; e < ROWS * PER_ROW; e += PREFILL_THREADS) {
+        const int r = e / PER_ROW, c = 4 * (e % PER_ROW);
+        cp_async16(tile + at<WIDTH>(r, c), src + (size_t)r * stride + c);
+    }
+}
+
+// The causal conv + SiLU of conv channel c over the chunk's tokens tok0 .. tok0 + CHUNK (zeros past t), as
+// decode's conv_channel: out(r, value) per token. Inputs before the call's first token come from the ring.
+template <typename Out>
+__device__ __forceinline__ void conv_chunk(const float* proj, const float* ring, const float* conv_w, int c, int tok0,
+                                           int t, int start, Out out) {
+    float w[CONV_K], window[CONV_K - 1];  // window: the raw inputs of the CONV_K - 1 previous tokens, oldest first
+#pragma unroll
+    for (int j = 0; j < CONV_K; j++) w[j] = conv_w[c * CONV_K + j];
+#pragma unroll
+    for (int j = 0; j < CONV_K - 1; j++) {
+        const int tok = tok0 - (CONV_K - 1) + j;
+        window[j] = tok >= 0 ? proj[(size_t)tok * PROJ_DIM + c]
+                             : ring[((start + tok + CONV_K) % CONV_K) * LIN_CONV_DIM + c];
+    }
+#pragma unroll
+    for (int r = 0; r < CHUNK; r++) {
+        const bool real = tok0 + r < t;
+        const float x = real ? proj[(size_t)(tok0 + r) * PROJ_DIM + c] : 0.f;
+        float acc = w[CONV_K - 1] * x;
+#pragma unroll
+        for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * window[j];
+#pragma unroll
+        for (int j = 0; j < CONV_K - 2; j++) window[j] = window[j + 1];
+        window[CONV_K - 2] = x;
+        out(r, real ? siluf_(acc) : 0.f);
+    }
+}
+
+// Grid (chunks, LIN_K_HEADS), PREFILL_THREADS threads, gdn_chunks_shared_bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
+    gdn_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
+                       const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,
+                       float* decay_out, float* beta_out, float* inverse_out, float* attn_out) {
+    extern __shared__ float4 chunks_shared[];
+    float* qs = (float*)chunks_shared;  // [CHUNK][DK] q, then A of both value heads
+    float* ks = qs + CHUNK * DK;        // [CHUNK][DK] k, then T of both value heads
+    float* kk = ks + CHUNK * DK;        // [CHUNK][CHUNK] k k^T, then a [16][32] scratch per warp
+    float* qk = kk + CHUNK * CHUNK;     // [CHUNK][CHUNK] q k^T
+    float* a_tiles = qs;
+    float* t_tiles = ks;
+    __shared__ float decay[HEADS_PER_KEY][CHUNK], beta[HEADS_PER_KEY][CHUNK];
+    __shared__ float first_half[HEADS_PER_KEY];
+    const int chunk = blockIdx.x, chunks = gridDim.x, padded = chunks * CHUNK, key_head = blockIdx.y;
+    const int tok0 = chunk * CHUNK;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+
+    // Conv + SiLU: thread tid takes q channel tid (tid < DK) or k channel tid - DK, then v channel tid % DV of
+    // value head tid / DV of this key head.
+    {
+        float* dst = tid < DK ? qs : ks;
+        const int i = tid % DK;
+        const int c = (tid < DK ? 0 : LIN_K_DIM) + key_head * DK + i;
+        conv_chunk(proj, ring, conv_w, c, tok0, t, start, [&](int r, float x) { dst[at<DK>(r, i)] = x; });
+        const int head = key_head * HEADS_PER_KEY + tid / DV, j = tid % DV;
+        float* v_dst = v_out + ((size_t)head * padded + tok0) * DV + j;
+        conv_chunk(proj, ring, conv_w, 2 * LIN_K_DIM + head * DV + j, tok0, t, start,
+                   [&](int r, float x) { v_dst[(size_t)r * DV] = x; });
+    }
+    // Gates (thread: value head tid / CHUNK, token tid % CHUNK) and their inclusive scan over the chunk: within
+    // each warp's 32 tokens, then the first half's total added to the second.
+    float cum = 0.f;
+    if (tid < HEADS_PER_KEY * CHUNK) {
+        const int hh = tid / CHUNK, r = tid % CHUNK, head = key_head * HEADS_PER_KEY + hh, tok = tok0 + r;
+        float g = 0.f, b = 0.f;
+        if (tok < t) {
+            const float* gates = proj + (size_t)tok * PROJ_DIM + LIN_CONV_DIM + LIN_V_DIM;
+            b = sigmoidf_(gates[head]);
+            g = -expf(a_log[head]) * softplusf_(gates[LIN_V_HEADS + head] + dt_bias[head]);
+        }
+        cum = g;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const float below = __shfl_up_sync(0xffffffffu, cum, o);
+            if (lane >= o) cum += below;
+        }
+        if (r == WARP - 1) first_half[hh] = cum;
+        beta[hh][r] = b;
+        beta_out[(size_t)head * padded + tok] = b;
+    }
+    __syncthreads();
+    if (tid < HEADS_PER_KEY * CHUNK) {
+        const int hh = tid / CHUNK, r = tid % CHUNK, head = key_head * HEADS_PER_KEY + hh;
+        if (r >= WARP) cum += first_half[hh];
+        decay[hh][r] = cum;
+        decay_out[(size_t)head * padded + tok0 + r] = cum;
+    }
+    // l2-norms of q and k, a warp per token; q also scaled by 1/sqrt(DK).
+    for (int r = warp; r < CHUNK; r += PREFILL_WARPS) {
+        constexpr int PER = DK / WARP;
+        float qv[PER], kv[PER];
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int m = 0; m < PER; m++) {
+            qv[m] = qs[at<DK>(r, lane + WARP * m)];
+            kv[m] = ks[at<DK>(r, lane + WARP * m)];
+            sq += qv[m] * qv[m];
+            sk += kv[m] * kv[m];
+        }
+        const float inv_q = 1.f / sqrtf(warp_sum(sq) + 1e-6f), inv_k = 1.f / sqrtf(warp_sum(sk) + 1e-6f);
+        const size_t row = (size_t)key_head * padded + tok0 + r;
+#pragma unroll
+        for (int m = 0; m < PER; m++) {
+            const int i = lane + WARP * m;
+            const float qn = round_tf32(qv[m] * inv_q * (1.f / sqrtf((float)DK))), kn = round_tf32(kv[m] * inv_k);
+            qs[at<DK>(r, i)] = qn;
+            ks[at<DK>(r, i)] = kn;
+            q_out[row * DK + i] = qn;
+            k_out[row * DK + i] = kn;
+        }
+    }
+    __syncthreads();
+
+    // k k^T (warps 0-3) and q k^T (warps 4-7), a 16-row tile each.
+    {
+        const float* rows = warp < 4 ? ks : qs;
+        float* dst = warp < 4 ? kk : qk;
+        const int m0 = 16 * (warp % 4);
+        float acc[CHUNK / 8][4] = {};
+#pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+            u32 a[4];
+            load_a<DK>(a, rows, m0, k0);
+#pragma unroll
+            for (int n = 0; n < CHUNK / 8; n++) {
+                u32 b[2];
+                load_b_transposed<DK>(b, ks, k0, 8 * n);
+                mma_tf32(acc[n], a, b);
+            }
+        }
+        const int g = frag_g(), t2 = 2 * frag_t();
+#pragma unroll
+        for (int n = 0; n < CHUNK / 8; n++) {
+            *(float2*)&dst[at<CHUNK>(m0 + g, 8 * n + t2)] = make_float2(acc[n][0], acc[n][1]);
+            *(float2*)&dst[at<CHUNK>(m0 + g + 8, 8 * n + t2)] = make_float2(acc[n][2], acc[n][3]);
+        }
+    }
+    __syncthreads();
+
+    // A (into q's place) and P (to global) for both value heads; T cleared (into k's place).
+    for (int e = tid; e < HEADS_PER_KEY * CHUNK * CHUNK; e += PREFILL_THREADS) {
+        const int hh = e / (CHUNK * CHUNK), r = (e / CHUNK) % CHUNK, s = e % CHUNK;
+        const int head = key_head * HEADS_PER_KEY + hh;
+        float a = 0.f, p = 0.f;
+        if (s <= r) {
+            const float between = expf(decay[hh][r] - decay[hh][s]);
+            p = qk[at<CHUNK>(r, s)] * between;
+            if (s < r) a = beta[hh][r] * kk[at<CHUNK>(r, s)] * between;
+        }
+        a_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)] = round_tf32(a);
+        t_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)] = 0.f;
+        attn_out[(((size_t)head * chunks + chunk) * CHUNK + r) * CHUNK + s] = round_tf32(p);
+    }
+    __syncthreads();
+
+    // T's 16 x 16 diagonal blocks by forward substitution: thread (value head, block, column j).
+    if (tid < HEADS_PER_KEY * CHUNK) {
+        const int hh = tid / CHUNK, d0 = 16 * ((tid / 16) % 4), j = tid % 16;
+        const float* a = a_tiles + hh * CHUNK * CHUNK;
+        float* inv = t_tiles + hh * CHUNK * CHUNK;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            float acc = r == j ? 1.f : 0.f;
+#pragma unroll
+            for (int s = 0; s < r; s++) acc -= a[at<CHUNK>(d0 + r, d0 + s)] * x[s];
+            x[r] = acc;
+        }
+#pragma unroll
+        for (int r = 0; r < 16; r++) inv[at<CHUNK>(d0 + r, d0 + j)] = round_tf32(x[r]);
+    }
+    __syncthreads();
+
+    // The blocks below the diagonal, by distance from it: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj, a warp per
+    // block (both heads: 6, 4, then 2 blocks), through the warp's scratch.
+    float* scratch = kk + warp * 16 * 32;
+    for (int dist = 1; dist < 4; dist++) {
+        const int per_head = 4 - dist;
+        if (warp < HEADS_PER_KEY * per_head) {
+            const int hh = warp / per_head, bi = dist + warp % per_head, bj = bi - dist;
+            const float* a = a_tiles + hh * CHUNK * CHUNK;
+            float* inv = t_tiles + hh * CHUNK * CHUNK;
+            float sum[2][4] = {};
+            for (int k0 = 16 * bj; k0 < 16 * bi; k0 += 8) {
+                u32 af[4];
+                load_a<CHUNK>(af, a, 16 * bi, k0);
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    u32 bf[2];
+                    load_b<CHUNK>(bf, inv, k0, 16 * bj + 8 * n);
+                    mma_tf32(sum[n], af, bf);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++) store_c<32>(scratch, 0, 8 * n, sum[n], 1.f);
+            __syncwarp();
+            float block[2][4] = {};
+#pragma unroll
+            for (int k0 = 0; k0 < 16; k0 += 8) {
+                u32 af[4];
+                load_a<CHUNK>(af, inv, 16 * bi, 16 * bi + k0);
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    u32 bf[2];
+                    load_b<32>(bf, scratch, k0, 8 * n);
+                    mma_tf32(block[n], af, bf);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++) store_c<CHUNK>(inv, 16 * bi, 16 * bj + 8 * n, block[n], -1.f);
+        }
+        __syncthreads();
+    }
+
+    for (int e = tid; e < HEADS_PER_KEY * CHUNK * CHUNK; e += PREFILL_THREADS) {
+        const int hh = e / (CHUNK * CHUNK), r = (e / CHUNK) % CHUNK, s = e % CHUNK;
+        const int head = key_head * HEADS_PER_KEY + hh;
+        inverse_out[(((size_t)head * chunks + chunk) * CHUNK + r) * CHUNK + s] =
+            t_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)];
+    }
+}
+
+// Grid (LIN_V_HEADS, STATE_SPLIT), PREFILL_THREADS threads, gdn_state_shared_bytes of dynamic shared memory.
+// state: f32 [LIN_V_HEADS][DK][DV], read and written. v_o: v in, o out (same layout).
+//
+// Warp roles per chunk: [q; k] S with warp w on rows 16 (w % 4) of q (w < 4) or k (w >= 4); warps 4-7 turn
+// their k S rows into X, warps 0-3 keep e^c q S as the start of their o rows; T X on (16-row, 16-column) tiles;
+// warps 0-3 add P V' to their o rows; each warp updates state rows 16 w .. 16 w + 15, which it holds throughout.
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
+    gdn_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
+                      const float* inverse, const float* attn, int t, float* state) {
+    extern __shared__ float4 state_shared[];
+    float* qs = (float*)state_shared;   // [CHUNK][DK]
+    float* ks = qs + CHUNK * DK;        // [2][CHUNK][DK], by chunk parity
+    float* ts = ks + 2 * CHUNK * DK;    // [CHUNK][CHUNK] T
+    float* ps = ts + CHUNK * CHUNK;     // [CHUNK][CHUNK] P
+    float* vs = ps + CHUNK * CHUNK;     // [CHUNK][COLS] v
+    float* xs = vs + CHUNK * COLS;      // [CHUNK][COLS] X
+    float* vps = xs + CHUNK * COLS;     // [CHUNK][COLS] V'
+    float* vds = vps + CHUNK * COLS;    // [CHUNK][COLS] e^(c_last - c_s) V'_s
+    float* ss = vds + CHUNK * COLS;     // [DK][COLS] S, tf32
+    float* decay_s = ss + DK * COLS;    // [2][CHUNK] c, by chunk parity
+    float* beta_s = decay_s + 2 * CHUNK;  // [2][CHUNK] beta, by chunk parity
+    const int chunks = (t + CHUNK - 1) / CHUNK, padded = chunks * CHUNK;
+    const int head = blockIdx.x, key_head = head / HEADS_PER_KEY, col0 = blockIdx.y * COLS;
+    const int tid = threadIdx.x, warp = tid / WARP, g = frag_g(), t2 = 2 * frag_t();
+    const float* q_head = q + (size_t)key_head * padded * DK;
+    const float* k_head = k + (size_t)key_head * padded * DK;
+    float* v_head = v_o + (size_t)head * padded * DV;
+    const float* decay_head = decay + (size_t)head * padded;
+    const float* beta_head = beta + (size_t)head * padded;
+    const float* inverse_head = inverse + (size_t)head * chunks * CHUNK * CHUNK;
+    const float* attn_head = attn + (size_t)head * chunks * CHUNK * CHUNK;
+
+    // Every chunk issues the same five groups, each once its buffer's last reader is done: q (after [q; k] S),
+    // v with c and beta (after X), T (after T X), P (after P V'), k of the chunk after next (after the state
+    // update). So the group a step waits for is always the fifth newest: cp_async_wait<4>.
+    auto load_q = [&](int n) {
+        if (n < chunks) copy_tile<CHUNK, DK>(qs, q_head + (size_t)n * CHUNK * DK, DK);
+        cp_async_commit();
+    };
+    auto load_k = [&](int n) {
+        if (n < chunks) copy_tile<CHUNK, DK>(ks + (n & 1) * CHUNK * DK, k_head + (size_t)n * CHUNK * DK, DK);
+        cp_async_commit();
+    };
+    auto load_v = [&](int n) {
+        if (n < chunks) {
+            copy_tile<CHUNK, COLS>(vs, v_head + (size_t)n * CHUNK * DV + col0, DV);
+            if (tid < CHUNK / 4) cp_async16(decay_s + (n & 1) * CHUNK + 4 * tid, decay_head + n * CHUNK + 4 * tid);
+            else if (tid < CHUNK / 2) cp_async16(beta_s + (n & 1) * CHUNK + 4 * tid - CHUNK, beta_head + n * CHUNK + 4 * tid - CHUNK);
+        }
+        cp_async_commit();
+    };
+    auto load_t = [&](int n) {
+        if (n < chunks) copy_tile<CHUNK, CHUNK>(ts, inverse_head + (size_t)n * CHUNK * CHUNK, CHUNK);
+        cp_async_commit();
+    };
+    auto load_p = [&](int n) {
+        if (n < chunks) copy_tile<CHUNK, CHUNK>(ps, attn_head + (size_t)n * CHUNK * CHUNK, CHUNK);
+        cp_async_commit();
+    };
+
+    // This warp's state rows 16 warp + (g, g + 8), columns col0 + 8 n + (t2, t2 + 1).
+    float s_rows[COLS / 8][4];
+    float* state_block = state + (size_t)head * DK * DV + col0;
+#pragma unroll
+    for (int n = 0; n < COLS / 8; n++) {
+        const float2 lo = *(const float2*)&state_block[(16 * warp + g) * DV + 8 * n + t2];
+        const float2 hi = *(const float2*)&state_block[(16 * warp + g + 8) * DV + 8 * n + t2];
+        s_rows[n][0] = lo.x;
+        s_rows[n][1] = lo.y;
+        s_rows[n][2] = hi.x;
+        s_rows[n][3] = hi.y;
+        store_c<COLS>(ss, 16 * warp, 8 * n, s_rows[n], 1.f);
+    }
+    load_k(0);
+    load_q(0);
+    load_v(0);
+    load_t(0);
+    load_p(0);
+    load_k(1);
+
+    const int m0 = 16 * (warp % 4);
+    for (int n = 0; n < chunks; n++) {
+        const float* kt = ks + (n & 1) * CHUNK * DK;
+        const float* c = decay_s + (n & 1) * CHUNK;
+        const float* bt = beta_s + (n & 1) * CHUNK;
+        cp_async_wait<4>();
+        __syncthreads();
+
+        // [q; k] S.
+        float acc[COLS / 8][4] = {};
+        {
+            const float* rows = warp < 4 ? qs : kt;
+#pragma unroll 4
+            for (int k0 = 0; k0 < DK; k0 += 8) {
+                u32 a[4];
+                load_a<DK>(a, rows, m0, k0);
+#pragma unroll
+                for (int j = 0; j < COLS / 8; j++) {
+                    u32 b[2];
+                    load_b<COLS>(b, ss, k0, 8 * j);
+                    mma_tf32(acc[j], a, b);
+                }
+            }
+        }
+        __syncthreads();
+        load_q(n + 1);
+        cp_async_wait<4>();
+        __syncthreads();
+
+        // o starts as e^c q S; X = beta (v - e^c k S).
+        {
+            const int r0 = m0 + g, r1 = r0 + 8;
+            const float e0 = expf(c[r0]), e1 = expf(c[r1]);
+            if (warp < 4) {
+#pragma unroll
+                for (int j = 0; j < COLS / 8; j++) {
+                    acc[j][0] *= e0;
+                    acc[j][1] *= e0;
+                    acc[j][2] *= e1;
+                    acc[j][3] *= e1;
+                }
+            } else {
+                const float b0 = bt[r0], b1 = bt[r1];
+#pragma unroll
+                for (int j = 0; j < COLS / 8; j++) {
+                    const float2 v0 = *(const float2*)&vs[at<COLS>(r0, 8 * j + t2)];
+                    const float2 v1 = *(const float2*)&vs[at<COLS>(r1, 8 * j + t2)];
+                    *(float2*)&xs[at<COLS>(r0, 8 * j + t2)] = make_float2(round_tf32(b0 * (v0.x - e0 * acc[j][0])),
+                                                                           round_tf32(b0 * (v0.y - e0 * acc[j][1])));
+                    *(float2*)&xs[at<COLS>(r1, 8 * j + t2)] = make_float2(round_tf32(b1 * (v1.x - e1 * acc[j][2])),
+                                                                           round_tf32(b1 * (v1.y - e1 * acc[j][3])));
+                }
+            }
+        }
+        __syncthreads();
+        load_v(n + 1);
+        cp_async_wait<4>();
+        __syncthreads();
+
+        // V' = T X: warp w on rows 16 (w % 4), columns 16 (w / 4); T is lower triangular, so only the column
+        // blocks up to the diagonal count.
+        {
+            const int n0 = 16 * (warp / 4);
+            float vacc[2][4] = {};
+            for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+                u32 a[4];
+                load_a<CHUNK>(a, ts, m0, k0);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    u32 b[2];
+                    load_b<COLS>(b, xs, k0, n0 + 8 * j);
+                    mma_tf32(vacc[j], a, b);
+                }
+            }
+            const float last = c[CHUNK - 1];
+            const float w0 = expf(last - c[m0 + g]), w1 = expf(last - c[m0 + g + 8]);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                store_c<COLS>(vps, m0, n0 + 8 * j, vacc[j], 1.f);
+                const float scaled[4] = {vacc[j][0] * w0, vacc[j][1] * w0, vacc[j][2] * w1, vacc[j][3] * w1};
+                store_c<COLS>(vds, m0, n0 + 8 * j, scaled, 1.f);
+            }
+        }
+        __syncthreads();
+        load_t(n + 1);
+        cp_async_wait<4>();
+        __syncthreads();
+
+        // o += P V' (warps 0-3), written over v's rows of this chunk.
+        if (warp < 4) {
+            for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+                u32 a[4];
+                load_a<CHUNK>(a, ps, m0, k0);
+#pragma unroll
+                for (int j = 0; j < COLS / 8; j++) {
+                    u32 b[2];
+                    load_b<COLS>(b, vps, k0, 8 * j);
+                    mma_tf32(acc[j], a, b);
+                }
+            }
+            const int tok = n * CHUNK + m0 + g;
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++) {
+                if (tok < t) *(float2*)&v_head[(size_t)tok * DV + col0 + 8 * j + t2] = make_float2(acc[j][0], acc[j][1]);
+                if (tok + 8 < t)
+                    *(float2*)&v_head[(size_t)(tok + 8) * DV + col0 + 8 * j + t2] = make_float2(acc[j][2], acc[j][3]);
+            }
+        }
+        // S <- e^(c_last) S + k^T (e^(c_last - c) V').
+        {
+            const float chunk_decay = expf(c[CHUNK - 1]);
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) s_rows[j][i] *= chunk_decay;
+#pragma unroll 4
+            for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+                u32 a[4];
+                load_a_transposed<DK>(a, kt, 16 * warp, k0);
+#pragma unroll
+                for (int j = 0; j < COLS / 8; j++) {
+                    u32 b[2];
+                    load_b<COLS>(b, vds, k0, 8 * j);
+                    mma_tf32(s_rows[j], a, b);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++) store_c<COLS>(ss, 16 * warp, 8 * j, s_rows[j], 1.f);
+        }
+        __syncthreads();
+        load_p(n + 1);
+        load_k(n + 2);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int n = 0; n < COLS / 8; n++) {
+        *(float2*)&state_block[(16 * warp + g) * DV + 8 * n + t2] = make_float2(s_rows[n][0], s_rows[n][1]);
+        *(float2*)&state_block[(16 * warp + g + 8) * DV + 8 * n + t2] = make_float2(s_rows[n][2], s_rows[n][3]);
+    }
+}
+
+// Grid (ceil(t * LIN_V_HEADS / PREFILL_WARPS)), PREFILL_THREADS threads: a warp per (token, value head),
+// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_gdn computes it. Then the
+// ring gets the raw conv inputs of the call's last min(t, CONV_K) tokens at their slots, as decode leaves it.
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
+    gdn_prefill_norm(const float* o, const float* proj, const float* norm_w, int t, int start, float* ring,
+                     bf16* out) {
+    static_assert(DV == 4 * WARP && PROJ_DIM % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
+    const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;
+    const int lane = threadIdx.x % WARP;
+    const int item = blockIdx.x * PREFILL_WARPS + threadIdx.x / WARP;
+    if (item < t * LIN_V_HEADS) {
+        const int tok = item / LIN_V_HEADS, head = item % LIN_V_HEADS;
+        const float4 x = *(const float4*)&o[((size_t)head * padded + tok) * DV + 4 * lane];
+        const float4 z = *(const float4*)&proj[(size_t)tok * PROJ_DIM + LIN_CONV_DIM + head * DV + 4 * lane];
+        const float4 w = *(const float4*)&norm_w[4 * lane];
+        const float inv = 1.f / sqrtf(warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w) / DV + RMS_EPS);
+        const bf16 y0 = float_to_bf16(x.x * (inv * w.x) * siluf_(z.x)), y1 = float_to_bf16(x.y * (inv * w.y) * siluf_(z.y));
+        const bf16 y2 = float_to_bf16(x.z * (inv * w.z) * siluf_(z.z)), y3 = float_to_bf16(x.w * (inv * w.w) * siluf_(z.w));
+        *(uint2*)&out[(size_t)tok * LIN_V_DIM + head * DV + 4 * lane] =
+            make_uint2((u32)y0 | (u32)y1 << 16, (u32)y2 | (u32)y3 << 16);
+    }
+    const int kept = t < CONV_K ? t : CONV_K;
+    for (int e = blockIdx.x * PREFILL_THREADS + threadIdx.x; e < kept * LIN_CONV_DIM; e += gridDim.x * PREFILL_THREADS) {
+        const int tok = t - kept + e / LIN_CONV_DIM, c = e % LIN_CONV_DIM;
+        ring[((start + tok) % CONV_K) * LIN_CONV_DIM + c] = proj[(size_t)tok * PROJ_DIM + c];
+    }
+}

@@ -1,9 +1,409 @@
-// Prefill matrix products: bf16 activations times 4-bit (or 8-bit) weights on tensor cores. (being written)
-__device__ int moe_tile_rows = 64;
-extern "C" __global__ void gemm_q4(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {}
-extern "C" __global__ void gemm_q8(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {}
-extern "C" __global__ void gemm_q4_swiglu(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {}
-extern "C" __global__ void moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count,
-                                       const int* offsets, Q4 gate, Q4 up, bf16* act) {}
-extern "C" __global__ void moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count,
-                                    const int* offsets, const float* route_w, Q4 down, float* out) {}
+// Prefill matrix products on the tensor cores: bf16 activations times MLX-quantized weight rows (4-bit; 8-bit
+// for the router), mma.sync m16n8k16 with f32 accumulation. The weights are read packed, as the decode kernels
+// read them; each warp dequantizes its own slice straight into mma B fragments (no dequantized copy anywhere).
+//
+// Tiling. A block of 8 warps computes BM activation rows (128, or 64 for small m and the MoE tiles) against
+// 256 weight rows. Every warp takes all BM rows and 32 weight rows (4 n8 fragments: a warp tile of BM x 32),
+// so no weight is dequantized twice in a block and a warp's A fragments serve 4 mma each. The k loop steps
+// by 64 inputs, one quantization group, so each weight row has one scale/bias pair per step. A 4-stage
+// cp.async pipeline brings per step: the A tile (BM x 64 bf16, 128-byte rows whose 16-byte chunks are XOR-
+// swizzled by row so ldmatrix.x4 is conflict-free), the packed weight tile (256 rows x 32 bytes at 4 bits,
+// each row's 16-byte chunks swizzled so the 8 rows a warp reads at once hit different banks) and the 256
+// scale/bias pairs; one barrier per step. Thread i copies weight row i, so a warp copies the rows it uses.
+//
+// Dequantization (4-bit). Lane (g, t) of an mma B fragment holds row g's weights at k = 2t, 2t+1 (and
+// 2t+8, 2t+9): byte t of a packed word. The byte's nibbles go to the two bf16 halves (a byte permute with the
+// word shifted by 4, a mask-or with 0x4300 = bf16 128.0, so each half is exactly 128 + q), then two bf16x2
+// FMAs: x * 1 - 128 = q exactly, and scale * q + bias rounded once. The tensor cores thus see each weight
+// rounded to bf16 (relative error <= 2^-9), the activations exactly, and sum in f32.
+// 8-bit (the router, 257 rows): the weights are formed in f32 (exact), split into bf16 hi + lo parts and
+// multiplied twice, so the router logits are as accurate as an f32 product and the top-k choices do not
+// depend on the path; twice the tensor work of a small product.
+//
+// Occupancy: the dense kernels run one block (8 warps) per SM with up to 255 registers a thread (a 128 x 32
+// warp tile is 128 f32 accumulators) and 4 x 25 KB of shared memory (q4, BM = 128); the MoE kernels two blocks
+// per SM (64 x 32 warp tiles, 128 registers, 4 x 17 KB), so one block's barrier wait overlaps the other's work.
+//
+// Row tiles. Fragments of 16 rows past a tile's valid rows are skipped (warp-uniform), so a MoE tile holding
+// 16 of its 64 rows costs a quarter of the products (the dequantization is paid in full). Partial tiles are
+// zero-filled by cp.async (src-size 0) and masked at the store; nothing out of bounds is read or written.
+// Dense products: the host picks BM = 64 or 128 and launches ceil(m / BM) row blocks; the kernel infers BM
+// from gridDim.y (the two counts differ for every m > 64, and the host takes 64 for m <= 64).
+
+#define KT 64                           // inputs per k step: one quantization group
+#define GEMM_WARPS 8
+#define GEMM_THREADS (GEMM_WARPS * WARP)
+#define GEMM_STAGES 4
+#define WROWS (GEMM_WARPS * 32)         // weight rows per block tile
+#define MOE_TILE_ROWS 64
+
+static_assert(HIDDEN % KT == 0 && MOE_INTER % KT == 0, "products run over whole quantization groups");
+static_assert(MOE_INTER % (WROWS / 2) == 0, "a gate/up block takes 128 columns of gate and of up");
+
+// Read by the host (kernels.rs constants).
+__device__ int moe_tile_rows = MOE_TILE_ROWS;
+__device__ int gemm_stages = GEMM_STAGES;
+__device__ int moe_gate_up_col_blocks = MOE_INTER / (WROWS / 2);
+__device__ int moe_down_col_blocks = (HIDDEN + WROWS - 1) / WROWS;
+
+// BM activation rows x WROWS weight rows of NMAT matrices (gate/up: NMAT = 2, each warp 16 columns of each).
+template <int BM_, int NMAT_, int BITS_>
+struct Tile {
+    static constexpr int BM = BM_, NMAT = NMAT_, BITS = BITS_;
+    static constexpr int MF = BM / 16;                      // m16 fragments, all in every warp
+    static constexpr int WCOLS = 32 / NMAT;                 // output columns per warp
+    static constexpr int BN = GEMM_WARPS * WCOLS;           // output columns per block
+    static constexpr int B_CHUNKS = BITS / 2;               // 16-byte chunks of a row's 64 codes
+    static constexpr int STEPS_PER_CHUNK = 4 / B_CHUNKS;    // k16 steps one chunk covers
+    static constexpr int A_BYTES = BM * KT * 2;
+    static constexpr int B_BYTES = WROWS * 16 * B_CHUNKS;
+    static constexpr int STAGE = A_BYTES + B_BYTES + WROWS * 4;
+    static constexpr int SMEM = GEMM_STAGES * STAGE;        // the host's shared_bytes() mirrors this
+    static constexpr int A_COPIES = BM * 8 / GEMM_THREADS;  // 16-byte A chunks a thread copies per stage
+    static_assert(BM % 16 == 0 && A_COPIES >= 1, "whole m16 fragments, every thread copies A");
+};
+
+// One weight row's source: its first packed word and scale/bias pair; `bytes` 16 to copy, 0 to zero-fill (a
+// row past the matrix, whose pointers then stay at row 0).
+struct WeightRow {
+    const u32* packed;
+    const u32* scale_bias;
+    u32 bytes;
+};
+
+__device__ __forceinline__ WeightRow weight_row(Q4 w, int row, bool valid, int k, int bits) {
+    const size_t r = valid ? (size_t)row : 0;
+    return WeightRow{w.packed + r * (k * bits / 32), w.scale_bias + r * (k / KT), valid ? 16u : 0u};
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 v;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
+}
+
+// Copies `bytes` (16 or 0) of the 16 at `src`, zero-filling the rest.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// bf16x2 of (lo, hi), each rounded to nearest even; lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+#define BF16X2_ONE 0x3F803F80u
+#define BF16X2_MINUS_128 0xC300C300u
+
+// The weights at k = 2t, 2t+1 of the 8 in `word` (4-bit codes), as bf16x2: scale * q + bias rounded once.
+// `sel` = t | (t + 4) << 8 picks byte t of the word for the low half and of the word >> 4 for the high half.
+__device__ __forceinline__ u32 dequant_q4(u32 word, u32 sel, u32 scale2, u32 bias2) {
+    const u32 x = (__byte_perm(word, word >> 4, sel) & 0x000F000Fu) | 0x43004300u;  // 128 + q, exact
+    return fma_bf16x2(fma_bf16x2(x, BF16X2_ONE, BF16X2_MINUS_128), scale2, bias2);
+}
+
+// An 8-bit code as a float: the byte `sel` picks under the exponent of 2^23, minus 2^23.
+__device__ __forceinline__ float code_q8(u32 word, u32 sel) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, sel)) - 8388608.f;
+}
+
+// The block's main loop: acc[mf][nf] += A rows 16 mf.. times the warp's weight rows 32 warp + 8 nf.., over
+// k_tiles steps whose stages `load` fills. FULL: every m16 fragment holds valid rows.
+template <class T, bool FULL, class Load>
+__device__ __forceinline__ void k_loop(float (&acc)[T::MF][4][4], const unsigned char* smem, int k_tiles,
+                                       int mf_active, Load load) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int g = lane / 4, t = lane % 4;
+    const u32 smem0 = smem_addr(smem);
+    // ldmatrix.x4 of the m16 x k16 A fragment of step s: lanes 0-15 address rows 0-15 at chunk 2s, lanes
+    // 16-31 the same rows at chunk 2s + 1; XOR with s << 5 turns chunk c ^ row into (c + 2s) ^ row.
+    const u32 a_lane = (lane % 16) * 128 + (((lane / 16) ^ (lane % 8)) << 4);
+    const int b_swizzle = g / (8 / T::B_CHUNKS);
+    const u32 sel_q4 = t | ((t + 4) << 8);
+    // 8-bit: the pair k = 2t, 2t+1 is bytes 2(t & 1), +1 of word t >> 1 of the 8 inputs' two words; each
+    // selector puts one byte under 0x4B (the other bytes zero).
+    const u32 sel_q8 = 2 * (t & 1) + 0x7440u;
+
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; kt++) {
+        cp_async_wait<GEMM_STAGES - 2>();
+        __syncthreads();  // step kt has landed for every thread; step kt - 1's stage is free again
+        if (kt + GEMM_STAGES - 1 < k_tiles) load(kt + GEMM_STAGES - 1);
+        cp_async_commit();
+
+        const int stage = kt % GEMM_STAGES;
+        const u32 a_stage = smem0 + stage * T::STAGE;
+        const unsigned char* b_stage = smem + stage * T::STAGE + T::A_BYTES;
+        const u32* sb_stage = (const u32*)(b_stage + T::B_BYTES);
+        u32 sb[4];
+#pragma unroll
+        for (int nf = 0; nf < 4; nf++) sb[nf] = sb_stage[warp * 32 + nf * 8 + g];
+
+#pragma unroll
+        for (int c = 0; c < T::B_CHUNKS; c++) {
+            uint4 wv[4];
+#pragma unroll
+            for (int nf = 0; nf < 4; nf++)
+                wv[nf] = *(const uint4*)(b_stage + (warp * 32 + nf * 8 + g) * 16 * T::B_CHUNKS +
+                                         ((c ^ b_swizzle) << 4));
+#pragma unroll
+            for (int ss = 0; ss < T::STEPS_PER_CHUNK; ss++) {
+                const int s = c * T::STEPS_PER_CHUNK + ss;
+                // b[nf][0..1]: the fragment (k 2t, 2t+1 | k 2t+8, 2t+9); 8-bit adds the lo parts b[nf][2..3].
+                u32 b[4][T::BITS == 8 ? 4 : 2];
+#pragma unroll
+                for (int nf = 0; nf < 4; nf++) {
+                    if constexpr (T::BITS == 4) {
+                        const u32 scale2 = __byte_perm(sb[nf], sb[nf], 0x1010), bias2 = __byte_perm(sb[nf], sb[nf], 0x3232);
+#pragma unroll
+                        for (int h = 0; h < 2; h++) b[nf][h] = dequant_q4(word_of(wv[nf], 2 * ss + h), sel_q4, scale2, bias2);
+                    } else {
+                        const float2 f = pair_to_float2(sb[nf]);
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u32 word = (t & 2) ? word_of(wv[nf], 2 * h + 1) : word_of(wv[nf], 2 * h);
+                            const float w0 = fmaf(code_q8(word, sel_q8), f.x, f.y);
+                            const float w1 = fmaf(code_q8(word, sel_q8 + 1), f.x, f.y);
+                            const u32 hi = pack_bf16x2(w0, w1);
+                            b[nf][h] = hi;
+                            b[nf][2 + h] = pack_bf16x2(w0 - __uint_as_float(hi << 16), w1 - __uint_as_float(hi & 0xffff0000u));
+                        }
+                    }
+                }
+#pragma unroll
+                for (int mf = 0; mf < T::MF; mf++) {
+                    if (FULL || mf < mf_active) {
+                        u32 a[4];
+                        ldmatrix_x4(a, a_stage + (a_lane ^ (s << 5)) + mf * 16 * 128);
+#pragma unroll
+                        for (int nf = 0; nf < 4; nf++) {
+                            mma_bf16(acc[mf][nf], a, b[nf][0], b[nf][1]);
+                            if constexpr (T::BITS == 8) mma_bf16(acc[mf][nf], a, b[nf][2], b[nf][3]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// One block tile: `rows` valid activation rows (>= 1) whose starts a_row(r) gives, k inputs, weight rows
+// from w_row(matrix, column in the tile); store(r, column in the tile, values at columns c and c + 1) is
+// called for every valid row and every even column of the tile (NMAT = 2: the gate pair, then the up pair).
+template <class T, class ARow, class WRow, class Store>
+__device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row, Store store) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < T::SMEM) __trap();  // the host's shared_bytes() disagrees with Tile::SMEM
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const u32 smem0 = smem_addr(smem);
+
+    // Copies: chunk tid % 8 of A rows tid / 8 + 32 i; all of weight row tid (so warp w copies its own rows).
+    const int a_chunk = tid % 8, a_first = tid / 8;
+    const bf16* a_src[T::A_COPIES];
+    u32 a_bytes[T::A_COPIES];
+#pragma unroll
+    for (int i = 0; i < T::A_COPIES; i++) {
+        const int r = a_first + i * (GEMM_THREADS / 8);
+        a_src[i] = (r < rows ? a_row(r) : a_row(0)) + a_chunk * 8;
+        a_bytes[i] = r < rows ? 16 : 0;
+    }
+    const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);
+    const WeightRow wr = w_row(lane / T::WCOLS, warp * T::WCOLS + lane % T::WCOLS);
+    const u32 b_dst = T::A_BYTES + tid * 16 * T::B_CHUNKS;
+    const int b_swizzle = (tid / (8 / T::B_CHUNKS)) % T::B_CHUNKS;
+    const u32 sb_dst = T::A_BYTES + T::B_BYTES + tid * 4;
+    auto load = [&](int kt) {
+        const u32 stage = smem0 + (kt % GEMM_STAGES) * T::STAGE;
+#pragma unroll
+        for (int i = 0; i < T::A_COPIES; i++)
+            cp_async_16(stage + a_dst + i * (GEMM_THREADS / 8) * 128, a_src[i] + kt * KT, a_bytes[i]);
+#pragma unroll
+        for (int c = 0; c < T::B_CHUNKS; c++)
+            cp_async_16(stage + b_dst + ((c ^ b_swizzle) << 4), wr.packed + kt * 2 * T::BITS + 4 * c, wr.bytes);
+        cp_async_4(stage + sb_dst, wr.scale_bias + kt, wr.bytes / 4);
+    };
+
+    const int k_tiles = k / KT;
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; s++) {
+        if (s < k_tiles) load(s);
+        cp_async_commit();
+    }
+    float acc[T::MF][4][4];
+#pragma unroll
+    for (int mf = 0; mf < T::MF; mf++)
+#pragma unroll
+        for (int nf = 0; nf < 4; nf++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mf][nf][i] = 0.f;
+    const int mf_active = (rows + 15) / 16;
+    if (mf_active >= T::MF) k_loop<T, true>(acc, smem, k_tiles, mf_active, load);
+    else k_loop<T, false>(acc, smem, k_tiles, mf_active, load);
+
+    // D fragment: lane (g, t) holds rows g and g + 8 at columns 2t, 2t + 1.
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mf = 0; mf < T::MF; mf++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = mf * 16 + half * 8 + g;
+            if (r >= rows) continue;
+            if constexpr (T::NMAT == 1) {
+#pragma unroll
+                for (int nf = 0; nf < 4; nf++)
+                    store(r, warp * 32 + nf * 8 + 2 * t, acc[mf][nf][2 * half], acc[mf][nf][2 * half + 1]);
+            } else {
+#pragma unroll
+                for (int nf = 0; nf < 2; nf++)
+                    store(r, warp * 16 + nf * 8 + 2 * t, acc[mf][nf][2 * half], acc[mf][nf][2 * half + 1],
+                          acc[mf][nf + 2][2 * half], acc[mf][nf + 2][2 * half + 1]);
+            }
+        }
+}
+
+// out[m][n] = a[m][k] w[n][k]^T, or out += that.
+template <class T>
+__device__ __forceinline__ void dense_tile(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
+    run_tile<T>(
+        min(T::BM, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int, int c) { return weight_row(w, n0 + c, n0 + c < n, k, T::BITS); },
+        [&](int r, int c, float v0, float v1) {
+            const int col = n0 + c;
+            float* o = out + (size_t)(m0 + r) * n + col;
+            if (n % 2 == 0) {  // col even: the pair is whole and 8-byte aligned
+                if (col >= n) return;
+                float2 v = make_float2(v0, v1);
+                if (accumulate) {
+                    const float2 prev = *(const float2*)o;
+                    v.x += prev.x, v.y += prev.y;
+                }
+                *(float2*)o = v;
+            } else {
+                if (col < n) o[0] = accumulate ? o[0] + v0 : v0;
+                if (col + 1 < n) o[1] = accumulate ? o[1] + v1 : v1;
+            }
+        });
+}
+
+template <int BITS>
+__device__ __forceinline__ void dense(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    if ((int)gridDim.y * 64 >= m) dense_tile<Tile<64, 1, BITS>>(a, m, w, n, k, out, accumulate);
+    else dense_tile<Tile<128, 1, BITS>>(a, m, w, n, k, out, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    dense<4>(a, m, w, n, k, out, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q8(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    dense<8>(a, m, w, n, k, out, accumulate);
+}
+
+__device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u1) {
+    return (u32)float_to_bf16(siluf_(g0) * u0) | (u32)float_to_bf16(siluf_(g1) * u1) << 16;
+}
+
+// out[m][n] = bf16(silu(a gate^T) * (a up^T)).
+template <class T>
+__device__ __forceinline__ void swiglu_tile(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
+    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
+    run_tile<T>(
+        min(T::BM, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); },
+        [&](int r, int c, float g0, float g1, float u0, float u1) {
+            const int col = n0 + c;
+            bf16* o = out + (size_t)(m0 + r) * n + col;
+            const u32 pair = swiglu_pair(g0, g1, u0, u1);
+            if (n % 2 == 0) {
+                if (col < n) *(u32*)o = pair;
+            } else {
+                if (col < n) o[0] = (bf16)pair;
+                if (col + 1 < n) o[1] = (bf16)(pair >> 16);
+            }
+        });
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_swiglu(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
+    if ((int)gridDim.y * 64 >= m) swiglu_tile<Tile<64, 2, 4>>(a, m, gate, up, n, k, out);
+    else swiglu_tile<Tile<128, 2, 4>>(a, m, gate, up, n, k, out);
+}
+
+// Grouped expert products over the entries sorted by expert: block (column block, tile) takes one tile of
+// up to MOE_TILE_ROWS sorted entries of one expert.
+
+// act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for sorted index i, token = entries[i] / TOP_K.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                Q4 gate, Q4 up, bf16* act) {
+    typedef Tile<MOE_TILE_ROWS, 2, 4> T;
+    const int tile = blockIdx.y;
+    if (tile >= *tile_count) return;
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+    const int n0 = blockIdx.x * T::BN;
+    run_tile<T>(
+        min(MOE_TILE_ROWS, offsets[expert + 1] - first), HIDDEN,
+        [&](int r) { return x + (size_t)(entries[first + r] / TOP_K) * HIDDEN; },
+        [&](int mat, int c) { return weight_row(mat ? up : gate, expert * MOE_INTER + n0 + c, true, HIDDEN, 4); },
+        [&](int r, int c, float g0, float g1, float u0, float u1) {
+            *(u32*)(act + (size_t)(first + r) * MOE_INTER + n0 + c) = swiglu_pair(g0, g1, u0, u1);
+        });
+}
+
+// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of each tile.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+             const float* route_w, Q4 down, float* out) {
+    typedef Tile<MOE_TILE_ROWS, 1, 4> T;
+    const int tile = blockIdx.y;
+    if (tile >= *tile_count) return;
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+    const int n0 = blockIdx.x * T::BN;
+    run_tile<T>(
+        min(MOE_TILE_ROWS, offsets[expert + 1] - first), MOE_INTER,
+        [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
+        [&](int, int c) { return weight_row(down, expert * HIDDEN + n0 + c, n0 + c < HIDDEN, MOE_INTER, 4); },
+        [&](int r, int c, float v0, float v1) {
+            const int col = n0 + c;
+            if (col >= HIDDEN) return;
+            const int entry = entries[first + r];
+            const float weight = route_w[entry];
+            *(float2*)(out + (size_t)entry * HIDDEN + col) = make_float2(weight * v0, weight * v1);
+        });
+}

@@ -1,9 +1,10 @@
 //! `lily bench`: llama-bench's method on the CUDA backend. For each depth, the context is first filled (random
 //! state written into the KV cache and DeltaNet state, or a real prefill of random tokens), then prompt tests
-//! (`-p`: that many random tokens through the step) and decode tests (`-n`: random tokens one at a time, with a
-//! synchronisation after each) are timed `-r` times after one warm-up. Every decode figure comes with the bytes a
-//! token moves (weights read, KV cache read and written, recurrent state read and written) and the bandwidth that
-//! implies, as a share of the card's measured 4.6 TB/s.
+//! (`-p`: that many random tokens through the prefill, up to the first token's logits) and decode tests (`-n`:
+//! random tokens one at a time, with a synchronisation after each) are timed `-r` times after one warm-up. Every
+//! decode figure comes with the bytes a token moves (weights read, KV cache read and written, recurrent state read
+//! and written) and the bandwidth that implies, as a share of the card's measured 4.6 TB/s; every prompt figure with
+//! the FLOP/s it implies, as a share of the card's measured ~790 TFLOP/s (bf16 dense).
 
 use std::time::Instant;
 
@@ -17,6 +18,8 @@ use crate::model::{CudaBackend, CudaModel};
 
 /// The H200's measured device-to-device bandwidth (bytes read plus written), the reference for shares.
 pub const CARD_BANDWIDTH: f64 = 4.6e12;
+/// The H200's measured dense bf16 tensor-core throughput, the reference for prefill shares.
+pub const CARD_BF16_FLOPS: f64 = 790e12;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DepthFill {
@@ -42,6 +45,31 @@ pub struct Row {
     pub tokens_per_s: (f64, f64),
     /// Decode only: bytes a token moves.
     pub bytes_per_token: Option<f64>,
+    /// Prompt only: floating-point operations a token takes.
+    pub flops_per_token: Option<f64>,
+}
+
+/// Floating-point operations of one prompt token, averaged over a prompt of `count` tokens after `depth`: the
+/// matrix products of the weights it uses (the head only for the last token, so not counted) and attention's
+/// scores and values over the positions it sees. The DeltaNet's chunked recurrence (under 3% at the full shape) is
+/// not counted.
+pub fn flops_per_prompt_token(model: &CudaModel, depth: usize, count: usize) -> f64 {
+    let c = &model.config;
+    let w = &model.weights;
+    let macs = |m: &crate::weights::GpuMatrix| (m.rows * m.cols) as f64;
+    let mut per_token = 0.0;
+    for layer in &w.layers {
+        per_token += match &layer.mixer {
+            crate::weights::GpuMixer::Linear(g) => macs(&g.in_proj) + macs(&g.out_proj),
+            crate::weights::GpuMixer::Full(a) => {
+                let seen = depth as f64 + (count as f64 + 1.0) / 2.0;
+                macs(&a.qkv) + macs(&a.o_proj) + 2.0 * (c.num_attention_heads * c.head_dim) as f64 * seen
+            }
+        };
+        per_token += macs(&layer.router) + macs(&layer.shared_gate) + macs(&layer.shared_up) + macs(&layer.shared_down);
+        per_token += (c.num_experts_per_tok * 3 * c.moe_intermediate_size * c.hidden_size) as f64;
+    }
+    2.0 * per_token
 }
 
 /// Bytes one decode step moves at context `depth` (the token attends to depth + 1 positions).
@@ -101,8 +129,8 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
         DepthFill::Random => "random state",
         DepthFill::Prefill => "prefill",
     };
-    println!("| model | device | test | depth (filled by {fill_name}) | t/s | bytes/token | GB/s | share of 4.6 TB/s |");
-    println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |");
+    println!("| model | device | test | depth (filled by {fill_name}) | t/s | bytes/token | GB/s | share of 4.6 TB/s | TFLOP/s | share of 790 TFLOP/s |");
+    println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut rows = Vec::new();
     for &depth in &plan.depths {
         let tests: Vec<(String, usize, bool)> =
@@ -117,7 +145,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                     let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
                     let at = backend.model.state.tokens.at(depth * 4);
                     backend.model.gpu.upload(at, &ids)?;
-                    backend.run_steps(count)?;
+                    backend.run_prefill(count)?;
                     backend.model.gpu.sync()?;
                 } else {
                     for &t in &tokens {
@@ -132,32 +160,52 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
             }
             let (mean, std) = mean_std(&samples);
             let bytes = (!is_prompt).then(|| bytes_per_token(&backend.model, depth + count / 2));
+            let flops = is_prompt.then(|| flops_per_prompt_token(&backend.model, depth, count));
             let (gbs, share) = match bytes {
                 Some(b) => (format!("{:.0}", b * mean / 1e9), format!("{:.1}%", 100.0 * b * mean / CARD_BANDWIDTH)),
                 None => ("".into(), "".into()),
             };
+            let (tflops, flop_share) = match flops {
+                Some(f) => (format!("{:.1}", f * mean / 1e12), format!("{:.1}%", 100.0 * f * mean / CARD_BF16_FLOPS)),
+                None => ("".into(), "".into()),
+            };
             println!(
-                "| {} | {} | {name} | {depth} | {mean:.1} ± {std:.1} | {} | {gbs} | {share} |",
+                "| {} | {} | {name} | {depth} | {mean:.1} ± {std:.1} | {} | {gbs} | {share} | {tflops} | {flop_share} |",
                 plan.model_name,
                 backend.model.gpu.name,
                 bytes.map(|b| format!("{:.3} GB", b / 1e9)).unwrap_or_default()
             );
-            rows.push(Row { test: name, depth, tokens_per_s: (mean, std), bytes_per_token: bytes });
+            rows.push(Row { test: name, depth, tokens_per_s: (mean, std), bytes_per_token: bytes, flops_per_token: flops });
         }
         if plan.profile {
+            for &count in &plan.prompts {
+                set_depth(backend, depth, plan.fill, &mut rng)?;
+                let ids: Vec<i32> = (0..count).map(|_| (rng.next_u64() % vocab) as i32).collect();
+                backend.model.gpu.upload(backend.model.state.tokens.at(depth * 4), &ids)?;
+                let mut profile = crate::launch::Profile::default();
+                backend.model.enqueue_prefill(depth, count, Some(&mut profile))?;
+                profile.collect()?;
+                print_profile(&format!("a {count}-token prefill"), depth, profile);
+            }
+        }
+        if plan.profile && plan.generate > 0 {
             set_depth(backend, depth, plan.fill, &mut rng)?;
             let profile = backend.model.profile_step()?;
-            let total: f64 = profile.entries.iter().map(|e| e.1).sum();
-            println!("\nper-kernel GPU time of one un-captured step at depth {depth} (CUDA events; sum {total:.3} ms):");
-            let mut entries = profile.entries;
-            entries.sort_by(|a, b| b.1.total_cmp(&a.1));
-            for (name, ms, count) in entries {
-                println!("  {name:<18} {ms:8.3} ms  {count:4} launches  {:5.1}%", 100.0 * ms / total);
-            }
-            println!();
+            print_profile("one un-captured decode step", depth, profile);
         }
     }
     Ok(rows)
+}
+
+fn print_profile(what: &str, depth: usize, profile: crate::launch::Profile) {
+    let total: f64 = profile.entries.iter().map(|e| e.1).sum();
+    println!("\nper-kernel GPU time of {what} at depth {depth} (CUDA events; sum {total:.3} ms):");
+    let mut entries = profile.entries;
+    entries.sort_by(|a, b| b.1.total_cmp(&a.1));
+    for (name, ms, count) in entries {
+        println!("  {name:<18} {ms:8.3} ms  {count:4} launches  {:5.1}%", 100.0 * ms / total);
+    }
+    println!();
 }
 
 pub fn to_json(plan: &Plan, device: &str, rows: &[Row]) -> serde_json::Value {
@@ -175,6 +223,9 @@ pub fn to_json(plan: &Plan, device: &str, rows: &[Row]) -> serde_json::Value {
             "bytes_per_token": r.bytes_per_token,
             "bandwidth_bytes_per_s": r.bytes_per_token.map(|b| b * r.tokens_per_s.0),
             "bandwidth_share": r.bytes_per_token.map(|b| b * r.tokens_per_s.0 / CARD_BANDWIDTH),
+            "flops_per_token": r.flops_per_token,
+            "flops_per_s": r.flops_per_token.map(|f| f * r.tokens_per_s.0),
+            "flops_share": r.flops_per_token.map(|f| f * r.tokens_per_s.0 / CARD_BF16_FLOPS),
         })).collect::<Vec<_>>(),
     })
 }

@@ -184,6 +184,11 @@ impl Gpu {
         self.sync()
     }
 
+    /// Queues a device-to-device copy.
+    pub fn copy(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+        check("cuMemcpyDtoDAsync", unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) })
+    }
+
     pub fn sync(&self) -> Result<()> {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream) })
     }

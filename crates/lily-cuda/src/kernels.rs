@@ -30,14 +30,14 @@ pub const FILES: &[(&str, &str, &[&str], &[&str])] = &[
     ("deltanet.cu", include_str!("../kernels/deltanet.cu"), &["gdn_step"], &[]),
     ("attention.cu", include_str!("../kernels/attention.cu"), &["attn_prep", "attn_partial", "attn_merge"], &[]),
     ("sampling.cu", include_str!("../kernels/sampling.cu"), &["lm_head", "sample"], &[]),
-    ("gemm.cu", include_str!("../kernels/gemm.cu"), &["gemm_q4", "gemm_q8", "gemm_q4_swiglu", "moe_gate_up", "moe_down"], &["moe_tile_rows"]),
+    ("gemm.cu", include_str!("../kernels/gemm.cu"), &["gemm_q4", "gemm_q8", "gemm_q4_swiglu", "moe_gate_up", "moe_down"], &["moe_tile_rows", "gemm_stages", "moe_gate_up_col_blocks", "moe_down_col_blocks"]),
     (
         "deltanet_prefill.cu",
         include_str!("../kernels/deltanet_prefill.cu"),
-        &["gdn_prefill_conv", "gdn_prefill_chunks", "gdn_prefill_norm"],
-        &[],
+        &["gdn_prefill_chunks", "gdn_prefill_state", "gdn_prefill_norm"],
+        &["gdn_chunks_shared_bytes", "gdn_state_shared_bytes", "gdn_state_split"],
     ),
-    ("attention_prefill.cu", include_str!("../kernels/attention_prefill.cu"), &["attn_prefill_prep", "attn_prefill"], &[]),
+    ("attention_prefill.cu", include_str!("../kernels/attention_prefill.cu"), &["attn_prefill_prep", "attn_prefill", "attn_prefill_merge"], &[]),
     (
         "prefill.cu",
         include_str!("../kernels/prefill.cu"),

@@ -12,6 +12,7 @@ use lily_model::Config;
 
 use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, Result};
 use crate::launch::{Launcher, Profile};
+use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
 use crate::kernels::{Kernels, ATTN_SPLITS};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
@@ -89,6 +90,9 @@ pub struct CudaModel {
     pub max_context: usize,
     grids: Grids,
     slot: Vec<usize>,
+    pub prefill: PrefillScratch,
+    /// Tokens a prefill chunk takes (at most `prefill.chunk`; lowered by tests to force several chunks).
+    pub prefill_chunk: usize,
     pub gpu: Gpu,
 }
 
@@ -169,8 +173,10 @@ impl CudaModel {
                 LayerKind::Linear => (linear, linear += 1).0,
             })
             .collect();
+        let chunk = PREFILL_CHUNK.min(max_context);
+        let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
         gpu.sync()?;
-        Ok(CudaModel { gpu, kernels, config, weights, state, max_context, grids, slot })
+        Ok(CudaModel { gpu, kernels, config, weights, state, max_context, grids, slot, prefill, prefill_chunk: chunk })
     }
 
     fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: Args, profile: &mut Option<&mut Profile>) -> Result<()> {
@@ -321,6 +327,19 @@ impl CudaModel {
         }
     }
 
+    /// Prefills `tokens[start .. start + count]` (already in `state.tokens`) chunk by chunk; leaves the last token's
+    /// hidden state for the head and the position at `start + count`.
+    pub fn enqueue_prefill(&self, start: usize, count: usize, profile: Option<&mut Profile>) -> Result<()> {
+        let mut launcher = self.launcher(profile);
+        let mut done = 0;
+        while done < count {
+            let t = (count - done).min(self.prefill_chunk);
+            enqueue_chunk(&mut launcher, &self.config, &self.weights, &self.state, &self.slot, &self.prefill, start + done, t)?;
+            done += t;
+        }
+        Ok(())
+    }
+
     /// Runs one step un-captured with events around every launch; sums GPU time per kernel.
     pub fn profile_step(&self) -> Result<Profile> {
         let mut profile = Profile::default();
@@ -442,10 +461,35 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Runs `count` tokens already in `tokens[position..]` through the prefill, then the head.
+    pub fn run_prefill(&mut self, count: usize) -> Result<()> {
+        self.graphs()?;
+        self.model.enqueue_prefill(self.position, count, None)?;
+        let (_, head) = self.graphs.as_ref().expect("captured");
+        self.model.gpu.replay(head)?;
+        self.position += count;
+        self.logits_current = false;
+        Ok(())
+    }
+
+    /// Continues the sequence with `tokens` (a prefill after the context so far).
+    pub fn extend(&mut self, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
+        self.model.gpu.bind().map_err(device_err)?;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        self.check(tokens)?;
+        self.append(tokens).map_err(device_err)
+    }
+
+    /// One token goes through the captured decode step; more through the prefill.
     fn append(&mut self, tokens: &[u32]) -> Result<()> {
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         self.model.gpu.upload_async(self.model.state.tokens.at(self.position * 4), &ids)?;
-        self.run_steps(tokens.len())
+        match tokens.len() {
+            1 => self.run_steps(1),
+            n => self.run_prefill(n),
+        }
     }
 }
 

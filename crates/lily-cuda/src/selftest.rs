@@ -3,8 +3,10 @@
 //!
 //! Error measure: max |gpu - cpu| / max |cpu| over the compared values (NaN anywhere fails). Tolerances:
 //! bit-exact for the synthetic weights, 1e-4 for f32 kernels (summation order differs), 1e-2 for the values
-//! rounded into the bf16 KV cache, 2e-2 for end-to-end logits on the tiny models and 5e-2 at the full shape (the
-//! bf16 KV cache's rounding carried through the layers; a random 40-layer model amplifies it more).
+//! rounded into the bf16 KV cache, 5e-3 .. 1e-2 for the prefill's kernels (bf16 activations and bf16-rounded
+//! weights on the tensor cores; each check states its reason), 3e-2 for end-to-end logits on the tiny models and
+//! 5e-2 at the full shape (the prompt's bf16 activations in the prefill and the bf16 KV cache's rounding carried
+//! through the layers and the decode steps after; a random 40-layer model amplifies it more).
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -99,17 +101,20 @@ pub fn run_all(options: &Options) -> Result<usize> {
     kernel_checks(&model, &cpu_weights, seed, &mut report)?;
 
     println!("-- end to end: synthetic tiny model (seed {seed}) --");
-    let cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
-    let gpu = CudaBackend::new(model);
-    compare_models(cpu, gpu, seed, 16, 2e-2, false, &mut report)?;
+    let mut cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
+    let mut gpu = CudaBackend::new(model);
+    compare_prefill(&mut cpu, &mut gpu, seed, 3e-2, &mut report)?;
+    compare_models(cpu, gpu, seed, 16, 3e-2, false, &mut report)?;
 
     println!("-- end to end: default model ({}) --", lily_model::default_model::NAME);
     let dir = lily_model::default_model::locate().map_err(|e| GpuError::Other(e.to_string()))?;
     let cpu_weights = Weights::load(&dir).map_err(|e| GpuError::Other(e.to_string()))?;
     let config = cpu_weights.config.clone();
     let gpu_model = CudaModel::new(Gpu::open()?, config, &Source::Cpu(&cpu_weights), 4096, &|_, _| {})?;
-    let cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
-    compare_models(cpu, CudaBackend::new(gpu_model), seed, 64, 2e-2, true, &mut report)?;
+    let mut cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
+    let mut gpu = CudaBackend::new(gpu_model);
+    compare_prefill(&mut cpu, &mut gpu, seed, 3e-2, &mut report)?;
+    compare_models(cpu, gpu, seed, 64, 3e-2, true, &mut report)?;
 
     if options.full_shape {
         println!("-- full shape, synthetic seed 1 (the GPU generates its weights; the CPU builds the same) --");
@@ -128,6 +133,39 @@ pub fn run_all(options: &Options) -> Result<usize> {
     }
     println!("{} failure(s)", report.failures);
     Ok(report.failures)
+}
+
+/// The GPU prefill against the CPU on prompts that cross DeltaNet chunks (64) and prefill chunks: the logits after
+/// the prompt and after decode steps that continue from the prefill's state; the same prompt in chunks of 100
+/// tokens against one pass; a prompt continued by a second prefill.
+fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: f64, report: &mut Report) -> Result<()> {
+    let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
+    let vocab = cpu.config().vocab_size as u64;
+    let mut rng = Rng::new(seed ^ 0x9e3f);
+    let prompt: Vec<u32> = (0..333).map(|_| (rng.next_u64() % vocab) as u32).collect();
+    cpu.prefill(&prompt).map_err(fe)?;
+    gpu.prefill(&prompt).map_err(fe)?;
+    let mut worst = rel_err(gpu.logits(), cpu.logits());
+    let one_pass = gpu.logits().to_vec();
+    for &token in &prompt[..4] {
+        cpu.decode(token).map_err(fe)?;
+        gpu.decode(token).map_err(fe)?;
+        worst = worst.max(rel_err(gpu.logits(), cpu.logits()));
+    }
+    report.check(&format!("prefill of {} tokens, then 4 decode steps, vs CPU", prompt.len()), worst, tol);
+
+    let chunk = gpu.model.prefill_chunk;
+    gpu.model.prefill_chunk = 100;
+    gpu.prefill(&prompt).map_err(fe)?;
+    let chunked = gpu.logits().to_vec();
+    gpu.model.prefill_chunk = chunk;
+    report.check("prefill in chunks of 100 vs one pass", rel_err(&chunked, &one_pass), 1e-2);
+
+    gpu.prefill(&prompt[..150]).map_err(fe)?;
+    gpu.decode(prompt[150]).map_err(fe)?;
+    gpu.extend(&prompt[151..]).map_err(fe)?;
+    report.check("prefill 150, decode 1, prefill 182 vs one pass", rel_err(gpu.logits(), &one_pass), 1e-2);
+    Ok(())
 }
 
 /// Prefills the same random prompt on both, then decodes `steps` greedy tokens (the CPU's choice fed to both),
@@ -186,6 +224,12 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     let first_linear = c.layer_types.iter().position(|k| *k == LayerKind::Linear).expect("a DeltaNet layer");
     let first_full = c.layer_types.iter().position(|k| *k == LayerKind::Full).expect("an attention layer");
     println!("-- kernels against their CPU twins (hidden {h}, seed {seed}) --");
+    println!("   prefill:");
+    crate::gemm::check(g, &model.kernels, c, seed, report)?;
+    crate::prefill_gdn::check(g, &model.kernels, c, seed, report)?;
+    crate::prefill_attn::check(g, &model.kernels, c, seed, report)?;
+    crate::prefill::check(g, &model.kernels, w, &model.weights, seed, report)?;
+    println!("   decode:");
 
     // Synthetic weights: the GPU's in-place generation against lily_model::synth, byte for byte.
     {

@@ -50,6 +50,16 @@ impl GpuMatrix {
     }
 }
 
+/// A CPU matrix on the GPU in the kernels' layout (packed rows as they are, scale and bias paired).
+pub fn upload(gpu: &Gpu, m: &QMatrix) -> Result<GpuMatrix> {
+    let dest = GpuMatrix::alloc(gpu, m.rows, m.cols, m.bits)?;
+    let v = m.view();
+    gpu.upload(dest.packed.ptr, v.packed)?;
+    let pairs: Vec<u32> = v.scales.iter().zip(v.biases).map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16).collect();
+    gpu.upload(dest.scale_bias.ptr, &pairs)?;
+    Ok(dest)
+}
+
 pub struct GpuDeltaNet {
     /// Rows: q k v (conv channels), z, b, a.
     pub in_proj: GpuMatrix,
