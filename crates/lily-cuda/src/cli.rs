@@ -97,6 +97,9 @@ pub struct SelftestArgs {
     /// Also compare GPU and CPU logits at the full shape (builds the 19.5 GB synthetic checkpoint on both).
     #[arg(long)]
     pub full_shape: bool,
+    /// Directory of the transformers golden files (scripts/golden.py) to compare the GPU with.
+    #[arg(long, default_value = "crates/lily-model/tests/golden")]
+    pub golden: PathBuf,
 }
 
 pub fn selftest(args: SelftestArgs) -> Result<()> {
@@ -114,7 +117,7 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let failures = crate::selftest::run_all(&crate::selftest::Options { full_shape: args.full_shape })?;
+    let failures = crate::selftest::run_all(&crate::selftest::Options { full_shape: args.full_shape, golden: args.golden })?;
     if failures > 0 {
         bail!("{failures} selftest check(s) failed");
     }
