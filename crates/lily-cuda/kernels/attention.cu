@@ -7,7 +7,7 @@
 #define GQA (N_HEADS / N_KV_HEADS)
 #define ATTN_THREADS 256
 #define ATTN_TILE 256       // positions scored at once by a block
-#define ATTN_MIN_CHUNK 256  // fewest positions a part takes
+#define ATTN_MIN_CHUNK 64   // fewest positions a part takes
 static_assert(HEAD_DIM == ATTN_THREADS, "one thread per head dimension");
 static_assert(GQA == 8, "the score loop holds the 8 query heads of a KV head");
 
@@ -160,23 +160,44 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
     }
 }
 
-// One block per query head: merges the parts and applies the output gate, attn = o * sigmoid(gate).
-extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_merge(const int* position_ptr, const float* part_o,
-                                                                  const float* part_ml, const float* proj,
-                                                                  float* attn) {
+// Grid (N_HEADS, HEAD_DIM / WARP): a block merges the parts for one query head's 32-dimension slice, lane =
+// dimension; warp w takes parts w, w + MERGE_WARPS, ... against the maximum over all parts, and the warps' sums
+// meet in shared memory. Then the output gate: attn = o * sigmoid(gate).
+#define MERGE_WARPS 8
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP) attn_merge(const int* position_ptr,
+                                                                           const float* part_o,
+                                                                           const float* part_ml,
+                                                                           const float* proj, float* attn) {
+    __shared__ float warp_max_s[MERGE_WARPS];
+    __shared__ float num_s[MERGE_WARPS][WARP];
+    __shared__ float den_s[MERGE_WARPS];
     const int len = *position_ptr + 1;
     const int parts = (len + attn_chunk(len) - 1) / attn_chunk(len);
-    const int qh = blockIdx.x, d = threadIdx.x;
+    const int qh = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int d = blockIdx.y * WARP + lane;
+    const float* ml = part_ml + (size_t)qh * ATTN_SPLITS * 2;
     float mx = -INF_F;
-#pragma unroll 8
-    for (int s = 0; s < parts; s++) mx = fmaxf(mx, part_ml[(qh * ATTN_SPLITS + s) * 2]);
+    for (int s = threadIdx.x; s < parts; s += MERGE_WARPS * WARP) mx = fmaxf(mx, ml[2 * s]);
+    mx = warp_max(mx);
+    if (lane == 0) warp_max_s[warp] = mx;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < MERGE_WARPS; w++) mx = fmaxf(mx, warp_max_s[w]);
     float num = 0.f, den = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < parts; s++) {
-        const float w = expf(part_ml[(qh * ATTN_SPLITS + s) * 2] - mx);
-        num += w * part_o[((size_t)qh * ATTN_SPLITS + s) * HEAD_DIM + d];
-        den += w * part_ml[(qh * ATTN_SPLITS + s) * 2 + 1];
+#pragma unroll 4
+    for (int s = warp; s < parts; s += MERGE_WARPS) {
+        const float weight = expf(ml[2 * s] - mx);
+        num += weight * part_o[((size_t)qh * ATTN_SPLITS + s) * HEAD_DIM + d];
+        den += weight * ml[2 * s + 1];
     }
-    const float gate = proj[qh * 2 * HEAD_DIM + HEAD_DIM + d];
-    attn[qh * HEAD_DIM + d] = num / den * sigmoidf_(gate);
+    num_s[warp][lane] = num;
+    if (lane == 0) den_s[warp] = den;
+    __syncthreads();
+    if (warp == 0) {
+        float n = 0.f, total = 0.f;
+#pragma unroll
+        for (int w = 0; w < MERGE_WARPS; w++) n += num_s[w][lane], total += den_s[w];
+        const float gate = proj[qh * 2 * HEAD_DIM + HEAD_DIM + d];
+        attn[qh * HEAD_DIM + d] = n / total * sigmoidf_(gate);
+    }
 }

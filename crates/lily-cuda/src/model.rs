@@ -293,8 +293,8 @@ impl CudaModel {
             }
             Op::AttnMerge(_) => self.launch(
                 "attn_merge",
-                (c.num_attention_heads as u32, 1, 1),
-                c.head_dim as u32,
+                (c.num_attention_heads as u32, (c.head_dim / 32) as u32, 1),
+                256,
                 Args::new().ptr(s.position.ptr).ptr(s.part_o.ptr).ptr(s.part_ml.ptr).ptr(s.proj.ptr).ptr(s.core.ptr),
                 p,
             ),
