@@ -6,6 +6,7 @@
 
 #define GQA (N_HEADS / N_KV_HEADS)
 #define ATTN_THREADS 256
+#define ATTN_WARPS (ATTN_THREADS / WARP)
 #define ATTN_TILE 256       // positions scored at once by a block
 #define ATTN_MIN_CHUNK 64   // fewest positions a part takes
 static_assert(HEAD_DIM == ATTN_THREADS, "one thread per head dimension");
@@ -60,6 +61,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
     __shared__ __align__(16) float qs[HEAD_DIM][GQA];  // dims outer, heads inner: one 32-byte read per dim
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
     __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
+    __shared__ __align__(16) float red[ATTN_WARPS][HEAD_DIM];
     const int len = *position_ptr + 1;
     const int chunk = attn_chunk(len);
     const int kv_head = blockIdx.x, split = blockIdx.y;
@@ -74,9 +76,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
         for (int h = 0; h < GQA; h++) qs[t][h] = qv[h];
     }
     if (t < GQA) run_max[t] = -INF_F, run_sum[t] = 0.f;
-    float acc[GQA];
+    float acc[GQA][8];
 #pragma unroll
-    for (int h = 0; h < GQA; h++) acc[h] = 0.f;
+    for (int h = 0; h < GQA; h++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
     __syncthreads();
 
     for (int tile = start; tile < end; tile += ATTN_TILE) {
@@ -134,24 +138,44 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
             }
         }
         __syncthreads();
-        // Values: thread t owns dimension t of the GQA heads' outputs.
+        // Values: warp w takes the tile's positions w, w + WARPS, ...; lane l owns dimensions 8l .. 8l + 7 of the GQA
+        // heads' outputs, one 16-byte load of a value row each, many rows in flight.
 #pragma unroll
-        for (int h = 0; h < GQA; h++) acc[h] *= rescale[h];
+        for (int h = 0; h < GQA; h++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[h][j] *= rescale[h];
         const int n = min(ATTN_TILE, end - tile);
-        const bf16* vcol = v_cache + ((size_t)tile * N_KV_HEADS + kv_head) * HEAD_DIM + t;
+        const bf16* vrows = v_cache + ((size_t)tile * N_KV_HEADS + kv_head) * HEAD_DIM + 8 * lane;
 #pragma unroll 4
-        for (int i = 0; i < n; i++) {
-            const float vv = bf16_to_float(vcol[(size_t)i * N_KV_HEADS * HEAD_DIM]);
+        for (int i = warp; i < n; i += ATTN_WARPS) {
+            const uint4 raw = *(const uint4*)(vrows + (size_t)i * N_KV_HEADS * HEAD_DIM);
+            const u32 v2[4] = {raw.x, raw.y, raw.z, raw.w};
+            float v[8];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = pair_to_float2(v2[e]);
+                v[2 * e] = f.x, v[2 * e + 1] = f.y;
+            }
             const float4 pa = *(const float4*)&p[i][0], pb = *(const float4*)&p[i][4];
-            acc[0] += pa.x * vv; acc[1] += pa.y * vv; acc[2] += pa.z * vv; acc[3] += pa.w * vv;
-            acc[4] += pb.x * vv; acc[5] += pb.y * vv; acc[6] += pb.z * vv; acc[7] += pb.w * vv;
+            const float ph[GQA] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+            for (int h = 0; h < GQA; h++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[h][j] = fmaf(ph[h], v[j], acc[h][j]);
         }
         __syncthreads();
     }
+    // The warps' sums, one head at a time through shared memory; thread t writes dimension t.
 #pragma unroll
     for (int h = 0; h < GQA; h++) {
-        const int qh = kv_head * GQA + h;
-        part_o[((size_t)qh * ATTN_SPLITS + split) * HEAD_DIM + t] = acc[h];
+        *(float4*)&red[warp][8 * lane] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+        *(float4*)&red[warp][8 * lane + 4] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+        __syncthreads();
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) o += red[w][t];
+        part_o[((size_t)(kv_head * GQA + h) * ATTN_SPLITS + split) * HEAD_DIM + t] = o;
+        __syncthreads();
     }
     if (t < GQA) {
         const int qh = kv_head * GQA + t;
