@@ -50,24 +50,26 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) router(const float* hid
     if (lane == 0) logits[row] = acc;
 }
 
-// Row passes a warp of the gate/up launch makes (each pass loads a gate and an up row). One pass at the full
-// width (more, smaller blocks) measured slower than two.
-#define GATE_UP_PASSES (RowDot4<HIDDEN, HIDDEN>::UPL >= 2 ? 2 : 4)
+// The gate/up launch: 6 warps of 3 row passes (each pass loads a gate and an up row) make 256 blocks at the full
+// shape, one wave at 2 blocks an SM (8 warps of 2 passes made 288 blocks: two waves on 132 SMs). One pass at the
+// full width (more, smaller blocks) measured slower.
+#define GATE_UP_THREADS 192
+#define GATE_UP_PASSES (RowDot4<HIDDEN, HIDDEN>::UPL >= 2 ? 3 : 4)
 
 // act[slot][i] = silu(gate_e[i] . x) * (up_e[i] . x), x = rmsnorm(hidden), for the routed experts e and the shared
 // expert (slot TOP_K). Block 0 also publishes the routing: ids, weights and the shared expert's sigmoid gate.
-extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
+extern "C" __global__ void __launch_bounds__(GATE_UP_THREADS) experts_gate_up(
     const float* hidden, const float* norm, const float* logits, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
     float* act, int* route_ids, float* route_w) {
     typedef RowDot4<HIDDEN, HIDDEN> Dot;
     constexpr int PASSES = GATE_UP_PASSES;
-    constexpr int PAIRS_PER_BLOCK = (MV_THREADS / WARP) * PASSES * Dot::RPP;
+    constexpr int PAIRS_PER_BLOCK = (GATE_UP_THREADS / WARP) * PASSES * Dot::RPP;
     __shared__ float xs[HIDDEN];
     __shared__ float scratch[32];
     __shared__ int ids[TOP_K];
     __shared__ float weights[TOP_K];
     if (threadIdx.x < WARP) route(logits, ids, weights);
-    rmsnorm_to_shared<HIDDEN, MV_THREADS, true>(hidden, norm, xs, scratch);
+    rmsnorm_to_shared<HIDDEN, GATE_UP_THREADS, true>(hidden, norm, xs, scratch);
     if (blockIdx.x == 0 && threadIdx.x < SLOTS) {
         if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = weights[threadIdx.x];
         else route_w[TOP_K] = sigmoidf_(logits[NUM_EXPERTS]);
@@ -140,5 +142,6 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
 }
 
 // Block sizes of the gate/up and down launches; the host sizes grids with them.
-extern "C" __device__ const int pairs_per_block = (MV_THREADS / WARP) * GATE_UP_PASSES * RowDot4<HIDDEN, HIDDEN>::RPP;
+extern "C" __device__ const int pairs_per_block = (GATE_UP_THREADS / WARP) * GATE_UP_PASSES * RowDot4<HIDDEN, HIDDEN>::RPP;
+extern "C" __device__ const int gate_up_threads = GATE_UP_THREADS;
 extern "C" __device__ const int down_rows_per_block = DOWN_PASSES * RowDot4<MOE_INTER, MOE_INTER>::RPP;

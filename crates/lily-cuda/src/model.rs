@@ -310,7 +310,7 @@ impl CudaModel {
                 let layer = &w.layers[l];
                 let args = Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr).ptr(s.router_logits.ptr);
                 let args = layer.shared_up.arg(layer.shared_gate.arg(layer.experts_up.arg(layer.experts_gate.arg(args))));
-                self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), 256, args.ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr), p)
+                self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), self.kernels.constant("gate_up_threads") as u32, args.ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr), p)
             }
             Op::ExpertsDown(l) => {
                 let layer = &w.layers[l];
