@@ -66,11 +66,10 @@ pub struct ChatArgs {
 
 /// One generated assistant turn.
 pub struct Turn {
+    /// The whole output, and the deltas held back until its end (not yet handed to `on_delta`).
     pub output: FinalOutput,
     /// Stopped by the caller's interrupt flag.
     pub interrupted: bool,
-    /// The turn ended (end-of-sequence) inside a think block the model never closed.
-    pub unclosed_think: bool,
     pub prompt_tokens: usize,
     pub prefill_secs: f64,
     pub decode_steps: usize,
@@ -78,15 +77,11 @@ pub struct Turn {
 }
 
 impl Turn {
-    /// The reasoning and the answer. A turn that ended inside a think block the prompt opened and the model never
-    /// closed is taken as an answer written where the model was expected to think (small models trained with
-    /// empty think blocks do this): its text is the answer. An answer cut off while thinking stays reasoning.
+    /// The reasoning and the answer, trimmed. When the answer is the turn's reasoning (it ended inside the think
+    /// block that the prompt opened, see `FinalOutput::content_is_reasoning`), it is not reasoning as well.
     pub fn answer(&self) -> (&str, &str) {
-        if self.unclosed_think {
-            ("", self.output.reasoning.trim())
-        } else {
-            (self.output.reasoning.trim(), self.output.content.trim())
-        }
+        let reasoning = if self.output.content_is_reasoning { "" } else { self.output.reasoning.trim() };
+        (reasoning, self.output.content.trim())
     }
 
     pub fn stats_line(&self) -> String {
@@ -112,6 +107,7 @@ pub fn render_prompt(template: &ChatTemplate, messages: Vec<Json>, enable_thinki
 
 /// Generates one assistant turn for a rendered prompt: prefill, then sample and decode until an end-of-sequence
 /// token, `options.max_tokens`, the end of the context or `interrupt`, handing each delta to `on_delta` as it comes.
+/// The deltas held back until the end are left to the caller, in the turn's `output.deltas`.
 /// (`options` without tools: a prompt offering tools needs them passed for tool calls to be parsed.)
 pub fn generate_turn(
     backend: &mut dyn Backend,
@@ -132,8 +128,6 @@ pub fn generate_turn(
     }
     let room = max_context - prompt.len();
     let budget = options.max_tokens.map_or(room, |max_tokens| max_tokens.min(room));
-    let think_end = tokenizer.special().think_end;
-    let opens_thinking = lily_chat::ReasoningParser::for_prompt(prompt_text).in_reasoning();
 
     let prefill_start = Instant::now();
     backend.prefill(&prompt)?;
@@ -144,14 +138,12 @@ pub fn generate_turn(
     let decode_start = Instant::now();
     let mut decode_steps = 0;
     let mut interrupted = false;
-    let mut closed_think = false;
     loop {
         if interrupt.is_some_and(|flag| flag.load(Ordering::SeqCst)) {
             interrupted = true;
             break;
         }
         let token = backend.sample(sampler);
-        closed_think |= token == think_end;
         for delta in output.push_token(token)? {
             on_delta(delta)?;
         }
@@ -162,20 +154,9 @@ pub fn generate_turn(
         decode_steps += 1;
     }
     let decode_secs = decode_start.elapsed().as_secs_f64();
-    let output = output.finish()?;
-    for delta in output.deltas.clone() {
-        on_delta(delta)?;
-    }
-    let unclosed_think = opens_thinking
-        && !closed_think
-        && !interrupted
-        && output.finish_reason == FinishReason::Stop
-        && output.content.trim().is_empty()
-        && !output.reasoning.trim().is_empty();
     Ok(Turn {
-        output,
+        output: output.finish()?,
         interrupted,
-        unclosed_think,
         prompt_tokens: prompt.len(),
         prefill_secs,
         decode_steps,
@@ -285,14 +266,21 @@ impl<W: Write> AnswerView<W> {
         Ok(())
     }
 
-    /// Ends the answer with a newline and a note on why it ended early, if it did. `late_answer` is text to show
-    /// as the answer now (the turn's thinking turned out to be its answer and was folded away).
-    fn finish(&mut self, note: Option<&str>, late_answer: Option<&str>) -> Result<()> {
-        if let Some(answer) = late_answer.filter(|answer| !answer.is_empty()) {
-            self.end_thinking()?;
-            self.phase = Phase::Answering;
-            write!(self.out, "{answer}")?;
+    /// Writes the deltas held back until the end of the turn. An answer that is the turn's thinking (see
+    /// `FinalOutput::content_is_reasoning`) is on the screen already, unless the thinking was folded away.
+    fn final_deltas(&mut self, output: &FinalOutput) -> Result<()> {
+        for delta in &output.deltas {
+            let shown_as_thinking =
+                output.content_is_reasoning && !self.hide_thinking && matches!(delta, Delta::Content(_));
+            if !shown_as_thinking {
+                self.delta(delta.clone())?;
+            }
         }
+        Ok(())
+    }
+
+    /// Ends the answer with a newline and a note on why it ended early, if it did.
+    fn finish(&mut self, note: Option<&str>) -> Result<()> {
         self.pending_space.clear();
         match (self.phase, self.hide_thinking, self.color) {
             (Phase::Idle, _, _) => {}
@@ -450,7 +438,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             Ok(turn) => turn,
             Err(error) => {
                 history.pop();
-                view.finish(None, None)?;
+                view.finish(None)?;
                 println!("error: {error:#}");
                 if format!("{error:#}").contains("context") {
                     println!("(the conversation no longer fits: /reset, or start again with a larger --context)");
@@ -465,9 +453,9 @@ pub fn run(args: ChatArgs) -> Result<()> {
         } else {
             None
         };
+        view.final_deltas(&turn.output)?;
+        view.finish(note)?;
         let (reasoning, content) = turn.answer();
-        let late_answer = (turn.unclosed_think && args.hide_thinking).then_some(content);
-        view.finish(note, late_answer)?;
         if args.stats {
             let stats = turn.stats_line();
             if color {

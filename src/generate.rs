@@ -167,6 +167,24 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
     let mut stderr = std::io::stderr().lock();
     let mut wrote_reasoning = false;
     let mut wrote_content = false;
+    let mut show = |delta: lily_chat::Delta| -> Result<()> {
+        match delta {
+            lily_chat::Delta::Reasoning(text) if !args.hide_reasoning => {
+                let text = if wrote_reasoning { text.as_str() } else { text.trim_start() };
+                wrote_reasoning |= !text.is_empty();
+                write!(stderr, "{text}")?;
+                stderr.flush()?;
+            }
+            lily_chat::Delta::Content(text) => {
+                let text = if wrote_content { text.as_str() } else { text.trim_start() };
+                wrote_content |= !text.is_empty();
+                write!(stdout, "{text}")?;
+                stdout.flush()?;
+            }
+            _ => {}
+        }
+        Ok(())
+    };
     let turn = crate::chat::generate_turn(
         backend.as_mut(),
         &mut sampler,
@@ -174,31 +192,14 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
         &prompt_text,
         lily_chat::OutputOptions { eos_token_ids: eos, max_tokens: Some(args.max_tokens), ..Default::default() },
         None,
-        |delta| {
-            match delta {
-                lily_chat::Delta::Reasoning(text) if !args.hide_reasoning => {
-                    let text = if wrote_reasoning { text.as_str() } else { text.trim_start() };
-                    wrote_reasoning |= !text.is_empty();
-                    write!(stderr, "{text}")?;
-                    stderr.flush()?;
-                }
-                lily_chat::Delta::Content(text) => {
-                    let text = if wrote_content { text.as_str() } else { text.trim_start() };
-                    wrote_content |= !text.is_empty();
-                    write!(stdout, "{text}")?;
-                    stdout.flush()?;
-                }
-                _ => {}
-            }
-            Ok(())
-        },
+        &mut show,
     )?;
+    // Text held back until the end; an answer the model wrote in its think block comes here, as content.
+    for delta in turn.output.deltas.iter().cloned() {
+        show(delta)?;
+    }
     if wrote_reasoning {
         writeln!(stderr)?;
-    }
-    if turn.unclosed_think {
-        // The model answered where it was expected to think and never closed the block: that text is the answer.
-        write!(stdout, "{}", turn.answer().1)?;
     }
     writeln!(stdout)?;
     stdout.flush()?;

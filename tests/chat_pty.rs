@@ -84,6 +84,20 @@ fn chat_turn_reset_interrupt_and_exit() {
 }
 
 #[test]
+fn folded_thinking_still_shows_an_answer_written_in_the_think_block() {
+    // The default model answers inside the think block that the prompt opens and never closes it. Folded, the
+    // thinking is a marker while it runs; then that text is shown, as the answer.
+    let mut chat = start_chat(&["--hide-thinking", "--max-tokens", "2000"]);
+    let reply = say(&mut chat, "What light through yonder window breaks?", ANSWER);
+    let answer = reply.rsplit("thinking…").next().unwrap();
+    assert!(words(answer).len() >= 4, "expected an English answer after the thinking marker, got {reply:?}");
+    assert!(!reply.contains("[interrupted]") && !reply.contains("[stopped"), "{reply:?}");
+    chat.send("/exit\r");
+    let status = chat.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "/exit: {status:?}");
+}
+
+#[test]
 fn ctrl_d_and_double_ctrl_c_quit() {
     let mut chat = start_chat(&["--no-think"]);
     chat.send("\x04");

@@ -187,6 +187,9 @@ fn generate_chat_prints_an_answer() {
     let answer = stdout(&output);
     assert!(answer.split_whitespace().count() >= 3, "answer: {answer:?}");
     assert!(!answer.contains("<|im_end|>") && !answer.contains("<think>"), "answer: {answer:?}");
+    // The default model writes its answer in the think block that the prompt opens and never closes it: the
+    // reasoning on stderr is the same text.
+    assert!(stderr(&output).contains(answer.trim()), "answer {answer:?}, stderr {:?}", stderr(&output));
     assert!(stderr(&output).contains("prefill: "), "{}", stderr(&output));
 
     let output = lily(&[

@@ -1,5 +1,6 @@
 //! The whole path from generated token ids to what a client sees: detokenize, stop conditions, reasoning split,
-//! tool calls. Used alike by the HTTP server (streamed or not) and the interactive chat.
+//! tool calls. Used alike by the HTTP server (streamed or not) and the interactive chat; the completions API uses
+//! its raw mode, which only detokenizes and applies the stop conditions.
 
 use std::sync::Arc;
 
@@ -34,6 +35,8 @@ pub struct ToolCallDelta {
 #[derive(Debug)]
 pub struct OutputParser {
     reasoning: ReasoningParser,
+    /// The prompt opened a think block: the output starts inside it.
+    prompt_opened_think: bool,
     /// None when the request has no tools: tool-call markup is then plain content.
     tool_calls: Option<ToolCallParser>,
     reasoning_text: String,
@@ -45,9 +48,23 @@ impl OutputParser {
     /// `prompt_text` is the rendered prompt (its end says whether output starts inside a think block);
     /// `tools` the request's tool definitions (empty: no tool-call parsing).
     pub fn new(prompt_text: &str, tools: &[Json], call_ids: ToolCallIds) -> Self {
+        let reasoning = ReasoningParser::for_prompt(prompt_text);
         Self {
-            reasoning: ReasoningParser::for_prompt(prompt_text),
+            prompt_opened_think: reasoning.in_reasoning(),
+            reasoning,
             tool_calls: (!tools.is_empty()).then(|| ToolCallParser::new(tools, call_ids)),
+            reasoning_text: String::new(),
+            content_text: String::new(),
+            calls: Vec::new(),
+        }
+    }
+
+    /// For raw text (the completions API): no reasoning split and no tool calls; all of it is content.
+    pub fn raw() -> Self {
+        Self {
+            reasoning: ReasoningParser::content_only(),
+            prompt_opened_think: false,
+            tool_calls: None,
             reasoning_text: String::new(),
             content_text: String::new(),
             calls: Vec::new(),
@@ -80,6 +97,11 @@ impl OutputParser {
 
     pub fn tool_calls(&self) -> &[ToolCall] {
         &self.calls
+    }
+
+    /// The output so far is all inside the think block that the prompt opened.
+    fn in_prompts_think_block(&self) -> bool {
+        self.prompt_opened_think && self.reasoning.in_reasoning()
     }
 
     fn route(&mut self, segments: Vec<TextSegment>) -> Vec<Delta> {
@@ -156,13 +178,17 @@ pub struct OutputOptions {
     pub call_ids: ToolCallIds,
 }
 
-/// The end of a generation: the last deltas to stream, and the whole output.
+/// The end of a generation: the last deltas to stream, and the whole output (which the streamed deltas, joined,
+/// add up to).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FinalOutput {
     /// Text that was held back until the end; send these before the final chunk.
     pub deltas: Vec<Delta>,
     pub reasoning: String,
     pub content: String,
+    /// The generation ended (not stopped by the caller) inside the think block that the prompt opened: `content`
+    /// is a copy of `reasoning`, sent as the last delta (see [`OutputStream::finish`]).
+    pub content_is_reasoning: bool,
     pub tool_calls: Vec<ToolCall>,
     pub finish_reason: FinishReason,
     /// Tokens generated, end-of-sequence token included.
@@ -183,6 +209,8 @@ pub struct OutputStream {
     decoder: StreamDecoder,
     stop: StopChecker,
     parser: OutputParser,
+    /// The special tokens that are shown: the think and tool-call tags that the parsers read (none in raw mode).
+    shown_special_ids: Vec<u32>,
     /// Set once generation must end; `None` while it goes on.
     stop_reason: Option<FinishReason>,
     stopped_by_string: bool,
@@ -190,6 +218,30 @@ pub struct OutputStream {
 
 impl OutputStream {
     pub fn new(tokenizer: Arc<Tokenizer>, prompt_text: &str, options: OutputOptions) -> Self {
+        let special = tokenizer.special();
+        let shown_special_ids = vec![
+            special.think_start,
+            special.think_end,
+            special.tool_call_start,
+            special.tool_call_end,
+        ];
+        let parser = OutputParser::new(prompt_text, &options.tools, options.call_ids);
+        Self::with_parser(tokenizer, parser, shown_special_ids, options)
+    }
+
+    /// Raw mode, for plain text completion: streaming detokenization and the stop conditions only. Special tokens
+    /// are not shown, and all the text is content: no reasoning split, no tool calls (`options.tools` is not
+    /// used).
+    pub fn raw(tokenizer: Arc<Tokenizer>, options: OutputOptions) -> Self {
+        Self::with_parser(tokenizer, OutputParser::raw(), Vec::new(), options)
+    }
+
+    fn with_parser(
+        tokenizer: Arc<Tokenizer>,
+        parser: OutputParser,
+        shown_special_ids: Vec<u32>,
+        options: OutputOptions,
+    ) -> Self {
         Self {
             decoder: StreamDecoder::new(tokenizer.clone(), false),
             tokenizer,
@@ -198,7 +250,8 @@ impl OutputStream {
                 options.stop_strings,
                 options.max_tokens,
             ),
-            parser: OutputParser::new(prompt_text, &options.tools, options.call_ids),
+            parser,
+            shown_special_ids,
             stop_reason: None,
             stopped_by_string: false,
         }
@@ -237,6 +290,10 @@ impl OutputStream {
 
     /// Ends the output, whether it finished or the caller stopped generating (then the reason is `Length`).
     /// The finish reason is `ToolCalls` when the generation stopped normally after tool calls.
+    ///
+    /// A generation that ended (end of sequence, stop string or token budget, not the caller stopping it) inside
+    /// the think block that the prompt opened gives its reasoning as the content too: see
+    /// [`FinalOutput::content_is_reasoning`].
     pub fn finish(mut self) -> Result<FinalOutput, TokenizerError> {
         let mut deltas = Vec::new();
         if !self.stopped_by_string {
@@ -251,6 +308,20 @@ impl OutputStream {
             }
         }
         deltas.extend(self.parser.finish());
+        let content_is_reasoning =
+            self.stop_reason.is_some() && self.parser.in_prompts_think_block();
+        if content_is_reasoning {
+            // Nothing came after the think block: no content, no tool calls. Models trained with empty think
+            // blocks (the bundled one) write their answer there and never close it; as reasoning only, that answer
+            // is lost to every client that reads just `content`. It stays reasoning as well, because it has been
+            // streamed as reasoning deltas already: streamed or not, a client ends up with the same output. A
+            // generation that the caller abandoned (an interrupted chat answer) gave no answer: it stays as it was.
+            self.parser.content_text = self.parser.reasoning_text.clone();
+            push_text_delta(
+                &mut deltas,
+                Delta::Content(self.parser.content_text.clone()),
+            );
+        }
         let finish_reason = match self.stop_reason {
             Some(FinishReason::Stop) if !self.parser.tool_calls().is_empty() => {
                 FinishReason::ToolCalls
@@ -262,22 +333,14 @@ impl OutputStream {
             deltas,
             reasoning: self.parser.reasoning_text,
             content: self.parser.content_text,
+            content_is_reasoning,
             tool_calls: self.parser.calls,
             finish_reason,
             completion_tokens: self.stop.generated_tokens(),
         })
     }
 
-    /// Special tokens are not shown, except the think and tool-call tags that the parsers read.
     fn is_shown(&self, id: u32) -> bool {
-        let special = self.tokenizer.special();
-        !self.tokenizer.is_special(id)
-            || [
-                special.think_start,
-                special.think_end,
-                special.tool_call_start,
-                special.tool_call_end,
-            ]
-            .contains(&id)
+        !self.tokenizer.is_special(id) || self.shown_special_ids.contains(&id)
     }
 }

@@ -62,6 +62,15 @@ impl ReasoningParser {
         }
     }
 
+    /// For text that has no think blocks (raw completions): all of it is content, tags included.
+    pub fn content_only() -> Self {
+        Self {
+            state: State::Content,
+            skip_leading_newlines: false,
+            held_text: String::new(),
+        }
+    }
+
     pub fn in_reasoning(&self) -> bool {
         self.state == State::Reasoning
     }
@@ -216,6 +225,19 @@ mod tests {
         assert_eq!(
             parse(THINKING_PROMPT, &["still thinking </thi"]),
             vec![Reasoning("still thinking </thi".into())]
+        );
+    }
+
+    #[test]
+    fn content_only_parser_passes_tags_through() {
+        let mut parser = ReasoningParser::content_only();
+        assert!(!parser.in_reasoning());
+        let mut segments = parser.push("<think>\nx</th");
+        segments.extend(parser.push("ink>\n"));
+        segments.extend(parser.finish());
+        assert_eq!(
+            segments,
+            vec![Content("<think>\nx</th".into()), Content("ink>\n".into())]
         );
     }
 

@@ -47,9 +47,18 @@ struct Run {
 
 /// Encodes `generated` (model output text, special tokens written as text) and feeds it token by token.
 fn run(prompt: &str, generated: &str, options: OutputOptions) -> Run {
-    let tokenizer = common::tokenizer();
-    let ids = tokenizer.encode(generated, false).unwrap();
-    let mut stream = OutputStream::new(tokenizer, prompt, options);
+    feed(
+        OutputStream::new(common::tokenizer(), prompt, options),
+        generated,
+    )
+}
+
+fn run_raw(generated: &str, options: OutputOptions) -> Run {
+    feed(OutputStream::raw(common::tokenizer(), options), generated)
+}
+
+fn feed(mut stream: OutputStream, generated: &str) -> Run {
+    let ids = common::tokenizer().encode(generated, false).unwrap();
     let mut deltas = Vec::new();
     let mut tokens_taken = 0;
     for id in ids {
@@ -137,6 +146,7 @@ fn thinking_output_splits_into_reasoning_and_content() {
     );
     assert_eq!(run.output.reasoning, "Two plus two.\n");
     assert_eq!(run.output.content, "The answer is **4**.");
+    assert!(!run.output.content_is_reasoning);
     assert_eq!(run.output.finish_reason, FinishReason::Stop);
     assert_eq!(run.output.completion_tokens, run.tokens_taken);
     assert!(matches!(run.deltas.first(), Some(Delta::Reasoning(_))));
@@ -207,8 +217,38 @@ fn stop_string_across_tokens_is_cut_with_what_follows() {
     assert_deltas_match_output(&run);
 }
 
+// --- An output that ends inside the think block the prompt opened --------------------------------------------
+
+/// The deltas of a run that ended inside the prompt's think block: reasoning as it came, then the same text once
+/// more as content, last.
+fn assert_reasoning_then_the_same_content(run: &Run) {
+    assert!(run.output.content_is_reasoning);
+    assert!(!run.output.reasoning.is_empty());
+    assert_eq!(run.output.content, run.output.reasoning);
+    assert!(run.output.tool_calls.is_empty());
+    let (last, streamed) = run.deltas.split_last().unwrap();
+    assert_eq!(last, &Delta::Content(run.output.reasoning.clone()));
+    assert!(streamed
+        .iter()
+        .all(|delta| matches!(delta, Delta::Reasoning(_))));
+    assert_deltas_match_output(run);
+}
+
 #[test]
-fn max_tokens_cuts_and_unclosed_reasoning_stays_reasoning() {
+fn answer_written_in_the_prompts_think_block_is_also_the_content() {
+    // What the bundled model does with thinking on: it answers and ends its turn without ever closing the block.
+    let run = run(
+        THINKING_PROMPT,
+        "Two and two make four, good sir.<|im_end|>",
+        options(tools(), &[], None),
+    );
+    assert_eq!(run.output.reasoning, "Two and two make four, good sir.");
+    assert_eq!(run.output.finish_reason, FinishReason::Stop);
+    assert_reasoning_then_the_same_content(&run);
+}
+
+#[test]
+fn max_tokens_inside_the_prompts_think_block_also_gives_the_reasoning_as_content() {
     let run = run(
         THINKING_PROMPT,
         "Let me think about this carefully.\n</think>\n\n4",
@@ -216,10 +256,120 @@ fn max_tokens_cuts_and_unclosed_reasoning_stays_reasoning() {
     );
     assert_eq!(run.tokens_taken, 3);
     assert_eq!(run.output.finish_reason, FinishReason::Length);
-    assert_eq!(run.output.content, "");
-    assert!(
-        !run.output.reasoning.is_empty() && "Let me think about".starts_with(&run.output.reasoning)
+    assert!("Let me think about".starts_with(&run.output.reasoning));
+    assert_reasoning_then_the_same_content(&run);
+}
+
+#[test]
+fn stop_string_inside_the_prompts_think_block_also_gives_the_reasoning_as_content() {
+    let run = run(
+        THINKING_PROMPT,
+        "Let me think. STOP here\n</think>\n\n4<|im_end|>",
+        options(vec![], &["STOP"], None),
     );
+    assert_eq!(run.output.reasoning, "Let me think. ");
+    assert_eq!(run.output.finish_reason, FinishReason::Stop);
+    assert_reasoning_then_the_same_content(&run);
+}
+
+#[test]
+fn a_closed_or_model_opened_think_block_is_never_copied_to_the_content() {
+    let closed = run(
+        THINKING_PROMPT,
+        "Hmm.\n</think>\n\n<|im_end|>",
+        options(vec![], &[], None),
+    );
+    assert_eq!(
+        (
+            closed.output.reasoning.as_str(),
+            closed.output.content.as_str()
+        ),
+        ("Hmm.\n", "")
+    );
+    assert!(!closed.output.content_is_reasoning);
+
+    // A prompt with no think block: the model opened one itself and ended its turn inside it.
+    let prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";
+    let opened_by_model = run(
+        prompt,
+        "<think>\nStill thinking<|im_end|>",
+        options(vec![], &[], None),
+    );
+    assert_eq!(
+        (
+            opened_by_model.output.reasoning.as_str(),
+            opened_by_model.output.content.as_str()
+        ),
+        ("Still thinking", "")
+    );
+    assert!(!opened_by_model.output.content_is_reasoning);
+    assert_deltas_match_output(&opened_by_model);
+}
+
+#[test]
+fn the_caller_stopping_inside_the_prompts_think_block_leaves_it_reasoning() {
+    // Not an end of the generation but its abandonment (an interrupted chat answer): nothing is taken as content.
+    let tokenizer = common::tokenizer();
+    let mut stream = OutputStream::new(
+        tokenizer.clone(),
+        THINKING_PROMPT,
+        options(vec![], &[], None),
+    );
+    for id in tokenizer.encode("Half a thought", false).unwrap() {
+        stream.push_token(id).unwrap();
+    }
+    let output = stream.finish().unwrap();
+    assert_eq!(output.finish_reason, FinishReason::Length);
+    assert_eq!(
+        (output.reasoning.as_str(), output.content.as_str()),
+        ("Half a thought", "")
+    );
+    assert!(!output.content_is_reasoning);
+}
+
+// --- Raw mode (the completions API) --------------------------------------------------------------------------
+
+#[test]
+fn raw_mode_is_the_text_with_special_tokens_skipped() {
+    let generated = "Two plus two.\n</think>\n\n<tool_call>\nRare: 𠜎 👩‍👩‍👧<|vision_pad|>.";
+    let run = run_raw(generated, options(tools(), &[], None));
+    let tokenizer = common::tokenizer();
+    let ids = tokenizer.encode(generated, false).unwrap();
+    assert_eq!(run.output.content, tokenizer.decode(&ids, true).unwrap());
+    assert_eq!(run.output.content, "Two plus two.\n\n\n\nRare: 𠜎 👩‍👩‍👧.");
+    assert_eq!(run.output.reasoning, "");
+    assert!(run.output.tool_calls.is_empty() && !run.output.content_is_reasoning);
+    // Cut by the caller, not by an end-of-sequence token.
+    assert_eq!(run.output.finish_reason, FinishReason::Length);
+    assert_eq!(run.output.completion_tokens, ids.len());
+    assert!(run.deltas.iter().all(
+        |delta| matches!(delta, Delta::Content(text) if !text.contains(char::REPLACEMENT_CHARACTER))
+    ));
+    assert_deltas_match_output(&run);
+}
+
+#[test]
+fn raw_mode_stops_like_chat() {
+    let run = run_raw(
+        "ROMEO. But soft! What light<|im_end|>",
+        options(vec![], &["soft! W"], None),
+    );
+    assert_eq!(
+        (run.output.content.as_str(), run.output.finish_reason),
+        ("ROMEO. But ", FinishReason::Stop)
+    );
+    assert_deltas_match_output(&run);
+
+    let run = run_raw("ROMEO. But soft!<|im_end|>", options(vec![], &[], None));
+    assert_eq!(
+        (run.output.content.as_str(), run.output.finish_reason),
+        ("ROMEO. But soft!", FinishReason::Stop)
+    );
+
+    let run = run_raw("ROMEO. But soft!", options(vec![], &[], Some(2)));
+    assert_eq!(run.tokens_taken, 2);
+    assert_eq!(run.output.finish_reason, FinishReason::Length);
+    assert!("ROMEO. But soft!".starts_with(&run.output.content) && !run.output.content.is_empty());
 }
 
 #[test]
@@ -562,13 +712,17 @@ proptest! {
         prop_assert_eq!(run.output.finish_reason, finish);
         assert_deltas_match_output(&run);
 
-        // With a stop string the output is the text before its first occurrence, parsed.
+        // With a stop string the output is the text before its first occurrence, parsed; cut inside the prompt's
+        // think block, that reasoning is the content too.
         let run = run_with_stop(output.prompt(), &text, &stop);
-        let expected = match text.find(&stop) {
-            Some(position) => parse_whole(output.prompt(), &text[..position], &tools()),
-            None => parse_whole(output.prompt(), &text, &tools()),
-        };
-        prop_assert_eq!((run.output.reasoning.clone(), run.output.content.clone(), run.output.tool_calls.clone()), expected);
+        let shown = text.find(&stop).map_or(text.as_str(), |position| &text[..position]);
+        let (reasoning, mut content, calls) = parse_whole(output.prompt(), shown, &tools());
+        let cut_while_thinking = output.thinking && !shown.contains("</think>");
+        if cut_while_thinking {
+            content = reasoning.clone();
+        }
+        prop_assert_eq!(run.output.content_is_reasoning, cut_while_thinking);
+        prop_assert_eq!((run.output.reasoning.clone(), run.output.content.clone(), run.output.tool_calls.clone()), (reasoning, content, calls));
         assert_deltas_match_output(&run);
     }
 }

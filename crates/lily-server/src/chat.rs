@@ -10,7 +10,7 @@ use crate::args::ReasoningField;
 use crate::engine::{Event, OutputKind, SequenceSpec};
 use crate::error::ApiError;
 use crate::logits::TokenLogprob;
-use crate::params::{self, RawSampling, MAX_TOP_LOGPROBS};
+use crate::params::{self, MAX_TOP_LOGPROBS};
 use crate::server::Ready;
 use crate::token_bytes::token_text;
 use crate::types::*;
@@ -36,7 +36,7 @@ enum ToolChoice {
     Named(String),
 }
 
-pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan, ApiError> {
+pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Ready) -> Result<ChatPlan, ApiError> {
     let messages = request
         .messages
         .ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
@@ -123,23 +123,7 @@ pub fn prepare(request: ChatCompletionRequest, ready: &Ready) -> Result<ChatPlan
             ))
         }
     };
-    let sampling = params::validate(
-        RawSampling {
-            temperature: request.temperature,
-            top_p: request.top_p,
-            top_k: request.top_k,
-            min_p: request.min_p,
-            presence_penalty: request.presence_penalty,
-            frequency_penalty: request.frequency_penalty,
-            repetition_penalty: request.repetition_penalty,
-            logit_bias: request.logit_bias,
-            seed: request.seed,
-            stop: request.stop,
-            n: request.n,
-        },
-        &ready.defaults,
-        ready.vocab_size,
-    )?;
+    let sampling = params::validate(sampling, &ready.defaults, ready.vocab_size)?;
     let stream = request.stream.unwrap_or(false);
     let include_usage = request
         .stream_options

@@ -8,7 +8,7 @@ use serde_json::{Map, Value as Json};
 use crate::engine::{Event, OutputKind, SequenceSpec};
 use crate::error::ApiError;
 use crate::logits::TokenLogprob;
-use crate::params::{self, RawSampling};
+use crate::params;
 use crate::server::Ready;
 use crate::token_bytes::token_text;
 use crate::types::*;
@@ -29,7 +29,7 @@ pub struct CompletionPlan {
     pub sequences: Vec<SequenceSpec>,
 }
 
-pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPlan, ApiError> {
+pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready) -> Result<CompletionPlan, ApiError> {
     let prompt = request
         .prompt
         .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
@@ -103,23 +103,7 @@ pub fn prepare(request: CompletionRequest, ready: &Ready) -> Result<CompletionPl
             "`echo` together with `logprobs` is not supported (prompt logprobs are not computed)",
         ));
     }
-    let sampling = params::validate(
-        RawSampling {
-            temperature: request.temperature,
-            top_p: request.top_p,
-            top_k: request.top_k,
-            min_p: request.min_p,
-            presence_penalty: request.presence_penalty,
-            frequency_penalty: request.frequency_penalty,
-            repetition_penalty: request.repetition_penalty,
-            logit_bias: request.logit_bias,
-            seed: request.seed,
-            stop: request.stop,
-            n: request.n,
-        },
-        &ready.defaults,
-        ready.vocab_size,
-    )?;
+    let sampling = params::validate(sampling, &ready.defaults, ready.vocab_size)?;
     match request.best_of {
         None => {}
         Some(b) if b as usize == sampling.n => {}

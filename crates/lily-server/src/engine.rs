@@ -20,7 +20,6 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::ApiError;
 use crate::logits::{self, History, Penalties, TokenLogprob};
 use crate::metrics::Metrics;
-use crate::output::{Output, TextStream};
 
 /// How generated tokens become text.
 #[derive(Debug, Clone)]
@@ -227,10 +226,8 @@ impl Engine {
             call_ids: self.call_ids,
         };
         let mut output = match seq.kind {
-            OutputKind::Chat { .. } => {
-                Output::Chat(OutputStream::new(self.tokenizer.clone(), &seq.prompt_text, options))
-            }
-            OutputKind::Text => Output::Text(TextStream::new(self.tokenizer.clone(), options)),
+            OutputKind::Chat { .. } => OutputStream::new(self.tokenizer.clone(), &seq.prompt_text, options),
+            OutputKind::Text => OutputStream::raw(self.tokenizer.clone(), options),
         };
         let mut sampler = Sampler::new(seq.sampling.clone());
         let mut history = History::new(&seq.prompt, &seq.penalties);

@@ -3,7 +3,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use crate::types::{ErrorBody, ErrorDetail};
+use crate::types::{ErrorBody, ErrorDetail, RawSampling};
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -148,13 +148,30 @@ impl std::fmt::Display for ApiError {
 /// Parses a JSON body into `T`: malformed JSON, a body that is not an object, and wrong types are 400s (the
 /// last naming the field).
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    deserialize_fields(parse_object(body)?)
+}
+
+/// Parses a chat or completions body: the request's own fields into `T` and, from the same object, the sampling
+/// fields into [`RawSampling`]; errors as [`parse_json`]'s.
+pub fn parse_json_with_sampling<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<(T, RawSampling), ApiError> {
+    let object = parse_object(body)?;
+    let sampling = deserialize_fields(&object)?;
+    Ok((deserialize_fields(object)?, sampling))
+}
+
+fn parse_object(body: &[u8]) -> Result<serde_json::Value, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::bad_request(format!("The request body is not valid JSON: {e}")).with_code("invalid_json")
     })?;
     if !value.is_object() {
         return Err(ApiError::bad_request("The request body must be a JSON object.").with_code("invalid_json"));
     }
-    serde_path_to_error::deserialize::<_, T>(value).map_err(|error| {
+    Ok(value)
+}
+
+/// Wrong types are reported with the path of the field.
+fn deserialize_fields<'de, D: serde::Deserializer<'de>, T: serde::Deserialize<'de>>(object: D) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(object).map_err(|error| {
         let path = error.path().to_string();
         let inner = error.into_inner();
         let mut e = ApiError::bad_request(format!("Invalid value for `{path}`: {inner}")).with_code("invalid_type");
@@ -170,13 +187,27 @@ mod tests {
 
     #[test]
     fn type_errors_name_the_field_and_what_was_expected() {
-        let e = parse_json::<ChatCompletionRequest>(br#"{"stop": 5}"#).unwrap_err();
+        let e = parse_json_with_sampling::<ChatCompletionRequest>(br#"{"stop": 5}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("stop"));
         assert!(e.message.contains("a string or an array of strings"), "{}", e.message);
-        let e = parse_json::<CompletionRequest>(br#"{"prompt": {"a": 1}}"#).unwrap_err();
+        let e = parse_json_with_sampling::<CompletionRequest>(br#"{"prompt": {"a": 1}}"#).unwrap_err();
         assert!(e.message.contains("array of token ids"), "{}", e.message);
-        let e = parse_json::<ChatCompletionRequest>(br#"{"messages": [], "temperature": "hot"}"#).unwrap_err();
+        let e = parse_json_with_sampling::<ChatCompletionRequest>(br#"{"messages": [], "temperature": "hot"}"#)
+            .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("temperature"));
+        assert_eq!(
+            e.message,
+            "Invalid value for `temperature`: invalid type: string \"hot\", expected f32"
+        );
+        assert_eq!(e.code, Some("invalid_type"));
+        let e = parse_json_with_sampling::<CompletionRequest>(br#"{"prompt": "a", "seed": 1.5}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("seed"));
+        assert_eq!(
+            e.message,
+            "Invalid value for `seed`: invalid type: floating point `1.5`, expected i64"
+        );
+        let e = parse_json_with_sampling::<CompletionRequest>(br#"{"prompt": "a", "echo": 1}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
         assert_eq!(
             parse_json::<ChatCompletionRequest>(b"[1]").unwrap_err().code,
             Some("invalid_json")
@@ -185,6 +216,13 @@ mod tests {
             parse_json::<ChatCompletionRequest>(b"{").unwrap_err().code,
             Some("invalid_json")
         );
-        assert!(parse_json::<ChatCompletionRequest>(br#"{"unknown": {"x": 1}, "n": null}"#).is_ok());
+        let (_, sampling) =
+            parse_json_with_sampling::<ChatCompletionRequest>(br#"{"unknown": {"x": 1}, "n": null, "top_k": 5}"#)
+                .unwrap();
+        assert_eq!((sampling.n, sampling.top_k), (None, Some(5)));
+        assert_eq!(
+            parse_json_with_sampling::<CompletionRequest>(b"[1]").unwrap_err().code,
+            Some("invalid_json")
+        );
     }
 }

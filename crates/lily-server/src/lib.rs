@@ -12,7 +12,6 @@ pub mod engine;
 pub mod error;
 pub mod logits;
 pub mod metrics;
-pub mod output;
 pub mod params;
 pub mod routes;
 pub mod server;

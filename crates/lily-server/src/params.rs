@@ -5,11 +5,11 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use lily_model::sampling::SamplingParams;
-use serde_json::{Map, Value as Json};
+use serde_json::Value as Json;
 
 use crate::error::ApiError;
 use crate::logits::Penalties;
-use crate::types::StopField;
+use crate::types::{RawSampling, StopField};
 
 /// Sampling defaults when a request leaves a field out: the model directory's `generation_config.json` where it
 /// has them (as vLLM does), else OpenAI's (temperature 1, no top-p/top-k/min-p limit).
@@ -62,22 +62,6 @@ impl GenerationDefaults {
         }
         d
     }
-}
-
-/// The sampling-related fields of a request, before validation.
-#[derive(Debug, Default)]
-pub struct RawSampling {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub logit_bias: Option<Map<String, Json>>,
-    pub seed: Option<i64>,
-    pub stop: Option<StopField>,
-    pub n: Option<i64>,
 }
 
 #[derive(Debug, Clone)]

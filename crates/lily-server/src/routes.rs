@@ -22,7 +22,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use crate::chat::{self, ChatResponder};
 use crate::completions::{self, CompletionResponder};
 use crate::engine::{Event, Job, SequenceSpec, SubmitError};
-use crate::error::{parse_json, ApiError};
+use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::server::{AppState, Ready};
 use crate::types::*;
 
@@ -257,11 +257,11 @@ async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     let arrived = Instant::now();
     let result = async {
         let body = read_body(body, &state)?;
-        let request: ChatCompletionRequest = parse_json(&body)?;
+        let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(&body)?;
         check_model(request.model.as_deref(), &state)?;
         let ready = ready(&state)?;
         check_queue(&state)?;
-        let plan = chat::prepare(request, ready)?;
+        let plan = chat::prepare(request, sampling, ready)?;
         let mut responder = ChatResponder::new(
             &plan,
             state.config.model_id.clone(),
@@ -286,11 +286,11 @@ async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     let arrived = Instant::now();
     let result = async {
         let body = read_body(body, &state)?;
-        let request: CompletionRequest = parse_json(&body)?;
+        let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(&body)?;
         check_model(request.model.as_deref(), &state)?;
         let ready = ready(&state)?;
         check_queue(&state)?;
-        let plan = completions::prepare(request, ready)?;
+        let plan = completions::prepare(request, sampling, ready)?;
         let mut responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
         let stream = plan.stream;
         let (receiver, guard) = submit(&state, plan.sequences, arrived)?;

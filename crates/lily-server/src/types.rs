@@ -24,18 +24,13 @@ impl StopField {
     }
 }
 
+/// The sampling fields that chat and completions requests share, before validation ([`crate::params::validate`]).
+///
+/// Read from the same JSON object as the request ([`crate::error::parse_json_with_sampling`]) rather than
+/// `#[serde(flatten)]`-ed into it: serde_path_to_error cannot see into a flattened struct, so a wrongly typed
+/// sampling field would lose its name, which the 400 error reports as `param`.
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct StreamOptions {
-    pub include_usage: Option<bool>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct ChatCompletionRequest {
-    pub model: Option<String>,
-    /// Kept as JSON: they go to the chat template as the client sent them (after validation).
-    pub messages: Option<Vec<Json>>,
-    pub max_tokens: Option<i64>,
-    pub max_completion_tokens: Option<i64>,
+pub struct RawSampling {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<i64>,
@@ -47,6 +42,21 @@ pub struct ChatCompletionRequest {
     pub seed: Option<i64>,
     pub stop: Option<StopField>,
     pub n: Option<i64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// A chat request's own fields; its sampling fields are a [`RawSampling`].
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    /// Kept as JSON: they go to the chat template as the client sent them (after validation).
+    pub messages: Option<Vec<Json>>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<bool>,
@@ -77,22 +87,12 @@ pub enum PromptField {
     TokenLists(Vec<Vec<i64>>),
 }
 
+/// A completions request's own fields; its sampling fields are a [`RawSampling`].
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Option<PromptField>,
     pub max_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub logit_bias: Option<Map<String, Json>>,
-    pub seed: Option<i64>,
-    pub stop: Option<StopField>,
-    pub n: Option<i64>,
     pub best_of: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,

@@ -113,6 +113,34 @@ async fn chat_streaming_matches_non_streaming() {
 }
 
 #[tokio::test]
+async fn with_thinking_on_the_default_models_answer_is_the_content() {
+    // The default model, trained with empty think blocks, answers inside the block that the prompt opens and never
+    // closes it: that text is the content, and the reasoning it was streamed as.
+    let s = TestServer::real(config()).await;
+    let mut body = chat_body("What light through yonder window breaks?", 48);
+    body.as_object_mut().unwrap().remove("chat_template_kwargs");
+    let (status, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    let message = &r["choices"][0]["message"];
+    let content = message["content"].as_str().unwrap();
+    assert!(content.split_whitespace().count() >= 3, "{message}");
+    assert_eq!(message["reasoning_content"], content);
+
+    body["stream"] = json!(true);
+    let (_, data) = s.stream("/v1/chat/completions", &body).await;
+    let parsed = chunks(&data);
+    let streamed = |field: &str| -> String {
+        parsed
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"][field].as_str())
+            .collect()
+    };
+    assert_eq!(streamed("content"), content);
+    assert_eq!(streamed("reasoning_content"), content);
+    s.shutdown().await;
+}
+
+#[tokio::test]
 async fn sampling_seed_n_stop_and_max_tokens() {
     let s = TestServer::real(config()).await;
     let sampled = |seed: u64| {

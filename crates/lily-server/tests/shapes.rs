@@ -204,17 +204,31 @@ async fn reasoning_split_follows_enable_thinking_and_the_field_flag() {
     let mut c = config();
     c.reasoning_field = ReasoningField::Both;
     let s = TestServer::fake(c, Script::text("Hello there, friend.")).await;
-    // Thinking on (the template's default): the output starts inside the think block and never closes it.
+    // Thinking on (the template's default): the output starts inside the think block and never closes it. That
+    // text is the reasoning, and the content too (the answer of a model that never closes its think block).
     let (_, r) = s.post("/v1/chat/completions", &ask(json!({}))).await;
     let message = &r["choices"][0]["message"];
     assert_eq!(message["reasoning_content"], "Hello there, friend.");
     assert_eq!(message["reasoning"], "Hello there, friend.");
-    assert_eq!(message["content"], "");
+    assert_eq!(message["content"], "Hello there, friend.");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    // Streamed: reasoning deltas as they come, then the same text as one content delta, before the finish chunk.
     let (_, data) = s.stream("/v1/chat/completions", &ask(json!({"stream": true}))).await;
     let deltas: Vec<Json> = chunks(&data).iter().map(|c| c["choices"][0]["delta"].clone()).collect();
     assert!(deltas
         .iter()
         .any(|d| d["reasoning"] == d["reasoning_content"] && d["reasoning"].is_string()));
+    let reasoning: String = deltas.iter().filter_map(|d| d["reasoning_content"].as_str()).collect();
+    assert_eq!(reasoning, "Hello there, friend.");
+    let content: Vec<&str> = deltas
+        .iter()
+        .filter_map(|d| d["content"].as_str())
+        .filter(|text| !text.is_empty())
+        .collect();
+    assert_eq!(content, ["Hello there, friend."]);
+    let (finish, before) = deltas.split_last().unwrap();
+    assert_eq!(finish, &json!({}));
+    assert_eq!(before.last().unwrap()["content"], "Hello there, friend.");
 
     // reasoning_effort none / minimal, or enable_thinking false: all content.
     for extra in [
