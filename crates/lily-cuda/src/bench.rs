@@ -142,10 +142,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                 let tokens: Vec<u32> = (0..count).map(|_| (rng.next_u64() % vocab) as u32).collect();
                 let start = Instant::now();
                 if is_prompt {
-                    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-                    let at = backend.model.state.tokens.at(depth * 4);
-                    backend.model.gpu.upload(at, &ids)?;
-                    backend.run_prefill(count)?;
+                    backend.extend(&tokens).map_err(fe)?;
                     backend.model.gpu.sync()?;
                 } else {
                     for &t in &tokens {
@@ -180,7 +177,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
         if plan.profile {
             for &count in &plan.prompts {
                 set_depth(backend, depth, plan.fill, &mut rng)?;
-                let ids: Vec<i32> = (0..count).map(|_| (rng.next_u64() % vocab) as i32).collect();
+                let ids: Vec<u32> = (0..count).map(|_| (rng.next_u64() % vocab) as u32).collect();
                 backend.model.gpu.upload(backend.model.state.tokens.at(depth * 4), &ids)?;
                 let mut profile = crate::launch::Profile::default();
                 backend.model.enqueue_prefill(depth, count, Some(&mut profile))?;

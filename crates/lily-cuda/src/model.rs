@@ -462,7 +462,7 @@ impl CudaBackend {
     }
 
     /// Runs `count` tokens already in `tokens[position..]` through the prefill, then the head.
-    pub fn run_prefill(&mut self, count: usize) -> Result<()> {
+    fn run_prefill(&mut self, count: usize) -> Result<()> {
         self.graphs()?;
         self.model.enqueue_prefill(self.position, count, None)?;
         let (_, head) = self.graphs.as_ref().expect("captured");
@@ -484,8 +484,8 @@ impl CudaBackend {
 
     /// One token goes through the captured decode step; more through the prefill.
     fn append(&mut self, tokens: &[u32]) -> Result<()> {
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        self.model.gpu.upload_async(self.model.state.tokens.at(self.position * 4), &ids)?;
+        // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
+        self.model.gpu.upload_async(self.model.state.tokens.at(self.position * 4), tokens)?;
         match tokens.len() {
             1 => self.run_steps(1),
             n => self.run_prefill(n),
