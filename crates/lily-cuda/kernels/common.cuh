@@ -75,155 +75,213 @@ __device__ __forceinline__ float byte_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFFu)) - 8388608.f;
 }
 
-// 1 + q/16 for the 4-bit value q at bits 4j..4j+3: the nibble moved under the exponent of 1.0 (mantissa bits
-// 19..22), a shift and a mask-or, so a weight costs one FMA more instead of a conversion.
-// The mask-or is one explicit lop3: written in C, the compiler emits an AND and an OR (a LOP3 takes one
-// immediate), a third integer instruction a weight.
-__device__ __forceinline__ float nibble_one_plus(u32 word, int j) {
-    const u32 at19 = 4 * j <= 19 ? word << (19 - 4 * j) : word >> (4 * j - 19);
-    u32 bits;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(at19), "n"(0x00780000u), "r"(0x3F800000u));
-    return __uint_as_float(bits);
-}
+// ---- 4-bit matrix-vector products on the tensor cores (the decode step's weights) ----
+// Decode uses each weight once, so a product costs what turning a weight into a multiplication costs. Here a
+// word of 8 weights becomes two registers of 4 bytes (a mask; a shift and a mask), and integer mma.sync
+// (m16n8k32, u8 x s8, s32 accumulation) multiplies 16 rows by 32 inputs at once: under one instruction a weight,
+// against three (shift, lop3, FMA) on the FMA pipe. The input is staged once per block as three signed bytes an
+// element, x = (p0 + p1 / 128 + p2 / 128^2) * max / 127 per group of 64 (about 21 significant bits), and the sums
+// over a group are exact integers, so the products are as precise as f32 ones. The group's scale and bias are
+// applied to the mma's result, the bias through the group's f32 sum of x.
+//
+// Fragments (lane = 4 g + t): a warp takes a strip of 16 rows; a tile is 128 inputs (two groups). Lane t loads
+// 16 bytes (32 inputs) of rows g and g + 8 at input 32 t of the tile; word m gives A's registers for one mma: its
+// even nibbles (inputs 8m + 0, 2, 4, 6) and its odd ones (8m + 1, 3, 5, 7), so the mma sees the inputs permuted,
+// and the staged x follows the same order. B's column n = 2 part + group holds that part of that group's x
+// (columns 6 and 7 are zero), so lane t < 3 ends with part t of rows g and g + 8, both groups, in C.
+#define MV_TILE 128
+#define MV_PARTS 3
 
-// sum_i (1 + q_i/16) x_i over the 32 4-bit values of one 16-byte load; sum_i q_i x_i = 16 (that - sum_i x_i).
-__device__ __forceinline__ float dot_q4x32_one_plus(uint4 w, const float (&x)[32]) {
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        a0 = fmaf(nibble_one_plus(w.x, j), x[j], a0);
-        a1 = fmaf(nibble_one_plus(w.y, j), x[8 + j], a1);
-        a2 = fmaf(nibble_one_plus(w.z, j), x[16 + j], a2);
-        a3 = fmaf(nibble_one_plus(w.w, j), x[24 + j], a3);
-    }
-    return (a0 + a1) + (a2 + a3);
-}
-
-// The input vector of a matrix-vector product lives in shared memory with the 32 floats of each 16-byte weight
-// load swizzled (element j of chunk u at 32u + (j ^ (u % 32))), so that lanes loading consecutive chunks into
-// registers hit 32 different banks.
-__device__ __forceinline__ int swz(int c) { return (c & ~31) | ((c & 31) ^ ((c >> 5) & 31)); }
-
-// One warp's share of 4-bit matrix rows: the warp reads the SEG inputs starting at `seg0` of rows `COLS` wide;
-// each row is read by LPR lanes, RPP rows a pass; a lane keeps its UPL chunks of 32 inputs in registers for
-// every row it reads.
-template <int SEG, int COLS>
-struct RowDot4 {
-    static constexpr int CHUNKS = SEG / 32;
-    static constexpr int LPR = CHUNKS < WARP ? CHUNKS : WARP;
-    static constexpr int RPP = WARP / LPR;
-    static constexpr int UPL = CHUNKS / LPR;
-    static_assert(SEG % GROUP == 0 && COLS % SEG == 0, "segments must be whole groups");
-    float x[UPL][32];
-    float xsum[UPL];
-    int sub;  // this lane's place among the LPR lanes of its row
-    int seg0;
-
-    __device__ __forceinline__ void init(int seg_start) {
-        sub = (threadIdx.x % WARP) % LPR;
-        seg0 = seg_start;
-    }
-    __device__ __forceinline__ void load_x(const float* xs_swizzled) {
-#pragma unroll
-        for (int k = 0; k < UPL; k++) {
-            const int u = seg0 / 32 + sub + LPR * k;
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < 32; j++) {
-                x[k][j] = xs_swizzled[32 * u + (j ^ (u & 31))];
-                s += x[k][j];
-            }
-            xsum[k] = s;
-        }
-    }
-    // The lane's row in the current pass, relative to the pass's first row.
-    __device__ __forceinline__ int row_in_pass() const { return (threadIdx.x % WARP) / LPR; }
-
-    __device__ __forceinline__ void load_row(Q4 m, int row, uint4 (&w)[UPL], u32 (&sb)[UPL]) const {
-#pragma unroll
-        for (int k = 0; k < UPL; k++) {
-            const int u = seg0 / 32 + sub + LPR * k;
-            w[k] = load_stream(m.packed + (size_t)row * (COLS / 8) + 4 * u);
-            sb[k] = m.scale_bias[(size_t)row * (COLS / GROUP) + u / 2];
-        }
-    }
-    // This lane's part of the row's dot product; `reduce` sums the LPR parts.
-    __device__ __forceinline__ float partial(const uint4 (&w)[UPL], const u32 (&sb)[UPL]) const {
-        float acc = 0.f;
-#pragma unroll
-        for (int k = 0; k < UPL; k++) {
-            const float2 f = pair_to_float2(sb[k]);
-            acc += f.x * 16.f * (dot_q4x32_one_plus(w[k], x[k]) - xsum[k]) + f.y * xsum[k];
-        }
-        return acc;
-    }
-    __device__ __forceinline__ static float reduce(float v) {
-#pragma unroll
-        for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        return v;
-    }
+// The staged input: `x8` [part][tile][lane t][word m] uint2 (B's two registers), then a zero block; `gc`
+// [part + 1][tile] float4 {x scale of group 1, of group 2, sum(x) of group 1, of group 2}: the scale is
+// max / 127 / 128^part, the sums only in part 0, and the last row all zero (lanes t = 3 hold no part).
+template <int COLS>
+struct StagedX {
+    static constexpr int TILES = COLS / MV_TILE;
+    uint4 x8[MV_PARTS * TILES * 4 * 2 + 2];
+    float4 gc[(MV_PARTS + 1) * TILES];
 };
 
-// Rows of a 4-bit matrix times the swizzled shared vector `xs` (COLS long), for blocks of MV_THREADS threads
-// that take tiles of ROWS_PER_BLOCK rows in turn (the input is prepared once per block, not once per tile).
-// Inputs wider than MV_SEG are split over several warps whose parts meet in shared memory. `store(row, value)` is
-// called once per row, by one thread.
-#define MV_THREADS 256
-#define MV_SEG 2048
-template <int COLS>
-struct Matvec {
-    static constexpr int NSEG = COLS > MV_SEG ? COLS / MV_SEG : 1;
-    static constexpr int SEG = COLS / NSEG;
-    typedef RowDot4<SEG, COLS> Dot;
-    static constexpr int PASSES = Dot::UPL >= 2 ? 2 : 4;
-    static constexpr int GROUPS = (MV_THREADS / WARP) / NSEG;
-    static constexpr int ROWS_PER_BLOCK = GROUPS * PASSES * Dot::RPP;
-    static_assert((MV_THREADS / WARP) % NSEG == 0, "segments must divide the warps");
+__device__ __forceinline__ u32 byte_of(float v, int at) { return ((u32)(int)v & 0xffu) << (8 * at); }
 
-    // `prologue()` fills `xs` (ending with a barrier); it runs after the first tile's weights are requested, so
-    // their latency overlaps it.
+// Stage tile j of the f32 vector x (shared or global memory); one warp, a half-warp per group.
+template <int COLS>
+__device__ __forceinline__ void stage_tile(const float* x, int j, StagedX<COLS>& st) {
+    constexpr int TILES = COLS / MV_TILE;
+    const int lane = threadIdx.x % WARP;
+    const int t = 2 * (lane >> 4) + ((lane >> 3) & 1), m = (lane >> 1) & 3, b = lane & 1;
+    const float* src = x + j * MV_TILE + 32 * t + 8 * m + b;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) v[i] = src[2 * i];
+    float mx = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    float sum = (v[0] + v[1]) + (v[2] + v[3]);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    const float up = mx > 0.f ? 127.f / mx : 0.f;
+    u32 parts[MV_PARTS] = {0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float y = v[i] * up;  // |y| <= 127; each remainder is at most 1/2, times 128
+#pragma unroll
+        for (int p = 0; p < MV_PARTS; p++) {
+            const float q = rintf(y);
+            parts[p] |= byte_of(q, i);
+            y = (y - q) * 128.f;
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < MV_PARTS; p++)
+        reinterpret_cast<u32*>(st.x8)[(((p * TILES + j) * 4 + t) * 4 + m) * 2 + b] = parts[p];
+    const float mx2 = __shfl_sync(0xffffffffu, mx, 16), sum2 = __shfl_sync(0xffffffffu, sum, 16);
+    if (lane == 0) {
+        const float s1 = mx / 127.f, s2 = mx2 / 127.f;
+        st.gc[j] = make_float4(s1, s2, sum, sum2);
+        st.gc[TILES + j] = make_float4(s1 / 128.f, s2 / 128.f, 0.f, 0.f);
+        st.gc[2 * TILES + j] = make_float4(s1 / 16384.f, s2 / 16384.f, 0.f, 0.f);
+        st.gc[3 * TILES + j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (j == 0 && lane < 2) st.x8[MV_PARTS * TILES * 8 + lane] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Stage all of x with the `warps` warps numbered `warp`; the caller synchronises.
+template <int COLS>
+__device__ __forceinline__ void stage_x(const float* x, StagedX<COLS>& st, int warp, int warps) {
+    for (int j = warp; j < COLS / MV_TILE; j += warps) stage_tile<COLS>(x, j, st);
+}
+
+__device__ __forceinline__ void mma_u4s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One lane's view of a strip of 16 rows of a COLS-wide 4-bit matrix: loads tiles, and accumulates a loaded tile's
+// products for rows g and g + 8 (this lane's part of them); `row_total` then gives rows g (lane t = 0) and g + 8
+// (t = 1) whole.
+template <int COLS>
+struct StripLane {
+    static constexpr int TILES = COLS / MV_TILE;
+    struct Tile {
+        uint4 g, g8;    // rows g and g + 8, lane t's 32 inputs
+        uint2 sg, sg8;  // their (scale, bias) for the tile's two groups
+    };
+    int g, t;
+    const uint4* x;      // this lane's staged part (or the zero block)
+    int x_step;          // uint4s between tiles (0 on the zero block)
+    const float4* gc;    // this lane's part's scales and sums
+
+    __device__ __forceinline__ void init(const StagedX<COLS>& st) {
+        const int lane = threadIdx.x % WARP;
+        g = lane >> 2;
+        t = lane & 3;
+        const bool gives_x = g < 2 * MV_PARTS && (g & 1) == (t >> 1);
+        x = gives_x ? st.x8 + ((g >> 1) * TILES * 4 + t) * 2 : st.x8 + MV_PARTS * TILES * 8;
+        x_step = gives_x ? 8 : 0;
+        gc = st.gc + t * TILES;
+    }
+    // Rows `row0 + g` and `row0 + g + 8` (each clamped below `rows`), tile j.
+    __device__ __forceinline__ Tile load(Q4 m, int row0, int rows, int j) const {
+        const int rg = min(row0 + g, rows - 1), rg8 = min(row0 + g + 8, rows - 1);
+        Tile tile;
+        tile.g = load_stream(m.packed + (size_t)rg * (COLS / 8) + j * (MV_TILE / 8) + 4 * t);
+        tile.g8 = load_stream(m.packed + (size_t)rg8 * (COLS / 8) + j * (MV_TILE / 8) + 4 * t);
+        tile.sg = *reinterpret_cast<const uint2*>(m.scale_bias + (size_t)rg * (COLS / GROUP) + 2 * j);
+        tile.sg8 = *reinterpret_cast<const uint2*>(m.scale_bias + (size_t)rg8 * (COLS / GROUP) + 2 * j);
+        return tile;
+    }
+    // acc += this lane's part of tile j's products for rows g (x) and g + 8 (y).
+    __device__ __forceinline__ void dot(const Tile& tile, int j, float2& acc) const {
+        const u32 wg[4] = {tile.g.x, tile.g.y, tile.g.z, tile.g.w};
+        const u32 w8[4] = {tile.g8.x, tile.g8.y, tile.g8.z, tile.g8.w};
+        const uint4 xa = x[j * x_step], xb = x[j * x_step + 1];
+        const u32 b[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        int c[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+            mma_u4s8(c, wg[m] & 0x0F0F0F0Fu, w8[m] & 0x0F0F0F0Fu, (wg[m] >> 4) & 0x0F0F0F0Fu,
+                     (w8[m] >> 4) & 0x0F0F0F0Fu, b[2 * m], b[2 * m + 1]);
+        const float4 k = gc[j];
+        const float2 f1 = pair_to_float2(tile.sg.x), f2 = pair_to_float2(tile.sg.y);
+        const float2 h1 = pair_to_float2(tile.sg8.x), h2 = pair_to_float2(tile.sg8.y);
+        acc.x = fmaf(f1.x * k.x, (float)c[0], fmaf(f2.x * k.y, (float)c[1], fmaf(f1.y, k.z, fmaf(f2.y, k.w, acc.x))));
+        acc.y = fmaf(h1.x * k.x, (float)c[2], fmaf(h2.x * k.y, (float)c[3], fmaf(h1.y, k.z, fmaf(h2.y, k.w, acc.y))));
+    }
+    // The quad's parts summed: row g on lane t = 0, row g + 8 on lane t = 1.
+    __device__ __forceinline__ float row_total(float2 acc) const {
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
+            acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
+        }
+        return t == 0 ? acc.x : acc.y;
+    }
+    __device__ __forceinline__ bool holds_row() const { return t < 2; }
+    __device__ __forceinline__ int row() const { return g + 8 * t; }
+};
+
+// Rows of a 4-bit matrix times a vector, for blocks of MV_THREADS threads: KSPLIT warps share a strip of 16 rows
+// (each takes TILES / KSPLIT consecutive tiles), so a block takes 16 * STRIPS rows at a time, in turn over the
+// grid (the input is prepared and staged once per block). `store(row, value)` is called once per row.
+#define MV_THREADS 256
+// Warps sharing a strip: 4 for the 2048-wide matrices (two strips a block), 8 for the 4096-wide output projections
+// (one strip a block: 128 blocks for their 2048 rows).
+#define MV_KSPLIT_HIDDEN 4
+#define MV_KSPLIT_WIDE 8
+template <int COLS, int KSPLIT_WANTED>
+struct Matvec {
+    static constexpr int TILES = COLS / MV_TILE;
+    static constexpr int KSPLIT = KSPLIT_WANTED < TILES ? KSPLIT_WANTED : TILES;
+    static constexpr int TPW = TILES / KSPLIT;
+    static constexpr int WARPS = MV_THREADS / WARP;
+    static constexpr int STRIPS = WARPS / KSPLIT;
+    static constexpr int ROWS_PER_BLOCK = 16 * STRIPS;
+    static_assert(COLS % MV_TILE == 0 && TILES % KSPLIT == 0 && WARPS % KSPLIT == 0, "tiles split evenly");
+    typedef StripLane<COLS> Lane;
+    struct Shared {
+        StagedX<COLS> st;
+        float part[KSPLIT][ROWS_PER_BLOCK];
+    };
+
+    // `prologue()` prepares the input `x` (shared or global memory; a barrier at its end if shared); it runs after
+    // the first tiles' weights are requested, so their latency overlaps it.
     template <typename Prologue, typename Store>
-    __device__ __forceinline__ static void run(const float* xs, Q4 m, int rows, float* acc_smem, Prologue prologue,
+    __device__ __forceinline__ static void run(Shared& sh, const float* x, Q4 m, int rows, Prologue prologue,
                                                Store store) {
         const int warp = threadIdx.x / WARP;
-        const int seg = warp % NSEG, group = warp / NSEG;
-        Dot d;
-        d.init(seg * SEG);
-        const int base = group * PASSES * Dot::RPP;
-        uint4 w[PASSES][Dot::UPL];
-        u32 sb[PASSES][Dot::UPL];
-        auto load_tile = [&](int first_row) {
+        const int strip = warp / KSPLIT, kpart = warp % KSPLIT;
+        Lane lane;
+        lane.init(sh.st);
+        typename Lane::Tile tiles[TPW];
+        auto load = [&](int first_row) {
 #pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int row = min(first_row + base + p * Dot::RPP + d.row_in_pass(), rows - 1);
-                d.load_row(m, row, w[p], sb[p]);
-            }
+            for (int i = 0; i < TPW; i++) tiles[i] = lane.load(m, first_row + 16 * strip, rows, kpart * TPW + i);
         };
         int first_row = blockIdx.x * ROWS_PER_BLOCK;
-        if (first_row < rows) load_tile(first_row);
+        if (first_row < rows) load(first_row);
         prologue();
-        d.load_x(xs);
+        stage_x<COLS>(x, sh.st, warp, WARPS);
+        __syncthreads();
         for (; first_row < rows; first_row += gridDim.x * ROWS_PER_BLOCK) {
-            if (first_row != blockIdx.x * ROWS_PER_BLOCK) load_tile(first_row);
-            if (NSEG > 1) {
-                for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += blockDim.x) acc_smem[i] = 0.f;
-                __syncthreads();
-            }
+            float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
-            for (int p = 0; p < PASSES; p++) {
-                const int local = base + p * Dot::RPP + d.row_in_pass();
-                const float v = Dot::reduce(d.partial(w[p], sb[p]));
-                if (d.sub == 0 && first_row + local < rows) {
-                    if (NSEG > 1) atomicAdd(&acc_smem[local], v);
-                    else store(first_row + local, v);
-                }
+            for (int i = 0; i < TPW; i++) lane.dot(tiles[i], kpart * TPW + i, acc);
+            const float v = lane.row_total(acc);
+            const int next = first_row + gridDim.x * ROWS_PER_BLOCK;
+            if (next < rows) load(next);
+            if (lane.holds_row()) sh.part[kpart][16 * strip + lane.row()] = v;
+            __syncthreads();
+            for (int r = threadIdx.x; r < ROWS_PER_BLOCK; r += MV_THREADS) {
+                float s = 0.f;
+#pragma unroll
+                for (int k = 0; k < KSPLIT; k++) s += sh.part[k][r];
+                if (first_row + r < rows) store(first_row + r, s);
             }
-            if (NSEG > 1) {
-                __syncthreads();
-                for (int i = threadIdx.x; i < ROWS_PER_BLOCK; i += blockDim.x)
-                    if (first_row + i < rows) store(first_row + i, acc_smem[i]);
-                __syncthreads();
-            }
+            __syncthreads();
         }
     }
 };
@@ -232,8 +290,8 @@ struct Matvec {
 // element at a time waits out the cache latency once per element.
 
 // xs = hidden * rsqrt(mean(hidden^2) + eps) * norm (zero-centred RMSNorm, scale stored as 1 + w), written
-// swizzled (or plain) into shared memory by a block of THREADS threads. Ends with a barrier.
-template <int N, int THREADS, bool SWIZZLE>
+// into shared memory by a block of THREADS threads. Ends with a barrier.
+template <int N, int THREADS>
 __device__ __forceinline__ void rmsnorm_to_shared(const float* hidden, const float* norm, float* xs, float* scratch) {
     constexpr int PER = (N + THREADS - 1) / THREADS;
     float h[PER], w[PER];
@@ -250,14 +308,14 @@ __device__ __forceinline__ void rmsnorm_to_shared(const float* hidden, const flo
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         const int c = threadIdx.x + i * THREADS;
-        if (c < N) xs[SWIZZLE ? swz(c) : c] = h[i] * inv * w[i];
+        if (c < N) xs[c] = h[i] * inv * w[i];
     }
     __syncthreads();
 }
 
-// xs[swz(c)] = src[c] for c < N, by the THREADS threads numbered `index` (a block, or a warp's lanes).
+// xs[c] = src[c] for c < N, by the THREADS threads numbered `index` (a block, or a warp's lanes).
 template <int N, int THREADS>
-__device__ __forceinline__ void copy_to_shared_swizzled(const float* src, float* xs, int index) {
+__device__ __forceinline__ void copy_to_shared(const float* src, float* xs, int index) {
     constexpr int PER = (N + THREADS - 1) / THREADS;
     float v[PER];
 #pragma unroll
@@ -268,7 +326,7 @@ __device__ __forceinline__ void copy_to_shared_swizzled(const float* src, float*
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         const int c = index + i * THREADS;
-        if (c < N) xs[swz(c)] = v[i];
+        if (c < N) xs[c] = v[i];
     }
 }
 

@@ -14,21 +14,21 @@ extern "C" __global__ void embed(const int* position, const int* tokens, Q4 tabl
 // out[r] = W[r] . rmsnorm(hidden) for r < rows (the mixers' input projections, concatenated).
 extern "C" __global__ void __launch_bounds__(MV_THREADS) proj_normed(const float* hidden, const float* norm, Q4 w,
                                                                      float* out, int rows) {
-    typedef Matvec<HIDDEN> M;
+    typedef Matvec<HIDDEN, MV_KSPLIT_HIDDEN> M;
     __shared__ float xs[HIDDEN];
-    __shared__ float acc[M::ROWS_PER_BLOCK];
+    __shared__ typename M::Shared sh;
     __shared__ float scratch[32];
-    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS, true>(hidden, norm, xs, scratch); };
-    M::run(xs, w, rows, acc, prologue, [&](int r, float v) { out[r] = v; });
+    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch); };
+    M::run(sh, xs, w, rows, prologue, [&](int r, float v) { out[r] = v; });
 }
 
 // hidden[r] += W[r] . gated_norm(core, z): the Gated DeltaNet's output projection. Per value head,
 // gated_norm = norm_w * rmsnorm(o) * silu(z).
 extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_gdn(const float* core, const float* z,
                                                                       const float* norm_w, Q4 w, float* hidden) {
-    typedef Matvec<LIN_V_DIM> M;
+    typedef Matvec<LIN_V_DIM, MV_KSPLIT_WIDE> M;
     __shared__ float xs[LIN_V_DIM];
-    __shared__ float acc[M::ROWS_PER_BLOCK];
+    __shared__ typename M::Shared sh;
     auto prologue = [&]() {
         constexpr int WARPS = MV_THREADS / WARP;
         constexpr int HEADS = (LIN_V_HEADS + WARPS - 1) / WARPS, PER = LIN_HEAD_DIM / WARP;
@@ -57,25 +57,20 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_gdn(const floa
 #pragma unroll
                 for (int i = 0; i < PER; i++) {
                     const int c = head * LIN_HEAD_DIM + lane + i * WARP;
-                    xs[swz(c)] = o[k][i] * (inv * nw[i]) * siluf_(zv[k][i]);
+                    xs[c] = o[k][i] * (inv * nw[i]) * siluf_(zv[k][i]);
                 }
             }
         }
         __syncthreads();
     };
-    M::run(xs, w, HIDDEN, acc, prologue, [&](int r, float v) { hidden[r] += v; });
+    M::run(sh, xs, w, HIDDEN, prologue, [&](int r, float v) { hidden[r] += v; });
 }
 
 // hidden[r] += W[r] . attn: the full attention's output projection (attn already gated).
 extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_attn(const float* attn, Q4 w, float* hidden) {
-    typedef Matvec<Q_DIM> M;
-    __shared__ float xs[Q_DIM];
-    __shared__ float acc[M::ROWS_PER_BLOCK];
-    auto prologue = [&]() {
-        copy_to_shared_swizzled<Q_DIM, MV_THREADS>(attn, xs, threadIdx.x);
-        __syncthreads();
-    };
-    M::run(xs, w, HIDDEN, acc, prologue, [&](int r, float v) { hidden[r] += v; });
+    typedef Matvec<Q_DIM, MV_KSPLIT_WIDE> M;
+    __shared__ typename M::Shared sh;
+    M::run(sh, attn, w, HIDDEN, [] {}, [&](int r, float v) { hidden[r] += v; });
 }
 
 extern "C" __global__ void advance_position(int* position) {
@@ -83,6 +78,6 @@ extern "C" __global__ void advance_position(int* position) {
 }
 
 // Rows a block of each matrix-vector kernel takes at once; the host sizes grids with them.
-extern "C" __device__ const int rows_per_block_hidden = Matvec<HIDDEN>::ROWS_PER_BLOCK;
-extern "C" __device__ const int rows_per_block_lin_v = Matvec<LIN_V_DIM>::ROWS_PER_BLOCK;
-extern "C" __device__ const int rows_per_block_q = Matvec<Q_DIM>::ROWS_PER_BLOCK;
+extern "C" __device__ const int rows_per_block_hidden = Matvec<HIDDEN, MV_KSPLIT_HIDDEN>::ROWS_PER_BLOCK;
+extern "C" __device__ const int rows_per_block_lin_v = Matvec<LIN_V_DIM, MV_KSPLIT_WIDE>::ROWS_PER_BLOCK;
+extern "C" __device__ const int rows_per_block_q = Matvec<Q_DIM, MV_KSPLIT_WIDE>::ROWS_PER_BLOCK;

@@ -5,17 +5,17 @@
 extern "C" __global__ void __launch_bounds__(MV_THREADS) lm_head(const float* hidden, const float* norm, Q4 w,
                                                                  float* logits, float* block_best, int* block_arg,
                                                                  unsigned* blocks_done, int* next_token) {
-    typedef Matvec<HIDDEN> M;
+    typedef Matvec<HIDDEN, MV_KSPLIT_HIDDEN> M;
     __shared__ float xs[HIDDEN];
-    __shared__ float acc[M::ROWS_PER_BLOCK];
+    __shared__ typename M::Shared sh;
     __shared__ float scratch[32];
     __shared__ float warp_best[MV_THREADS / WARP];
     __shared__ int warp_arg[MV_THREADS / WARP];
     __shared__ bool is_last;
-    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS, true>(hidden, norm, xs, scratch); };
+    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch); };
     float best = -INF_F;
     int arg = 0x7fffffff;
-    M::run(xs, w, VOCAB, acc, prologue, [&](int r, float v) {
+    M::run(sh, xs, w, VOCAB, prologue, [&](int r, float v) {
         logits[r] = v;
         if (v > best || (v == best && r < arg)) best = v, arg = r;
     });
