@@ -75,6 +75,16 @@ __device__ __forceinline__ float byte_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFFu)) - 8388608.f;
 }
 
+// Programmatic dependent launch (the decode step's kernels are launched with it): a kernel lets the next one
+// start at once, so the next one's launch and its weight loads (which depend on nothing) overlap this one's work;
+// each kernel waits for the previous one's results before it reads them or writes anything.
+__device__ __forceinline__ void allow_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void begin_dependent() {
+    allow_next();
+    wait_previous();
+}
+
 // ---- 4-bit matrix-vector products on the tensor cores (the decode step's weights) ----
 // Decode uses each weight once, so a product costs what turning a weight into a multiplication costs. Here a
 // word of 8 weights becomes two registers of 4 bytes (a mask; a shift and a mask), and integer mma.sync
@@ -248,7 +258,8 @@ struct Matvec {
     };
 
     // `prologue()` prepares the input `x` (shared or global memory; a barrier at its end if shared); it runs after
-    // the first tiles' weights are requested, so their latency overlaps it.
+    // the first tiles' weights are requested (before the wait for the previous kernel), so their latency overlaps
+    // it.
     template <typename Prologue, typename Store>
     __device__ __forceinline__ static void run(Shared& sh, const float* x, Q4 m, int rows, Prologue prologue,
                                                Store store) {
@@ -261,8 +272,10 @@ struct Matvec {
 #pragma unroll
             for (int i = 0; i < TPW; i++) tiles[i] = lane.load(m, first_row + 16 * strip, rows, kpart * TPW + i);
         };
+        allow_next();
         int first_row = blockIdx.x * ROWS_PER_BLOCK;
         if (first_row < rows) load(first_row);
+        wait_previous();
         prologue();
         stage_x<COLS>(x, sh.st, warp, WARPS);
         __syncthreads();

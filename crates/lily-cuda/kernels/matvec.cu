@@ -3,6 +3,7 @@
 
 // hidden = dequantized row `tokens[position]` of the embedding.
 extern "C" __global__ void embed(const int* position, const int* tokens, Q4 table, float* hidden) {
+    begin_dependent();
     const int token = tokens[*position];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < HIDDEN; c += gridDim.x * blockDim.x) {
         const u32 word = table.packed[(size_t)token * (HIDDEN / 8) + c / 8];
@@ -74,6 +75,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_attn(const flo
 }
 
 extern "C" __global__ void advance_position(int* position) {
+    begin_dependent();
     *position += 1;
 }
 

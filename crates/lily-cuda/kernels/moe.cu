@@ -16,6 +16,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) router(const float* hid
     __shared__ float scratch[32];
     const int lane = threadIdx.x % WARP;
     const int row = min(blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP, NUM_EXPERTS);
+    allow_next();
     uint4 qs[PER_LANE];
     u32 sbs[PER_LANE];
 #pragma unroll
@@ -24,6 +25,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) router(const float* hid
         qs[k] = load_stream(w.packed + (size_t)row * (HIDDEN / 4) + 4 * u);
         sbs[k] = w.scale_bias[(size_t)row * (HIDDEN / GROUP) + u / 4];
     }
+    wait_previous();
     rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch);
     if (blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP > NUM_EXPERTS) return;
     float acc = 0.f;
@@ -61,6 +63,7 @@ static_assert(MOE_INTER % GATE_UP_PAIRS == 0, "a block's pairs lie in one slot")
 extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
     const float* hidden, const float* norm, const float* logits, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
     float* act, int* route_ids, float* route_w) {
+    begin_dependent();
     typedef StripLane<HIDDEN> Lane;
     constexpr int KSPLIT = GateUpShape::KSPLIT, TPW = GateUpShape::TPW;
     __shared__ float xs[HIDDEN];
@@ -116,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
 extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const float* act, const int* route_ids,
                                                                        const float* route_w, Q4 down,
                                                                        Q4 shared_down, float* hidden) {
+    begin_dependent();
     typedef StripLane<MOE_INTER> Lane;
     constexpr int TILES = MOE_INTER / MV_TILE;
     __shared__ StagedX<MOE_INTER> st[SLOTS];

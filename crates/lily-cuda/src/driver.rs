@@ -217,6 +217,29 @@ impl Gpu {
         })
     }
 
+    /// Like `launch_shared`, with programmatic dependent launch allowed: the kernel may start before the previous
+    /// kernel on the stream ends, so it must wait (`griddepcontrol.wait`) before it reads that kernel's results or
+    /// writes anything.
+    pub fn launch_dependent(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, shared: u32, args: &mut Args) -> Result<()> {
+        let mut params = args.pointers();
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        check("cuLaunchKernelEx", unsafe { sys::cuLaunchKernelEx(&config, kernel.0, params.as_mut_ptr(), std::ptr::null_mut()) })
+    }
+
     /// Records what `enqueue` queues on the stream as a graph, ready to replay.
     pub fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Graph> {
         check("cuStreamBeginCapture", unsafe {

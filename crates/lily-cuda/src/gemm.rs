@@ -187,7 +187,7 @@ fn tile_heights(m: usize) -> &'static [usize] {
 /// `lily selftest`'s checks of every product kernel (both tile heights where m allows) against qmatmul.
 pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, report: &mut Report) -> Result<()> {
     let mut rng = Rng::new(seed ^ 0x9e33);
-    let mut l = Launcher { gpu, kernels, profile: None };
+    let mut l = Launcher { gpu, kernels, profile: None, dependent: false };
     let (h, inter, experts) = (config.hidden_size, config.moe_intermediate_size, config.num_experts);
 
     // Dense products: odd and even n, partial tiles in m and n, k steps fewer than the pipeline's stages and not

@@ -32,6 +32,8 @@ pub struct Launcher<'a> {
     pub gpu: &'a Gpu,
     pub kernels: &'a Kernels,
     pub profile: Option<&'a mut Profile>,
+    /// Programmatic dependent launch: only for kernels that wait for their predecessor (the decode step's).
+    pub dependent: bool,
 }
 
 impl Launcher<'_> {
@@ -39,12 +41,17 @@ impl Launcher<'_> {
     pub fn launch(&mut self, name: &'static str, grid: (u32, u32, u32), block: u32, shared: u32, args: Args) -> Result<()> {
         let mut args = args;
         let kernel = self.kernels.get(name);
+        let (gpu, dependent) = (self.gpu, self.dependent);
+        let launch = |args: &mut Args| match dependent {
+            true => gpu.launch_dependent(kernel, grid, block, shared, args),
+            false => gpu.launch_shared(kernel, grid, block, shared, args),
+        };
         match self.profile.as_deref_mut() {
-            None => self.gpu.launch_shared(kernel, grid, block, shared, &mut args),
+            None => launch(&mut args),
             Some(p) => {
                 let (start, end) = (self.gpu.event()?, self.gpu.event()?);
                 self.gpu.record(&start)?;
-                self.gpu.launch_shared(kernel, grid, block, shared, &mut args)?;
+                launch(&mut args)?;
                 self.gpu.record(&end)?;
                 p.pending.push((name, start, end));
                 Ok(())

@@ -179,12 +179,13 @@ impl CudaModel {
         Ok(CudaModel { gpu, kernels, config, weights, state, max_context, grids, slot, prefill, prefill_chunk: chunk })
     }
 
+    /// Launches a kernel of the decode step (each waits for its predecessor, so it may start early).
     fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: Args, profile: &mut Option<&mut Profile>) -> Result<()> {
-        self.launcher(profile.as_deref_mut()).launch(name, grid, block, 0, args)
+        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile: profile.as_deref_mut(), dependent: true }.launch(name, grid, block, 0, args)
     }
 
     pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
-        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile }
+        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile, dependent: false }
     }
 
     /// The decode step through the layers, in order, for the token `tokens[position]`, ending with the position's

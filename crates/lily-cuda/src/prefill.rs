@@ -175,7 +175,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
     let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let mut rng = Rng::new(seed ^ 0x9ef111);
     let t = 301;
-    let mut l = Launcher { gpu, kernels, profile: None };
+    let mut l = Launcher { gpu, kernels, profile: None, dependent: false };
     let s = PrefillScratch::new(gpu, kernels, c, t)?;
 
     // Embedding rows.

@@ -196,7 +196,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let k_cache = gpu.alloc(max_len * kv_dim * 2)?;
     let v_cache = gpu.alloc(max_len * kv_dim * 2)?;
     let out_buf = gpu.alloc(max_tokens * q_dim * 2)?;
-    let mut launcher = Launcher { gpu, kernels, profile: None };
+    let mut launcher = Launcher { gpu, kernels, profile: None, dependent: false };
 
     for (t, start) in cases {
         let len = start + t;

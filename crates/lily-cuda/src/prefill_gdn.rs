@@ -236,7 +236,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         norm: upload(gpu, &w.norm)?,
         out_proj: unused()?,
     };
-    let mut launcher = Launcher { gpu, kernels, profile: None };
+    let mut launcher = Launcher { gpu, kernels, profile: None, dependent: false };
     let max_tokens = 700;
     let scratch = GdnScratch::new(gpu, c, max_tokens)?;
     let proj_buf = gpu.alloc(max_tokens * p * 4)?;
