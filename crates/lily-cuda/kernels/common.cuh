@@ -114,28 +114,54 @@ struct StagedX {
 
 __device__ __forceinline__ u32 byte_of(float v, int at) { return ((u32)(int)v & 0xffu) << (8 * at); }
 
-// Stage tile j of the f32 vector x (shared or global memory); one warp, a half-warp per group.
-template <int COLS>
-__device__ __forceinline__ void stage_tile(const float* x, int j, StagedX<COLS>& st) {
+// What a matrix-vector product's input is made of: `input(k)` gives element k and what it adds to a norm's sum of
+// squares (the norms' scalars are applied after the products: W (a x) = a (W x)).
+struct PlainInput {
+    const float* x;
+    __device__ __forceinline__ float2 operator()(int k) const { return make_float2(x[k], 0.f); }
+};
+// hidden * norm, hidden^2: an RMSNorm's input before its 1 / rms (`rms_inv` of the block's sum).
+struct NormedInput {
+    const float* hidden;
+    const float* norm;
+    __device__ __forceinline__ float2 operator()(int k) const {
+        const float h = hidden[k];
+        return make_float2(h * norm[k], h * h);
+    }
+};
+__device__ __forceinline__ float rms_inv(float sum_sq, int n) { return 1.f / sqrtf(sum_sq / n + RMS_EPS); }
+// A scale applied to a whole tile from its sum of squares (a per-head norm over the tile's 128 inputs), or none.
+struct NoTileScale {
+    __device__ __forceinline__ float operator()(float) const { return 1.f; }
+};
+
+// Lane's inputs of tile j: elements k0 + 2i, i < 4 (a half-warp per group; lanes follow B's layout).
+__device__ __forceinline__ int stage_first_input(int j) {
+    const int lane = threadIdx.x % WARP;
+    const int t = 2 * (lane >> 4) + ((lane >> 3) & 1), m = (lane >> 1) & 3, b = lane & 1;
+    return j * MV_TILE + 32 * t + 8 * m + b;
+}
+
+// Stage tile j from this lane's loaded inputs `e` (value, square); one warp. Returns the tile's sum of squares.
+template <int COLS, typename TileScale>
+__device__ __forceinline__ float stage_tile(const float2 (&e)[4], const TileScale& tile_scale, int j,
+                                            StagedX<COLS>& st) {
     constexpr int TILES = COLS / MV_TILE;
     const int lane = threadIdx.x % WARP;
     const int t = 2 * (lane >> 4) + ((lane >> 3) & 1), m = (lane >> 1) & 3, b = lane & 1;
-    const float* src = x + j * MV_TILE + 32 * t + 8 * m + b;
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) v[i] = src[2 * i];
-    float mx = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    float sum = (v[0] + v[1]) + (v[2] + v[3]);
+    float mx = fmaxf(fmaxf(fabsf(e[0].x), fabsf(e[1].x)), fmaxf(fabsf(e[2].x), fabsf(e[3].x)));
+    float sum = (e[0].x + e[1].x) + (e[2].x + e[3].x);
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
     }
+    const float sq = warp_sum((e[0].y + e[1].y) + (e[2].y + e[3].y));
     const float up = mx > 0.f ? 127.f / mx : 0.f;
     u32 parts[MV_PARTS] = {0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        float y = v[i] * up;  // |y| <= 127; each remainder is at most 1/2, times 128
+        float y = e[i].x * up;  // |y| <= 127; each remainder is at most 1/2, times 128
 #pragma unroll
         for (int p = 0; p < MV_PARTS; p++) {
             const float q = rintf(y);
@@ -148,19 +174,35 @@ __device__ __forceinline__ void stage_tile(const float* x, int j, StagedX<COLS>&
         reinterpret_cast<u32*>(st.x8)[(((p * TILES + j) * 4 + t) * 4 + m) * 2 + b] = parts[p];
     const float mx2 = __shfl_sync(0xffffffffu, mx, 16), sum2 = __shfl_sync(0xffffffffu, sum, 16);
     if (lane == 0) {
-        const float s1 = mx / 127.f, s2 = mx2 / 127.f;
-        st.gc[j] = make_float4(s1, s2, sum, sum2);
+        const float ts = tile_scale(sq);
+        const float s1 = mx / 127.f * ts, s2 = mx2 / 127.f * ts;
+        st.gc[j] = make_float4(s1, s2, sum * ts, sum2 * ts);
         st.gc[TILES + j] = make_float4(s1 / 128.f, s2 / 128.f, 0.f, 0.f);
         st.gc[2 * TILES + j] = make_float4(s1 / 16384.f, s2 / 16384.f, 0.f, 0.f);
         st.gc[3 * TILES + j] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (j == 0 && lane < 2) st.x8[MV_PARTS * TILES * 8 + lane] = make_uint4(0u, 0u, 0u, 0u);
+    return sq;
 }
 
-// Stage all of x with the `warps` warps numbered `warp`; the caller synchronises.
-template <int COLS>
-__device__ __forceinline__ void stage_x(const float* x, StagedX<COLS>& st, int warp, int warps) {
-    for (int j = warp; j < COLS / MV_TILE; j += warps) stage_tile<COLS>(x, j, st);
+// Stage all of the input: warp `warp` of WARPS takes tiles warp, warp + WARPS, ..., issuing all its loads before
+// the first use; the caller synchronises. Returns the sum of squares of this warp's tiles.
+template <int COLS, int WARPS, typename Input, typename TileScale = NoTileScale>
+__device__ __forceinline__ float stage_x(const Input& input, StagedX<COLS>& st, int warp,
+                                         const TileScale& tile_scale = TileScale()) {
+    constexpr int TILES = COLS / MV_TILE, PER = (TILES + WARPS - 1) / WARPS;
+    float2 e[PER][4];
+#pragma unroll
+    for (int p = 0; p < PER; p++) {
+        const int j = warp + p * WARPS, k0 = stage_first_input(j);
+#pragma unroll
+        for (int i = 0; i < 4; i++) e[p][i] = j < TILES ? input(k0 + 2 * i) : make_float2(0.f, 0.f);
+    }
+    float sq = 0.f;
+#pragma unroll
+    for (int p = 0; p < PER; p++)
+        if (warp + p * WARPS < TILES) sq += stage_tile<COLS>(e[p], tile_scale, warp + p * WARPS, st);
+    return sq;
 }
 
 __device__ __forceinline__ void mma_u4s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -236,7 +278,7 @@ struct StripLane {
 
 // Rows of a 4-bit matrix times a vector, for blocks of MV_THREADS threads: KSPLIT warps share a strip of 16 rows
 // (each takes TILES / KSPLIT consecutive tiles), so a block takes 16 * STRIPS rows at a time, in turn over the
-// grid (the input is prepared and staged once per block). `store(row, value)` is called once per row.
+// grid (the input is staged once per block). `store` is called once per row.
 #define MV_THREADS 256
 // Warps sharing a strip: 4 for the 2048-wide matrices (two strips a block), 8 for the 4096-wide output projections
 // (one strip a block: 128 blocks for their 2048 rows).
@@ -255,14 +297,14 @@ struct Matvec {
     struct Shared {
         StagedX<COLS> st;
         float part[KSPLIT][ROWS_PER_BLOCK];
+        float sum_sq[WARPS];
     };
 
-    // `prologue()` prepares the input `x` (shared or global memory; a barrier at its end if shared); it runs after
-    // the first tiles' weights are requested (before the wait for the previous kernel), so their latency overlaps
-    // it.
-    template <typename Prologue, typename Store>
-    __device__ __forceinline__ static void run(Shared& sh, const float* x, Q4 m, int rows, Prologue prologue,
-                                               Store store) {
+    // `stage(st, warp)` stages the input (`stage_x` over the block's warps) after the wait for the previous kernel, while the
+    // first tiles' weights (requested before the wait) are on their way; `store(row, value, sum_sq)` gets the
+    // block's sum of squares for a norm applied after the products.
+    template <typename Stage, typename Store>
+    __device__ __forceinline__ static void run(Shared& sh, Q4 m, int rows, Stage stage, Store store) {
         const int warp = threadIdx.x / WARP;
         const int strip = warp / KSPLIT, kpart = warp % KSPLIT;
         Lane lane;
@@ -276,9 +318,12 @@ struct Matvec {
         int first_row = blockIdx.x * ROWS_PER_BLOCK;
         if (first_row < rows) load(first_row);
         wait_previous();
-        prologue();
-        stage_x<COLS>(x, sh.st, warp, WARPS);
+        const float sq = stage(sh.st, warp);
+        if (threadIdx.x % WARP == 0) sh.sum_sq[warp] = sq;
         __syncthreads();
+        float sum_sq = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) sum_sq += sh.sum_sq[w];
         for (; first_row < rows; first_row += gridDim.x * ROWS_PER_BLOCK) {
             float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
@@ -292,7 +337,7 @@ struct Matvec {
                 float s = 0.f;
 #pragma unroll
                 for (int k = 0; k < KSPLIT; k++) s += sh.part[k][r];
-                if (first_row + r < rows) store(first_row + r, s);
+                if (first_row + r < rows) store(first_row + r, s, sum_sq);
             }
             __syncthreads();
         }
@@ -324,23 +369,6 @@ __device__ __forceinline__ void rmsnorm_to_shared(const float* hidden, const flo
         if (c < N) xs[c] = h[i] * inv * w[i];
     }
     __syncthreads();
-}
-
-// xs[c] = src[c] for c < N, by the THREADS threads numbered `index` (a block, or a warp's lanes).
-template <int N, int THREADS>
-__device__ __forceinline__ void copy_to_shared(const float* src, float* xs, int index) {
-    constexpr int PER = (N + THREADS - 1) / THREADS;
-    float v[PER];
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int c = index + i * THREADS;
-        v[i] = c < N ? src[c] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int c = index + i * THREADS;
-        if (c < N) xs[c] = v[i];
-    }
 }
 
 // Counter-based random numbers, the twin of lily_model::rng (synthetic weights and sampling draw the same

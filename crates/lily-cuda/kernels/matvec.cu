@@ -13,65 +13,45 @@ extern "C" __global__ void embed(const int* position, const int* tokens, Q4 tabl
 }
 
 // out[r] = W[r] . rmsnorm(hidden) for r < rows (the mixers' input projections, concatenated).
-extern "C" __global__ void __launch_bounds__(MV_THREADS) proj_normed(const float* hidden, const float* norm, Q4 w,
+extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) proj_normed(const float* hidden, const float* norm, Q4 w,
                                                                      float* out, int rows) {
     typedef Matvec<HIDDEN, MV_KSPLIT_HIDDEN> M;
-    __shared__ float xs[HIDDEN];
     __shared__ typename M::Shared sh;
-    __shared__ float scratch[32];
-    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch); };
-    M::run(sh, xs, w, rows, prologue, [&](int r, float v) { out[r] = v; });
+    auto stage = [&](StagedX<HIDDEN>& st, int warp) { return stage_x<HIDDEN, M::WARPS>(NormedInput{hidden, norm}, st, warp); };
+    M::run(sh, w, rows, stage, [&](int r, float v, float sum_sq) { out[r] = v * rms_inv(sum_sq, HIDDEN); });
 }
 
 // hidden[r] += W[r] . gated_norm(core, z): the Gated DeltaNet's output projection. Per value head,
-// gated_norm = norm_w * rmsnorm(o) * silu(z).
+// gated_norm = norm_w * rmsnorm(o) * silu(z); a head is one tile, so its 1 / rms scales that tile's staging.
+static_assert(LIN_HEAD_DIM == MV_TILE, "a value head is one tile of the staged input");
+struct GatedNormInput {
+    const float* core;
+    const float* z;
+    const float* norm_w;
+    __device__ __forceinline__ float2 operator()(int k) const {
+        const float o = core[k];
+        return make_float2(o * norm_w[k % LIN_HEAD_DIM] * siluf_(z[k]), o * o);
+    }
+};
+struct HeadRmsScale {
+    __device__ __forceinline__ float operator()(float sum_sq) const { return rms_inv(sum_sq, LIN_HEAD_DIM); }
+};
 extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_gdn(const float* core, const float* z,
                                                                       const float* norm_w, Q4 w, float* hidden) {
     typedef Matvec<LIN_V_DIM, MV_KSPLIT_WIDE> M;
-    __shared__ float xs[LIN_V_DIM];
     __shared__ typename M::Shared sh;
-    auto prologue = [&]() {
-        constexpr int WARPS = MV_THREADS / WARP;
-        constexpr int HEADS = (LIN_V_HEADS + WARPS - 1) / WARPS, PER = LIN_HEAD_DIM / WARP;
-        const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-        float o[HEADS][PER], zv[HEADS][PER], nw[PER];
-#pragma unroll
-        for (int i = 0; i < PER; i++) nw[i] = norm_w[lane + i * WARP];
-#pragma unroll
-        for (int k = 0; k < HEADS; k++) {
-            const int head = min(warp + k * WARPS, LIN_V_HEADS - 1);
-#pragma unroll
-            for (int i = 0; i < PER; i++) {
-                const int c = head * LIN_HEAD_DIM + lane + i * WARP;
-                o[k][i] = core[c];
-                zv[k][i] = z[c];
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < HEADS; k++) {
-            const int head = warp + k * WARPS;
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < PER; i++) s += o[k][i] * o[k][i];
-            const float inv = 1.f / sqrtf(warp_sum(s) / LIN_HEAD_DIM + RMS_EPS);
-            if (head < LIN_V_HEADS) {
-#pragma unroll
-                for (int i = 0; i < PER; i++) {
-                    const int c = head * LIN_HEAD_DIM + lane + i * WARP;
-                    xs[c] = o[k][i] * (inv * nw[i]) * siluf_(zv[k][i]);
-                }
-            }
-        }
-        __syncthreads();
+    auto stage = [&](StagedX<LIN_V_DIM>& st, int warp) {
+        return stage_x<LIN_V_DIM, M::WARPS>(GatedNormInput{core, z, norm_w}, st, warp, HeadRmsScale());
     };
-    M::run(sh, xs, w, HIDDEN, prologue, [&](int r, float v) { hidden[r] += v; });
+    M::run(sh, w, HIDDEN, stage, [&](int r, float v, float) { hidden[r] += v; });
 }
 
 // hidden[r] += W[r] . attn: the full attention's output projection (attn already gated).
 extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_attn(const float* attn, Q4 w, float* hidden) {
     typedef Matvec<Q_DIM, MV_KSPLIT_WIDE> M;
     __shared__ typename M::Shared sh;
-    M::run(sh, attn, w, HIDDEN, [] {}, [&](int r, float v) { hidden[r] += v; });
+    auto stage = [&](StagedX<Q_DIM>& st, int warp) { return stage_x<Q_DIM, M::WARPS>(PlainInput{attn}, st, warp); };
+    M::run(sh, w, HIDDEN, stage, [&](int r, float v, float) { hidden[r] += v; });
 }
 
 extern "C" __global__ void advance_position(int* position) {

@@ -66,19 +66,25 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
     begin_dependent();
     typedef StripLane<HIDDEN> Lane;
     constexpr int KSPLIT = GateUpShape::KSPLIT, TPW = GateUpShape::TPW;
-    __shared__ float xs[HIDDEN];
     __shared__ StagedX<HIDDEN> st;
     __shared__ float part_gate[KSPLIT][GATE_UP_PAIRS], part_up[KSPLIT][GATE_UP_PAIRS];
-    __shared__ float scratch[32];
+    __shared__ float sum_sq[MV_THREADS / WARP];
     __shared__ int ids[TOP_K];
     __shared__ float weights[TOP_K];
-    if (threadIdx.x < WARP) route(logits, ids, weights);
-    rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch);
+    const int warp = threadIdx.x / WARP, strip = warp / KSPLIT, kpart = warp % KSPLIT;
+    // Warp 0 routes while the others stage the normed input (its 1 / rms applied after the products).
+    if (warp == 0) {
+        route(logits, ids, weights);
+        if (threadIdx.x == 0) sum_sq[0] = 0.f;
+    } else {
+        const float sq = stage_x<HIDDEN, MV_THREADS / WARP - 1>(NormedInput{hidden, norm}, st, warp - 1);
+        if (threadIdx.x % WARP == 0) sum_sq[warp] = sq;
+    }
+    __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x < SLOTS) {
         if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = weights[threadIdx.x];
         else route_w[TOP_K] = sigmoidf_(logits[NUM_EXPERTS]);
     }
-    const int warp = threadIdx.x / WARP, strip = warp / KSPLIT, kpart = warp % KSPLIT;
     const int pair0 = blockIdx.x * GATE_UP_PAIRS, slot = pair0 / MOE_INTER;
     const int i0 = pair0 % MOE_INTER + 16 * strip;
     const bool routed = slot < TOP_K;
@@ -92,15 +98,17 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
         tg[i] = lane.load(mg, row0, 1 << 30, kpart * TPW + i);
         tu[i] = lane.load(mu, row0, 1 << 30, kpart * TPW + i);
     }
-    stage_x<HIDDEN>(xs, st, warp, MV_THREADS / WARP);
-    __syncthreads();
+    float ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < MV_THREADS / WARP; w++) ss += sum_sq[w];
+    const float inv = rms_inv(ss, HIDDEN);
     float2 ag = make_float2(0.f, 0.f), au = make_float2(0.f, 0.f);
 #pragma unroll
     for (int i = 0; i < TPW; i++) {
         lane.dot(tg[i], kpart * TPW + i, ag);
         lane.dot(tu[i], kpart * TPW + i, au);
     }
-    const float vg = lane.row_total(ag), vu = lane.row_total(au);
+    const float vg = lane.row_total(ag) * inv, vu = lane.row_total(au) * inv;
     if (lane.holds_row()) {
         part_gate[kpart][16 * strip + lane.row()] = vg;
         part_up[kpart][16 * strip + lane.row()] = vu;
@@ -133,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
     typename Lane::Tile tiles[TILES];
 #pragma unroll
     for (int j = 0; j < TILES; j++) tiles[j] = lane.load(m, row0, 1 << 30, j);
-    stage_x<MOE_INTER>(act + slot * MOE_INTER, st[slot], 0, 1);
+    stage_x<MOE_INTER, 1>(PlainInput{act + slot * MOE_INTER}, st[slot], 0);
     __syncwarp();
     float2 acc = make_float2(0.f, 0.f);
 #pragma unroll

@@ -2,20 +2,19 @@
 // overall best), and the sampler for temperature / top-k / top-p / min-p.
 
 // logits = lm_head . rmsnorm(hidden); next_token = argmax (lowest index among equals).
-extern "C" __global__ void __launch_bounds__(MV_THREADS) lm_head(const float* hidden, const float* norm, Q4 w,
+extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float* hidden, const float* norm, Q4 w,
                                                                  float* logits, float* block_best, int* block_arg,
                                                                  unsigned* blocks_done, int* next_token) {
     typedef Matvec<HIDDEN, MV_KSPLIT_HIDDEN> M;
-    __shared__ float xs[HIDDEN];
     __shared__ typename M::Shared sh;
-    __shared__ float scratch[32];
     __shared__ float warp_best[MV_THREADS / WARP];
     __shared__ int warp_arg[MV_THREADS / WARP];
     __shared__ bool is_last;
-    auto prologue = [&]() { rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch); };
+    auto stage = [&](StagedX<HIDDEN>& st, int warp) { return stage_x<HIDDEN, M::WARPS>(NormedInput{hidden, norm}, st, warp); };
     float best = -INF_F;
     int arg = 0x7fffffff;
-    M::run(sh, xs, w, VOCAB, prologue, [&](int r, float v) {
+    M::run(sh, w, VOCAB, stage, [&](int r, float dot, float sum_sq) {
+        const float v = dot * rms_inv(sum_sq, HIDDEN);
         logits[r] = v;
         if (v > best || (v == best && r < arg)) best = v, arg = r;
     });
