@@ -78,8 +78,17 @@ __device__ __forceinline__ float byte_to_float(u32 word, int shift) {
 // Programmatic dependent launch (the decode step's kernels are launched with it): a kernel lets the next one
 // start at once, so the next one's launch and its weight loads (which depend on nothing) overlap this one's work;
 // each kernel waits for the previous one's results before it reads them or writes anything.
-__device__ __forceinline__ void allow_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void wait_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Before Hopper there is no dependent launch (the host launches plainly there), and these are no-ops.
+__device__ __forceinline__ void allow_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void begin_dependent() {
     allow_next();
     wait_previous();

@@ -306,4 +306,18 @@ mod tests {
             }
         }
     }
+
+    /// The portable fallback: every kernel compiles to PTX for the oldest supported architecture (Ampere, whose
+    /// bf16 and integer mma the kernels use), at the full shape.
+    #[test]
+    fn every_kernel_compiles_for_compute_80() {
+        if !nvrtc_available() {
+            eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
+            return;
+        }
+        for (name, bytes, log) in compile_all(&Config::full_shape(), "compute_80").unwrap_or_else(|e| panic!("{e}")) {
+            assert!(bytes > 0, "{name}: empty image");
+            assert!(!log.contains("warning"), "{name}: {log}");
+        }
+    }
 }

@@ -179,9 +179,10 @@ impl CudaModel {
         Ok(CudaModel { gpu, kernels, config, weights, state, max_context, grids, slot, prefill, prefill_chunk: chunk })
     }
 
-    /// Launches a kernel of the decode step (each waits for its predecessor, so it may start early).
+    /// Launches a kernel of the decode step (each waits for its predecessor, so from Hopper on it may start early).
     fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: Args, profile: &mut Option<&mut Profile>) -> Result<()> {
-        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile: profile.as_deref_mut(), dependent: true }.launch(name, grid, block, 0, args)
+        let dependent = self.gpu.compute_capability.0 >= 9;
+        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile: profile.as_deref_mut(), dependent }.launch(name, grid, block, 0, args)
     }
 
     pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
