@@ -3,7 +3,7 @@
 //!
 //! Error measure: max |gpu - cpu| / max |cpu| over the compared values (NaN anywhere fails). Tolerances:
 //! bit-exact for the synthetic weights, 1e-4 for f32 kernels (summation order differs; the decode's
-//! matrix-vector products run on the tensor cores with their input split into two fp16 parts), 1e-2 for the values
+//! matrix-vector products sum exactly in integers, their input in three signed bytes), 1e-2 for the values
 //! rounded into the bf16 KV cache, 5e-3 .. 1e-2 for the prefill's kernels (bf16 activations and bf16-rounded
 //! weights on the tensor cores; each check states its reason), 3e-2 for end-to-end logits on the tiny models and
 //! 5e-2 at the full shape (the prompt's bf16 activations in the prefill and the bf16 KV cache's rounding carried
