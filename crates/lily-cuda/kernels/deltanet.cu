@@ -16,21 +16,31 @@
 static_assert(2 * DK == GDN_THREADS, "one thread per q/k channel of the key head");
 static_assert(DK % ROW_GROUPS == 0, "state rows split evenly");
 
-__device__ __forceinline__ float conv_channel(const float* proj, const float* ring, const float* conv_w, int c,
-                                              int position) {
-    const float* w = conv_w + c * CONV_K;
-    float acc = w[CONV_K - 1] * proj[c];
+// The conv taps of channel c that come from earlier steps (ring slots other than position % CONV_K, which this
+// step writes) and the channel's conv weights: all independent of this step's earlier kernels.
+struct ConvTaps {
+    float past[CONV_K - 1], w[CONV_K];
+    __device__ __forceinline__ void load(const float* ring, const float* conv_w, int c, int position) {
 #pragma unroll
-    for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * ring[((position + 1 + j) % CONV_K) * LIN_CONV_DIM + c];
-    return siluf_(acc);
-}
+        for (int j = 0; j < CONV_K; j++) w[j] = conv_w[c * CONV_K + j];
+#pragma unroll
+        for (int j = 0; j < CONV_K - 1; j++) past[j] = ring[((position + 1 + j) % CONV_K) * LIN_CONV_DIM + c];
+    }
+    __device__ __forceinline__ float silu_conv(float current) const {
+        float acc = w[CONV_K - 1] * current;
+#pragma unroll
+        for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * past[j];
+        return siluf_(acc);
+    }
+};
 
-// proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)].
+// proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)]. What does not depend on this
+// step's input projection (the state, the conv taps and weights, the position) is requested before the wait.
 extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_step(const int* position_ptr, const float* proj,
                                                                    float* ring, const float* conv_w,
                                                                    const float* a_log, const float* dt_bias,
                                                                    float* state, float* core) {
-    begin_dependent();
+    allow_next();
     __shared__ float q[DK], k[DK];
     __shared__ float v[COLS_PER_BLOCK];
     __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];
@@ -40,16 +50,30 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_step(const int* po
     const int col0 = blockIdx.y * COLS_PER_BLOCK;
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
     const bool owns_qk_ring = blockIdx.y == 0 && head % (LIN_V_HEADS / LIN_K_HEADS) == 0;
+    const int c_qk = t < DK ? key_head * DK + t : LIN_K_DIM + key_head * DK + (t - DK);
+    const int c_v = 2 * LIN_K_DIM + head * DV + col0 + t % COLS_PER_BLOCK;
+
+    // State columns col0 + j, rows i0 .. i0 + ROWS_PER_THREAD.
+    const int j = t % COLS_PER_BLOCK, group = t / COLS_PER_BLOCK, i0 = group * ROWS_PER_THREAD;
+    float* s = state + (size_t)head * DK * DV + col0 + j;
+    float col[ROWS_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = s[(size_t)(i0 + r) * DV];
+    ConvTaps taps_qk, taps_v;
+    taps_qk.load(ring, conv_w, c_qk, position);
+    if (t < COLS_PER_BLOCK) taps_v.load(ring, conv_w, c_v, position);
+    const float a_log_h = a_log[head], dt_bias_h = dt_bias[head];
+    wait_previous();
 
     // q (threads 0..DK) and k (DK..2DK) of the key head, then their l2-norms (4 warps each).
-    const int c_qk = t < DK ? key_head * DK + t : LIN_K_DIM + key_head * DK + (t - DK);
-    float x = conv_channel(proj, ring, conv_w, c_qk, position);
+    const float proj_qk = proj[c_qk];
+    const float proj_v = t < COLS_PER_BLOCK ? proj[c_v] : 0.f;
+    const float b_in = proj[LIN_CONV_DIM + LIN_V_DIM + head];
+    const float a_in = proj[LIN_CONV_DIM + LIN_V_DIM + LIN_V_HEADS + head];
+    float x = taps_qk.silu_conv(proj_qk);
     const float sq = warp_sum(x * x);
     if (lane == 0) sums[t / DK][warp % (DK / WARP)] = sq;
-    if (t < COLS_PER_BLOCK) {
-        const int c = 2 * LIN_K_DIM + head * DV + col0 + t;
-        v[t] = conv_channel(proj, ring, conv_w, c, position);
-    }
+    if (t < COLS_PER_BLOCK) v[t] = taps_v.silu_conv(proj_v);
     __syncthreads();
     float total = 0.f;
 #pragma unroll
@@ -59,24 +83,16 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_step(const int* po
     else k[t - DK] = x;
     // The new inputs enter the ring; each channel is written by exactly one block.
     const int slot = position % CONV_K;
-    if (owns_qk_ring) ring[slot * LIN_CONV_DIM + c_qk] = proj[c_qk];
-    if (t < COLS_PER_BLOCK) {
-        const int c = 2 * LIN_K_DIM + head * DV + col0 + t;
-        ring[slot * LIN_CONV_DIM + c] = proj[c];
-    }
-    const float beta = sigmoidf_(proj[LIN_CONV_DIM + LIN_V_DIM + head]);
-    const float g = -expf(a_log[head]) * softplusf_(proj[LIN_CONV_DIM + LIN_V_DIM + LIN_V_HEADS + head] + dt_bias[head]);
-    const float decay = expf(g);
+    if (owns_qk_ring) ring[slot * LIN_CONV_DIM + c_qk] = proj_qk;
+    if (t < COLS_PER_BLOCK) ring[slot * LIN_CONV_DIM + c_v] = proj_v;
+    const float beta = sigmoidf_(b_in);
+    const float decay = expf(-expf(a_log_h) * softplusf_(a_in + dt_bias_h));
     __syncthreads();
 
-    // State columns col0 + j, rows i0 .. i0 + ROWS_PER_THREAD.
-    const int j = t % COLS_PER_BLOCK, group = t / COLS_PER_BLOCK, i0 = group * ROWS_PER_THREAD;
-    float* s = state + (size_t)head * DK * DV + col0 + j;
-    float col[ROWS_PER_THREAD];
     float kv = 0.f;
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
-        col[r] = s[(size_t)(i0 + r) * DV] * decay;
+        col[r] *= decay;
         kv += col[r] * k[i0 + r];
     }
     red[group][j] = kv;
