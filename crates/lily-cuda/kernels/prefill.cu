@@ -17,9 +17,10 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
     }
 }
 
-// out[r] = bf16(rmsnorm(hidden[r]) * norm). Grid (t).
+// out[r] = bf16(rmsnorm(hidden[r]) * norm), and where `out_lo` is not null what that rounding lost, also in bf16
+// (the router's products take both: routing is decided by small differences between logits). Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(const float* hidden, const float* norm,
-                                                                      bf16* out) {
+                                                                      bf16* out, bf16* out_lo) {
     constexpr int PER = (HIDDEN + ROW_THREADS - 1) / ROW_THREADS;
     __shared__ float scratch[32];
     const float* h = hidden + (size_t)blockIdx.x * HIDDEN;
@@ -35,7 +36,11 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(const flo
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         const int c = threadIdx.x + i * ROW_THREADS;
-        if (c < HIDDEN) out[(size_t)blockIdx.x * HIDDEN + c] = float_to_bf16(v[i] * inv * norm[c]);
+        if (c >= HIDDEN) continue;
+        const float x = v[i] * inv * norm[c];
+        const bf16 hi = float_to_bf16(x);
+        out[(size_t)blockIdx.x * HIDDEN + c] = hi;
+        if (out_lo) out_lo[(size_t)blockIdx.x * HIDDEN + c] = float_to_bf16(x - bf16_to_float(hi));
     }
 }
 

@@ -30,6 +30,8 @@ pub struct PrefillScratch {
     hidden: DevBuf,
     /// bf16 `[chunk][hidden]`: the normed input of the mixer's or the MoE's products.
     normed: DevBuf,
+    /// bf16 `[chunk][hidden]`: what rounding the MoE's normed input to bf16 lost (the router takes both).
+    normed_lo: DevBuf,
     /// bf16 `[chunk][max(linear value dim, q dim)]`: the mixer's output, input of its output projection.
     mixed: DevBuf,
     /// f32 `[chunk][mixer input projection rows]`.
@@ -67,6 +69,7 @@ impl PrefillScratch {
             chunk,
             hidden: gpu.alloc(chunk * h * 4)?,
             normed: gpu.alloc(chunk * h * 2)?,
+            normed_lo: gpu.alloc(chunk * h * 2)?,
             mixed: gpu.alloc(chunk * c.linear_value_dim().max(c.q_dim()) * 2)?,
             proj: gpu.alloc(chunk * proj_rows * 4)?,
             router_logits: gpu.alloc(chunk * (c.num_experts + 1) * 4)?,
@@ -108,7 +111,7 @@ pub fn enqueue_chunk(
     let warps_per_block = ROW_THREADS as usize / 32;
     l.launch("embed_rows", rows, ROW_THREADS, 0, w.embed.arg(Args::new().ptr(state.tokens.ptr).i32(start as i32)).ptr(s.hidden.ptr))?;
     for (i, layer) in w.layers.iter().enumerate() {
-        l.launch("rmsnorm_rows", rows, ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr).ptr(s.normed.ptr))?;
+        l.launch("rmsnorm_rows", rows, ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr).ptr(s.normed.ptr).ptr(0))?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr, t, &g.in_proj, s.proj.ptr, false)?;
@@ -123,8 +126,11 @@ pub fn enqueue_chunk(
             }
         }
         // The sparse MoE: route, sort the (token, slot) entries by expert, grouped expert products, shared expert.
-        l.launch("rmsnorm_rows", rows, ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr).ptr(s.normed.ptr))?;
+        let norm_args = Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr).ptr(s.normed.ptr).ptr(s.normed_lo.ptr);
+        l.launch("rmsnorm_rows", rows, ROW_THREADS, 0, norm_args)?;
+        // Routing follows small differences between logits: the router sees the normed input to about 16 bits.
         gemm::gemm(l, s.normed.ptr, t, &layer.router, s.router_logits.ptr, false)?;
+        gemm::gemm(l, s.normed_lo.ptr, t, &layer.router, s.router_logits.ptr, true)?;
         l.gpu.memset_u32(s.counts.ptr, 0, c.num_experts)?;
         l.launch(
             "route_rows",
@@ -190,19 +196,23 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
     }
     report.check(&format!("embed_rows ({t} tokens)"), rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected), 1e-6);
 
-    // RMSNorm rows into bf16.
+    // RMSNorm rows into bf16, and what the rounding lost (bf16 holds 8 significant bits, the two 16).
     let hidden = normals(&mut rng, t * h, 1.0);
     gpu.upload(s.hidden.ptr, &hidden)?;
     poison(gpu, &s.normed)?;
-    l.launch("rmsnorm_rows", (t as u32, 1, 1), ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(gw.layers[0].input_norm.ptr).ptr(s.normed.ptr))?;
-    let mut got = vec![bf16::ZERO; t * h];
-    gpu.download(s.normed.ptr, &mut got)?;
-    let got: Vec<f32> = got.iter().map(|v| v.to_f32()).collect();
+    poison(gpu, &s.normed_lo)?;
+    l.launch("rmsnorm_rows", (t as u32, 1, 1), ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(gw.layers[0].input_norm.ptr).ptr(s.normed.ptr).ptr(s.normed_lo.ptr))?;
+    let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
+    gpu.download(s.normed.ptr, &mut hi)?;
+    gpu.download(s.normed_lo.ptr, &mut lo)?;
+    let got: Vec<f32> = hi.iter().map(|v| v.to_f32()).collect();
+    let both: Vec<f32> = hi.iter().zip(&lo).map(|(a, b)| a.to_f32() + b.to_f32()).collect();
     let mut expected = vec![0.0; t * h];
     for (x, out) in hidden.chunks(h).zip(expected.chunks_mut(h)) {
         rmsnorm(x, &w.layers[0].input_norm, c.rms_norm_eps, out);
     }
     report.check(&format!("rmsnorm_rows ({t} rows, bf16 out)"), rel_err(&got, &expected), 4e-3);
+    report.check(&format!("rmsnorm_rows ({t} rows, bf16 out + what rounding lost)"), rel_err(&both, &expected), 2e-5);
 
     // Routing, the stable sort by expert and the tiles.
     let logits = normals(&mut rng, t * (e + 1), 2.0);
