@@ -25,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
                                                                  const float* q_norm, const float* k_norm,
                                                                  const float* inv_freq, float* q_out,
                                                                  bf16* k_cache, bf16* v_cache) {
-    begin_dependent();
+    wait_previous();
     __shared__ float x[HEAD_DIM];
     __shared__ float scratch[32];
     const int position = *position_ptr;
@@ -59,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
                                                                         const bf16* k_cache,
                                                                         const bf16* v_cache,
                                                                         float* part_o, float* part_ml) {
-    begin_dependent();
+    wait_previous();
     __shared__ __align__(16) float qs[HEAD_DIM][GQA];  // dims outer, heads inner: one 32-byte read per dim
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
     __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
@@ -194,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP) attn_merge(cons
                                                                            const float* part_o,
                                                                            const float* part_ml,
                                                                            const float* proj, float* attn) {
-    begin_dependent();
+    wait_previous();
     __shared__ float warp_max_s[MERGE_WARPS];
     __shared__ float num_s[MERGE_WARPS][WARP];
     __shared__ float den_s[MERGE_WARPS];

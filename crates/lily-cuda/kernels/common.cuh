@@ -75,23 +75,17 @@ __device__ __forceinline__ float byte_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFFu)) - 8388608.f;
 }
 
-// Programmatic dependent launch (the decode step's kernels are launched with it): a kernel lets the next one
-// start at once, so the next one's launch and its weight loads (which depend on nothing) overlap this one's work;
-// each kernel waits for the previous one's results before it reads them or writes anything.
-// Before Hopper there is no dependent launch (the host launches plainly there), and these are no-ops.
-__device__ __forceinline__ void allow_next() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (the decode step's kernels are launched with it): a kernel requests what does not
+// depend on its predecessor (its weights, its own state), then waits for the predecessor's results, and only then
+// lets the next kernel start. So one kernel at a time prefetches while another computes: letting every kernel
+// start at once (the next one's trigger at its start) queues the whole step's weight requests ahead of the loads
+// each kernel waits on. Before Hopper there is no dependent launch (the host launches plainly there), and this is
+// a no-op.
 __device__ __forceinline__ void wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-__device__ __forceinline__ void begin_dependent() {
-    allow_next();
-    wait_previous();
 }
 
 // ---- 4-bit matrix-vector products on the tensor cores (the decode step's weights) ----
@@ -123,20 +117,28 @@ struct StagedX {
 
 __device__ __forceinline__ u32 byte_of(float v, int at) { return ((u32)(int)v & 0xffu) << (8 * at); }
 
-// What a matrix-vector product's input is made of: `input(k)` gives element k and what it adds to a norm's sum of
-// squares (the norms' scalars are applied after the products: W (a x) = a (W x)).
+// What a matrix-vector product's input is made of. For element k, `fetch_early(k)` loads what does not depend
+// on the previous kernel (a norm's weights; requested before the wait), `fetch(k)` what does, and `element`
+// gives the element and what it adds to a norm's sum of squares (the norms' scalars are applied after the
+// products: W (a x) = a (W x)).
+struct Nothing {};
 struct PlainInput {
     const float* x;
-    __device__ __forceinline__ float2 operator()(int k) const { return make_float2(x[k], 0.f); }
+    typedef Nothing Early;
+    typedef float Raw;
+    __device__ __forceinline__ Early fetch_early(int) const { return Nothing{}; }
+    __device__ __forceinline__ Raw fetch(int k) const { return x[k]; }
+    __device__ __forceinline__ float2 element(Raw v, Early) const { return make_float2(v, 0.f); }
 };
 // hidden * norm, hidden^2: an RMSNorm's input before its 1 / rms (`rms_inv` of the block's sum).
 struct NormedInput {
     const float* hidden;
     const float* norm;
-    __device__ __forceinline__ float2 operator()(int k) const {
-        const float h = hidden[k];
-        return make_float2(h * norm[k], h * h);
-    }
+    typedef float Early;
+    typedef float Raw;
+    __device__ __forceinline__ Early fetch_early(int k) const { return norm[k]; }
+    __device__ __forceinline__ Raw fetch(int k) const { return hidden[k]; }
+    __device__ __forceinline__ float2 element(Raw h, Early w) const { return make_float2(h * w, h * h); }
 };
 __device__ __forceinline__ float rms_inv(float sum_sq, int n) { return 1.f / sqrtf(sum_sq / n + RMS_EPS); }
 // A scale applied to a whole tile from its sum of squares (a per-head norm over the tile's 128 inputs), or none.
@@ -194,25 +196,44 @@ __device__ __forceinline__ float stage_tile(const float2 (&e)[4], const TileScal
     return sq;
 }
 
-// Stage all of the input: warp `warp` of WARPS takes tiles warp, warp + WARPS, ..., issuing all its loads before
-// the first use; the caller synchronises. Returns the sum of squares of this warp's tiles.
+// Stages all of the input, warp `warp` of WARPS taking tiles warp, warp + WARPS, ...: `prefetch` before the wait
+// for the previous kernel, `stage` after it (the caller synchronises; it returns the sum of squares of this
+// warp's tiles). Every load of a phase is issued before the first use, and without branches (a warp past the last
+// tile reads the last tile again).
 template <int COLS, int WARPS, typename Input, typename TileScale = NoTileScale>
-__device__ __forceinline__ float stage_x(const Input& input, StagedX<COLS>& st, int warp,
-                                         const TileScale& tile_scale = TileScale()) {
-    constexpr int TILES = COLS / MV_TILE, PER = (TILES + WARPS - 1) / WARPS;
-    float2 e[PER][4];
-#pragma unroll
-    for (int p = 0; p < PER; p++) {
-        const int j = warp + p * WARPS, k0 = stage_first_input(j);
-#pragma unroll
-        for (int i = 0; i < 4; i++) e[p][i] = j < TILES ? input(k0 + 2 * i) : make_float2(0.f, 0.f);
+struct Stager {
+    static constexpr int TILES = COLS / MV_TILE, PER = (TILES + WARPS - 1) / WARPS;
+    Input input;
+    TileScale tile_scale;
+    typename Input::Early early[PER][4];
+
+    __device__ __forceinline__ static int first_input(int p, int warp) {
+        return stage_first_input(min(warp + p * WARPS, TILES - 1));
     }
-    float sq = 0.f;
+    __device__ __forceinline__ void prefetch(int warp) {
 #pragma unroll
-    for (int p = 0; p < PER; p++)
-        if (warp + p * WARPS < TILES) sq += stage_tile<COLS>(e[p], tile_scale, warp + p * WARPS, st);
-    return sq;
-}
+        for (int p = 0; p < PER; p++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) early[p][i] = input.fetch_early(first_input(p, warp) + 2 * i);
+    }
+    __device__ __forceinline__ float stage(StagedX<COLS>& st, int warp) const {
+        typename Input::Raw raw[PER][4];
+#pragma unroll
+        for (int p = 0; p < PER; p++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) raw[p][i] = input.fetch(first_input(p, warp) + 2 * i);
+        asm volatile("" ::: "memory");  // keeps the compiler from moving each load down to its use
+        float sq = 0.f;
+#pragma unroll
+        for (int p = 0; p < PER; p++) {
+            float2 e[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[i] = input.element(raw[p][i], early[p][i]);
+            if (warp + p * WARPS < TILES) sq += stage_tile<COLS>(e, tile_scale, warp + p * WARPS, st);
+        }
+        return sq;
+    }
+};
 
 __device__ __forceinline__ void mma_u4s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -266,9 +287,46 @@ struct StripLane {
         for (int m = 0; m < 4; m++)
             mma_u4s8(c, wg[m] & 0x0F0F0F0Fu, w8[m] & 0x0F0F0F0Fu, (wg[m] >> 4) & 0x0F0F0F0Fu,
                      (w8[m] >> 4) & 0x0F0F0F0Fu, b[2 * m], b[2 * m + 1]);
+        scale(tile.sg, tile.sg8, c, j, acc);
+    }
+
+    // The same for an 8-bit matrix: lane t's 32 inputs of a row are 32 bytes, and a byte permute gives A the
+    // order the 4-bit words give it (inputs 8m + 0, 2, 4, 6, then 8m + 1, 3, 5, 7).
+    struct Tile8 {
+        uint4 g[2], g8[2];
+        uint2 sg, sg8;
+    };
+    __device__ __forceinline__ Tile8 load8(Q4 m, int row0, int rows, int j) const {
+        const int rg = min(row0 + g, rows - 1), rg8 = min(row0 + g + 8, rows - 1);
+        const u32* pg = m.packed + (size_t)rg * (COLS / 4) + j * (MV_TILE / 4) + 8 * t;
+        const u32* pg8 = m.packed + (size_t)rg8 * (COLS / 4) + j * (MV_TILE / 4) + 8 * t;
+        Tile8 tile;
+        tile.g[0] = load_stream(pg), tile.g[1] = load_stream(pg + 4);
+        tile.g8[0] = load_stream(pg8), tile.g8[1] = load_stream(pg8 + 4);
+        tile.sg = *reinterpret_cast<const uint2*>(m.scale_bias + (size_t)rg * (COLS / GROUP) + 2 * j);
+        tile.sg8 = *reinterpret_cast<const uint2*>(m.scale_bias + (size_t)rg8 * (COLS / GROUP) + 2 * j);
+        return tile;
+    }
+    __device__ __forceinline__ void dot8(const Tile8& tile, int j, float2& acc) const {
+        const u32 wg[8] = {tile.g[0].x, tile.g[0].y, tile.g[0].z, tile.g[0].w, tile.g[1].x, tile.g[1].y, tile.g[1].z, tile.g[1].w};
+        const u32 w8[8] = {tile.g8[0].x, tile.g8[0].y, tile.g8[0].z, tile.g8[0].w,
+                           tile.g8[1].x, tile.g8[1].y, tile.g8[1].z, tile.g8[1].w};
+        const uint4 xa = x[j * x_step], xb = x[j * x_step + 1];
+        const u32 b[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        int c[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+            mma_u4s8(c, __byte_perm(wg[2 * m], wg[2 * m + 1], 0x6420), __byte_perm(w8[2 * m], w8[2 * m + 1], 0x6420),
+                     __byte_perm(wg[2 * m], wg[2 * m + 1], 0x7531), __byte_perm(w8[2 * m], w8[2 * m + 1], 0x7531),
+                     b[2 * m], b[2 * m + 1]);
+        scale(tile.sg, tile.sg8, c, j, acc);
+    }
+
+    // The groups' scales and biases applied to tile j's integer sums.
+    __device__ __forceinline__ void scale(uint2 sg, uint2 sg8, const int (&c)[4], int j, float2& acc) const {
         const float4 k = gc[j];
-        const float2 f1 = pair_to_float2(tile.sg.x), f2 = pair_to_float2(tile.sg.y);
-        const float2 h1 = pair_to_float2(tile.sg8.x), h2 = pair_to_float2(tile.sg8.y);
+        const float2 f1 = pair_to_float2(sg.x), f2 = pair_to_float2(sg.y);
+        const float2 h1 = pair_to_float2(sg8.x), h2 = pair_to_float2(sg8.y);
         acc.x = fmaf(f1.x * k.x, (float)c[0], fmaf(f2.x * k.y, (float)c[1], fmaf(f1.y, k.z, fmaf(f2.y, k.w, acc.x))));
         acc.y = fmaf(h1.x * k.x, (float)c[2], fmaf(h2.x * k.y, (float)c[3], fmaf(h1.y, k.z, fmaf(h2.y, k.w, acc.y))));
     }
@@ -309,11 +367,11 @@ struct Matvec {
         float sum_sq[WARPS];
     };
 
-    // `stage(st, warp)` stages the input (`stage_x` over the block's warps) after the wait for the previous kernel, while the
-    // first tiles' weights (requested before the wait) are on their way; `store(row, value, sum_sq)` gets the
-    // block's sum of squares for a norm applied after the products.
-    template <typename Stage, typename Store>
-    __device__ __forceinline__ static void run(Shared& sh, Q4 m, int rows, Stage stage, Store store) {
+    // `stager` stages the input (its early part requested with the first tiles' weights, before the wait);
+    // `out.before(row)` loads what the store needs (after the wait, with the staging) and `out.store(row, value,
+    // sum_sq, before)` gets the block's sum of squares for a norm applied after the products.
+    template <typename Stager, typename Out>
+    __device__ __forceinline__ static void run(Shared& sh, Q4 m, int rows, Stager& stager, Out& out) {
         const int warp = threadIdx.x / WARP;
         const int strip = warp / KSPLIT, kpart = warp % KSPLIT;
         Lane lane;
@@ -323,11 +381,13 @@ struct Matvec {
 #pragma unroll
             for (int i = 0; i < TPW; i++) tiles[i] = lane.load(m, first_row + 16 * strip, rows, kpart * TPW + i);
         };
-        allow_next();
         int first_row = blockIdx.x * ROWS_PER_BLOCK;
         if (first_row < rows) load(first_row);
+        stager.prefetch(warp);
         wait_previous();
-        const float sq = stage(sh.st, warp);
+        const int own_row = threadIdx.x < ROWS_PER_BLOCK ? threadIdx.x : 0;
+        float before = first_row + own_row < rows ? out.before(first_row + own_row) : 0.f;
+        const float sq = stager.stage(sh.st, warp);
         if (threadIdx.x % WARP == 0) sh.sum_sq[warp] = sq;
         __syncthreads();
         float sum_sq = 0.f;
@@ -342,15 +402,28 @@ struct Matvec {
             if (next < rows) load(next);
             if (lane.holds_row()) sh.part[kpart][16 * strip + lane.row()] = v;
             __syncthreads();
-            for (int r = threadIdx.x; r < ROWS_PER_BLOCK; r += MV_THREADS) {
+            if (threadIdx.x < ROWS_PER_BLOCK && first_row + threadIdx.x < rows) {
                 float s = 0.f;
 #pragma unroll
-                for (int k = 0; k < KSPLIT; k++) s += sh.part[k][r];
-                if (first_row + r < rows) store(first_row + r, s, sum_sq);
+                for (int k = 0; k < KSPLIT; k++) s += sh.part[k][threadIdx.x];
+                out.store(first_row + threadIdx.x, s, sum_sq, before);
             }
+            if (next < rows && next + own_row < rows) before = out.before(next + own_row);
             __syncthreads();
         }
     }
+};
+
+// Where a matrix-vector product's rows go: through the RMSNorm's 1 / rms into `out`, or added to the residual.
+struct RmsNormedOut {
+    float* out;
+    __device__ __forceinline__ float before(int) const { return 0.f; }
+    __device__ __forceinline__ void store(int r, float v, float sum_sq, float) const { out[r] = v * rms_inv(sum_sq, HIDDEN); }
+};
+struct ResidualOut {
+    float* hidden;
+    __device__ __forceinline__ float before(int r) const { return hidden[r]; }
+    __device__ __forceinline__ void store(int r, float v, float, float old) const { hidden[r] = old + v; }
 };
 
 // The prologues below issue every global load before the first use: a loop that loads, uses and stores one

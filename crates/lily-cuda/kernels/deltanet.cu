@@ -40,7 +40,6 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_step(const int* po
                                                                    float* ring, const float* conv_w,
                                                                    const float* a_log, const float* dt_bias,
                                                                    float* state, float* core) {
-    allow_next();
     __shared__ float q[DK], k[DK];
     __shared__ float v[COLS_PER_BLOCK];
     __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];

@@ -3,7 +3,7 @@
 
 // hidden = dequantized row `tokens[position]` of the embedding.
 extern "C" __global__ void embed(const int* position, const int* tokens, Q4 table, float* hidden) {
-    begin_dependent();
+    wait_previous();
     const int token = tokens[*position];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < HIDDEN; c += gridDim.x * blockDim.x) {
         const u32 word = table.packed[(size_t)token * (HIDDEN / 8) + c / 8];
@@ -17,8 +17,9 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) proj_normed(const fl
                                                                      float* out, int rows) {
     typedef Matvec<HIDDEN, MV_KSPLIT_HIDDEN> M;
     __shared__ typename M::Shared sh;
-    auto stage = [&](StagedX<HIDDEN>& st, int warp) { return stage_x<HIDDEN, M::WARPS>(NormedInput{hidden, norm}, st, warp); };
-    M::run(sh, w, rows, stage, [&](int r, float v, float sum_sq) { out[r] = v * rms_inv(sum_sq, HIDDEN); });
+    Stager<HIDDEN, M::WARPS, NormedInput> stager{NormedInput{hidden, norm}};
+    RmsNormedOut to{out};
+    M::run(sh, w, rows, stager, to);
 }
 
 // hidden[r] += W[r] . gated_norm(core, z): the Gated DeltaNet's output projection. Per value head,
@@ -28,10 +29,11 @@ struct GatedNormInput {
     const float* core;
     const float* z;
     const float* norm_w;
-    __device__ __forceinline__ float2 operator()(int k) const {
-        const float o = core[k];
-        return make_float2(o * norm_w[k % LIN_HEAD_DIM] * siluf_(z[k]), o * o);
-    }
+    typedef float Early;
+    typedef float2 Raw;
+    __device__ __forceinline__ Early fetch_early(int k) const { return norm_w[k % LIN_HEAD_DIM]; }
+    __device__ __forceinline__ Raw fetch(int k) const { return make_float2(core[k], z[k]); }
+    __device__ __forceinline__ float2 element(Raw r, Early w) const { return make_float2(r.x * w * siluf_(r.y), r.x * r.x); }
 };
 struct HeadRmsScale {
     __device__ __forceinline__ float operator()(float sum_sq) const { return rms_inv(sum_sq, LIN_HEAD_DIM); }
@@ -40,22 +42,22 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_gdn(const floa
                                                                       const float* norm_w, Q4 w, float* hidden) {
     typedef Matvec<LIN_V_DIM, MV_KSPLIT_WIDE> M;
     __shared__ typename M::Shared sh;
-    auto stage = [&](StagedX<LIN_V_DIM>& st, int warp) {
-        return stage_x<LIN_V_DIM, M::WARPS>(GatedNormInput{core, z, norm_w}, st, warp, HeadRmsScale());
-    };
-    M::run(sh, w, HIDDEN, stage, [&](int r, float v, float) { hidden[r] += v; });
+    Stager<LIN_V_DIM, M::WARPS, GatedNormInput, HeadRmsScale> stager{GatedNormInput{core, z, norm_w}};
+    ResidualOut to{hidden};
+    M::run(sh, w, HIDDEN, stager, to);
 }
 
 // hidden[r] += W[r] . attn: the full attention's output projection (attn already gated).
 extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_attn(const float* attn, Q4 w, float* hidden) {
     typedef Matvec<Q_DIM, MV_KSPLIT_WIDE> M;
     __shared__ typename M::Shared sh;
-    auto stage = [&](StagedX<Q_DIM>& st, int warp) { return stage_x<Q_DIM, M::WARPS>(PlainInput{attn}, st, warp); };
-    M::run(sh, w, HIDDEN, stage, [&](int r, float v, float) { hidden[r] += v; });
+    Stager<Q_DIM, M::WARPS, PlainInput> stager{PlainInput{attn}};
+    ResidualOut to{hidden};
+    M::run(sh, w, HIDDEN, stager, to);
 }
 
 extern "C" __global__ void advance_position(int* position) {
-    begin_dependent();
+    wait_previous();
     *position += 1;
 }
 

@@ -1,107 +1,200 @@
-// The sparse MoE block: router (8-bit) and shared-expert gate in one launch; routing (softmax, top-k,
-// renormalise) recomputed by every block of the gate/up launch, which runs the gate and up projections of the
-// routed and the shared experts together; the down projections with the routing weights applied and the
-// residual add in a third launch. Chosen experts' weights are read in place from the stacked tensors.
+// The sparse MoE block in two launches. The first computes the router (8-bit), routes (softmax, top-k,
+// renormalise) and runs the gate and up projections of the routed and the shared experts; the second the down
+// projections with the routing weights applied and the residual add. Chosen experts' weights are read in place
+// from the stacked tensors.
+//
+// Every block of the first launch needs the routing, so every block needs all the router's logits. On Hopper a
+// cluster of blocks shares them: each block computes one strip of 16 router rows (its weights requested before the
+// wait) and reads the others' from its neighbours' shared memory. Elsewhere each block computes them all.
 
 static_assert(SHARED_INTER == MOE_INTER, "the shared expert runs beside the routed ones");
 #define SLOTS (TOP_K + 1)  // routed experts, then the shared expert
-
-// logits[e] = router[e] . rmsnorm(hidden) for e < NUM_EXPERTS, and logits[NUM_EXPERTS] = the shared expert's
-// gate; both 8-bit matrices, stacked.
-extern "C" __global__ void __launch_bounds__(MV_THREADS) router(const float* hidden, const float* norm, Q4 w,
-                                                                float* logits) {
-    constexpr int CHUNKS = HIDDEN / 16;  // 16 bytes of 8-bit values each
-    constexpr int PER_LANE = (CHUNKS + WARP - 1) / WARP;
-    __shared__ float xs[HIDDEN];
-    __shared__ float scratch[32];
-    const int lane = threadIdx.x % WARP;
-    const int row = min(blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP, NUM_EXPERTS);
-    allow_next();
-    uint4 qs[PER_LANE];
-    u32 sbs[PER_LANE];
-#pragma unroll
-    for (int k = 0; k < PER_LANE; k++) {
-        const int u = min(lane + WARP * k, CHUNKS - 1);
-        qs[k] = load_stream(w.packed + (size_t)row * (HIDDEN / 4) + 4 * u);
-        sbs[k] = w.scale_bias[(size_t)row * (HIDDEN / GROUP) + u / 4];
-    }
-    wait_previous();
-    rmsnorm_to_shared<HIDDEN, MV_THREADS>(hidden, norm, xs, scratch);
-    if (blockIdx.x * (MV_THREADS / WARP) + threadIdx.x / WARP > NUM_EXPERTS) return;
-    float acc = 0.f;
-#pragma unroll
-    for (int k = 0; k < PER_LANE; k++) {
-        const int u = lane + WARP * k;
-        if (u >= CHUNKS) break;
-        const uint4 q = qs[k];
-        const float2 f = pair_to_float2(sbs[k]);
-        const float* x = xs + 16 * u;
-        const u32 words[4] = {q.x, q.y, q.z, q.w};
-        float qx = 0.f, sx = 0.f;
-#pragma unroll
-        for (int m = 0; m < 4; m++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                qx = fmaf(byte_to_float(words[m], 8 * j), x[4 * m + j], qx);
-                sx += x[4 * m + j];
-            }
-        acc += f.x * qx + f.y * sx;
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) logits[row] = acc;
-}
 
 // The gate/up launch: a block takes one strip of 16 (gate, up) row pairs of one slot, its 8 warps splitting the
 // inputs (two tiles of 128 each at the full shape): 288 blocks.
 #define GATE_UP_KSPLIT 8
 typedef Matvec<HIDDEN, GATE_UP_KSPLIT> GateUpShape;
 #define GATE_UP_PAIRS GateUpShape::ROWS_PER_BLOCK
+#define GATE_UP_BLOCKS_PER_SLOT (MOE_INTER / GATE_UP_PAIRS)
 static_assert(MOE_INTER % GATE_UP_PAIRS == 0, "a block's pairs lie in one slot");
 
-// act[slot][i] = silu(gate_e[i] . x) * (up_e[i] . x), x = rmsnorm(hidden), for the routed experts e and the shared
-// expert (slot TOP_K). Block 0 also publishes the routing: ids, weights and the shared expert's sigmoid gate.
-extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
-    const float* hidden, const float* norm, const float* logits, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
-    float* act, int* route_ids, float* route_w) {
-    begin_dependent();
-    typedef StripLane<HIDDEN> Lane;
-    constexpr int KSPLIT = GateUpShape::KSPLIT, TPW = GateUpShape::TPW;
-    __shared__ StagedX<HIDDEN> st;
-    __shared__ float part_gate[KSPLIT][GATE_UP_PAIRS], part_up[KSPLIT][GATE_UP_PAIRS];
-    __shared__ float sum_sq[MV_THREADS / WARP];
-    __shared__ int ids[TOP_K];
-    __shared__ float weights[TOP_K];
-    const int warp = threadIdx.x / WARP, strip = warp / KSPLIT, kpart = warp % KSPLIT;
-    // Warp 0 routes while the others stage the normed input (its 1 / rms applied after the products).
-    if (warp == 0) {
-        route(logits, ids, weights);
-        if (threadIdx.x == 0) sum_sq[0] = 0.f;
-    } else {
-        const float sq = stage_x<HIDDEN, MV_THREADS / WARP - 1>(NormedInput{hidden, norm}, st, warp - 1);
-        if (threadIdx.x % WARP == 0) sum_sq[warp] = sq;
+#define ROUTER_STRIPS (NUM_EXPERTS / 16)
+// Up to 16 blocks a cluster (Hopper's largest; 8 blocks of two strips each measured 10% slower).
+#if __CUDA_ARCH__ >= 900 && ROUTER_STRIPS > 1
+#define GATE_UP_CLUSTER (ROUTER_STRIPS < 16 ? ROUTER_STRIPS : 16)
+#define GATE_UP_CLUSTER_DIMS __cluster_dims__(GATE_UP_CLUSTER, 1, 1)
+#else
+#define GATE_UP_CLUSTER 1
+#define GATE_UP_CLUSTER_DIMS
+#endif
+static_assert(NUM_EXPERTS % 16 == 0 && ROUTER_STRIPS % GATE_UP_CLUSTER == 0, "router strips split evenly");
+static_assert(GATE_UP_BLOCKS_PER_SLOT % GATE_UP_CLUSTER == 0, "a cluster's blocks serve one slot");
+static_assert(NUM_EXPERTS <= MV_THREADS && (NUM_EXPERTS % WARP == 0 || NUM_EXPERTS < WARP) &&
+                  TOP_K <= (NUM_EXPERTS < WARP ? NUM_EXPERTS : WARP),
+              "top-k: a thread an expert, at least TOP_K experts a warp");
+
+#if GATE_UP_CLUSTER > 1
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// `*local` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float load_from_block(const float* local, u32 rank) {
+    u32 addr, remote;
+    float v;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(local));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
+
+// Whether expert a (logit va) ranks before expert b: the larger logit, the lower index among equals.
+__device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) { return va > vb || (va == vb && a < b); }
+
+// The TOP_K largest of `logits` in order into ids / chosen, by rank counting in two rounds: each warp's 32 experts
+// against each other (a warp's TOP_K best are the candidates), then the candidates against each other (every
+// expert that ranks before one of the TOP_K best is a candidate). One thread an expert; the block calls it.
+__device__ __forceinline__ void top_k(const float* logits, float* cand_v, int* cand_e, int* ids, float* chosen) {
+    constexpr int GROUP_SIZE = NUM_EXPERTS < WARP ? NUM_EXPERTS : WARP;
+    constexpr int CANDIDATES = NUM_EXPERTS / GROUP_SIZE * TOP_K;
+    const int e = threadIdx.x, group = e / GROUP_SIZE;
+    if (e < NUM_EXPERTS) {
+        const float v = logits[e];
+        const float* peers = logits + group * GROUP_SIZE;
+        int rank = 0;
+#pragma unroll 8
+        for (int i = 0; i < GROUP_SIZE; i++) rank += ranks_before(peers[i], group * GROUP_SIZE + i, v, e);
+        if (rank < TOP_K) cand_v[group * TOP_K + rank] = v, cand_e[group * TOP_K + rank] = e;
     }
     __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x < SLOTS) {
-        if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = weights[threadIdx.x];
-        else route_w[TOP_K] = sigmoidf_(logits[NUM_EXPERTS]);
+    if (e < CANDIDATES) {
+        const float v = cand_v[e];
+        const int id = cand_e[e];
+        int rank = 0;
+#pragma unroll 8
+        for (int i = 0; i < CANDIDATES; i++) rank += ranks_before(cand_v[i], cand_e[i], v, id);
+        if (rank < TOP_K) ids[rank] = id, chosen[rank] = v;
     }
+    __syncthreads();
+}
+
+// logits[e] = router[e] . x for e < NUM_EXPERTS and logits[NUM_EXPERTS] = the shared expert's gate (both 8-bit,
+// stacked in `router`), x = rmsnorm(hidden); the routing; then act[slot][i] = silu(gate_e[i] . x) * (up_e[i] . x)
+// for the routed experts e and the shared expert (slot TOP_K). Block 0 publishes the routing (ids, weights), the
+// shared expert's first block its sigmoid gate; the logits are written for the self-test.
+extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS experts_gate_up(
+    const float* hidden, const float* norm, Q4 router, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
+    float* logits, float* act, int* route_ids, float* route_w) {
+    typedef StripLane<HIDDEN> Lane;
+    constexpr int KSPLIT = GateUpShape::KSPLIT, TPW = GateUpShape::TPW, WARPS = MV_THREADS / WARP;
+    constexpr int R_TILES = HIDDEN / MV_TILE, R_TPW = (R_TILES + WARPS - 1) / WARPS;
+    constexpr int SPB = ROUTER_STRIPS / GATE_UP_CLUSTER;  // router strips a routed block computes
+    constexpr int CANDIDATES = NUM_EXPERTS / (NUM_EXPERTS < WARP ? NUM_EXPERTS : WARP) * TOP_K;
+    __shared__ StagedX<HIDDEN> st;
+    __shared__ float part_gate[KSPLIT][GATE_UP_PAIRS], part_up[KSPLIT][GATE_UP_PAIRS];
+    __shared__ float part_router[SPB][WARPS][16];
+    __shared__ float sum_sq[WARPS];
+    __shared__ __align__(16) float own_logits[SPB * 16];
+    __shared__ float cand_v[CANDIDATES], chosen[TOP_K];
+    __shared__ int cand_e[CANDIDATES], ids[TOP_K];
+#if GATE_UP_CLUSTER > 1
+    __shared__ __align__(16) float gathered[NUM_EXPERTS];
+    const int rank = (int)cluster_rank();
+#else
+    const int rank = 0;
+#endif
+    const int warp = threadIdx.x / WARP, strip = warp / KSPLIT, kpart = warp % KSPLIT;
     const int pair0 = blockIdx.x * GATE_UP_PAIRS, slot = pair0 / MOE_INTER;
     const int i0 = pair0 % MOE_INTER + 16 * strip;
     const bool routed = slot < TOP_K;
-    const Q4 mg = routed ? gate : shared_gate, mu = routed ? up : shared_up;
-    const int row0 = routed ? ids[slot] * MOE_INTER + i0 : i0;
+    // Router strip i of this block: rows 16 (rank + i * cluster) of the routed experts' router, or (shared expert's
+    // blocks, one strip) the shared expert's gate row repeated.
+    const int strips = routed ? SPB : 1;
+    auto router_row = [&](int i) { return routed ? 16 * (rank + i * GATE_UP_CLUSTER) : NUM_EXPERTS; };
     Lane lane;
     lane.init(st);
+    // With a cluster a block's strips are requested before the wait; without one (all strips) as they are used.
+    constexpr bool EARLY = SPB <= 2;
+    typename Lane::Tile8 rt[EARLY ? SPB : 1][R_TPW];
+    auto load_strip = [&](int i, typename Lane::Tile8 (&tiles)[R_TPW]) {
+#pragma unroll
+        for (int p = 0; p < R_TPW; p++)
+            if (warp + p * WARPS < R_TILES) tiles[p] = lane.load8(router, router_row(i), NUM_EXPERTS + 1, warp + p * WARPS);
+    };
+    if (EARLY)
+#pragma unroll
+        for (int i = 0; i < SPB; i++)
+            if (i < strips) load_strip(i, rt[EARLY ? i : 0]);
+    Stager<HIDDEN, WARPS, NormedInput> stager{NormedInput{hidden, norm}};
+    stager.prefetch(warp);
+    wait_previous();
+
+    {
+        const float sq = stager.stage(st, warp);
+        if (threadIdx.x % WARP == 0) sum_sq[warp] = sq;
+    }
+    __syncthreads();
+    float ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) ss += sum_sq[w];
+    const float inv = rms_inv(ss, HIDDEN);
+#pragma unroll
+    for (int i = 0; i < SPB; i++) {
+        if (i >= strips) break;
+        if (!EARLY) load_strip(i, rt[0]);
+        float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int p = 0; p < R_TPW; p++)
+            if (warp + p * WARPS < R_TILES) lane.dot8(rt[EARLY ? i : 0][p], warp + p * WARPS, acc);
+        const float v = lane.row_total(acc);
+        if (lane.holds_row()) part_router[i][warp][lane.row()] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < strips * 16) {
+        const int i = threadIdx.x / 16, r = threadIdx.x % 16;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) v += part_router[i][w][r];
+        v *= inv;
+        own_logits[threadIdx.x] = v;
+        if (routed && blockIdx.x < GATE_UP_CLUSTER) logits[router_row(i) + r] = v;
+        if (!routed && blockIdx.x == TOP_K * GATE_UP_BLOCKS_PER_SLOT && threadIdx.x == 0)
+            logits[NUM_EXPERTS] = v, route_w[TOP_K] = sigmoidf_(v);
+    }
+
+    if (routed) {
+#if GATE_UP_CLUSTER > 1
+        cluster_arrive();
+        cluster_wait();
+        for (int e = threadIdx.x; e < NUM_EXPERTS; e += MV_THREADS) {
+            const int s = e / 16;
+            gathered[e] = load_from_block(&own_logits[(s / GATE_UP_CLUSTER) * 16 + e % 16], s % GATE_UP_CLUSTER);
+        }
+        cluster_arrive();  // done with the neighbours' shared memory (the matching wait is before the exit)
+        const float* all_logits = gathered;
+#else
+        const float* all_logits = own_logits;
+#endif
+        __syncthreads();
+        top_k(all_logits, cand_v, cand_e, ids, chosen);
+        if (blockIdx.x == 0 && warp == 0) {
+            const float w = threadIdx.x < TOP_K ? expf(chosen[threadIdx.x] - chosen[0]) : 0.f;
+            const float total = warp_sum(w);
+            if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = w / total;
+        }
+    }
+    const Q4 mg = routed ? gate : shared_gate, mu = routed ? up : shared_up;
+    const int row0 = routed ? ids[slot] * MOE_INTER + i0 : i0;
     typename Lane::Tile tg[TPW], tu[TPW];
 #pragma unroll
     for (int i = 0; i < TPW; i++) {
         tg[i] = lane.load(mg, row0, 1 << 30, kpart * TPW + i);
         tu[i] = lane.load(mu, row0, 1 << 30, kpart * TPW + i);
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int w = 0; w < MV_THREADS / WARP; w++) ss += sum_sq[w];
-    const float inv = rms_inv(ss, HIDDEN);
     float2 ag = make_float2(0.f, 0.f), au = make_float2(0.f, 0.f);
 #pragma unroll
     for (int i = 0; i < TPW; i++) {
@@ -120,6 +213,9 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
         for (int k = 0; k < KSPLIT; k++) g += part_gate[k][r], u += part_up[k][r];
         act[pair0 + r] = siluf_(g) * u;
     }
+#if GATE_UP_CLUSTER > 1
+    if (routed) cluster_wait();
+#endif
 }
 
 // hidden[r] += sum_slot weight_slot * (down_e[r] . act[slot]): a block takes 16 rows, one warp a slot; each warp
@@ -127,21 +223,24 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS) experts_gate_up(
 extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const float* act, const int* route_ids,
                                                                        const float* route_w, Q4 down,
                                                                        Q4 shared_down, float* hidden) {
-    begin_dependent();
     typedef StripLane<MOE_INTER> Lane;
     constexpr int TILES = MOE_INTER / MV_TILE;
     __shared__ StagedX<MOE_INTER> st[SLOTS];
     __shared__ float part[SLOTS][16];
     const int slot = threadIdx.x / WARP;
-    const Q4 m = slot < TOP_K ? down : shared_down;
-    const int row0 = (slot < TOP_K ? route_ids[slot] * HIDDEN : 0) + blockIdx.x * 16;
-    const float weight = route_w[slot];
     Lane lane;
     lane.init(st[slot]);
     typename Lane::Tile tiles[TILES];
+    auto load = [&](Q4 m, int row0) {
 #pragma unroll
-    for (int j = 0; j < TILES; j++) tiles[j] = lane.load(m, row0, 1 << 30, j);
-    stage_x<MOE_INTER, 1>(PlainInput{act + slot * MOE_INTER}, st[slot], 0);
+        for (int j = 0; j < TILES; j++) tiles[j] = lane.load(m, row0, 1 << 30, j);
+    };
+    if (slot == TOP_K) load(shared_down, blockIdx.x * 16);  // the shared expert's rows depend on nothing
+    wait_previous();
+    const float old = threadIdx.x < 16 ? hidden[blockIdx.x * 16 + threadIdx.x] : 0.f;
+    if (slot < TOP_K) load(down, route_ids[slot] * HIDDEN + blockIdx.x * 16);
+    const float weight = route_w[slot];
+    Stager<MOE_INTER, 1, PlainInput>{PlainInput{act + slot * MOE_INTER}}.stage(st[slot], 0);
     __syncwarp();
     float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
@@ -153,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
         float s = 0.f;
 #pragma unroll
         for (int k = 0; k < SLOTS; k++) s += part[k][threadIdx.x];
-        hidden[blockIdx.x * 16 + threadIdx.x] += s;
+        hidden[blockIdx.x * 16 + threadIdx.x] = old + s;
     }
 }
 

@@ -10,14 +10,23 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
     __shared__ float warp_best[MV_THREADS / WARP];
     __shared__ int warp_arg[MV_THREADS / WARP];
     __shared__ bool is_last;
-    auto stage = [&](StagedX<HIDDEN>& st, int warp) { return stage_x<HIDDEN, M::WARPS>(NormedInput{hidden, norm}, st, warp); };
-    float best = -INF_F;
-    int arg = 0x7fffffff;
-    M::run(sh, w, VOCAB, stage, [&](int r, float dot, float sum_sq) {
-        const float v = dot * rms_inv(sum_sq, HIDDEN);
-        logits[r] = v;
-        if (v > best || (v == best && r < arg)) best = v, arg = r;
-    });
+    // The logits, and this thread's best of the rows it stores.
+    struct BestOut {
+        float* logits;
+        float best;
+        int arg;
+        __device__ __forceinline__ float before(int) const { return 0.f; }
+        __device__ __forceinline__ void store(int r, float dot, float sum_sq, float) {
+            const float v = dot * rms_inv(sum_sq, HIDDEN);
+            logits[r] = v;
+            if (v > best || (v == best && r < arg)) best = v, arg = r;
+        }
+    };
+    Stager<HIDDEN, M::WARPS, NormedInput> stager{NormedInput{hidden, norm}};
+    BestOut to{logits, -INF_F, 0x7fffffff};
+    M::run(sh, w, VOCAB, stager, to);
+    float best = to.best;
+    int arg = to.arg;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     auto reduce_best = [&]() {
 #pragma unroll

@@ -100,6 +100,9 @@ pub struct SelftestArgs {
     /// Directory of the transformers golden files (scripts/golden.py) to compare the GPU with.
     #[arg(long, default_value = "crates/lily-model/tests/golden")]
     pub golden: PathBuf,
+    /// Seed of the random inputs and weights (by default a new one each run, printed first): repeats a run.
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 pub fn selftest(args: SelftestArgs) -> Result<()> {
@@ -117,7 +120,7 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let failures = crate::selftest::run_all(&crate::selftest::Options { full_shape: args.full_shape, golden: args.golden })?;
+    let failures = crate::selftest::run_all(&crate::selftest::Options { full_shape: args.full_shape, golden: args.golden, seed: args.seed })?;
     if failures > 0 {
         bail!("{failures} selftest check(s) failed");
     }

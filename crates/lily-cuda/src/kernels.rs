@@ -26,7 +26,7 @@ pub const FILES: &[(&str, &str, &[&str], &[&str])] = &[
         &["embed", "proj_normed", "out_proj_gdn", "out_proj_attn", "advance_position"],
         &["rows_per_block_hidden", "rows_per_block_lin_v", "rows_per_block_q"],
     ),
-    ("moe.cu", include_str!("../kernels/moe.cu"), &["router", "experts_gate_up", "experts_down"], &["pairs_per_block", "gate_up_threads", "down_rows_per_block"]),
+    ("moe.cu", include_str!("../kernels/moe.cu"), &["experts_gate_up", "experts_down"], &["pairs_per_block", "gate_up_threads", "down_rows_per_block"]),
     ("deltanet.cu", include_str!("../kernels/deltanet.cu"), &["gdn_step"], &[]),
     ("attention.cu", include_str!("../kernels/attention.cu"), &["attn_prep", "attn_partial", "attn_merge"], &[]),
     ("sampling.cu", include_str!("../kernels/sampling.cu"), &["lm_head", "sample"], &[]),
@@ -243,6 +243,12 @@ impl Kernels {
                 check("cuFuncSetAttribute", unsafe {
                     sys::cuFuncSetAttribute(func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
                 })?;
+                // Clusters of up to 16 blocks (the MoE gate/up launch shares the router's logits within one).
+                if gpu.compute_capability.0 >= 9 {
+                    check("cuFuncSetAttribute", unsafe {
+                        sys::cuFuncSetAttribute(func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                    })?;
+                }
                 kernels.functions.insert(f, func);
             }
             for c in constants.iter() {

@@ -2,8 +2,9 @@
 //! lm_head, greedy choice) as device work captured once into two CUDA graphs and replayed: `layers` (through the
 //! position's advance) and `head`. Positions and token ids are read from device memory, so the graphs never
 //! change; the host copies in a token id and reads back the chosen one. From Hopper on the step's kernels are
-//! launched with programmatic dependent launch: each starts while its predecessor runs, requests its weights, and
-//! waits for the predecessor's results (`wait_previous` in common.cuh) before it reads them or writes.
+//! launched with programmatic dependent launch: each starts while its predecessor runs, requests what does not
+//! depend on it (weights, its own state), and waits for the predecessor's results (`wait_previous` in common.cuh)
+//! before it reads them or writes; only then may the kernel after it start.
 
 use lily_model::backend::Backend;
 use lily_model::config::LayerKind;
@@ -34,6 +35,7 @@ pub struct DeviceState {
     pub q: DevBuf,
     pub part_o: DevBuf,
     pub part_ml: DevBuf,
+    /// The router's logits and the shared expert's gate (written for the self-test; the routing does not read them).
     pub router_logits: DevBuf,
     pub act: DevBuf,
     pub route_ids: DevBuf,
@@ -58,7 +60,6 @@ struct Grids {
     proj_attn: u32,
     out_proj_gdn: u32,
     out_proj_attn: u32,
-    router: u32,
     gate_up: u32,
     down: u32,
     lm_head: u32,
@@ -76,7 +77,7 @@ pub enum Op {
     AttnPartial(usize),
     AttnMerge(usize),
     AttnOutProj(usize),
-    Router(usize),
+    /// The router, the routing, and the gate and up projections of the chosen and the shared experts.
     ExpertsGateUp(usize),
     ExpertsDown(usize),
     AdvancePosition,
@@ -129,7 +130,6 @@ impl CudaModel {
             proj_attn: mv_grid("proj_normed", 2 * c.q_dim() + 2 * c.kv_dim(), rpb_h)?,
             out_proj_gdn: mv_grid("out_proj_gdn", c.hidden_size, kernels.constant("rows_per_block_lin_v"))?,
             out_proj_attn: mv_grid("out_proj_attn", c.hidden_size, kernels.constant("rows_per_block_q"))?,
-            router: blocks(c.num_experts + 1, 8),
             gate_up: blocks((c.num_experts_per_tok + 1) * c.moe_intermediate_size, kernels.constant("pairs_per_block")),
             down: blocks(c.hidden_size, kernels.constant("down_rows_per_block")),
             lm_head: mv_grid("lm_head", c.vocab_size, rpb_h)?,
@@ -202,7 +202,7 @@ impl CudaModel {
                     ops.extend([Op::MixerInProj(l), Op::AttnPrep(l), Op::AttnPartial(l), Op::AttnMerge(l), Op::AttnOutProj(l)])
                 }
             }
-            ops.extend([Op::Router(l), Op::ExpertsGateUp(l), Op::ExpertsDown(l)]);
+            ops.extend([Op::ExpertsGateUp(l), Op::ExpertsDown(l)]);
         }
         ops.push(Op::AdvancePosition);
         ops
@@ -306,15 +306,12 @@ impl CudaModel {
                 let a = attn(l)?;
                 self.launch("out_proj_attn", (self.grids.out_proj_attn, 1, 1), 256, a.o_proj.arg(Args::new().ptr(s.core.ptr)).ptr(s.hidden.ptr), p)
             }
-            Op::Router(l) => {
-                let layer = &w.layers[l];
-                self.launch("router", (self.grids.router, 1, 1), 256, layer.router.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr)).ptr(s.router_logits.ptr), p)
-            }
             Op::ExpertsGateUp(l) => {
                 let layer = &w.layers[l];
-                let args = Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr).ptr(s.router_logits.ptr);
+                let args = layer.router.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr));
                 let args = layer.shared_up.arg(layer.shared_gate.arg(layer.experts_up.arg(layer.experts_gate.arg(args))));
-                self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), self.kernels.constant("gate_up_threads") as u32, args.ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr), p)
+                let args = args.ptr(s.router_logits.ptr).ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr);
+                self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), self.kernels.constant("gate_up_threads") as u32, args, p)
             }
             Op::ExpertsDown(l) => {
                 let layer = &w.layers[l];

@@ -86,11 +86,13 @@ pub struct Options {
     pub full_shape: bool,
     /// Directory of the transformers golden files (`scripts/golden.py`); the check is skipped where it is absent.
     pub golden: std::path::PathBuf,
+    /// The run's seed; by default one from the clock.
+    pub seed: Option<u64>,
 }
 
 /// Runs every check; returns the number of failures.
 pub fn run_all(options: &Options) -> Result<usize> {
-    let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    let seed = options.seed.unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     println!("selftest seed {seed}");
     let mut report = Report { failures: 0 };
     let gpu = Gpu::open()?;
@@ -300,6 +302,7 @@ fn compare_models(mut cpu: CpuBackend, mut gpu: CudaBackend, seed: u64, steps: u
     cpu.prefill(&prompt).map_err(fe)?;
     gpu.prefill(&prompt).map_err(fe)?;
     let mut worst = rel_err(gpu.logits(), cpu.logits());
+    let mut errors = format!("prompt {worst:.2e}, decode steps");
     let mut mismatches = 0;
     let mut first_mismatch = None;
     let mut greedy = lily_model::sampling::Sampler::new(Default::default());
@@ -317,8 +320,13 @@ fn compare_models(mut cpu: CpuBackend, mut gpu: CudaBackend, seed: u64, steps: u
         }
         cpu.decode(cpu_token).map_err(fe)?;
         gpu.decode(cpu_token).map_err(fe)?;
-        worst = worst.max(rel_err(gpu.logits(), cpu.logits()));
+        let err = rel_err(gpu.logits(), cpu.logits());
+        if step < 8 {
+            errors += &format!(" {err:.2e}");
+        }
+        worst = worst.max(err);
     }
+    println!("     logits' errors: {errors}{}", if steps > 9 { " ..." } else { "" });
     report.check(&format!("logits, prompt of {} then {} decode steps", prompt.len(), steps.saturating_sub(1)), worst, tol);
     // The kernels have no order-dependent reductions: a repeated prefill must give the same bits (a race would not).
     gpu.prefill(&prompt).map_err(fe)?;
@@ -530,7 +538,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         report.check("out_proj_attn (4-bit matvec + residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
     }
 
-    // MoE: router (8-bit) and shared gate, routing, gate/up of the 9 experts, down with weights + residual.
+    // MoE: router (8-bit) and shared gate with the routing and the gate/up of the 9 experts, then down with
+    // weights + residual.
     {
         let l = first_linear;
         let moe = &w.layers[l].moe;
@@ -539,14 +548,13 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         g.upload(s.hidden.ptr, &hidden)?;
         poison(g, &s.router_logits)?;
         poison(g, &s.act)?;
-        run(model, Op::Router(l))?;
+        run(model, Op::ExpertsGateUp(l))?;
         let mut x = vec![0.0; h];
         rmsnorm(&hidden, &w.layers[l].post_attention_norm, c.rms_norm_eps, &mut x);
         let mut logits = vec![0.0; e + 1];
         qmatmul(moe.router.view(), &x, &mut logits[..e]);
         qmatmul(moe.shared_expert_gate.view(), &x, &mut logits[e..]);
         report.check("router + shared expert gate (8-bit matvec + rmsnorm)", rel_err(&download_f32(g, &s.router_logits, e + 1)?, &logits), 1e-4);
-        run(model, Op::ExpertsGateUp(l))?;
         run(model, Op::ExpertsDown(l))?;
         let gpu_logits = download_f32(g, &s.router_logits, e + 1)?;
         let (mut ids, mut weights) = (vec![0usize; c.num_experts_per_tok], vec![0.0f32; c.num_experts_per_tok]);
