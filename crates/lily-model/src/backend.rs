@@ -41,6 +41,11 @@ impl CpuBackend {
     pub fn model(&self) -> &CpuModel {
         &self.model
     }
+
+    /// The smallest routing margin of the last prefill or decode step (see `State::route_margin`).
+    pub fn route_margin(&self) -> f32 {
+        self.state.route_margin
+    }
 }
 
 impl Backend for CpuBackend {

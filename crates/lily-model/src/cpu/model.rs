@@ -35,6 +35,9 @@ pub struct State {
     /// Tokens already processed (the next token's position).
     pub position: usize,
     pub max_context: usize,
+    /// The smallest routing margin (`moe::route_margin`) of the last prefill or decode step, over its tokens and
+    /// layers: below the precision another implementation reaches, it may choose other experts.
+    pub route_margin: f32,
     /// Per full-attention layer: keys and values, `[max_context][kv_heads * head_dim]`.
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
@@ -70,6 +73,7 @@ impl State {
         State {
             position: 0,
             max_context,
+            route_margin: f32::INFINITY,
             k_cache: (0..c.num_full_layers()).map(|_| zeros(max_context * c.kv_dim())).collect(),
             v_cache: (0..c.num_full_layers()).map(|_| zeros(max_context * c.kv_dim())).collect(),
             conv: (0..c.num_linear_layers()).map(|_| zeros((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim())).collect(),
@@ -165,6 +169,7 @@ impl CpuModel {
         self.check(state, tokens)?;
         let vocab = self.config().vocab_size;
         let mut row = vec![0.0; vocab];
+        state.route_margin = f32::INFINITY;
         for (slice_index, slice) in tokens.chunks(PREFILL_SLICE).enumerate() {
             let base = slice_index * PREFILL_SLICE;
             self.forward(state, slice, Pass::Prefill);
@@ -182,6 +187,7 @@ impl CpuModel {
     /// One decode step: appends `token` to the sequence and writes the next-token logits.
     pub fn decode(&self, state: &mut State, token: u32, logits: &mut [f32]) -> Result<(), ForwardError> {
         self.check(state, &[token])?;
+        state.route_margin = f32::INFINITY;
         self.forward(state, &[token], Pass::Decode);
         let h = self.config().hidden_size;
         self.lm_head(&state.act.normed[..h], logits);
@@ -220,7 +226,8 @@ impl CpuModel {
             }
             add(&mut state.act.hidden[..n * h], &state.act.mixer_out[..n * h]);
             rmsnorm(&state.act.hidden[..n * h], &layer.post_attention_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
-            moe_forward(&layer.moe, c.num_experts, c.num_experts_per_tok, &state.act.normed[..n * h], &mut state.act.moe_out[..n * h]);
+            let margin = moe_forward(&layer.moe, c.num_experts, c.num_experts_per_tok, &state.act.normed[..n * h], &mut state.act.moe_out[..n * h]);
+            state.route_margin = state.route_margin.min(margin);
             add(&mut state.act.hidden[..n * h], &state.act.moe_out[..n * h]);
         }
         rmsnorm(&state.act.hidden[..n * h], &w.final_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);

@@ -43,8 +43,20 @@ fn expert_forward(
     qmatmul(down, &g, out);
 }
 
-/// `out = moe(x)` for `[tokens][hidden]` inputs.
-pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: &mut [f32]) {
+/// How close the routing came to choosing otherwise: the gap between the `k`-th and the next largest logit,
+/// relative to the largest magnitude (infinite when every expert is chosen).
+pub fn route_margin(logits: &[f32], k: usize) -> f32 {
+    if k >= logits.len() {
+        return f32::INFINITY;
+    }
+    let mut sorted = logits.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let scale = sorted.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    (sorted[k - 1] - sorted[k]) / scale
+}
+
+/// `out = moe(x)` for `[tokens][hidden]` inputs; returns the smallest routing margin of its tokens.
+pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: &mut [f32]) -> f32 {
     let hidden = moe.router.cols;
     let tokens = x.len() / hidden;
     let inter = moe.experts_gate.rows / num_experts;
@@ -53,7 +65,9 @@ pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: 
     qmatmul(moe.router.view(), x, &mut logits);
     let mut chosen = vec![0usize; tokens * top_k];
     let mut weights = vec![0.0f32; tokens * top_k];
+    let mut margin = f32::INFINITY;
     for t in 0..tokens {
+        margin = margin.min(route_margin(&logits[t * num_experts..(t + 1) * num_experts], top_k));
         route(
             &logits[t * num_experts..(t + 1) * num_experts],
             top_k,
@@ -98,6 +112,7 @@ pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: 
             }
         }
     }
+    margin
 }
 
 #[cfg(test)]
@@ -116,5 +131,14 @@ mod tests {
         let total = e(3.0) + 2.0 * e(2.0);
         assert!((weights[0] - e(3.0) / total).abs() < 1e-6);
         assert!((weights[1] - e(2.0) / total).abs() < 1e-6);
+    }
+
+    #[test]
+    fn route_margin_is_the_gap_after_the_last_chosen_relative_to_the_largest_magnitude() {
+        let logits = [0.1, 2.0, -4.0, 2.0, 0.5, 3.0];
+        assert_eq!(route_margin(&logits, 1), 1.0 / 4.0);
+        assert_eq!(route_margin(&logits, 2), 0.0);
+        assert_eq!(route_margin(&logits, 3), 1.5 / 4.0);
+        assert_eq!(route_margin(&logits, 6), f32::INFINITY);
     }
 }
