@@ -71,9 +71,6 @@ __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log
 __device__ __forceinline__ float nibble_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFu)) - 8388608.f;
 }
-__device__ __forceinline__ float byte_to_float(u32 word, int shift) {
-    return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFFu)) - 8388608.f;
-}
 
 // Programmatic dependent launch (the decode step's kernels are launched with it): a kernel requests what does not
 // depend on its predecessor (its weights, its own state), then waits for the predecessor's results, and only then
@@ -360,6 +357,7 @@ struct Matvec {
     static constexpr int STRIPS = WARPS / KSPLIT;
     static constexpr int ROWS_PER_BLOCK = 16 * STRIPS;
     static_assert(COLS % MV_TILE == 0 && TILES % KSPLIT == 0 && WARPS % KSPLIT == 0, "tiles split evenly");
+    static_assert(ROWS_PER_BLOCK <= MV_THREADS, "a thread stores at most one row of a pass");
     typedef StripLane<COLS> Lane;
     struct Shared {
         StagedX<COLS> st;
@@ -370,8 +368,8 @@ struct Matvec {
     // `stager` stages the input (its early part requested with the first tiles' weights, before the wait);
     // `out.before(row)` loads what the store needs (after the wait, with the staging) and `out.store(row, value,
     // sum_sq, before)` gets the block's sum of squares for a norm applied after the products.
-    template <typename Stager, typename Out>
-    __device__ __forceinline__ static void run(Shared& sh, Q4 m, int rows, Stager& stager, Out& out) {
+    template <typename Staging, typename Out>
+    __device__ __forceinline__ static void run(Shared& sh, Q4 m, int rows, Staging& stager, Out& out) {
         const int warp = threadIdx.x / WARP;
         const int strip = warp / KSPLIT, kpart = warp % KSPLIT;
         Lane lane;
@@ -425,33 +423,6 @@ struct ResidualOut {
     __device__ __forceinline__ float before(int r) const { return hidden[r]; }
     __device__ __forceinline__ void store(int r, float v, float, float old) const { hidden[r] = old + v; }
 };
-
-// The prologues below issue every global load before the first use: a loop that loads, uses and stores one
-// element at a time waits out the cache latency once per element.
-
-// xs = hidden * rsqrt(mean(hidden^2) + eps) * norm (zero-centred RMSNorm, scale stored as 1 + w), written
-// into shared memory by a block of THREADS threads. Ends with a barrier.
-template <int N, int THREADS>
-__device__ __forceinline__ void rmsnorm_to_shared(const float* hidden, const float* norm, float* xs, float* scratch) {
-    constexpr int PER = (N + THREADS - 1) / THREADS;
-    float h[PER], w[PER];
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int c = threadIdx.x + i * THREADS;
-        h[i] = c < N ? hidden[c] : 0.f;
-        w[i] = c < N ? norm[c] : 0.f;
-    }
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; i++) s += h[i] * h[i];
-    const float inv = 1.f / sqrtf(block_sum(s, scratch) / N + RMS_EPS);
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int c = threadIdx.x + i * THREADS;
-        if (c < N) xs[c] = h[i] * inv * w[i];
-    }
-    __syncthreads();
-}
 
 // Counter-based random numbers, the twin of lily_model::rng (synthetic weights and sampling draw the same
 // numbers on CPU and GPU).

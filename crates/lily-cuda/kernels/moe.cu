@@ -1,5 +1,5 @@
-// The sparse MoE block in two launches. The first computes the router (8-bit), routes (softmax, top-k,
-// renormalise) and runs the gate and up projections of the routed and the shared experts; the second the down
+// The sparse MoE block in two launches. The first computes the router (8-bit), routes (the top-k logits, then
+// their softmax: the renormalised top-k of the full softmax) and runs the gate and up projections of the routed and the shared experts; the second the down
 // projections with the routing weights applied and the residual add. Chosen experts' weights are read in place
 // from the stacked tensors.
 //
@@ -58,9 +58,10 @@ __device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) {
 // The TOP_K largest of `logits` in order into ids / chosen, by rank counting in two rounds: each warp's 32 experts
 // against each other (a warp's TOP_K best are the candidates), then the candidates against each other (every
 // expert that ranks before one of the TOP_K best is a candidate). One thread an expert; the block calls it.
+#define TOP_K_GROUP (NUM_EXPERTS < WARP ? NUM_EXPERTS : WARP)
+#define TOP_K_CANDIDATES (NUM_EXPERTS / TOP_K_GROUP * TOP_K)
 __device__ __forceinline__ void top_k(const float* logits, float* cand_v, int* cand_e, int* ids, float* chosen) {
-    constexpr int GROUP_SIZE = NUM_EXPERTS < WARP ? NUM_EXPERTS : WARP;
-    constexpr int CANDIDATES = NUM_EXPERTS / GROUP_SIZE * TOP_K;
+    constexpr int GROUP_SIZE = TOP_K_GROUP, CANDIDATES = TOP_K_CANDIDATES;
     const int e = threadIdx.x, group = e / GROUP_SIZE;
     if (e < NUM_EXPERTS) {
         const float v = logits[e];
@@ -93,14 +94,13 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS
     constexpr int KSPLIT = GateUpShape::KSPLIT, TPW = GateUpShape::TPW, WARPS = MV_THREADS / WARP;
     constexpr int R_TILES = HIDDEN / MV_TILE, R_TPW = (R_TILES + WARPS - 1) / WARPS;
     constexpr int SPB = ROUTER_STRIPS / GATE_UP_CLUSTER;  // router strips a routed block computes
-    constexpr int CANDIDATES = NUM_EXPERTS / (NUM_EXPERTS < WARP ? NUM_EXPERTS : WARP) * TOP_K;
     __shared__ StagedX<HIDDEN> st;
     __shared__ float part_gate[KSPLIT][GATE_UP_PAIRS], part_up[KSPLIT][GATE_UP_PAIRS];
     __shared__ float part_router[SPB][WARPS][16];
     __shared__ float sum_sq[WARPS];
     __shared__ __align__(16) float own_logits[SPB * 16];
-    __shared__ float cand_v[CANDIDATES], chosen[TOP_K];
-    __shared__ int cand_e[CANDIDATES], ids[TOP_K];
+    __shared__ float cand_v[TOP_K_CANDIDATES], chosen[TOP_K];
+    __shared__ int cand_e[TOP_K_CANDIDATES], ids[TOP_K];
 #if GATE_UP_CLUSTER > 1
     __shared__ __align__(16) float gathered[NUM_EXPERTS];
     const int rank = (int)cluster_rank();
