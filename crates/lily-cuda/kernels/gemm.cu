@@ -17,8 +17,8 @@
 // FMAs: x * 1 - 128 = q exactly, and scale * q + bias rounded once. The tensor cores thus see each weight
 // rounded to bf16 (relative error <= 2^-9), the activations exactly, and sum in f32.
 // 8-bit (the router, 257 rows): the weights are formed in f32 (exact), split into bf16 hi + lo parts and
-// multiplied twice, so the router logits are as accurate as an f32 product and the top-k choices do not
-// depend on the path; twice the tensor work of a small product.
+// multiplied twice, so the products are exact to f32 for the bf16 activations they are given (the prefill gives
+// the router's input as two bf16 parts, two products); twice the tensor work of a small product.
 //
 // Occupancy: the dense kernels run one block (8 warps) per SM with up to 255 registers a thread (a 128 x 32
 // warp tile is 128 f32 accumulators) and 4 x 25 KB of shared memory (q4, BM = 128); the MoE kernels two blocks

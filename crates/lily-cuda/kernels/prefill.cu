@@ -44,6 +44,51 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(const flo
     }
 }
 
+// Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.
+__device__ void route(const float* logits, int* ids, float* weights) {
+    constexpr int PER_LANE = (NUM_EXPERTS + WARP - 1) / WARP;
+    const int lane = threadIdx.x % WARP;
+    float v[PER_LANE];
+    float mx = -INF_F;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const int e = lane + WARP * i;
+        v[i] = e < NUM_EXPERTS ? logits[e] : -INF_F;
+        mx = fmaxf(mx, v[i]);
+    }
+    mx = warp_max(mx);
+    float denom = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++)
+        if (lane + WARP * i < NUM_EXPERTS) denom += expf(v[i] - mx);
+    denom = warp_sum(denom);
+    float chosen_sum = 0.f;
+    for (int slot = 0; slot < TOP_K; slot++) {
+        float best = -INF_F;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const int e = lane + WARP * i;
+            if (e < NUM_EXPERTS && (v[i] > best || (v[i] == best && e < best_e))) best = v[i], best_e = e;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+        }
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + WARP * i == best_e) v[i] = -INF_F;
+        const float p = expf(best - mx) / denom;
+        chosen_sum += p;
+        if (lane == 0) ids[slot] = best_e, weights[slot] = p;
+    }
+    __syncwarp();
+    if (lane < TOP_K) weights[lane] /= chosen_sum;
+    __syncwarp();
+}
+
 // One warp per token: route_ids/route_w [t][TOP_K] (entry token*TOP_K + slot), shared_w[token] = the shared
 // expert's sigmoid gate, counts[e] += tokens routed to e (zeroed before). logits: [t][NUM_EXPERTS + 1].
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float* logits, int t, int* route_ids,

@@ -628,7 +628,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let distinct = backend_tokens.iter().collect::<std::collections::BTreeSet<_>>().len();
         report.check_eq("sample: draws vary with the counter", distinct > 1, &format!("{distinct} distinct tokens"));
         // Activations are not zero-mean: a common offset (each group's sum dominating its products) and rare large
-        // values (a group's fp16 scale set by one value) take other paths through the staging.
+        // values (a group's scale set by one value) take other paths through the staging.
         for (what, offset, outlier) in [("a common offset", 4.0f32, 1.0f32), ("outliers", 0.0, 300.0)] {
             let mut hidden = normals(&mut rng, h, 1.0);
             for (i, v) in hidden.iter_mut().enumerate() {
