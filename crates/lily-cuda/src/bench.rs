@@ -189,6 +189,20 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
             set_depth(backend, depth, plan.fill, &mut rng)?;
             let profile = backend.model.profile_step()?;
             print_profile("one un-captured decode step", depth, profile);
+            let synced = rows.last().map(|r| r.tokens_per_s.0).unwrap_or(0.0);
+            set_depth(backend, depth, plan.fill, &mut rng)?;
+            let tokens: Vec<u32> = (0..plan.generate).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let start = Instant::now();
+            for &t in &tokens {
+                backend.decode(t).map_err(fe)?;
+            }
+            backend.model.gpu.sync()?;
+            let queued = tokens.len() as f64 / start.elapsed().as_secs_f64();
+            println!(
+                "{} decode steps queued at depth {depth} with one synchronisation at the end: {queued:.1} tok/s; the synchronisation after every token costs {:.1} us a token\n",
+                tokens.len(),
+                1e6 / synced - 1e6 / queued
+            );
         }
     }
     Ok(rows)

@@ -65,6 +65,30 @@ impl Drop for DevBuf {
     }
 }
 
+/// One i32 in pinned host memory that kernels write through its device address: the host reads it after a
+/// synchronisation without a copy on the stream (the chosen token of each step).
+pub struct HostCell {
+    host: *mut i32,
+    /// The address kernels write to.
+    pub ptr: sys::CUdeviceptr,
+}
+
+// Written by the GPU and read by the one thread that uses the backend, after a synchronisation.
+unsafe impl Send for HostCell {}
+
+impl HostCell {
+    /// The value (call after the work that writes it has been waited for).
+    pub fn read(&self) -> i32 {
+        unsafe { std::ptr::read_volatile(self.host) }
+    }
+}
+
+impl Drop for HostCell {
+    fn drop(&mut self) {
+        let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+    }
+}
+
 /// One GPU, its primary context and the stream all of lily's work goes to.
 pub struct Gpu {
     _ctx: Arc<CudaContext>,
@@ -136,6 +160,21 @@ impl Gpu {
         let buf = self.alloc(bytes)?;
         self.memset_u8(buf.ptr, 0, bytes)?;
         Ok(buf)
+    }
+
+    /// A zeroed [`HostCell`].
+    pub fn host_cell(&self) -> Result<HostCell> {
+        let mut host: *mut c_void = std::ptr::null_mut();
+        check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
+        let mut cell = HostCell { host: host as *mut i32, ptr: 0 };
+        unsafe { std::ptr::write_volatile(cell.host, 0) };
+        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut cell.ptr, host, 0) })?;
+        Ok(cell)
+    }
+
+    /// Queues a write of one 32-bit value to device memory, done by the stream itself (no copy, no host buffer).
+    pub fn write_u32(&self, ptr: sys::CUdeviceptr, value: u32) -> Result<()> {
+        check("cuStreamWriteValue32", unsafe { sys::cuStreamWriteValue32_v2(self.stream, ptr, value, 0) })
     }
 
     pub fn memset_u8(&self, ptr: sys::CUdeviceptr, value: u8, bytes: usize) -> Result<()> {

@@ -13,7 +13,7 @@ use lily_model::cpu::model::ForwardError;
 use lily_model::sampling::Sampler;
 use lily_model::Config;
 
-use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, Result};
+use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, HostCell, Result};
 use crate::launch::{Launcher, Profile};
 use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
 use crate::kernels::{Kernels, ATTN_SPLITS};
@@ -25,8 +25,8 @@ pub struct DeviceState {
     pub position: DevBuf,
     /// i32 `[max_context]`: the sequence's token ids.
     pub tokens: DevBuf,
-    /// i32: the token the last step chose greedily (or the sampler chose).
-    pub next_token: DevBuf,
+    /// i32 in host memory: the token the last step chose greedily (or the sampler chose), read without a copy.
+    pub next_token: HostCell,
     pub hidden: DevBuf,
     /// Input projections of the current mixer.
     pub proj: DevBuf,
@@ -138,7 +138,7 @@ impl CudaModel {
         let state = DeviceState {
             position: gpu.alloc_zeroed(4)?,
             tokens: gpu.alloc_zeroed(max_context * 4)?,
-            next_token: gpu.alloc_zeroed(4)?,
+            next_token: gpu.host_cell()?,
             hidden: f32s(c.hidden_size)?,
             proj: f32s((c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(2 * c.q_dim() + 2 * c.kv_dim()))?,
             core: f32s(c.linear_value_dim().max(c.q_dim()))?,
@@ -429,9 +429,8 @@ impl CudaBackend {
 
     /// The chosen next token after the last step (waits for the GPU).
     pub fn read_next_token(&self) -> Result<u32> {
-        let mut t = [0i32];
-        self.model.gpu.download(self.model.state.next_token.ptr, &mut t)?;
-        Ok(t[0] as u32)
+        self.model.gpu.sync()?;
+        Ok(self.model.state.next_token.read() as u32)
     }
 
     /// Places the context at `depth` random tokens of state (benchmarks).
@@ -483,13 +482,20 @@ impl CudaBackend {
         self.append(tokens).map_err(device_err)
     }
 
-    /// One token goes through the captured decode step; more through the prefill.
+    /// One token goes through the captured decode step (its id written by the stream: no copy); more through the
+    /// prefill.
     fn append(&mut self, tokens: &[u32]) -> Result<()> {
         // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
-        self.model.gpu.upload_async(self.model.state.tokens.at(self.position * 4), tokens)?;
-        match tokens.len() {
-            1 => self.run_steps(1),
-            n => self.run_prefill(n),
+        let at = self.model.state.tokens.at(self.position * 4);
+        match tokens {
+            &[token] => {
+                self.model.gpu.write_u32(at, token)?;
+                self.run_steps(1)
+            }
+            _ => {
+                self.model.gpu.upload_async(at, tokens)?;
+                self.run_prefill(tokens.len())
+            }
         }
     }
 }

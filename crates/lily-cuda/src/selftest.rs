@@ -599,10 +599,10 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         qmatmul(w.lm_head.view(), &x, &mut expected);
         let got = download_f32(g, &s.logits, c.vocab_size)?;
         report.check("lm_head (4-bit matvec + final norm)", rel_err(&got, &expected), 1e-4);
-        let mut token = [0i32];
-        g.download(s.next_token.ptr, &mut token)?;
+        g.sync()?;
+        let token = s.next_token.read();
         let best = lily_model::sampling::argmax(&got);
-        report.check_eq("lm_head: fused greedy choice == argmax of its logits", token[0] as u32 == best, &format!("{} vs {best}", token[0]));
+        report.check_eq("lm_head: fused greedy choice == argmax of its logits", token as u32 == best, &format!("{token} vs {best}"));
         let mut order: Vec<u32> = (0..c.vocab_size as u32).collect();
         order.sort_by(|a, b| got[*b as usize].total_cmp(&got[*a as usize]));
         let mut backend_tokens = Vec::new();
@@ -619,9 +619,10 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
                     .u64(counter)
                     .ptr(s.next_token.ptr);
                 g.launch(model.kernels.get("sample"), (1, 1, 1), 1024, &mut args)?;
-                g.download(s.next_token.ptr, &mut token)?;
-                inside &= order[..allowed].contains(&(token[0] as u32));
-                backend_tokens.push(token[0]);
+                g.sync()?;
+                let token = s.next_token.read();
+                inside &= order[..allowed].contains(&(token as u32));
+                backend_tokens.push(token);
             }
             report.check_eq(&format!("sample (T {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}) in the top {allowed}"), inside, "64 draws");
         }
