@@ -3,6 +3,12 @@
 // projections with the routing weights applied and the residual add. Chosen experts' weights are read in place
 // from the stacked tensors.
 //
+// The second launch's weights depend only on the routing, published before the first launch ends: block 0 of
+// the first sets a flag once the routing is written, and the second requests its chosen experts' rows as soon as
+// it sees the flag (its blocks start while the first launch is still running), so those rows come from DRAM while
+// the first launch computes. The flag is cleared by the first launch before its wait: the second of the previous
+// layer, its only reader, has ended by then, and the second of this layer starts only after that.
+//
 // Every block of the first launch needs the routing, so every block needs all the router's logits. On Hopper a
 // cluster of blocks shares them: each block computes one strip of 16 router rows (its weights requested before the
 // wait) and reads the others' from its neighbours' shared memory. Elsewhere each block computes them all.
@@ -52,6 +58,20 @@ __device__ __forceinline__ float load_from_block(const float* local, u32 rank) {
 }
 #endif
 
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int load_relaxed(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Whether expert a (logit va) ranks before expert b: the larger logit, the lower index among equals.
 __device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) { return va > vb || (va == vb && a < b); }
 
@@ -85,11 +105,11 @@ __device__ __forceinline__ void top_k(const float* logits, float* cand_v, int* c
 
 // logits[e] = router[e] . x for e < NUM_EXPERTS and logits[NUM_EXPERTS] = the shared expert's gate (both 8-bit,
 // stacked in `router`), x = rmsnorm(hidden); the routing; then act[slot][i] = silu(gate_e[i] . x) * (up_e[i] . x)
-// for the routed experts e and the shared expert (slot TOP_K). Block 0 publishes the routing (ids, weights), the
-// shared expert's first block its sigmoid gate; the logits are written for the self-test.
+// for the routed experts e and the shared expert (slot TOP_K). Block 0 publishes the routing (ids, weights, then
+// `route_ready` = 1), the shared expert's first block its sigmoid gate; the logits are written for the self-test.
 extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS experts_gate_up(
     const float* hidden, const float* norm, Q4 router, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
-    float* logits, float* act, int* route_ids, float* route_w) {
+    float* logits, float* act, int* route_ids, float* route_w, u32* route_ready) {
     typedef StripLane<HIDDEN> Lane;
     constexpr int KSPLIT = GateUpShape::KSPLIT, TPW = GateUpShape::TPW, WARPS = MV_THREADS / WARP;
     constexpr int R_TILES = HIDDEN / MV_TILE, R_TPW = (R_TILES + WARPS - 1) / WARPS;
@@ -131,6 +151,10 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS
             if (i < strips) load_strip(i, rt[EARLY ? i : 0]);
     Stager<HIDDEN, WARPS, NormedInput> stager{NormedInput{hidden, norm}};
     stager.prefetch(warp);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *route_ready = 0;
+        __threadfence();
+    }
     wait_previous();
 
     {
@@ -185,6 +209,9 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS
             const float w = threadIdx.x < TOP_K ? expf(chosen[threadIdx.x] - chosen[0]) : 0.f;
             const float total = warp_sum(w);
             if (threadIdx.x < TOP_K) route_ids[threadIdx.x] = ids[threadIdx.x], route_w[threadIdx.x] = w / total;
+            __threadfence();
+            __syncwarp();
+            if (threadIdx.x == 0) store_release(route_ready, 1u);
         }
     }
     const Q4 mg = routed ? gate : shared_gate, mu = routed ? up : shared_up;
@@ -219,10 +246,11 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS
 }
 
 // hidden[r] += sum_slot weight_slot * (down_e[r] . act[slot]): a block takes 16 rows, one warp a slot; each warp
-// stages its own slot's input.
+// stages its own slot's input. The rows are requested before the wait: the shared expert's at once, the routed
+// ones when experts_gate_up has published the routing.
 extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const float* act, const int* route_ids,
-                                                                       const float* route_w, Q4 down,
-                                                                       Q4 shared_down, float* hidden) {
+                                                                       const float* route_w, const u32* route_ready,
+                                                                       Q4 down, Q4 shared_down, float* hidden) {
     typedef StripLane<MOE_INTER> Lane;
     constexpr int TILES = MOE_INTER / MV_TILE;
     __shared__ StagedX<MOE_INTER> st[SLOTS];
@@ -235,10 +263,14 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
 #pragma unroll
         for (int j = 0; j < TILES; j++) tiles[j] = lane.load(m, row0, 1 << 30, j);
     };
-    if (slot == TOP_K) load(shared_down, blockIdx.x * 16);  // the shared expert's rows depend on nothing
+    if (slot == TOP_K) {
+        load(shared_down, blockIdx.x * 16);
+    } else {
+        while (load_acquire(route_ready) == 0) __nanosleep(100);
+        load(down, load_relaxed(route_ids + slot) * HIDDEN + blockIdx.x * 16);
+    }
     wait_previous();
     const float old = threadIdx.x < 16 ? hidden[blockIdx.x * 16 + threadIdx.x] : 0.f;
-    if (slot < TOP_K) load(down, route_ids[slot] * HIDDEN + blockIdx.x * 16);
     const float weight = route_w[slot];
     Stager<MOE_INTER, 1, PlainInput>{PlainInput{act + slot * MOE_INTER}}.stage(st[slot], 0);
     __syncwarp();

@@ -40,6 +40,8 @@ pub struct DeviceState {
     pub act: DevBuf,
     pub route_ids: DevBuf,
     pub route_w: DevBuf,
+    /// u32: set by experts_gate_up once the routing is written (see moe.cu).
+    pub route_ready: DevBuf,
     pub logits: DevBuf,
     pub block_best: DevBuf,
     pub block_arg: DevBuf,
@@ -148,6 +150,7 @@ impl CudaModel {
             router_logits: f32s(c.num_experts + 1)?,
             act: f32s((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
             route_ids: gpu.alloc_zeroed(c.num_experts_per_tok * 4)?,
+            route_ready: gpu.alloc_zeroed(4)?,
             route_w: f32s(c.num_experts_per_tok + 1)?,
             logits: f32s(c.vocab_size)?,
             block_best: f32s(grids.lm_head as usize)?,
@@ -310,12 +313,12 @@ impl CudaModel {
                 let layer = &w.layers[l];
                 let args = layer.router.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr));
                 let args = layer.shared_up.arg(layer.shared_gate.arg(layer.experts_up.arg(layer.experts_gate.arg(args))));
-                let args = args.ptr(s.router_logits.ptr).ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr);
+                let args = args.ptr(s.router_logits.ptr).ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr).ptr(s.route_ready.ptr);
                 self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), self.kernels.constant("gate_up_threads") as u32, args, p)
             }
             Op::ExpertsDown(l) => {
                 let layer = &w.layers[l];
-                let args = Args::new().ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr);
+                let args = Args::new().ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr).ptr(s.route_ready.ptr);
                 let args = layer.shared_down.arg(layer.experts_down.arg(args)).ptr(s.hidden.ptr);
                 self.launch("experts_down", (self.grids.down, 1, 1), ((c.num_experts_per_tok + 1) * 32) as u32, args, p)
             }
