@@ -78,10 +78,33 @@ __device__ __forceinline__ float nibble_to_float(u32 word, int shift) {
 // start at once (the next one's trigger at its start) queues the whole step's weight requests ahead of the loads
 // each kernel waits on. Before Hopper there is no dependent launch (the host launches plainly there), and this is
 // a no-op.
+#ifdef LILY_TIMELINE
+// `lily bench --timeline`: the first thread of each kernel takes the next slot before its wait (kernels start in
+// launch order, so slots follow it) and writes the global clock (ns) there when the wait returns.
+#define TIMELINE_SLOTS (1 << 16)
+struct Timeline {
+    u32 next;
+    u32 unused;
+    u64 at[TIMELINE_SLOTS];
+};
+__device__ Timeline* timeline;  // set by the host in every module
+#endif
+
 __device__ __forceinline__ void wait_previous() {
+#ifdef LILY_TIMELINE
+    const bool first = threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && timeline;
+    const u32 slot = first ? atomicAdd(&timeline->next, 1u) : TIMELINE_SLOTS;
+#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#ifdef LILY_TIMELINE
+    if (slot < TIMELINE_SLOTS) {
+        u64 now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        timeline->at[slot] = now;
+    }
 #endif
 }
 

@@ -37,6 +37,8 @@ pub struct Plan {
     pub repetitions: usize,
     pub fill: DepthFill,
     pub profile: bool,
+    /// Also time each kernel inside the captured step (the kernels were loaded with the timeline).
+    pub timeline: bool,
 }
 
 pub struct Row {
@@ -132,6 +134,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
     println!("| model | device | test | depth (filled by {fill_name}) | t/s | bytes/token | GB/s | share of 4.6 TB/s | TFLOP/s | share of 790 TFLOP/s |");
     println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut rows = Vec::new();
+    let timeline = if plan.timeline { Some(crate::timeline::Timeline::attach(backend)?) } else { None };
     for &depth in &plan.depths {
         let tests: Vec<(String, usize, bool)> =
             plan.prompts.iter().map(|&p| (format!("pp{p}"), p, true)).chain((plan.generate > 0).then(|| (format!("tg{}", plan.generate), plan.generate, false))).collect();
@@ -203,6 +206,22 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                 tokens.len(),
                 1e6 / synced - 1e6 / queued
             );
+        }
+        if let (Some(timeline), true) = (&timeline, plan.generate > 1) {
+            set_depth(backend, depth, plan.fill, &mut rng)?;
+            let tokens: Vec<u32> = (0..plan.generate).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let entries = timeline.measure(backend, &tokens)?;
+            let step: f64 = entries.iter().map(|e| e.us_per_step).sum();
+            println!(
+                "\ninside the captured decode step at depth {depth} ({} tokens; from each kernel's wait returning to the next one's; step {step:.1} us, {:.1} tok/s):",
+                tokens.len(),
+                1e6 / step
+            );
+            println!("| kernel | launches | us a launch | us a step | share |\n| --- | ---: | ---: | ---: | ---: |");
+            for e in entries {
+                println!("| {} | {} | {:.2} | {:.1} | {:.1}% |", e.kernel, e.launches, e.us_per_step / e.launches as f64, e.us_per_step, 100.0 * e.us_per_step / step);
+            }
+            println!();
         }
     }
     Ok(rows)

@@ -111,7 +111,7 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
             bail!("libnvrtc not found: pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH");
         }
         for config in [Config::full_shape(), Config::tiny_shape()] {
-            for (name, bytes, log) in crate::kernels::compile_all(&config, "sm_90a")? {
+            for (name, bytes, log) in crate::kernels::compile_all(&config, "sm_90a", false)? {
                 println!("ok   {name:<14} hidden {:<5} {bytes} bytes of sm_90a code", config.hidden_size);
                 if !log.trim().is_empty() {
                     println!("{log}");
@@ -164,6 +164,10 @@ pub struct BenchArgs {
     /// Also print the per-kernel GPU time of one step at each depth (CUDA events).
     #[arg(long)]
     pub profile: bool,
+    /// Also time each kernel inside the captured decode step at each depth (kernels compiled with a clock
+    /// probe after each one's wait for the previous kernel; the timed tests then run those kernels too).
+    #[arg(long)]
+    pub timeline: bool,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }
@@ -176,6 +180,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let longest = prompts.iter().copied().max().unwrap_or(0).max(args.generate);
     let max_context = depths.iter().max().copied().unwrap_or(0) + longest + 1;
+    if args.timeline {
+        crate::kernels::enable_timeline();
+    }
     let gpu = Gpu::open()?;
     let (model, model_name) = match args.synthetic {
         Some(shape) => {
@@ -199,7 +206,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let device = model.gpu.name.clone();
     let mut backend = CudaBackend::new(model);
-    let plan = Plan { model_name, prompts, generate: args.generate, depths, repetitions: args.repetitions, fill: args.fill, profile: args.profile };
+    let plan = Plan { model_name, prompts, generate: args.generate, depths, repetitions: args.repetitions, fill: args.fill, profile: args.profile, timeline: args.timeline };
     let rows = bench::run(&mut backend, &plan)?;
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_string_pretty(&bench::to_json(&plan, &device, &rows))?).with_context(|| format!("writing {}", path.display()))?;

@@ -104,10 +104,20 @@ impl Target {
     }
 }
 
-fn options(config: &Config, target: &Target) -> Vec<String> {
+/// Kernels loaded after this call note when each one's wait returned (`lily bench --timeline`; see
+/// [`crate::timeline`]). They are compiled separately from (and cached beside) the plain ones.
+pub fn enable_timeline() {
+    TIMELINE.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+static TIMELINE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn options(config: &Config, target: &Target, timeline: bool) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={}", target.arch), "--std=c++17".into(), "-lineinfo".into()];
     if std::env::var_os("LILY_PTXAS_VERBOSE").is_some() {
         opts.push("--ptxas-options=-v".into());
+    }
+    if timeline {
+        opts.push("-DLILY_TIMELINE".into());
     }
     opts.extend(defines(config).into_iter().map(|(k, v)| format!("-D{k}={v}")));
     opts
@@ -172,9 +182,9 @@ pub fn compile(name: &str, source: &str, opts: &[String], machine_code: bool) ->
 }
 
 /// Compiles every kernel file for `arch` with `config`'s dimensions, without a GPU (the CI check).
-pub fn compile_all(config: &Config, arch: &str) -> Result<Vec<(String, usize, String)>> {
+pub fn compile_all(config: &Config, arch: &str, timeline: bool) -> Result<Vec<(String, usize, String)>> {
     let target = Target { arch: arch.into() };
-    let opts = options(config, &target);
+    let opts = options(config, &target, timeline);
     FILES
         .iter()
         .map(|(name, source, _, _)| {
@@ -211,7 +221,7 @@ impl Kernels {
     /// Compiles (or takes from the disk cache) and loads every kernel for this GPU and model.
     pub fn load(gpu: &Gpu, config: &Config) -> Result<Kernels> {
         let target = Target::for_device(gpu.compute_capability);
-        let opts = options(config, &target);
+        let opts = options(config, &target, TIMELINE.load(std::sync::atomic::Ordering::Relaxed));
         let mut kernels = Kernels { modules: Vec::new(), functions: HashMap::new(), constants: HashMap::new() };
         for (name, source, functions, constants) in FILES {
             let key = hash_str(hash_str(hash_str(0x6c696c79, source), COMMON), &format!("{opts:?} {} {}", target.arch, gpu.driver_version));
@@ -263,6 +273,19 @@ impl Kernels {
         Ok(kernels)
     }
 
+    /// Points every module's `timeline` at `buf` (kernels compiled with the timeline only).
+    pub fn attach_timeline(&self, gpu: &Gpu, buf: sys::CUdeviceptr) -> Result<()> {
+        if !TIMELINE.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(GpuError::Other("the kernels were loaded without the timeline".into()));
+        }
+        for &module in &self.modules {
+            let (mut ptr, mut bytes) = (0u64, 0usize);
+            check("cuModuleGetGlobal", unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, c"timeline".as_ptr()) })?;
+            gpu.upload(ptr, &[buf])?;
+        }
+        Ok(())
+    }
+
     pub fn get(&self, name: &'static str) -> Kernel {
         Kernel(*self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in FILES")))
     }
@@ -305,7 +328,7 @@ mod tests {
             return;
         }
         for config in [Config::full_shape(), Config::tiny_shape()] {
-            let compiled = compile_all(&config, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+            let compiled = compile_all(&config, "sm_90a", false).unwrap_or_else(|e| panic!("{e}"));
             for (name, bytes, log) in compiled {
                 assert!(bytes > 0, "{name}: empty image");
                 assert!(!log.contains("warning"), "{name}: {log}");
@@ -321,7 +344,20 @@ mod tests {
             eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
             return;
         }
-        for (name, bytes, log) in compile_all(&Config::full_shape(), "compute_80").unwrap_or_else(|e| panic!("{e}")) {
+        for (name, bytes, log) in compile_all(&Config::full_shape(), "compute_80", false).unwrap_or_else(|e| panic!("{e}")) {
+            assert!(bytes > 0, "{name}: empty image");
+            assert!(!log.contains("warning"), "{name}: {log}");
+        }
+    }
+
+    /// The kernels of `lily bench --timeline` (a clock probe after each kernel's wait) compile too.
+    #[test]
+    fn every_kernel_compiles_with_the_timeline() {
+        if !nvrtc_available() {
+            eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
+            return;
+        }
+        for (name, bytes, log) in compile_all(&Config::full_shape(), "sm_90a", true).unwrap_or_else(|e| panic!("{e}")) {
             assert!(bytes > 0, "{name}: empty image");
             assert!(!log.contains("warning"), "{name}: {log}");
         }

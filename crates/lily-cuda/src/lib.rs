@@ -15,6 +15,7 @@ pub mod prefill;
 pub mod prefill_attn;
 pub mod prefill_gdn;
 pub mod selftest;
+pub mod timeline;
 pub mod weights;
 
 pub use model::{CudaBackend, CudaModel};
