@@ -53,6 +53,83 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
     }
 }
 
+// Scores of the GQA query heads against key rows. The query sits in shared memory as [dim][head] with 16 bytes of
+// padding after every 8-dimension piece (see score_quartered). Even and odd dimensions go to separate sums: half
+// as long a chain of dependent FMAs.
+__device__ __forceinline__ int q_at(int d) { return d * GQA + (d >> 3) * 4; }
+
+// s[h] and s_odd[h] += the key's 8-dimension piece `raw` (dims d0 ..) against query head h.
+__device__ __forceinline__ void score_piece(const float* qs, uint4 raw, int d0, float (&s)[GQA], float (&s_odd)[GQA]) {
+    const u32 k2[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 kf = pair_to_float2(k2[e]);  // dims d0 + 2e (low) and d0 + 2e + 1 (high)
+        const float4* qa = (const float4*)&qs[q_at(d0 + 2 * e)];
+        const float4* qb = (const float4*)&qs[q_at(d0 + 2 * e + 1)];
+        const float4 a0 = qa[0], a1 = qa[1], b0 = qb[0], b1 = qb[1];
+        s[0] = fmaf(kf.x, a0.x, s[0]), s_odd[0] = fmaf(kf.y, b0.x, s_odd[0]);
+        s[1] = fmaf(kf.x, a0.y, s[1]), s_odd[1] = fmaf(kf.y, b0.y, s_odd[1]);
+        s[2] = fmaf(kf.x, a0.z, s[2]), s_odd[2] = fmaf(kf.y, b0.z, s_odd[2]);
+        s[3] = fmaf(kf.x, a0.w, s[3]), s_odd[3] = fmaf(kf.y, b0.w, s_odd[3]);
+        s[4] = fmaf(kf.x, a1.x, s[4]), s_odd[4] = fmaf(kf.y, b1.x, s_odd[4]);
+        s[5] = fmaf(kf.x, a1.y, s[5]), s_odd[5] = fmaf(kf.y, b1.y, s_odd[5]);
+        s[6] = fmaf(kf.x, a1.z, s[6]), s_odd[6] = fmaf(kf.y, b1.z, s_odd[6]);
+        s[7] = fmaf(kf.x, a1.w, s[7]), s_odd[7] = fmaf(kf.y, b1.w, s_odd[7]);
+    }
+}
+
+__device__ __forceinline__ void store_scores(float (&row)[GQA], const float (&s)[GQA], bool in) {
+    *(float4*)&row[0] = in ? make_float4(s[0], s[1], s[2], s[3]) : make_float4(-INF_F, -INF_F, -INF_F, -INF_F);
+    *(float4*)&row[4] = in ? make_float4(s[4], s[5], s[6], s[7]) : make_float4(-INF_F, -INF_F, -INF_F, -INF_F);
+}
+
+// Short parts (up to SCORE_ROWS positions): four threads a position, each a quarter of the dimensions. Quarter qd
+// reads 16-byte pieces 4c + qd of the key row, so the four read 64 contiguous bytes at once and a thread's loads
+// are all in flight together; the padding puts the four quarters' query reads in different banks. Rows past the
+// part get -inf.
+#define SCORE_ROWS (ATTN_THREADS / 4)
+__device__ __forceinline__ void score_quartered(const float* qs, const bf16* k_cache, int kv_head, int tile, int end,
+                                                float (*p)[GQA]) {
+    constexpr int PIECES = HEAD_DIM / 8 / 4;
+    const int qd = threadIdx.x % 4, row = threadIdx.x / 4, pos = tile + row;
+    float s[GQA], s_odd[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; h++) s[h] = 0.f, s_odd[h] = 0.f;
+    if (pos < end) {
+        const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
+        uint4 raw[PIECES];
+#pragma unroll
+        for (int c = 0; c < PIECES; c++) raw[c] = krow[4 * c + qd];
+#pragma unroll
+        for (int c = 0; c < PIECES; c++) score_piece(qs, raw[c], 8 * (4 * c + qd), s, s_odd);
+    }
+#pragma unroll
+    for (int h = 0; h < GQA; h++) {
+        s[h] += s_odd[h];
+        s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
+        s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
+    }
+    if (qd == 0) store_scores(p[row], s, pos < end);
+    for (int r = SCORE_ROWS + threadIdx.x; r < ATTN_TILE; r += ATTN_THREADS) store_scores(p[r], s, false);
+}
+
+// Longer parts: a thread a position, a whole tile at once.
+__device__ __forceinline__ void score_whole(const float* qs, const bf16* k_cache, int kv_head, int tile, int end,
+                                            float (*p)[GQA]) {
+    const int pos = tile + threadIdx.x;
+    float s[GQA], s_odd[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; h++) s[h] = 0.f, s_odd[h] = 0.f;
+    if (pos < end) {
+        const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
+#pragma unroll 8
+        for (int c = 0; c < HEAD_DIM / 8; c++) score_piece(qs, krow[c], 8 * c, s, s_odd);
+    }
+#pragma unroll
+    for (int h = 0; h < GQA; h++) s[h] += s_odd[h];
+    store_scores(p[threadIdx.x], s, pos < end);
+}
+
 // Grid (N_KV_HEADS, ATTN_SPLITS). Part `split` of the context [0, position] for the GQA query heads of a KV head:
 // writes the unnormalised output, the running max and the sum of exponentials per query head.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const int* position_ptr, const float* q,
@@ -60,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
                                                                         const bf16* v_cache,
                                                                         float* part_o, float* part_ml) {
     wait_previous();
-    __shared__ __align__(16) float qs[HEAD_DIM][GQA];  // dims outer, heads inner: one 32-byte read per dim
+    __shared__ __align__(16) float qs[HEAD_DIM * GQA + HEAD_DIM / 2];  // see q_at
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
     __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
     __shared__ __align__(16) float red[ATTN_WARPS][HEAD_DIM];
@@ -75,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
 #pragma unroll
         for (int h = 0; h < GQA; h++) qv[h] = q[(kv_head * GQA + h) * HEAD_DIM + t];
 #pragma unroll
-        for (int h = 0; h < GQA; h++) qs[t][h] = qv[h];
+        for (int h = 0; h < GQA; h++) qs[q_at(t) + h] = qv[h];
     }
     if (t < GQA) run_max[t] = -INF_F, run_sum[t] = 0.f;
     float acc[GQA][8];
@@ -86,36 +163,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
     __syncthreads();
 
     for (int tile = start; tile < end; tile += ATTN_TILE) {
-        // Scores: thread t takes position tile + t, all GQA heads.
-        const int pos = tile + t;
-        float s[GQA];
-#pragma unroll
-        for (int h = 0; h < GQA; h++) s[h] = 0.f;
-        if (pos < end) {
-            const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
-#pragma unroll 8
-            for (int c = 0; c < HEAD_DIM / 8; c++) {
-                const uint4 raw = krow[c];
-                const u32 k2[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float2 kf = pair_to_float2(k2[e]);  // dims 8c+2e (low) and 8c+2e+1 (high)
-                    const float4* qa = (const float4*)qs[8 * c + 2 * e];
-                    const float4* qb = (const float4*)qs[8 * c + 2 * e + 1];
-                    const float4 a0 = qa[0], a1 = qa[1], b0 = qb[0], b1 = qb[1];
-                    s[0] += kf.x * a0.x + kf.y * b0.x;
-                    s[1] += kf.x * a0.y + kf.y * b0.y;
-                    s[2] += kf.x * a0.z + kf.y * b0.z;
-                    s[3] += kf.x * a0.w + kf.y * b0.w;
-                    s[4] += kf.x * a1.x + kf.y * b1.x;
-                    s[5] += kf.x * a1.y + kf.y * b1.y;
-                    s[6] += kf.x * a1.z + kf.y * b1.z;
-                    s[7] += kf.x * a1.w + kf.y * b1.w;
-                }
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < GQA; h++) p[t][h] = pos < end ? s[h] : -INF_F;
+        if (end - start <= SCORE_ROWS)
+            score_quartered(qs, k_cache, kv_head, tile, end, p);
+        else
+            score_whole(qs, k_cache, kv_head, tile, end, p);
         __syncthreads();
         // Warp h: the tile's max for head h, the new running max, and the rescale of what came before.
         {
