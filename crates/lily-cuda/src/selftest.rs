@@ -249,6 +249,10 @@ fn compare_golden(gpu: &mut CudaBackend, dir: &std::path::Path, name: &str, same
     Ok(())
 }
 
+/// Where the CPU's routing came closer than this to choosing other experts (relative to the largest logit), the
+/// GPU, whose activations differ from the CPU's by about as much, may choose differently.
+const ROUTING_NEAR_TIE: f32 = 1e-3;
+
 /// The GPU prefill against the CPU on prompts that cross DeltaNet chunks (64) and prefill chunks: the logits after
 /// the prompt and after decode steps that continue from the prefill's state; the same prompt in chunks of 100
 /// tokens against one pass; a prompt split over prefill, a decode step and a second prefill against the CPU.
@@ -258,6 +262,7 @@ fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: 
     let mut rng = Rng::new(seed ^ 0x9e3f);
     let prompt: Vec<u32> = (0..333).map(|_| (rng.next_u64() % vocab) as u32).collect();
     cpu.prefill(&prompt).map_err(fe)?;
+    let prompt_margin = cpu.route_margin();
     gpu.prefill(&prompt).map_err(fe)?;
     let mut worst = rel_err(gpu.logits(), cpu.logits());
     println!("     prompt's logits: {worst:.2e}");
@@ -277,7 +282,14 @@ fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: 
     gpu.prefill(&prompt).map_err(fe)?;
     let chunked = gpu.logits().to_vec();
     gpu.model.prefill_chunk = chunk;
-    report.check("prefill in chunks of 100 vs one pass", rel_err(&chunked, &one_pass), chunked_tol);
+    // The two passes round differently, so where the prompt's routing had a near-tie they may choose different
+    // experts for a token; then they are held to the end-to-end tolerance only.
+    if prompt_margin < ROUTING_NEAR_TIE {
+        let name = format!("prefill in chunks of 100 vs one pass (routing near-tie in the prompt, margin {prompt_margin:.1e})");
+        report.check(&name, rel_err(&chunked, &one_pass), tol.max(chunked_tol));
+    } else {
+        report.check("prefill in chunks of 100 vs one pass", rel_err(&chunked, &one_pass), chunked_tol);
+    }
 
     gpu.prefill(&prompt[..150]).map_err(fe)?;
     gpu.decode(prompt[150]).map_err(fe)?;
@@ -299,10 +311,7 @@ fn compare_models(mut cpu: CpuBackend, mut gpu: CudaBackend, seed: u64, steps: u
         (0..if steps > 1 { 12 } else { 2 }).map(|_| (rng.next_u64() % vocab) as u32).collect()
     };
     let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
-    // Where the CPU's routing came closer than this to choosing other experts, the GPU (whose activations differ
-    // from the CPU's by about as much) may choose differently: logits out of tolerance there part for a reason
-    // that is not an error, and the comparison stops.
-    const ROUTING_NEAR_TIE: f32 = 1e-3;
+    // Logits out of tolerance after a near-tie part for a reason that is not an error: the comparison stops there.
     let near_tie = |err: f64, cpu: &CpuBackend| err > tol && cpu.route_margin() < ROUTING_NEAR_TIE;
     cpu.prefill(&prompt).map_err(fe)?;
     gpu.prefill(&prompt).map_err(fe)?;
