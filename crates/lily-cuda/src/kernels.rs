@@ -319,19 +319,26 @@ fn store(path: &PathBuf, image: &[u8]) {
 mod tests {
     use super::*;
 
-    /// CI's check: every kernel compiles for sm_90a at both shapes with NVRTC, no GPU needed. Skips (with the
-    /// reason) only where libnvrtc cannot be loaded.
-    #[test]
-    fn every_kernel_compiles_for_sm_90a() {
+    /// Every kernel file compiles for `arch` without a warning; false (with the reason printed) where libnvrtc
+    /// cannot be loaded, the only case a test skips.
+    fn compiles(config: &Config, arch: &str, timeline: bool) -> bool {
         if !nvrtc_available() {
             eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
-            return;
+            return false;
         }
+        for (name, bytes, log) in compile_all(config, arch, timeline).unwrap_or_else(|e| panic!("{e}")) {
+            assert!(bytes > 0, "{name}: empty image");
+            assert!(!log.contains("warning"), "{name}: {log}");
+        }
+        true
+    }
+
+    /// CI's check: every kernel compiles for sm_90a at both shapes with NVRTC, no GPU needed.
+    #[test]
+    fn every_kernel_compiles_for_sm_90a() {
         for config in [Config::full_shape(), Config::tiny_shape()] {
-            let compiled = compile_all(&config, "sm_90a", false).unwrap_or_else(|e| panic!("{e}"));
-            for (name, bytes, log) in compiled {
-                assert!(bytes > 0, "{name}: empty image");
-                assert!(!log.contains("warning"), "{name}: {log}");
+            if !compiles(&config, "sm_90a", false) {
+                return;
             }
         }
     }
@@ -340,26 +347,12 @@ mod tests {
     /// bf16 and integer mma the kernels use), at the full shape.
     #[test]
     fn every_kernel_compiles_for_compute_80() {
-        if !nvrtc_available() {
-            eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
-            return;
-        }
-        for (name, bytes, log) in compile_all(&Config::full_shape(), "compute_80", false).unwrap_or_else(|e| panic!("{e}")) {
-            assert!(bytes > 0, "{name}: empty image");
-            assert!(!log.contains("warning"), "{name}: {log}");
-        }
+        compiles(&Config::full_shape(), "compute_80", false);
     }
 
     /// The kernels of `lily bench --timeline` (a clock probe after each kernel's wait) compile too.
     #[test]
     fn every_kernel_compiles_with_the_timeline() {
-        if !nvrtc_available() {
-            eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
-            return;
-        }
-        for (name, bytes, log) in compile_all(&Config::full_shape(), "sm_90a", true).unwrap_or_else(|e| panic!("{e}")) {
-            assert!(bytes > 0, "{name}: empty image");
-            assert!(!log.contains("warning"), "{name}: {log}");
-        }
+        compiles(&Config::full_shape(), "sm_90a", true);
     }
 }
