@@ -1,7 +1,7 @@
 // The sparse MoE block in two launches. The first computes the router (8-bit), routes (the top-k logits, then
-// their softmax: the renormalised top-k of the full softmax) and runs the gate and up projections of the routed and the shared experts; the second the down
-// projections with the routing weights applied and the residual add. Chosen experts' weights are read in place
-// from the stacked tensors.
+// their softmax: the renormalised top-k of the full softmax) and runs the gate and up projections of the routed
+// and the shared experts; the second the down projections with the routing weights applied and the residual add.
+// Chosen experts' weights are read in place from the stacked tensors.
 //
 // The second launch's weights depend only on the routing, published before the first launch ends: block 0 of
 // the first sets a flag once the routing is written, and the second requests its chosen experts' rows as soon as

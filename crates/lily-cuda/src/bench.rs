@@ -106,6 +106,11 @@ fn mean_std(samples: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
+/// `count` token ids drawn uniformly below `vocab` (llama-bench's random tokens).
+fn random_tokens(rng: &mut Rng, vocab: u64, count: usize) -> Vec<u32> {
+    (0..count).map(|_| (rng.next_u64() % vocab) as u32).collect()
+}
+
 fn set_depth(backend: &mut CudaBackend, depth: usize, fill: DepthFill, rng: &mut Rng) -> Result<()> {
     backend.clear()?;
     if depth == 0 {
@@ -115,7 +120,7 @@ fn set_depth(backend: &mut CudaBackend, depth: usize, fill: DepthFill, rng: &mut
         DepthFill::Random => backend.set_random_context(depth, rng.next_u64()),
         DepthFill::Prefill => {
             let vocab = backend.model.config.vocab_size as u64;
-            let tokens: Vec<u32> = (0..depth).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let tokens = random_tokens(rng, vocab, depth);
             backend.prefill(&tokens).map_err(|e| crate::driver::GpuError::Other(e.to_string()))?;
             backend.model.gpu.sync()
         }
@@ -142,7 +147,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
             let mut samples = Vec::new();
             for rep in 0..=plan.repetitions {
                 set_depth(backend, depth, plan.fill, &mut rng)?;
-                let tokens: Vec<u32> = (0..count).map(|_| (rng.next_u64() % vocab) as u32).collect();
+                let tokens = random_tokens(&mut rng, vocab, count);
                 let start = Instant::now();
                 if is_prompt {
                     backend.extend(&tokens).map_err(fe)?;
@@ -180,7 +185,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
         if plan.profile {
             for &count in &plan.prompts {
                 set_depth(backend, depth, plan.fill, &mut rng)?;
-                let ids: Vec<u32> = (0..count).map(|_| (rng.next_u64() % vocab) as u32).collect();
+                let ids = random_tokens(&mut rng, vocab, count);
                 backend.model.gpu.upload(backend.model.state.tokens.at(depth * 4), &ids)?;
                 let mut profile = crate::launch::Profile::default();
                 backend.model.enqueue_prefill(depth, count, Some(&mut profile))?;
@@ -194,7 +199,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
             print_profile("one un-captured decode step", depth, profile);
             let synced = rows.last().map(|r| r.tokens_per_s.0).unwrap_or(0.0);
             set_depth(backend, depth, plan.fill, &mut rng)?;
-            let tokens: Vec<u32> = (0..plan.generate).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let tokens = random_tokens(&mut rng, vocab, plan.generate);
             let start = Instant::now();
             for &t in &tokens {
                 backend.decode(t).map_err(fe)?;
@@ -209,7 +214,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
         }
         if let (Some(timeline), true) = (&timeline, plan.generate > 1) {
             set_depth(backend, depth, plan.fill, &mut rng)?;
-            let tokens: Vec<u32> = (0..plan.generate).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let tokens = random_tokens(&mut rng, vocab, plan.generate);
             let entries = timeline.measure(backend, &tokens)?;
             let step: f64 = entries.iter().map(|e| e.us_per_step).sum();
             println!(

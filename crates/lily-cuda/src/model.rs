@@ -1,7 +1,8 @@
 //! The CUDA backend: state preallocated on the GPU, and the decode step (embedding, 40 layers, final norm,
 //! lm_head, greedy choice) as device work captured once into two CUDA graphs and replayed: `layers` (through the
 //! position's advance) and `head`. Positions and token ids are read from device memory, so the graphs never
-//! change; the host copies in a token id and reads back the chosen one. From Hopper on the step's kernels are
+//! change; the stream writes in a token id (no copy) and the head kernel writes the chosen one to pinned host
+//! memory, which the host reads after synchronising. From Hopper on the step's kernels are
 //! launched with programmatic dependent launch: each starts while its predecessor runs, requests what does not
 //! depend on it (weights, its own state), and waits for the predecessor's results (`wait_previous` in common.cuh)
 //! before it reads them or writes; only then may the kernel after it start.

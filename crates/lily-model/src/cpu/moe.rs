@@ -43,16 +43,14 @@ fn expert_forward(
     qmatmul(down, &g, out);
 }
 
-/// How close the routing came to choosing otherwise: the gap between the `k`-th and the next largest logit,
-/// relative to the largest magnitude (infinite when every expert is chosen).
-pub fn route_margin(logits: &[f32], k: usize) -> f32 {
-    if k >= logits.len() {
-        return f32::INFINITY;
-    }
-    let mut sorted = logits.to_vec();
-    sorted.sort_by(|a, b| b.total_cmp(a));
-    let scale = sorted.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    (sorted[k - 1] - sorted[k]) / scale
+/// How close the routing (`chosen`, from [`route`]) came to choosing otherwise: the gap between the smallest
+/// chosen logit and the largest one not chosen, relative to the largest magnitude (infinite when every expert is
+/// chosen).
+pub fn route_margin(logits: &[f32], chosen: &[usize]) -> f32 {
+    let last_chosen = chosen.iter().map(|&e| logits[e]).fold(f32::INFINITY, f32::min);
+    let first_left = logits.iter().enumerate().filter(|(e, _)| !chosen.contains(e)).map(|(_, l)| *l).fold(f32::NEG_INFINITY, f32::max);
+    let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    (last_chosen - first_left) / scale
 }
 
 /// `out = moe(x)` for `[tokens][hidden]` inputs; returns the smallest routing margin of its tokens.
@@ -67,13 +65,10 @@ pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: 
     let mut weights = vec![0.0f32; tokens * top_k];
     let mut margin = f32::INFINITY;
     for t in 0..tokens {
-        margin = margin.min(route_margin(&logits[t * num_experts..(t + 1) * num_experts], top_k));
-        route(
-            &logits[t * num_experts..(t + 1) * num_experts],
-            top_k,
-            &mut chosen[t * top_k..(t + 1) * top_k],
-            &mut weights[t * top_k..(t + 1) * top_k],
-        );
+        let token_logits = &logits[t * num_experts..(t + 1) * num_experts];
+        let token_chosen = &mut chosen[t * top_k..(t + 1) * top_k];
+        route(token_logits, top_k, token_chosen, &mut weights[t * top_k..(t + 1) * top_k]);
+        margin = margin.min(route_margin(token_logits, token_chosen));
     }
 
     // Shared expert, gated per token.
@@ -136,6 +131,11 @@ mod tests {
     #[test]
     fn route_margin_is_the_gap_after_the_last_chosen_relative_to_the_largest_magnitude() {
         let logits = [0.1, 2.0, -4.0, 2.0, 0.5, 3.0];
+        let route_margin = |logits: &[f32], k: usize| {
+            let (mut chosen, mut weights) = (vec![0; k], vec![0.0; k]);
+            route(logits, k, &mut chosen, &mut weights);
+            super::route_margin(logits, &chosen)
+        };
         assert_eq!(route_margin(&logits, 1), 1.0 / 4.0);
         assert_eq!(route_margin(&logits, 2), 0.0);
         assert_eq!(route_margin(&logits, 3), 1.5 / 4.0);
