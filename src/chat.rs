@@ -80,7 +80,11 @@ impl Turn {
     /// The reasoning and the answer, trimmed. When the answer is the turn's reasoning (it ended inside the think
     /// block that the prompt opened, see `FinalOutput::content_is_reasoning`), it is not reasoning as well.
     pub fn answer(&self) -> (&str, &str) {
-        let reasoning = if self.output.content_is_reasoning { "" } else { self.output.reasoning.trim() };
+        let reasoning = if self.output.content_is_reasoning {
+            ""
+        } else {
+            self.output.reasoning.trim()
+        };
         (reasoning, self.output.content.trim())
     }
 
@@ -101,7 +105,12 @@ impl Turn {
 pub fn render_prompt(template: &ChatTemplate, messages: Vec<Json>, enable_thinking: bool) -> Result<String> {
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Json::Bool(enable_thinking));
-    let request = RenderRequest { messages, tools: None, add_generation_prompt: true, kwargs };
+    let request = RenderRequest {
+        messages,
+        tools: None,
+        add_generation_prompt: true,
+        kwargs,
+    };
     Ok(template.render(&request)?)
 }
 
@@ -124,7 +133,10 @@ pub fn generate_turn(
     }
     let max_context = backend.max_context();
     if prompt.len() >= max_context {
-        bail!("the prompt ({} tokens) fills the context ({max_context} tokens)", prompt.len());
+        bail!(
+            "the prompt ({} tokens) fills the context ({max_context} tokens)",
+            prompt.len()
+        );
     }
     let room = max_context - prompt.len();
     let budget = options.max_tokens.map_or(room, |max_tokens| max_tokens.min(room));
@@ -133,7 +145,10 @@ pub fn generate_turn(
     backend.prefill(&prompt)?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
 
-    let options = OutputOptions { max_tokens: Some(budget), ..options };
+    let options = OutputOptions {
+        max_tokens: Some(budget),
+        ..options
+    };
     let mut output = OutputStream::new(tokenizer.clone(), prompt_text, options);
     let decode_start = Instant::now();
     let mut decode_steps = 0;
@@ -189,7 +204,13 @@ struct AnswerView<W: Write> {
 
 impl<W: Write> AnswerView<W> {
     fn new(out: W, color: bool, hide_thinking: bool) -> Self {
-        Self { out, color, hide_thinking, phase: Phase::Idle, pending_space: String::new() }
+        Self {
+            out,
+            color,
+            hide_thinking,
+            phase: Phase::Idle,
+            pending_space: String::new(),
+        }
     }
 
     fn delta(&mut self, delta: Delta) -> Result<()> {
@@ -313,7 +334,11 @@ fn color_enabled() -> bool {
 
 fn print_prompt(color: bool) {
     let mut out = std::io::stdout().lock();
-    let _ = if color { write!(out, "{BOLD}>{RESET} ") } else { write!(out, "> ") };
+    let _ = if color {
+        write!(out, "{BOLD}>{RESET} ")
+    } else {
+        write!(out, "> ")
+    };
     let _ = out.flush();
 }
 
@@ -322,11 +347,18 @@ const HELP: &str = "commands: /reset (start over), /system TEXT (set the system 
 
 pub fn run(args: ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
-    let seed = args
-        .seed
-        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |elapsed| elapsed.as_nanos() as u64));
-    let params =
-        SamplingParams { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, min_p: args.min_p, seed };
+    let seed = args.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos() as u64)
+    });
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed,
+    };
     params.validate()?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -359,7 +391,9 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .context("installing the Ctrl-C handler")?;
     }
 
-    let name = dir.file_name().map_or_else(|| dir.display().to_string(), |name| name.to_string_lossy().into_owned());
+    let name = dir
+        .file_name()
+        .map_or_else(|| dir.display().to_string(), |name| name.to_string_lossy().into_owned());
     let banner = format!("lily chat: {name} on {}. {HELP}.", backend.describe());
     if color {
         println!("{DIM}{banner}{RESET}");
@@ -429,7 +463,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
             &mut sampler,
             &tokenizer,
             &prompt_text,
-            OutputOptions { eos_token_ids: eos.clone(), max_tokens: Some(args.max_tokens), ..Default::default() },
+            OutputOptions {
+                eos_token_ids: eos.clone(),
+                max_tokens: Some(args.max_tokens),
+                ..Default::default()
+            },
             Some(&interrupts.stop),
             |delta| view.delta(delta),
         );

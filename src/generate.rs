@@ -161,7 +161,11 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
     }
     let mut backend = lily_cuda::cli::backend(args.device, dir, args.context, || load_model(dir))?;
     let mut sampler = Sampler::new(params);
-    let eos = if args.ignore_eos { Vec::new() } else { backend.config().eos_token_ids.clone() };
+    let eos = if args.ignore_eos {
+        Vec::new()
+    } else {
+        backend.config().eos_token_ids.clone()
+    };
 
     let mut stdout = std::io::stdout().lock();
     let mut stderr = std::io::stderr().lock();
@@ -170,13 +174,21 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
     let mut show = |delta: lily_chat::Delta| -> Result<()> {
         match delta {
             lily_chat::Delta::Reasoning(text) if !args.hide_reasoning => {
-                let text = if wrote_reasoning { text.as_str() } else { text.trim_start() };
+                let text = if wrote_reasoning {
+                    text.as_str()
+                } else {
+                    text.trim_start()
+                };
                 wrote_reasoning |= !text.is_empty();
                 write!(stderr, "{text}")?;
                 stderr.flush()?;
             }
             lily_chat::Delta::Content(text) => {
-                let text = if wrote_content { text.as_str() } else { text.trim_start() };
+                let text = if wrote_content {
+                    text.as_str()
+                } else {
+                    text.trim_start()
+                };
                 wrote_content |= !text.is_empty();
                 write!(stdout, "{text}")?;
                 stdout.flush()?;
@@ -190,7 +202,11 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
         &mut sampler,
         &tokenizer,
         &prompt_text,
-        lily_chat::OutputOptions { eos_token_ids: eos, max_tokens: Some(args.max_tokens), ..Default::default() },
+        lily_chat::OutputOptions {
+            eos_token_ids: eos,
+            max_tokens: Some(args.max_tokens),
+            ..Default::default()
+        },
         None,
         &mut show,
     )?;

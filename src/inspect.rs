@@ -52,7 +52,9 @@ fn read_input(text: Option<String>) -> Result<String> {
         Some(text) => Ok(text),
         None => {
             let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text).context("reading standard input")?;
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("reading standard input")?;
             Ok(text)
         }
     }
@@ -69,7 +71,9 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
     let text = text.trim();
     if text.starts_with('[') {
         let value: Json = serde_json::from_str(text).context("token ids: not a valid JSON list")?;
-        let Json::Array(items) = value else { bail!("token ids: expected a JSON list of integers") };
+        let Json::Array(items) = value else {
+            bail!("token ids: expected a JSON list of integers")
+        };
         return items
             .iter()
             .map(|item| {
@@ -96,7 +100,10 @@ pub fn run_tokenize(args: TokenizeArgs) -> Result<()> {
     if args.decode {
         let ids = parse_ids(&input)?;
         if let Some(&bad) = ids.iter().find(|&&id| tokenizer.id_to_token(id).is_none()) {
-            bail!("unknown token id {bad}: the vocabulary has {} tokens", tokenizer.vocab_size());
+            bail!(
+                "unknown token id {bad}: the vocabulary has {} tokens",
+                tokenizer.vocab_size()
+            );
         }
         let text = tokenizer.decode(&ids, args.skip_special)?;
         writeln!(stdout, "{text}")?;
@@ -118,7 +125,10 @@ pub fn run_tokenize(args: TokenizeArgs) -> Result<()> {
 /// Reads an OpenAI-style chat request body into a render request (messages, tools, chat_template_kwargs,
 /// add_generation_prompt).
 pub fn request_from_body(body: Json) -> Result<RenderRequest> {
-    let mut request = RenderRequest { add_generation_prompt: true, ..Default::default() };
+    let mut request = RenderRequest {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
     let mut body = match body {
         Json::Array(messages) => {
             request.messages = messages;
@@ -156,7 +166,11 @@ fn read_conversation(path: &Path) -> Result<Json> {
     } else {
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?
     };
-    let name = if path.as_os_str() == "-" { "standard input".to_string() } else { path.display().to_string() };
+    let name = if path.as_os_str() == "-" {
+        "standard input".to_string()
+    } else {
+        path.display().to_string()
+    };
     serde_json::from_str(&text).with_context(|| format!("{name} is not valid JSON"))
 }
 

@@ -61,4 +61,3 @@ fn main() -> ExitCode {
         }
     }
 }
-

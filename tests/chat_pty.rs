@@ -19,7 +19,10 @@ const PROMPT: &str = "\n> ";
 fn start_chat(extra: &[&str]) -> PtyProcess {
     let mut command = Command::new(env!("CARGO_BIN_EXE_lily"));
     command.arg("chat").args(["--temperature", "0"]).args(extra);
-    command.env_remove("LILY_MODEL").env_remove("NO_COLOR").env("TERM", "xterm-256color");
+    command
+        .env_remove("LILY_MODEL")
+        .env_remove("NO_COLOR")
+        .env("TERM", "xterm-256color");
     let mut chat = PtyProcess::spawn(command);
     let banner = chat.expect(PROMPT, START);
     assert!(banner.contains("lily chat"), "banner: {banner:?}");
@@ -34,7 +37,9 @@ fn say(chat: &mut PtyProcess, line: &str, timeout: Duration) -> String {
 }
 
 fn words(text: &str) -> Vec<&str> {
-    text.split(|c: char| !c.is_alphabetic() && c != '\'').filter(|word| word.chars().any(char::is_alphabetic)).collect()
+    text.split(|c: char| !c.is_alphabetic() && c != '\'')
+        .filter(|word| word.chars().any(char::is_alphabetic))
+        .collect()
 }
 
 #[test]
@@ -45,13 +50,19 @@ fn chat_turn_reset_interrupt_and_exit() {
     let reply = say(&mut chat, "What light through yonder window breaks?", ANSWER);
     let reply_words = words(&reply);
     assert!(reply_words.len() >= 4, "expected an English reply, got {reply:?}");
-    assert!(reply.chars().filter(char::is_ascii_alphabetic).count() > 10, "{reply:?}");
+    assert!(
+        reply.chars().filter(char::is_ascii_alphabetic).count() > 10,
+        "{reply:?}"
+    );
     assert!(
         !reply.contains("[interrupted]") && !reply.contains("[stopped"),
         "the reply did not end by itself: {reply:?}"
     );
     assert!(!reply.contains("error"), "{reply:?}");
-    assert!(!reply.contains("<|im_end|>") && !reply.contains("<think>"), "special tokens shown: {reply:?}");
+    assert!(
+        !reply.contains("<|im_end|>") && !reply.contains("<think>"),
+        "special tokens shown: {reply:?}"
+    );
 
     // Ctrl-C at the prompt does not quit.
     chat.send("\x03");
@@ -71,7 +82,10 @@ fn chat_turn_reset_interrupt_and_exit() {
     });
     chat.send("\x03");
     let rest = chat.expect(PROMPT, Duration::from_secs(60));
-    assert!(rest.contains("[interrupted]"), "expected the answer to be interrupted: {started}{rest}");
+    assert!(
+        rest.contains("[interrupted]"),
+        "expected the answer to be interrupted: {started}{rest}"
+    );
     assert!(chat.is_running(), "Ctrl-C during an answer quit the chat");
 
     // Still usable after the interrupt.
@@ -90,8 +104,14 @@ fn folded_thinking_still_shows_an_answer_written_in_the_think_block() {
     let mut chat = start_chat(&["--hide-thinking", "--max-tokens", "2000"]);
     let reply = say(&mut chat, "What light through yonder window breaks?", ANSWER);
     let answer = reply.rsplit("thinking…").next().unwrap();
-    assert!(words(answer).len() >= 4, "expected an English answer after the thinking marker, got {reply:?}");
-    assert!(!reply.contains("[interrupted]") && !reply.contains("[stopped"), "{reply:?}");
+    assert!(
+        words(answer).len() >= 4,
+        "expected an English answer after the thinking marker, got {reply:?}"
+    );
+    assert!(
+        !reply.contains("[interrupted]") && !reply.contains("[stopped"),
+        "{reply:?}"
+    );
     chat.send("/exit\r");
     let status = chat.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "/exit: {status:?}");

@@ -40,7 +40,12 @@ fn ok(args: &[&str]) -> String {
 fn fails(args: &[&str], input: &str) -> String {
     let output = lily_with_input(args, input);
     let message = stderr(&output);
-    assert_eq!(output.status.code(), Some(1), "lily {args:?}: stdout {:?}, stderr {message:?}", stdout(&output));
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "lily {args:?}: stdout {:?}, stderr {message:?}",
+        stdout(&output)
+    );
     assert!(message.contains("error: "), "{message:?}");
     assert!(!message.contains("panicked"), "{message:?}");
     message
@@ -60,7 +65,14 @@ fn tokenize_pins_known_ids() {
 #[test]
 fn decode_round_trips() {
     assert_eq!(ok(&["tokenize", "--decode", FOX_IDS]), format!("{FOX}\n"));
-    assert_eq!(ok(&["tokenize", "--decode", "760 3841, 13477,37550 33075 888 279 15217 5388 13"]), format!("{FOX}\n"));
+    assert_eq!(
+        ok(&[
+            "tokenize",
+            "--decode",
+            "760 3841, 13477,37550 33075 888 279 15217 5388 13"
+        ]),
+        format!("{FOX}\n")
+    );
 
     let text = "<|im_start|>user\nCafé, 你好 👋 — \"quoted\"\n\ttabs<|im_end|>\n";
     let ids = ok(&["tokenize", text]);
@@ -164,7 +176,10 @@ fn render_refuses_bad_conversations_clearly() {
     assert!(message.contains("\"messages\" must be a list"), "{message}");
 
     // The template's own raise_exception reaches the user as its message.
-    let message = fails(&["render", "-"], r#"{"messages": [{"role": "system", "content": "Alone."}]}"#);
+    let message = fails(
+        &["render", "-"],
+        r#"{"messages": [{"role": "system", "content": "Alone."}]}"#,
+    );
     assert!(message.contains("No user query found in messages."), "{message}");
 
     let message = fails(&["render", "/nonexistent/conversation.json"], "");
@@ -186,10 +201,17 @@ fn generate_chat_prints_an_answer() {
     assert!(output.status.success(), "{}", stderr(&output));
     let answer = stdout(&output);
     assert!(answer.split_whitespace().count() >= 3, "answer: {answer:?}");
-    assert!(!answer.contains("<|im_end|>") && !answer.contains("<think>"), "answer: {answer:?}");
+    assert!(
+        !answer.contains("<|im_end|>") && !answer.contains("<think>"),
+        "answer: {answer:?}"
+    );
     // The default model writes its answer in the think block that the prompt opens and never closes it: the
     // reasoning on stderr is the same text.
-    assert!(stderr(&output).contains(answer.trim()), "answer {answer:?}, stderr {:?}", stderr(&output));
+    assert!(
+        stderr(&output).contains(answer.trim()),
+        "answer {answer:?}, stderr {:?}",
+        stderr(&output)
+    );
     assert!(stderr(&output).contains("prefill: "), "{}", stderr(&output));
 
     let output = lily(&[
@@ -204,12 +226,25 @@ fn generate_chat_prints_an_answer() {
         "O Romeo, Romeo, wherefore art thou Romeo?",
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
-    assert!(stdout(&output).split_whitespace().count() >= 2, "answer: {:?}", stdout(&output));
+    assert!(
+        stdout(&output).split_whitespace().count() >= 2,
+        "answer: {:?}",
+        stdout(&output)
+    );
 }
 
 #[test]
 fn generate_with_a_bad_model_dir_names_it() {
-    let message = fails(&["generate", "--model", "/nonexistent/lily-model-dir", "--max-tokens", "4"], "");
+    let message = fails(
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/lily-model-dir",
+            "--max-tokens",
+            "4",
+        ],
+        "",
+    );
     assert!(message.contains("/nonexistent/lily-model-dir"), "{message}");
     let message = fails(&["chat", "--model", "/nonexistent/lily-model-dir"], "");
     assert!(message.contains("/nonexistent/lily-model-dir"), "{message}");

@@ -22,10 +22,21 @@ impl PtyProcess {
     /// Starts `command` as the session leader of a new terminal (so Ctrl-C typed there signals it).
     pub fn spawn(mut command: Command) -> PtyProcess {
         let (mut master, mut slave): (RawFd, RawFd) = (-1, -1);
-        let size = libc::winsize { ws_row: 40, ws_col: 160, ws_xpixel: 0, ws_ypixel: 0 };
+        let size = libc::winsize {
+            ws_row: 40,
+            ws_col: 160,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
         // SAFETY: plain libc calls on descriptors this function owns.
         unsafe {
-            let rc = libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null_mut(), &size);
+            let rc = libc::openpty(
+                &mut master,
+                &mut slave,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &size,
+            );
             assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
             for fd in [master, slave] {
                 libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
@@ -35,7 +46,10 @@ impl PtyProcess {
                 assert!(copy >= 0, "dup: {}", std::io::Error::last_os_error());
                 Stdio::from_raw_fd(copy)
             };
-            command.stdin(terminal(slave)).stdout(terminal(slave)).stderr(terminal(slave));
+            command
+                .stdin(terminal(slave))
+                .stdout(terminal(slave))
+                .stderr(terminal(slave));
             command.pre_exec(|| {
                 if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -63,7 +77,12 @@ impl PtyProcess {
                 collected.lock().unwrap().extend_from_slice(&buffer[..n]);
             }
         });
-        PtyProcess { master, output, child, cursor: 0 }
+        PtyProcess {
+            master,
+            output,
+            child,
+            cursor: 0,
+        }
     }
 
     /// Types bytes as a user would (`\r` is Enter, `\x03` Ctrl-C, `\x04` Ctrl-D).
@@ -123,7 +142,10 @@ impl PtyProcess {
             }
             if start.elapsed() > timeout {
                 let _ = self.child.kill();
-                panic!("the program did not exit within {timeout:?}; output:\n{}", self.screen());
+                panic!(
+                    "the program did not exit within {timeout:?}; output:\n{}",
+                    self.screen()
+                );
             }
             thread::sleep(Duration::from_millis(20));
         }

@@ -159,8 +159,9 @@ impl OutputParser {
 fn push_text_delta(deltas: &mut Vec<Delta>, delta: Delta) {
     match (deltas.last_mut(), delta) {
         (_, Delta::Reasoning(text) | Delta::Content(text)) if text.is_empty() => {}
-        (Some(Delta::Reasoning(last)), Delta::Reasoning(text))
-        | (Some(Delta::Content(last)), Delta::Content(text)) => last.push_str(&text),
+        (Some(Delta::Reasoning(last)), Delta::Reasoning(text)) | (Some(Delta::Content(last)), Delta::Content(text)) => {
+            last.push_str(&text)
+        }
         (_, delta) => deltas.push(delta),
     }
 }
@@ -245,11 +246,7 @@ impl OutputStream {
         Self {
             decoder: StreamDecoder::new(tokenizer.clone(), false),
             tokenizer,
-            stop: StopChecker::new(
-                options.eos_token_ids,
-                options.stop_strings,
-                options.max_tokens,
-            ),
+            stop: StopChecker::new(options.eos_token_ids, options.stop_strings, options.max_tokens),
             parser,
             shown_special_ids,
             stop_reason: None,
@@ -308,8 +305,7 @@ impl OutputStream {
             }
         }
         deltas.extend(self.parser.finish());
-        let content_is_reasoning =
-            self.stop_reason.is_some() && self.parser.in_prompts_think_block();
+        let content_is_reasoning = self.stop_reason.is_some() && self.parser.in_prompts_think_block();
         if content_is_reasoning {
             // Nothing came after the think block: no content, no tool calls. Models trained with empty think
             // blocks (the bundled one) write their answer there and never close it; as reasoning only, that answer
@@ -317,15 +313,10 @@ impl OutputStream {
             // streamed as reasoning deltas already: streamed or not, a client ends up with the same output. A
             // generation that the caller abandoned (an interrupted chat answer) gave no answer: it stays as it was.
             self.parser.content_text = self.parser.reasoning_text.clone();
-            push_text_delta(
-                &mut deltas,
-                Delta::Content(self.parser.content_text.clone()),
-            );
+            push_text_delta(&mut deltas, Delta::Content(self.parser.content_text.clone()));
         }
         let finish_reason = match self.stop_reason {
-            Some(FinishReason::Stop) if !self.parser.tool_calls().is_empty() => {
-                FinishReason::ToolCalls
-            }
+            Some(FinishReason::Stop) if !self.parser.tool_calls().is_empty() => FinishReason::ToolCalls,
             Some(reason) => reason,
             None => FinishReason::Length,
         };

@@ -43,26 +43,14 @@ pub fn json_dumps(value: &Value, options: &JsonDumpsOptions) -> Result<String, S
     Ok(out)
 }
 
-fn write_json(
-    out: &mut String,
-    value: &Value,
-    options: &JsonDumpsOptions,
-    depth: usize,
-) -> Result<(), String> {
+fn write_json(out: &mut String, value: &Value, options: &JsonDumpsOptions, depth: usize) -> Result<(), String> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&json_number(value)),
-        ValueKind::String => write_json_string(
-            out,
-            value.as_str().unwrap_or_default(),
-            options.ensure_ascii,
-        ),
+        ValueKind::String => write_json_string(out, value.as_str().unwrap_or_default(), options.ensure_ascii),
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = value
-                .try_iter()
-                .map_err(|error| error.to_string())?
-                .collect();
+            let items: Vec<Value> = value.try_iter().map_err(|error| error.to_string())?.collect();
             if items.is_empty() {
                 out.push_str("[]");
                 return Ok(());
@@ -125,9 +113,7 @@ fn json_key(key: &Value) -> Result<String, String> {
         ValueKind::Bool => Ok(if key.is_true() { "true" } else { "false" }.to_string()),
         ValueKind::None => Ok("null".to_string()),
         ValueKind::Number => Ok(json_number(key)),
-        kind => Err(format!(
-            "keys must be str, int, float, bool or None, not {kind}"
-        )),
+        kind => Err(format!("keys must be str, int, float, bool or None, not {kind}")),
     }
 }
 
@@ -137,9 +123,7 @@ fn json_number(value: &Value) -> String {
     }
     match f64::try_from(value.clone()) {
         Ok(float) if float.is_nan() => "NaN".to_string(),
-        Ok(float) if float.is_infinite() => {
-            if float > 0.0 { "Infinity" } else { "-Infinity" }.to_string()
-        }
+        Ok(float) if float.is_infinite() => if float > 0.0 { "Infinity" } else { "-Infinity" }.to_string(),
         Ok(float) => python_float_repr(float),
         Err(_) => value.to_string(),
     }
@@ -270,9 +254,7 @@ fn python_string_repr(text: &str) -> String {
                 out.push('\\');
                 out.push(ch);
             }
-            ch if (ch as u32) < 0x20 || ch as u32 == 0x7f => {
-                out.push_str(&format!("\\x{:02x}", ch as u32))
-            }
+            ch if (ch as u32) < 0x20 || ch as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", ch as u32)),
             ch => out.push(ch),
         }
     }
@@ -332,10 +314,7 @@ mod tests {
             "{\"x\": \"é\\n\\\"\\\\\\u0001\u{7f}😀</\"}"
         );
         assert_eq!(
-            dumps(
-                r#"{"big": 1e20, "small": 1e-7, "empty": {}, "list": []}"#,
-                &options
-            ),
+            dumps(r#"{"big": 1e20, "small": 1e-7, "empty": {}, "list": []}"#, &options),
             r#"{"big": 1e+20, "small": 1e-07, "empty": {}, "list": []}"#
         );
     }
@@ -350,10 +329,7 @@ mod tests {
         let compact = JsonDumpsOptions::new(false, None, Some((",".into(), ":".into())), true);
         assert_eq!(dumps(r#"{"b": 1, "a": 2}"#, &compact), r#"{"a":2,"b":1}"#);
         let ascii = JsonDumpsOptions::new(true, None, None, false);
-        assert_eq!(
-            dumps(r#"["é😀\u007f"]"#, &ascii),
-            r#"["\u00e9\ud83d\ude00\u007f"]"#
-        );
+        assert_eq!(dumps(r#"["é😀\u007f"]"#, &ascii), r#"["\u00e9\ud83d\ude00\u007f"]"#);
     }
 
     #[test]

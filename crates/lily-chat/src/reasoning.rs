@@ -37,9 +37,7 @@ impl ReasoningParser {
     /// a closed `<think>...</think>` starts in content; a turn with no think block starts in content, but an
     /// output that opens with `<think>` switches to reasoning.
     pub fn for_prompt(prompt: &str) -> Self {
-        let final_turn = prompt
-            .rfind("<|im_start|>")
-            .map_or(prompt, |start| &prompt[start..]);
+        let final_turn = prompt.rfind("<|im_start|>").map_or(prompt, |start| &prompt[start..]);
         if !final_turn.starts_with("<|im_start|>assistant") {
             return Self {
                 state: State::ContentUnlessThinkOpens,
@@ -123,10 +121,7 @@ impl ReasoningParser {
                     self.state = State::Content;
                 }
                 State::Content => {
-                    push_segment(
-                        &mut segments,
-                        TextSegment::Content(std::mem::take(&mut self.held_text)),
-                    );
+                    push_segment(&mut segments, TextSegment::Content(std::mem::take(&mut self.held_text)));
                     break;
                 }
             }
@@ -140,9 +135,7 @@ impl ReasoningParser {
         let mut segments = Vec::new();
         match self.state {
             State::Reasoning => push_segment(&mut segments, TextSegment::Reasoning(held)),
-            State::Content | State::ContentUnlessThinkOpens => {
-                push_segment(&mut segments, TextSegment::Content(held))
-            }
+            State::Content | State::ContentUnlessThinkOpens => push_segment(&mut segments, TextSegment::Content(held)),
         }
         segments
     }
@@ -160,23 +153,18 @@ mod tests {
     use super::*;
     use TextSegment::{Content, Reasoning};
 
-    const THINKING_PROMPT: &str =
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n";
-    const NO_THINKING_PROMPT: &str =
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
+    const THINKING_PROMPT: &str = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n";
+    const NO_THINKING_PROMPT: &str = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
 
     fn parse(prompt: &str, chunks: &[&str]) -> Vec<TextSegment> {
         let mut parser = ReasoningParser::for_prompt(prompt);
-        let mut segments: Vec<TextSegment> =
-            chunks.iter().flat_map(|chunk| parser.push(chunk)).collect();
+        let mut segments: Vec<TextSegment> = chunks.iter().flat_map(|chunk| parser.push(chunk)).collect();
         segments.extend(parser.finish());
         // Join neighbours of the same kind, so results can be compared independently of chunking.
         let mut joined: Vec<TextSegment> = Vec::new();
         for segment in segments {
             match (joined.last_mut(), segment) {
-                (Some(Reasoning(a)), Reasoning(b)) | (Some(Content(a)), Content(b)) => {
-                    a.push_str(&b)
-                }
+                (Some(Reasoning(a)), Reasoning(b)) | (Some(Content(a)), Content(b)) => a.push_str(&b),
                 (_, segment) => joined.push(segment),
             }
         }
@@ -195,10 +183,7 @@ mod tests {
 
     #[test]
     fn close_tag_switches_to_content() {
-        let expected = vec![
-            Reasoning("Let me think.\n".into()),
-            Content("The answer.".into()),
-        ];
+        let expected = vec![Reasoning("Let me think.\n".into()), Content("The answer.".into())];
         assert_eq!(
             parse(THINKING_PROMPT, &["Let me think.\n</think>\n\nThe answer."]),
             expected
@@ -257,9 +242,6 @@ mod tests {
             vec![Reasoning("hmm".into()), Content("yes".into())]
         );
         assert_eq!(parse(prompt, &["\n<thx"]), vec![Content("\n<thx".into())]);
-        assert_eq!(
-            parse(prompt, &["hello <think>"]),
-            vec![Content("hello <think>".into())]
-        );
+        assert_eq!(parse(prompt, &["hello <think>"]), vec![Content("hello <think>".into())]);
     }
 }

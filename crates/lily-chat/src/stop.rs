@@ -55,15 +55,8 @@ pub struct StopChecker {
 impl StopChecker {
     /// `eos_token_ids` come from the model's config (for this family 248046 `<|im_end|>` and 248044
     /// `<|endoftext|>`). Empty stop strings are ignored.
-    pub fn new(
-        eos_token_ids: Vec<u32>,
-        stop_strings: Vec<String>,
-        max_tokens: Option<usize>,
-    ) -> Self {
-        let stop_strings = stop_strings
-            .into_iter()
-            .filter(|stop| !stop.is_empty())
-            .collect();
+    pub fn new(eos_token_ids: Vec<u32>, stop_strings: Vec<String>, max_tokens: Option<usize>) -> Self {
+        let stop_strings = stop_strings.into_iter().filter(|stop| !stop.is_empty()).collect();
         Self {
             eos_token_ids,
             stop_strings,
@@ -79,10 +72,7 @@ impl StopChecker {
         self.generated_tokens += 1;
         if self.eos_token_ids.contains(&id) {
             TokenCheck::EndOfSequence
-        } else if self
-            .max_tokens
-            .is_some_and(|max| self.generated_tokens >= max)
-        {
+        } else if self.max_tokens.is_some_and(|max| self.generated_tokens >= max) {
             TokenCheck::MaxTokensReached
         } else {
             TokenCheck::Continue
@@ -204,20 +194,13 @@ mod tests {
 
     #[test]
     fn earliest_of_several_stop_strings_wins() {
-        let mut checker =
-            StopChecker::new(vec![], vec!["world".into(), "lo w".into(), "".into()], None);
-        assert_eq!(
-            scan_all(&mut checker, &["hel", "lo world"]),
-            ("hel".into(), true)
-        );
+        let mut checker = StopChecker::new(vec![], vec!["world".into(), "lo w".into(), "".into()], None);
+        assert_eq!(scan_all(&mut checker, &["hel", "lo world"]), ("hel".into(), true));
     }
 
     #[test]
     fn multibyte_stop_strings() {
         let mut checker = StopChecker::new(vec![], vec!["。\n".into()], None);
-        assert_eq!(
-            scan_all(&mut checker, &["你好", "。", "\n再见"]),
-            ("你好".into(), true)
-        );
+        assert_eq!(scan_all(&mut checker, &["你好", "。", "\n再见"]), ("你好".into(), true));
     }
 }

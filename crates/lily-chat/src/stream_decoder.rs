@@ -28,12 +28,9 @@ impl StreamDecoder {
     /// Adds one id; returns the text it completes (empty while a character is still incomplete).
     pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
         self.window.push(id);
-        let emitted_text = self
-            .tokenizer
-            .decode(&self.window[..self.emitted], self.skip_special)?;
+        let emitted_text = self.tokenizer.decode(&self.window[..self.emitted], self.skip_special)?;
         let full_text = self.tokenizer.decode(&self.window, self.skip_special)?;
-        if full_text.len() <= emitted_text.len() || full_text.ends_with(char::REPLACEMENT_CHARACTER)
-        {
+        if full_text.len() <= emitted_text.len() || full_text.ends_with(char::REPLACEMENT_CHARACTER) {
             return Ok(String::new());
         }
         let Some(new_text) = full_text.strip_prefix(emitted_text.as_str()) else {
@@ -48,9 +45,7 @@ impl StreamDecoder {
 
     /// The text still held back (an incomplete character comes out as U+FFFD); the decoder is empty afterwards.
     pub fn flush(&mut self) -> Result<String, TokenizerError> {
-        let emitted_text = self
-            .tokenizer
-            .decode(&self.window[..self.emitted], self.skip_special)?;
+        let emitted_text = self.tokenizer.decode(&self.window[..self.emitted], self.skip_special)?;
         let full_text = self.tokenizer.decode(&self.window, self.skip_special)?;
         self.window.clear();
         self.emitted = 0;

@@ -32,10 +32,7 @@ pub enum TemplateError {
     #[error("no chat template in {0}: expected chat_template.jinja or a chat_template field in tokenizer_config.json")]
     NotFound(PathBuf),
     #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("cannot use {path}: {message}")]
     BadTokenizerConfig { path: PathBuf, message: String },
     #[error("the chat template does not compile: {0}")]
@@ -101,28 +98,17 @@ impl ChatTemplate {
                 path: config_path.clone(),
                 message: message.to_string(),
             };
-            match config
-                .as_ref()
-                .and_then(|config| config.get("chat_template"))
-            {
-                None | Some(Json::Null) => {
-                    return Err(TemplateError::NotFound(model_dir.to_path_buf()))
-                }
+            match config.as_ref().and_then(|config| config.get("chat_template")) {
+                None | Some(Json::Null) => return Err(TemplateError::NotFound(model_dir.to_path_buf())),
                 Some(Json::String(source)) => source.clone(),
                 Some(Json::Array(named)) => named
                     .iter()
                     .find(|entry| entry.get("name").and_then(Json::as_str) == Some("default"))
                     .and_then(|entry| entry.get("template"))
                     .and_then(Json::as_str)
-                    .ok_or_else(|| {
-                        bad_config("chat_template is a list without a \"default\" template")
-                    })?
+                    .ok_or_else(|| bad_config("chat_template is a list without a \"default\" template"))?
                     .to_string(),
-                Some(_) => {
-                    return Err(bad_config(
-                        "chat_template is neither a string nor a list of templates",
-                    ))
-                }
+                Some(_) => return Err(bad_config("chat_template is neither a string nor a list of templates")),
             }
         };
 
@@ -172,17 +158,9 @@ impl ChatTemplate {
             .collect::<Result<Vec<_>, _>>()?;
 
         let mut context = self.special_tokens.clone();
-        context.extend(
-            request
-                .kwargs
-                .iter()
-                .map(|(key, value)| (key.clone(), value.clone())),
-        );
+        context.extend(request.kwargs.iter().map(|(key, value)| (key.clone(), value.clone())));
         context.insert("messages".into(), Json::Array(messages));
-        context.insert(
-            "tools".into(),
-            request.tools.clone().map_or(Json::Null, Json::Array),
-        );
+        context.insert("tools".into(), request.tools.clone().map_or(Json::Null, Json::Array));
         context.insert("documents".into(), Json::Null);
         context.insert(
             "add_generation_prompt".into(),
@@ -321,11 +299,7 @@ fn json_type_name(value: &Json) -> &'static str {
 
 /// HF's `{"thinking": r, **message, "reasoning_content": r}` with r the first reasoning field present.
 fn alias_reasoning(message: Map<String, Json>) -> Map<String, Json> {
-    let Some(reasoning) = REASONING_FIELDS
-        .iter()
-        .find_map(|field| message.get(*field))
-        .cloned()
-    else {
+    let Some(reasoning) = REASONING_FIELDS.iter().find_map(|field| message.get(*field)).cloned() else {
         return message;
     };
     let mut aliased = Map::new();
@@ -348,10 +322,7 @@ fn raised_message(error: &minijinja::Error) -> Option<String> {
 
 fn raise_exception(message: Value) -> Result<Value, minijinja::Error> {
     let message = python_str(&message);
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
-            .with_source(RaisedByTemplate(message)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedByTemplate(message)))
 }
 
 /// Jinja2's `string` filter is Python's `str()`: `True`, `None`, `1e+16`.
@@ -373,21 +344,19 @@ fn tojson_filter(value: &Value, args: Rest<Value>) -> Result<Value, minijinja::E
         Option<Value>,
         Kwargs,
     ) = from_args(&args)?;
-    let argument =
-        |positional: Option<Value>, name: &str| -> Result<Option<Value>, minijinja::Error> {
-            match kwargs.get::<Option<Value>>(name)? {
-                Some(value) => Ok(Some(value)),
-                None => Ok(positional),
-            }
-        };
+    let argument = |positional: Option<Value>, name: &str| -> Result<Option<Value>, minijinja::Error> {
+        match kwargs.get::<Option<Value>>(name)? {
+            Some(value) => Ok(Some(value)),
+            None => Ok(positional),
+        }
+    };
     let ensure_ascii = argument(ensure_ascii, "ensure_ascii")?.is_some_and(|value| value.is_true());
     let indent = argument(indent, "indent")?;
     let separators = argument(separators, "separators")?;
     let sort_keys = argument(sort_keys, "sort_keys")?.is_some_and(|value| value.is_true());
     kwargs.assert_all_used()?;
 
-    let invalid =
-        |message: &str| minijinja::Error::new(ErrorKind::InvalidOperation, message.to_string());
+    let invalid = |message: &str| minijinja::Error::new(ErrorKind::InvalidOperation, message.to_string());
     let indent = match indent {
         None => None,
         Some(value) if value.is_none() || value.is_undefined() => None,
@@ -453,11 +422,7 @@ mod tests {
             "{\n \"b\": [\n  1,\n  2\n ],\n \"a\": \"é\"\n}"
         );
         assert_eq!(
-            render_source(
-                "{{ x|tojson(sort_keys=true, separators=[',', ':']) }}",
-                context.clone()
-            )
-            .unwrap(),
+            render_source("{{ x|tojson(sort_keys=true, separators=[',', ':']) }}", context.clone()).unwrap(),
             r#"{"a":"é","b":[1,2]}"#
         );
         assert_eq!(
@@ -541,8 +506,7 @@ mod tests {
 
     #[test]
     fn bad_messages_are_refused_clearly() {
-        let image =
-            json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
+        let image = json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]});
         let error = prepare_message(2, &image).unwrap_err();
         assert_eq!(
             error.to_string(),
@@ -556,17 +520,16 @@ mod tests {
             prepare_message(0, &json!({"role": "user", "content": [{"type": "text"}]})),
             Err(TemplateError::BadTextPart { index: 0 })
         ));
-        let bad_arguments = json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]});
+        let bad_arguments =
+            json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]});
         assert!(matches!(
             prepare_message(1, &bad_arguments),
             Err(TemplateError::BadToolCallArguments { index: 1, .. })
         ));
-        let list_arguments = json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]});
+        let list_arguments =
+            json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]});
         let error = prepare_message(1, &list_arguments).unwrap_err();
-        assert!(
-            error.to_string().contains("decodes to a JSON array"),
-            "{error}"
-        );
+        assert!(error.to_string().contains("decodes to a JSON array"), "{error}");
     }
 
     #[test]
@@ -580,17 +543,11 @@ mod tests {
         });
         std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
         let template = ChatTemplate::from_dir(dir.path()).unwrap();
-        assert_eq!(
-            template.render(&RenderRequest::default()).unwrap(),
-            "<|im_end|>"
-        );
+        assert_eq!(template.render(&RenderRequest::default()).unwrap(), "<|im_end|>");
 
         std::fs::write(dir.path().join("chat_template.jinja"), "{{ pad_token }}").unwrap();
         let template = ChatTemplate::from_dir(dir.path()).unwrap();
-        assert_eq!(
-            template.render(&RenderRequest::default()).unwrap(),
-            "<|endoftext|>"
-        );
+        assert_eq!(template.render(&RenderRequest::default()).unwrap(), "<|endoftext|>");
     }
 
     #[test]
@@ -600,11 +557,7 @@ mod tests {
             ChatTemplate::from_dir(dir.path()),
             Err(TemplateError::NotFound(_))
         ));
-        std::fs::write(
-            dir.path().join("tokenizer_config.json"),
-            r#"{"chat_template": 3}"#,
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"chat_template": 3}"#).unwrap();
         assert!(matches!(
             ChatTemplate::from_dir(dir.path()),
             Err(TemplateError::BadTokenizerConfig { .. })

@@ -7,10 +7,7 @@ pub enum TokenizerError {
     #[error("no tokenizer.json or tokenizer.json.zst in {0}")]
     NotFound(PathBuf),
     #[error("cannot read tokenizer file {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("cannot parse tokenizer file {path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("the tokenizer has no {0} token; it is not a Qwen3.5/3.6 tokenizer")]
@@ -112,11 +109,10 @@ impl Tokenizer {
 
     /// Parses the contents of a `tokenizer.json`.
     pub fn from_json_bytes(json: &[u8]) -> Result<Self, TokenizerError> {
-        let inner =
-            tokenizers::Tokenizer::from_bytes(json).map_err(|error| TokenizerError::Parse {
-                path: PathBuf::from("<memory>"),
-                message: error.to_string(),
-            })?;
+        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|error| TokenizerError::Parse {
+            path: PathBuf::from("<memory>"),
+            message: error.to_string(),
+        })?;
         let special = SpecialTokens::look_up(&inner)?;
         Ok(Self { inner, special })
     }

@@ -54,9 +54,7 @@ impl ToolSchemas {
             let Some(name) = function.get("name").and_then(Json::as_str) else {
                 continue;
             };
-            let properties = function
-                .pointer("/parameters/properties")
-                .and_then(Json::as_object);
+            let properties = function.pointer("/parameters/properties").and_then(Json::as_object);
             let types = properties
                 .into_iter()
                 .flatten()
@@ -79,13 +77,7 @@ impl ToolSchemas {
 fn schema_types(schema: &Json) -> Vec<String> {
     match schema.get("type") {
         Some(Json::String(kind)) => return vec![kind.clone()],
-        Some(Json::Array(kinds)) => {
-            return kinds
-                .iter()
-                .filter_map(Json::as_str)
-                .map(str::to_string)
-                .collect()
-        }
+        Some(Json::Array(kinds)) => return kinds.iter().filter_map(Json::as_str).map(str::to_string).collect(),
         _ => {}
     }
     ["anyOf", "oneOf"]
@@ -116,12 +108,8 @@ fn parameter_value(text: &str, types: &[String]) -> Json {
                     .and_then(serde_json::Number::from_f64)
                     .map(Json::Number)
             }),
-            "object" => serde_json::from_str::<Json>(trimmed)
-                .ok()
-                .filter(Json::is_object),
-            "array" => serde_json::from_str::<Json>(trimmed)
-                .ok()
-                .filter(Json::is_array),
+            "object" => serde_json::from_str::<Json>(trimmed).ok().filter(Json::is_object),
+            "array" => serde_json::from_str::<Json>(trimmed).ok().filter(Json::is_array),
             _ => None,
         };
         if let Some(value) = parsed {
@@ -133,11 +121,7 @@ fn parameter_value(text: &str, types: &[String]) -> Json {
 
 /// Parses what stands between `<tool_call>` and `</tool_call>`; `None` if it is not a call.
 /// `require_end` asks for the closing `</function>` of the XML form (used when `</tool_call>` never came).
-fn parse_call_body(
-    body: &str,
-    schemas: &ToolSchemas,
-    require_end: bool,
-) -> Option<(String, Map<String, Json>)> {
+fn parse_call_body(body: &str, schemas: &ToolSchemas, require_end: bool) -> Option<(String, Map<String, Json>)> {
     let body = body.trim();
     if body.starts_with('{') {
         parse_json_call(body)
@@ -153,10 +137,7 @@ fn parse_json_call(body: &str) -> Option<(String, Map<String, Json>)> {
     let Some(Json::String(name)) = call.remove("name") else {
         return None;
     };
-    let arguments = match call
-        .remove("arguments")
-        .or_else(|| call.remove("parameters"))
-    {
+    let arguments = match call.remove("arguments").or_else(|| call.remove("parameters")) {
         None | Some(Json::Null) => Map::new(),
         Some(Json::Object(arguments)) => arguments,
         Some(Json::String(text)) => match serde_json::from_str::<Json>(&text).ok()? {
@@ -168,11 +149,7 @@ fn parse_json_call(body: &str) -> Option<(String, Map<String, Json>)> {
     valid_name(&name).then_some((name, arguments))
 }
 
-fn parse_xml_call(
-    body: &str,
-    schemas: &ToolSchemas,
-    require_end: bool,
-) -> Option<(String, Map<String, Json>)> {
+fn parse_xml_call(body: &str, schemas: &ToolSchemas, require_end: bool) -> Option<(String, Map<String, Json>)> {
     let rest = body.strip_prefix(FUNCTION_START)?;
     let (name, mut rest) = rest.split_once('>')?;
     let name = name.trim();
@@ -186,10 +163,7 @@ fn parse_xml_call(
             return (!require_end).then(|| (name.to_string(), arguments));
         }
         if let Some(after) = rest.strip_prefix(FUNCTION_END) {
-            return after
-                .trim()
-                .is_empty()
-                .then(|| (name.to_string(), arguments));
+            return after.trim().is_empty().then(|| (name.to_string(), arguments));
         }
         let (parameter, after_key) = rest.strip_prefix(PARAMETER_START)?.split_once('>')?;
         // A parameter missing its `</parameter>` ends where the next parameter or the function's end begins.
@@ -299,9 +273,7 @@ impl ToolCallParser {
                 let body = &block[..end];
                 self.in_call = false;
                 match parse_call_body(body, &self.schemas, false) {
-                    Some((name, arguments)) => {
-                        events.push(ToolCallEvent::Call(self.make_call(name, arguments)))
-                    }
+                    Some((name, arguments)) => events.push(ToolCallEvent::Call(self.make_call(name, arguments))),
                     None => {
                         let whitespace = std::mem::take(&mut self.whitespace_before_call);
                         self.push_content(&mut events, format!("{whitespace}{CALL_START}{block}"));
@@ -327,9 +299,7 @@ impl ToolCallParser {
                 continue;
             }
             let possible_tag = partial_suffix_len(&self.held_text, &[CALL_START]);
-            let shown_len = self.held_text[..self.held_text.len() - possible_tag]
-                .trim_end()
-                .len();
+            let shown_len = self.held_text[..self.held_text.len() - possible_tag].trim_end().len();
             let held = self.held_text.split_off(shown_len);
             let shown = std::mem::replace(&mut self.held_text, held);
             self.push_content(&mut events, shown);
@@ -346,9 +316,7 @@ impl ToolCallParser {
         if self.in_call {
             self.in_call = false;
             match parse_call_body(&held, &self.schemas, true) {
-                Some((name, arguments)) => {
-                    events.push(ToolCallEvent::Call(self.make_call(name, arguments)))
-                }
+                Some((name, arguments)) => events.push(ToolCallEvent::Call(self.make_call(name, arguments))),
                 None => {
                     let whitespace = std::mem::take(&mut self.whitespace_before_call);
                     self.push_content(&mut events, format!("{whitespace}{CALL_START}{held}"));
@@ -408,8 +376,7 @@ mod tests {
 
     fn parse(chunks: &[&str]) -> (String, Vec<ToolCall>) {
         let mut parser = ToolCallParser::new(&weather_tools(), ToolCallIds::Sequential);
-        let mut events: Vec<ToolCallEvent> =
-            chunks.iter().flat_map(|chunk| parser.push(chunk)).collect();
+        let mut events: Vec<ToolCallEvent> = chunks.iter().flat_map(|chunk| parser.push(chunk)).collect();
         events.extend(parser.finish());
         let mut content = String::new();
         let mut calls = Vec::new();
@@ -468,15 +435,13 @@ mod tests {
     fn multi_line_values_keep_inner_newlines() {
         let output = "<tool_call>\n<function=write>\n<parameter=text>\n\nline 1\nline 2\n\n</parameter>\n</function>\n</tool_call>";
         let (_, calls) = parse(&[output]);
-        assert_eq!(
-            calls,
-            vec![call(0, "write", json!({"text": "\nline 1\nline 2\n"}))]
-        );
+        assert_eq!(calls, vec![call(0, "write", json!({"text": "\nline 1\nline 2\n"}))]);
     }
 
     #[test]
     fn parallel_calls_and_whitespace_between_them() {
-        let one = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>";
+        let one =
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>";
         let two = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>";
         let output = format!("{one}\n{two}\n");
         let (content, calls) = parse(&[&output]);
@@ -529,24 +494,15 @@ mod tests {
         let no_close = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n";
         assert_eq!(
             parse(&[no_close]),
-            (
-                String::new(),
-                vec![call(0, "get_weather", json!({"city": "Rome"}))]
-            )
+            (String::new(), vec![call(0, "get_weather", json!({"city": "Rome"}))])
         );
     }
 
     #[test]
     fn text_after_a_call_is_content_and_trailing_whitespace_is_kept_without_calls() {
         let output = "<tool_call>\n<function=f>\n</function>\n</tool_call>\n\nDone.\n";
-        assert_eq!(
-            parse(&[output]),
-            ("Done.\n".to_string(), vec![call(0, "f", json!({}))])
-        );
-        assert_eq!(
-            parse(&["Plain answer.\n\n"]),
-            ("Plain answer.\n\n".to_string(), vec![])
-        );
+        assert_eq!(parse(&[output]), ("Done.\n".to_string(), vec![call(0, "f", json!({}))]));
+        assert_eq!(parse(&["Plain answer.\n\n"]), ("Plain answer.\n\n".to_string(), vec![]));
     }
 
     #[test]

@@ -11,10 +11,7 @@ fn template() -> ChatTemplate {
 }
 
 fn golden_cases() -> Vec<Value> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/golden/chat_templates.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/chat_templates.json");
     let document: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     document["cases"].as_array().unwrap().clone()
 }
@@ -50,11 +47,7 @@ fn matches_hugging_face_byte_for_byte() {
                 let rendered = rendered.unwrap_or_else(|error| panic!("{name}: {error}"));
                 assert_eq!(rendered, expected.as_str().unwrap(), "{name}");
                 let ids: Vec<u32> = serde_json::from_value(case["expected_ids"].clone()).unwrap();
-                assert_eq!(
-                    tokenizer.encode(&rendered, false).unwrap(),
-                    ids,
-                    "{name}: token ids"
-                );
+                assert_eq!(tokenizer.encode(&rendered, false).unwrap(), ids, "{name}: token ids");
             }
             (None, Some(expected_error)) => match rendered {
                 Err(TemplateError::Raised { message }) => {
@@ -95,15 +88,10 @@ fn images_and_other_media_are_refused() {
             json!({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
             "input_audio",
         ),
-        (
-            json!({"type": "video_url", "video_url": {"url": "v.mp4"}}),
-            "video_url",
-        ),
+        (json!({"type": "video_url", "video_url": {"url": "v.mp4"}}), "video_url"),
     ] {
         let request = RenderRequest {
-            messages: vec![
-                json!({"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}),
-            ],
+            messages: vec![json!({"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]})],
             add_generation_prompt: true,
             ..Default::default()
         };
@@ -111,10 +99,7 @@ fn images_and_other_media_are_refused() {
         assert!(
             matches!(&error, TemplateError::UnsupportedContentPart { index: 0, part_type: found } if found == part_type)
         );
-        assert!(
-            error.to_string().contains(&format!("\"{part_type}\"")),
-            "{error}"
-        );
+        assert!(error.to_string().contains(&format!("\"{part_type}\"")), "{error}");
     }
 }
 
@@ -134,8 +119,7 @@ fn generation_prompt_sets_the_reasoning_start_state() {
 
 #[test]
 fn the_bundled_model_template_renders() {
-    let model_dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/lily-tiny-shakespeare");
+    let model_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/lily-tiny-shakespeare");
     let template = ChatTemplate::from_dir(&model_dir).unwrap();
     assert_eq!(
         template.render(&user("Hi")).unwrap(),

@@ -3,14 +3,12 @@
 mod common;
 
 use lily_chat::{
-    Delta, FinalOutput, FinishReason, OutputOptions, OutputParser, OutputStream, ToolCall,
-    ToolCallDelta, ToolCallIds,
+    Delta, FinalOutput, FinishReason, OutputOptions, OutputParser, OutputStream, ToolCall, ToolCallDelta, ToolCallIds,
 };
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
-const THINKING_PROMPT: &str =
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n";
+const THINKING_PROMPT: &str = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n";
 const NO_THINKING_PROMPT: &str =
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
 const EOS: [u32; 2] = [248046, 248044];
@@ -47,10 +45,7 @@ struct Run {
 
 /// Encodes `generated` (model output text, special tokens written as text) and feeds it token by token.
 fn run(prompt: &str, generated: &str, options: OutputOptions) -> Run {
-    feed(
-        OutputStream::new(common::tokenizer(), prompt, options),
-        generated,
-    )
+    feed(OutputStream::new(common::tokenizer(), prompt, options), generated)
 }
 
 fn run_raw(generated: &str, options: OutputOptions) -> Run {
@@ -105,11 +100,7 @@ fn join_deltas(deltas: &[Delta]) -> (String, String, Vec<ToolCall>) {
                 name: None,
                 arguments,
             }) => {
-                assert_eq!(
-                    *index + 1,
-                    calls.len(),
-                    "arguments continue the latest call"
-                );
+                assert_eq!(*index + 1, calls.len(), "arguments continue the latest call");
                 calls[*index].arguments.push_str(arguments);
             }
             Delta::ToolCall(delta) => {
@@ -150,34 +141,21 @@ fn thinking_output_splits_into_reasoning_and_content() {
     assert_eq!(run.output.finish_reason, FinishReason::Stop);
     assert_eq!(run.output.completion_tokens, run.tokens_taken);
     assert!(matches!(run.deltas.first(), Some(Delta::Reasoning(_))));
-    assert!(text_pieces(&run.deltas)
-        .iter()
-        .all(|piece| !piece.contains("think>")));
+    assert!(text_pieces(&run.deltas).iter().all(|piece| !piece.contains("think>")));
     assert_deltas_match_output(&run);
 }
 
 #[test]
 fn thinking_off_gives_content_only() {
-    let run = run(
-        NO_THINKING_PROMPT,
-        "4<|im_end|>",
-        options(vec![], &[], None),
-    );
-    assert_eq!(
-        (run.output.reasoning.as_str(), run.output.content.as_str()),
-        ("", "4")
-    );
+    let run = run(NO_THINKING_PROMPT, "4<|im_end|>", options(vec![], &[], None));
+    assert_eq!((run.output.reasoning.as_str(), run.output.content.as_str()), ("", "4"));
     assert_eq!(run.deltas, vec![Delta::Content("4".into())]);
 }
 
 #[test]
 fn tokens_after_end_of_sequence_are_ignored() {
     let tokenizer = common::tokenizer();
-    let mut stream = OutputStream::new(
-        tokenizer.clone(),
-        NO_THINKING_PROMPT,
-        options(vec![], &[], None),
-    );
+    let mut stream = OutputStream::new(tokenizer.clone(), NO_THINKING_PROMPT, options(vec![], &[], None));
     for id in tokenizer.encode("Hi", false).unwrap() {
         stream.push_token(id).unwrap();
     }
@@ -189,11 +167,7 @@ fn tokens_after_end_of_sequence_are_ignored() {
         .is_empty());
     let output = stream.finish().unwrap();
     assert_eq!(
-        (
-            output.content.as_str(),
-            output.finish_reason,
-            output.completion_tokens
-        ),
+        (output.content.as_str(), output.finish_reason, output.completion_tokens),
         ("Hi", FinishReason::Stop, 2)
     );
 }
@@ -228,9 +202,7 @@ fn assert_reasoning_then_the_same_content(run: &Run) {
     assert!(run.output.tool_calls.is_empty());
     let (last, streamed) = run.deltas.split_last().unwrap();
     assert_eq!(last, &Delta::Content(run.output.reasoning.clone()));
-    assert!(streamed
-        .iter()
-        .all(|delta| matches!(delta, Delta::Reasoning(_))));
+    assert!(streamed.iter().all(|delta| matches!(delta, Delta::Reasoning(_))));
     assert_deltas_match_output(run);
 }
 
@@ -280,21 +252,14 @@ fn a_closed_or_model_opened_think_block_is_never_copied_to_the_content() {
         options(vec![], &[], None),
     );
     assert_eq!(
-        (
-            closed.output.reasoning.as_str(),
-            closed.output.content.as_str()
-        ),
+        (closed.output.reasoning.as_str(), closed.output.content.as_str()),
         ("Hmm.\n", "")
     );
     assert!(!closed.output.content_is_reasoning);
 
     // A prompt with no think block: the model opened one itself and ended its turn inside it.
     let prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";
-    let opened_by_model = run(
-        prompt,
-        "<think>\nStill thinking<|im_end|>",
-        options(vec![], &[], None),
-    );
+    let opened_by_model = run(prompt, "<think>\nStill thinking<|im_end|>", options(vec![], &[], None));
     assert_eq!(
         (
             opened_by_model.output.reasoning.as_str(),
@@ -310,11 +275,7 @@ fn a_closed_or_model_opened_think_block_is_never_copied_to_the_content() {
 fn the_caller_stopping_inside_the_prompts_think_block_leaves_it_reasoning() {
     // Not an end of the generation but its abandonment (an interrupted chat answer): nothing is taken as content.
     let tokenizer = common::tokenizer();
-    let mut stream = OutputStream::new(
-        tokenizer.clone(),
-        THINKING_PROMPT,
-        options(vec![], &[], None),
-    );
+    let mut stream = OutputStream::new(tokenizer.clone(), THINKING_PROMPT, options(vec![], &[], None));
     for id in tokenizer.encode("Half a thought", false).unwrap() {
         stream.push_token(id).unwrap();
     }
@@ -342,9 +303,10 @@ fn raw_mode_is_the_text_with_special_tokens_skipped() {
     // Cut by the caller, not by an end-of-sequence token.
     assert_eq!(run.output.finish_reason, FinishReason::Length);
     assert_eq!(run.output.completion_tokens, ids.len());
-    assert!(run.deltas.iter().all(
-        |delta| matches!(delta, Delta::Content(text) if !text.contains(char::REPLACEMENT_CHARACTER))
-    ));
+    assert!(run
+        .deltas
+        .iter()
+        .all(|delta| matches!(delta, Delta::Content(text) if !text.contains(char::REPLACEMENT_CHARACTER))));
     assert_deltas_match_output(&run);
 }
 
@@ -408,9 +370,7 @@ fn tool_calls_stream_as_openai_deltas() {
         })
     );
     assert!(
-        text_pieces(&run.deltas)
-            .iter()
-            .all(|piece| !piece.contains('<')),
+        text_pieces(&run.deltas).iter().all(|piece| !piece.contains('<')),
         "no markup reaches the client"
     );
     assert_deltas_match_output(&run);
@@ -442,11 +402,7 @@ fn without_tools_tool_markup_is_content() {
 #[test]
 fn unfinished_tool_call_cut_by_max_tokens_is_content() {
     let generated = "Sure.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBuenos Aires and more text";
-    let run = run(
-        NO_THINKING_PROMPT,
-        generated,
-        options(tools(), &[], Some(12)),
-    );
+    let run = run(NO_THINKING_PROMPT, generated, options(tools(), &[], Some(12)));
     assert_eq!(run.output.finish_reason, FinishReason::Length);
     assert!(run.output.tool_calls.is_empty());
     assert!(
@@ -545,9 +501,7 @@ const TAGS: [&str; 8] = [
 /// Text with the characters tags are made of, but no whole tag; no whitespace at either end.
 fn free_text() -> impl Strategy<Value = String> {
     "([a-z<>/=_é😀中]([a-z <>/=_\n.é😀中]{0,24}[a-z<>/=_é😀中])?)?"
-        .prop_filter("no whole tags", |text| {
-            TAGS.iter().all(|tag| !text.contains(tag))
-        })
+        .prop_filter("no whole tags", |text| TAGS.iter().all(|tag| !text.contains(tag)))
 }
 
 #[derive(Debug, Clone)]

@@ -36,10 +36,7 @@ fn pinned_encoding() {
     let ids = common::tokenizer()
         .encode("The quick brown fox jumps over the lazy dog.", true)
         .unwrap();
-    assert_eq!(
-        ids,
-        [760, 3841, 13477, 37550, 33075, 888, 279, 15217, 5388, 13]
-    );
+    assert_eq!(ids, [760, 3841, 13477, 37550, 33075, 888, 279, 15217, 5388, 13]);
 }
 
 #[test]
@@ -77,10 +74,7 @@ fn special_tokens() {
 fn special_token_text_encodes_to_single_tokens() {
     let tokenizer = common::tokenizer();
     let ids = tokenizer
-        .encode(
-            "<|im_start|>user\nHi<|im_end|>\n<think>\n</think><tool_call>",
-            false,
-        )
+        .encode("<|im_start|>user\nHi<|im_end|>\n<think>\n</think><tool_call>", false)
         .unwrap();
     assert_eq!(ids[0], 248045);
     assert!(ids.contains(&248046) && ids.contains(&248068) && ids.contains(&248069));
@@ -116,10 +110,7 @@ fn stream_decoder_holds_incomplete_characters() {
     // A rare CJK character is split into byte tokens: no piece may show half of it.
     let text = "𠜎𠜱";
     let ids = tokenizer.encode(text, false).unwrap();
-    assert!(
-        ids.len() > 2,
-        "expected multi-token characters, got {ids:?}"
-    );
+    assert!(ids.len() > 2, "expected multi-token characters, got {ids:?}");
     let mut decoder = StreamDecoder::new(tokenizer.clone(), false);
     let pieces: Vec<String> = ids.iter().map(|&id| decoder.push(id).unwrap()).collect();
     assert!(
@@ -136,18 +127,13 @@ fn stream_decoder_flushes_a_cut_character_as_replacement() {
     let ids = tokenizer.encode("𠜎", false).unwrap();
     let mut decoder = StreamDecoder::new(tokenizer, false);
     assert_eq!(decoder.push(ids[0]).unwrap(), "");
-    assert!(decoder
-        .flush()
-        .unwrap()
-        .contains(char::REPLACEMENT_CHARACTER));
+    assert!(decoder.flush().unwrap().contains(char::REPLACEMENT_CHARACTER));
 }
 
 #[test]
 fn stream_decoder_skips_special_tokens_when_asked() {
     let tokenizer = common::tokenizer();
-    let ids = tokenizer
-        .encode("<|im_start|>assistant\nHi<|im_end|>", false)
-        .unwrap();
+    let ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>", false).unwrap();
     let mut decoder = StreamDecoder::new(tokenizer, true);
     let text: String = ids.iter().map(|&id| decoder.push(id).unwrap()).collect();
     assert_eq!(text + &decoder.flush().unwrap(), "assistant\nHi");
@@ -166,8 +152,7 @@ fn loading_errors_are_clear() {
 
 #[test]
 fn loads_the_compressed_tokenizer_of_the_bundled_model() {
-    let model_dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/lily-tiny-shakespeare");
+    let model_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/lily-tiny-shakespeare");
     let tokenizer = Tokenizer::from_dir(&model_dir).unwrap();
     assert_eq!(
         tokenizer

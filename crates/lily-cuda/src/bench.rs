@@ -102,7 +102,11 @@ pub fn bytes_per_token(model: &CudaModel, depth: usize) -> f64 {
 fn mean_std(samples: &[f64]) -> (f64, f64) {
     let n = samples.len() as f64;
     let mean = samples.iter().sum::<f64>() / n;
-    let var = if samples.len() > 1 { samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    let var = if samples.len() > 1 {
+        samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
     (mean, var.sqrt())
 }
 
@@ -121,7 +125,9 @@ fn set_depth(backend: &mut CudaBackend, depth: usize, fill: DepthFill, rng: &mut
         DepthFill::Prefill => {
             let vocab = backend.model.config.vocab_size as u64;
             let tokens = random_tokens(rng, vocab, depth);
-            backend.prefill(&tokens).map_err(|e| crate::driver::GpuError::Other(e.to_string()))?;
+            backend
+                .prefill(&tokens)
+                .map_err(|e| crate::driver::GpuError::Other(e.to_string()))?;
             backend.model.gpu.sync()
         }
     }
@@ -139,10 +145,18 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
     println!("| model | device | test | depth (filled by {fill_name}) | t/s | bytes/token | GB/s | share of 4.6 TB/s | TFLOP/s | share of 790 TFLOP/s |");
     println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut rows = Vec::new();
-    let timeline = if plan.timeline { Some(crate::timeline::Timeline::attach(backend)?) } else { None };
+    let timeline = if plan.timeline {
+        Some(crate::timeline::Timeline::attach(backend)?)
+    } else {
+        None
+    };
     for &depth in &plan.depths {
-        let tests: Vec<(String, usize, bool)> =
-            plan.prompts.iter().map(|&p| (format!("pp{p}"), p, true)).chain((plan.generate > 0).then(|| (format!("tg{}", plan.generate), plan.generate, false))).collect();
+        let tests: Vec<(String, usize, bool)> = plan
+            .prompts
+            .iter()
+            .map(|&p| (format!("pp{p}"), p, true))
+            .chain((plan.generate > 0).then(|| (format!("tg{}", plan.generate), plan.generate, false)))
+            .collect();
         for (name, count, is_prompt) in tests {
             let mut samples = Vec::new();
             for rep in 0..=plan.repetitions {
@@ -167,11 +181,17 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
             let bytes = (!is_prompt).then(|| bytes_per_token(&backend.model, depth + count / 2));
             let flops = is_prompt.then(|| flops_per_prompt_token(&backend.model, depth, count));
             let (gbs, share) = match bytes {
-                Some(b) => (format!("{:.0}", b * mean / 1e9), format!("{:.1}%", 100.0 * b * mean / CARD_BANDWIDTH)),
+                Some(b) => (
+                    format!("{:.0}", b * mean / 1e9),
+                    format!("{:.1}%", 100.0 * b * mean / CARD_BANDWIDTH),
+                ),
                 None => ("".into(), "".into()),
             };
             let (tflops, flop_share) = match flops {
-                Some(f) => (format!("{:.1}", f * mean / 1e12), format!("{:.1}%", 100.0 * f * mean / CARD_BF16_FLOPS)),
+                Some(f) => (
+                    format!("{:.1}", f * mean / 1e12),
+                    format!("{:.1}%", 100.0 * f * mean / CARD_BF16_FLOPS),
+                ),
                 None => ("".into(), "".into()),
             };
             println!(
@@ -180,13 +200,22 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                 backend.model.gpu.name,
                 bytes.map(|b| format!("{:.3} GB", b / 1e9)).unwrap_or_default()
             );
-            rows.push(Row { test: name, depth, tokens_per_s: (mean, std), bytes_per_token: bytes, flops_per_token: flops });
+            rows.push(Row {
+                test: name,
+                depth,
+                tokens_per_s: (mean, std),
+                bytes_per_token: bytes,
+                flops_per_token: flops,
+            });
         }
         if plan.profile {
             for &count in &plan.prompts {
                 set_depth(backend, depth, plan.fill, &mut rng)?;
                 let ids = random_tokens(&mut rng, vocab, count);
-                backend.model.gpu.upload(backend.model.state.tokens.at(depth * 4), &ids)?;
+                backend
+                    .model
+                    .gpu
+                    .upload(backend.model.state.tokens.at(depth * 4), &ids)?;
                 let mut profile = crate::launch::Profile::default();
                 backend.model.enqueue_prefill(depth, count, Some(&mut profile))?;
                 profile.collect()?;
@@ -224,7 +253,14 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
             );
             println!("| kernel | launches | us a launch | us a step | share |\n| --- | ---: | ---: | ---: | ---: |");
             for e in entries {
-                println!("| {} | {} | {:.2} | {:.1} | {:.1}% |", e.kernel, e.launches, e.us_per_step / e.launches as f64, e.us_per_step, 100.0 * e.us_per_step / step);
+                println!(
+                    "| {} | {} | {:.2} | {:.1} | {:.1}% |",
+                    e.kernel,
+                    e.launches,
+                    e.us_per_step / e.launches as f64,
+                    e.us_per_step,
+                    100.0 * e.us_per_step / step
+                );
             }
             println!();
         }
@@ -238,7 +274,10 @@ fn print_profile(what: &str, depth: usize, profile: crate::launch::Profile) {
     let mut entries = profile.entries;
     entries.sort_by(|a, b| b.1.total_cmp(&a.1));
     for (name, ms, count) in entries {
-        println!("  {name:<18} {ms:8.3} ms  {count:4} launches  {:5.1}%", 100.0 * ms / total);
+        println!(
+            "  {name:<18} {ms:8.3} ms  {count:4} launches  {:5.1}%",
+            100.0 * ms / total
+        );
     }
     println!();
 }

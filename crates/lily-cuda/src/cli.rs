@@ -71,7 +71,13 @@ pub fn open_backend(device: Device, dir: &Path, max_context: usize) -> Result<Op
     };
     let weights = Weights::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     let config = weights.config.clone();
-    let model = load(gpu, config, &Source::Cpu(&weights), max_context, &dir.display().to_string())?;
+    let model = load(
+        gpu,
+        config,
+        &Source::Cpu(&weights),
+        max_context,
+        &dir.display().to_string(),
+    )?;
     Ok(Some(CudaBackend::new(model)))
 }
 
@@ -112,7 +118,10 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         }
         for config in [Config::full_shape(), Config::tiny_shape()] {
             for (name, bytes, log) in crate::kernels::compile_all(&config, "sm_90a", false)? {
-                println!("ok   {name:<14} hidden {:<5} {bytes} bytes of sm_90a code", config.hidden_size);
+                println!(
+                    "ok   {name:<14} hidden {:<5} {bytes} bytes of sm_90a code",
+                    config.hidden_size
+                );
                 if !log.trim().is_empty() {
                     println!("{log}");
                 }
@@ -120,7 +129,11 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let failures = crate::selftest::run_all(&crate::selftest::Options { full_shape: args.full_shape, golden: args.golden, seed: args.seed })?;
+    let failures = crate::selftest::run_all(&crate::selftest::Options {
+        full_shape: args.full_shape,
+        golden: args.golden,
+        seed: args.seed,
+    })?;
     if failures > 0 {
         bail!("{failures} selftest check(s) failed");
     }
@@ -132,7 +145,11 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
 pub struct List(pub Vec<usize>);
 
 fn parse_list(s: &str) -> std::result::Result<List, String> {
-    s.split(',').filter(|p| !p.is_empty()).map(|p| p.trim().parse::<usize>().map_err(|e| format!("`{p}`: {e}"))).collect::<std::result::Result<_, _>>().map(List)
+    s.split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.trim().parse::<usize>().map_err(|e| format!("`{p}`: {e}")))
+        .collect::<std::result::Result<_, _>>()
+        .map(List)
 }
 
 #[derive(clap::Args)]
@@ -188,7 +205,16 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Some(shape) => {
             let config = shape.config();
             let name = format!("synthetic {shape:?} (4-bit, seed {})", args.seed).to_lowercase();
-            (load(gpu, config.clone(), &Source::synthetic(&config, args.seed), max_context, &name)?, name)
+            (
+                load(
+                    gpu,
+                    config.clone(),
+                    &Source::synthetic(&config, args.seed),
+                    max_context,
+                    &name,
+                )?,
+                name,
+            )
         }
         None => {
             let dir = match args.model {
@@ -197,19 +223,38 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             };
             let weights = Weights::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
             let config = weights.config.clone();
-            let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             (load(gpu, config, &Source::Cpu(&weights), max_context, &name)?, name)
         }
     };
     if max_context > model.config.max_position_embeddings {
-        bail!("depth + tokens ({max_context}) exceeds the model's {} positions", model.config.max_position_embeddings);
+        bail!(
+            "depth + tokens ({max_context}) exceeds the model's {} positions",
+            model.config.max_position_embeddings
+        );
     }
     let device = model.gpu.name.clone();
     let mut backend = CudaBackend::new(model);
-    let plan = Plan { model_name, prompts, generate: args.generate, depths, repetitions: args.repetitions, fill: args.fill, profile: args.profile, timeline: args.timeline };
+    let plan = Plan {
+        model_name,
+        prompts,
+        generate: args.generate,
+        depths,
+        repetitions: args.repetitions,
+        fill: args.fill,
+        profile: args.profile,
+        timeline: args.timeline,
+    };
     let rows = bench::run(&mut backend, &plan)?;
     if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&bench::to_json(&plan, &device, &rows))?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&bench::to_json(&plan, &device, &rows))?,
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

@@ -14,7 +14,11 @@ pub enum GpuError {
     #[error("no CUDA device found")]
     NoDevice,
     #[error("CUDA {call}: {name} ({code})")]
-    Driver { call: &'static str, name: String, code: i32 },
+    Driver {
+        call: &'static str,
+        name: String,
+        code: i32,
+    },
     #[error("NVRTC: {0}")]
     Nvrtc(String),
     #[error("{0}")]
@@ -32,13 +36,24 @@ pub(crate) fn check(call: &'static str, status: sys::CUresult) -> Result<()> {
         .error_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|_| format!("{status:?}"));
-    Err(GpuError::Driver { call, name, code: status as i32 })
+    Err(GpuError::Driver {
+        call,
+        name,
+        code: status as i32,
+    })
 }
 
 fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> GpuError {
     move |e| {
-        let name = e.error_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
-        GpuError::Driver { call, name, code: e.0 as i32 }
+        let name = e
+            .error_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0));
+        GpuError::Driver {
+            call,
+            name,
+            code: e.0 as i32,
+        }
     }
 }
 
@@ -118,9 +133,12 @@ impl Gpu {
         }
         let ctx = CudaContext::new(0).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))?;
+        let stream =
+            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))?;
         let mut driver_version = 0;
-        check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver_version) })?;
+        check("cuDriverGetVersion", unsafe {
+            sys::cuDriverGetVersion(&mut driver_version)
+        })?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("cuDeviceGetAttribute"))? as usize;
@@ -165,30 +183,43 @@ impl Gpu {
     /// A zeroed [`HostCell`].
     pub fn host_cell(&self) -> Result<HostCell> {
         let mut host: *mut c_void = std::ptr::null_mut();
-        check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
-        let mut cell = HostCell { host: host as *mut i32, ptr: 0 };
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        })?;
+        let mut cell = HostCell {
+            host: host as *mut i32,
+            ptr: 0,
+        };
         unsafe { std::ptr::write_volatile(cell.host, 0) };
-        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut cell.ptr, host, 0) })?;
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut cell.ptr, host, 0)
+        })?;
         Ok(cell)
     }
 
     /// Queues a write of one 32-bit value to device memory, done by the stream itself (no copy, no host buffer).
     pub fn write_u32(&self, ptr: sys::CUdeviceptr, value: u32) -> Result<()> {
-        check("cuStreamWriteValue32", unsafe { sys::cuStreamWriteValue32_v2(self.stream, ptr, value, 0) })
+        check("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(self.stream, ptr, value, 0)
+        })
     }
 
     pub fn memset_u8(&self, ptr: sys::CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, value, bytes, self.stream) })
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(ptr, value, bytes, self.stream)
+        })
     }
 
     pub fn memset_u32(&self, ptr: sys::CUdeviceptr, value: u32, count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
-        check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(ptr, value, count, self.stream) })
+        check("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(ptr, value, count, self.stream)
+        })
     }
 
     /// Copies host data to `ptr` and waits for it.
@@ -225,7 +256,9 @@ impl Gpu {
 
     /// Queues a device-to-device copy.
     pub fn copy(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
-        check("cuMemcpyDtoDAsync", unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) })
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream)
+        })
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -237,7 +270,14 @@ impl Gpu {
     }
 
     /// A launch with `shared` bytes of dynamic shared memory (up to the device's opt-in limit; see `Kernels`).
-    pub fn launch_shared(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, shared: u32, args: &mut Args) -> Result<()> {
+    pub fn launch_shared(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &mut Args,
+    ) -> Result<()> {
         let mut params = args.pointers();
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
@@ -259,7 +299,14 @@ impl Gpu {
     /// Like `launch_shared`, with programmatic dependent launch allowed: the kernel may start before the previous
     /// kernel on the stream ends, so it must wait (`griddepcontrol.wait`) before it reads that kernel's results or
     /// writes anything.
-    pub fn launch_dependent(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, shared: u32, args: &mut Args) -> Result<()> {
+    pub fn launch_dependent(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &mut Args,
+    ) -> Result<()> {
         let mut params = args.pointers();
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -276,21 +323,30 @@ impl Gpu {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        check("cuLaunchKernelEx", unsafe { sys::cuLaunchKernelEx(&config, kernel.0, params.as_mut_ptr(), std::ptr::null_mut()) })
+        check("cuLaunchKernelEx", unsafe {
+            sys::cuLaunchKernelEx(&config, kernel.0, params.as_mut_ptr(), std::ptr::null_mut())
+        })
     }
 
     /// Records what `enqueue` queues on the stream as a graph, ready to replay.
     pub fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Graph> {
         check("cuStreamBeginCapture", unsafe {
-            sys::cuStreamBeginCapture_v2(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            sys::cuStreamBeginCapture_v2(
+                self.stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
         })?;
         let queued = enqueue();
         let mut graph: sys::CUgraph = std::ptr::null_mut();
-        let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) });
+        let ended = check("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(self.stream, &mut graph)
+        });
         queued?;
         ended?;
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        let instantiated = check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) });
+        let instantiated = check("cuGraphInstantiate", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+        });
         check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) })?;
         instantiated?;
         Ok(Graph { exec })
@@ -302,14 +358,15 @@ impl Gpu {
 
     pub fn event(&self) -> Result<Event> {
         let mut event: sys::CUevent = std::ptr::null_mut();
-        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) })?;
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+        })?;
         Ok(Event { event })
     }
 
     pub fn record(&self, event: &Event) -> Result<()> {
         check("cuEventRecord", unsafe { sys::cuEventRecord(event.event, self.stream) })
     }
-
 }
 
 impl Drop for Gpu {
@@ -341,7 +398,9 @@ impl Event {
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(end.event) })?;
         let mut ms = 0.0f32;
-        check("cuEventElapsedTime", unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.event, end.event) })?;
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime_v2(&mut ms, self.event, end.event)
+        })?;
         Ok(ms)
     }
 }
@@ -372,7 +431,10 @@ impl Default for Args {
 
 impl Args {
     pub fn new() -> Args {
-        Args { slots: [[0; 2]; MAX_ARGS], len: 0 }
+        Args {
+            slots: [[0; 2]; MAX_ARGS],
+            len: 0,
+        }
     }
     fn push(mut self, slot: [u64; 2]) -> Args {
         assert!(self.len < MAX_ARGS, "a kernel takes at most {MAX_ARGS} arguments");

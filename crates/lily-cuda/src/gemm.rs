@@ -47,8 +47,14 @@ fn tile_rows(m: usize, col_blocks: usize, sms: usize) -> usize {
 
 /// The kernels infer the tile height from the row-block count, which tells 64 from 128 for every m > 64.
 fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, u32) {
-    assert!(m >= 1 && (rows == 64 || rows == 128 && m > 64), "{rows}-row tiles for m = {m}");
-    assert!(k >= K_STEP && k.is_multiple_of(K_STEP), "k = {k} is not whole groups of {K_STEP}");
+    assert!(
+        m >= 1 && (rows == 64 || rows == 128 && m > 64),
+        "{rows}-row tiles for m = {m}"
+    );
+    assert!(
+        k >= K_STEP && k.is_multiple_of(K_STEP),
+        "k = {k} is not whole groups of {K_STEP}"
+    );
     assert!(m.div_ceil(rows) <= 65535, "m = {m} is too many row blocks");
     (col_blocks as u32, m.div_ceil(rows) as u32, 1)
 }
@@ -60,14 +66,27 @@ pub fn gemm(l: &mut Launcher, a: u64, m: usize, w: &GpuMatrix, out: u64, accumul
     gemm_tiles(l, a, m, w, out, accumulate, rows)
 }
 
-fn gemm_tiles(l: &mut Launcher, a: u64, m: usize, w: &GpuMatrix, out: u64, accumulate: bool, rows: usize) -> Result<()> {
+fn gemm_tiles(
+    l: &mut Launcher,
+    a: u64,
+    m: usize,
+    w: &GpuMatrix,
+    out: u64,
+    accumulate: bool,
+    rows: usize,
+) -> Result<()> {
     let name = match w.bits {
         4 => "gemm_q4",
         8 => "gemm_q8",
         bits => panic!("no {bits}-bit product"),
     };
     let grid = dense_grid(m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), rows);
-    let args = w.arg(Args::new().ptr(a).i32(m as i32)).i32(w.rows as i32).i32(w.cols as i32).ptr(out).i32(accumulate as i32);
+    let args = w
+        .arg(Args::new().ptr(a).i32(m as i32))
+        .i32(w.rows as i32)
+        .i32(w.cols as i32)
+        .ptr(out)
+        .i32(accumulate as i32);
     l.launch(name, grid, THREADS, shared_bytes(l.kernels, rows, w.bits), args)
 }
 
@@ -77,10 +96,25 @@ pub fn gemm_swiglu(l: &mut Launcher, a: u64, m: usize, gate: &GpuMatrix, up: &Gp
     gemm_swiglu_tiles(l, a, m, gate, up, out, rows)
 }
 
-fn gemm_swiglu_tiles(l: &mut Launcher, a: u64, m: usize, gate: &GpuMatrix, up: &GpuMatrix, out: u64, rows: usize) -> Result<()> {
-    assert!(gate.bits == 4 && up.bits == 4 && gate.rows == up.rows && gate.cols == up.cols, "gate and up: 4-bit, one shape");
+fn gemm_swiglu_tiles(
+    l: &mut Launcher,
+    a: u64,
+    m: usize,
+    gate: &GpuMatrix,
+    up: &GpuMatrix,
+    out: u64,
+    rows: usize,
+) -> Result<()> {
+    assert!(
+        gate.bits == 4 && up.bits == 4 && gate.rows == up.rows && gate.cols == up.cols,
+        "gate and up: 4-bit, one shape"
+    );
     let grid = dense_grid(m, gate.cols, gate.rows.div_ceil(WEIGHT_ROWS / 2), rows);
-    let args = up.arg(gate.arg(Args::new().ptr(a).i32(m as i32))).i32(gate.rows as i32).i32(gate.cols as i32).ptr(out);
+    let args = up
+        .arg(gate.arg(Args::new().ptr(a).i32(m as i32)))
+        .i32(gate.rows as i32)
+        .i32(gate.cols as i32)
+        .ptr(out);
     l.launch("gemm_q4_swiglu", grid, THREADS, shared_bytes(l.kernels, rows, 4), args)
 }
 
@@ -107,8 +141,16 @@ pub fn moe_gate_up(
     act: u64,
 ) -> Result<()> {
     let grid = (l.kernels.constant("moe_gate_up_col_blocks") as u32, max_tiles as u32, 1);
-    let args = up.arg(gate.arg(Args::new().ptr(x).ptr(entries).ptr(tiles).ptr(tile_count).ptr(offsets))).ptr(act);
-    l.launch("moe_gate_up", grid, THREADS, shared_bytes(l.kernels, l.kernels.constant("moe_tile_rows"), 4), args)
+    let args = up
+        .arg(gate.arg(Args::new().ptr(x).ptr(entries).ptr(tiles).ptr(tile_count).ptr(offsets)))
+        .ptr(act);
+    l.launch(
+        "moe_gate_up",
+        grid,
+        THREADS,
+        shared_bytes(l.kernels, l.kernels.constant("moe_tile_rows"), 4),
+        args,
+    )
 }
 
 /// `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])` for every sorted entry i; `out` f32
@@ -127,8 +169,24 @@ pub fn moe_down(
     out: u64,
 ) -> Result<()> {
     let grid = (l.kernels.constant("moe_down_col_blocks") as u32, max_tiles as u32, 1);
-    let args = down.arg(Args::new().ptr(act).ptr(entries).ptr(tiles).ptr(tile_count).ptr(offsets).ptr(route_w)).ptr(out);
-    l.launch("moe_down", grid, THREADS, shared_bytes(l.kernels, l.kernels.constant("moe_tile_rows"), 4), args)
+    let args = down
+        .arg(
+            Args::new()
+                .ptr(act)
+                .ptr(entries)
+                .ptr(tiles)
+                .ptr(tile_count)
+                .ptr(offsets)
+                .ptr(route_w),
+        )
+        .ptr(out);
+    l.launch(
+        "moe_down",
+        grid,
+        THREADS,
+        shared_bytes(l.kernels, l.kernels.constant("moe_tile_rows"), 4),
+        args,
+    )
 }
 
 // ---- `lily selftest`: the products against lily_model's qmatmul on the same bf16-rounded inputs ----
@@ -170,9 +228,21 @@ fn download_bf16(gpu: &Gpu, buf: &DevBuf, n: usize) -> Result<Vec<f32>> {
 fn random_q4(rng: &mut Rng, rows: usize, cols: usize) -> QMatrix {
     let packed: Vec<u32> = (0..rows * cols / 8).map(|_| rng.next_u64() as u32).collect();
     let groups = rows * cols / K_STEP;
-    let scales: Vec<bf16> = (0..groups).map(|_| bf16::from_f32(0.02 + 0.02 * rng.uniform())).collect();
-    let biases: Vec<bf16> = scales.iter().map(|s| bf16::from_f32(-7.5 * s.to_f32() * (0.8 + 0.4 * rng.uniform()))).collect();
-    QMatrix { rows, cols, bits: 4, packed: Blob::Owned(packed), scales: Blob::Owned(scales), biases: Blob::Owned(biases) }
+    let scales: Vec<bf16> = (0..groups)
+        .map(|_| bf16::from_f32(0.02 + 0.02 * rng.uniform()))
+        .collect();
+    let biases: Vec<bf16> = scales
+        .iter()
+        .map(|s| bf16::from_f32(-7.5 * s.to_f32() * (0.8 + 0.4 * rng.uniform())))
+        .collect();
+    QMatrix {
+        rows,
+        cols,
+        bits: 4,
+        packed: Blob::Owned(packed),
+        scales: Blob::Owned(scales),
+        biases: Blob::Owned(biases),
+    }
 }
 
 /// The tile heights a product of m rows can be launched with.
@@ -187,7 +257,12 @@ fn tile_heights(m: usize) -> &'static [usize] {
 /// `lily selftest`'s checks of every product kernel (both tile heights where m allows) against qmatmul.
 pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, report: &mut Report) -> Result<()> {
     let mut rng = Rng::new(seed ^ 0x9e33);
-    let mut l = Launcher { gpu, kernels, profile: None, dependent: false };
+    let mut l = Launcher {
+        gpu,
+        kernels,
+        profile: None,
+        dependent: false,
+    };
     let (h, inter, experts) = (config.hidden_size, config.moe_intermediate_size, config.num_experts);
 
     // Dense products: odd and even n, partial tiles in m and n, k steps fewer than the pipeline's stages and not
@@ -209,7 +284,11 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let a_buf = upload_new(gpu, &a_bits)?;
         let mut expected = vec![0.0; m * n];
         qmatmul(w.view(), &a, &mut expected);
-        let init = if accumulate { normals(&mut rng, m * n, 1.0) } else { vec![0.0; m * n] };
+        let init = if accumulate {
+            normals(&mut rng, m * n, 1.0)
+        } else {
+            vec![0.0; m * n]
+        };
         expected.iter_mut().zip(&init).for_each(|(e, i)| *e += i);
         let out = gpu.alloc(m * n * 4)?;
         for &rows in tile_heights(m) {
@@ -219,8 +298,15 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 poison(gpu, &out)?;
             }
             gemm_tiles(&mut l, a_buf.ptr, m, &gw, out.ptr, accumulate, rows)?;
-            let name = format!("gemm_q{bits} m {m} k {k} n {n}, {rows}-row tiles{}", if accumulate { ", accumulate" } else { "" });
-            report.check(&name, rel_err(&download_f32(gpu, &out, m * n)?, &expected), if bits == 8 { TOL_Q8 } else { TOL_Q4 });
+            let name = format!(
+                "gemm_q{bits} m {m} k {k} n {n}, {rows}-row tiles{}",
+                if accumulate { ", accumulate" } else { "" }
+            );
+            report.check(
+                &name,
+                rel_err(&download_f32(gpu, &out, m * n)?, &expected),
+                if bits == 8 { TOL_Q8 } else { TOL_Q4 },
+            );
         }
     }
 
@@ -240,7 +326,11 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             gpu.memset_u32(out.ptr, NAN_BF16X2, out.bytes / 4)?;
             gemm_swiglu_tiles(&mut l, a_buf.ptr, m, &g_gate, &g_up, out.ptr, rows)?;
             let name = format!("gemm_q4_swiglu m {m} k {h} n {n}, {rows}-row tiles");
-            report.check(&name, rel_err(&download_bf16(gpu, &out, m * n)?, &expected), TOL_Q4_BF16_OUT);
+            report.check(
+                &name,
+                rel_err(&download_bf16(gpu, &out, m * n)?, &expected),
+                TOL_Q4_BF16_OUT,
+            );
         }
     }
 
@@ -252,7 +342,12 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
 /// tokens three "hot" ones among them (so some experts fill several whole tiles while most have a partial one).
 fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Report) -> Result<()> {
     let gpu = l.gpu;
-    let (h, inter, experts, top_k) = (config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok);
+    let (h, inter, experts, top_k) = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+    );
     let tokens = 300;
     let tile_rows = l.kernels.constant("moe_tile_rows");
     let hot = [1, experts / 2, experts - 1];
@@ -280,7 +375,11 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
     let mut tiles = Vec::new();
     for e in 0..experts {
         let (start, end) = (offsets[e] as usize, offsets[e + 1] as usize);
-        tiles.extend((start..end).step_by(tile_rows).flat_map(|first| [e as i32, first as i32]));
+        tiles.extend(
+            (start..end)
+                .step_by(tile_rows)
+                .flat_map(|first| [e as i32, first as i32]),
+        );
     }
     let tile_count = tiles.len() / 2;
     let max_tiles = max_tiles(l.kernels, config, tokens);
@@ -293,7 +392,11 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
     let offsets_buf = upload_new(gpu, &offsets)?;
     let tiles_buf = upload_new(gpu, &tiles)?;
     let count_buf = upload_new(gpu, &[tile_count as i32])?;
-    let rows_of = |e: usize| entries[offsets[e] as usize..offsets[e + 1] as usize].iter().map(|&entry| entry as usize);
+    let rows_of = |e: usize| {
+        entries[offsets[e] as usize..offsets[e + 1] as usize]
+            .iter()
+            .map(|&entry| entry as usize)
+    };
 
     // Gate/up: act by sorted index.
     let (gate, up) = (random_q4(rng, experts * inter, h), random_q4(rng, experts * inter, h));
@@ -302,10 +405,23 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
     let x_buf = upload_new(gpu, &x_bits)?;
     let act = gpu.alloc(tokens * top_k * inter * 2)?;
     gpu.memset_u32(act.ptr, NAN_BF16X2, act.bytes / 4)?;
-    moe_gate_up(l, x_buf.ptr, entries_buf.ptr, tiles_buf.ptr, count_buf.ptr, offsets_buf.ptr, max_tiles, &g_gate, &g_up, act.ptr)?;
+    moe_gate_up(
+        l,
+        x_buf.ptr,
+        entries_buf.ptr,
+        tiles_buf.ptr,
+        count_buf.ptr,
+        offsets_buf.ptr,
+        max_tiles,
+        &g_gate,
+        &g_up,
+        act.ptr,
+    )?;
     let mut expected = vec![0.0; tokens * top_k * inter];
     for e in 0..experts {
-        let xs: Vec<f32> = rows_of(e).flat_map(|entry| x[entry / top_k * h..][..h].iter().copied()).collect();
+        let xs: Vec<f32> = rows_of(e)
+            .flat_map(|entry| x[entry / top_k * h..][..h].iter().copied())
+            .collect();
         let n = xs.len() / h;
         if n == 0 {
             continue;
@@ -319,7 +435,11 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
         }
     }
     let name = format!("moe_gate_up ({tokens} tokens, {tile_count} tiles, bf16 out)");
-    report.check(&name, rel_err(&download_bf16(gpu, &act, tokens * top_k * inter)?, &expected), TOL_Q4_BF16_OUT);
+    report.check(
+        &name,
+        rel_err(&download_bf16(gpu, &act, tokens * top_k * inter)?, &expected),
+        TOL_Q4_BF16_OUT,
+    );
 
     // Down: an independent bf16 input, out by entry with its routing weight.
     let down = random_q4(rng, experts * h, inter);
@@ -330,7 +450,18 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
     let route_buf = upload_new(gpu, &route_w)?;
     let out = gpu.alloc(tokens * top_k * h * 4)?;
     poison(gpu, &out)?;
-    moe_down(l, act.ptr, entries_buf.ptr, tiles_buf.ptr, count_buf.ptr, offsets_buf.ptr, route_buf.ptr, max_tiles, &g_down, out.ptr)?;
+    moe_down(
+        l,
+        act.ptr,
+        entries_buf.ptr,
+        tiles_buf.ptr,
+        count_buf.ptr,
+        offsets_buf.ptr,
+        route_buf.ptr,
+        max_tiles,
+        &g_down,
+        out.ptr,
+    )?;
     let mut expected = vec![0.0; tokens * top_k * h];
     for e in 0..experts {
         let first = offsets[e] as usize;
@@ -339,7 +470,11 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
             continue;
         }
         let mut y = vec![0.0; n * h];
-        qmatmul(down.rows_view(e * h, h), &act_in[first * inter..(first + n) * inter], &mut y);
+        qmatmul(
+            down.rows_view(e * h, h),
+            &act_in[first * inter..(first + n) * inter],
+            &mut y,
+        );
         for (entry, row) in rows_of(e).zip(y.chunks(h)) {
             for (d, v) in expected[entry * h..][..h].iter_mut().zip(row) {
                 *d = route_w[entry] * v;
@@ -347,6 +482,10 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
         }
     }
     let name = format!("moe_down ({tokens} tokens, {tile_count} tiles, weighted, by entry)");
-    report.check(&name, rel_err(&download_f32(gpu, &out, tokens * top_k * h)?, &expected), TOL_Q4);
+    report.check(
+        &name,
+        rel_err(&download_f32(gpu, &out, tokens * top_k * h)?, &expected),
+        TOL_Q4,
+    );
     Ok(())
 }

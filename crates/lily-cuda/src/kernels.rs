@@ -23,21 +23,62 @@ pub const FILES: &[(&str, &str, &[&str], &[&str])] = &[
     (
         "matvec.cu",
         include_str!("../kernels/matvec.cu"),
-        &["embed", "proj_normed", "out_proj_gdn", "out_proj_attn", "advance_position"],
+        &[
+            "embed",
+            "proj_normed",
+            "out_proj_gdn",
+            "out_proj_attn",
+            "advance_position",
+        ],
         &["rows_per_block_hidden", "rows_per_block_lin_v", "rows_per_block_q"],
     ),
-    ("moe.cu", include_str!("../kernels/moe.cu"), &["experts_gate_up", "experts_down"], &["pairs_per_block", "gate_up_threads", "down_rows_per_block"]),
-    ("deltanet.cu", include_str!("../kernels/deltanet.cu"), &["gdn_step"], &[]),
-    ("attention.cu", include_str!("../kernels/attention.cu"), &["attn_prep", "attn_partial", "attn_merge"], &[]),
-    ("sampling.cu", include_str!("../kernels/sampling.cu"), &["lm_head", "sample"], &[]),
-    ("gemm.cu", include_str!("../kernels/gemm.cu"), &["gemm_q4", "gemm_q8", "gemm_q4_swiglu", "moe_gate_up", "moe_down"], &["moe_tile_rows", "gemm_stages", "moe_gate_up_col_blocks", "moe_down_col_blocks"]),
+    (
+        "moe.cu",
+        include_str!("../kernels/moe.cu"),
+        &["experts_gate_up", "experts_down"],
+        &["pairs_per_block", "gate_up_threads", "down_rows_per_block"],
+    ),
+    (
+        "deltanet.cu",
+        include_str!("../kernels/deltanet.cu"),
+        &["gdn_step"],
+        &[],
+    ),
+    (
+        "attention.cu",
+        include_str!("../kernels/attention.cu"),
+        &["attn_prep", "attn_partial", "attn_merge"],
+        &[],
+    ),
+    (
+        "sampling.cu",
+        include_str!("../kernels/sampling.cu"),
+        &["lm_head", "sample"],
+        &[],
+    ),
+    (
+        "gemm.cu",
+        include_str!("../kernels/gemm.cu"),
+        &["gemm_q4", "gemm_q8", "gemm_q4_swiglu", "moe_gate_up", "moe_down"],
+        &[
+            "moe_tile_rows",
+            "gemm_stages",
+            "moe_gate_up_col_blocks",
+            "moe_down_col_blocks",
+        ],
+    ),
     (
         "deltanet_prefill.cu",
         include_str!("../kernels/deltanet_prefill.cu"),
         &["gdn_prefill_chunks", "gdn_prefill_state", "gdn_prefill_norm"],
         &["gdn_chunks_shared_bytes", "gdn_state_shared_bytes", "gdn_state_split"],
     ),
-    ("attention_prefill.cu", include_str!("../kernels/attention_prefill.cu"), &["attn_prefill_prep", "attn_prefill", "attn_prefill_merge"], &[]),
+    (
+        "attention_prefill.cu",
+        include_str!("../kernels/attention_prefill.cu"),
+        &["attn_prefill_prep", "attn_prefill", "attn_prefill_merge"],
+        &[],
+    ),
     (
         "prefill.cu",
         include_str!("../kernels/prefill.cu"),
@@ -47,7 +88,12 @@ pub const FILES: &[(&str, &str, &[&str], &[&str])] = &[
     (
         "synth.cu",
         include_str!("../kernels/synth.cu"),
-        &["synth_packed", "synth_scale_bias", "fill_uniform_f32", "fill_uniform_bf16"],
+        &[
+            "synth_packed",
+            "synth_scale_bias",
+            "fill_uniform_f32",
+            "fill_uniform_bf16",
+        ],
         &[],
     ),
 ];
@@ -96,7 +142,9 @@ impl Target {
     pub fn for_device(cc: (i32, i32)) -> Target {
         match cc {
             (9, 0) => Target { arch: "sm_90a".into() },
-            (major, minor) => Target { arch: format!("compute_{major}{minor}") },
+            (major, minor) => Target {
+                arch: format!("compute_{major}{minor}"),
+            },
         }
     }
     fn is_machine_code(&self) -> bool {
@@ -112,7 +160,11 @@ pub fn enable_timeline() {
 static TIMELINE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn options(config: &Config, target: &Target, timeline: bool) -> Vec<String> {
-    let mut opts = vec![format!("--gpu-architecture={}", target.arch), "--std=c++17".into(), "-lineinfo".into()];
+    let mut opts = vec![
+        format!("--gpu-architecture={}", target.arch),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
+    ];
     if std::env::var_os("LILY_PTXAS_VERBOSE").is_some() {
         opts.push("--ptxas-options=-v".into());
     }
@@ -148,8 +200,21 @@ pub fn compile(name: &str, source: &str, opts: &[String], machine_code: bool) ->
     };
     unsafe {
         let mut prog: nvrtc::nvrtcProgram = std::ptr::null_mut();
-        nv("nvrtcCreateProgram", nvrtc::nvrtcCreateProgram(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()))?;
-        let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).expect("options have no NUL")).collect();
+        nv(
+            "nvrtcCreateProgram",
+            nvrtc::nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                cname.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
+        )?;
+        let copts: Vec<CString> = opts
+            .iter()
+            .map(|o| CString::new(o.as_str()).expect("options have no NUL"))
+            .collect();
         let ptrs: Vec<*const c_char> = copts.iter().map(|o| o.as_ptr()).collect();
         let compiled = nvrtc::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr());
         let mut log_size = 0usize;
@@ -162,13 +227,18 @@ pub fn compile(name: &str, source: &str, opts: &[String], machine_code: bool) ->
         }
         if compiled != nvrtc::nvrtcResult::NVRTC_SUCCESS {
             nvrtc::nvrtcDestroyProgram(&mut prog);
-            return Err(GpuError::Nvrtc(format!("{name} does not compile ({compiled:?}):\n{log}")));
+            return Err(GpuError::Nvrtc(format!(
+                "{name} does not compile ({compiled:?}):\n{log}"
+            )));
         }
         let mut size = 0usize;
         let image = if machine_code {
             nv("nvrtcGetCUBINSize", nvrtc::nvrtcGetCUBINSize(prog, &mut size))?;
             let mut buf = vec![0u8; size];
-            nv("nvrtcGetCUBIN", nvrtc::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char))?;
+            nv(
+                "nvrtcGetCUBIN",
+                nvrtc::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char),
+            )?;
             buf
         } else {
             nv("nvrtcGetPTXSize", nvrtc::nvrtcGetPTXSize(prog, &mut size))?;
@@ -196,7 +266,9 @@ pub fn compile_all(config: &Config, arch: &str, timeline: bool) -> Result<Vec<(S
 
 fn cache_path(name: &str, key: u64, target: &Target) -> PathBuf {
     let ext = if target.is_machine_code() { "cubin" } else { "ptx" };
-    lily_model::default_model::cache_dir().join("kernels").join(format!("{name}-{}-{key:016x}.{ext}", target.arch))
+    lily_model::default_model::cache_dir()
+        .join("kernels")
+        .join(format!("{name}-{}-{key:016x}.{ext}", target.arch))
 }
 
 fn hash_str(mut h: u64, s: &str) -> u64 {
@@ -222,9 +294,16 @@ impl Kernels {
     pub fn load(gpu: &Gpu, config: &Config) -> Result<Kernels> {
         let target = Target::for_device(gpu.compute_capability);
         let opts = options(config, &target, TIMELINE.load(std::sync::atomic::Ordering::Relaxed));
-        let mut kernels = Kernels { modules: Vec::new(), functions: HashMap::new(), constants: HashMap::new() };
+        let mut kernels = Kernels {
+            modules: Vec::new(),
+            functions: HashMap::new(),
+            constants: HashMap::new(),
+        };
         for (name, source, functions, constants) in FILES {
-            let key = hash_str(hash_str(hash_str(0x6c696c79, source), COMMON), &format!("{opts:?} {} {}", target.arch, gpu.driver_version));
+            let key = hash_str(
+                hash_str(hash_str(0x6c696c79, source), COMMON),
+                &format!("{opts:?} {} {}", target.arch, gpu.driver_version),
+            );
             let path = cache_path(name, key, &target);
             let image = match std::fs::read(&path) {
                 Ok(bytes) => bytes,
@@ -238,25 +317,41 @@ impl Kernels {
                 }
             };
             let mut module: sys::CUmodule = std::ptr::null_mut();
-            check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _) })?;
+            check("cuModuleLoadData", unsafe {
+                sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _)
+            })?;
             kernels.modules.push(module);
             for f in functions.iter() {
                 let cname = CString::new(*f).expect("kernel names have no NUL");
                 let mut func: sys::CUfunction = std::ptr::null_mut();
-                check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut func, module, cname.as_ptr()) })?;
+                check("cuModuleGetFunction", unsafe {
+                    sys::cuModuleGetFunction(&mut func, module, cname.as_ptr())
+                })?;
                 // Every kernel may take up to the device's limit of dynamic shared memory, less its static part.
                 let mut static_bytes = 0i32;
                 check("cuFuncGetAttribute", unsafe {
-                    sys::cuFuncGetAttribute(&mut static_bytes, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
+                    sys::cuFuncGetAttribute(
+                        &mut static_bytes,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                        func,
+                    )
                 })?;
                 let dynamic = gpu.max_shared_per_block.saturating_sub(static_bytes as usize) as i32;
                 check("cuFuncSetAttribute", unsafe {
-                    sys::cuFuncSetAttribute(func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
+                    sys::cuFuncSetAttribute(
+                        func,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        dynamic,
+                    )
                 })?;
                 // Clusters of up to 16 blocks (the MoE gate/up launch shares the router's logits within one).
                 if gpu.compute_capability.0 >= 9 {
                     check("cuFuncSetAttribute", unsafe {
-                        sys::cuFuncSetAttribute(func, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                        sys::cuFuncSetAttribute(
+                            func,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                            1,
+                        )
                     })?;
                 }
                 kernels.functions.insert(f, func);
@@ -264,7 +359,9 @@ impl Kernels {
             for c in constants.iter() {
                 let cname = CString::new(*c).expect("constant names have no NUL");
                 let (mut ptr, mut bytes) = (0u64, 0usize);
-                check("cuModuleGetGlobal", unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr()) })?;
+                check("cuModuleGetGlobal", unsafe {
+                    sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr())
+                })?;
                 let mut value = [0i32];
                 gpu.download(ptr, &mut value)?;
                 kernels.constants.insert(c, value[0]);
@@ -280,18 +377,28 @@ impl Kernels {
         }
         for &module in &self.modules {
             let (mut ptr, mut bytes) = (0u64, 0usize);
-            check("cuModuleGetGlobal", unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, c"timeline".as_ptr()) })?;
+            check("cuModuleGetGlobal", unsafe {
+                sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, c"timeline".as_ptr())
+            })?;
             gpu.upload(ptr, &[buf])?;
         }
         Ok(())
     }
 
     pub fn get(&self, name: &'static str) -> Kernel {
-        Kernel(*self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} is not in FILES")))
+        Kernel(
+            *self
+                .functions
+                .get(name)
+                .unwrap_or_else(|| panic!("kernel {name} is not in FILES")),
+        )
     }
 
     pub fn constant(&self, name: &'static str) -> usize {
-        *self.constants.get(name).unwrap_or_else(|| panic!("constant {name} is not in FILES")) as usize
+        *self
+            .constants
+            .get(name)
+            .unwrap_or_else(|| panic!("constant {name} is not in FILES")) as usize
     }
 }
 

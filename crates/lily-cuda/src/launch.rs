@@ -38,7 +38,14 @@ pub struct Launcher<'a> {
 
 impl Launcher<'_> {
     /// Queues `name` with `shared` bytes of dynamic shared memory.
-    pub fn launch(&mut self, name: &'static str, grid: (u32, u32, u32), block: u32, shared: u32, args: Args) -> Result<()> {
+    pub fn launch(
+        &mut self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: Args,
+    ) -> Result<()> {
         let mut args = args;
         let kernel = self.kernels.get(name);
         let (gpu, dependent) = (self.gpu, self.dependent);

@@ -15,9 +15,9 @@ use lily_model::sampling::Sampler;
 use lily_model::Config;
 
 use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, HostCell, Result};
+use crate::kernels::{Kernels, ATTN_SPLITS};
 use crate::launch::{Launcher, Profile};
 use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
-use crate::kernels::{Kernels, ATTN_SPLITS};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
 /// Per-sequence state and the step's activations, all allocated up front.
@@ -108,10 +108,22 @@ fn blocks(n: usize, per: usize) -> u32 {
 
 impl CudaModel {
     /// Compiles the kernels, loads the weights and allocates the state for `max_context` tokens.
-    pub fn new(gpu: Gpu, config: Config, source: &Source, max_context: usize, progress: &dyn Fn(usize, usize)) -> Result<CudaModel> {
+    pub fn new(
+        gpu: Gpu,
+        config: Config,
+        source: &Source,
+        max_context: usize,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<CudaModel> {
         let c = &config;
-        if c.shared_expert_intermediate_size != c.moe_intermediate_size || c.head_dim != 256 || c.num_attention_heads / c.num_key_value_heads != 8 {
-            return Err(GpuError::Other("the CUDA kernels need shared expert width = expert width, head_dim 256 and 8 query heads per KV head".into()));
+        if c.shared_expert_intermediate_size != c.moe_intermediate_size
+            || c.head_dim != 256
+            || c.num_attention_heads / c.num_key_value_heads != 8
+        {
+            return Err(GpuError::Other(
+                "the CUDA kernels need shared expert width = expert width, head_dim 256 and 8 query heads per KV head"
+                    .into(),
+            ));
         }
         let kernels = Kernels::load(&gpu, c)?;
         let weights = GpuWeights::load(&gpu, &kernels, c, source, progress)?;
@@ -119,7 +131,12 @@ impl CudaModel {
         let occupancy = |name: &'static str, threads: i32| -> Result<usize> {
             let mut n = 0i32;
             check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
-                cudarc::driver::sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, kernels.get(name).0, threads, 0)
+                cudarc::driver::sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut n,
+                    kernels.get(name).0,
+                    threads,
+                    0,
+                )
             })?;
             Ok(n.max(1) as usize * gpu.sm_count)
         };
@@ -129,11 +146,18 @@ impl CudaModel {
         };
         let rpb_h = kernels.constant("rows_per_block_hidden");
         let grids = Grids {
-            proj_gdn: mv_grid("proj_normed", c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads, rpb_h)?,
+            proj_gdn: mv_grid(
+                "proj_normed",
+                c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads,
+                rpb_h,
+            )?,
             proj_attn: mv_grid("proj_normed", 2 * c.q_dim() + 2 * c.kv_dim(), rpb_h)?,
             out_proj_gdn: mv_grid("out_proj_gdn", c.hidden_size, kernels.constant("rows_per_block_lin_v"))?,
             out_proj_attn: mv_grid("out_proj_attn", c.hidden_size, kernels.constant("rows_per_block_q"))?,
-            gate_up: blocks((c.num_experts_per_tok + 1) * c.moe_intermediate_size, kernels.constant("pairs_per_block")),
+            gate_up: blocks(
+                (c.num_experts_per_tok + 1) * c.moe_intermediate_size,
+                kernels.constant("pairs_per_block"),
+            ),
             down: blocks(c.hidden_size, kernels.constant("down_rows_per_block")),
             lm_head: mv_grid("lm_head", c.vocab_size, rpb_h)?,
         };
@@ -143,7 +167,10 @@ impl CudaModel {
             tokens: gpu.alloc_zeroed(max_context * 4)?,
             next_token: gpu.host_cell()?,
             hidden: f32s(c.hidden_size)?,
-            proj: f32s((c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(2 * c.q_dim() + 2 * c.kv_dim()))?,
+            proj: f32s(
+                (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
+                    .max(2 * c.q_dim() + 2 * c.kv_dim()),
+            )?,
             core: f32s(c.linear_value_dim().max(c.q_dim()))?,
             q: f32s(c.q_dim())?,
             part_o: f32s(c.num_attention_heads * ATTN_SPLITS * c.head_dim)?,
@@ -163,9 +190,15 @@ impl CudaModel {
                 gpu.upload(buf.ptr, &inv)?;
                 buf
             },
-            k_cache: (0..c.num_full_layers()).map(|_| gpu.alloc_zeroed(kv_bytes)).collect::<Result<_>>()?,
-            v_cache: (0..c.num_full_layers()).map(|_| gpu.alloc_zeroed(kv_bytes)).collect::<Result<_>>()?,
-            conv_ring: (0..c.num_linear_layers()).map(|_| f32s(c.linear_conv_kernel_dim * c.linear_conv_dim())).collect::<Result<_>>()?,
+            k_cache: (0..c.num_full_layers())
+                .map(|_| gpu.alloc_zeroed(kv_bytes))
+                .collect::<Result<_>>()?,
+            v_cache: (0..c.num_full_layers())
+                .map(|_| gpu.alloc_zeroed(kv_bytes))
+                .collect::<Result<_>>()?,
+            conv_ring: (0..c.num_linear_layers())
+                .map(|_| f32s(c.linear_conv_kernel_dim * c.linear_conv_dim()))
+                .collect::<Result<_>>()?,
             recurrent: (0..c.num_linear_layers())
                 .map(|_| f32s(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
                 .collect::<Result<_>>()?,
@@ -182,17 +215,46 @@ impl CudaModel {
         let chunk = PREFILL_CHUNK.min(max_context);
         let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
         gpu.sync()?;
-        Ok(CudaModel { gpu, kernels, config, weights, state, max_context, grids, slot, prefill, prefill_chunk: chunk })
+        Ok(CudaModel {
+            gpu,
+            kernels,
+            config,
+            weights,
+            state,
+            max_context,
+            grids,
+            slot,
+            prefill,
+            prefill_chunk: chunk,
+        })
     }
 
     /// Launches a kernel of the decode step (each waits for its predecessor, so from Hopper on it may start early).
-    fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, args: Args, profile: &mut Option<&mut Profile>) -> Result<()> {
+    fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: Args,
+        profile: &mut Option<&mut Profile>,
+    ) -> Result<()> {
         let dependent = self.gpu.compute_capability.0 >= 9;
-        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile: profile.as_deref_mut(), dependent }.launch(name, grid, block, 0, args)
+        Launcher {
+            gpu: &self.gpu,
+            kernels: &self.kernels,
+            profile: profile.as_deref_mut(),
+            dependent,
+        }
+        .launch(name, grid, block, 0, args)
     }
 
     pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
-        Launcher { gpu: &self.gpu, kernels: &self.kernels, profile, dependent: false }
+        Launcher {
+            gpu: &self.gpu,
+            kernels: &self.kernels,
+            profile,
+            dependent: false,
+        }
     }
 
     /// The decode step through the layers, in order, for the token `tokens[position]`, ending with the position's
@@ -202,9 +264,13 @@ impl CudaModel {
         for (l, layer) in self.weights.layers.iter().enumerate() {
             match layer.mixer {
                 GpuMixer::Linear(_) => ops.extend([Op::MixerInProj(l), Op::GdnStep(l), Op::GdnOutProj(l)]),
-                GpuMixer::Full(_) => {
-                    ops.extend([Op::MixerInProj(l), Op::AttnPrep(l), Op::AttnPartial(l), Op::AttnMerge(l), Op::AttnOutProj(l)])
-                }
+                GpuMixer::Full(_) => ops.extend([
+                    Op::MixerInProj(l),
+                    Op::AttnPrep(l),
+                    Op::AttnPartial(l),
+                    Op::AttnMerge(l),
+                    Op::AttnOutProj(l),
+                ]),
             }
             ops.extend([Op::ExpertsGateUp(l), Op::ExpertsDown(l)]);
         }
@@ -237,14 +303,30 @@ impl CudaModel {
             GpuMixer::Linear(_) => Err(GpuError::Other(format!("layer {l} is not an attention layer"))),
         };
         match op {
-            Op::Embed => self.launch("embed", (blocks(c.hidden_size, 256), 1, 1), 256, w.embed.arg(Args::new().ptr(s.position.ptr).ptr(s.tokens.ptr)).ptr(s.hidden.ptr), p),
+            Op::Embed => self.launch(
+                "embed",
+                (blocks(c.hidden_size, 256), 1, 1),
+                256,
+                w.embed
+                    .arg(Args::new().ptr(s.position.ptr).ptr(s.tokens.ptr))
+                    .ptr(s.hidden.ptr),
+                p,
+            ),
             Op::MixerInProj(l) => {
                 let layer = &w.layers[l];
                 let (m, grid) = match &layer.mixer {
                     GpuMixer::Linear(g) => (&g.in_proj, self.grids.proj_gdn),
                     GpuMixer::Full(a) => (&a.qkv, self.grids.proj_attn),
                 };
-                self.launch("proj_normed", (grid, 1, 1), 256, m.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr)).ptr(s.proj.ptr).i32(m.rows as i32), p)
+                self.launch(
+                    "proj_normed",
+                    (grid, 1, 1),
+                    256,
+                    m.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr))
+                        .ptr(s.proj.ptr)
+                        .i32(m.rows as i32),
+                    p,
+                )
             }
             Op::GdnStep(l) => {
                 let g = gdn(l)?;
@@ -268,7 +350,15 @@ impl CudaModel {
             Op::GdnOutProj(l) => {
                 let g = gdn(l)?;
                 let z = s.proj.at(c.linear_conv_dim() * 4);
-                self.launch("out_proj_gdn", (self.grids.out_proj_gdn, 1, 1), 256, g.out_proj.arg(Args::new().ptr(s.core.ptr).ptr(z).ptr(g.norm.ptr)).ptr(s.hidden.ptr), p)
+                self.launch(
+                    "out_proj_gdn",
+                    (self.grids.out_proj_gdn, 1, 1),
+                    256,
+                    g.out_proj
+                        .arg(Args::new().ptr(s.core.ptr).ptr(z).ptr(g.norm.ptr))
+                        .ptr(s.hidden.ptr),
+                    p,
+                )
             }
             Op::AttnPrep(l) => {
                 let a = attn(l)?;
@@ -295,7 +385,13 @@ impl CudaModel {
                     "attn_partial",
                     (c.num_key_value_heads as u32, ATTN_SPLITS as u32, 1),
                     256,
-                    Args::new().ptr(s.position.ptr).ptr(s.q.ptr).ptr(s.k_cache[slot].ptr).ptr(s.v_cache[slot].ptr).ptr(s.part_o.ptr).ptr(s.part_ml.ptr),
+                    Args::new()
+                        .ptr(s.position.ptr)
+                        .ptr(s.q.ptr)
+                        .ptr(s.k_cache[slot].ptr)
+                        .ptr(s.v_cache[slot].ptr)
+                        .ptr(s.part_o.ptr)
+                        .ptr(s.part_ml.ptr),
                     p,
                 )
             }
@@ -303,30 +399,71 @@ impl CudaModel {
                 "attn_merge",
                 (c.num_attention_heads as u32, (c.head_dim / 32) as u32, 1),
                 256,
-                Args::new().ptr(s.position.ptr).ptr(s.part_o.ptr).ptr(s.part_ml.ptr).ptr(s.proj.ptr).ptr(s.core.ptr),
+                Args::new()
+                    .ptr(s.position.ptr)
+                    .ptr(s.part_o.ptr)
+                    .ptr(s.part_ml.ptr)
+                    .ptr(s.proj.ptr)
+                    .ptr(s.core.ptr),
                 p,
             ),
             Op::AttnOutProj(l) => {
                 let a = attn(l)?;
-                self.launch("out_proj_attn", (self.grids.out_proj_attn, 1, 1), 256, a.o_proj.arg(Args::new().ptr(s.core.ptr)).ptr(s.hidden.ptr), p)
+                self.launch(
+                    "out_proj_attn",
+                    (self.grids.out_proj_attn, 1, 1),
+                    256,
+                    a.o_proj.arg(Args::new().ptr(s.core.ptr)).ptr(s.hidden.ptr),
+                    p,
+                )
             }
             Op::ExpertsGateUp(l) => {
                 let layer = &w.layers[l];
                 let args = layer.router.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr));
-                let args = layer.shared_up.arg(layer.shared_gate.arg(layer.experts_up.arg(layer.experts_gate.arg(args))));
-                let args = args.ptr(s.router_logits.ptr).ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr).ptr(s.route_ready.ptr);
-                self.launch("experts_gate_up", (self.grids.gate_up, 1, 1), self.kernels.constant("gate_up_threads") as u32, args, p)
+                let args = layer.shared_up.arg(
+                    layer
+                        .shared_gate
+                        .arg(layer.experts_up.arg(layer.experts_gate.arg(args))),
+                );
+                let args = args
+                    .ptr(s.router_logits.ptr)
+                    .ptr(s.act.ptr)
+                    .ptr(s.route_ids.ptr)
+                    .ptr(s.route_w.ptr)
+                    .ptr(s.route_ready.ptr);
+                self.launch(
+                    "experts_gate_up",
+                    (self.grids.gate_up, 1, 1),
+                    self.kernels.constant("gate_up_threads") as u32,
+                    args,
+                    p,
+                )
             }
             Op::ExpertsDown(l) => {
                 let layer = &w.layers[l];
-                let args = Args::new().ptr(s.act.ptr).ptr(s.route_ids.ptr).ptr(s.route_w.ptr).ptr(s.route_ready.ptr);
+                let args = Args::new()
+                    .ptr(s.act.ptr)
+                    .ptr(s.route_ids.ptr)
+                    .ptr(s.route_w.ptr)
+                    .ptr(s.route_ready.ptr);
                 let args = layer.shared_down.arg(layer.experts_down.arg(args)).ptr(s.hidden.ptr);
-                self.launch("experts_down", (self.grids.down, 1, 1), ((c.num_experts_per_tok + 1) * 32) as u32, args, p)
+                self.launch(
+                    "experts_down",
+                    (self.grids.down, 1, 1),
+                    ((c.num_experts_per_tok + 1) * 32) as u32,
+                    args,
+                    p,
+                )
             }
             Op::AdvancePosition => self.launch("advance_position", (1, 1, 1), 1, Args::new().ptr(s.position.ptr), p),
             Op::LmHead => {
                 let args = w.lm_head.arg(Args::new().ptr(s.hidden.ptr).ptr(w.final_norm.ptr));
-                let args = args.ptr(s.logits.ptr).ptr(s.block_best.ptr).ptr(s.block_arg.ptr).ptr(s.blocks_done.ptr).ptr(s.next_token.ptr);
+                let args = args
+                    .ptr(s.logits.ptr)
+                    .ptr(s.block_best.ptr)
+                    .ptr(s.block_arg.ptr)
+                    .ptr(s.blocks_done.ptr)
+                    .ptr(s.next_token.ptr);
                 self.launch("lm_head", (self.grids.lm_head, 1, 1), 256, args, p)
             }
         }
@@ -339,7 +476,16 @@ impl CudaModel {
         let mut done = 0;
         while done < count {
             let t = (count - done).min(self.prefill_chunk);
-            enqueue_chunk(&mut launcher, &self.config, &self.weights, &self.state, &self.slot, &self.prefill, start + done, t)?;
+            enqueue_chunk(
+                &mut launcher,
+                &self.config,
+                &self.weights,
+                &self.state,
+                &self.slot,
+                &self.prefill,
+                start + done,
+                t,
+            )?;
             done += t;
         }
         Ok(())
@@ -375,7 +521,12 @@ impl CudaModel {
             if n == 0 {
                 return Ok(());
             }
-            self.gpu.launch(self.kernels.get(name), grid(n), 256, &mut Args::new().ptr(ptr).u64(n as u64).u64(seed).u64(stream).f32(lo).f32(hi))
+            self.gpu.launch(
+                self.kernels.get(name),
+                grid(n),
+                256,
+                &mut Args::new().ptr(ptr).u64(n as u64).u64(seed).u64(stream).f32(lo).f32(hi),
+            )
         };
         for (k, v) in self.state.k_cache.iter().zip(&self.state.v_cache) {
             fill("fill_uniform_bf16", k.ptr, depth * c.kv_dim(), -1.0, 1.0)?;
@@ -406,7 +557,15 @@ pub struct CudaBackend {
 impl CudaBackend {
     pub fn new(model: CudaModel) -> CudaBackend {
         let vocab = model.config.vocab_size;
-        CudaBackend { model, graphs: None, position: 0, logits: vec![0.0; vocab], logits_current: false, sample_counter: 0, failed: None }
+        CudaBackend {
+            model,
+            graphs: None,
+            position: 0,
+            logits: vec![0.0; vocab],
+            logits_current: false,
+            sample_counter: 0,
+            failed: None,
+        }
     }
 
     fn graphs(&mut self) -> Result<&(Graph, Graph)> {
@@ -460,7 +619,10 @@ impl CudaBackend {
         }
         let needed = self.position + tokens.len();
         if needed > self.model.max_context {
-            return Err(ForwardError::ContextFull { needed, max_context: self.model.max_context });
+            return Err(ForwardError::ContextFull {
+                needed,
+                max_context: self.model.max_context,
+            });
         }
         Ok(())
     }

@@ -63,7 +63,8 @@ pub struct PrefillScratch {
 impl PrefillScratch {
     pub fn new(gpu: &Gpu, kernels: &Kernels, c: &Config, chunk: usize) -> Result<PrefillScratch> {
         let (h, k) = (c.hidden_size, c.num_experts_per_tok);
-        let proj_rows = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(2 * c.q_dim() + 2 * c.kv_dim());
+        let proj_rows = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
+            .max(2 * c.q_dim() + 2 * c.kv_dim());
         let max_tiles = gemm::max_tiles(kernels, c, chunk);
         Ok(PrefillScratch {
             chunk,
@@ -109,24 +110,67 @@ pub fn enqueue_chunk(
     assert!(t >= 1 && t <= s.chunk, "a chunk takes 1 ..= {} tokens", s.chunk);
     let rows = (t as u32, 1, 1);
     let warps_per_block = ROW_THREADS as usize / 32;
-    l.launch("embed_rows", rows, ROW_THREADS, 0, w.embed.arg(Args::new().ptr(state.tokens.ptr).i32(start as i32)).ptr(s.hidden.ptr))?;
+    l.launch(
+        "embed_rows",
+        rows,
+        ROW_THREADS,
+        0,
+        w.embed
+            .arg(Args::new().ptr(state.tokens.ptr).i32(start as i32))
+            .ptr(s.hidden.ptr),
+    )?;
     for (i, layer) in w.layers.iter().enumerate() {
-        l.launch("rmsnorm_rows", rows, ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr).ptr(s.normed.ptr).ptr(0))?;
+        l.launch(
+            "rmsnorm_rows",
+            rows,
+            ROW_THREADS,
+            0,
+            Args::new()
+                .ptr(s.hidden.ptr)
+                .ptr(layer.input_norm.ptr)
+                .ptr(s.normed.ptr)
+                .ptr(0),
+        )?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr, t, &g.in_proj, s.proj.ptr, false)?;
-                s.gdn.run(l, c, t, start, s.proj.ptr, state.conv_ring[slot[i]].ptr, state.recurrent[slot[i]].ptr, g, s.mixed.ptr)?;
+                s.gdn.run(
+                    l,
+                    c,
+                    t,
+                    start,
+                    s.proj.ptr,
+                    state.conv_ring[slot[i]].ptr,
+                    state.recurrent[slot[i]].ptr,
+                    g,
+                    s.mixed.ptr,
+                )?;
                 gemm::gemm(l, s.mixed.ptr, t, &g.out_proj, s.hidden.ptr, true)?;
             }
             GpuMixer::Full(a) => {
                 gemm::gemm(l, s.normed.ptr, t, &a.qkv, s.proj.ptr, false)?;
                 let (k_cache, v_cache) = (state.k_cache[slot[i]].ptr, state.v_cache[slot[i]].ptr);
-                s.attn.run(l, c, t, start, s.proj.ptr, a, state.inv_freq.ptr, k_cache, v_cache, s.mixed.ptr)?;
+                s.attn.run(
+                    l,
+                    c,
+                    t,
+                    start,
+                    s.proj.ptr,
+                    a,
+                    state.inv_freq.ptr,
+                    k_cache,
+                    v_cache,
+                    s.mixed.ptr,
+                )?;
                 gemm::gemm(l, s.mixed.ptr, t, &a.o_proj, s.hidden.ptr, true)?;
             }
         }
         // The sparse MoE: route, sort the (token, slot) entries by expert, grouped expert products, shared expert.
-        let norm_args = Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr).ptr(s.normed.ptr).ptr(s.normed_lo.ptr);
+        let norm_args = Args::new()
+            .ptr(s.hidden.ptr)
+            .ptr(layer.post_norm.ptr)
+            .ptr(s.normed.ptr)
+            .ptr(s.normed_lo.ptr);
         l.launch("rmsnorm_rows", rows, ROW_THREADS, 0, norm_args)?;
         // Routing follows small differences between logits: the router sees the normed input to about 16 bits.
         gemm::gemm(l, s.normed.ptr, t, &layer.router, s.router_logits.ptr, false)?;
@@ -137,7 +181,13 @@ pub fn enqueue_chunk(
             (t.div_ceil(warps_per_block) as u32, 1, 1),
             ROW_THREADS,
             0,
-            Args::new().ptr(s.router_logits.ptr).i32(t as i32).ptr(s.route_ids.ptr).ptr(s.route_w.ptr).ptr(s.shared_w.ptr).ptr(s.counts.ptr),
+            Args::new()
+                .ptr(s.router_logits.ptr)
+                .i32(t as i32)
+                .ptr(s.route_ids.ptr)
+                .ptr(s.route_w.ptr)
+                .ptr(s.shared_w.ptr)
+                .ptr(s.counts.ptr),
         )?;
         let tile_rows = l.kernels.constant("moe_tile_rows") as i32;
         l.launch(
@@ -156,21 +206,68 @@ pub fn enqueue_chunk(
                 .ptr(s.tile_count.ptr),
         )?;
         let sorted = (s.entries.ptr, s.tiles.ptr, s.tile_count.ptr, s.offsets.ptr);
-        gemm::moe_gate_up(l, s.normed.ptr, sorted.0, sorted.1, sorted.2, sorted.3, s.max_tiles, &layer.experts_gate, &layer.experts_up, s.act.ptr)?;
-        gemm::moe_down(l, s.act.ptr, sorted.0, sorted.1, sorted.2, sorted.3, s.route_w.ptr, s.max_tiles, &layer.experts_down, s.expert_out.ptr)?;
-        gemm::gemm_swiglu(l, s.normed.ptr, t, &layer.shared_gate, &layer.shared_up, s.shared_act.ptr)?;
+        gemm::moe_gate_up(
+            l,
+            s.normed.ptr,
+            sorted.0,
+            sorted.1,
+            sorted.2,
+            sorted.3,
+            s.max_tiles,
+            &layer.experts_gate,
+            &layer.experts_up,
+            s.act.ptr,
+        )?;
+        gemm::moe_down(
+            l,
+            s.act.ptr,
+            sorted.0,
+            sorted.1,
+            sorted.2,
+            sorted.3,
+            s.route_w.ptr,
+            s.max_tiles,
+            &layer.experts_down,
+            s.expert_out.ptr,
+        )?;
+        gemm::gemm_swiglu(
+            l,
+            s.normed.ptr,
+            t,
+            &layer.shared_gate,
+            &layer.shared_up,
+            s.shared_act.ptr,
+        )?;
         gemm::gemm(l, s.shared_act.ptr, t, &layer.shared_down, s.shared_out.ptr, false)?;
-        l.launch("moe_combine", rows, ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(s.expert_out.ptr).ptr(s.shared_out.ptr).ptr(s.shared_w.ptr))?;
+        l.launch(
+            "moe_combine",
+            rows,
+            ROW_THREADS,
+            0,
+            Args::new()
+                .ptr(s.hidden.ptr)
+                .ptr(s.expert_out.ptr)
+                .ptr(s.shared_out.ptr)
+                .ptr(s.shared_w.ptr),
+        )?;
     }
     let row_bytes = c.hidden_size * 4;
-    l.gpu.copy(state.hidden.ptr, s.hidden.at((t - 1) * row_bytes), row_bytes)?;
+    l.gpu
+        .copy(state.hidden.ptr, s.hidden.at((t - 1) * row_bytes), row_bytes)?;
     l.gpu.upload_async(state.position.ptr, &[(start + t) as i32])
 }
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
 /// tolerance 4e-3, half a bf16 step), routing (exact ids; weights 1e-5) with the stable sort by expert and its
 /// tiles (exact), and the combine (1e-5: f32 sums in another order).
-pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weights, gw: &GpuWeights, seed: u64, report: &mut crate::selftest::Report) -> Result<()> {
+pub(crate) fn check(
+    gpu: &Gpu,
+    kernels: &Kernels,
+    w: &lily_model::weights::Weights,
+    gw: &GpuWeights,
+    seed: u64,
+    report: &mut crate::selftest::Report,
+) -> Result<()> {
     use crate::selftest::{download_f32, normals, poison, rel_err};
     use half::bf16;
     use lily_model::cpu::linalg::{rmsnorm, sigmoid};
@@ -181,27 +278,54 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
     let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let mut rng = Rng::new(seed ^ 0x9ef111);
     let t = 301;
-    let mut l = Launcher { gpu, kernels, profile: None, dependent: false };
+    let mut l = Launcher {
+        gpu,
+        kernels,
+        profile: None,
+        dependent: false,
+    };
     let s = PrefillScratch::new(gpu, kernels, c, t)?;
 
     // Embedding rows.
-    let tokens: Vec<i32> = (0..t + 3).map(|_| (rng.next_u64() % c.vocab_size as u64) as i32).collect();
+    let tokens: Vec<i32> = (0..t + 3)
+        .map(|_| (rng.next_u64() % c.vocab_size as u64) as i32)
+        .collect();
     let tokens_buf = gpu.alloc(tokens.len() * 4)?;
     gpu.upload(tokens_buf.ptr, &tokens)?;
     poison(gpu, &s.hidden)?;
-    l.launch("embed_rows", (t as u32, 1, 1), ROW_THREADS, 0, gw.embed.arg(Args::new().ptr(tokens_buf.ptr).i32(3)).ptr(s.hidden.ptr))?;
+    l.launch(
+        "embed_rows",
+        (t as u32, 1, 1),
+        ROW_THREADS,
+        0,
+        gw.embed.arg(Args::new().ptr(tokens_buf.ptr).i32(3)).ptr(s.hidden.ptr),
+    )?;
     let mut expected = vec![0.0; t * h];
     for (r, row) in expected.chunks_mut(h).enumerate() {
         w.embed_tokens.view().dequantize_row(tokens[3 + r] as usize, row);
     }
-    report.check(&format!("embed_rows ({t} tokens)"), rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected), 1e-6);
+    report.check(
+        &format!("embed_rows ({t} tokens)"),
+        rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected),
+        1e-6,
+    );
 
     // RMSNorm rows into bf16, and what the rounding lost (bf16 holds 8 significant bits, the two 16).
     let hidden = normals(&mut rng, t * h, 1.0);
     gpu.upload(s.hidden.ptr, &hidden)?;
     poison(gpu, &s.normed)?;
     poison(gpu, &s.normed_lo)?;
-    l.launch("rmsnorm_rows", (t as u32, 1, 1), ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(gw.layers[0].input_norm.ptr).ptr(s.normed.ptr).ptr(s.normed_lo.ptr))?;
+    l.launch(
+        "rmsnorm_rows",
+        (t as u32, 1, 1),
+        ROW_THREADS,
+        0,
+        Args::new()
+            .ptr(s.hidden.ptr)
+            .ptr(gw.layers[0].input_norm.ptr)
+            .ptr(s.normed.ptr)
+            .ptr(s.normed_lo.ptr),
+    )?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
     gpu.download(s.normed.ptr, &mut hi)?;
     gpu.download(s.normed_lo.ptr, &mut lo)?;
@@ -211,8 +335,16 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
     for (x, out) in hidden.chunks(h).zip(expected.chunks_mut(h)) {
         rmsnorm(x, &w.layers[0].input_norm, c.rms_norm_eps, out);
     }
-    report.check(&format!("rmsnorm_rows ({t} rows, bf16 out)"), rel_err(&got, &expected), 4e-3);
-    report.check(&format!("rmsnorm_rows ({t} rows, bf16 out + what rounding lost)"), rel_err(&both, &expected), 2e-5);
+    report.check(
+        &format!("rmsnorm_rows ({t} rows, bf16 out)"),
+        rel_err(&got, &expected),
+        4e-3,
+    );
+    report.check(
+        &format!("rmsnorm_rows ({t} rows, bf16 out + what rounding lost)"),
+        rel_err(&both, &expected),
+        2e-5,
+    );
 
     // Routing, the stable sort by expert and the tiles.
     let logits = normals(&mut rng, t * (e + 1), 2.0);
@@ -226,25 +358,56 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
         (t.div_ceil(ROW_THREADS as usize / 32) as u32, 1, 1),
         ROW_THREADS,
         0,
-        Args::new().ptr(s.router_logits.ptr).i32(t as i32).ptr(s.route_ids.ptr).ptr(s.route_w.ptr).ptr(s.shared_w.ptr).ptr(s.counts.ptr),
+        Args::new()
+            .ptr(s.router_logits.ptr)
+            .i32(t as i32)
+            .ptr(s.route_ids.ptr)
+            .ptr(s.route_w.ptr)
+            .ptr(s.shared_w.ptr)
+            .ptr(s.counts.ptr),
     )?;
     l.launch(
         "moe_sort",
         (e as u32, 1, 1),
         256,
         0,
-        Args::new().ptr(s.route_ids.ptr).i32(t as i32).ptr(s.counts.ptr).i32(tile_rows as i32).ptr(s.offsets.ptr).ptr(s.entries.ptr).ptr(s.tiles.ptr).ptr(s.tile_count.ptr),
+        Args::new()
+            .ptr(s.route_ids.ptr)
+            .i32(t as i32)
+            .ptr(s.counts.ptr)
+            .i32(tile_rows as i32)
+            .ptr(s.offsets.ptr)
+            .ptr(s.entries.ptr)
+            .ptr(s.tiles.ptr)
+            .ptr(s.tile_count.ptr),
     )?;
     let (mut ids, mut weights) = (vec![0usize; t * k], vec![0.0f32; t * k]);
     for r in 0..t {
-        route(&logits[r * (e + 1)..][..e], k, &mut ids[r * k..][..k], &mut weights[r * k..][..k]);
+        route(
+            &logits[r * (e + 1)..][..e],
+            k,
+            &mut ids[r * k..][..k],
+            &mut weights[r * k..][..k],
+        );
     }
     let mut gpu_ids = vec![0i32; t * k];
     gpu.download(s.route_ids.ptr, &mut gpu_ids)?;
-    report.check_eq("route_rows: top-k experts of every token", gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b), "");
-    report.check("route_rows: routing weights", rel_err(&download_f32(gpu, &s.route_w, t * k)?, &weights), 1e-5);
+    report.check_eq(
+        "route_rows: top-k experts of every token",
+        gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b),
+        "",
+    );
+    report.check(
+        "route_rows: routing weights",
+        rel_err(&download_f32(gpu, &s.route_w, t * k)?, &weights),
+        1e-5,
+    );
     let shared: Vec<f32> = (0..t).map(|r| sigmoid(logits[r * (e + 1) + e])).collect();
-    report.check("route_rows: shared expert gate", rel_err(&download_f32(gpu, &s.shared_w, t)?, &shared), 1e-6);
+    report.check(
+        "route_rows: shared expert gate",
+        rel_err(&download_f32(gpu, &s.shared_w, t)?, &shared),
+        1e-6,
+    );
     let mut order: Vec<usize> = (0..t * k).collect();
     order.sort_by_key(|&i| ids[i]);
     let mut offsets = vec![0i32; e + 1];
@@ -264,7 +427,11 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
     gpu.download(s.tiles.ptr, &mut gpu_tiles)?;
     let sorted = gpu_entries.iter().zip(&order).all(|(a, b)| *a as usize == *b) && gpu_offsets == offsets;
     report.check_eq("moe_sort: entries stably sorted by expert, offsets", sorted, "");
-    report.check_eq("moe_sort: tiles", gpu_count[0] as usize * 2 == tiles.len() && gpu_tiles == tiles, &format!("{} tiles", tiles.len() / 2));
+    report.check_eq(
+        "moe_sort: tiles",
+        gpu_count[0] as usize * 2 == tiles.len() && gpu_tiles == tiles,
+        &format!("{} tiles", tiles.len() / 2),
+    );
 
     // Combine into the residual stream.
     let expert_out = normals(&mut rng, t * k * h, 1.0);
@@ -272,13 +439,27 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, w: &lily_model::weights::Weigh
     gpu.upload(s.expert_out.ptr, &expert_out)?;
     gpu.upload(s.shared_out.ptr, &shared_out)?;
     gpu.upload(s.hidden.ptr, &hidden)?;
-    l.launch("moe_combine", (t as u32, 1, 1), ROW_THREADS, 0, Args::new().ptr(s.hidden.ptr).ptr(s.expert_out.ptr).ptr(s.shared_out.ptr).ptr(s.shared_w.ptr))?;
+    l.launch(
+        "moe_combine",
+        (t as u32, 1, 1),
+        ROW_THREADS,
+        0,
+        Args::new()
+            .ptr(s.hidden.ptr)
+            .ptr(s.expert_out.ptr)
+            .ptr(s.shared_out.ptr)
+            .ptr(s.shared_w.ptr),
+    )?;
     let expected: Vec<f32> = (0..t * h)
         .map(|i| {
             let (r, col) = (i / h, i % h);
             hidden[i] + (0..k).map(|j| expert_out[(r * k + j) * h + col]).sum::<f32>() + shared[r] * shared_out[i]
         })
         .collect();
-    report.check("moe_combine (routed + gated shared + residual)", rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected), 1e-5);
+    report.check(
+        "moe_combine (routed + gated shared + residual)",
+        rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected),
+        1e-5,
+    );
     gpu.sync()
 }

@@ -36,15 +36,24 @@ struct KeySplit {
 /// fill the SMs; otherwise enough for about two blocks per SM.
 fn wanted_splits(t: usize, kv_heads: usize, sm_count: usize) -> usize {
     let blocks = t.div_ceil(QUERY_TILE) * kv_heads;
-    if blocks >= sm_count { 1 } else { (2 * sm_count).div_ceil(blocks) }
+    if blocks >= sm_count {
+        1
+    } else {
+        (2 * sm_count).div_ceil(blocks)
+    }
 }
 
 /// The wanted chunks, none shorter than MIN_CHUNK_TILES tiles (so never more than wanted).
 fn key_split(t: usize, start: usize, kv_heads: usize, sm_count: usize) -> KeySplit {
     let key_tiles = (start + t).div_ceil(KEY_TILE);
-    let splits = wanted_splits(t, kv_heads, sm_count).min(key_tiles / MIN_CHUNK_TILES).max(1);
+    let splits = wanted_splits(t, kv_heads, sm_count)
+        .min(key_tiles / MIN_CHUNK_TILES)
+        .max(1);
     let chunk_tiles = key_tiles.div_ceil(splits);
-    KeySplit { chunk: chunk_tiles * KEY_TILE, splits: key_tiles.div_ceil(chunk_tiles) }
+    KeySplit {
+        chunk: chunk_tiles * KEY_TILE,
+        splits: key_tiles.div_ceil(chunk_tiles),
+    }
 }
 
 /// The attention's buffers for up to `max_tokens` tokens a call.
@@ -186,8 +195,21 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let inv_freq = rope_inv_freq(c.rope_theta, c.rotary_dim());
     // `run` reads only the norms of the layer's weights.
-    let no_matrix = || -> Result<GpuMatrix> { Ok(GpuMatrix { packed: gpu.alloc(0)?, scale_bias: gpu.alloc(0)?, rows: 0, cols: 0, bits: 4 }) };
-    let weights = GpuAttention { qkv: no_matrix()?, q_norm: gpu.alloc(hd * 4)?, k_norm: gpu.alloc(hd * 4)?, o_proj: no_matrix()? };
+    let no_matrix = || -> Result<GpuMatrix> {
+        Ok(GpuMatrix {
+            packed: gpu.alloc(0)?,
+            scale_bias: gpu.alloc(0)?,
+            rows: 0,
+            cols: 0,
+            bits: 4,
+        })
+    };
+    let weights = GpuAttention {
+        qkv: no_matrix()?,
+        q_norm: gpu.alloc(hd * 4)?,
+        k_norm: gpu.alloc(hd * 4)?,
+        o_proj: no_matrix()?,
+    };
     gpu.upload(weights.q_norm.ptr, &q_norm)?;
     gpu.upload(weights.k_norm.ptr, &k_norm)?;
     let inv_freq_buf = gpu.alloc(inv_freq.len() * 4)?;
@@ -196,7 +218,12 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let k_cache = gpu.alloc(max_len * kv_dim * 2)?;
     let v_cache = gpu.alloc(max_len * kv_dim * 2)?;
     let out_buf = gpu.alloc(max_tokens * q_dim * 2)?;
-    let mut launcher = Launcher { gpu, kernels, profile: None, dependent: false };
+    let mut launcher = Launcher {
+        gpu,
+        kernels,
+        profile: None,
+        dependent: false,
+    };
 
     for (t, start) in cases {
         let len = start + t;
@@ -213,7 +240,18 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         gpu.upload(v_cache.ptr, &v_in)?;
         gpu.upload(out_buf.ptr, &vec![nan; t * q_dim])?;
         gpu.upload(scratch.q.ptr, &vec![nan; t * q_dim])?;
-        scratch.run(&mut launcher, c, t, start, proj_buf.ptr, &weights, inv_freq_buf.ptr, k_cache.ptr, v_cache.ptr, out_buf.ptr)?;
+        scratch.run(
+            &mut launcher,
+            c,
+            t,
+            start,
+            proj_buf.ptr,
+            &weights,
+            inv_freq_buf.ptr,
+            k_cache.ptr,
+            v_cache.ptr,
+            out_buf.ptr,
+        )?;
         gpu.sync()?;
         let mut q_gpu = vec![bf16::ZERO; t * q_dim];
         let mut k_gpu = vec![bf16::ZERO; len * kv_dim];
@@ -238,7 +276,12 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             }
             for h in 0..kv_heads {
                 let mut k = vec![0.0; hd];
-                rmsnorm(&src[2 * q_dim + h * hd..2 * q_dim + (h + 1) * hd], &k_norm, c.rms_norm_eps, &mut k);
+                rmsnorm(
+                    &src[2 * q_dim + h * hd..2 * q_dim + (h + 1) * hd],
+                    &k_norm,
+                    c.rms_norm_eps,
+                    &mut k,
+                );
                 rope(&mut k, start + i, &inv_freq);
                 k_ref.extend(k);
             }
@@ -247,8 +290,14 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let q_scaled: Vec<f32> = q.iter().map(|v| v / (hd as f32).sqrt()).collect();
         // Each value is one bf16 rounding of the f32 result (relative error <= 2^-8), so max error / max value
         // <= 3.9e-3 plus f32 noise; the prefix rows must come back as they were.
-        let prep_err = rel_err(&bf16_to_f32(&q_gpu), &q_scaled).max(rel_err(&k_gpu, &k_ref)).max(rel_err(&v_gpu, &v_ref));
-        report.check(&format!("attn_prefill_prep t={t} start={start}: q, k and v cache (bf16)"), prep_err, 5e-3);
+        let prep_err = rel_err(&bf16_to_f32(&q_gpu), &q_scaled)
+            .max(rel_err(&k_gpu, &k_ref))
+            .max(rel_err(&v_gpu, &v_ref));
+        report.check(
+            &format!("attn_prefill_prep t={t} start={start}: q, k and v cache (bf16)"),
+            prep_err,
+            5e-3,
+        );
 
         // CPU twin of the attention over the K/V the GPU reads (its bf16 cache), with the gate.
         let mut expected = vec![0.0f32; t * q_dim];
@@ -256,7 +305,10 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         for i in 0..t {
             for h in 0..heads {
                 let gate = &proj[i * row + h * 2 * hd + hd..i * row + (h + 1) * 2 * hd];
-                for (o, g) in expected[(i * heads + h) * hd..(i * heads + h + 1) * hd].iter_mut().zip(gate) {
+                for (o, g) in expected[(i * heads + h) * hd..(i * heads + h + 1) * hd]
+                    .iter_mut()
+                    .zip(gate)
+                {
                     *o *= sigmoid(*g);
                 }
             }
@@ -264,7 +316,10 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and the
         // output to bf16 (<= 2^-8 of each value): a few 1e-3 of the largest output; a wrong key or mask is O(1).
         let split = key_split(t, start, kv_heads, gpu.sm_count);
-        let name = format!("attn_prefill t={t} start={start} ({} key chunk(s)): gated output", split.splits);
+        let name = format!(
+            "attn_prefill t={t} start={start} ({} key chunk(s)): gated output",
+            split.splits
+        );
         report.check(&name, rel_err(&bf16_to_f32(&out_gpu), &expected), 1e-2);
     }
     Ok(())
@@ -276,10 +331,20 @@ mod tests {
 
     #[test]
     fn key_chunks_cover_every_query_tile() {
-        for (t, start, kv_heads, sms) in [(1, 0, 2, 132), (4096, 0, 2, 132), (130, 1001, 2, 132), (1, 262_143, 1, 132), (512, 0, 2, 132), (300, 0, 1, 132)] {
+        for (t, start, kv_heads, sms) in [
+            (1, 0, 2, 132),
+            (4096, 0, 2, 132),
+            (130, 1001, 2, 132),
+            (1, 262_143, 1, 132),
+            (512, 0, 2, 132),
+            (300, 0, 1, 132),
+        ] {
             let s = key_split(t, start, kv_heads, sms);
             assert_eq!(s.chunk % KEY_TILE, 0);
-            assert!(s.splits * s.chunk >= start + t && (s.splits - 1) * s.chunk < start + t, "{t} {start}: {s:?}");
+            assert!(
+                s.splits * s.chunk >= start + t && (s.splits - 1) * s.chunk < start + t,
+                "{t} {start}: {s:?}"
+            );
             assert!(s.splits <= wanted_splits(t, kv_heads, sms));
         }
         assert_eq!(key_split(4096, 32_768, 2, 132).splits, 1);

@@ -74,7 +74,11 @@ impl GdnScratch {
         weights: &GpuDeltaNet,
         out: u64,
     ) -> Result<()> {
-        assert!(t >= 1 && t <= self.max_tokens, "a DeltaNet prefill call takes 1 ..= {} tokens", self.max_tokens);
+        assert!(
+            t >= 1 && t <= self.max_tokens,
+            "a DeltaNet prefill call takes 1 ..= {} tokens",
+            self.max_tokens
+        );
         let (t32, start32) = (t as i32, start as i32);
         let value_heads = config.linear_num_value_heads;
         let chunks_shared = l.kernels.constant("gdn_chunks_shared_bytes") as u32;
@@ -122,7 +126,14 @@ impl GdnScratch {
             ((t * value_heads).div_ceil(WARPS_PER_BLOCK) as u32, 1, 1),
             THREADS,
             0,
-            Args::new().ptr(self.v_o.ptr).ptr(proj).ptr(weights.norm.ptr).i32(t32).i32(start32).ptr(ring).ptr(out),
+            Args::new()
+                .ptr(self.v_o.ptr)
+                .ptr(proj)
+                .ptr(weights.norm.ptr)
+                .i32(t32)
+                .i32(start32)
+                .ptr(ring)
+                .ptr(out),
         )
     }
 }
@@ -146,12 +157,22 @@ struct MixerResult {
 /// gates, the chunked delta rule per value head, the gated RMSNorm; the ring as decode's steps would leave it.
 fn cpu_mixer(c: &Config, w: &CpuWeights, proj: &[f32], start: usize, ring: &[f32], state: &[f32]) -> MixerResult {
     let (conv_dim, taps, key_dim) = (c.linear_conv_dim(), c.linear_conv_kernel_dim, c.linear_key_dim());
-    let (nk, nv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+    let (nk, nv, dk, dv) = (
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+    );
     let p = proj_dim(c);
     let t = proj.len() / p;
-    let x: Vec<f32> = proj.chunks_exact(p).flat_map(|row| row[..conv_dim].iter().copied()).collect();
+    let x: Vec<f32> = proj
+        .chunks_exact(p)
+        .flat_map(|row| row[..conv_dim].iter().copied())
+        .collect();
     // The conv state oldest first: positions start - taps + 1 .. start - 1 from their ring slots.
-    let mut conv_state: Vec<f32> = (0..taps - 1).flat_map(|j| ring[((start + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec()).collect();
+    let mut conv_state: Vec<f32> = (0..taps - 1)
+        .flat_map(|j| ring[((start + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec())
+        .collect();
     let mut conv_out = vec![0.0; t * conv_dim];
     conv_sequence(&x, &mut conv_state, &w.conv_w, taps, conv_dim, &mut conv_out);
     let q_scale = 1.0 / (dk as f32).sqrt();
@@ -167,11 +188,21 @@ fn cpu_mixer(c: &Config, w: &CpuWeights, proj: &[f32], start: usize, ring: &[f32
         .enumerate()
         .map(|(head, s)| {
             let kh = head / (nv / nk);
-            let gather = |offset: usize, n: usize| -> Vec<f32> { (0..t).flat_map(|tok| conv_out[tok * conv_dim + offset..][..n].to_vec()).collect() };
-            let (q, k, v) = (gather(kh * dk, dk), gather(key_dim + kh * dk, dk), gather(2 * key_dim + head * dv, dv));
+            let gather = |offset: usize, n: usize| -> Vec<f32> {
+                (0..t)
+                    .flat_map(|tok| conv_out[tok * conv_dim + offset..][..n].to_vec())
+                    .collect()
+            };
+            let (q, k, v) = (
+                gather(kh * dk, dk),
+                gather(key_dim + kh * dk, dk),
+                gather(2 * key_dim + head * dv, dv),
+            );
             let gates = |tok: usize| &proj[tok * p + conv_dim + nv * dv..][..2 * nv];
             let beta: Vec<f32> = (0..t).map(|tok| sigmoid(gates(tok)[head])).collect();
-            let g: Vec<f32> = (0..t).map(|tok| -w.a_log[head].exp() * softplus(gates(tok)[nv + head] + w.dt_bias[head])).collect();
+            let g: Vec<f32> = (0..t)
+                .map(|tok| -w.a_log[head].exp() * softplus(gates(tok)[nv + head] + w.dt_bias[head]))
+                .collect();
             let mut out = vec![0.0; t * dv];
             chunked(&q, &k, &v, &g, &beta, s, &mut out);
             out
@@ -214,8 +245,13 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     const OUT_TOL: f64 = 1e-2;
     const STATE_TOL: f64 = 5e-3;
     let c = config;
-    let (conv_dim, taps, nv, dk, dv) =
-        (c.linear_conv_dim(), c.linear_conv_kernel_dim, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+    let (conv_dim, taps, nv, dk, dv) = (
+        c.linear_conv_dim(),
+        c.linear_conv_kernel_dim,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+    );
     let (p, value_dim) = (proj_dim(c), c.linear_value_dim());
     let mut rng = Rng::new(seed ^ 0x6764_6e5f_7072_6566);
     // Decays in a realistic range, exp(a_log) in 0.37 .. 7.4 and softplus(a + dt_bias) mostly 0.003 .. 0.3, so
@@ -227,7 +263,15 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         norm: (0..dv).map(|_| 1.0 + 0.1 * rng.normal()).collect(),
     };
     // Only the mixer's own weights are read; the projections are not part of this check.
-    let unused = || -> Result<GpuMatrix> { Ok(GpuMatrix { packed: gpu.alloc(0)?, scale_bias: gpu.alloc(0)?, rows: 0, cols: 0, bits: 4 }) };
+    let unused = || -> Result<GpuMatrix> {
+        Ok(GpuMatrix {
+            packed: gpu.alloc(0)?,
+            scale_bias: gpu.alloc(0)?,
+            rows: 0,
+            cols: 0,
+            bits: 4,
+        })
+    };
     let weights = GpuDeltaNet {
         in_proj: unused()?,
         conv_w: upload(gpu, &w.conv_w)?,
@@ -236,7 +280,12 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         norm: upload(gpu, &w.norm)?,
         out_proj: unused()?,
     };
-    let mut launcher = Launcher { gpu, kernels, profile: None, dependent: false };
+    let mut launcher = Launcher {
+        gpu,
+        kernels,
+        profile: None,
+        dependent: false,
+    };
     let max_tokens = 700;
     let scratch = GdnScratch::new(gpu, c, max_tokens)?;
     let proj_buf = gpu.alloc(max_tokens * p * 4)?;
@@ -244,63 +293,87 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let state_buf = gpu.alloc(nv * dk * dv * 4)?;
     let out_buf = gpu.alloc(max_tokens * value_dim * 2)?;
     // Uploads the inputs, runs `calls` (token counts) one after another, returns what the GPU left.
-    let mut run_gpu = |proj: &[f32], start: usize, ring: &[f32], state: &[f32], calls: &[usize]| -> Result<MixerResult> {
-        let t: usize = calls.iter().sum();
-        gpu.upload(proj_buf.ptr, proj)?;
-        gpu.upload(ring_buf.ptr, ring)?;
-        gpu.upload(state_buf.ptr, state)?;
-        gpu.memset_u32(out_buf.ptr, 0x7fc0_7fc0, out_buf.bytes / 4)?;
-        let s = &scratch;
-        for buf in [&s.q, &s.k, &s.v_o, &s.decay, &s.beta, &s.inverse, &s.attn] {
-            poison(gpu, buf)?;
-        }
-        let mut done = 0;
-        for &n in calls {
-            scratch.run(
-                &mut launcher,
-                c,
-                n,
-                start + done,
-                proj_buf.at(done * p * 4),
-                ring_buf.ptr,
-                state_buf.ptr,
-                &weights,
-                out_buf.at(done * value_dim * 2),
-            )?;
-            done += n;
-        }
-        gpu.sync()?;
-        let mut out = vec![bf16::ZERO; t * value_dim];
-        gpu.download(out_buf.ptr, &mut out)?;
-        Ok(MixerResult {
-            out: out.iter().map(|v| v.to_f32()).collect(),
-            state: download_f32(gpu, &state_buf, nv * dk * dv)?,
-            ring: download_f32(gpu, &ring_buf, taps * conv_dim)?,
-        })
-    };
+    let mut run_gpu =
+        |proj: &[f32], start: usize, ring: &[f32], state: &[f32], calls: &[usize]| -> Result<MixerResult> {
+            let t: usize = calls.iter().sum();
+            gpu.upload(proj_buf.ptr, proj)?;
+            gpu.upload(ring_buf.ptr, ring)?;
+            gpu.upload(state_buf.ptr, state)?;
+            gpu.memset_u32(out_buf.ptr, 0x7fc0_7fc0, out_buf.bytes / 4)?;
+            let s = &scratch;
+            for buf in [&s.q, &s.k, &s.v_o, &s.decay, &s.beta, &s.inverse, &s.attn] {
+                poison(gpu, buf)?;
+            }
+            let mut done = 0;
+            for &n in calls {
+                scratch.run(
+                    &mut launcher,
+                    c,
+                    n,
+                    start + done,
+                    proj_buf.at(done * p * 4),
+                    ring_buf.ptr,
+                    state_buf.ptr,
+                    &weights,
+                    out_buf.at(done * value_dim * 2),
+                )?;
+                done += n;
+            }
+            gpu.sync()?;
+            let mut out = vec![bf16::ZERO; t * value_dim];
+            gpu.download(out_buf.ptr, &mut out)?;
+            Ok(MixerResult {
+                out: out.iter().map(|v| v.to_f32()).collect(),
+                state: download_f32(gpu, &state_buf, nv * dk * dv)?,
+                ring: download_f32(gpu, &ring_buf, taps * conv_dim)?,
+            })
+        };
 
     for new_sequence in [true, false] {
         let mut worst = [(0.0f64, 0usize); 3];
         for t in [1, 37, 64, 200, 700] {
-            let start = if new_sequence { 0 } else { 64 * (rng.next_u64() % 40) as usize + 1 + (rng.next_u64() % 63) as usize };
+            let start = if new_sequence {
+                0
+            } else {
+                64 * (rng.next_u64() % 40) as usize + 1 + (rng.next_u64() % 63) as usize
+            };
             let proj = normals(&mut rng, t * p, 1.0);
             let (ring, state) = if new_sequence {
                 (vec![0.0; taps * conv_dim], vec![0.0; nv * dk * dv])
             } else {
-                (normals(&mut rng, taps * conv_dim, 1.0), normals(&mut rng, nv * dk * dv, 0.05))
+                (
+                    normals(&mut rng, taps * conv_dim, 1.0),
+                    normals(&mut rng, nv * dk * dv, 0.05),
+                )
             };
             let got = run_gpu(&proj, start, &ring, &state, &[t])?;
             let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
-            let errors = [rel_err(&got.out, &want.out), rel_err(&got.state, &want.state), rel_err(&got.ring, &want.ring)];
+            let errors = [
+                rel_err(&got.out, &want.out),
+                rel_err(&got.state, &want.state),
+                rel_err(&got.ring, &want.ring),
+            ];
             for (slot, e) in worst.iter_mut().zip(errors) {
                 if e >= slot.0 {
                     *slot = (e, t);
                 }
             }
         }
-        let from = if new_sequence { "start 0" } else { "start not a multiple of 64" };
-        report.check(&format!("gdn_prefill ({from}): output (worst t = {})", worst[0].1), worst[0].0, OUT_TOL);
-        report.check(&format!("gdn_prefill ({from}): recurrent state (worst t = {})", worst[1].1), worst[1].0, STATE_TOL);
+        let from = if new_sequence {
+            "start 0"
+        } else {
+            "start not a multiple of 64"
+        };
+        report.check(
+            &format!("gdn_prefill ({from}): output (worst t = {})", worst[0].1),
+            worst[0].0,
+            OUT_TOL,
+        );
+        report.check(
+            &format!("gdn_prefill ({from}): recurrent state (worst t = {})", worst[1].1),
+            worst[1].0,
+            STATE_TOL,
+        );
         report.check(&format!("gdn_prefill ({from}): conv ring"), worst[2].0, 0.0);
     }
 
@@ -312,9 +385,21 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let state = normals(&mut rng, nv * dk * dv, 0.05);
         let got = run_gpu(&proj, start, &ring, &state, &[100, 90])?;
         let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
-        report.check("gdn_prefill 100 + 90 tokens == 190: output", rel_err(&got.out, &want.out), OUT_TOL);
-        report.check("gdn_prefill 100 + 90 tokens == 190: recurrent state", rel_err(&got.state, &want.state), STATE_TOL);
-        report.check("gdn_prefill 100 + 90 tokens == 190: conv ring", rel_err(&got.ring, &want.ring), 0.0);
+        report.check(
+            "gdn_prefill 100 + 90 tokens == 190: output",
+            rel_err(&got.out, &want.out),
+            OUT_TOL,
+        );
+        report.check(
+            "gdn_prefill 100 + 90 tokens == 190: recurrent state",
+            rel_err(&got.state, &want.state),
+            STATE_TOL,
+        );
+        report.check(
+            "gdn_prefill 100 + 90 tokens == 190: conv ring",
+            rel_err(&got.ring, &want.ring),
+            0.0,
+        );
     }
 
     // Speed: one 4096-token call, after a warm-up call (no step depends on the values, so zeros will do).
@@ -323,7 +408,19 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let scratch = GdnScratch::new(gpu, c, t)?;
         let proj = gpu.alloc_zeroed(t * p * 4)?;
         let out = gpu.alloc(t * value_dim * 2)?;
-        let mut call = || scratch.run(&mut launcher, c, t, 0, proj.ptr, ring_buf.ptr, state_buf.ptr, &weights, out.ptr);
+        let mut call = || {
+            scratch.run(
+                &mut launcher,
+                c,
+                t,
+                0,
+                proj.ptr,
+                ring_buf.ptr,
+                state_buf.ptr,
+                &weights,
+                out.ptr,
+            )
+        };
         call()?;
         gpu.sync()?;
         let (begin, end) = (gpu.event()?, gpu.event()?);

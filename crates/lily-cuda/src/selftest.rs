@@ -39,7 +39,10 @@ impl Report {
         if !ok {
             self.failures += 1;
         }
-        println!("{:<4} {name:<58} error {err:.2e}  (tolerance {tol:.0e})", if ok { "ok" } else { "FAIL" });
+        println!(
+            "{:<4} {name:<58} error {err:.2e}  (tolerance {tol:.0e})",
+            if ok { "ok" } else { "FAIL" }
+        );
     }
     pub fn check_eq(&mut self, name: &str, equal: bool, detail: &str) {
         if !equal {
@@ -92,11 +95,19 @@ pub struct Options {
 
 /// Runs every check; returns the number of failures.
 pub fn run_all(options: &Options) -> Result<usize> {
-    let seed = options.seed.unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
+    let seed = options.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
     println!("selftest seed {seed}");
     let mut report = Report { failures: 0 };
     let gpu = Gpu::open()?;
-    println!("device: {} (sm_{}{}, {} SMs)", gpu.name, gpu.compute_capability.0, gpu.compute_capability.1, gpu.sm_count);
+    println!(
+        "device: {} (sm_{}{}, {} SMs)",
+        gpu.name, gpu.compute_capability.0, gpu.compute_capability.1, gpu.sm_count
+    );
 
     // The MLX config (with its quantization block) that a synthetic checkpoint comes with.
     let tiny = Config::from_json(&Config::tiny_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
@@ -123,18 +134,37 @@ pub fn run_all(options: &Options) -> Result<usize> {
     // differently from the CPU's f32. The chunked and the one-pass prefill round differently too, so one of them
     // can take the other side of such a tie (measured once: 3.7e-2 between them, the chunked one 9e-3 from the CPU).
     compare_prefill(&mut cpu, &mut gpu, seed, 6e-2, 6e-2, &mut report)?;
-    compare_golden(&mut gpu, &options.golden, lily_model::default_model::NAME, true, &mut report)?;
+    compare_golden(
+        &mut gpu,
+        &options.golden,
+        lily_model::default_model::NAME,
+        true,
+        &mut report,
+    )?;
     compare_models(cpu, gpu, seed, 64, 3e-2, true, &mut report)?;
 
     println!("-- end to end: synthetic tiny model, seed 1 --");
-    let mut gpu = CudaBackend::new(CudaModel::new(Gpu::open()?, tiny.clone(), &Source::synthetic(&tiny, 1), 4096, &|_, _| {})?);
+    let mut gpu = CudaBackend::new(CudaModel::new(
+        Gpu::open()?,
+        tiny.clone(),
+        &Source::synthetic(&tiny, 1),
+        4096,
+        &|_, _| {},
+    )?);
     compare_golden(&mut gpu, &options.golden, "synth-tiny-seed1", false, &mut report)?;
 
     if options.full_shape {
         println!("-- full shape, synthetic seed 1 (the GPU generates its weights; the CPU builds the same) --");
-        let full = Config::from_json(&Config::full_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
+        let full =
+            Config::from_json(&Config::full_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
         let start = Instant::now();
-        let gpu_model = CudaModel::new(Gpu::open()?, full.clone(), &Source::synthetic(&full, 1), 4096, &|_, _| {})?;
+        let gpu_model = CudaModel::new(
+            Gpu::open()?,
+            full.clone(),
+            &Source::synthetic(&full, 1),
+            4096,
+            &|_, _| {},
+        )?;
         println!("     GPU weights generated in {:.1} s", start.elapsed().as_secs_f64());
         let start = Instant::now();
         let ckpt = synth::checkpoint_in_memory(&full, 1).map_err(|e| GpuError::Other(e.to_string()))?;
@@ -150,11 +180,21 @@ pub fn run_all(options: &Options) -> Result<usize> {
         let prompt = [9707u32, 11];
         cpu.prefill(&prompt).map_err(fe)?;
         gpu.clear()?;
-        gpu.model.gpu.upload(gpu.model.state.tokens.ptr, &prompt.map(|t| t as i32))?;
+        gpu.model
+            .gpu
+            .upload(gpu.model.state.tokens.ptr, &prompt.map(|t| t as i32))?;
         gpu.run_steps(prompt.len())?;
-        report.check("full shape, 40 layers: prompt of 2 by decode steps vs CPU", rel_err(gpu.logits(), cpu.logits()), 5e-2);
+        report.check(
+            "full shape, 40 layers: prompt of 2 by decode steps vs CPU",
+            rel_err(gpu.logits(), cpu.logits()),
+            5e-2,
+        );
         gpu.prefill(&prompt).map_err(fe)?;
-        report.check("full shape, 40 layers: prompt of 2 by the prefill vs CPU", rel_err(gpu.logits(), cpu.logits()), 2e-1);
+        report.check(
+            "full shape, 40 layers: prompt of 2 by the prefill vs CPU",
+            rel_err(gpu.logits(), cpu.logits()),
+            2e-1,
+        );
         drop((cpu, gpu));
 
         println!("-- full width, 4 layers (3 DeltaNet, 1 attention), synthetic seed 1 --");
@@ -162,7 +202,13 @@ pub fn run_all(options: &Options) -> Result<usize> {
         four.num_hidden_layers = 4;
         four.layer_types.truncate(4);
         let four = Config::from_json(&four.to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
-        let gpu_model = CudaModel::new(Gpu::open()?, four.clone(), &Source::synthetic(&four, 1), 4096, &|_, _| {})?;
+        let gpu_model = CudaModel::new(
+            Gpu::open()?,
+            four.clone(),
+            &Source::synthetic(&four, 1),
+            4096,
+            &|_, _| {},
+        )?;
         let ckpt = synth::checkpoint_in_memory(&four, 1).map_err(|e| GpuError::Other(e.to_string()))?;
         let weights = Weights::from_checkpoint(four, &ckpt).map_err(|e| GpuError::Other(e.to_string()))?;
         let mut cpu = CpuBackend::new(CpuModel::new(weights), 4096);
@@ -178,19 +224,33 @@ pub fn run_all(options: &Options) -> Result<usize> {
 /// logits after the GPU prefill (one pass, and in chunks of 100 tokens) at the golden's top-64 and sampled token
 /// ids, and the greedy continuation (required identical on a trained model; counted on a random one, whose
 /// near-ties may flip).
-fn compare_golden(gpu: &mut CudaBackend, dir: &std::path::Path, name: &str, same_tokens: bool, report: &mut Report) -> Result<()> {
+fn compare_golden(
+    gpu: &mut CudaBackend,
+    dir: &std::path::Path,
+    name: &str,
+    same_tokens: bool,
+    report: &mut Report,
+) -> Result<()> {
     let path = dir.join(format!("{name}.safetensors"));
     let Ok(bytes) = std::fs::read(&path) else {
-        println!("     transformers golden {} not found: skipped (give --golden DIR)", path.display());
+        println!(
+            "     transformers golden {} not found: skipped (give --golden DIR)",
+            path.display()
+        );
         return Ok(());
     };
     let bad = |e: String| GpuError::Other(format!("{}: {e}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     let read = |name: &str| -> Result<Vec<[u8; 4]>> {
         let t = st.tensor(name).map_err(|e| bad(e.to_string()))?;
-        Ok(t.data().chunks_exact(4).map(|c| c.try_into().expect("4 bytes")).collect())
+        Ok(t.data()
+            .chunks_exact(4)
+            .map(|c| c.try_into().expect("4 bytes"))
+            .collect())
     };
-    let ints = |name: &str| -> Result<Vec<u32>> { Ok(read(name)?.into_iter().map(|b| i32::from_le_bytes(b) as u32).collect()) };
+    let ints = |name: &str| -> Result<Vec<u32>> {
+        Ok(read(name)?.into_iter().map(|b| i32::from_le_bytes(b) as u32).collect())
+    };
     let floats = |name: &str| -> Result<Vec<f32>> { Ok(read(name)?.into_iter().map(f32::from_le_bytes).collect()) };
     let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
     let sample_ids = ints("sample_ids")?;
@@ -204,8 +264,16 @@ fn compare_golden(gpu: &mut CudaBackend, dir: &std::path::Path, name: &str, same
         let sample_logits = floats(&format!("p{p}.sample_logits"))?;
         let greedy = ints(&format!("p{p}.greedy"))?;
         let (last, top_k) = (tokens.len() - 1, top_ids.len() / tokens.len());
-        let ids: Vec<u32> = top_ids[last * top_k..][..top_k].iter().chain(&sample_ids).copied().collect();
-        let want: Vec<f32> = top_logits[last * top_k..][..top_k].iter().chain(&sample_logits[last * sample_ids.len()..][..sample_ids.len()]).copied().collect();
+        let ids: Vec<u32> = top_ids[last * top_k..][..top_k]
+            .iter()
+            .chain(&sample_ids)
+            .copied()
+            .collect();
+        let want: Vec<f32> = top_logits[last * top_k..][..top_k]
+            .iter()
+            .chain(&sample_logits[last * sample_ids.len()..][..sample_ids.len()])
+            .copied()
+            .collect();
         let at_ids = |logits: &[f32]| -> Vec<f32> { ids.iter().map(|&i| logits[i as usize]).collect() };
 
         let chunk = gpu.model.prefill_chunk;
@@ -234,15 +302,35 @@ fn compare_golden(gpu: &mut CudaBackend, dir: &std::path::Path, name: &str, same
             ours.push(chosen);
         }
     }
-    report.check(&format!("{name}: last-position logits vs transformers ({prompts} prompts)"), worst, 3e-2);
-    report.check(&format!("{name}: the same, prefill in chunks of 100"), worst_chunked, 3e-2);
-    let detail = differing.iter().map(|(p, at, gap)| format!("prompt {p} token {at}: gap {gap:.1e}")).collect::<Vec<_>>().join(", ");
-    let detail = format!("{} of {prompts} differ{}{detail}", differing.len(), if differing.is_empty() { "" } else { ": " });
+    report.check(
+        &format!("{name}: last-position logits vs transformers ({prompts} prompts)"),
+        worst,
+        3e-2,
+    );
+    report.check(
+        &format!("{name}: the same, prefill in chunks of 100"),
+        worst_chunked,
+        3e-2,
+    );
+    let detail = differing
+        .iter()
+        .map(|(p, at, gap)| format!("prompt {p} token {at}: gap {gap:.1e}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let detail = format!(
+        "{} of {prompts} differ{}{detail}",
+        differing.len(),
+        if differing.is_empty() { "" } else { ": " }
+    );
     if same_tokens {
         // A continuation may part from transformers' only at a near-tie: where the two tokens' logits are closer
         // than the logits' tolerance (relative to the largest logit), bf16 activations may order them either way.
         let near_ties = differing.iter().all(|(_, _, gap)| (*gap as f64) < 3e-2);
-        report.check_eq(&format!("{name}: greedy continuations == transformers' (up to near-ties)"), near_ties, &detail);
+        report.check_eq(
+            &format!("{name}: greedy continuations == transformers' (up to near-ties)"),
+            near_ties,
+            &detail,
+        );
     } else {
         println!("     {name}: greedy continuations: {detail}");
     }
@@ -256,7 +344,14 @@ const ROUTING_NEAR_TIE: f32 = 1e-3;
 /// The GPU prefill against the CPU on prompts that cross DeltaNet chunks (64) and prefill chunks: the logits after
 /// the prompt and after decode steps that continue from the prefill's state; the same prompt in chunks of 100
 /// tokens against one pass; a prompt split over prefill, a decode step and a second prefill against the CPU.
-fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: f64, chunked_tol: f64, report: &mut Report) -> Result<()> {
+fn compare_prefill(
+    cpu: &mut CpuBackend,
+    gpu: &mut CudaBackend,
+    seed: u64,
+    tol: f64,
+    chunked_tol: f64,
+    report: &mut Report,
+) -> Result<()> {
     let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
     let vocab = cpu.config().vocab_size as u64;
     let mut rng = Rng::new(seed ^ 0x9e3f);
@@ -275,7 +370,11 @@ fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: 
         println!("     decode step after the prompt: {e:.2e}");
         worst = worst.max(e);
     }
-    report.check(&format!("prefill of {} tokens, then 4 decode steps, vs CPU", prompt.len()), worst, tol);
+    report.check(
+        &format!("prefill of {} tokens, then 4 decode steps, vs CPU", prompt.len()),
+        worst,
+        tol,
+    );
 
     let chunk = gpu.model.prefill_chunk;
     gpu.model.prefill_chunk = 100;
@@ -285,10 +384,16 @@ fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: 
     // The two passes round differently, so where the prompt's routing had a near-tie they may choose different
     // experts for a token; then they are held to the end-to-end tolerance only.
     if prompt_margin < ROUTING_NEAR_TIE {
-        let name = format!("prefill in chunks of 100 vs one pass (routing near-tie in the prompt, margin {prompt_margin:.1e})");
+        let name = format!(
+            "prefill in chunks of 100 vs one pass (routing near-tie in the prompt, margin {prompt_margin:.1e})"
+        );
         report.check(&name, rel_err(&chunked, &one_pass), tol.max(chunked_tol));
     } else {
-        report.check("prefill in chunks of 100 vs one pass", rel_err(&chunked, &one_pass), chunked_tol);
+        report.check(
+            "prefill in chunks of 100 vs one pass",
+            rel_err(&chunked, &one_pass),
+            chunked_tol,
+        );
     }
 
     gpu.prefill(&prompt[..150]).map_err(fe)?;
@@ -296,19 +401,33 @@ fn compare_prefill(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seed: u64, tol: 
     gpu.extend(&prompt[151..]).map_err(fe)?;
     // Token 150 takes the decode step's f32 path instead of the prefill's bf16 one, so this is held to the CPU
     // with the end-to-end tolerance (the chunked prefill above, the same arithmetic, to the one pass).
-    report.check("prefill 150, decode 1, prefill 182 vs CPU", rel_err(gpu.logits(), &cpu_prompt), tol);
+    report.check(
+        "prefill 150, decode 1, prefill 182 vs CPU",
+        rel_err(gpu.logits(), &cpu_prompt),
+        tol,
+    );
     Ok(())
 }
 
 /// Prefills the same random prompt on both, then decodes `steps` greedy tokens (the CPU's choice fed to both),
 /// comparing logits at every step; with `same_tokens`, also requires the GPU's greedy choice to equal the CPU's.
-fn compare_models(mut cpu: CpuBackend, mut gpu: CudaBackend, seed: u64, steps: usize, tol: f64, same_tokens: bool, report: &mut Report) -> Result<()> {
+fn compare_models(
+    mut cpu: CpuBackend,
+    mut gpu: CudaBackend,
+    seed: u64,
+    steps: usize,
+    tol: f64,
+    same_tokens: bool,
+    report: &mut Report,
+) -> Result<()> {
     let vocab = cpu.config().vocab_size as u64;
     let prompt: Vec<u32> = if same_tokens {
         vec![760, 3841, 13477, 37550, 33075, 888, 279, 15217, 5388, 13]
     } else {
         let mut rng = Rng::new(seed ^ 0x5eed);
-        (0..if steps > 1 { 12 } else { 2 }).map(|_| (rng.next_u64() % vocab) as u32).collect()
+        (0..if steps > 1 { 12 } else { 2 })
+            .map(|_| (rng.next_u64() % vocab) as u32)
+            .collect()
     };
     let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
     // Logits out of tolerance after a near-tie part for a reason that is not an error: the comparison stops there.
@@ -355,19 +474,35 @@ fn compare_models(mut cpu: CpuBackend, mut gpu: CudaBackend, seed: u64, steps: u
     if let Some((at, margin, err)) = &stopped {
         println!("     compared up to {at}: there the CPU's routing had a near-tie (margin {margin:.1e}) and the logits were {err:.2e} apart");
     }
-    report.check(&format!("logits, prompt of {} then {} decode steps", prompt.len(), steps.saturating_sub(1)), worst, tol);
+    report.check(
+        &format!(
+            "logits, prompt of {} then {} decode steps",
+            prompt.len(),
+            steps.saturating_sub(1)
+        ),
+        worst,
+        tol,
+    );
     // The kernels have no order-dependent reductions: a repeated prefill must give the same bits (a race would not).
     gpu.prefill(&prompt).map_err(fe)?;
     let first = gpu.logits().to_vec();
     gpu.prefill(&prompt).map_err(fe)?;
     let same = first.iter().zip(gpu.logits()).all(|(a, b)| a.to_bits() == b.to_bits());
-    report.check_eq("GPU logits bit-identical on a repeated prefill", same, "determinism (race check)");
+    report.check_eq(
+        "GPU logits bit-identical on a repeated prefill",
+        same,
+        "determinism (race check)",
+    );
     let detail = match first_mismatch {
         Some((step, gap)) => format!("{mismatches} of {compared} differ, first at step {step} (CPU logits of the two tokens {gap:.1e} apart, relative)"),
         None => format!("0 of {compared} differ"),
     };
     if same_tokens {
-        report.check_eq(&format!("greedy tokens identical for {steps} steps"), mismatches == 0, &detail);
+        report.check_eq(
+            &format!("greedy tokens identical for {steps} steps"),
+            mismatches == 0,
+            &detail,
+        );
     } else {
         println!("     greedy tokens: {detail}");
     }
@@ -380,8 +515,16 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     let s = &model.state;
     let mut rng = Rng::new(seed);
     let h = c.hidden_size;
-    let first_linear = c.layer_types.iter().position(|k| *k == LayerKind::Linear).expect("a DeltaNet layer");
-    let first_full = c.layer_types.iter().position(|k| *k == LayerKind::Full).expect("an attention layer");
+    let first_linear = c
+        .layer_types
+        .iter()
+        .position(|k| *k == LayerKind::Linear)
+        .expect("a DeltaNet layer");
+    let first_full = c
+        .layer_types
+        .iter()
+        .position(|k| *k == LayerKind::Full)
+        .expect("an attention layer");
     println!("-- kernels against their CPU twins (hidden {h}, seed {seed}) --");
     println!("   prefill:");
     crate::gemm::check(g, &model.kernels, c, seed, report)?;
@@ -394,16 +537,27 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     {
         let gw = &model.weights;
         let mut equal = true;
-        for (gm, cm) in [(&gw.embed, &w.embed_tokens), (&gw.layers[0].experts_down, &w.layers[0].moe.experts_down), (&gw.lm_head, &w.lm_head)] {
+        for (gm, cm) in [
+            (&gw.embed, &w.embed_tokens),
+            (&gw.layers[0].experts_down, &w.layers[0].moe.experts_down),
+            (&gw.lm_head, &w.lm_head),
+        ] {
             let v = cm.view();
             let mut packed = vec![0u32; v.packed.len()];
             g.download(gm.packed.ptr, &mut packed)?;
             let mut pairs = vec![0u32; v.scales.len()];
             g.download(gm.scale_bias.ptr, &mut pairs)?;
             equal &= packed == v.packed;
-            equal &= pairs.iter().zip(v.scales.iter().zip(v.biases)).all(|(p, (s, b))| *p == (s.to_bits() as u32 | (b.to_bits() as u32) << 16));
+            equal &= pairs
+                .iter()
+                .zip(v.scales.iter().zip(v.biases))
+                .all(|(p, (s, b))| *p == (s.to_bits() as u32 | (b.to_bits() as u32) << 16));
         }
-        report.check_eq("synth: GPU-generated weights == SynthTensor::bytes()", equal, "embed, experts_down, lm_head");
+        report.check_eq(
+            "synth: GPU-generated weights == SynthTensor::bytes()",
+            equal,
+            "embed, experts_down, lm_head",
+        );
     }
 
     // Embedding row.
@@ -439,16 +593,30 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             expected.extend(out);
         }
         let got = download_f32(g, &s.proj, expected.len())?;
-        report.check(&format!("proj_normed (layer {l}, {} rows, 4-bit matvec + rmsnorm)", expected.len()), rel_err(&got, &expected), 1e-4);
+        report.check(
+            &format!(
+                "proj_normed (layer {l}, {} rows, 4-bit matvec + rmsnorm)",
+                expected.len()
+            ),
+            rel_err(&got, &expected),
+            1e-4,
+        );
     }
 
     // Gated DeltaNet step.
     {
         let l = first_linear;
-        let Mixer::Linear(d) = &w.layers[l].mixer else { unreachable!() };
+        let Mixer::Linear(d) = &w.layers[l].mixer else {
+            unreachable!()
+        };
         let slot = 0;
         let (conv_dim, taps) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
-        let (nk, nv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let (nk, nv, dk, dv) = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        );
         let position = (rng.next_u64() % 1000) as usize;
         let proj = normals(&mut rng, conv_dim + nv * dv + 2 * nv, 1.0);
         let ring = normals(&mut rng, taps * conv_dim, 1.0);
@@ -460,14 +628,18 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         poison(g, &s.core)?;
         run(model, Op::GdnStep(l))?;
         // CPU twin: the conv state oldest first, from the ring.
-        let mut conv_state: Vec<f32> = (0..taps - 1).flat_map(|j| ring[((position + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec()).collect();
+        let mut conv_state: Vec<f32> = (0..taps - 1)
+            .flat_map(|j| ring[((position + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec())
+            .collect();
         let mut conv_out = vec![0.0; conv_dim];
         conv_step(&proj[..conv_dim], &mut conv_state, &d.conv1d, taps, &mut conv_out);
         let key_dim = nk * dk;
         for head in conv_out[..2 * key_dim].chunks_exact_mut(dk) {
             l2norm(head);
         }
-        conv_out[..key_dim].iter_mut().for_each(|v| *v *= 1.0 / (dk as f32).sqrt());
+        conv_out[..key_dim]
+            .iter_mut()
+            .for_each(|v| *v *= 1.0 / (dk as f32).sqrt());
         let mut expected_state = state.clone();
         let mut expected_core = vec![0.0; nv * dv];
         for head in 0..nv {
@@ -484,11 +656,26 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
                 &mut expected_core[head * dv..(head + 1) * dv],
             );
         }
-        report.check("gdn_step: output (conv, silu, l2norm, gates, delta rule)", rel_err(&download_f32(g, &s.core, nv * dv)?, &expected_core), 1e-4);
-        report.check("gdn_step: recurrent state", rel_err(&download_f32(g, &s.recurrent[slot], nv * dk * dv)?, &expected_state), 1e-4);
+        report.check(
+            "gdn_step: output (conv, silu, l2norm, gates, delta rule)",
+            rel_err(&download_f32(g, &s.core, nv * dv)?, &expected_core),
+            1e-4,
+        );
+        report.check(
+            "gdn_step: recurrent state",
+            rel_err(&download_f32(g, &s.recurrent[slot], nv * dk * dv)?, &expected_state),
+            1e-4,
+        );
         let ring_after = download_f32(g, &s.conv_ring[slot], taps * conv_dim)?;
         let slot_now = position % taps;
-        report.check("gdn_step: conv ring holds the new input", rel_err(&ring_after[slot_now * conv_dim..(slot_now + 1) * conv_dim], &proj[..conv_dim]), 0.0);
+        report.check(
+            "gdn_step: conv ring holds the new input",
+            rel_err(
+                &ring_after[slot_now * conv_dim..(slot_now + 1) * conv_dim],
+                &proj[..conv_dim],
+            ),
+            0.0,
+        );
 
         // Output projection with the gated norm and the residual.
         let core = normals(&mut rng, nv * dv, 1.0);
@@ -504,18 +691,26 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let mut out = vec![0.0; h];
         qmatmul(d.out_proj.view(), &normed, &mut out);
         let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
-        report.check("out_proj_gdn (gated norm + 4-bit matvec + residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
+        report.check(
+            "out_proj_gdn (gated norm + 4-bit matvec + residual)",
+            rel_err(&download_f32(g, &s.hidden, h)?, &expected),
+            1e-4,
+        );
     }
 
     // Attention: prep (norms, RoPE, cache write), flash-decoding parts, merge with the gate.
     {
         let l = first_full;
-        let Mixer::Full(a) = &w.layers[l].mixer else { unreachable!() };
+        let Mixer::Full(a) = &w.layers[l].mixer else {
+            unreachable!()
+        };
         let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
         let position = 1000 + (rng.next_u64() % 3000) as usize;
         let proj = normals(&mut rng, 2 * q_dim + 2 * kv_dim, 1.0);
-        let cache: Vec<bf16> = (0..2 * position * kv_dim).map(|_| bf16::from_f32(rng.normal())).collect();
+        let cache: Vec<bf16> = (0..2 * position * kv_dim)
+            .map(|_| bf16::from_f32(rng.normal()))
+            .collect();
         g.upload(s.k_cache[0].ptr, &cache[..position * kv_dim])?;
         g.upload(s.v_cache[0].ptr, &cache[position * kv_dim..])?;
         g.upload(s.position.ptr, &[position as i32])?;
@@ -543,8 +738,16 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         g.download(s.k_cache[0].ptr, &mut k_all)?;
         g.download(s.v_cache[0].ptr, &mut v_all)?;
         let (k_all, v_all) = (to_f32(k_all), to_f32(v_all));
-        report.check("attn_prep: new key (k_norm, RoPE) in the bf16 cache", rel_err(&k_all[position * kv_dim..], &k_new), 1e-2);
-        report.check("attn_prep: new value in the bf16 cache", rel_err(&v_all[position * kv_dim..], &proj[2 * q_dim + kv_dim..]), 1e-2);
+        report.check(
+            "attn_prep: new key (k_norm, RoPE) in the bf16 cache",
+            rel_err(&k_all[position * kv_dim..], &k_new),
+            1e-2,
+        );
+        report.check(
+            "attn_prep: new value in the bf16 cache",
+            rel_err(&v_all[position * kv_dim..], &proj[2 * q_dim + kv_dim..]),
+            1e-2,
+        );
         let mut expected = vec![0.0; q_dim];
         attend(&q, &k_all, &v_all, position, heads, kv_heads, hd, &mut expected);
         for head in 0..heads {
@@ -553,7 +756,14 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             }
         }
         let got = download_f32(g, &s.core, q_dim)?;
-        report.check(&format!("attention over {} positions (split decode + merge + gate)", position + 1), rel_err(&got, &expected), 1e-4);
+        report.check(
+            &format!(
+                "attention over {} positions (split decode + merge + gate)",
+                position + 1
+            ),
+            rel_err(&got, &expected),
+            1e-4,
+        );
 
         let attn = normals(&mut rng, q_dim, 1.0);
         let hidden = normals(&mut rng, h, 1.0);
@@ -563,7 +773,11 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let mut out = vec![0.0; h];
         qmatmul(a.o_proj.view(), &attn, &mut out);
         let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
-        report.check("out_proj_attn (4-bit matvec + residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
+        report.check(
+            "out_proj_attn (4-bit matvec + residual)",
+            rel_err(&download_f32(g, &s.hidden, h)?, &expected),
+            1e-4,
+        );
     }
 
     // MoE: router (8-bit) and shared gate with the routing and the gate/up of the 9 experts, then down with
@@ -582,18 +796,30 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let mut logits = vec![0.0; e + 1];
         qmatmul(moe.router.view(), &x, &mut logits[..e]);
         qmatmul(moe.shared_expert_gate.view(), &x, &mut logits[e..]);
-        report.check("router + shared expert gate (8-bit matvec + rmsnorm)", rel_err(&download_f32(g, &s.router_logits, e + 1)?, &logits), 1e-4);
+        report.check(
+            "router + shared expert gate (8-bit matvec + rmsnorm)",
+            rel_err(&download_f32(g, &s.router_logits, e + 1)?, &logits),
+            1e-4,
+        );
         run(model, Op::ExpertsDown(l))?;
         let gpu_logits = download_f32(g, &s.router_logits, e + 1)?;
         let (mut ids, mut weights) = (vec![0usize; c.num_experts_per_tok], vec![0.0f32; c.num_experts_per_tok]);
         route(&gpu_logits[..e], c.num_experts_per_tok, &mut ids, &mut weights);
         let mut gpu_ids = vec![0i32; c.num_experts_per_tok];
         g.download(s.route_ids.ptr, &mut gpu_ids)?;
-        report.check_eq("routing: top-k experts (softmax, top-k, renormalise)", gpu_ids.iter().map(|&i| i as usize).eq(ids.iter().copied()), &format!("{gpu_ids:?}"));
+        report.check_eq(
+            "routing: top-k experts (softmax, top-k, renormalise)",
+            gpu_ids.iter().map(|&i| i as usize).eq(ids.iter().copied()),
+            &format!("{gpu_ids:?}"),
+        );
         let mut out = vec![0.0; h];
         moe_forward(moe, e, c.num_experts_per_tok, &x, &mut out);
         let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
-        report.check("experts gate/up + down (9 experts, weighted, residual)", rel_err(&download_f32(g, &s.hidden, h)?, &expected), 1e-4);
+        report.check(
+            "experts gate/up + down (9 experts, weighted, residual)",
+            rel_err(&download_f32(g, &s.hidden, h)?, &expected),
+            1e-4,
+        );
     }
 
     // lm_head with the fused greedy choice, then the sampler.
@@ -611,11 +837,19 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         g.sync()?;
         let token = s.next_token.read();
         let best = lily_model::sampling::argmax(&got);
-        report.check_eq("lm_head: fused greedy choice == argmax of its logits", token as u32 == best, &format!("{token} vs {best}"));
+        report.check_eq(
+            "lm_head: fused greedy choice == argmax of its logits",
+            token as u32 == best,
+            &format!("{token} vs {best}"),
+        );
         let mut order: Vec<u32> = (0..c.vocab_size as u32).collect();
         order.sort_by(|a, b| got[*b as usize].total_cmp(&got[*a as usize]));
         let mut backend_tokens = Vec::new();
-        for (temperature, top_k, top_p, min_p, allowed) in [(0.8f32, 10usize, 1.0f32, 0.0f32, 10usize), (1.0, 0, 1.0, 0.0, 64), (1.0, 20, 0.9, 0.05, 20)] {
+        for (temperature, top_k, top_p, min_p, allowed) in [
+            (0.8f32, 10usize, 1.0f32, 0.0f32, 10usize),
+            (1.0, 0, 1.0, 0.0, 64),
+            (1.0, 20, 0.9, 0.05, 20),
+        ] {
             let mut inside = true;
             for counter in 1..=64u64 {
                 let mut args = crate::driver::Args::new()
@@ -633,10 +867,18 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
                 inside &= order[..allowed].contains(&(token as u32));
                 backend_tokens.push(token);
             }
-            report.check_eq(&format!("sample (T {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}) in the top {allowed}"), inside, "64 draws");
+            report.check_eq(
+                &format!("sample (T {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}) in the top {allowed}"),
+                inside,
+                "64 draws",
+            );
         }
         let distinct = backend_tokens.iter().collect::<std::collections::BTreeSet<_>>().len();
-        report.check_eq("sample: draws vary with the counter", distinct > 1, &format!("{distinct} distinct tokens"));
+        report.check_eq(
+            "sample: draws vary with the counter",
+            distinct > 1,
+            &format!("{distinct} distinct tokens"),
+        );
         // Activations are not zero-mean: a common offset (each group's sum dominating its products) and rare large
         // values (a group's scale set by one value) take other paths through the staging.
         for (what, offset, outlier) in [("a common offset", 4.0f32, 1.0f32), ("outliers", 0.0, 300.0)] {
@@ -652,7 +894,11 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             run(model, Op::LmHead)?;
             rmsnorm(&hidden, &w.final_norm, c.rms_norm_eps, &mut x);
             qmatmul(w.lm_head.view(), &x, &mut expected);
-            report.check(&format!("lm_head, input with {what}"), rel_err(&download_f32(g, &s.logits, c.vocab_size)?, &expected), 1e-4);
+            report.check(
+                &format!("lm_head, input with {what}"),
+                rel_err(&download_f32(g, &s.logits, c.vocab_size)?, &expected),
+                1e-4,
+            );
         }
     }
     Ok(())

@@ -40,7 +40,10 @@ impl Timeline {
         ops.push(Op::LmHead);
         let per_step = ops.len();
         if tokens.len() < 2 || tokens.len() * per_step > SLOTS {
-            return Err(GpuError::Other(format!("the timeline takes 2 to {} tokens", SLOTS / per_step)));
+            return Err(GpuError::Other(format!(
+                "the timeline takes 2 to {} tokens",
+                SLOTS / per_step
+            )));
         }
         let gpu = &backend.model.gpu;
         gpu.memset_u8(self.buf.ptr, 0, 8)?;
@@ -54,7 +57,10 @@ impl Timeline {
         gpu.download(self.buf.ptr, &mut count)?;
         let expected = tokens.len() * per_step;
         if count[0] as usize != expected {
-            return Err(GpuError::Other(format!("the timeline has {} entries where {expected} were expected", count[0])));
+            return Err(GpuError::Other(format!(
+                "the timeline has {} entries where {expected} were expected",
+                count[0]
+            )));
         }
         let mut at = vec![0u64; expected];
         gpu.download(self.buf.at(8), &mut at)?;
@@ -63,14 +69,20 @@ impl Timeline {
         let mut entries: Vec<Entry> = Vec::new();
         for (i, op) in ops.iter().enumerate() {
             let kernel = self::label(backend, *op);
-            let ns: u64 = (0..steps).map(|s| at[s * per_step + i + 1] - at[s * per_step + i]).sum();
+            let ns: u64 = (0..steps)
+                .map(|s| at[s * per_step + i + 1] - at[s * per_step + i])
+                .sum();
             let us = ns as f64 / steps as f64 / 1e3;
             match entries.iter_mut().find(|e| e.kernel == kernel) {
                 Some(e) => {
                     e.launches += 1;
                     e.us_per_step += us;
                 }
-                None => entries.push(Entry { kernel, launches: 1, us_per_step: us }),
+                None => entries.push(Entry {
+                    kernel,
+                    launches: 1,
+                    us_per_step: us,
+                }),
             }
         }
         entries.sort_by(|a, b| b.us_per_step.total_cmp(&a.us_per_step));

@@ -55,7 +55,12 @@ pub fn upload(gpu: &Gpu, m: &QMatrix) -> Result<GpuMatrix> {
     let dest = GpuMatrix::alloc(gpu, m.rows, m.cols, m.bits)?;
     let v = m.view();
     gpu.upload(dest.packed.ptr, v.packed)?;
-    let pairs: Vec<u32> = v.scales.iter().zip(v.biases).map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16).collect();
+    let pairs: Vec<u32> = v
+        .scales
+        .iter()
+        .zip(v.biases)
+        .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
+        .collect();
     gpu.upload(dest.scale_bias.ptr, &pairs)?;
     Ok(dest)
 }
@@ -250,20 +255,26 @@ pub enum Source<'a> {
     /// A checkpoint loaded (memory-mapped) on the CPU.
     Cpu(&'a Weights),
     /// Synthetic weights (lily_model::synth) generated on the GPU; small float vectors are made on the host.
-    Synthetic { seed: u64, tensors: HashMap<String, SynthTensor> },
+    Synthetic {
+        seed: u64,
+        tensors: HashMap<String, SynthTensor>,
+    },
 }
 
 impl Source<'_> {
     pub fn synthetic(config: &Config, seed: u64) -> Source<'static> {
-        let tensors = lily_model::synth::tensors(config, seed).into_iter().map(|t| (t.name.clone(), t)).collect();
+        let tensors = lily_model::synth::tensors(config, seed)
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
         Source::Synthetic { seed, tensors }
     }
 
     fn tensor(&self, name: &str) -> Result<&SynthTensor> {
         match self {
-            Source::Synthetic { tensors, .. } => {
-                tensors.get(name).ok_or_else(|| GpuError::Other(format!("synthetic checkpoint has no tensor {name}")))
-            }
+            Source::Synthetic { tensors, .. } => tensors
+                .get(name)
+                .ok_or_else(|| GpuError::Other(format!("synthetic checkpoint has no tensor {name}"))),
             Source::Cpu(_) => unreachable!("only synthetic sources have tensors"),
         }
     }
@@ -272,7 +283,9 @@ impl Source<'_> {
     fn matrix(&self, gpu: &Gpu, kernels: &Kernels, id: Mat, dest: &GpuMatrix, row0: usize) -> Result<usize> {
         match self {
             Source::Cpu(w) => {
-                let m = id.cpu(w).ok_or_else(|| GpuError::Other(format!("{id:?} is not in this layer")))?;
+                let m = id
+                    .cpu(w)
+                    .ok_or_else(|| GpuError::Other(format!("{id:?} is not in this layer")))?;
                 if m.cols != dest.cols || m.bits != dest.bits || row0 + m.rows > dest.rows {
                     return Err(GpuError::Other(format!(
                         "{id:?}: {}x{} {}-bit does not fit rows {row0}.. of {}x{} {}-bit",
@@ -298,7 +311,10 @@ impl Source<'_> {
                 let words = rows * words_per_row(dest.cols, dest.bits);
                 let groups = rows * dest.cols / GROUP_SIZE;
                 if weight.shape.iter().product::<usize>() != words || row0 + rows > dest.rows {
-                    return Err(GpuError::Other(format!("{name}: shape {:?} does not fit", weight.shape)));
+                    return Err(GpuError::Other(format!(
+                        "{name}: shape {:?} does not fit",
+                        weight.shape
+                    )));
                 }
                 let Fill::Scales { base } = scales.fill else {
                     return Err(GpuError::Other(format!("{name}.scales is not a scales tensor")));
@@ -309,7 +325,11 @@ impl Source<'_> {
                     kernels.get("synth_packed"),
                     grid(words),
                     256,
-                    &mut Args::new().ptr(dest.packed.at(row0 * dest.row_bytes())).u64(words as u64).u64(*seed).u64(weight.stream),
+                    &mut Args::new()
+                        .ptr(dest.packed.at(row0 * dest.row_bytes()))
+                        .u64(words as u64)
+                        .u64(*seed)
+                        .u64(weight.stream),
                 )?;
                 gpu.launch(
                     kernels.get("synth_scale_bias"),
@@ -330,13 +350,22 @@ impl Source<'_> {
 
     fn vector(&self, id: Vector) -> Result<Vec<f32>> {
         match self {
-            Source::Cpu(w) => id.cpu(w).map(<[f32]>::to_vec).ok_or_else(|| GpuError::Other(format!("{id:?} is not in this layer"))),
+            Source::Cpu(w) => id
+                .cpu(w)
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| GpuError::Other(format!("{id:?} is not in this layer"))),
             Source::Synthetic { .. } => {
                 let t = self.tensor(&id.mlx_name())?;
                 let bytes = t.bytes();
                 Ok(match t.dtype {
-                    Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-                    Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+                    Dtype::F32 => bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                    Dtype::BF16 => bytes
+                        .chunks_exact(2)
+                        .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
                     other => return Err(GpuError::Other(format!("{}: unexpected dtype {other:?}", t.name))),
                 })
             }
@@ -347,7 +376,13 @@ impl Source<'_> {
 impl GpuWeights {
     /// Allocates every tensor at the config's shape and fills it from `source`; `progress(done, total)` counts
     /// bytes.
-    pub fn load(gpu: &Gpu, kernels: &Kernels, config: &Config, source: &Source, progress: &dyn Fn(usize, usize)) -> Result<GpuWeights> {
+    pub fn load(
+        gpu: &Gpu,
+        kernels: &Kernels,
+        config: &Config,
+        source: &Source,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<GpuWeights> {
         let c = config;
         let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
         let total = lily_model::synth::total_bytes(c);
@@ -368,7 +403,10 @@ impl GpuWeights {
         let vector = |id: Vector, len: usize| -> Result<DevBuf> {
             let values = source.vector(id)?;
             if values.len() != len {
-                return Err(GpuError::Other(format!("{id:?}: {} values, expected {len}", values.len())));
+                return Err(GpuError::Other(format!(
+                    "{id:?}: {} values, expected {len}",
+                    values.len()
+                )));
             }
             let buf = gpu.alloc(len * 4)?;
             gpu.upload(buf.ptr, &values)?;
@@ -381,8 +419,16 @@ impl GpuWeights {
         for l in 0..c.num_hidden_layers {
             let mixer = match c.layer_types[l] {
                 LayerKind::Linear => {
-                    let in_proj = GpuMatrix::alloc(gpu, c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads, h, 4)?;
-                    fill(&[Mat::InProjQkv(l), Mat::InProjZ(l), Mat::InProjB(l), Mat::InProjA(l)], &in_proj)?;
+                    let in_proj = GpuMatrix::alloc(
+                        gpu,
+                        c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads,
+                        h,
+                        4,
+                    )?;
+                    fill(
+                        &[Mat::InProjQkv(l), Mat::InProjZ(l), Mat::InProjB(l), Mat::InProjA(l)],
+                        &in_proj,
+                    )?;
                     let out_proj = GpuMatrix::alloc(gpu, h, c.linear_value_dim(), 4)?;
                     fill(&[Mat::OutProj(l)], &out_proj)?;
                     GpuMixer::Linear(GpuDeltaNet {
@@ -439,6 +485,11 @@ impl GpuWeights {
         fill(&[Mat::LmHead], &lm_head)?;
         let final_norm = vector(Vector::FinalNorm, h)?;
         progress(total, total);
-        Ok(GpuWeights { embed, layers, final_norm, lm_head })
+        Ok(GpuWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
     }
 }

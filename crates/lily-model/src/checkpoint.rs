@@ -15,7 +15,11 @@ pub enum CheckpointError {
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
     #[error("{path}: tensor `{tensor}`: {message}")]
-    Tensor { path: PathBuf, tensor: String, message: String },
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        message: String,
+    },
     #[error("{dir}: no tensor `{tensor}` in the checkpoint")]
     Missing { dir: PathBuf, tensor: String },
     #[error(transparent)]
@@ -23,7 +27,10 @@ pub enum CheckpointError {
 }
 
 fn file_err(path: &Path, message: impl Into<String>) -> CheckpointError {
-    CheckpointError::File { path: path.to_path_buf(), message: message.into() }
+    CheckpointError::File {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -76,7 +83,11 @@ impl TensorRef<'_> {
     }
 
     pub fn error(&self, message: impl Into<String>) -> CheckpointError {
-        CheckpointError::Tensor { path: self.path.to_path_buf(), tensor: self.name.to_string(), message: message.into() }
+        CheckpointError::Tensor {
+            path: self.path.to_path_buf(),
+            tensor: self.name.to_string(),
+            message: message.into(),
+        }
     }
 
     pub fn expect(&self, dtype: Dtype, shape: &[usize]) -> Result<(), CheckpointError> {
@@ -97,9 +108,18 @@ impl TensorRef<'_> {
         }
         let b = self.bytes();
         Ok(match self.info.dtype {
-            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            Dtype::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
             other => return Err(self.error(format!("dtype {other:?} is not a float type"))),
         })
     }
@@ -114,7 +134,10 @@ impl Checkpoint {
         } else if single.exists() {
             vec![single]
         } else {
-            return Err(file_err(dir, "no model.safetensors or model.safetensors.index.json in this directory"));
+            return Err(file_err(
+                dir,
+                "no model.safetensors or model.safetensors.index.json in this directory",
+            ));
         };
 
         let mut opened = Vec::new();
@@ -146,21 +169,36 @@ impl Checkpoint {
             for (name, info) in infos {
                 if let Some((other, _)) = tensors.insert(name.clone(), (shard_index, info)) {
                     let other: &Shard = &shards[other];
-                    return Err(file_err(&path, format!("tensor `{name}` also appears in {}", other.path.display())));
+                    return Err(file_err(
+                        &path,
+                        format!("tensor `{name}` also appears in {}", other.path.display()),
+                    ));
                 }
             }
             shards.push(Shard { path, map });
         }
-        Ok(Checkpoint { dir: dir.to_path_buf(), shards, tensors })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            shards,
+            tensors,
+        })
     }
 
     pub fn get(&self, name: &str) -> Result<TensorRef<'_>, CheckpointError> {
         let (key, (shard, info)) = self
             .tensors
             .get_key_value(name)
-            .ok_or_else(|| CheckpointError::Missing { dir: self.dir.clone(), tensor: name.to_string() })?;
+            .ok_or_else(|| CheckpointError::Missing {
+                dir: self.dir.clone(),
+                tensor: name.to_string(),
+            })?;
         let shard = &self.shards[*shard];
-        Ok(TensorRef { name: key, path: &shard.path, map: &shard.map, info })
+        Ok(TensorRef {
+            name: key,
+            path: &shard.path,
+            map: &shard.map,
+            info,
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -187,11 +225,17 @@ fn shard_files(index_path: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
             .as_str()
             .ok_or_else(|| file_err(index_path, format!("weight_map entry for `{tensor}` is not a string")))?;
         if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.') {
-            return Err(file_err(index_path, format!("weight_map names an invalid shard file `{file}`")));
+            return Err(file_err(
+                index_path,
+                format!("weight_map names an invalid shard file `{file}`"),
+            ));
         }
         let path = dir.join(file);
         if !path.is_file() {
-            return Err(file_err(index_path, format!("shard `{file}` (for tensor `{tensor}`) does not exist")));
+            return Err(file_err(
+                index_path,
+                format!("shard `{file}` (for tensor `{tensor}`) does not exist"),
+            ));
         }
         files.insert(file.to_string(), path);
     }
@@ -213,7 +257,10 @@ pub fn open_safetensors(path: &Path) -> Result<(Arc<Buffer>, Vec<(String, Tensor
 /// Parses and validates a safetensors buffer; returns each tensor's absolute byte range.
 pub fn parse_header(buffer: &[u8]) -> Result<Vec<(String, TensorInfo)>, String> {
     if buffer.len() < 8 {
-        return Err(format!("truncated: {} bytes, too short for a safetensors header", buffer.len()));
+        return Err(format!(
+            "truncated: {} bytes, too short for a safetensors header",
+            buffer.len()
+        ));
     }
     let header_len = u64::from_le_bytes(buffer[..8].try_into().unwrap());
     if header_len > (buffer.len() - 8) as u64 {
@@ -230,7 +277,12 @@ pub fn parse_header(buffer: &[u8]) -> Result<Vec<(String, TensorInfo)>, String> 
         debug_assert!(start >= data_start);
         infos.push((
             name,
-            TensorInfo { dtype: view.dtype(), shape: view.shape().to_vec(), start, end: start + view.data().len() },
+            TensorInfo {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                start,
+                end: start + view.data().len(),
+            },
         ));
     }
     Ok(infos)

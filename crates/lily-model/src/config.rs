@@ -18,7 +18,10 @@ pub enum ConfigError {
 }
 
 fn field_err(field: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError::Field { field: field.to_string(), message: message.into() }
+    ConfigError::Field {
+        field: field.to_string(),
+        message: message.into(),
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,17 +88,25 @@ pub const GROUP_SIZE: usize = 64;
 impl Config {
     pub fn from_dir(dir: &Path) -> Result<Config, ConfigError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
-        let value: Value = serde_json::from_str(&text)
-            .map_err(|source| ConfigError::Json { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let value: Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+            path: path.display().to_string(),
+            source,
+        })?;
         Config::from_json(&value)
     }
 
     pub fn from_json(root: &Value) -> Result<Config, ConfigError> {
-        let root_obj = root.as_object().ok_or_else(|| field_err("<root>", "expected a JSON object"))?;
+        let root_obj = root
+            .as_object()
+            .ok_or_else(|| field_err("<root>", "expected a JSON object"))?;
         let text = match root_obj.get("text_config") {
-            Some(t) => t.as_object().ok_or_else(|| field_err("text_config", "expected an object"))?,
+            Some(t) => t
+                .as_object()
+                .ok_or_else(|| field_err("text_config", "expected an object"))?,
             None => root_obj,
         };
         let model_type = text
@@ -111,7 +122,10 @@ impl Config {
         }
         if let Some(bias) = text.get("attention_bias").and_then(Value::as_bool) {
             if bias {
-                return Err(field_err("attention_bias", "true is not supported (this model family has no bias)"));
+                return Err(field_err(
+                    "attention_bias",
+                    "true is not supported (this model family has no bias)",
+                ));
             }
         }
         if let Some(act) = text.get("hidden_act").and_then(Value::as_str) {
@@ -129,7 +143,8 @@ impl Config {
         };
         let f64_field = |obj: &serde_json::Map<String, Value>, name: &str| -> Result<f64, ConfigError> {
             let v = obj.get(name).ok_or_else(|| field_err(name, "missing"))?;
-            v.as_f64().ok_or_else(|| field_err(name, format!("expected a number, got {v}")))
+            v.as_f64()
+                .ok_or_else(|| field_err(name, format!("expected a number, got {v}")))
         };
 
         let num_hidden_layers = usize_field("num_hidden_layers")?;
@@ -150,14 +165,23 @@ impl Config {
             None => {
                 let interval = text.get("full_attention_interval").and_then(Value::as_u64).unwrap_or(4) as usize;
                 (0..num_hidden_layers)
-                    .map(|i| if (i + 1) % interval.max(1) == 0 { LayerKind::Full } else { LayerKind::Linear })
+                    .map(|i| {
+                        if (i + 1) % interval.max(1) == 0 {
+                            LayerKind::Full
+                        } else {
+                            LayerKind::Linear
+                        }
+                    })
                     .collect()
             }
         };
         if layer_types.len() != num_hidden_layers {
             return Err(field_err(
                 "layer_types",
-                format!("has {} entries but num_hidden_layers is {num_hidden_layers}", layer_types.len()),
+                format!(
+                    "has {} entries but num_hidden_layers is {num_hidden_layers}",
+                    layer_types.len()
+                ),
             ));
         }
 
@@ -167,7 +191,10 @@ impl Config {
         };
         if let Some(rt) = rope.get("rope_type").and_then(Value::as_str) {
             if rt != "default" {
-                return Err(field_err("rope_parameters.rope_type", format!("`{rt}` is not supported (only default)")));
+                return Err(field_err(
+                    "rope_parameters.rope_type",
+                    format!("`{rt}` is not supported (only default)"),
+                ));
             }
         }
         let rope_theta = f64_field(&rope, "rope_theta").or_else(|_| f64_field(text, "rope_theta"))?;
@@ -181,7 +208,10 @@ impl Config {
             _ => vec![248046, 248044],
         };
 
-        let quantization = match root_obj.get("quantization").or_else(|| root_obj.get("quantization_config")) {
+        let quantization = match root_obj
+            .get("quantization")
+            .or_else(|| root_obj.get("quantization_config"))
+        {
             None | Some(Value::Null) => None,
             Some(q) => Some(parse_quantization(q)?),
         };
@@ -225,14 +255,29 @@ impl Config {
         };
         multiple("hidden_size", self.hidden_size, GROUP_SIZE)?;
         multiple("moe_intermediate_size", self.moe_intermediate_size, GROUP_SIZE)?;
-        multiple("shared_expert_intermediate_size", self.shared_expert_intermediate_size, GROUP_SIZE)?;
-        multiple("num_attention_heads", self.num_attention_heads, self.num_key_value_heads)?;
-        multiple("linear_num_value_heads", self.linear_num_value_heads, self.linear_num_key_heads)?;
+        multiple(
+            "shared_expert_intermediate_size",
+            self.shared_expert_intermediate_size,
+            GROUP_SIZE,
+        )?;
+        multiple(
+            "num_attention_heads",
+            self.num_attention_heads,
+            self.num_key_value_heads,
+        )?;
+        multiple(
+            "linear_num_value_heads",
+            self.linear_num_value_heads,
+            self.linear_num_key_heads,
+        )?;
         multiple("head_dim", self.head_dim, 2)?;
         if self.linear_key_head_dim != self.linear_value_head_dim {
             return Err(field_err(
                 "linear_value_head_dim",
-                format!("{} differs from linear_key_head_dim {}", self.linear_value_head_dim, self.linear_key_head_dim),
+                format!(
+                    "{} differs from linear_key_head_dim {}",
+                    self.linear_value_head_dim, self.linear_key_head_dim
+                ),
             ));
         }
         if self.num_experts_per_tok > self.num_experts {
@@ -248,18 +293,26 @@ impl Config {
         if rotary == 0 || rotary % 2 != 0 || rotary > self.head_dim {
             return Err(field_err(
                 "partial_rotary_factor",
-                format!("{} gives a rotary dim of {rotary} for head_dim {}", self.partial_rotary_factor, self.head_dim),
+                format!(
+                    "{} gives a rotary dim of {rotary} for head_dim {}",
+                    self.partial_rotary_factor, self.head_dim
+                ),
             ));
         }
         if !self.layer_types.contains(&LayerKind::Full) {
             return Err(field_err("layer_types", "no full_attention layer"));
         }
         if let Some(q) = &self.quantization {
-            for (module, spec) in std::iter::once(("<default>", &q.default)).chain(q.overrides.iter().map(|(k, v)| (k.as_str(), v))) {
+            for (module, spec) in
+                std::iter::once(("<default>", &q.default)).chain(q.overrides.iter().map(|(k, v)| (k.as_str(), v)))
+            {
                 if spec.group_size != GROUP_SIZE || !matches!(spec.bits, 4 | 8) {
                     return Err(field_err(
                         &format!("quantization.{module}"),
-                        format!("bits {} group_size {} is not supported (affine 4 or 8 bits, group 64)", spec.bits, spec.group_size),
+                        format!(
+                            "bits {} group_size {} is not supported (affine 4 or 8 bits, group 64)",
+                            spec.bits, spec.group_size
+                        ),
                     ));
                 }
             }
@@ -312,7 +365,9 @@ impl Config {
             moe_intermediate_size: 512,
             shared_expert_intermediate_size: 512,
             rms_norm_eps: 1e-6,
-            layer_types: (0..40).map(|i| if i % 4 == 3 { LayerKind::Full } else { LayerKind::Linear }).collect(),
+            layer_types: (0..40)
+                .map(|i| if i % 4 == 3 { LayerKind::Full } else { LayerKind::Linear })
+                .collect(),
             max_position_embeddings: 262144,
             rope_theta: 1e7,
             partial_rotary_factor: 0.25,
@@ -333,7 +388,9 @@ impl Config {
             num_experts: 16,
             moe_intermediate_size: 256,
             shared_expert_intermediate_size: 256,
-            layer_types: (0..8).map(|i| if i % 4 == 3 { LayerKind::Full } else { LayerKind::Linear }).collect(),
+            layer_types: (0..8)
+                .map(|i| if i % 4 == 3 { LayerKind::Full } else { LayerKind::Linear })
+                .collect(),
             ..Config::full_shape()
         }
     }
@@ -402,19 +459,30 @@ impl Config {
 }
 
 fn parse_quantization(q: &Value) -> Result<Quantization, ConfigError> {
-    let obj = q.as_object().ok_or_else(|| field_err("quantization", "expected an object"))?;
+    let obj = q
+        .as_object()
+        .ok_or_else(|| field_err("quantization", "expected an object"))?;
     let spec = |name: &str, o: &serde_json::Map<String, Value>| -> Result<QuantSpec, ConfigError> {
-        let bits = o.get("bits").and_then(Value::as_u64).ok_or_else(|| field_err(&format!("{name}.bits"), "missing or not an integer"))?;
+        let bits = o
+            .get("bits")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| field_err(&format!("{name}.bits"), "missing or not an integer"))?;
         let group_size = o
             .get("group_size")
             .and_then(Value::as_u64)
             .ok_or_else(|| field_err(&format!("{name}.group_size"), "missing or not an integer"))?;
         if let Some(mode) = o.get("mode").and_then(Value::as_str) {
             if mode != "affine" {
-                return Err(field_err(&format!("{name}.mode"), format!("`{mode}` is not supported (only affine)")));
+                return Err(field_err(
+                    &format!("{name}.mode"),
+                    format!("`{mode}` is not supported (only affine)"),
+                ));
             }
         }
-        Ok(QuantSpec { bits: bits as u32, group_size: group_size as usize })
+        Ok(QuantSpec {
+            bits: bits as u32,
+            group_size: group_size as usize,
+        })
     };
     let default = spec("quantization", obj)?;
     let mut overrides = BTreeMap::new();
@@ -431,7 +499,11 @@ mod tests {
     use super::*;
 
     fn shakespeare_json() -> Value {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/lily-tiny-shakespeare/config.json")).unwrap();
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/lily-tiny-shakespeare/config.json"
+        ))
+        .unwrap();
         serde_json::from_str(&text).unwrap()
     }
 
@@ -444,7 +516,10 @@ mod tests {
         assert_eq!(c.linear_conv_dim(), 2048);
         let q = c.quantization.as_ref().unwrap();
         assert_eq!(q.spec_for("language_model.model.layers.3.mlp.gate").bits, 8);
-        assert_eq!(q.spec_for("language_model.model.layers.3.mlp.switch_mlp.up_proj").bits, 4);
+        assert_eq!(
+            q.spec_for("language_model.model.layers.3.mlp.switch_mlp.up_proj").bits,
+            4
+        );
         assert_eq!(c.eos_token_ids, vec![248046, 248044]);
     }
 
@@ -469,16 +544,40 @@ mod tests {
     fn refuses_what_the_engine_does_not_implement() {
         refused(|v| v["text_config"]["model_type"] = "llama".into(), "model_type");
         refused(|v| v["text_config"]["attention_bias"] = true.into(), "attention_bias");
-        refused(|v| v["text_config"]["layer_types"][2] = "sliding_attention".into(), "layer_types[2]");
-        refused(|v| v["text_config"]["layer_types"].as_array_mut().unwrap().pop().map(|_| ()).unwrap(), "layer_types");
+        refused(
+            |v| v["text_config"]["layer_types"][2] = "sliding_attention".into(),
+            "layer_types[2]",
+        );
+        refused(
+            |v| {
+                v["text_config"]["layer_types"]
+                    .as_array_mut()
+                    .unwrap()
+                    .pop()
+                    .map(|_| ())
+                    .unwrap()
+            },
+            "layer_types",
+        );
         refused(|v| v["quantization"]["bits"] = 3.into(), "quantization");
         refused(|v| v["quantization"]["group_size"] = 32.into(), "quantization");
         refused(|v| v["quantization"]["mode"] = "mxfp4".into(), "quantization.mode");
         refused(|v| v["text_config"]["hidden_size"] = 100.into(), "hidden_size");
-        refused(|v| v["text_config"]["num_experts_per_tok"] = 17.into(), "num_experts_per_tok");
+        refused(
+            |v| v["text_config"]["num_experts_per_tok"] = 17.into(),
+            "num_experts_per_tok",
+        );
         refused(|v| v["text_config"]["head_dim"] = "256".into(), "head_dim");
-        refused(|v| { v["text_config"].as_object_mut().unwrap().remove("vocab_size"); }, "vocab_size");
-        refused(|v| v["text_config"]["rope_parameters"]["rope_type"] = "yarn".into(), "rope_type");
+        refused(
+            |v| {
+                v["text_config"].as_object_mut().unwrap().remove("vocab_size");
+            },
+            "vocab_size",
+        );
+        refused(
+            |v| v["text_config"]["rope_parameters"]["rope_type"] = "yarn".into(),
+            "rope_type",
+        );
         refused(|v| v["text_config"]["hidden_act"] = "gelu".into(), "hidden_act");
     }
 }

@@ -44,7 +44,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(dir).join("lily");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".cache").join("lily")
 }
 
@@ -55,14 +57,21 @@ pub fn locate() -> Result<PathBuf, DefaultModelError> {
     if target.join("model.safetensors").is_file() {
         return Ok(target);
     }
-    unpack(&packed, &target).map_err(|source| DefaultModelError::Unpack { path: target.clone(), source })?;
+    unpack(&packed, &target).map_err(|source| DefaultModelError::Unpack {
+        path: target.clone(),
+        source,
+    })?;
     Ok(target)
 }
 
 /// Changes when any packed file changes size or content at its start (enough to tell versions apart).
 fn fingerprint(packed: &Path) -> u64 {
     let mut h = 0u64;
-    for name in COMPRESSED.iter().map(|n| format!("{n}.zst")).chain(PLAIN.iter().map(|n| n.to_string())) {
+    for name in COMPRESSED
+        .iter()
+        .map(|n| format!("{n}.zst"))
+        .chain(PLAIN.iter().map(|n| n.to_string()))
+    {
         let path = packed.join(&name);
         let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         h = crate::rng::mix64(h ^ len);

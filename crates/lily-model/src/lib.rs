@@ -11,6 +11,6 @@ pub mod sampling;
 pub mod synth;
 pub mod weights;
 
+pub use backend::{Backend, CpuBackend};
 pub use config::Config;
 pub use weights::Weights;
-pub use backend::{Backend, CpuBackend};

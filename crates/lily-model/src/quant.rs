@@ -13,7 +13,12 @@ use crate::config::GROUP_SIZE;
 
 /// A read-only array that lives either in a mapped checkpoint file or in memory.
 pub enum Blob<T: bytemuck::Pod> {
-    Mapped { map: Arc<Buffer>, offset: usize, len: usize, _marker: std::marker::PhantomData<T> },
+    Mapped {
+        map: Arc<Buffer>,
+        offset: usize,
+        len: usize,
+        _marker: std::marker::PhantomData<T>,
+    },
     Owned(Vec<T>),
 }
 
@@ -22,9 +27,19 @@ impl<T: bytemuck::Pod> Blob<T> {
     pub fn from_map(map: &Arc<Buffer>, offset: usize, len: usize) -> Blob<T> {
         let bytes = &map[offset..offset + len * std::mem::size_of::<T>()];
         if bytemuck::try_cast_slice::<u8, T>(bytes).is_ok() {
-            Blob::Mapped { map: map.clone(), offset, len, _marker: std::marker::PhantomData }
+            Blob::Mapped {
+                map: map.clone(),
+                offset,
+                len,
+                _marker: std::marker::PhantomData,
+            }
         } else {
-            Blob::Owned(bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect())
+            Blob::Owned(
+                bytes
+                    .chunks_exact(std::mem::size_of::<T>())
+                    .map(bytemuck::pod_read_unaligned)
+                    .collect(),
+            )
         }
     }
 
@@ -97,7 +112,14 @@ impl QMatrix {
                 pack_group(&q, bits, &mut packed[r * wpr + g * GROUP_SIZE * bits as usize / 32..]);
             }
         }
-        QMatrix { rows, cols, bits, packed: Blob::Owned(packed), scales: Blob::Owned(scales), biases: Blob::Owned(biases) }
+        QMatrix {
+            rows,
+            cols,
+            bits,
+            packed: Blob::Owned(packed),
+            scales: Blob::Owned(scales),
+            biases: Blob::Owned(biases),
+        }
     }
 }
 
@@ -196,7 +218,10 @@ fn quantize_group(group: &[f32], bits: u32) -> (bf16, bf16, Vec<u32>) {
     let scale = bf16::from_f32(((hi - lo) / levels).max(1e-8));
     let bias = bf16::from_f32(lo);
     let (s, b) = (scale.to_f32(), bias.to_f32());
-    let q = group.iter().map(|&v| ((v - b) / s).round().clamp(0.0, levels) as u32).collect();
+    let q = group
+        .iter()
+        .map(|&v| ((v - b) / s).round().clamp(0.0, levels) as u32)
+        .collect();
     (scale, bias, q)
 }
 
@@ -237,7 +262,10 @@ mod tests {
                 }
                 let reference: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
                 let got = v.dot_row(r, &x, &sums) as f64;
-                assert!((got - reference).abs() < 1e-4 * (1.0 + reference.abs()), "{got} vs {reference}");
+                assert!(
+                    (got - reference).abs() < 1e-4 * (1.0 + reference.abs()),
+                    "{got} vs {reference}"
+                );
             }
         }
     }

@@ -18,7 +18,13 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        }
     }
 }
 
@@ -68,7 +74,11 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
         let rng = Rng::new(params.seed);
-        Sampler { params, rng, candidates: Vec::new() }
+        Sampler {
+            params,
+            rng,
+            candidates: Vec::new(),
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -131,7 +141,13 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, min_p, seed: 42 }
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed: 42,
+        }
     }
 
     #[test]
@@ -145,7 +161,9 @@ mod tests {
         let logits = [2.0, 1.9, 0.0, -1.0, 1.8];
         let draw = |p: SamplingParams| {
             let mut s = Sampler::new(p);
-            (0..2000).map(|_| s.sample(&logits)).collect::<std::collections::BTreeSet<u32>>()
+            (0..2000)
+                .map(|_| s.sample(&logits))
+                .collect::<std::collections::BTreeSet<u32>>()
         };
         assert_eq!(draw(params(1.0, 2, 1.0, 0.0)), [0, 1].into());
         assert_eq!(draw(params(1.0, 0, 1.0, 0.5)), [0, 1, 4].into());
@@ -157,7 +175,10 @@ mod tests {
     fn same_seed_same_tokens_and_frequencies_follow_the_softmax() {
         let logits = [0.0, (2.0f32).ln(), (3.0f32).ln()];
         let run = |seed| {
-            let mut s = Sampler::new(SamplingParams { seed, ..params(1.0, 0, 1.0, 0.0) });
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                ..params(1.0, 0, 1.0, 0.0)
+            });
             (0..6000).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));

@@ -117,9 +117,30 @@ pub fn tensors(config: &Config, seed: u64) -> Vec<SynthTensor> {
         let stream = name_stream(&module);
         let shape = |last: usize| outer.iter().copied().chain([last]).collect::<Vec<_>>();
         let groups = cols / GROUP_SIZE;
-        list.push(SynthTensor { name: format!("{module}.weight"), dtype: Dtype::U32, shape: shape(words_per_row(cols, bits)), fill: Fill::Packed, stream, seed });
-        list.push(SynthTensor { name: format!("{module}.scales"), dtype: Dtype::BF16, shape: shape(groups), fill: Fill::Scales { base }, stream: stream ^ 1, seed });
-        list.push(SynthTensor { name: format!("{module}.biases"), dtype: Dtype::BF16, shape: shape(groups), fill: Fill::Biases { base, levels }, stream: stream ^ 1, seed });
+        list.push(SynthTensor {
+            name: format!("{module}.weight"),
+            dtype: Dtype::U32,
+            shape: shape(words_per_row(cols, bits)),
+            fill: Fill::Packed,
+            stream,
+            seed,
+        });
+        list.push(SynthTensor {
+            name: format!("{module}.scales"),
+            dtype: Dtype::BF16,
+            shape: shape(groups),
+            fill: Fill::Scales { base },
+            stream: stream ^ 1,
+            seed,
+        });
+        list.push(SynthTensor {
+            name: format!("{module}.biases"),
+            dtype: Dtype::BF16,
+            shape: shape(groups),
+            fill: Fill::Biases { base, levels },
+            stream: stream ^ 1,
+            seed,
+        });
     };
     let fan_in = |cols: usize, gain: f32| gain / (cols as f32).sqrt();
     quantized("language_model.model.embed_tokens".into(), &[c.vocab_size], h, 4, 1.0);
@@ -127,20 +148,60 @@ pub fn tensors(config: &Config, seed: u64) -> Vec<SynthTensor> {
         let p = format!("language_model.model.layers.{l}");
         match c.layer_types[l] {
             LayerKind::Linear => {
-                quantized(format!("{p}.linear_attn.in_proj_qkv"), &[c.linear_conv_dim()], h, 4, fan_in(h, 1.0));
-                quantized(format!("{p}.linear_attn.in_proj_z"), &[c.linear_value_dim()], h, 4, fan_in(h, 1.0));
-                quantized(format!("{p}.linear_attn.in_proj_b"), &[c.linear_num_value_heads], h, 4, fan_in(h, 1.0));
-                quantized(format!("{p}.linear_attn.in_proj_a"), &[c.linear_num_value_heads], h, 4, fan_in(h, 1.0));
-                quantized(format!("{p}.linear_attn.out_proj"), &[h], c.linear_value_dim(), 4, fan_in(c.linear_value_dim(), 0.5));
+                quantized(
+                    format!("{p}.linear_attn.in_proj_qkv"),
+                    &[c.linear_conv_dim()],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                );
+                quantized(
+                    format!("{p}.linear_attn.in_proj_z"),
+                    &[c.linear_value_dim()],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                );
+                quantized(
+                    format!("{p}.linear_attn.in_proj_b"),
+                    &[c.linear_num_value_heads],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                );
+                quantized(
+                    format!("{p}.linear_attn.in_proj_a"),
+                    &[c.linear_num_value_heads],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                );
+                quantized(
+                    format!("{p}.linear_attn.out_proj"),
+                    &[h],
+                    c.linear_value_dim(),
+                    4,
+                    fan_in(c.linear_value_dim(), 0.5),
+                );
             }
             LayerKind::Full => {
                 quantized(format!("{p}.self_attn.q_proj"), &[2 * c.q_dim()], h, 4, fan_in(h, 1.0));
                 quantized(format!("{p}.self_attn.k_proj"), &[c.kv_dim()], h, 4, fan_in(h, 1.0));
                 quantized(format!("{p}.self_attn.v_proj"), &[c.kv_dim()], h, 4, fan_in(h, 1.0));
-                quantized(format!("{p}.self_attn.o_proj"), &[h], c.q_dim(), 4, fan_in(c.q_dim(), 0.5));
+                quantized(
+                    format!("{p}.self_attn.o_proj"),
+                    &[h],
+                    c.q_dim(),
+                    4,
+                    fan_in(c.q_dim(), 0.5),
+                );
             }
         }
-        let (e, i, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        let (e, i, si) = (
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
         quantized(format!("{p}.mlp.gate"), &[e], h, 8, fan_in(h, 2.0));
         quantized(format!("{p}.mlp.switch_mlp.gate_proj"), &[e, i], h, 4, fan_in(h, 1.0));
         quantized(format!("{p}.mlp.switch_mlp.up_proj"), &[e, i], h, 4, fan_in(h, 1.0));
@@ -154,24 +215,69 @@ pub fn tensors(config: &Config, seed: u64) -> Vec<SynthTensor> {
 
     let mut float = |name: String, dtype: Dtype, shape: Vec<usize>, fill: Fill| {
         let stream = name_stream(&name);
-        list.push(SynthTensor { name, dtype, shape, fill, stream, seed });
+        list.push(SynthTensor {
+            name,
+            dtype,
+            shape,
+            fill,
+            stream,
+            seed,
+        });
     };
     let norm = Fill::Uniform { lo: 0.9, hi: 1.1 };
     for l in 0..c.num_hidden_layers {
         let p = format!("language_model.model.layers.{l}");
         float(format!("{p}.input_layernorm.weight"), Dtype::BF16, vec![h], norm);
-        float(format!("{p}.post_attention_layernorm.weight"), Dtype::BF16, vec![h], norm);
+        float(
+            format!("{p}.post_attention_layernorm.weight"),
+            Dtype::BF16,
+            vec![h],
+            norm,
+        );
         match c.layer_types[l] {
             LayerKind::Linear => {
                 let conv_bound = 1.0 / (c.linear_conv_kernel_dim as f32).sqrt();
-                float(format!("{p}.linear_attn.conv1d.weight"), Dtype::BF16, vec![c.linear_conv_dim(), c.linear_conv_kernel_dim, 1], Fill::Uniform { lo: -conv_bound, hi: conv_bound });
-                float(format!("{p}.linear_attn.A_log"), Dtype::F32, vec![c.linear_num_value_heads], Fill::LogUniform { lo: 1.0, hi: 16.0 });
-                float(format!("{p}.linear_attn.dt_bias"), Dtype::BF16, vec![c.linear_num_value_heads], Fill::Uniform { lo: -2.0, hi: 0.0 });
-                float(format!("{p}.linear_attn.norm.weight"), Dtype::BF16, vec![c.linear_value_head_dim], norm);
+                float(
+                    format!("{p}.linear_attn.conv1d.weight"),
+                    Dtype::BF16,
+                    vec![c.linear_conv_dim(), c.linear_conv_kernel_dim, 1],
+                    Fill::Uniform {
+                        lo: -conv_bound,
+                        hi: conv_bound,
+                    },
+                );
+                float(
+                    format!("{p}.linear_attn.A_log"),
+                    Dtype::F32,
+                    vec![c.linear_num_value_heads],
+                    Fill::LogUniform { lo: 1.0, hi: 16.0 },
+                );
+                float(
+                    format!("{p}.linear_attn.dt_bias"),
+                    Dtype::BF16,
+                    vec![c.linear_num_value_heads],
+                    Fill::Uniform { lo: -2.0, hi: 0.0 },
+                );
+                float(
+                    format!("{p}.linear_attn.norm.weight"),
+                    Dtype::BF16,
+                    vec![c.linear_value_head_dim],
+                    norm,
+                );
             }
             LayerKind::Full => {
-                float(format!("{p}.self_attn.q_norm.weight"), Dtype::BF16, vec![c.head_dim], norm);
-                float(format!("{p}.self_attn.k_norm.weight"), Dtype::BF16, vec![c.head_dim], norm);
+                float(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    Dtype::BF16,
+                    vec![c.head_dim],
+                    norm,
+                );
+                float(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    Dtype::BF16,
+                    vec![c.head_dim],
+                    norm,
+                );
             }
         }
     }
@@ -209,8 +315,12 @@ pub fn checkpoint_in_memory(config: &Config, seed: u64) -> Result<Checkpoint, Ch
     let buffers = shards(&list, usize::MAX)
         .into_iter()
         .map(|shard| {
-            let bytes = safetensors::serialize(shard.into_iter().map(|t| (t.name.clone(), t)), None)
-                .map_err(|e| CheckpointError::File { path: PathBuf::from("<synthetic>"), message: e.to_string() })?;
+            let bytes = safetensors::serialize(shard.into_iter().map(|t| (t.name.clone(), t)), None).map_err(|e| {
+                CheckpointError::File {
+                    path: PathBuf::from("<synthetic>"),
+                    message: e.to_string(),
+                }
+            })?;
             Ok((PathBuf::from("<synthetic>/model.safetensors"), bytes))
         })
         .collect::<Result<Vec<_>, CheckpointError>>()?;
@@ -228,7 +338,10 @@ pub enum SynthError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
-    move |source| SynthError::Io { path: path.to_path_buf(), source }
+    move |source| SynthError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes a complete model directory: config.json, sharded safetensors with an index, tokenizer and template.
@@ -237,11 +350,16 @@ pub fn write_dir(config: &Config, seed: u64, out: &Path, progress: &dyn Fn(usize
     if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
         return Err(SynthError::OutputExists(out.to_path_buf()));
     }
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io_err(parent))?;
     let tmp = parent.join(format!(
         ".{}.partial-{}",
-        out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into()),
+        out.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into()),
         std::process::id()
     ));
     let result = write_into(config, seed, &tmp, progress).and_then(|_| {
@@ -276,12 +394,20 @@ fn write_into(config: &Config, seed: u64, dir: &Path, progress: &dyn Fn(usize, u
             weight_map.insert(t.name.clone(), file.clone());
             total_size += t.len() * t.dtype.bitsize() / 8;
         }
-        safetensors::serialize_to_file(shard.iter().map(|t| (t.name.clone(), *t)), None, &path)
-            .map_err(|e| SynthError::Write { path: path.clone(), message: e.to_string() })?;
+        safetensors::serialize_to_file(shard.iter().map(|t| (t.name.clone(), *t)), None, &path).map_err(|e| {
+            SynthError::Write {
+                path: path.clone(),
+                message: e.to_string(),
+            }
+        })?;
         progress(i + 1, count);
     }
     let index = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index).unwrap()).map_err(io_err(dir))?;
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index).unwrap(),
+    )
+    .map_err(io_err(dir))?;
     Ok(())
 }
 

@@ -86,27 +86,84 @@ struct MatrixName {
     hf: Option<&'static str>,
 }
 
-const EMBED: MatrixName = MatrixName { mlx: "embed_tokens", hf: Some("embed_tokens") };
-const IN_PROJ_QKV: MatrixName = MatrixName { mlx: "linear_attn.in_proj_qkv", hf: Some("linear_attn.in_proj_qkv") };
-const IN_PROJ_Z: MatrixName = MatrixName { mlx: "linear_attn.in_proj_z", hf: Some("linear_attn.in_proj_z") };
-const IN_PROJ_B: MatrixName = MatrixName { mlx: "linear_attn.in_proj_b", hf: Some("linear_attn.in_proj_b") };
-const IN_PROJ_A: MatrixName = MatrixName { mlx: "linear_attn.in_proj_a", hf: Some("linear_attn.in_proj_a") };
-const OUT_PROJ: MatrixName = MatrixName { mlx: "linear_attn.out_proj", hf: Some("linear_attn.out_proj") };
-const Q_PROJ: MatrixName = MatrixName { mlx: "self_attn.q_proj", hf: Some("self_attn.q_proj") };
-const K_PROJ: MatrixName = MatrixName { mlx: "self_attn.k_proj", hf: Some("self_attn.k_proj") };
-const V_PROJ: MatrixName = MatrixName { mlx: "self_attn.v_proj", hf: Some("self_attn.v_proj") };
-const O_PROJ: MatrixName = MatrixName { mlx: "self_attn.o_proj", hf: Some("self_attn.o_proj") };
-const ROUTER: MatrixName = MatrixName { mlx: "mlp.gate", hf: Some("mlp.gate") };
-const EXPERTS_GATE: MatrixName = MatrixName { mlx: "mlp.switch_mlp.gate_proj", hf: None };
-const EXPERTS_UP: MatrixName = MatrixName { mlx: "mlp.switch_mlp.up_proj", hf: None };
-const EXPERTS_DOWN: MatrixName = MatrixName { mlx: "mlp.switch_mlp.down_proj", hf: None };
+const EMBED: MatrixName = MatrixName {
+    mlx: "embed_tokens",
+    hf: Some("embed_tokens"),
+};
+const IN_PROJ_QKV: MatrixName = MatrixName {
+    mlx: "linear_attn.in_proj_qkv",
+    hf: Some("linear_attn.in_proj_qkv"),
+};
+const IN_PROJ_Z: MatrixName = MatrixName {
+    mlx: "linear_attn.in_proj_z",
+    hf: Some("linear_attn.in_proj_z"),
+};
+const IN_PROJ_B: MatrixName = MatrixName {
+    mlx: "linear_attn.in_proj_b",
+    hf: Some("linear_attn.in_proj_b"),
+};
+const IN_PROJ_A: MatrixName = MatrixName {
+    mlx: "linear_attn.in_proj_a",
+    hf: Some("linear_attn.in_proj_a"),
+};
+const OUT_PROJ: MatrixName = MatrixName {
+    mlx: "linear_attn.out_proj",
+    hf: Some("linear_attn.out_proj"),
+};
+const Q_PROJ: MatrixName = MatrixName {
+    mlx: "self_attn.q_proj",
+    hf: Some("self_attn.q_proj"),
+};
+const K_PROJ: MatrixName = MatrixName {
+    mlx: "self_attn.k_proj",
+    hf: Some("self_attn.k_proj"),
+};
+const V_PROJ: MatrixName = MatrixName {
+    mlx: "self_attn.v_proj",
+    hf: Some("self_attn.v_proj"),
+};
+const O_PROJ: MatrixName = MatrixName {
+    mlx: "self_attn.o_proj",
+    hf: Some("self_attn.o_proj"),
+};
+const ROUTER: MatrixName = MatrixName {
+    mlx: "mlp.gate",
+    hf: Some("mlp.gate"),
+};
+const EXPERTS_GATE: MatrixName = MatrixName {
+    mlx: "mlp.switch_mlp.gate_proj",
+    hf: None,
+};
+const EXPERTS_UP: MatrixName = MatrixName {
+    mlx: "mlp.switch_mlp.up_proj",
+    hf: None,
+};
+const EXPERTS_DOWN: MatrixName = MatrixName {
+    mlx: "mlp.switch_mlp.down_proj",
+    hf: None,
+};
 const HF_EXPERTS_GATE_UP: &str = "mlp.experts.gate_up_proj";
 const HF_EXPERTS_DOWN: &str = "mlp.experts.down_proj";
-const SHARED_GATE: MatrixName = MatrixName { mlx: "mlp.shared_expert.gate_proj", hf: Some("mlp.shared_expert.gate_proj") };
-const SHARED_UP: MatrixName = MatrixName { mlx: "mlp.shared_expert.up_proj", hf: Some("mlp.shared_expert.up_proj") };
-const SHARED_DOWN: MatrixName = MatrixName { mlx: "mlp.shared_expert.down_proj", hf: Some("mlp.shared_expert.down_proj") };
-const SHARED_EXPERT_GATE: MatrixName = MatrixName { mlx: "mlp.shared_expert_gate", hf: Some("mlp.shared_expert_gate") };
-const LM_HEAD: MatrixName = MatrixName { mlx: "lm_head", hf: Some("lm_head") };
+const SHARED_GATE: MatrixName = MatrixName {
+    mlx: "mlp.shared_expert.gate_proj",
+    hf: Some("mlp.shared_expert.gate_proj"),
+};
+const SHARED_UP: MatrixName = MatrixName {
+    mlx: "mlp.shared_expert.up_proj",
+    hf: Some("mlp.shared_expert.up_proj"),
+};
+const SHARED_DOWN: MatrixName = MatrixName {
+    mlx: "mlp.shared_expert.down_proj",
+    hf: Some("mlp.shared_expert.down_proj"),
+};
+const SHARED_EXPERT_GATE: MatrixName = MatrixName {
+    mlx: "mlp.shared_expert_gate",
+    hf: Some("mlp.shared_expert_gate"),
+};
+const LM_HEAD: MatrixName = MatrixName {
+    mlx: "lm_head",
+    hf: Some("lm_head"),
+};
 
 /// Small float tensors: the same path in both layouts (with `.weight` where it is a module's weight).
 const INPUT_NORM: &str = "input_layernorm.weight";
@@ -146,8 +203,18 @@ impl Loader<'_> {
         }
     }
 
-    fn matrix(&self, layer: Option<usize>, name: &MatrixName, rows: usize, cols: usize) -> Result<QMatrix, CheckpointError> {
-        let module = if name.mlx == "lm_head" { self.lm_head_module() } else { self.name(layer, name.mlx) };
+    fn matrix(
+        &self,
+        layer: Option<usize>,
+        name: &MatrixName,
+        rows: usize,
+        cols: usize,
+    ) -> Result<QMatrix, CheckpointError> {
+        let module = if name.mlx == "lm_head" {
+            self.lm_head_module()
+        } else {
+            self.name(layer, name.mlx)
+        };
         match self.layout {
             Layout::Mlx => self.mlx_matrix(&module, &[rows], cols),
             Layout::Hf { .. } => {
@@ -165,7 +232,12 @@ impl Loader<'_> {
 
     /// An MLX quantized module: `.weight` u32 `[..outer, packed]`, `.scales`/`.biases` bf16 `[..outer, groups]`.
     fn mlx_matrix(&self, module: &str, outer: &[usize], cols: usize) -> Result<QMatrix, CheckpointError> {
-        let spec = self.config.quantization.as_ref().map(|q| q.spec_for(module)).expect("MLX layout has quantization");
+        let spec = self
+            .config
+            .quantization
+            .as_ref()
+            .map(|q| q.spec_for(module))
+            .expect("MLX layout has quantization");
         let rows: usize = outer.iter().product();
         let shape = |last: usize| outer.iter().copied().chain([last]).collect::<Vec<_>>();
         let weight = self.ckpt.get(&format!("{module}.weight"))?;
@@ -327,12 +399,21 @@ impl Weights {
         } else {
             return Err(CheckpointError::Missing {
                 dir: ckpt.dir.clone(),
-                tensor: "language_model.model.embed_tokens.weight (MLX) or model.language_model.embed_tokens.weight (HF)".into(),
+                tensor:
+                    "language_model.model.embed_tokens.weight (MLX) or model.language_model.embed_tokens.weight (HF)"
+                        .into(),
             });
         };
-        let loader = Loader { ckpt, config: &config, layout };
+        let loader = Loader {
+            ckpt,
+            config: &config,
+            layout,
+        };
         let c = &config;
-        let layers = (0..c.num_hidden_layers).into_par_iter().map(|l| loader.layer(l)).collect::<Result<Vec<_>, _>>()?;
+        let layers = (0..c.num_hidden_layers)
+            .into_par_iter()
+            .map(|l| loader.layer(l))
+            .collect::<Result<Vec<_>, _>>()?;
         let weights = Weights {
             embed_tokens: loader.matrix(None, &EMBED, c.vocab_size, c.hidden_size)?,
             final_norm: loader.norm(None, FINAL_NORM, c.hidden_size)?,
@@ -353,16 +434,31 @@ impl Weights {
             total += (layer.input_norm.len() + layer.post_attention_norm.len()) * 4;
             total += match &layer.mixer {
                 Mixer::Linear(g) => {
-                    q(&g.in_proj_qkv) + q(&g.in_proj_z) + q(&g.in_proj_a) + q(&g.in_proj_b) + q(&g.out_proj)
+                    q(&g.in_proj_qkv)
+                        + q(&g.in_proj_z)
+                        + q(&g.in_proj_a)
+                        + q(&g.in_proj_b)
+                        + q(&g.out_proj)
                         + (g.conv1d.len() + g.a_log.len() + g.dt_bias.len() + g.norm.len()) * 4
                 }
-                Mixer::Full(a) => q(&a.q_proj) + q(&a.k_proj) + q(&a.v_proj) + q(&a.o_proj) + (a.q_norm.len() + a.k_norm.len()) * 4,
+                Mixer::Full(a) => {
+                    q(&a.q_proj) + q(&a.k_proj) + q(&a.v_proj) + q(&a.o_proj) + (a.q_norm.len() + a.k_norm.len()) * 4
+                }
             };
             let m = &layer.moe;
-            total += [&m.router, &m.experts_gate, &m.experts_up, &m.experts_down, &m.shared_gate, &m.shared_up, &m.shared_down, &m.shared_expert_gate]
-                .into_iter()
-                .map(q)
-                .sum::<usize>();
+            total += [
+                &m.router,
+                &m.experts_gate,
+                &m.experts_up,
+                &m.experts_down,
+                &m.shared_gate,
+                &m.shared_up,
+                &m.shared_down,
+                &m.shared_expert_gate,
+            ]
+            .into_iter()
+            .map(q)
+            .sum::<usize>();
         }
         total
     }

@@ -32,7 +32,11 @@ fn shard_of(dir: &Path, tensor: &str) -> PathBuf {
 }
 
 /// Rewrites the shard holding `tensor` with `edit` applied to that tensor (None drops it).
-fn rewrite_tensor(dir: &Path, tensor: &str, edit: impl Fn(Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>) {
+fn rewrite_tensor(
+    dir: &Path,
+    tensor: &str,
+    edit: impl Fn(Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
+) {
     let path = shard_of(dir, tensor);
     let bytes = std::fs::read(&path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -49,7 +53,12 @@ fn rewrite_tensor(dir: &Path, tensor: &str, edit: impl Fn(Dtype, Vec<usize>, Vec
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = kept
         .iter()
-        .map(|(n, (d, s, b))| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
@@ -60,9 +69,23 @@ const SCALES: &str = "language_model.model.layers.1.mlp.switch_mlp.up_proj.scale
 fn synthetic_directory_loads_and_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = write_tiny(tmp.path());
-    let shards = std::fs::read_dir(&dir).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".safetensors")).count();
+    let shards = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".safetensors")
+        })
+        .count();
     assert!(shards >= 2, "the tiny synthetic model should be sharded, got {shards}");
-    for file in ["config.json", "tokenizer.json", "chat_template.jinja", "model.safetensors.index.json"] {
+    for file in [
+        "config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "model.safetensors.index.json",
+    ] {
         assert!(dir.join(file).is_file(), "{file} missing");
     }
     let model = CpuModel::new(Weights::load(&dir).unwrap());
@@ -93,7 +116,10 @@ fn wrong_shape_and_dtype_are_named_with_their_file() {
         Some((d, s, b))
     });
     let err = load_err(&dir);
-    assert!(err.contains(SCALES) && err.contains(&shard.file_name().unwrap().to_string_lossy().to_string()), "{err}");
+    assert!(
+        err.contains(SCALES) && err.contains(&shard.file_name().unwrap().to_string_lossy().to_string()),
+        "{err}"
+    );
     assert!(err.contains("expected"), "{err}");
 
     let dir2 = tmp.path().join("dtype");
@@ -154,7 +180,11 @@ fn missing_or_bad_config_and_empty_directory() {
     let tmp = tempfile::tempdir().unwrap();
     assert!(load_err(tmp.path()).contains("config.json"));
     let dir = write_tiny(tmp.path());
-    std::fs::write(dir.join("config.json"), "{\"text_config\": {\"model_type\": \"qwen3_5_moe\"}}").unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        "{\"text_config\": {\"model_type\": \"qwen3_5_moe\"}}",
+    )
+    .unwrap();
     let err = load_err(&dir);
     assert!(err.contains("config field") && err.contains("missing"), "{err}");
     let cfg = Config::tiny_shape().to_mlx_json();
@@ -195,7 +225,8 @@ fn write_hf(weights: &Weights, dir: &Path) {
     let tensors = std::cell::RefCell::new(Vec::<(String, Vec<usize>, Vec<f32>)>::new());
     let p = "model.language_model";
     let matrix = |name: String, m: &QMatrix| tensors.borrow_mut().push((name, vec![m.rows, m.cols], dequantized(m)));
-    let matrix_shaped = |name: String, shape: Vec<usize>, values: Vec<f32>| tensors.borrow_mut().push((name, shape, values));
+    let matrix_shaped =
+        |name: String, shape: Vec<usize>, values: Vec<f32>| tensors.borrow_mut().push((name, shape, values));
     matrix(format!("{p}.embed_tokens.weight"), &weights.embed_tokens);
     matrix("lm_head.weight".into(), &weights.lm_head);
     for (l, layer) in weights.layers.iter().enumerate() {
@@ -229,25 +260,61 @@ fn write_hf(weights: &Weights, dir: &Path) {
             gate_up.extend_from_slice(&up[x * i * h..(x + 1) * i * h]);
         }
         matrix_shaped(format!("{lp}.mlp.experts.gate_up_proj"), vec![e, 2 * i, h], gate_up);
-        matrix_shaped(format!("{lp}.mlp.experts.down_proj"), vec![e, h, i], dequantized(&m.experts_down));
+        matrix_shaped(
+            format!("{lp}.mlp.experts.down_proj"),
+            vec![e, h, i],
+            dequantized(&m.experts_down),
+        );
     }
     let mut floats: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     let offset = |v: &[f32]| v.iter().map(|x| x - 1.0).collect::<Vec<_>>();
-    floats.push((format!("{p}.norm.weight"), vec![c.hidden_size], offset(&weights.final_norm)));
+    floats.push((
+        format!("{p}.norm.weight"),
+        vec![c.hidden_size],
+        offset(&weights.final_norm),
+    ));
     for (l, layer) in weights.layers.iter().enumerate() {
         let lp = format!("{p}.layers.{l}");
-        floats.push((format!("{lp}.input_layernorm.weight"), vec![c.hidden_size], offset(&layer.input_norm)));
-        floats.push((format!("{lp}.post_attention_layernorm.weight"), vec![c.hidden_size], offset(&layer.post_attention_norm)));
+        floats.push((
+            format!("{lp}.input_layernorm.weight"),
+            vec![c.hidden_size],
+            offset(&layer.input_norm),
+        ));
+        floats.push((
+            format!("{lp}.post_attention_layernorm.weight"),
+            vec![c.hidden_size],
+            offset(&layer.post_attention_norm),
+        ));
         match &layer.mixer {
             Mixer::Linear(g) => {
-                floats.push((format!("{lp}.linear_attn.conv1d.weight"), vec![c.linear_conv_dim(), 1, c.linear_conv_kernel_dim], g.conv1d.clone()));
+                floats.push((
+                    format!("{lp}.linear_attn.conv1d.weight"),
+                    vec![c.linear_conv_dim(), 1, c.linear_conv_kernel_dim],
+                    g.conv1d.clone(),
+                ));
                 floats.push((format!("{lp}.linear_attn.A_log"), vec![g.a_log.len()], g.a_log.clone()));
-                floats.push((format!("{lp}.linear_attn.dt_bias"), vec![g.dt_bias.len()], g.dt_bias.clone()));
-                floats.push((format!("{lp}.linear_attn.norm.weight"), vec![g.norm.len()], g.norm.clone()));
+                floats.push((
+                    format!("{lp}.linear_attn.dt_bias"),
+                    vec![g.dt_bias.len()],
+                    g.dt_bias.clone(),
+                ));
+                floats.push((
+                    format!("{lp}.linear_attn.norm.weight"),
+                    vec![g.norm.len()],
+                    g.norm.clone(),
+                ));
             }
             Mixer::Full(a) => {
-                floats.push((format!("{lp}.self_attn.q_norm.weight"), vec![c.head_dim], offset(&a.q_norm)));
-                floats.push((format!("{lp}.self_attn.k_norm.weight"), vec![c.head_dim], offset(&a.k_norm)));
+                floats.push((
+                    format!("{lp}.self_attn.q_norm.weight"),
+                    vec![c.head_dim],
+                    offset(&a.q_norm),
+                ));
+                floats.push((
+                    format!("{lp}.self_attn.k_norm.weight"),
+                    vec![c.head_dim],
+                    offset(&a.k_norm),
+                ));
             }
         }
     }
@@ -258,15 +325,30 @@ fn write_hf(weights: &Weights, dir: &Path) {
         .chain(floats)
         .map(|(name, shape, values)| {
             if name.ends_with("A_log") {
-                (name, Dtype::F32, shape, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+                (
+                    name,
+                    Dtype::F32,
+                    shape,
+                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                )
             } else {
-                (name, Dtype::BF16, shape, values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect())
+                (
+                    name,
+                    Dtype::BF16,
+                    shape,
+                    values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+                )
             }
         })
         .collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = encoded
         .iter()
-        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     std::fs::create_dir_all(dir).unwrap();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
@@ -290,13 +372,19 @@ fn hf_bf16_checkpoint_is_quantized_at_load() {
     assert!(hf.config.quantization.is_none());
 
     // Per matrix: every re-quantized weight within half a quantization step (plus bf16 rounding) of the original.
-    let pairs = [(&mlx.layers[0].moe.experts_down, &hf.layers[0].moe.experts_down), (&mlx.lm_head, &hf.lm_head)];
+    let pairs = [
+        (&mlx.layers[0].moe.experts_down, &hf.layers[0].moe.experts_down),
+        (&mlx.lm_head, &hf.lm_head),
+    ];
     for (a, b) in pairs {
         let (da, db) = (dequantized(a), dequantized(b));
         let scales = b.scales.as_slice();
         for (k, (x, y)) in da.iter().zip(&db).enumerate() {
             let step = scales[k / 64].to_f32();
-            assert!((x - y).abs() <= 0.5 * step + 0.01 * x.abs() + 1e-6, "element {k}: {x} vs {y} (step {step})");
+            assert!(
+                (x - y).abs() <= 0.5 * step + 0.01 * x.abs() + 1e-6,
+                "element {k}: {x} vs {y} (step {step})"
+            );
         }
     }
 
@@ -304,7 +392,9 @@ fn hf_bf16_checkpoint_is_quantized_at_load() {
     let prompt = [33, 1960, 1321, 13, 198, 3034, 374, 264, 1296, 11];
     let vocab = mlx_model.config().vocab_size;
     let (mut a, mut b) = (vec![0.0; vocab], vec![0.0; vocab]);
-    mlx_model.prefill(&mut mlx_model.new_state(16), &prompt, &mut a).unwrap();
+    mlx_model
+        .prefill(&mut mlx_model.new_state(16), &prompt, &mut a)
+        .unwrap();
     hf_model.prefill(&mut hf_model.new_state(16), &prompt, &mut b).unwrap();
     let dot: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
     let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();

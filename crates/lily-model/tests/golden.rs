@@ -36,12 +36,18 @@ fn synthetic_tiny() -> &'static CpuModel {
 
 fn ints(st: &SafeTensors, name: &str) -> Vec<u32> {
     let t = st.tensor(name).unwrap();
-    t.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+    t.data()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
 }
 
 fn floats(st: &SafeTensors, name: &str) -> Vec<f32> {
     let t = st.tensor(name).unwrap();
-    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 struct Errors {
@@ -55,7 +61,10 @@ fn compare_with_golden(model: &CpuModel, name: &str) -> Errors {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let sample_ids = ints(&st, "sample_ids");
     let vocab = model.config().vocab_size;
-    let mut errors = Errors { max_abs: 0.0, max_rel: 0.0 };
+    let mut errors = Errors {
+        max_abs: 0.0,
+        max_rel: 0.0,
+    };
     let prompts = (0..).take_while(|i| st.tensor(&format!("p{i}.tokens")).is_ok()).count();
     assert!(prompts >= 4, "{name}: only {prompts} prompts");
     for p in 0..prompts {
@@ -73,7 +82,11 @@ fn compare_with_golden(model: &CpuModel, name: &str) -> Errors {
             let expected = top_ids[t * top_k..(t + 1) * top_k]
                 .iter()
                 .zip(&top_logits[t * top_k..(t + 1) * top_k])
-                .chain(sample_ids.iter().zip(&sample_logits[t * sample_ids.len()..(t + 1) * sample_ids.len()]));
+                .chain(
+                    sample_ids
+                        .iter()
+                        .zip(&sample_logits[t * sample_ids.len()..(t + 1) * sample_ids.len()]),
+                );
             for (&id, &want) in expected {
                 let got = row[id as usize];
                 assert!(got.is_finite(), "{name} prompt {p} position {t} token {id}: {got}");
@@ -86,7 +99,11 @@ fn compare_with_golden(model: &CpuModel, name: &str) -> Errors {
                 );
             }
             // The top logit is lily's top logit too (ties between identical rows are broken by lowest id).
-            assert_eq!(argmax(row), top_ids[t * top_k], "{name} prompt {p} position {t}: argmax differs");
+            assert_eq!(
+                argmax(row),
+                top_ids[t * top_k],
+                "{name} prompt {p} position {t}: argmax differs"
+            );
         }
 
         // Greedy continuation: prefill's last logits, then decode steps.
@@ -100,20 +117,29 @@ fn compare_with_golden(model: &CpuModel, name: &str) -> Errors {
         }
         assert_eq!(ours, greedy, "{name} prompt {p}: greedy continuation differs");
     }
-    eprintln!("{name}: max abs logit error {:.2e}, max rel {:.2e}", errors.max_abs, errors.max_rel);
+    eprintln!(
+        "{name}: max abs logit error {:.2e}, max rel {:.2e}",
+        errors.max_abs, errors.max_rel
+    );
     errors
 }
 
 #[test]
 fn default_model_matches_transformers() {
     let errors = compare_with_golden(shakespeare(), "lily-tiny-shakespeare");
-    assert!(errors.max_abs > 0.0, "suspiciously exact: is the comparison reading the right data?");
+    assert!(
+        errors.max_abs > 0.0,
+        "suspiciously exact: is the comparison reading the right data?"
+    );
 }
 
 #[test]
 fn synthetic_tiny_model_matches_transformers() {
     let path = golden_path("synth-tiny-seed1");
-    assert!(Path::new(&path).exists(), "missing {path}: regenerate with scripts/golden.py");
+    assert!(
+        Path::new(&path).exists(),
+        "missing {path}: regenerate with scripts/golden.py"
+    );
     compare_with_golden(synthetic_tiny(), "synth-tiny-seed1");
 }
 
@@ -148,5 +174,7 @@ fn context_limit_is_an_error_not_a_panic() {
     model.prefill(&mut state, &[1; 8], &mut logits).unwrap();
     assert!(model.decode(&mut state, 1, &mut logits).is_err());
     assert!(model.prefill(&mut model.new_state(8), &[], &mut logits).is_err());
-    assert!(model.prefill(&mut model.new_state(8), &[u32::MAX], &mut logits).is_err());
+    assert!(model
+        .prefill(&mut model.new_state(8), &[u32::MAX], &mut logits)
+        .is_err());
 }

@@ -14,10 +14,7 @@ pub fn tokenizer() -> Arc<Tokenizer> {
     static TOKENIZER: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     TOKENIZER
         .get_or_init(|| {
-            Arc::new(
-                Tokenizer::from_dir(&shared_model_dir())
-                    .expect("load ../shared/qwen3.6/tokenizer.json"),
-            )
+            Arc::new(Tokenizer::from_dir(&shared_model_dir()).expect("load ../shared/qwen3.6/tokenizer.json"))
         })
         .clone()
 }

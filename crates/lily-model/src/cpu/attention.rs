@@ -5,7 +5,9 @@ use rayon::prelude::*;
 
 /// Inverse frequencies of the rotated dims, computed as HF does (f32 powers of theta).
 pub fn rope_inv_freq(theta: f64, rotary_dim: usize) -> Vec<f32> {
-    (0..rotary_dim / 2).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32)).collect()
+    (0..rotary_dim / 2)
+        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
+        .collect()
 }
 
 /// Rotates the first `2 * inv_freq.len()` dims of one head in place: pairs (i, i + half).

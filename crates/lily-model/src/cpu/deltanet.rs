@@ -205,7 +205,10 @@ mod tests {
             chunked(&q, &k, &v, &g, &beta, &mut s, &mut o);
             let max_o = o.iter().zip(&o_ref).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
             let max_s = s.iter().zip(&s_ref).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            assert!(max_o < 1e-4 && max_s < 1e-4, "tokens {tokens}: out {max_o} state {max_s}");
+            assert!(
+                max_o < 1e-4 && max_s < 1e-4,
+                "tokens {tokens}: out {max_o} state {max_s}"
+            );
         }
     }
 
@@ -220,13 +223,29 @@ mod tests {
         conv_sequence(&x, &mut state_all, &w, taps, channels, &mut out_all);
         let mut state = vec![0.0; (taps - 1) * channels];
         let mut out = vec![0.0; tokens * channels];
-        conv_sequence(&x[..4 * channels], &mut state, &w, taps, channels, &mut out[..4 * channels]);
-        conv_sequence(&x[4 * channels..], &mut state, &w, taps, channels, &mut out[4 * channels..]);
+        conv_sequence(
+            &x[..4 * channels],
+            &mut state,
+            &w,
+            taps,
+            channels,
+            &mut out[..4 * channels],
+        );
+        conv_sequence(
+            &x[4 * channels..],
+            &mut state,
+            &w,
+            taps,
+            channels,
+            &mut out[4 * channels..],
+        );
         assert_eq!(out, out_all);
         assert_eq!(state, state_all);
         // Direct definition for the last token of channel 2.
         let t = tokens - 1;
-        let direct: f32 = (0..taps).map(|j| w[2 * taps + j] * x[(t + 1 + j - taps) * channels + 2]).sum();
+        let direct: f32 = (0..taps)
+            .map(|j| w[2 * taps + j] * x[(t + 1 + j - taps) * channels + 2])
+            .sum();
         assert!((out_all[t * channels + 2] - crate::cpu::linalg::silu(direct)).abs() < 1e-6);
     }
 }

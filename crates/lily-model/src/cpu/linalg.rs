@@ -44,7 +44,10 @@ fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
         let mut sums = [0.0f32; MAX_COLS / GROUP_SIZE];
         group_sums(x, &mut sums[..groups]);
         let sums = &sums[..groups];
-        out.par_iter_mut().enumerate().with_min_len(16).for_each(|(r, o)| *o = w.dot_row(r, x, sums));
+        out.par_iter_mut()
+            .enumerate()
+            .with_min_len(16)
+            .for_each(|(r, o)| *o = w.dot_row(r, x, sums));
         return;
     }
     const BLOCK: usize = 8;
@@ -145,7 +148,10 @@ mod tests {
                     for t in 0..tokens {
                         let reference: f64 = (0..cols).map(|c| row[c] as f64 * x[t * cols + c] as f64).sum();
                         let got = out[t * rows + r] as f64;
-                        assert!((got - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{got} {reference}");
+                        assert!(
+                            (got - reference).abs() <= 1e-4 * (1.0 + reference.abs()),
+                            "{got} {reference}"
+                        );
                     }
                 }
             }

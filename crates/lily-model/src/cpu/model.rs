@@ -74,9 +74,15 @@ impl State {
             position: 0,
             max_context,
             route_margin: f32::INFINITY,
-            k_cache: (0..c.num_full_layers()).map(|_| zeros(max_context * c.kv_dim())).collect(),
-            v_cache: (0..c.num_full_layers()).map(|_| zeros(max_context * c.kv_dim())).collect(),
-            conv: (0..c.num_linear_layers()).map(|_| zeros((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim())).collect(),
+            k_cache: (0..c.num_full_layers())
+                .map(|_| zeros(max_context * c.kv_dim()))
+                .collect(),
+            v_cache: (0..c.num_full_layers())
+                .map(|_| zeros(max_context * c.kv_dim()))
+                .collect(),
+            conv: (0..c.num_linear_layers())
+                .map(|_| zeros((c.linear_conv_kernel_dim - 1) * c.linear_conv_dim()))
+                .collect(),
             recurrent: (0..c.num_linear_layers())
                 .map(|_| zeros(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
                 .collect(),
@@ -132,7 +138,11 @@ impl CpuModel {
                 LayerKind::Linear => (linear, linear += 1).0,
             })
             .collect();
-        CpuModel { weights, inv_freq, slot }
+        CpuModel {
+            weights,
+            inv_freq,
+            slot,
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -152,7 +162,9 @@ impl CpuModel {
     pub fn prefill_all_logits(&self, state: &mut State, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
         let vocab = self.config().vocab_size;
         let mut all = vec![0.0; tokens.len() * vocab];
-        self.prefill_inner(state, tokens, true, |t, row| all[t * vocab..(t + 1) * vocab].copy_from_slice(row))?;
+        self.prefill_inner(state, tokens, true, |t, row| {
+            all[t * vocab..(t + 1) * vocab].copy_from_slice(row)
+        })?;
         Ok(all)
     }
 
@@ -200,7 +212,10 @@ impl CpuModel {
         }
         let needed = state.position + tokens.len();
         if needed > state.max_context {
-            return Err(ForwardError::ContextFull { needed, max_context: state.max_context });
+            return Err(ForwardError::ContextFull {
+                needed,
+                max_context: state.max_context,
+            });
         }
         Ok(())
     }
@@ -216,28 +231,56 @@ impl CpuModel {
         let (h, n) = (c.hidden_size, tokens.len());
         let w = &self.weights;
         for (t, &token) in tokens.iter().enumerate() {
-            w.embed_tokens.view().dequantize_row(token as usize, &mut state.act.hidden[t * h..(t + 1) * h]);
+            w.embed_tokens
+                .view()
+                .dequantize_row(token as usize, &mut state.act.hidden[t * h..(t + 1) * h]);
         }
         for (l, layer) in w.layers.iter().enumerate() {
-            rmsnorm(&state.act.hidden[..n * h], &layer.input_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
+            rmsnorm(
+                &state.act.hidden[..n * h],
+                &layer.input_norm,
+                c.rms_norm_eps,
+                &mut state.act.normed[..n * h],
+            );
             match &layer.mixer {
                 Mixer::Linear(gdn) => self.gated_deltanet(gdn, self.slot[l], state, n, pass),
                 Mixer::Full(attn) => self.attention(attn, self.slot[l], state, n),
             }
             add(&mut state.act.hidden[..n * h], &state.act.mixer_out[..n * h]);
-            rmsnorm(&state.act.hidden[..n * h], &layer.post_attention_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
-            let margin = moe_forward(&layer.moe, c.num_experts, c.num_experts_per_tok, &state.act.normed[..n * h], &mut state.act.moe_out[..n * h]);
+            rmsnorm(
+                &state.act.hidden[..n * h],
+                &layer.post_attention_norm,
+                c.rms_norm_eps,
+                &mut state.act.normed[..n * h],
+            );
+            let margin = moe_forward(
+                &layer.moe,
+                c.num_experts,
+                c.num_experts_per_tok,
+                &state.act.normed[..n * h],
+                &mut state.act.moe_out[..n * h],
+            );
             state.route_margin = state.route_margin.min(margin);
             add(&mut state.act.hidden[..n * h], &state.act.moe_out[..n * h]);
         }
-        rmsnorm(&state.act.hidden[..n * h], &w.final_norm, c.rms_norm_eps, &mut state.act.normed[..n * h]);
+        rmsnorm(
+            &state.act.hidden[..n * h],
+            &w.final_norm,
+            c.rms_norm_eps,
+            &mut state.act.normed[..n * h],
+        );
         state.position += n;
     }
 
     fn gated_deltanet(&self, gdn: &GatedDeltaNet, slot: usize, state: &mut State, n: usize, pass: Pass) {
         let c = self.config();
         let (h, conv_dim) = (c.hidden_size, c.linear_conv_dim());
-        let (nk, nv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let (nk, nv, dk, dv) = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        );
         let key_dim = c.linear_key_dim();
         let act = &mut state.act;
         let x = &act.normed[..n * h];
@@ -278,14 +321,25 @@ impl CpuModel {
             .map(|(head, s)| {
                 let kh = head / heads_per_key;
                 let q_of = |t: usize| &conv_out[t * conv_dim + kh * dk..t * conv_dim + (kh + 1) * dk];
-                let k_of = |t: usize| &conv_out[t * conv_dim + key_dim + kh * dk..t * conv_dim + key_dim + (kh + 1) * dk];
-                let v_of = |t: usize| &conv_out[t * conv_dim + 2 * key_dim + head * dv..t * conv_dim + 2 * key_dim + (head + 1) * dv];
+                let k_of =
+                    |t: usize| &conv_out[t * conv_dim + key_dim + kh * dk..t * conv_dim + key_dim + (kh + 1) * dk];
+                let v_of = |t: usize| {
+                    &conv_out[t * conv_dim + 2 * key_dim + head * dv..t * conv_dim + 2 * key_dim + (head + 1) * dv]
+                };
                 let mut out = vec![0.0; n * dv];
                 match pass {
                     Pass::Decode => {
                         for t in 0..n {
                             let i = t * nv + head;
-                            deltanet::recurrent_step(q_of(t), k_of(t), v_of(t), decay[i], beta[i], s, &mut out[t * dv..(t + 1) * dv]);
+                            deltanet::recurrent_step(
+                                q_of(t),
+                                k_of(t),
+                                v_of(t),
+                                decay[i],
+                                beta[i],
+                                s,
+                                &mut out[t * dv..(t + 1) * dv],
+                            );
                         }
                     }
                     Pass::Prefill => {
@@ -302,7 +356,8 @@ impl CpuModel {
             .collect();
         for (head, out) in head_outputs.iter().enumerate() {
             for t in 0..n {
-                core[t * nv * dv + head * dv..t * nv * dv + (head + 1) * dv].copy_from_slice(&out[t * dv..(t + 1) * dv]);
+                core[t * nv * dv + head * dv..t * nv * dv + (head + 1) * dv]
+                    .copy_from_slice(&out[t * dv..(t + 1) * dv]);
             }
         }
         // Gated RMSNorm per value head: w * rmsnorm(o) * silu(z).
@@ -340,7 +395,16 @@ impl CpuModel {
         k_cache[start * kv_dim..(start + n) * kv_dim].copy_from_slice(&act.keys[..n * kv_dim]);
         v_cache[start * kv_dim..(start + n) * kv_dim].copy_from_slice(&act.values[..n * kv_dim]);
         let core = &mut act.core[..n * q_dim];
-        attend(&act.queries[..n * q_dim], &k_cache[..(start + n) * kv_dim], &v_cache[..(start + n) * kv_dim], start, heads, kv_heads, hd, core);
+        attend(
+            &act.queries[..n * q_dim],
+            &k_cache[..(start + n) * kv_dim],
+            &v_cache[..(start + n) * kv_dim],
+            start,
+            heads,
+            kv_heads,
+            hd,
+            core,
+        );
         for t in 0..n {
             for head in 0..heads {
                 let gate = &act.projected[t * 2 * q_dim + head * 2 * hd + hd..t * 2 * q_dim + (head + 1) * 2 * hd];

@@ -48,7 +48,12 @@ fn expert_forward(
 /// chosen).
 pub fn route_margin(logits: &[f32], chosen: &[usize]) -> f32 {
     let last_chosen = chosen.iter().map(|&e| logits[e]).fold(f32::INFINITY, f32::min);
-    let first_left = logits.iter().enumerate().filter(|(e, _)| !chosen.contains(e)).map(|(_, l)| *l).fold(f32::NEG_INFINITY, f32::max);
+    let first_left = logits
+        .iter()
+        .enumerate()
+        .filter(|(e, _)| !chosen.contains(e))
+        .map(|(_, l)| *l)
+        .fold(f32::NEG_INFINITY, f32::max);
     let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     (last_chosen - first_left) / scale
 }
@@ -67,12 +72,23 @@ pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: 
     for t in 0..tokens {
         let token_logits = &logits[t * num_experts..(t + 1) * num_experts];
         let token_chosen = &mut chosen[t * top_k..(t + 1) * top_k];
-        route(token_logits, top_k, token_chosen, &mut weights[t * top_k..(t + 1) * top_k]);
+        route(
+            token_logits,
+            top_k,
+            token_chosen,
+            &mut weights[t * top_k..(t + 1) * top_k],
+        );
         margin = margin.min(route_margin(token_logits, token_chosen));
     }
 
     // Shared expert, gated per token.
-    expert_forward(moe.shared_gate.view(), moe.shared_up.view(), moe.shared_down.view(), x, out);
+    expert_forward(
+        moe.shared_gate.view(),
+        moe.shared_up.view(),
+        moe.shared_down.view(),
+        x,
+        out,
+    );
     let mut shared_gate = vec![0.0; tokens];
     qmatmul(moe.shared_expert_gate.view(), x, &mut shared_gate);
     for t in 0..tokens {
