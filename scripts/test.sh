@@ -12,6 +12,10 @@ if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
   export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 
+# Formatting and lints are part of the suite: either failing fails CI.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+
 # Also builds target/release/lily, which the integration tests and the Python tests run.
 cargo test --workspace --release
 

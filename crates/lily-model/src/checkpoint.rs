@@ -10,6 +10,9 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+/// A file's tensors as its header lists them: name and where the data lies.
+type TensorInfos = Vec<(String, TensorInfo)>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("{path}: {message}")]
@@ -160,7 +163,7 @@ impl Checkpoint {
 
     fn from_shards(
         dir: &Path,
-        opened: Vec<(PathBuf, Arc<Buffer>, Vec<(String, TensorInfo)>)>,
+        opened: Vec<(PathBuf, Arc<Buffer>, TensorInfos)>,
     ) -> Result<Checkpoint, CheckpointError> {
         let mut shards: Vec<Shard> = Vec::new();
         let mut tensors = HashMap::new();
@@ -246,7 +249,7 @@ fn shard_files(index_path: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
 }
 
 /// Maps a safetensors file and validates its header against the file's size.
-pub fn open_safetensors(path: &Path) -> Result<(Arc<Buffer>, Vec<(String, TensorInfo)>), CheckpointError> {
+pub fn open_safetensors(path: &Path) -> Result<(Arc<Buffer>, TensorInfos), CheckpointError> {
     let file = File::open(path).map_err(|e| file_err(path, e.to_string()))?;
     // SAFETY: the file is opened read-only; lily never writes to a checkpoint it has mapped.
     let map = unsafe { Mmap::map(&file) }.map_err(|e| file_err(path, format!("cannot map: {e}")))?;
@@ -332,7 +335,7 @@ mod tests {
         fn random_json_headers_never_panic(header in "\\{[\"a-z0-9_:,\\[\\]{} .-]{0,120}\\}", tail in 0usize..64) {
             let mut buf = (header.len() as u64).to_le_bytes().to_vec();
             buf.extend_from_slice(header.as_bytes());
-            buf.extend(std::iter::repeat(7u8).take(tail));
+            buf.extend(std::iter::repeat_n(7u8, tail));
             let _ = parse_header(&buf);
         }
     }

@@ -247,7 +247,7 @@ impl Config {
     /// Refuses dimensions the kernels cannot take.
     fn validate(&self) -> Result<(), ConfigError> {
         let multiple = |name: &str, value: usize, of: usize| {
-            if value % of == 0 {
+            if value.is_multiple_of(of) {
                 Ok(())
             } else {
                 Err(field_err(name, format!("{value} is not a multiple of {of}")))
@@ -290,7 +290,7 @@ impl Config {
             return Err(field_err("linear_conv_kernel_dim", "must be at least 2"));
         }
         let rotary = self.rotary_dim();
-        if rotary == 0 || rotary % 2 != 0 || rotary > self.head_dim {
+        if rotary == 0 || !rotary.is_multiple_of(2) || rotary > self.head_dim {
             return Err(field_err(
                 "partial_rotary_factor",
                 format!(

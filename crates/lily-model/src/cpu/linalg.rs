@@ -36,7 +36,7 @@ unsafe fn qmatmul_avx2(w: QView, x: &[f32], out: &mut [f32]) {
 #[inline(always)]
 fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
-    assert!(cols <= MAX_COLS && x.len() % cols == 0);
+    assert!(cols <= MAX_COLS && x.len().is_multiple_of(cols));
     let tokens = x.len() / cols;
     assert_eq!(out.len(), tokens * rows);
     let groups = cols / GROUP_SIZE;
@@ -53,6 +53,8 @@ fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
     const BLOCK: usize = 8;
     let out_ptr = SharedOut(out.as_mut_ptr());
     (0..rows.div_ceil(BLOCK)).into_par_iter().for_each(|block| {
+        // Rebinding moves the whole wrapper (which is Send) into the closure rather than its raw pointer field.
+        #[allow(clippy::redundant_locals)]
         let out_ptr = out_ptr;
         let mut row = vec![0.0f32; cols];
         for r in block * BLOCK..((block + 1) * BLOCK).min(rows) {
