@@ -215,7 +215,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                 backend
                     .model
                     .gpu
-                    .upload(backend.model.state.tokens.at(depth * 4), &ids)?;
+                    .upload(backend.model.state.tokens.at(depth).cast::<u32>(), &ids)?;
                 let mut profile = crate::launch::Profile::default();
                 backend.model.enqueue_prefill(depth, count, Some(&mut profile))?;
                 profile.collect()?;

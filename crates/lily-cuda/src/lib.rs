@@ -1,6 +1,6 @@
 //! lily's CUDA backend: the decode step and the prefill of Qwen3.5/3.6-35B-A3B on one NVIDIA GPU.
 //!
-//! [`model`] holds the whole decode step in order and [`prefill`] the whole pass over a prompt chunk; [`kernels`] compiles the `.cu` files; [`weights`] puts the 4-bit
+//! [`model`] holds the whole decode step in order and [`prefill`] the whole pass over a prompt chunk; [`kernels`] compiles the `.cu` files and holds one typed launcher per kernel, beside its family; [`weights`] puts the 4-bit
 //! weights on the GPU (from a checkpoint, or generated in place); [`selftest`] checks every kernel and the whole
 //! model against the CPU backend; [`bench`] measures decode speed llama-bench's way.
 

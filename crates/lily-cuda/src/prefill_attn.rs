@@ -10,9 +10,9 @@ use lily_model::cpu::linalg::{rmsnorm, sigmoid};
 use lily_model::rng::Rng;
 use lily_model::Config;
 
-use crate::driver::{Args, DevBuf, Gpu, GpuError, Result};
-use crate::kernels::Kernels;
-use crate::launch::Launcher;
+use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Result};
+use crate::kernels::{attention_prefill, Kernels};
+use crate::launch::{Dims, Launcher};
 use crate::selftest::{normals, rel_err, Report};
 use crate::weights::{GpuAttention, GpuMatrix};
 
@@ -61,11 +61,11 @@ pub struct AttnScratch {
     max_tokens: usize,
     sm_count: usize,
     /// bf16 `[token][heads][head_dim]`: normed, rotated queries times 1/sqrt(head_dim).
-    q: DevBuf,
+    q: DevBuf<bf16>,
     /// f32 `[split][token][heads][head_dim]`: a key chunk's unnormalised output.
-    part_o: DevBuf,
+    part_o: DevBuf<f32>,
     /// f32 `[split][token][heads][2]`: a key chunk's row max (log2 units) and sum of exponentials.
-    part_ml: DevBuf,
+    part_ml: DevBuf<f32>,
 }
 
 impl AttnScratch {
@@ -82,9 +82,9 @@ impl AttnScratch {
         Ok(AttnScratch {
             max_tokens,
             sm_count: gpu.sm_count,
-            q: gpu.alloc(max_tokens * c.q_dim() * 2)?,
-            part_o: gpu.alloc(part_rows * c.q_dim() * 4)?,
-            part_ml: gpu.alloc(part_rows * c.num_attention_heads * 2 * 4)?,
+            q: gpu.alloc(max_tokens * c.q_dim())?,
+            part_o: gpu.alloc(part_rows * c.q_dim())?,
+            part_ml: gpu.alloc(part_rows * c.num_attention_heads * 2)?,
         })
     }
 
@@ -99,12 +99,12 @@ impl AttnScratch {
         config: &Config,
         t: usize,
         start: usize,
-        proj: u64,
+        proj: DevPtr<f32>,
         weights: &GpuAttention,
-        inv_freq: u64,
-        k_cache: u64,
-        v_cache: u64,
-        out: u64,
+        inv_freq: DevPtr<f32>,
+        k_cache: DevPtr<bf16>,
+        v_cache: DevPtr<bf16>,
+        out: DevPtr<bf16>,
     ) -> Result<()> {
         let c = config;
         if t == 0 || t > self.max_tokens || start + t > c.max_position_embeddings {
@@ -115,56 +115,49 @@ impl AttnScratch {
         }
         let (heads, kv_heads, head_dim) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let warps_per_block = ROW_THREADS as usize / 32;
-        l.launch(
-            "attn_prefill_prep",
-            ((t * (heads + kv_heads)).div_ceil(warps_per_block) as u32, 1, 1),
-            ROW_THREADS,
-            0,
-            Args::new()
-                .ptr(proj)
-                .ptr(weights.q_norm.ptr)
-                .ptr(weights.k_norm.ptr)
-                .ptr(inv_freq)
-                .i32(t as i32)
-                .i32(start as i32)
-                .ptr(self.q.ptr)
-                .ptr(k_cache)
-                .ptr(v_cache),
+        let (t32, start32) = (t as i32, start as i32);
+        attention_prefill::attn_prefill_prep(
+            l,
+            Dims::linear((t * (heads + kv_heads)).div_ceil(warps_per_block) as u32, ROW_THREADS),
+            proj,
+            weights.q_norm.ptr(),
+            weights.k_norm.ptr(),
+            inv_freq,
+            t32,
+            start32,
+            self.q.ptr(),
+            k_cache,
+            v_cache,
         )?;
         let split = key_split(t, start, kv_heads, self.sm_count);
         let group = heads / kv_heads;
         let shared = (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2;
-        l.launch(
-            "attn_prefill",
-            ((t.div_ceil(QUERY_TILE) * kv_heads) as u32, split.splits as u32, 1),
-            (group * 32) as u32,
-            shared as u32,
-            Args::new()
-                .ptr(self.q.ptr)
-                .ptr(k_cache)
-                .ptr(v_cache)
-                .ptr(proj)
-                .i32(t as i32)
-                .i32(start as i32)
-                .i32(split.chunk as i32)
-                .ptr(out)
-                .ptr(self.part_o.ptr)
-                .ptr(self.part_ml.ptr),
+        let grid = ((t.div_ceil(QUERY_TILE) * kv_heads) as u32, split.splits as u32, 1);
+        attention_prefill::attn_prefill(
+            l,
+            Dims::new(grid, (group * 32) as u32).shared(shared as u32),
+            self.q.ptr(),
+            k_cache,
+            v_cache,
+            proj,
+            t32,
+            start32,
+            split.chunk as i32,
+            out,
+            self.part_o.ptr(),
+            self.part_ml.ptr(),
         )?;
         if split.splits > 1 {
-            l.launch(
-                "attn_prefill_merge",
-                ((t * heads).div_ceil(warps_per_block) as u32, 1, 1),
-                ROW_THREADS,
-                0,
-                Args::new()
-                    .ptr(self.part_o.ptr)
-                    .ptr(self.part_ml.ptr)
-                    .ptr(proj)
-                    .i32(t as i32)
-                    .i32(start as i32)
-                    .i32(split.chunk as i32)
-                    .ptr(out),
+            attention_prefill::attn_prefill_merge(
+                l,
+                Dims::linear((t * heads).div_ceil(warps_per_block) as u32, ROW_THREADS),
+                self.part_o.ptr(),
+                self.part_ml.ptr(),
+                proj,
+                t32,
+                start32,
+                split.chunk as i32,
+                out,
             )?;
         }
         Ok(())
@@ -206,24 +199,18 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     };
     let weights = GpuAttention {
         qkv: no_matrix()?,
-        q_norm: gpu.alloc(hd * 4)?,
-        k_norm: gpu.alloc(hd * 4)?,
+        q_norm: gpu.alloc(hd)?,
+        k_norm: gpu.alloc(hd)?,
         o_proj: no_matrix()?,
     };
-    gpu.upload(weights.q_norm.ptr, &q_norm)?;
-    gpu.upload(weights.k_norm.ptr, &k_norm)?;
-    let inv_freq_buf = gpu.alloc(inv_freq.len() * 4)?;
-    gpu.upload(inv_freq_buf.ptr, &inv_freq)?;
-    let proj_buf = gpu.alloc(max_tokens * row * 4)?;
-    let k_cache = gpu.alloc(max_len * kv_dim * 2)?;
-    let v_cache = gpu.alloc(max_len * kv_dim * 2)?;
-    let out_buf = gpu.alloc(max_tokens * q_dim * 2)?;
-    let mut launcher = Launcher {
-        gpu,
-        kernels,
-        profile: None,
-        dependent: false,
-    };
+    gpu.upload(weights.q_norm.ptr(), &q_norm)?;
+    gpu.upload(weights.k_norm.ptr(), &k_norm)?;
+    let inv_freq_buf = gpu.upload_new(&inv_freq)?;
+    let proj_buf = gpu.alloc(max_tokens * row)?;
+    let k_cache = gpu.alloc(max_len * kv_dim)?;
+    let v_cache = gpu.alloc(max_len * kv_dim)?;
+    let out_buf = gpu.alloc(max_tokens * q_dim)?;
+    let mut launcher = Launcher::new(gpu, kernels);
 
     for (t, start) in cases {
         let len = start + t;
@@ -235,32 +222,32 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             v
         };
         let (k_in, v_in) = (cache_in(&mut rng), cache_in(&mut rng));
-        gpu.upload(proj_buf.ptr, &proj)?;
-        gpu.upload(k_cache.ptr, &k_in)?;
-        gpu.upload(v_cache.ptr, &v_in)?;
-        gpu.upload(out_buf.ptr, &vec![nan; t * q_dim])?;
-        gpu.upload(scratch.q.ptr, &vec![nan; t * q_dim])?;
+        gpu.upload(proj_buf.ptr(), &proj)?;
+        gpu.upload(k_cache.ptr(), &k_in)?;
+        gpu.upload(v_cache.ptr(), &v_in)?;
+        gpu.upload(out_buf.ptr(), &vec![nan; t * q_dim])?;
+        gpu.upload(scratch.q.ptr(), &vec![nan; t * q_dim])?;
         scratch.run(
             &mut launcher,
             c,
             t,
             start,
-            proj_buf.ptr,
+            proj_buf.ptr(),
             &weights,
-            inv_freq_buf.ptr,
-            k_cache.ptr,
-            v_cache.ptr,
-            out_buf.ptr,
+            inv_freq_buf.ptr(),
+            k_cache.ptr(),
+            v_cache.ptr(),
+            out_buf.ptr(),
         )?;
         gpu.sync()?;
         let mut q_gpu = vec![bf16::ZERO; t * q_dim];
         let mut k_gpu = vec![bf16::ZERO; len * kv_dim];
         let mut v_gpu = vec![bf16::ZERO; len * kv_dim];
         let mut out_gpu = vec![bf16::ZERO; t * q_dim];
-        gpu.download(scratch.q.ptr, &mut q_gpu)?;
-        gpu.download(k_cache.ptr, &mut k_gpu)?;
-        gpu.download(v_cache.ptr, &mut v_gpu)?;
-        gpu.download(out_buf.ptr, &mut out_gpu)?;
+        gpu.download(scratch.q.ptr(), &mut q_gpu)?;
+        gpu.download(k_cache.ptr(), &mut k_gpu)?;
+        gpu.download(v_cache.ptr(), &mut v_gpu)?;
+        gpu.download(out_buf.ptr(), &mut out_gpu)?;
         let (k_gpu, v_gpu) = (bf16_to_f32(&k_gpu), bf16_to_f32(&v_gpu));
 
         // CPU twin of the prep: queries (unscaled: `attend` scales), and the whole cache as it should be after.

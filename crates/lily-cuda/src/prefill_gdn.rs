@@ -9,9 +9,9 @@ use lily_model::rng::Rng;
 use lily_model::Config;
 use rayon::prelude::*;
 
-use crate::driver::{Args, DevBuf, Gpu, Result};
-use crate::kernels::Kernels;
-use crate::launch::Launcher;
+use crate::driver::{DevBuf, DevPtr, Gpu, Result};
+use crate::kernels::{deltanet_prefill as gdn_prefill, Kernels};
+use crate::launch::{Dims, Launcher};
 use crate::selftest::{download_f32, normals, poison, rel_err, Report};
 use crate::weights::{GpuDeltaNet, GpuMatrix};
 
@@ -28,16 +28,16 @@ fn proj_dim(c: &Config) -> usize {
 pub struct GdnScratch {
     max_tokens: usize,
     /// f32 `[key heads][tokens][head dim]`: l2-normed q (times 1/sqrt(dim)) and k.
-    q: DevBuf,
-    k: DevBuf,
+    q: DevBuf<f32>,
+    k: DevBuf<f32>,
     /// f32 `[value heads][tokens][head dim]`: v after the conv, overwritten by the state pass with the output o.
-    v_o: DevBuf,
+    v_o: DevBuf<f32>,
     /// f32 `[value heads][tokens]`: the cumulative log decay within each chunk, and beta.
-    decay: DevBuf,
-    beta: DevBuf,
+    decay: DevBuf<f32>,
+    beta: DevBuf<f32>,
     /// f32 `[value heads][chunks][64][64]`: (I + A)^-1 and the intra-chunk attention of each chunk.
-    inverse: DevBuf,
-    attn: DevBuf,
+    inverse: DevBuf<f32>,
+    attn: DevBuf<f32>,
 }
 
 impl GdnScratch {
@@ -47,13 +47,13 @@ impl GdnScratch {
         let dim = config.linear_key_head_dim;
         Ok(GdnScratch {
             max_tokens,
-            q: gpu.alloc(key_heads * padded * dim * 4)?,
-            k: gpu.alloc(key_heads * padded * dim * 4)?,
-            v_o: gpu.alloc(value_heads * padded * dim * 4)?,
-            decay: gpu.alloc(value_heads * padded * 4)?,
-            beta: gpu.alloc(value_heads * padded * 4)?,
-            inverse: gpu.alloc(value_heads * padded * CHUNK * 4)?,
-            attn: gpu.alloc(value_heads * padded * CHUNK * 4)?,
+            q: gpu.alloc(key_heads * padded * dim)?,
+            k: gpu.alloc(key_heads * padded * dim)?,
+            v_o: gpu.alloc(value_heads * padded * dim)?,
+            decay: gpu.alloc(value_heads * padded)?,
+            beta: gpu.alloc(value_heads * padded)?,
+            inverse: gpu.alloc(value_heads * padded * CHUNK)?,
+            attn: gpu.alloc(value_heads * padded * CHUNK)?,
         })
     }
 
@@ -68,11 +68,11 @@ impl GdnScratch {
         config: &Config,
         t: usize,
         start: usize,
-        proj: u64,
-        ring: u64,
-        state: u64,
+        proj: DevPtr<f32>,
+        ring: DevPtr<f32>,
+        state: DevPtr<f32>,
         weights: &GpuDeltaNet,
-        out: u64,
+        out: DevPtr<bf16>,
     ) -> Result<()> {
         assert!(
             t >= 1 && t <= self.max_tokens,
@@ -84,56 +84,51 @@ impl GdnScratch {
         let chunks_shared = l.kernels.constant("gdn_chunks_shared_bytes") as u32;
         let state_shared = l.kernels.constant("gdn_state_shared_bytes") as u32;
         let split = l.kernels.constant("gdn_state_split") as u32;
-        l.launch(
-            "gdn_prefill_chunks",
-            (t.div_ceil(CHUNK) as u32, config.linear_num_key_heads as u32, 1),
-            THREADS,
-            chunks_shared,
-            Args::new()
-                .ptr(proj)
-                .i32(t32)
-                .i32(start32)
-                .ptr(ring)
-                .ptr(weights.conv_w.ptr)
-                .ptr(weights.a_log.ptr)
-                .ptr(weights.dt_bias.ptr)
-                .ptr(self.q.ptr)
-                .ptr(self.k.ptr)
-                .ptr(self.v_o.ptr)
-                .ptr(self.decay.ptr)
-                .ptr(self.beta.ptr)
-                .ptr(self.inverse.ptr)
-                .ptr(self.attn.ptr),
+        gdn_prefill::gdn_prefill_chunks(
+            l,
+            Dims::new(
+                (t.div_ceil(CHUNK) as u32, config.linear_num_key_heads as u32, 1),
+                THREADS,
+            )
+            .shared(chunks_shared),
+            proj,
+            t32,
+            start32,
+            ring,
+            weights.conv_w.ptr(),
+            weights.a_log.ptr(),
+            weights.dt_bias.ptr(),
+            self.q.ptr(),
+            self.k.ptr(),
+            self.v_o.ptr(),
+            self.decay.ptr(),
+            self.beta.ptr(),
+            self.inverse.ptr(),
+            self.attn.ptr(),
         )?;
-        l.launch(
-            "gdn_prefill_state",
-            (value_heads as u32, split, 1),
-            THREADS,
-            state_shared,
-            Args::new()
-                .ptr(self.q.ptr)
-                .ptr(self.k.ptr)
-                .ptr(self.v_o.ptr)
-                .ptr(self.decay.ptr)
-                .ptr(self.beta.ptr)
-                .ptr(self.inverse.ptr)
-                .ptr(self.attn.ptr)
-                .i32(t32)
-                .ptr(state),
+        gdn_prefill::gdn_prefill_state(
+            l,
+            Dims::new((value_heads as u32, split, 1), THREADS).shared(state_shared),
+            self.q.ptr(),
+            self.k.ptr(),
+            self.v_o.ptr(),
+            self.decay.ptr(),
+            self.beta.ptr(),
+            self.inverse.ptr(),
+            self.attn.ptr(),
+            t32,
+            state,
         )?;
-        l.launch(
-            "gdn_prefill_norm",
-            ((t * value_heads).div_ceil(WARPS_PER_BLOCK) as u32, 1, 1),
-            THREADS,
-            0,
-            Args::new()
-                .ptr(self.v_o.ptr)
-                .ptr(proj)
-                .ptr(weights.norm.ptr)
-                .i32(t32)
-                .i32(start32)
-                .ptr(ring)
-                .ptr(out),
+        gdn_prefill::gdn_prefill_norm(
+            l,
+            Dims::linear((t * value_heads).div_ceil(WARPS_PER_BLOCK) as u32, THREADS),
+            self.v_o.ptr(),
+            proj,
+            weights.norm.ptr(),
+            t32,
+            start32,
+            ring,
+            out,
         )
     }
 }
@@ -227,12 +222,6 @@ fn cpu_mixer(c: &Config, w: &CpuWeights, proj: &[f32], start: usize, ring: &[f32
     MixerResult { out, state, ring }
 }
 
-fn upload(gpu: &Gpu, data: &[f32]) -> Result<DevBuf> {
-    let buf = gpu.alloc(data.len() * 4)?;
-    gpu.upload(buf.ptr, data)?;
-    Ok(buf)
-}
-
 /// Checks the prefill mixer against its CPU twin (f32) on random weights and inputs: calls of 1, 37, 64, 200 and
 /// 700 tokens from position 0 (zeroed ring and state) and from a random position that is not a multiple of 64
 /// (random ring, state ~0.05), then 100 + 90 tokens in two calls against 190 in one. Then times a 4096-token call.
@@ -274,32 +263,27 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     };
     let weights = GpuDeltaNet {
         in_proj: unused()?,
-        conv_w: upload(gpu, &w.conv_w)?,
-        a_log: upload(gpu, &w.a_log)?,
-        dt_bias: upload(gpu, &w.dt_bias)?,
-        norm: upload(gpu, &w.norm)?,
+        conv_w: gpu.upload_new(&w.conv_w)?,
+        a_log: gpu.upload_new(&w.a_log)?,
+        dt_bias: gpu.upload_new(&w.dt_bias)?,
+        norm: gpu.upload_new(&w.norm)?,
         out_proj: unused()?,
     };
-    let mut launcher = Launcher {
-        gpu,
-        kernels,
-        profile: None,
-        dependent: false,
-    };
+    let mut launcher = Launcher::new(gpu, kernels);
     let max_tokens = 700;
     let scratch = GdnScratch::new(gpu, c, max_tokens)?;
-    let proj_buf = gpu.alloc(max_tokens * p * 4)?;
-    let ring_buf = gpu.alloc(taps * conv_dim * 4)?;
-    let state_buf = gpu.alloc(nv * dk * dv * 4)?;
-    let out_buf = gpu.alloc(max_tokens * value_dim * 2)?;
+    let proj_buf = gpu.alloc(max_tokens * p)?;
+    let ring_buf = gpu.alloc(taps * conv_dim)?;
+    let state_buf = gpu.alloc(nv * dk * dv)?;
+    let out_buf = gpu.alloc::<bf16>(max_tokens * value_dim)?;
     // Uploads the inputs, runs `calls` (token counts) one after another, returns what the GPU left.
     let mut run_gpu =
         |proj: &[f32], start: usize, ring: &[f32], state: &[f32], calls: &[usize]| -> Result<MixerResult> {
             let t: usize = calls.iter().sum();
-            gpu.upload(proj_buf.ptr, proj)?;
-            gpu.upload(ring_buf.ptr, ring)?;
-            gpu.upload(state_buf.ptr, state)?;
-            gpu.memset_u32(out_buf.ptr, 0x7fc0_7fc0, out_buf.bytes / 4)?;
+            gpu.upload(proj_buf.ptr(), proj)?;
+            gpu.upload(ring_buf.ptr(), ring)?;
+            gpu.upload(state_buf.ptr(), state)?;
+            gpu.memset_u32(out_buf.ptr(), 0x7fc0_7fc0, out_buf.bytes() / 4)?;
             let s = &scratch;
             for buf in [&s.q, &s.k, &s.v_o, &s.decay, &s.beta, &s.inverse, &s.attn] {
                 poison(gpu, buf)?;
@@ -311,17 +295,17 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                     c,
                     n,
                     start + done,
-                    proj_buf.at(done * p * 4),
-                    ring_buf.ptr,
-                    state_buf.ptr,
+                    proj_buf.at(done * p),
+                    ring_buf.ptr(),
+                    state_buf.ptr(),
                     &weights,
-                    out_buf.at(done * value_dim * 2),
+                    out_buf.at(done * value_dim),
                 )?;
                 done += n;
             }
             gpu.sync()?;
             let mut out = vec![bf16::ZERO; t * value_dim];
-            gpu.download(out_buf.ptr, &mut out)?;
+            gpu.download(out_buf.ptr(), &mut out)?;
             Ok(MixerResult {
                 out: out.iter().map(|v| v.to_f32()).collect(),
                 state: download_f32(gpu, &state_buf, nv * dk * dv)?,
@@ -406,19 +390,19 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     {
         let t = 4096;
         let scratch = GdnScratch::new(gpu, c, t)?;
-        let proj = gpu.alloc_zeroed(t * p * 4)?;
-        let out = gpu.alloc(t * value_dim * 2)?;
+        let proj = gpu.alloc_zeroed(t * p)?;
+        let out = gpu.alloc(t * value_dim)?;
         let mut call = || {
             scratch.run(
                 &mut launcher,
                 c,
                 t,
                 0,
-                proj.ptr,
-                ring_buf.ptr,
-                state_buf.ptr,
+                proj.ptr(),
+                ring_buf.ptr(),
+                state_buf.ptr(),
                 &weights,
-                out.ptr,
+                out.ptr(),
             )
         };
         call()?;

@@ -20,6 +20,7 @@ use lily_model::cpu::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu,
 use lily_model::cpu::moe::{moe_forward, route};
 use lily_model::cpu::CpuModel;
 use lily_model::rng::Rng;
+use lily_model::sampling::SamplingParams;
 use lily_model::weights::{Mixer, Weights};
 use lily_model::{synth, Config};
 
@@ -70,14 +71,15 @@ pub(crate) fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.normal() * scale).collect()
 }
 
-pub(crate) fn download_f32(gpu: &Gpu, buf: &DevBuf, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn download_f32(gpu: &Gpu, buf: &DevBuf<f32>, n: usize) -> Result<Vec<f32>> {
     let mut out = vec![0.0f32; n];
-    gpu.download(buf.ptr, &mut out)?;
+    gpu.download(buf.ptr(), &mut out)?;
     Ok(out)
 }
 
-pub(crate) fn poison(gpu: &Gpu, buf: &DevBuf) -> Result<()> {
-    gpu.memset_u32(buf.ptr, NAN_BITS, buf.bytes / 4)
+/// Fills `buf` with f32 NaN bit patterns (two bf16 values: zero and NaN), so values a kernel fails to write show.
+pub(crate) fn poison<T>(gpu: &Gpu, buf: &DevBuf<T>) -> Result<()> {
+    gpu.memset_u32(buf.ptr(), NAN_BITS, buf.bytes() / 4)
 }
 
 fn run(model: &CudaModel, op: Op) -> Result<()> {
@@ -182,7 +184,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
         gpu.clear()?;
         gpu.model
             .gpu
-            .upload(gpu.model.state.tokens.ptr, &prompt.map(|t| t as i32))?;
+            .upload(gpu.model.state.tokens.ptr(), &prompt.map(|t| t as i32))?;
         gpu.run_steps(prompt.len())?;
         report.check(
             "full shape, 40 layers: prompt of 2 by decode steps vs CPU",
@@ -509,6 +511,42 @@ fn compare_models(
     Ok(())
 }
 
+/// The load-time check of launchers against the compiled kernels: every launcher's layout matches what the driver
+/// reports (loading succeeded, so it does), and the same check refuses `route_rows` with one argument dropped,
+/// naming the kernel.
+fn launcher_checks(gpu: &Gpu, kernels: &crate::kernels::Kernels, report: &mut Report) -> Result<()> {
+    use crate::kernels::{Signature, FILES};
+    println!("-- launchers against the compiled kernels --");
+    let mut all = true;
+    for sig in FILES.iter().flat_map(|f| f.kernels) {
+        all &= sig.check_layout(&kernels.layout(gpu, sig.name)?).is_ok();
+    }
+    report.check_eq("every launcher's parameters == its compiled kernel's", all, "");
+    let sig = crate::kernels::prefill::KERNELS
+        .iter()
+        .find(|s| s.name == "route_rows")
+        .expect("route_rows has a launcher");
+    let dropped: Vec<_> = sig
+        .params
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 2)
+        .map(|(_, p)| *p)
+        .collect();
+    let wrong = Signature {
+        name: sig.name,
+        params: &dropped,
+    };
+    let refused = wrong.check_layout(&kernels.layout(gpu, sig.name)?);
+    let named = matches!(&refused, Err(e) if e.starts_with("kernel route_rows:"));
+    report.check_eq(
+        "a launcher with one argument dropped is refused, naming the kernel",
+        named,
+        &format!("{refused:?}"),
+    );
+    Ok(())
+}
+
 fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report) -> Result<()> {
     let c = &model.config;
     let g = &model.gpu;
@@ -525,6 +563,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         .iter()
         .position(|k| *k == LayerKind::Full)
         .expect("an attention layer");
+    launcher_checks(&model.gpu, &model.kernels, report)?;
     println!("-- kernels against their CPU twins (hidden {h}, seed {seed}) --");
     println!("   prefill:");
     crate::gemm::check(g, &model.kernels, c, seed, report)?;
@@ -544,9 +583,9 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         ] {
             let v = cm.view();
             let mut packed = vec![0u32; v.packed.len()];
-            g.download(gm.packed.ptr, &mut packed)?;
+            g.download(gm.packed.ptr(), &mut packed)?;
             let mut pairs = vec![0u32; v.scales.len()];
-            g.download(gm.scale_bias.ptr, &mut pairs)?;
+            g.download(gm.scale_bias.ptr(), &mut pairs)?;
             equal &= packed == v.packed;
             equal &= pairs
                 .iter()
@@ -564,8 +603,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     {
         let position = (rng.next_u64() % 1000) as i32;
         let token = (rng.next_u64() % c.vocab_size as u64) as i32;
-        g.upload(s.position.ptr, &[position])?;
-        g.upload(s.tokens.at(position as usize * 4), &[token])?;
+        g.upload(s.position.ptr(), &[position])?;
+        g.upload(s.tokens.at(position as usize), &[token])?;
         poison(g, &s.hidden)?;
         run(model, Op::Embed)?;
         let mut expected = vec![0.0; h];
@@ -576,7 +615,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     // Input projections with the RMSNorm, both mixers.
     for l in [first_linear, first_full] {
         let hidden = normals(&mut rng, h, 1.0);
-        g.upload(s.hidden.ptr, &hidden)?;
+        g.upload(s.hidden.ptr(), &hidden)?;
         poison(g, &s.proj)?;
         run(model, Op::MixerInProj(l))?;
         let layer = &w.layers[l];
@@ -621,10 +660,10 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let proj = normals(&mut rng, conv_dim + nv * dv + 2 * nv, 1.0);
         let ring = normals(&mut rng, taps * conv_dim, 1.0);
         let state = normals(&mut rng, nv * dk * dv, 0.05);
-        g.upload(s.position.ptr, &[position as i32])?;
-        g.upload(s.proj.ptr, &proj)?;
-        g.upload(s.conv_ring[slot].ptr, &ring)?;
-        g.upload(s.recurrent[slot].ptr, &state)?;
+        g.upload(s.position.ptr(), &[position as i32])?;
+        g.upload(s.proj.ptr(), &proj)?;
+        g.upload(s.conv_ring[slot].ptr(), &ring)?;
+        g.upload(s.recurrent[slot].ptr(), &state)?;
         poison(g, &s.core)?;
         run(model, Op::GdnStep(l))?;
         // CPU twin: the conv state oldest first, from the ring.
@@ -680,8 +719,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         // Output projection with the gated norm and the residual.
         let core = normals(&mut rng, nv * dv, 1.0);
         let hidden = normals(&mut rng, h, 1.0);
-        g.upload(s.core.ptr, &core)?;
-        g.upload(s.hidden.ptr, &hidden)?;
+        g.upload(s.core.ptr(), &core)?;
+        g.upload(s.hidden.ptr(), &hidden)?;
         run(model, Op::GdnOutProj(l))?;
         let mut normed = core.clone();
         rmsnorm_in_place(&mut normed, &d.norm, c.rms_norm_eps);
@@ -711,10 +750,10 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let cache: Vec<bf16> = (0..2 * position * kv_dim)
             .map(|_| bf16::from_f32(rng.normal()))
             .collect();
-        g.upload(s.k_cache[0].ptr, &cache[..position * kv_dim])?;
-        g.upload(s.v_cache[0].ptr, &cache[position * kv_dim..])?;
-        g.upload(s.position.ptr, &[position as i32])?;
-        g.upload(s.proj.ptr, &proj)?;
+        g.upload(s.k_cache[0].ptr(), &cache[..position * kv_dim])?;
+        g.upload(s.v_cache[0].ptr(), &cache[position * kv_dim..])?;
+        g.upload(s.position.ptr(), &[position as i32])?;
+        g.upload(s.proj.ptr(), &proj)?;
         poison(g, &s.core)?;
         poison(g, &s.q)?;
         run(model, Op::AttnPrep(l))?;
@@ -735,8 +774,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let to_f32 = |v: Vec<bf16>| v.into_iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
         let mut k_all = vec![bf16::ZERO; (position + 1) * kv_dim];
         let mut v_all = vec![bf16::ZERO; (position + 1) * kv_dim];
-        g.download(s.k_cache[0].ptr, &mut k_all)?;
-        g.download(s.v_cache[0].ptr, &mut v_all)?;
+        g.download(s.k_cache[0].ptr(), &mut k_all)?;
+        g.download(s.v_cache[0].ptr(), &mut v_all)?;
         let (k_all, v_all) = (to_f32(k_all), to_f32(v_all));
         report.check(
             "attn_prep: new key (k_norm, RoPE) in the bf16 cache",
@@ -767,8 +806,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
 
         let attn = normals(&mut rng, q_dim, 1.0);
         let hidden = normals(&mut rng, h, 1.0);
-        g.upload(s.core.ptr, &attn)?;
-        g.upload(s.hidden.ptr, &hidden)?;
+        g.upload(s.core.ptr(), &attn)?;
+        g.upload(s.hidden.ptr(), &hidden)?;
         run(model, Op::AttnOutProj(l))?;
         let mut out = vec![0.0; h];
         qmatmul(a.o_proj.view(), &attn, &mut out);
@@ -787,7 +826,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let moe = &w.layers[l].moe;
         let e = c.num_experts;
         let hidden = normals(&mut rng, h, 1.0);
-        g.upload(s.hidden.ptr, &hidden)?;
+        g.upload(s.hidden.ptr(), &hidden)?;
         poison(g, &s.router_logits)?;
         poison(g, &s.act)?;
         run(model, Op::ExpertsGateUp(l))?;
@@ -806,7 +845,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let (mut ids, mut weights) = (vec![0usize; c.num_experts_per_tok], vec![0.0f32; c.num_experts_per_tok]);
         route(&gpu_logits[..e], c.num_experts_per_tok, &mut ids, &mut weights);
         let mut gpu_ids = vec![0i32; c.num_experts_per_tok];
-        g.download(s.route_ids.ptr, &mut gpu_ids)?;
+        g.download(s.route_ids.ptr(), &mut gpu_ids)?;
         report.check_eq(
             "routing: top-k experts (softmax, top-k, renormalise)",
             gpu_ids.iter().map(|&i| i as usize).eq(ids.iter().copied()),
@@ -825,7 +864,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     // lm_head with the fused greedy choice, then the sampler.
     {
         let hidden = normals(&mut rng, h, 1.0);
-        g.upload(s.hidden.ptr, &hidden)?;
+        g.upload(s.hidden.ptr(), &hidden)?;
         poison(g, &s.logits)?;
         run(model, Op::LmHead)?;
         let mut x = vec![0.0; h];
@@ -852,16 +891,14 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         ] {
             let mut inside = true;
             for counter in 1..=64u64 {
-                let mut args = crate::driver::Args::new()
-                    .ptr(s.logits.ptr)
-                    .f32(temperature)
-                    .i32(top_k as i32)
-                    .f32(top_p)
-                    .f32(min_p)
-                    .u64(seed)
-                    .u64(counter)
-                    .ptr(s.next_token.ptr);
-                g.launch(model.kernels.get("sample"), (1, 1, 1), 1024, &mut args)?;
+                let params = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    seed,
+                };
+                model.enqueue_sample(&params, counter)?;
                 g.sync()?;
                 let token = s.next_token.read();
                 inside &= order[..allowed].contains(&(token as u32));
@@ -889,7 +926,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
                     *v *= outlier;
                 }
             }
-            g.upload(s.hidden.ptr, &hidden)?;
+            g.upload(s.hidden.ptr(), &hidden)?;
             poison(g, &s.logits)?;
             run(model, Op::LmHead)?;
             rmsnorm(&hidden, &w.final_norm, c.rms_norm_eps, &mut x);
