@@ -3,41 +3,37 @@
 //! norm), their scratch, and their check against the CPU twin.
 
 use half::bf16;
-use lily_model::cpu::deltanet::{chunked, conv_sequence, l2norm, CHUNK};
-use lily_model::cpu::linalg::{rmsnorm_in_place, sigmoid, silu, softplus};
-use lily_model::rng::Rng;
+use lily_model::cpu::deltanet::CHUNK;
 use lily_model::Config;
-use rayon::prelude::*;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
-use crate::kernels::{deltanet_prefill as gdn_prefill, Kernels};
+use crate::kernels::deltanet_prefill as gdn_prefill;
 use crate::launch::{Dims, Launcher};
-use crate::selftest::{download_f32, normals, poison, rel_err, Report};
-use crate::weights::{GpuDeltaNet, GpuMatrix};
+use crate::weights::GpuDeltaNet;
 
 const THREADS: u32 = 256;
 const WARPS_PER_BLOCK: usize = THREADS as usize / 32;
 
 /// Columns of a proj row: q k v (the conv channels), z, b, a.
-fn proj_dim(c: &Config) -> usize {
+pub(crate) fn proj_dim(c: &Config) -> usize {
     c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads
 }
 
 /// One call's intermediate values, for up to `max_tokens` tokens (rounded up to whole chunks of 64); the layouts
 /// are in deltanet_prefill.cu's top comment.
 pub struct GdnScratch {
-    max_tokens: usize,
+    pub(crate) max_tokens: usize,
     /// f32 `[key heads][tokens][head dim]`: l2-normed q (times 1/sqrt(dim)) and k.
-    q: DevBuf<f32>,
-    k: DevBuf<f32>,
+    pub(crate) q: DevBuf<f32>,
+    pub(crate) k: DevBuf<f32>,
     /// f32 `[value heads][tokens][head dim]`: v after the conv, overwritten by the state pass with the output o.
-    v_o: DevBuf<f32>,
+    pub(crate) v_o: DevBuf<f32>,
     /// f32 `[value heads][tokens]`: the cumulative log decay within each chunk, and beta.
-    decay: DevBuf<f32>,
-    beta: DevBuf<f32>,
+    pub(crate) decay: DevBuf<f32>,
+    pub(crate) beta: DevBuf<f32>,
     /// f32 `[value heads][chunks][64][64]`: (I + A)^-1 and the intra-chunk attention of each chunk.
-    inverse: DevBuf<f32>,
-    attn: DevBuf<f32>,
+    pub(crate) inverse: DevBuf<f32>,
+    pub(crate) attn: DevBuf<f32>,
 }
 
 impl GdnScratch {
@@ -131,288 +127,4 @@ impl GdnScratch {
             out,
         )
     }
-}
-
-/// The mixer's own weights, on the CPU.
-struct CpuWeights {
-    conv_w: Vec<f32>,
-    a_log: Vec<f32>,
-    dt_bias: Vec<f32>,
-    norm: Vec<f32>,
-}
-
-/// What one call leaves: the gated-norm output `[t][linear value dim]`, the state and the conv ring.
-struct MixerResult {
-    out: Vec<f32>,
-    state: Vec<f32>,
-    ring: Vec<f32>,
-}
-
-/// The CPU twin of one call, as the CPU prefill (cpu/model.rs) computes it: conv_sequence, the l2-norms and
-/// gates, the chunked delta rule per value head, the gated RMSNorm; the ring as decode's steps would leave it.
-fn cpu_mixer(c: &Config, w: &CpuWeights, proj: &[f32], start: usize, ring: &[f32], state: &[f32]) -> MixerResult {
-    let (conv_dim, taps, key_dim) = (c.linear_conv_dim(), c.linear_conv_kernel_dim, c.linear_key_dim());
-    let (nk, nv, dk, dv) = (
-        c.linear_num_key_heads,
-        c.linear_num_value_heads,
-        c.linear_key_head_dim,
-        c.linear_value_head_dim,
-    );
-    let p = proj_dim(c);
-    let t = proj.len() / p;
-    let x: Vec<f32> = proj
-        .chunks_exact(p)
-        .flat_map(|row| row[..conv_dim].iter().copied())
-        .collect();
-    // The conv state oldest first: positions start - taps + 1 .. start - 1 from their ring slots.
-    let mut conv_state: Vec<f32> = (0..taps - 1)
-        .flat_map(|j| ring[((start + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec())
-        .collect();
-    let mut conv_out = vec![0.0; t * conv_dim];
-    conv_sequence(&x, &mut conv_state, &w.conv_w, taps, conv_dim, &mut conv_out);
-    let q_scale = 1.0 / (dk as f32).sqrt();
-    for row in conv_out.chunks_exact_mut(conv_dim) {
-        for head in row[..2 * key_dim].chunks_exact_mut(dk) {
-            l2norm(head);
-        }
-        row[..key_dim].iter_mut().for_each(|v| *v *= q_scale);
-    }
-    let mut state = state.to_vec();
-    let head_outputs: Vec<Vec<f32>> = state
-        .par_chunks_mut(dk * dv)
-        .enumerate()
-        .map(|(head, s)| {
-            let kh = head / (nv / nk);
-            let gather = |offset: usize, n: usize| -> Vec<f32> {
-                (0..t)
-                    .flat_map(|tok| conv_out[tok * conv_dim + offset..][..n].to_vec())
-                    .collect()
-            };
-            let (q, k, v) = (
-                gather(kh * dk, dk),
-                gather(key_dim + kh * dk, dk),
-                gather(2 * key_dim + head * dv, dv),
-            );
-            let gates = |tok: usize| &proj[tok * p + conv_dim + nv * dv..][..2 * nv];
-            let beta: Vec<f32> = (0..t).map(|tok| sigmoid(gates(tok)[head])).collect();
-            let g: Vec<f32> = (0..t)
-                .map(|tok| -w.a_log[head].exp() * softplus(gates(tok)[nv + head] + w.dt_bias[head]))
-                .collect();
-            let mut out = vec![0.0; t * dv];
-            chunked(&q, &k, &v, &g, &beta, s, &mut out);
-            out
-        })
-        .collect();
-    let mut out = vec![0.0; t * nv * dv];
-    for (head, o) in head_outputs.iter().enumerate() {
-        for tok in 0..t {
-            out[tok * nv * dv + head * dv..][..dv].copy_from_slice(&o[tok * dv..][..dv]);
-        }
-    }
-    rmsnorm_in_place(&mut out, &w.norm, c.rms_norm_eps);
-    for (tok, row) in out.chunks_exact_mut(nv * dv).enumerate() {
-        for (o, z) in row.iter_mut().zip(&proj[tok * p + conv_dim..][..nv * dv]) {
-            *o *= silu(*z);
-        }
-    }
-    let mut ring = ring.to_vec();
-    for tok in 0..t {
-        ring[((start + tok) % taps) * conv_dim..][..conv_dim].copy_from_slice(&proj[tok * p..][..conv_dim]);
-    }
-    MixerResult { out, state, ring }
-}
-
-/// Checks the prefill mixer against its CPU twin (f32) on random weights and inputs: calls of 1, 37, 64, 200 and
-/// 700 tokens from position 0 (zeroed ring and state) and from a random position that is not a multiple of 64
-/// (random ring, state ~0.05), then 100 + 90 tokens in two calls against 190 in one. Then times a 4096-token call.
-///
-/// Tolerances: the output is bf16 (relative rounding up to 2^-8 = 3.9e-3 of a value) and comes from tf32 products
-/// (operands rounded to 2^-11 relative): 1e-2. The state (f32, updated by tf32 products whose errors partly
-/// accumulate over the chunks): 5e-3. A CPU emulation of these kernels gave up to 3.5e-3 on the output (the bf16
-/// rounding itself) and 1.4e-3 on the state, also with strongly correlated keys. The ring holds copies: exact.
-pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, report: &mut Report) -> Result<()> {
-    const OUT_TOL: f64 = 1e-2;
-    const STATE_TOL: f64 = 5e-3;
-    let c = config;
-    let (conv_dim, taps, nv, dk, dv) = (
-        c.linear_conv_dim(),
-        c.linear_conv_kernel_dim,
-        c.linear_num_value_heads,
-        c.linear_key_head_dim,
-        c.linear_value_head_dim,
-    );
-    let (p, value_dim) = (proj_dim(c), c.linear_value_dim());
-    let mut rng = Rng::new(seed ^ 0x6764_6e5f_7072_6566);
-    // Decays in a realistic range, exp(a_log) in 0.37 .. 7.4 and softplus(a + dt_bias) mostly 0.003 .. 0.3, so
-    // the state carries over many chunks.
-    let w = CpuWeights {
-        conv_w: normals(&mut rng, conv_dim * taps, 0.5),
-        a_log: (0..nv).map(|_| -1.0 + 3.0 * rng.uniform()).collect(),
-        dt_bias: (0..nv).map(|_| -6.0 + 4.0 * rng.uniform()).collect(),
-        norm: (0..dv).map(|_| 1.0 + 0.1 * rng.normal()).collect(),
-    };
-    // Only the mixer's own weights are read; the projections are not part of this check.
-    let unused = || -> Result<GpuMatrix> {
-        Ok(GpuMatrix {
-            packed: gpu.alloc(0)?,
-            scale_bias: gpu.alloc(0)?,
-            rows: 0,
-            cols: 0,
-            bits: 4,
-        })
-    };
-    let weights = GpuDeltaNet {
-        in_proj: unused()?,
-        conv_w: gpu.upload_new(&w.conv_w)?,
-        a_log: gpu.upload_new(&w.a_log)?,
-        dt_bias: gpu.upload_new(&w.dt_bias)?,
-        norm: gpu.upload_new(&w.norm)?,
-        out_proj: unused()?,
-    };
-    let mut launcher = Launcher::new(gpu, kernels);
-    let max_tokens = 700;
-    let scratch = GdnScratch::new(gpu, c, max_tokens)?;
-    let proj_buf = gpu.alloc(max_tokens * p)?;
-    let ring_buf = gpu.alloc(taps * conv_dim)?;
-    let state_buf = gpu.alloc(nv * dk * dv)?;
-    let out_buf = gpu.alloc::<bf16>(max_tokens * value_dim)?;
-    // Uploads the inputs, runs `calls` (token counts) one after another, returns what the GPU left.
-    let mut run_gpu =
-        |proj: &[f32], start: usize, ring: &[f32], state: &[f32], calls: &[usize]| -> Result<MixerResult> {
-            let t: usize = calls.iter().sum();
-            gpu.upload(proj_buf.ptr(), proj)?;
-            gpu.upload(ring_buf.ptr(), ring)?;
-            gpu.upload(state_buf.ptr(), state)?;
-            gpu.memset_u32(out_buf.ptr(), 0x7fc0_7fc0, out_buf.bytes() / 4)?;
-            let s = &scratch;
-            for buf in [&s.q, &s.k, &s.v_o, &s.decay, &s.beta, &s.inverse, &s.attn] {
-                poison(gpu, buf)?;
-            }
-            let mut done = 0;
-            for &n in calls {
-                scratch.run(
-                    &mut launcher,
-                    c,
-                    n,
-                    start + done,
-                    proj_buf.at(done * p),
-                    ring_buf.ptr(),
-                    state_buf.ptr(),
-                    &weights,
-                    out_buf.at(done * value_dim),
-                )?;
-                done += n;
-            }
-            gpu.sync()?;
-            let mut out = vec![bf16::ZERO; t * value_dim];
-            gpu.download(out_buf.ptr(), &mut out)?;
-            Ok(MixerResult {
-                out: out.iter().map(|v| v.to_f32()).collect(),
-                state: download_f32(gpu, &state_buf, nv * dk * dv)?,
-                ring: download_f32(gpu, &ring_buf, taps * conv_dim)?,
-            })
-        };
-
-    for new_sequence in [true, false] {
-        let mut worst = [(0.0f64, 0usize); 3];
-        for t in [1, 37, 64, 200, 700] {
-            let start = if new_sequence {
-                0
-            } else {
-                64 * (rng.next_u64() % 40) as usize + 1 + (rng.next_u64() % 63) as usize
-            };
-            let proj = normals(&mut rng, t * p, 1.0);
-            let (ring, state) = if new_sequence {
-                (vec![0.0; taps * conv_dim], vec![0.0; nv * dk * dv])
-            } else {
-                (
-                    normals(&mut rng, taps * conv_dim, 1.0),
-                    normals(&mut rng, nv * dk * dv, 0.05),
-                )
-            };
-            let got = run_gpu(&proj, start, &ring, &state, &[t])?;
-            let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
-            let errors = [
-                rel_err(&got.out, &want.out),
-                rel_err(&got.state, &want.state),
-                rel_err(&got.ring, &want.ring),
-            ];
-            for (slot, e) in worst.iter_mut().zip(errors) {
-                if e >= slot.0 {
-                    *slot = (e, t);
-                }
-            }
-        }
-        let from = if new_sequence {
-            "start 0"
-        } else {
-            "start not a multiple of 64"
-        };
-        report.check(
-            &format!("gdn_prefill ({from}): output (worst t = {})", worst[0].1),
-            worst[0].0,
-            OUT_TOL,
-        );
-        report.check(
-            &format!("gdn_prefill ({from}): recurrent state (worst t = {})", worst[1].1),
-            worst[1].0,
-            STATE_TOL,
-        );
-        report.check(&format!("gdn_prefill ({from}): conv ring"), worst[2].0, 0.0);
-    }
-
-    // Continuation: 100 + 90 tokens in two calls against one CPU call of 190.
-    {
-        let start = 64 * (rng.next_u64() % 40) as usize + 1 + (rng.next_u64() % 63) as usize;
-        let proj = normals(&mut rng, 190 * p, 1.0);
-        let ring = normals(&mut rng, taps * conv_dim, 1.0);
-        let state = normals(&mut rng, nv * dk * dv, 0.05);
-        let got = run_gpu(&proj, start, &ring, &state, &[100, 90])?;
-        let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
-        report.check(
-            "gdn_prefill 100 + 90 tokens == 190: output",
-            rel_err(&got.out, &want.out),
-            OUT_TOL,
-        );
-        report.check(
-            "gdn_prefill 100 + 90 tokens == 190: recurrent state",
-            rel_err(&got.state, &want.state),
-            STATE_TOL,
-        );
-        report.check(
-            "gdn_prefill 100 + 90 tokens == 190: conv ring",
-            rel_err(&got.ring, &want.ring),
-            0.0,
-        );
-    }
-
-    // Speed: one 4096-token call, after a warm-up call (no step depends on the values, so zeros will do).
-    {
-        let t = 4096;
-        let scratch = GdnScratch::new(gpu, c, t)?;
-        let proj = gpu.alloc_zeroed(t * p)?;
-        let out = gpu.alloc(t * value_dim)?;
-        let mut call = || {
-            scratch.run(
-                &mut launcher,
-                c,
-                t,
-                0,
-                proj.ptr(),
-                ring_buf.ptr(),
-                state_buf.ptr(),
-                &weights,
-                out.ptr(),
-            )
-        };
-        call()?;
-        gpu.sync()?;
-        let (begin, end) = (gpu.event()?, gpu.event()?);
-        gpu.record(&begin)?;
-        call()?;
-        gpu.record(&end)?;
-        gpu.sync()?;
-        println!("     gdn_prefill: {t} tokens in {:.3} ms", begin.elapsed_ms(&end)?);
-    }
-    Ok(())
 }

@@ -112,7 +112,7 @@ impl Target {
 }
 
 /// Kernels loaded after this call note when each one's wait returned (`lily bench --timeline`; see
-/// [`crate::timeline`]). They are compiled separately from (and cached beside) the plain ones.
+/// [`crate::bench::timeline`]). They are compiled separately from (and cached beside) the plain ones.
 pub fn enable_timeline() {
     TIMELINE.store(true, std::sync::atomic::Ordering::Relaxed);
 }

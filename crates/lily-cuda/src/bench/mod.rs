@@ -6,6 +6,8 @@
 //! and written) and the bandwidth that implies, as a share of the card's measured 4.6 TB/s; every prompt figure with
 //! the FLOP/s it implies, as a share of the card's measured ~790 TFLOP/s (bf16 dense).
 
+pub mod timeline;
+
 use std::time::Instant;
 
 use lily_model::backend::Backend;
@@ -21,7 +23,8 @@ pub const CARD_BANDWIDTH: f64 = 4.6e12;
 /// The H200's measured dense bf16 tensor-core throughput, the reference for prefill shares.
 pub const CARD_BF16_FLOPS: f64 = 790e12;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// How the context is filled before the timed part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DepthFill {
     /// Random keys, values and recurrent state written directly.
     Random,
@@ -146,7 +149,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
     println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut rows = Vec::new();
     let timeline = if plan.timeline {
-        Some(crate::timeline::Timeline::attach(backend)?)
+        Some(timeline::Timeline::attach(backend)?)
     } else {
         None
     };

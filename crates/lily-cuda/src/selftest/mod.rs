@@ -9,6 +9,11 @@
 //! 5e-2 at the full shape (the prompt's bf16 activations in the prefill and the bf16 KV cache's rounding carried
 //! through the layers and the decode steps after; a random 40-layer model amplifies it more).
 
+mod attention_prefill;
+mod deltanet_prefill;
+mod gemm;
+mod prefill;
+
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use half::bf16;
@@ -566,10 +571,10 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     launcher_checks(&model.gpu, &model.kernels, report)?;
     println!("-- kernels against their CPU twins (hidden {h}, seed {seed}) --");
     println!("   prefill:");
-    crate::gemm::check(g, &model.kernels, c, seed, report)?;
-    crate::prefill_gdn::check(g, &model.kernels, c, seed, report)?;
-    crate::prefill_attn::check(g, &model.kernels, c, seed, report)?;
-    crate::prefill::check(g, &model.kernels, w, &model.weights, seed, report)?;
+    gemm::check(g, &model.kernels, c, seed, report)?;
+    deltanet_prefill::check(g, &model.kernels, c, seed, report)?;
+    attention_prefill::check(g, &model.kernels, c, seed, report)?;
+    prefill::check(g, &model.kernels, w, &model.weights, seed, report)?;
     println!("   decode:");
 
     // Synthetic weights: the GPU's in-place generation against lily_model::synth, byte for byte.
