@@ -158,7 +158,7 @@ pub fn generate_turn(
             interrupted = true;
             break;
         }
-        let token = backend.sample(sampler);
+        let token = backend.sample(sampler)?;
         for delta in output.push_token(token)? {
             on_delta(delta)?;
         }

@@ -114,7 +114,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut generated = 0;
     let mut decode_steps = 0;
     loop {
-        let token = backend.sample(&mut sampler);
+        let token = backend.sample(&mut sampler)?;
         generated += 1;
         if !args.ignore_eos && eos.contains(&token) {
             break;

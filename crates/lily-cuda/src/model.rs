@@ -8,11 +8,9 @@
 //! before it reads them or writes; only then may the kernel after it start.
 
 use lily_model::backend::Backend;
-use lily_model::config::LayerKind;
-use lily_model::cpu::attention::rope_inv_freq;
-use lily_model::cpu::model::ForwardError;
 use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Config;
+use lily_model::ForwardError;
 
 use half::bf16;
 
@@ -186,7 +184,7 @@ impl CudaModel {
             block_best: f32s(grids.lm_head as usize)?,
             block_arg: gpu.alloc_zeroed(grids.lm_head as usize)?,
             blocks_done: gpu.alloc_zeroed(1)?,
-            inv_freq: gpu.upload_new(&rope_inv_freq(c.rope_theta, c.rotary_dim()))?,
+            inv_freq: gpu.upload_new(&c.rope_inv_freq())?,
             k_cache: (0..c.num_full_layers())
                 .map(|_| gpu.alloc_zeroed(kv_len))
                 .collect::<Result<_>>()?,
@@ -200,15 +198,7 @@ impl CudaModel {
                 .map(|_| f32s(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
                 .collect::<Result<_>>()?,
         };
-        let (mut full, mut linear) = (0, 0);
-        let slot = c
-            .layer_types
-            .iter()
-            .map(|k| match k {
-                LayerKind::Full => (full, full += 1).0,
-                LayerKind::Linear => (linear, linear += 1).0,
-            })
-            .collect();
+        let slot = c.layer_slots();
         let chunk = PREFILL_CHUNK.min(max_context);
         let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
         gpu.sync()?;
@@ -523,8 +513,6 @@ pub struct CudaBackend {
     logits: Vec<f32>,
     logits_current: bool,
     sample_counter: u64,
-    /// A device error met where the trait has no error to return; reported by the next prefill or decode.
-    failed: Option<String>,
     /// Last, so the graphs are destroyed before the context.
     pub model: CudaModel,
 }
@@ -539,7 +527,6 @@ impl CudaBackend {
             logits: vec![0.0; vocab],
             logits_current: false,
             sample_counter: 0,
-            failed: None,
         }
     }
 
@@ -586,9 +573,6 @@ impl CudaBackend {
     }
 
     fn check(&self, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
-        if let Some(e) = &self.failed {
-            return Err(ForwardError::Device(e.clone()));
-        }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
             return Err(ForwardError::BadToken(bad));
         }
@@ -668,30 +652,21 @@ impl Backend for CudaBackend {
         self.check(&[token])?;
         self.append(&[token]).map_err(device_err)
     }
-    fn logits(&mut self) -> &[f32] {
+    fn logits(&mut self) -> std::result::Result<&[f32], ForwardError> {
         if !self.logits_current {
-            if let Err(e) = self.model.gpu.download(self.model.state.logits.ptr(), &mut self.logits) {
-                self.logits.fill(f32::NAN);
-                self.failed = Some(e.to_string());
-            }
+            let logits = self.model.state.logits.ptr();
+            self.model.gpu.download(logits, &mut self.logits).map_err(device_err)?;
             self.logits_current = true;
         }
-        &self.logits
+        Ok(&self.logits)
     }
-    fn sample(&mut self, sampler: &mut Sampler) -> u32 {
+    fn sample(&mut self, sampler: &mut Sampler) -> std::result::Result<u32, ForwardError> {
         let p = sampler.params().clone();
-        let chosen = if p.temperature == 0.0 || p.top_k == 1 {
-            self.read_next_token()
-        } else {
+        if p.temperature != 0.0 && p.top_k != 1 {
             self.sample_counter += 1;
-            self.model
-                .enqueue_sample(&p, self.sample_counter)
-                .and_then(|_| self.read_next_token())
-        };
-        chosen.unwrap_or_else(|e| {
-            self.failed = Some(e.to_string());
-            0
-        })
+            self.model.enqueue_sample(&p, self.sample_counter).map_err(device_err)?;
+        }
+        self.read_next_token().map_err(device_err)
     }
     fn describe(&self) -> String {
         format!("cuda: {}", self.model.gpu.name)

@@ -140,7 +140,7 @@ fn set_depth(backend: &mut CudaBackend, depth: usize, fill: DepthFill, rng: &mut
 pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
     let mut rng = Rng::new(0xbe9c);
     let vocab = backend.model.config.vocab_size as u64;
-    let fe = |e: lily_model::cpu::model::ForwardError| crate::driver::GpuError::Other(e.to_string());
+    let fe = |e: lily_model::ForwardError| crate::driver::GpuError::Other(e.to_string());
     let fill_name = match plan.fill {
         DepthFill::Random => "random state",
         DepthFill::Prefill => "prefill",

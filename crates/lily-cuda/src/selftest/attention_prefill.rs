@@ -2,7 +2,7 @@
 //! against its CPU twin.
 
 use half::bf16;
-use lily_model::cpu::attention::{attend, rope, rope_inv_freq};
+use lily_model::cpu::attention::{attend, rope};
 use lily_model::cpu::linalg::{rmsnorm, sigmoid};
 use lily_model::rng::Rng;
 use lily_model::Config;
@@ -36,7 +36,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let scratch = AttnScratch::new(gpu, c, max_tokens)?;
     let q_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
-    let inv_freq = rope_inv_freq(c.rope_theta, c.rotary_dim());
+    let inv_freq = c.rope_inv_freq();
     // `run` reads only the norms of the layer's weights.
     let no_matrix = || -> Result<GpuMatrix> {
         Ok(GpuMatrix {

@@ -19,7 +19,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use half::bf16;
 use lily_model::backend::{Backend, CpuBackend};
 use lily_model::config::LayerKind;
-use lily_model::cpu::attention::{attend, rope, rope_inv_freq};
+use lily_model::cpu::attention::{attend, rope};
 use lily_model::cpu::deltanet::{conv_step, l2norm, recurrent_step};
 use lily_model::cpu::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
 use lily_model::cpu::moe::{moe_forward, route};
@@ -183,7 +183,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
         // A random 40-layer model amplifies any rounding: the decode step (f32 activations, bf16 KV cache) lands
         // within 5e-2 of the CPU; the prefill's bf16 activations within 2e-1. The 4-layer model below holds the
         // prefill to the tiny models' tolerance at the full width.
-        let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
+        let fe = |e: lily_model::ForwardError| GpuError::Other(e.to_string());
         let prompt = [9707u32, 11];
         cpu.prefill(&prompt).map_err(fe)?;
         gpu.clear()?;
@@ -193,13 +193,13 @@ pub fn run_all(options: &Options) -> Result<usize> {
         gpu.run_steps(prompt.len())?;
         report.check(
             "full shape, 40 layers: prompt of 2 by decode steps vs CPU",
-            rel_err(gpu.logits(), cpu.logits()),
+            rel_err(gpu.logits().map_err(fe)?, cpu.logits().map_err(fe)?),
             5e-2,
         );
         gpu.prefill(&prompt).map_err(fe)?;
         report.check(
             "full shape, 40 layers: prompt of 2 by the prefill vs CPU",
-            rel_err(gpu.logits(), cpu.logits()),
+            rel_err(gpu.logits().map_err(fe)?, cpu.logits().map_err(fe)?),
             2e-1,
         );
         drop((cpu, gpu));
@@ -259,7 +259,7 @@ fn compare_golden(
         Ok(read(name)?.into_iter().map(|b| i32::from_le_bytes(b) as u32).collect())
     };
     let floats = |name: &str| -> Result<Vec<f32>> { Ok(read(name)?.into_iter().map(f32::from_le_bytes).collect()) };
-    let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
+    let fe = |e: lily_model::ForwardError| GpuError::Other(e.to_string());
     let sample_ids = ints("sample_ids")?;
     let (mut worst, mut worst_chunked, mut prompts) = (0.0f64, 0.0f64, 0);
     let mut differing: Vec<(usize, usize, f32)> = Vec::new();
@@ -286,10 +286,10 @@ fn compare_golden(
         let chunk = gpu.model.prefill_chunk;
         gpu.model.prefill_chunk = 100;
         gpu.prefill(&tokens).map_err(fe)?;
-        worst_chunked = worst_chunked.max(rel_err(&at_ids(gpu.logits()), &want));
+        worst_chunked = worst_chunked.max(rel_err(&at_ids(gpu.logits().map_err(fe)?), &want));
         gpu.model.prefill_chunk = chunk;
         gpu.prefill(&tokens).map_err(fe)?;
-        worst = worst.max(rel_err(&at_ids(gpu.logits()), &want));
+        worst = worst.max(rel_err(&at_ids(gpu.logits().map_err(fe)?), &want));
         // At the first token that differs, how far the GPU's own logits put transformers' choice below its own.
         let mut greedy_sampler = lily_model::sampling::Sampler::new(Default::default());
         let mut ours = Vec::new();
@@ -297,10 +297,10 @@ fn compare_golden(
             if let Some(&last) = ours.last() {
                 gpu.decode(last).map_err(fe)?;
             }
-            let chosen = gpu.sample(&mut greedy_sampler);
+            let chosen = gpu.sample(&mut greedy_sampler).map_err(fe)?;
             let expected = greedy[ours.len()];
             if chosen != expected {
-                let logits = gpu.logits();
+                let logits = gpu.logits().map_err(fe)?;
                 let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
                 let gap = (logits[chosen as usize] - logits[expected as usize]) / scale;
                 differing.push((p, ours.len(), gap));
@@ -359,21 +359,21 @@ fn compare_prefill(
     chunked_tol: f64,
     report: &mut Report,
 ) -> Result<()> {
-    let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
+    let fe = |e: lily_model::ForwardError| GpuError::Other(e.to_string());
     let vocab = cpu.config().vocab_size as u64;
     let mut rng = Rng::new(seed ^ 0x9e3f);
     let prompt: Vec<u32> = (0..333).map(|_| (rng.next_u64() % vocab) as u32).collect();
     cpu.prefill(&prompt).map_err(fe)?;
     let prompt_margin = cpu.route_margin();
     gpu.prefill(&prompt).map_err(fe)?;
-    let mut worst = rel_err(gpu.logits(), cpu.logits());
+    let mut worst = rel_err(gpu.logits().map_err(fe)?, cpu.logits().map_err(fe)?);
     println!("     prompt's logits: {worst:.2e}");
-    let one_pass = gpu.logits().to_vec();
-    let cpu_prompt = cpu.logits().to_vec();
+    let one_pass = gpu.logits().map_err(fe)?.to_vec();
+    let cpu_prompt = cpu.logits().map_err(fe)?.to_vec();
     for &token in &prompt[..4] {
         cpu.decode(token).map_err(fe)?;
         gpu.decode(token).map_err(fe)?;
-        let e = rel_err(gpu.logits(), cpu.logits());
+        let e = rel_err(gpu.logits().map_err(fe)?, cpu.logits().map_err(fe)?);
         println!("     decode step after the prompt: {e:.2e}");
         worst = worst.max(e);
     }
@@ -386,7 +386,7 @@ fn compare_prefill(
     let chunk = gpu.model.prefill_chunk;
     gpu.model.prefill_chunk = 100;
     gpu.prefill(&prompt).map_err(fe)?;
-    let chunked = gpu.logits().to_vec();
+    let chunked = gpu.logits().map_err(fe)?.to_vec();
     gpu.model.prefill_chunk = chunk;
     // The two passes round differently, so where the prompt's routing had a near-tie they may choose different
     // experts for a token; then they are held to the end-to-end tolerance only.
@@ -410,7 +410,7 @@ fn compare_prefill(
     // with the end-to-end tolerance (the chunked prefill above, the same arithmetic, to the one pass).
     report.check(
         "prefill 150, decode 1, prefill 182 vs CPU",
-        rel_err(gpu.logits(), &cpu_prompt),
+        rel_err(gpu.logits().map_err(fe)?, &cpu_prompt),
         tol,
     );
     Ok(())
@@ -436,12 +436,12 @@ fn compare_models(
             .map(|_| (rng.next_u64() % vocab) as u32)
             .collect()
     };
-    let fe = |e: lily_model::cpu::model::ForwardError| GpuError::Other(e.to_string());
+    let fe = |e: lily_model::ForwardError| GpuError::Other(e.to_string());
     // Logits out of tolerance after a near-tie part for a reason that is not an error: the comparison stops there.
     let near_tie = |err: f64, cpu: &CpuBackend| err > tol && cpu.route_margin() < ROUTING_NEAR_TIE;
     cpu.prefill(&prompt).map_err(fe)?;
     gpu.prefill(&prompt).map_err(fe)?;
-    let prompt_err = rel_err(gpu.logits(), cpu.logits());
+    let prompt_err = rel_err(gpu.logits().map_err(fe)?, cpu.logits().map_err(fe)?);
     let mut stopped = near_tie(prompt_err, &cpu).then(|| ("the prompt".to_string(), cpu.route_margin(), prompt_err));
     let mut worst = if stopped.is_some() { 0.0 } else { prompt_err };
     let mut errors = format!("prompt {prompt_err:.2e}, decode steps");
@@ -453,12 +453,12 @@ fn compare_models(
         if stopped.is_some() {
             break;
         }
-        let cpu_token = cpu.sample(&mut greedy);
-        let gpu_token = gpu.sample(&mut greedy);
+        let cpu_token = cpu.sample(&mut greedy).map_err(fe)?;
+        let gpu_token = gpu.sample(&mut greedy).map_err(fe)?;
         compared += 1;
         if cpu_token != gpu_token {
             mismatches += 1;
-            let l = cpu.logits();
+            let l = cpu.logits().map_err(fe)?;
             let scale = l.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             first_mismatch.get_or_insert((step, (l[cpu_token as usize] - l[gpu_token as usize]) / scale));
         }
@@ -467,7 +467,7 @@ fn compare_models(
         }
         cpu.decode(cpu_token).map_err(fe)?;
         gpu.decode(cpu_token).map_err(fe)?;
-        let err = rel_err(gpu.logits(), cpu.logits());
+        let err = rel_err(gpu.logits().map_err(fe)?, cpu.logits().map_err(fe)?);
         if step < 16 {
             errors += &format!(" {err:.2e}");
         }
@@ -492,9 +492,12 @@ fn compare_models(
     );
     // The kernels have no order-dependent reductions: a repeated prefill must give the same bits (a race would not).
     gpu.prefill(&prompt).map_err(fe)?;
-    let first = gpu.logits().to_vec();
+    let first = gpu.logits().map_err(fe)?.to_vec();
     gpu.prefill(&prompt).map_err(fe)?;
-    let same = first.iter().zip(gpu.logits()).all(|(a, b)| a.to_bits() == b.to_bits());
+    let same = first
+        .iter()
+        .zip(gpu.logits().map_err(fe)?)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
     report.check_eq(
         "GPU logits bit-identical on a repeated prefill",
         same,
@@ -764,7 +767,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         run(model, Op::AttnPrep(l))?;
         run(model, Op::AttnPartial(l))?;
         run(model, Op::AttnMerge(l))?;
-        let inv_freq = rope_inv_freq(c.rope_theta, c.rotary_dim());
+        let inv_freq = c.rope_inv_freq();
         let mut q = vec![0.0; q_dim];
         for head in 0..heads {
             let qh = &mut q[head * hd..(head + 1) * hd];
