@@ -67,6 +67,13 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// Whether value va at index a ranks before value vb at index b: the larger value first, the lower index among
+// equal values. Every choice of the largest (greedy tokens, top-k experts, top-k candidates) uses this one order.
+// A macro, so each use compiles exactly as the expression written out; `ranks_before` is the same order as a
+// function, for rank counting over arrays.
+#define RANKS_BEFORE(va, a, vb, b) ((va) > (vb) || ((va) == (vb) && (a) < (b)))
+__device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) { return RANKS_BEFORE(va, a, vb, b); }
+
 // 2^23 + q as a float's bits, minus 2^23: a 4-bit integer to float in two integer/float ops, no conversion unit.
 __device__ __forceinline__ float nibble_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFu)) - 8388608.f;

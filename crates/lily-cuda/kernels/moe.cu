@@ -72,9 +72,6 @@ __device__ __forceinline__ int load_relaxed(const int* p) {
     return v;
 }
 
-// Whether expert a (logit va) ranks before expert b: the larger logit, the lower index among equals.
-__device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) { return va > vb || (va == vb && a < b); }
-
 // The TOP_K largest of `logits` in order into ids / chosen, by rank counting in two rounds: each warp's 32 experts
 // against each other (a warp's TOP_K best are the candidates), then the candidates against each other (every
 // expert that ranks before one of the TOP_K best is a candidate). One thread an expert; the block calls it.
