@@ -1,7 +1,7 @@
 //! lily's CUDA backend: the decode step and the prefill of Qwen3.5/3.6-35B-A3B on one NVIDIA GPU.
 //!
 //! The forward pass: [`model`] holds the decode step in order and [`prefill`] the pass over a prompt chunk (its
-//! matrix products in [`gemm`], its mixers in [`prefill_attn`] and [`prefill_gdn`]); [`kernels`] compiles the `.cu`
+//! matrix products in [`gemm`], its mixers in [`prefill_attention`] and [`prefill_deltanet`]); [`kernels`] compiles the `.cu`
 //! files and holds one typed launcher per kernel, beside its family; [`driver`] and [`launch`] are the few CUDA
 //! calls and the launch path; [`weights`] puts the 4-bit weights on the GPU (from a checkpoint, or generated in
 //! place). Apart from the forward pass: [`selftest`] checks every kernel and the whole model against the CPU
@@ -14,8 +14,8 @@ pub mod kernels;
 pub mod launch;
 pub mod model;
 pub mod prefill;
-pub mod prefill_attn;
-pub mod prefill_gdn;
+pub mod prefill_attention;
+pub mod prefill_deltanet;
 pub mod selftest;
 pub mod weights;
 

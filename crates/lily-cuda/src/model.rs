@@ -59,9 +59,9 @@ pub struct DeviceState {
 
 /// Launch geometry fixed by the model and the GPU.
 struct Grids {
-    proj_gdn: u32,
+    proj_deltanet: u32,
     proj_attn: u32,
-    out_proj_gdn: u32,
+    out_proj_deltanet: u32,
     out_proj_attn: u32,
     gate_up: u32,
     down: u32,
@@ -74,8 +74,8 @@ pub enum Op {
     Embed,
     /// The DeltaNet's q/k/v/z/b/a or the attention's q/k/v projection, with the input RMSNorm.
     MixerInProj(usize),
-    GdnStep(usize),
-    GdnOutProj(usize),
+    DeltaNetStep(usize),
+    DeltaNetOutProj(usize),
     AttnPrep(usize),
     AttnPartial(usize),
     AttnMerge(usize),
@@ -146,13 +146,17 @@ impl CudaModel {
         };
         let rpb_h = kernels.constant("rows_per_block_hidden");
         let grids = Grids {
-            proj_gdn: mv_grid(
+            proj_deltanet: mv_grid(
                 "proj_normed",
                 c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads,
                 rpb_h,
             )?,
             proj_attn: mv_grid("proj_normed", 2 * c.q_dim() + 2 * c.kv_dim(), rpb_h)?,
-            out_proj_gdn: mv_grid("out_proj_gdn", c.hidden_size, kernels.constant("rows_per_block_lin_v"))?,
+            out_proj_deltanet: mv_grid(
+                "out_proj_deltanet",
+                c.hidden_size,
+                kernels.constant("rows_per_block_linear_v"),
+            )?,
             out_proj_attn: mv_grid("out_proj_attn", c.hidden_size, kernels.constant("rows_per_block_q"))?,
             gate_up: blocks(
                 (c.num_experts_per_tok + 1) * c.moe_intermediate_size,
@@ -240,7 +244,7 @@ impl CudaModel {
         let mut ops = vec![Op::Embed];
         for (l, layer) in self.weights.layers.iter().enumerate() {
             match layer.mixer {
-                GpuMixer::Linear(_) => ops.extend([Op::MixerInProj(l), Op::GdnStep(l), Op::GdnOutProj(l)]),
+                GpuMixer::Linear(_) => ops.extend([Op::MixerInProj(l), Op::DeltaNetStep(l), Op::DeltaNetOutProj(l)]),
                 GpuMixer::Full(_) => ops.extend([
                     Op::MixerInProj(l),
                     Op::AttnPrep(l),
@@ -271,7 +275,7 @@ impl CudaModel {
         let c = &self.config;
         let s = &self.state;
         let w = &self.weights;
-        let gdn = |l: usize| match &w.layers[l].mixer {
+        let deltanet = |l: usize| match &w.layers[l].mixer {
             GpuMixer::Linear(g) => Ok(g),
             GpuMixer::Full(_) => Err(GpuError::Other(format!("layer {l} is not a DeltaNet layer"))),
         };
@@ -287,39 +291,39 @@ impl CudaModel {
                 mv(blocks(c.hidden_size, 256)),
                 s.position.ptr(),
                 s.tokens.ptr(),
-                w.embed.q4(),
+                w.embed_tokens.q4(),
                 s.hidden.ptr(),
             ),
             Op::MixerInProj(i) => {
                 let layer = &w.layers[i];
                 let (m, grid) = match &layer.mixer {
-                    GpuMixer::Linear(g) => (&g.in_proj, self.grids.proj_gdn),
+                    GpuMixer::Linear(g) => (&g.in_proj, self.grids.proj_deltanet),
                     GpuMixer::Full(a) => (&a.qkv, self.grids.proj_attn),
                 };
-                let (hidden, norm, proj) = (s.hidden.ptr(), layer.input_norm.ptr(), s.proj.ptr());
+                let (hidden, norm, proj) = (s.hidden.ptr(), layer.input_layernorm.ptr(), s.proj.ptr());
                 matvec::proj_normed(l, mv(grid), hidden, norm, m.q4(), proj, m.rows as i32)
             }
-            Op::GdnStep(i) => {
-                let g = gdn(i)?;
+            Op::DeltaNetStep(i) => {
+                let g = deltanet(i)?;
                 let slot = self.slot[i];
-                deltanet::gdn_step(
+                deltanet::deltanet_step(
                     l,
                     Dims::new((c.linear_num_value_heads as u32, 4, 1), 256),
                     s.position.ptr(),
                     s.proj.ptr(),
                     s.conv_ring[slot].ptr(),
-                    g.conv_w.ptr(),
+                    g.conv1d.ptr(),
                     g.a_log.ptr(),
                     g.dt_bias.ptr(),
                     s.recurrent[slot].ptr(),
                     s.core.ptr(),
                 )
             }
-            Op::GdnOutProj(i) => {
-                let g = gdn(i)?;
+            Op::DeltaNetOutProj(i) => {
+                let g = deltanet(i)?;
                 let z = s.proj.at(c.linear_conv_dim());
-                let grid = mv(self.grids.out_proj_gdn);
-                matvec::out_proj_gdn(l, grid, s.core.ptr(), z, g.norm.ptr(), g.out_proj.q4(), s.hidden.ptr())
+                let grid = mv(self.grids.out_proj_deltanet);
+                matvec::out_proj_deltanet(l, grid, s.core.ptr(), z, g.norm.ptr(), g.out_proj.q4(), s.hidden.ptr())
             }
             Op::AttnPrep(i) => {
                 let a = attn(i)?;
@@ -373,7 +377,7 @@ impl CudaModel {
                     l,
                     Dims::linear(self.grids.gate_up, self.kernels.constant("gate_up_threads") as u32),
                     s.hidden.ptr(),
-                    layer.post_norm.ptr(),
+                    layer.post_attention_layernorm.ptr(),
                     layer.router.q4(),
                     layer.experts_gate.q4(),
                     layer.experts_up.q4(),

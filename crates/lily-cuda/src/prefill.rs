@@ -1,6 +1,6 @@
 //! The prefill: a prompt in chunks of up to `chunk` tokens, each chunk through the 40 layers at once. Here the
 //! whole pass over a chunk is shown in order; the matrix products (4-bit weights, bf16 activations, tensor cores)
-//! are in [`crate::gemm`], the DeltaNet and attention mixers in [`crate::prefill_gdn`] and [`crate::prefill_attn`],
+//! are in [`crate::gemm`], the DeltaNet and attention mixers in [`crate::prefill_deltanet`] and [`crate::prefill_attention`],
 //! the glue (embedding, norms, routing and sort, MoE combine) in kernels/prefill.cu.
 //!
 //! Activations: the residual stream stays f32; each product's input is rounded to bf16 once (after its RMSNorm
@@ -15,8 +15,8 @@ use crate::gemm;
 use crate::kernels::{prefill, Kernels};
 use crate::launch::{Dims, Launcher};
 use crate::model::DeviceState;
-use crate::prefill_attn::AttnScratch;
-use crate::prefill_gdn::GdnScratch;
+use crate::prefill_attention::AttentionScratch;
+use crate::prefill_deltanet::DeltaNetScratch;
 use crate::weights::{GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
@@ -57,8 +57,8 @@ pub struct PrefillScratch {
     /// f32 `[chunk * top_k][hidden]` by entry; f32 `[chunk][hidden]`.
     pub(crate) expert_out: DevBuf<f32>,
     pub(crate) shared_out: DevBuf<f32>,
-    pub(crate) gdn: GdnScratch,
-    pub(crate) attn: AttnScratch,
+    pub(crate) deltanet: DeltaNetScratch,
+    pub(crate) attn: AttentionScratch,
 }
 
 impl PrefillScratch {
@@ -88,8 +88,8 @@ impl PrefillScratch {
             shared_act: gpu.alloc(chunk * c.shared_expert_intermediate_size)?,
             expert_out: gpu.alloc(chunk * k * h)?,
             shared_out: gpu.alloc(chunk * h)?,
-            gdn: GdnScratch::new(gpu, c, chunk)?,
-            attn: AttnScratch::new(gpu, c, chunk)?,
+            deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
+            attn: AttentionScratch::new(gpu, c, chunk)?,
         })
     }
 
@@ -121,15 +121,22 @@ pub fn enqueue_chunk(
 ) -> Result<()> {
     assert!(t >= 1 && t <= s.chunk, "a chunk takes 1 ..= {} tokens", s.chunk);
     let rows = Dims::linear(t as u32, ROW_THREADS);
-    prefill::embed_rows(l, rows, state.tokens.ptr(), start as i32, w.embed.q4(), s.hidden.ptr())?;
+    prefill::embed_rows(
+        l,
+        rows,
+        state.tokens.ptr(),
+        start as i32,
+        w.embed_tokens.q4(),
+        s.hidden.ptr(),
+    )?;
     for (i, layer) in w.layers.iter().enumerate() {
         let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
-        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), layer.input_norm.ptr(), normed, no_lo)?;
+        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), layer.input_layernorm.ptr(), normed, no_lo)?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
                 let (ring, recurrent) = (&state.conv_ring[slot[i]], &state.recurrent[slot[i]]);
-                s.gdn.run(
+                s.deltanet.run(
                     l,
                     c,
                     t,
@@ -163,7 +170,14 @@ pub fn enqueue_chunk(
         }
         // The sparse MoE: route, sort the (token, slot) entries by expert, grouped expert products, shared expert.
         let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
-        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), layer.post_norm.ptr(), normed, normed_lo)?;
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            layer.post_attention_layernorm.ptr(),
+            normed,
+            normed_lo,
+        )?;
         // Routing follows small differences between logits: the router sees the normed input to about 16 bits.
         gemm::gemm(l, normed, t, &layer.router, s.router_logits.ptr(), false)?;
         gemm::gemm(l, normed_lo, t, &layer.router, s.router_logits.ptr(), true)?;

@@ -71,11 +71,11 @@ pub fn upload(gpu: &Gpu, m: &QMatrix) -> Result<GpuMatrix> {
     Ok(dest)
 }
 
-pub struct GpuDeltaNet {
+pub struct GpuGatedDeltaNet {
     /// Rows: q k v (conv channels), z, b, a.
     pub in_proj: GpuMatrix,
     /// `[channel][tap]`, f32.
-    pub conv_w: DevBuf<f32>,
+    pub conv1d: DevBuf<f32>,
     pub a_log: DevBuf<f32>,
     pub dt_bias: DevBuf<f32>,
     pub norm: DevBuf<f32>,
@@ -91,13 +91,13 @@ pub struct GpuAttention {
 }
 
 pub enum GpuMixer {
-    Linear(GpuDeltaNet),
+    Linear(GpuGatedDeltaNet),
     Full(GpuAttention),
 }
 
 pub struct GpuLayer {
-    pub input_norm: DevBuf<f32>,
-    pub post_norm: DevBuf<f32>,
+    pub input_layernorm: DevBuf<f32>,
+    pub post_attention_layernorm: DevBuf<f32>,
     pub mixer: GpuMixer,
     /// 8-bit; rows: the experts' router, then the shared expert's gate.
     pub router: GpuMatrix,
@@ -110,7 +110,7 @@ pub struct GpuLayer {
 }
 
 pub struct GpuWeights {
-    pub embed: GpuMatrix,
+    pub embed_tokens: GpuMatrix,
     pub layers: Vec<GpuLayer>,
     pub final_norm: DevBuf<f32>,
     pub lm_head: GpuMatrix,
@@ -168,7 +168,7 @@ impl Mat {
 
     fn cpu(self, w: &Weights) -> Option<&QMatrix> {
         let layer = |l: usize| &w.layers[l];
-        let gdn = |l: usize| match &layer(l).mixer {
+        let deltanet = |l: usize| match &layer(l).mixer {
             Mixer::Linear(g) => Some(g),
             Mixer::Full(_) => None,
         };
@@ -179,11 +179,11 @@ impl Mat {
         Some(match self {
             Mat::Embed => &w.embed_tokens,
             Mat::LmHead => &w.lm_head,
-            Mat::InProjQkv(l) => &gdn(l)?.in_proj_qkv,
-            Mat::InProjZ(l) => &gdn(l)?.in_proj_z,
-            Mat::InProjB(l) => &gdn(l)?.in_proj_b,
-            Mat::InProjA(l) => &gdn(l)?.in_proj_a,
-            Mat::OutProj(l) => &gdn(l)?.out_proj,
+            Mat::InProjQkv(l) => &deltanet(l)?.in_proj_qkv,
+            Mat::InProjZ(l) => &deltanet(l)?.in_proj_z,
+            Mat::InProjB(l) => &deltanet(l)?.in_proj_b,
+            Mat::InProjA(l) => &deltanet(l)?.in_proj_a,
+            Mat::OutProj(l) => &deltanet(l)?.out_proj,
             Mat::QProj(l) => &attn(l)?.q_proj,
             Mat::KProj(l) => &attn(l)?.k_proj,
             Mat::VProj(l) => &attn(l)?.v_proj,
@@ -414,8 +414,8 @@ impl GpuWeights {
             gpu.upload_new(&values)
         };
 
-        let embed = GpuMatrix::alloc(gpu, c.vocab_size, h, 4)?;
-        fill(&[Mat::Embed], &embed)?;
+        let embed_tokens = GpuMatrix::alloc(gpu, c.vocab_size, h, 4)?;
+        fill(&[Mat::Embed], &embed_tokens)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let mixer = match c.layer_types[l] {
@@ -432,9 +432,9 @@ impl GpuWeights {
                     )?;
                     let out_proj = GpuMatrix::alloc(gpu, h, c.linear_value_dim(), 4)?;
                     fill(&[Mat::OutProj(l)], &out_proj)?;
-                    GpuMixer::Linear(GpuDeltaNet {
+                    GpuMixer::Linear(GpuGatedDeltaNet {
                         in_proj,
-                        conv_w: vector(Vector::Conv(l), c.linear_conv_dim() * c.linear_conv_kernel_dim)?,
+                        conv1d: vector(Vector::Conv(l), c.linear_conv_dim() * c.linear_conv_kernel_dim)?,
                         a_log: vector(Vector::ALog(l), c.linear_num_value_heads)?,
                         dt_bias: vector(Vector::DtBias(l), c.linear_num_value_heads)?,
                         norm: vector(Vector::GatedNorm(l), c.linear_value_head_dim)?,
@@ -470,8 +470,8 @@ impl GpuWeights {
             let shared_down = GpuMatrix::alloc(gpu, h, si, 4)?;
             fill(&[Mat::SharedDown(l)], &shared_down)?;
             layers.push(GpuLayer {
-                input_norm: vector(Vector::InputNorm(l), h)?,
-                post_norm: vector(Vector::PostNorm(l), h)?,
+                input_layernorm: vector(Vector::InputNorm(l), h)?,
+                post_attention_layernorm: vector(Vector::PostNorm(l), h)?,
                 mixer,
                 router,
                 experts_gate,
@@ -487,7 +487,7 @@ impl GpuWeights {
         let final_norm = vector(Vector::FinalNorm, h)?;
         progress(total, total);
         Ok(GpuWeights {
-            embed,
+            embed_tokens,
             layers,
             final_norm,
             lm_head,

@@ -82,7 +82,7 @@ pub fn bytes_per_token(model: &CudaModel, depth: usize) -> f64 {
     let c = &model.config;
     let w = &model.weights;
     let k = c.num_experts_per_tok;
-    let mut bytes = w.embed.bytes_per_row() + w.lm_head.bytes();
+    let mut bytes = w.embed_tokens.bytes_per_row() + w.lm_head.bytes();
     for layer in &w.layers {
         bytes += match &layer.mixer {
             crate::weights::GpuMixer::Linear(g) => g.in_proj.bytes() + g.out_proj.bytes(),

@@ -14,11 +14,11 @@ pub const FILE: KernelFile<'static> = KernelFile {
 
 launchers! {
     /// One token through the mixer: `proj` (q k v z b a) in, `ring` and `state` updated, `core` out.
-    gdn_step(
+    deltanet_step(
         position: DevPtr<i32>,
         proj: DevPtr<f32>,
         ring: DevPtr<f32>,
-        conv_w: DevPtr<f32>,
+        conv1d: DevPtr<f32>,
         a_log: DevPtr<f32>,
         dt_bias: DevPtr<f32>,
         state: DevPtr<f32>,

@@ -11,17 +11,21 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "deltanet_prefill.cu",
     source: include_str!("../../kernels/deltanet_prefill.cu"),
     kernels: KERNELS,
-    constants: &["gdn_chunks_shared_bytes", "gdn_state_shared_bytes", "gdn_state_split"],
+    constants: &[
+        "deltanet_chunks_shared_bytes",
+        "deltanet_state_shared_bytes",
+        "deltanet_state_split",
+    ],
 };
 
 launchers! {
     /// The conv, l2 norms, gates and each chunk's (I + A)^-1 and intra-chunk attention.
-    gdn_prefill_chunks(
+    deltanet_prefill_chunks(
         proj: DevPtr<f32>,
         t: i32,
         start: i32,
         ring: DevPtr<f32>,
-        conv_w: DevPtr<f32>,
+        conv1d: DevPtr<f32>,
         a_log: DevPtr<f32>,
         dt_bias: DevPtr<f32>,
         q_out: DevPtr<f32>,
@@ -33,7 +37,7 @@ launchers! {
         attn_out: DevPtr<f32>,
     );
     /// The state carried through the chunks in order; each chunk's output over `v_o`.
-    gdn_prefill_state(
+    deltanet_prefill_state(
         q: DevPtr<f32>,
         k: DevPtr<f32>,
         v_o: DevPtr<f32>,
@@ -45,7 +49,7 @@ launchers! {
         state: DevPtr<f32>,
     );
     /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
-    gdn_prefill_norm(
+    deltanet_prefill_norm(
         o: DevPtr<f32>,
         proj: DevPtr<f32>,
         norm_w: DevPtr<f32>,

@@ -1,4 +1,4 @@
-//! `lily selftest`'s check of the prefill's attention mixer (src/prefill_attn.rs, kernels/attention_prefill.cu)
+//! `lily selftest`'s check of the prefill's attention mixer (src/prefill_attention.rs, kernels/attention_prefill.cu)
 //! against its CPU twin.
 
 use half::bf16;
@@ -11,7 +11,7 @@ use super::{normals, rel_err, Report};
 use crate::driver::{Gpu, Result};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
-use crate::prefill_attn::{key_split, AttnScratch};
+use crate::prefill_attention::{key_split, AttentionScratch};
 use crate::weights::{GpuAttention, GpuMatrix};
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
@@ -33,7 +33,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let max_tokens = cases.iter().map(|&(t, _)| t).max().unwrap_or(1);
     let max_len = cases.iter().map(|&(t, start)| t + start).max().unwrap_or(1);
 
-    let scratch = AttnScratch::new(gpu, c, max_tokens)?;
+    let scratch = AttentionScratch::new(gpu, c, max_tokens)?;
     let q_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let inv_freq = c.rope_inv_freq();

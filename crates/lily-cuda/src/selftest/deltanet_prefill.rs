@@ -1,4 +1,4 @@
-//! `lily selftest`'s check of the prefill's Gated DeltaNet mixer (src/prefill_gdn.rs, kernels/deltanet_prefill.cu)
+//! `lily selftest`'s check of the prefill's Gated DeltaNet mixer (src/prefill_deltanet.rs, kernels/deltanet_prefill.cu)
 //! against its CPU twin.
 
 use half::bf16;
@@ -12,12 +12,12 @@ use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{Gpu, Result};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
-use crate::prefill_gdn::{proj_dim, GdnScratch};
-use crate::weights::{GpuDeltaNet, GpuMatrix};
+use crate::prefill_deltanet::{proj_dim, DeltaNetScratch};
+use crate::weights::{GpuGatedDeltaNet, GpuMatrix};
 
 /// The mixer's own weights, on the CPU.
 struct CpuWeights {
-    conv_w: Vec<f32>,
+    conv1d: Vec<f32>,
     a_log: Vec<f32>,
     dt_bias: Vec<f32>,
     norm: Vec<f32>,
@@ -51,7 +51,7 @@ fn cpu_mixer(c: &Config, w: &CpuWeights, proj: &[f32], start: usize, ring: &[f32
         .flat_map(|j| ring[((start + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec())
         .collect();
     let mut conv_out = vec![0.0; t * conv_dim];
-    conv_sequence(&x, &mut conv_state, &w.conv_w, taps, conv_dim, &mut conv_out);
+    conv_sequence(&x, &mut conv_state, &w.conv1d, taps, conv_dim, &mut conv_out);
     let q_scale = 1.0 / (dk as f32).sqrt();
     for row in conv_out.chunks_exact_mut(conv_dim) {
         for head in row[..2 * key_dim].chunks_exact_mut(dk) {
@@ -127,7 +127,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     // Decays in a realistic range, exp(a_log) in 0.37 .. 7.4 and softplus(a + dt_bias) mostly 0.003 .. 0.3, so
     // the state carries over many chunks.
     let w = CpuWeights {
-        conv_w: normals(&mut rng, conv_dim * taps, 0.5),
+        conv1d: normals(&mut rng, conv_dim * taps, 0.5),
         a_log: (0..nv).map(|_| -1.0 + 3.0 * rng.uniform()).collect(),
         dt_bias: (0..nv).map(|_| -6.0 + 4.0 * rng.uniform()).collect(),
         norm: (0..dv).map(|_| 1.0 + 0.1 * rng.normal()).collect(),
@@ -142,9 +142,9 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             bits: 4,
         })
     };
-    let weights = GpuDeltaNet {
+    let weights = GpuGatedDeltaNet {
         in_proj: unused()?,
-        conv_w: gpu.upload_new(&w.conv_w)?,
+        conv1d: gpu.upload_new(&w.conv1d)?,
         a_log: gpu.upload_new(&w.a_log)?,
         dt_bias: gpu.upload_new(&w.dt_bias)?,
         norm: gpu.upload_new(&w.norm)?,
@@ -152,7 +152,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     };
     let mut launcher = Launcher::new(gpu, kernels);
     let max_tokens = 700;
-    let scratch = GdnScratch::new(gpu, c, max_tokens)?;
+    let scratch = DeltaNetScratch::new(gpu, c, max_tokens)?;
     let proj_buf = gpu.alloc(max_tokens * p)?;
     let ring_buf = gpu.alloc(taps * conv_dim)?;
     let state_buf = gpu.alloc(nv * dk * dv)?;
@@ -230,16 +230,16 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             "start not a multiple of 64"
         };
         report.check(
-            &format!("gdn_prefill ({from}): output (worst t = {})", worst[0].1),
+            &format!("deltanet_prefill ({from}): output (worst t = {})", worst[0].1),
             worst[0].0,
             OUT_TOL,
         );
         report.check(
-            &format!("gdn_prefill ({from}): recurrent state (worst t = {})", worst[1].1),
+            &format!("deltanet_prefill ({from}): recurrent state (worst t = {})", worst[1].1),
             worst[1].0,
             STATE_TOL,
         );
-        report.check(&format!("gdn_prefill ({from}): conv ring"), worst[2].0, 0.0);
+        report.check(&format!("deltanet_prefill ({from}): conv ring"), worst[2].0, 0.0);
     }
 
     // Continuation: 100 + 90 tokens in two calls against one CPU call of 190.
@@ -251,17 +251,17 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let got = run_gpu(&proj, start, &ring, &state, &[100, 90])?;
         let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
         report.check(
-            "gdn_prefill 100 + 90 tokens == 190: output",
+            "deltanet_prefill 100 + 90 tokens == 190: output",
             rel_err(&got.out, &want.out),
             OUT_TOL,
         );
         report.check(
-            "gdn_prefill 100 + 90 tokens == 190: recurrent state",
+            "deltanet_prefill 100 + 90 tokens == 190: recurrent state",
             rel_err(&got.state, &want.state),
             STATE_TOL,
         );
         report.check(
-            "gdn_prefill 100 + 90 tokens == 190: conv ring",
+            "deltanet_prefill 100 + 90 tokens == 190: conv ring",
             rel_err(&got.ring, &want.ring),
             0.0,
         );
@@ -270,7 +270,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     // Speed: one 4096-token call, after a warm-up call (no step depends on the values, so zeros will do).
     {
         let t = 4096;
-        let scratch = GdnScratch::new(gpu, c, t)?;
+        let scratch = DeltaNetScratch::new(gpu, c, t)?;
         let proj = gpu.alloc_zeroed(t * p)?;
         let out = gpu.alloc(t * value_dim)?;
         let mut call = || {
@@ -293,7 +293,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         call()?;
         gpu.record(&end)?;
         gpu.sync()?;
-        println!("     gdn_prefill: {t} tokens in {:.3} ms", begin.elapsed_ms(&end)?);
+        println!("     deltanet_prefill: {t} tokens in {:.3} ms", begin.elapsed_ms(&end)?);
     }
     Ok(())
 }

@@ -584,7 +584,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let gw = &model.weights;
         let mut equal = true;
         for (gm, cm) in [
-            (&gw.embed, &w.embed_tokens),
+            (&gw.embed_tokens, &w.embed_tokens),
             (&gw.layers[0].experts_down, &w.layers[0].moe.experts_down),
             (&gw.lm_head, &w.lm_head),
         ] {
@@ -672,7 +672,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         g.upload(s.conv_ring[slot].ptr(), &ring)?;
         g.upload(s.recurrent[slot].ptr(), &state)?;
         poison(g, &s.core)?;
-        run(model, Op::GdnStep(l))?;
+        run(model, Op::DeltaNetStep(l))?;
         // CPU twin: the conv state oldest first, from the ring.
         let mut conv_state: Vec<f32> = (0..taps - 1)
             .flat_map(|j| ring[((position + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec())
@@ -703,19 +703,19 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             );
         }
         report.check(
-            "gdn_step: output (conv, silu, l2norm, gates, delta rule)",
+            "deltanet_step: output (conv, silu, l2norm, gates, delta rule)",
             rel_err(&download_f32(g, &s.core, nv * dv)?, &expected_core),
             1e-4,
         );
         report.check(
-            "gdn_step: recurrent state",
+            "deltanet_step: recurrent state",
             rel_err(&download_f32(g, &s.recurrent[slot], nv * dk * dv)?, &expected_state),
             1e-4,
         );
         let ring_after = download_f32(g, &s.conv_ring[slot], taps * conv_dim)?;
         let slot_now = position % taps;
         report.check(
-            "gdn_step: conv ring holds the new input",
+            "deltanet_step: conv ring holds the new input",
             rel_err(
                 &ring_after[slot_now * conv_dim..(slot_now + 1) * conv_dim],
                 &proj[..conv_dim],
@@ -728,7 +728,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let hidden = normals(&mut rng, h, 1.0);
         g.upload(s.core.ptr(), &core)?;
         g.upload(s.hidden.ptr(), &hidden)?;
-        run(model, Op::GdnOutProj(l))?;
+        run(model, Op::DeltaNetOutProj(l))?;
         let mut normed = core.clone();
         rmsnorm_in_place(&mut normed, &d.norm, c.rms_norm_eps);
         for (o, z) in normed.iter_mut().zip(&proj[conv_dim..conv_dim + nv * dv]) {
@@ -738,7 +738,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         qmatmul(d.out_proj.view(), &normed, &mut out);
         let expected: Vec<f32> = hidden.iter().zip(&out).map(|(a, b)| a + b).collect();
         report.check(
-            "out_proj_gdn (gated norm + 4-bit matvec + residual)",
+            "out_proj_deltanet (gated norm + 4-bit matvec + residual)",
             rel_err(&download_f32(g, &s.hidden, h)?, &expected),
             1e-4,
         );

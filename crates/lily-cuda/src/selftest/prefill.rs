@@ -38,7 +38,7 @@ pub(crate) fn check(
         .collect();
     let tokens_buf = gpu.upload_new(&tokens)?;
     poison(gpu, &s.hidden)?;
-    prefill::embed_rows(l, rows, tokens_buf.ptr(), 3, gw.embed.q4(), s.hidden.ptr())?;
+    prefill::embed_rows(l, rows, tokens_buf.ptr(), 3, gw.embed_tokens.q4(), s.hidden.ptr())?;
     let mut expected = vec![0.0; t * h];
     for (r, row) in expected.chunks_mut(h).enumerate() {
         w.embed_tokens.view().dequantize_row(tokens[3 + r] as usize, row);
@@ -54,7 +54,7 @@ pub(crate) fn check(
     gpu.upload(s.hidden.ptr(), &hidden)?;
     poison(gpu, &s.normed)?;
     poison(gpu, &s.normed_lo)?;
-    let norm = gw.layers[0].input_norm.ptr();
+    let norm = gw.layers[0].input_layernorm.ptr();
     prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), norm, s.normed.ptr(), s.normed_lo.ptr())?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;

@@ -7,9 +7,9 @@ use lily_model::cpu::deltanet::CHUNK;
 use lily_model::Config;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
-use crate::kernels::deltanet_prefill as gdn_prefill;
+use crate::kernels::deltanet_prefill;
 use crate::launch::{Dims, Launcher};
-use crate::weights::GpuDeltaNet;
+use crate::weights::GpuGatedDeltaNet;
 
 const THREADS: u32 = 256;
 const WARPS_PER_BLOCK: usize = THREADS as usize / 32;
@@ -21,7 +21,7 @@ pub(crate) fn proj_dim(c: &Config) -> usize {
 
 /// One call's intermediate values, for up to `max_tokens` tokens (rounded up to whole chunks of 64); the layouts
 /// are in deltanet_prefill.cu's top comment.
-pub struct GdnScratch {
+pub struct DeltaNetScratch {
     pub(crate) max_tokens: usize,
     /// f32 `[key heads][tokens][head dim]`: l2-normed q (times 1/sqrt(dim)) and k.
     pub(crate) q: DevBuf<f32>,
@@ -36,12 +36,12 @@ pub struct GdnScratch {
     pub(crate) attn: DevBuf<f32>,
 }
 
-impl GdnScratch {
-    pub fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<GdnScratch> {
+impl DeltaNetScratch {
+    pub fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<DeltaNetScratch> {
         let padded = max_tokens.div_ceil(CHUNK) * CHUNK;
         let (key_heads, value_heads) = (config.linear_num_key_heads, config.linear_num_value_heads);
         let dim = config.linear_key_head_dim;
-        Ok(GdnScratch {
+        Ok(DeltaNetScratch {
             max_tokens,
             q: gpu.alloc(key_heads * padded * dim)?,
             k: gpu.alloc(key_heads * padded * dim)?,
@@ -67,7 +67,7 @@ impl GdnScratch {
         proj: DevPtr<f32>,
         ring: DevPtr<f32>,
         state: DevPtr<f32>,
-        weights: &GpuDeltaNet,
+        weights: &GpuGatedDeltaNet,
         out: DevPtr<bf16>,
     ) -> Result<()> {
         assert!(
@@ -77,10 +77,10 @@ impl GdnScratch {
         );
         let (t32, start32) = (t as i32, start as i32);
         let value_heads = config.linear_num_value_heads;
-        let chunks_shared = l.kernels.constant("gdn_chunks_shared_bytes") as u32;
-        let state_shared = l.kernels.constant("gdn_state_shared_bytes") as u32;
-        let split = l.kernels.constant("gdn_state_split") as u32;
-        gdn_prefill::gdn_prefill_chunks(
+        let chunks_shared = l.kernels.constant("deltanet_chunks_shared_bytes") as u32;
+        let state_shared = l.kernels.constant("deltanet_state_shared_bytes") as u32;
+        let split = l.kernels.constant("deltanet_state_split") as u32;
+        deltanet_prefill::deltanet_prefill_chunks(
             l,
             Dims::new(
                 (t.div_ceil(CHUNK) as u32, config.linear_num_key_heads as u32, 1),
@@ -91,7 +91,7 @@ impl GdnScratch {
             t32,
             start32,
             ring,
-            weights.conv_w.ptr(),
+            weights.conv1d.ptr(),
             weights.a_log.ptr(),
             weights.dt_bias.ptr(),
             self.q.ptr(),
@@ -102,7 +102,7 @@ impl GdnScratch {
             self.inverse.ptr(),
             self.attn.ptr(),
         )?;
-        gdn_prefill::gdn_prefill_state(
+        deltanet_prefill::deltanet_prefill_state(
             l,
             Dims::new((value_heads as u32, split, 1), THREADS).shared(state_shared),
             self.q.ptr(),
@@ -115,7 +115,7 @@ impl GdnScratch {
             t32,
             state,
         )?;
-        gdn_prefill::gdn_prefill_norm(
+        deltanet_prefill::deltanet_prefill_norm(
             l,
             Dims::linear((t * value_heads).div_ceil(WARPS_PER_BLOCK) as u32, THREADS),
             self.v_o.ptr(),

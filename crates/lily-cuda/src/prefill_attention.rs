@@ -53,7 +53,7 @@ pub(crate) fn key_split(t: usize, start: usize, kv_heads: usize, sm_count: usize
 }
 
 /// The attention's buffers for up to `max_tokens` tokens a call.
-pub struct AttnScratch {
+pub struct AttentionScratch {
     pub(crate) max_tokens: usize,
     pub(crate) sm_count: usize,
     /// bf16 `[token][heads][head_dim]`: normed, rotated queries times 1/sqrt(head_dim).
@@ -64,8 +64,8 @@ pub struct AttnScratch {
     pub(crate) part_ml: DevBuf<f32>,
 }
 
-impl AttnScratch {
-    pub fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<AttnScratch> {
+impl AttentionScratch {
+    pub fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<AttentionScratch> {
         let c = config;
         // The most part rows any call may need (a call with one chunk writes none).
         let part_rows = (1..=max_tokens)
@@ -75,7 +75,7 @@ impl AttnScratch {
             })
             .max()
             .unwrap_or(0);
-        Ok(AttnScratch {
+        Ok(AttentionScratch {
             max_tokens,
             sm_count: gpu.sm_count,
             q: gpu.alloc(max_tokens * c.q_dim())?,
