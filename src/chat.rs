@@ -58,7 +58,7 @@ pub struct ChatArgs {
     context: usize,
     /// Where to run: CUDA where a GPU is usable (auto), or the one named.
     #[arg(long, value_enum, default_value = "auto")]
-    device: lily_cuda::cli::Device,
+    device: crate::cuda_cmd::Device,
     /// Print prompt size and speed after each answer.
     #[arg(long)]
     stats: bool,
@@ -158,7 +158,7 @@ pub fn generate_turn(
             interrupted = true;
             break;
         }
-        let token = backend.sample(sampler);
+        let token = backend.sample(sampler)?;
         for delta in output.push_token(token)? {
             on_delta(delta)?;
         }
@@ -365,7 +365,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     }
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let template = ChatTemplate::from_dir(&dir)?;
-    let mut backend = lily_cuda::cli::backend(args.device, &dir, args.context, || load_model(&dir))?;
+    let mut backend = crate::cuda_cmd::backend(args.device, &dir, args.context, || load_model(&dir))?;
     let eos = backend.config().eos_token_ids.clone();
     let mut sampler = Sampler::new(params);
     let color = color_enabled();

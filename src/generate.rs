@@ -44,7 +44,7 @@ pub struct GenerateArgs {
     ignore_eos: bool,
     /// Where to run: CUDA where a GPU is usable (auto), or the one named.
     #[arg(long, value_enum, default_value = "auto")]
-    device: lily_cuda::cli::Device,
+    device: crate::cuda_cmd::Device,
     /// Treat --prompt as a user message: render it with the model's chat template and print only the answer on
     /// stdout (the reasoning goes to stderr).
     #[arg(long)]
@@ -100,7 +100,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             args.context
         );
     }
-    let mut backend = lily_cuda::cli::backend(args.device, &dir, args.context, || load_model(&dir))?;
+    let mut backend = crate::cuda_cmd::backend(args.device, &dir, args.context, || load_model(&dir))?;
     let mut sampler = Sampler::new(params);
     let eos = backend.config().eos_token_ids.clone();
 
@@ -114,7 +114,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut generated = 0;
     let mut decode_steps = 0;
     loop {
-        let token = backend.sample(&mut sampler);
+        let token = backend.sample(&mut sampler)?;
         generated += 1;
         if !args.ignore_eos && eos.contains(&token) {
             break;
@@ -159,7 +159,7 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
             args.context
         );
     }
-    let mut backend = lily_cuda::cli::backend(args.device, dir, args.context, || load_model(dir))?;
+    let mut backend = crate::cuda_cmd::backend(args.device, dir, args.context, || load_model(dir))?;
     let mut sampler = Sampler::new(params);
     let eos = if args.ignore_eos {
         Vec::new()

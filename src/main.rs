@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod chat;
+mod cuda_cmd;
 mod generate;
 mod inspect;
 mod synth_cmd;
@@ -30,9 +31,9 @@ enum Command {
     Render(inspect::RenderArgs),
     /// Check every CUDA kernel and the whole GPU model against the CPU backend (needs a GPU, except
     /// --compile-only).
-    Selftest(lily_cuda::cli::SelftestArgs),
+    Selftest(cuda_cmd::SelftestArgs),
     /// Measure GPU decode and prompt speed, llama-bench style.
-    Bench(lily_cuda::cli::BenchArgs),
+    Bench(cuda_cmd::BenchArgs),
     /// Serve the OpenAI-compatible HTTP API (chat, completions, models, tokenize, metrics).
     Serve(lily_server::ServeArgs),
 }
@@ -49,8 +50,8 @@ fn main() -> ExitCode {
         Command::Chat(args) => chat::run(args),
         Command::Tokenize(args) => inspect::run_tokenize(args),
         Command::Render(args) => inspect::run_render(args),
-        Command::Selftest(args) => lily_cuda::cli::selftest(args),
-        Command::Bench(args) => lily_cuda::cli::bench(args),
+        Command::Selftest(args) => cuda_cmd::selftest(args),
+        Command::Bench(args) => cuda_cmd::bench(args),
         Command::Serve(args) => lily_server::run(args),
     };
     match result {

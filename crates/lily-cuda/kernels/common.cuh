@@ -1,5 +1,5 @@
 // Shared by every kernel file (prepended to each at compile time). The model's dimensions arrive as -D defines
-// from the Config (see kernels.rs), so the tiny and the full model run the same code.
+// from the Config (see src/kernels/mod.rs), so the tiny and the full model run the same code.
 //
 // Quantized matrices: MLX's packed 4-bit (or 8-bit) rows, `cols * bits / 32` u32 words a row, low bits first;
 // beside them one bf16x2 (scale, bias) per group of 64 inputs, `[rows][cols / 64]` (repacked from MLX's two
@@ -67,17 +67,18 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// Whether value va at index a ranks before value vb at index b: the larger value first, the lower index among
+// equal values. Every choice of the largest (greedy tokens, top-k experts, top-k candidates) uses this one order.
+// A macro, so each use compiles exactly as the expression written out; `ranks_before` is the same order as a
+// function, for rank counting over arrays.
+#define RANKS_BEFORE(va, a, vb, b) ((va) > (vb) || ((va) == (vb) && (a) < (b)))
+__device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) { return RANKS_BEFORE(va, a, vb, b); }
+
 // 2^23 + q as a float's bits, minus 2^23: a 4-bit integer to float in two integer/float ops, no conversion unit.
 __device__ __forceinline__ float nibble_to_float(u32 word, int shift) {
     return __uint_as_float(0x4B000000u | ((word >> shift) & 0xFu)) - 8388608.f;
 }
 
-// Programmatic dependent launch (the decode step's kernels are launched with it): a kernel requests what does not
-// depend on its predecessor (its weights, its own state), then waits for the predecessor's results, and only then
-// lets the next kernel start. So one kernel at a time prefetches while another computes: letting every kernel
-// start at once (the next one's trigger at its start) queues the whole step's weight requests ahead of the loads
-// each kernel waits on. Before Hopper there is no dependent launch (the host launches plainly there), and this is
-// a no-op.
 #ifdef LILY_TIMELINE
 // `lily bench --timeline`: the first thread of each kernel takes the next slot before its wait (kernels start in
 // launch order, so slots follow it) and writes the global clock (ns) there when the wait returns.
@@ -90,6 +91,11 @@ struct Timeline {
 __device__ Timeline* timeline;  // set by the host in every module
 #endif
 
+// Programmatic dependent launch (the decode step's kernels are launched with it): a kernel requests what does not
+// depend on its predecessor (its weights, its own state), calls this to wait for the predecessor's results, and
+// only then lets the next kernel start. So one kernel at a time prefetches while another computes; were the next
+// kernel let start at once, the whole step's weight requests would queue ahead of the loads each kernel waits on.
+// Before Hopper there is no dependent launch (the host launches plainly there), and the wait is a no-op.
 __device__ __forceinline__ void wait_previous() {
 #ifdef LILY_TIMELINE
     const bool first = threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && timeline;

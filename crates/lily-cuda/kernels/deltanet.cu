@@ -2,18 +2,18 @@
 // l2-norms, the gates and the delta-rule update of the f32 state; writes the raw output o (the gated RMSNorm is
 // applied in front of the output projection, which needs the whole head).
 //
-// Grid (value heads, GDN_SPLIT): a block owns DV/GDN_SPLIT state columns of one value head (the columns of the
-// recurrence are independent). The conv keeps the last CONV_K inputs in a ring indexed by position % CONV_K, so
-// the slot written this step is one no block reads this step.
+// Grid (value heads, DELTANET_SPLIT): a block owns DV/DELTANET_SPLIT state columns of one value head (the columns
+// of the recurrence are independent). The conv keeps the last CONV_K inputs in a ring indexed by position % CONV_K,
+// so the slot written this step is one no block reads this step.
 
-#define GDN_SPLIT 4
-#define GDN_THREADS 256
+#define DELTANET_SPLIT 4
+#define DELTANET_THREADS 256
 #define DK LIN_HEAD_DIM
 #define DV LIN_HEAD_DIM
-#define COLS_PER_BLOCK (DV / GDN_SPLIT)
-#define ROW_GROUPS (GDN_THREADS / COLS_PER_BLOCK)
+#define COLS_PER_BLOCK (DV / DELTANET_SPLIT)
+#define ROW_GROUPS (DELTANET_THREADS / COLS_PER_BLOCK)
 #define ROWS_PER_THREAD (DK / ROW_GROUPS)
-static_assert(2 * DK == GDN_THREADS, "one thread per q/k channel of the key head");
+static_assert(2 * DK == DELTANET_THREADS, "one thread per q/k channel of the key head");
 static_assert(DK % ROW_GROUPS == 0, "state rows split evenly");
 
 // The conv taps of channel c that come from earlier steps (ring slots other than position % CONV_K, which this
@@ -36,10 +36,9 @@ struct ConvTaps {
 
 // proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)]. What does not depend on this
 // step's input projection (the state, the conv taps and weights, the position) is requested before the wait.
-extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_step(const int* position_ptr, const float* proj,
-                                                                   float* ring, const float* conv_w,
-                                                                   const float* a_log, const float* dt_bias,
-                                                                   float* state, float* core) {
+extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
+    deltanet_step(const int* position_ptr, const float* proj, float* ring, const float* conv_w, const float* a_log,
+                  const float* dt_bias, float* state, float* core) {
     __shared__ float q[DK], k[DK];
     __shared__ float v[COLS_PER_BLOCK];
     __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];

@@ -10,18 +10,18 @@
 // lily_model::cpu::deltanet::chunked is the CPU twin (it forms U = T beta v and W = T beta e^c k instead).
 //
 // Work split, three launches:
-//  gdn_prefill_chunks, grid (chunks, key heads), 256 threads: everything that does not need the state, every
+//  deltanet_prefill_chunks, grid (chunks, key heads), 256 threads: everything that does not need the state, every
 //    chunk at once. A block reads its 64 token rows (and the conv ring before the first token), runs the causal
 //    conv + SiLU of the key head's q and k and of its two value heads' v, the l2-norms and the gates, and for
 //    both value heads builds A and P and inverts I + A: 16 x 16 diagonal blocks by substitution, then the
 //    off-diagonal blocks by distance from the diagonal, T_ij = -T_ii sum_k A_ik T_kj. Writes q, k, v, c, beta,
 //    T and P for the state pass.
-//  gdn_prefill_state, grid (value heads, STATE_SPLIT), 256 threads: the only sequential part, over the chunks in
+//  deltanet_prefill_state, grid (value heads, STATE_SPLIT), 256 threads: the only sequential part, over the chunks in
 //    order. A block owns COLS = 32 columns of one head's state (the columns of the recurrence are independent),
 //    in registers (f32) and as a tf32 operand copy in shared memory; per chunk it computes [q; k] S, X, V' = T X,
 //    o and the next S. The next chunk's operands stream in with cp.async while the current one is computed, each
 //    buffer refilled as soon as its last reader is done. o overwrites v in place.
-//  gdn_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
+//  deltanet_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
 //    into the bf16 rows of the output projection, and the conv ring's update (after the chunks kernel read it).
 //
 // Precision: every matrix product runs on tensor cores in tf32 (mma.m16n8k8, f32 accumulation): k k^T, q k^T,
@@ -29,7 +29,7 @@
 // significant bits, relative error <= 2^-11) where they are stored for a product; the state, the conv, norms,
 // gates, decays and every elementwise step stay f32, and the state is rounded only in its operand copy.
 //
-// Scratch (from the host's GdnScratch), with padded = chunks * 64 (tokens past t are zeros, with g = beta = 0,
+// Scratch (from the host's DeltaNetScratch), with padded = chunks * 64 (tokens past t are zeros, with g = beta = 0,
 // which leaves T, the decays and the state untouched):
 //   q, k: f32 [LIN_K_HEADS][padded][DK] (q scaled by 1/sqrt(DK), both tf32);  v (then o): f32
 //   [LIN_V_HEADS][padded][DV];  decay (c), beta: f32 [LIN_V_HEADS][padded];  inverse (T), attn (P): f32
@@ -50,9 +50,9 @@ static_assert(CHUNK == 2 * WARP && PREFILL_WARPS == 8, "the chunk's scan and til
 
 #define CHUNKS_SHARED_FLOATS (2 * CHUNK * DK + 2 * CHUNK * CHUNK)
 #define STATE_SHARED_FLOATS (3 * CHUNK * DK + 2 * CHUNK * CHUNK + 4 * CHUNK * COLS + DK * COLS + 4 * CHUNK)
-extern "C" __device__ const int gdn_chunks_shared_bytes = CHUNKS_SHARED_FLOATS * 4;
-extern "C" __device__ const int gdn_state_shared_bytes = STATE_SHARED_FLOATS * 4;
-extern "C" __device__ const int gdn_state_split = STATE_SPLIT;
+extern "C" __device__ const int deltanet_chunks_shared_bytes = CHUNKS_SHARED_FLOATS * 4;
+extern "C" __device__ const int deltanet_state_shared_bytes = STATE_SHARED_FLOATS * 4;
+extern "C" __device__ const int deltanet_state_split = STATE_SPLIT;
 
 // Round to nearest tf32 (ties away from zero), kept as an f32 whose low 13 mantissa bits are zero.
 __device__ __forceinline__ float round_tf32(float x) {
@@ -168,9 +168,9 @@ __device__ __forceinline__ void conv_chunk(const float* proj, const float* ring,
     }
 }
 
-// Grid (chunks, LIN_K_HEADS), PREFILL_THREADS threads, gdn_chunks_shared_bytes of dynamic shared memory.
+// Grid (chunks, LIN_K_HEADS), PREFILL_THREADS threads, deltanet_chunks_shared_bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
-    gdn_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
+    deltanet_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
                        const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,
                        float* decay_out, float* beta_out, float* inverse_out, float* attn_out) {
     extern __shared__ float4 chunks_shared[];
@@ -361,14 +361,14 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     }
 }
 
-// Grid (LIN_V_HEADS, STATE_SPLIT), PREFILL_THREADS threads, gdn_state_shared_bytes of dynamic shared memory.
+// Grid (LIN_V_HEADS, STATE_SPLIT), PREFILL_THREADS threads, deltanet_state_shared_bytes of dynamic shared memory.
 // state: f32 [LIN_V_HEADS][DK][DV], read and written. v_o: v in, o out (same layout).
 //
 // Warp roles per chunk: [q; k] S with warp w on rows 16 (w % 4) of q (w < 4) or k (w >= 4); warps 4-7 turn
 // their k S rows into X, warps 0-3 keep e^c q S as the start of their o rows; T X on (16-row, 16-column) tiles;
 // warps 0-3 add P V' to their o rows; each warp updates state rows 16 w .. 16 w + 15, which it holds throughout.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
-    gdn_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
+    deltanet_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
                       const float* inverse, const float* attn, int t, float* state) {
     extern __shared__ float4 state_shared[];
     float* qs = (float*)state_shared;   // [CHUNK][DK]
@@ -584,10 +584,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 }
 
 // Grid (ceil(t * LIN_V_HEADS / PREFILL_WARPS)), PREFILL_THREADS threads: a warp per (token, value head),
-// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_gdn computes it. Then the
+// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_deltanet computes it. Then the
 // ring gets the raw conv inputs of the call's last min(t, CONV_K) tokens at their slots, as decode leaves it.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
-    gdn_prefill_norm(const float* o, const float* proj, const float* norm_w, int t, int start, float* ring,
+    deltanet_prefill_norm(const float* o, const float* proj, const float* norm_w, int t, int start, float* ring,
                      bf16* out) {
     static_assert(DV == 4 * WARP && PROJ_DIM % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
     const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;

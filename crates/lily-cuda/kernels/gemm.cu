@@ -40,7 +40,7 @@
 static_assert(HIDDEN % KT == 0 && MOE_INTER % KT == 0, "products run over whole quantization groups");
 static_assert(MOE_INTER % (WROWS / 2) == 0, "a gate/up block takes 128 columns of gate and of up");
 
-// Read by the host (kernels.rs constants).
+// Read by the host (the constants of src/kernels/gemm.rs).
 __device__ int moe_tile_rows = MOE_TILE_ROWS;
 __device__ int gemm_stages = GEMM_STAGES;
 __device__ int moe_gate_up_col_blocks = MOE_INTER / (WROWS / 2);

@@ -38,7 +38,7 @@ struct GatedNormInput {
 struct HeadRmsScale {
     __device__ __forceinline__ float operator()(float sum_sq) const { return rms_inv(sum_sq, LIN_HEAD_DIM); }
 };
-extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_gdn(const float* core, const float* z,
+extern "C" __global__ void __launch_bounds__(MV_THREADS) out_proj_deltanet(const float* core, const float* z,
                                                                       const float* norm_w, Q4 w, float* hidden) {
     typedef Matvec<LIN_V_DIM, MV_KSPLIT_WIDE> M;
     __shared__ typename M::Shared sh;
@@ -63,5 +63,5 @@ extern "C" __global__ void advance_position(int* position) {
 
 // Rows a block of each matrix-vector kernel takes at once; the host sizes grids with them.
 extern "C" __device__ const int rows_per_block_hidden = Matvec<HIDDEN, MV_KSPLIT_HIDDEN>::ROWS_PER_BLOCK;
-extern "C" __device__ const int rows_per_block_lin_v = Matvec<LIN_V_DIM, MV_KSPLIT_WIDE>::ROWS_PER_BLOCK;
+extern "C" __device__ const int rows_per_block_linear_v = Matvec<LIN_V_DIM, MV_KSPLIT_WIDE>::ROWS_PER_BLOCK;
 extern "C" __device__ const int rows_per_block_q = Matvec<Q_DIM, MV_KSPLIT_WIDE>::ROWS_PER_BLOCK;

@@ -69,13 +69,13 @@ __device__ void route(const float* logits, int* ids, float* weights) {
 #pragma unroll
         for (int i = 0; i < PER_LANE; i++) {
             const int e = lane + WARP * i;
-            if (e < NUM_EXPERTS && (v[i] > best || (v[i] == best && e < best_e))) best = v[i], best_e = e;
+            if (e < NUM_EXPERTS && RANKS_BEFORE(v[i], e, best, best_e)) best = v[i], best_e = e;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float ob = __shfl_xor_sync(0xffffffffu, best, o);
             const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+            if (RANKS_BEFORE(ob, oe, best, best_e)) best = ob, best_e = oe;
         }
 #pragma unroll
         for (int i = 0; i < PER_LANE; i++)

@@ -19,7 +19,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
         __device__ __forceinline__ void store(int r, float dot, float sum_sq, float) {
             const float v = dot * rms_inv(sum_sq, HIDDEN);
             logits[r] = v;
-            if (v > best || (v == best && r < arg)) best = v, arg = r;
+            if (RANKS_BEFORE(v, r, best, arg)) best = v, arg = r;
         }
     };
     Stager<HIDDEN, M::WARPS, NormedInput> stager{NormedInput{hidden, norm}};
@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
         for (int o = 16; o > 0; o >>= 1) {
             const float ob = __shfl_xor_sync(0xffffffffu, best, o);
             const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-            if (ob > best || (ob == best && oa < arg)) best = ob, arg = oa;
+            if (RANKS_BEFORE(ob, oa, best, arg)) best = ob, arg = oa;
         }
     };
     reduce_best();
@@ -41,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int i = 1; i < MV_THREADS / WARP; i++)
-            if (warp_best[i] > best || (warp_best[i] == best && warp_arg[i] < arg)) best = warp_best[i], arg = warp_arg[i];
+            if (RANKS_BEFORE(warp_best[i], warp_arg[i], best, arg)) best = warp_best[i], arg = warp_arg[i];
         block_best[blockIdx.x] = best;
         block_arg[blockIdx.x] = arg;
         __threadfence();
@@ -54,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
     for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
         const float v = __ldcg(block_best + b);
         const int a = __ldcg(block_arg + b);
-        if (v > best || (v == best && a < arg)) best = v, arg = a;
+        if (RANKS_BEFORE(v, a, best, arg)) best = v, arg = a;
     }
     reduce_best();
     __syncthreads();
@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int i = 1; i < MV_THREADS / WARP; i++)
-            if (warp_best[i] > best || (warp_best[i] == best && warp_arg[i] < arg)) best = warp_best[i], arg = warp_arg[i];
+            if (RANKS_BEFORE(warp_best[i], warp_arg[i], best, arg)) best = warp_best[i], arg = warp_arg[i];
         *next_token = arg;
         *blocks_done = 0;
     }
@@ -134,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const float*
         const int id = cand_id[t];
         int rank = 0;
         for (int j = 0; j < want; j++)
-            rank += cand_logit[j] > l || (cand_logit[j] == l && cand_id[j] < id);
+            rank += RANKS_BEFORE(cand_logit[j], cand_id[j], l, id);
         sorted_logit[rank] = l, sorted_id[rank] = id;
     }
     __syncthreads();

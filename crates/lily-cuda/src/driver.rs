@@ -3,6 +3,7 @@
 //! events. Every call's status is checked and returned as an error.
 
 use std::ffi::c_void;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
@@ -57,25 +58,99 @@ fn driver_err(call: &'static str) -> impl Fn(result::DriverError) -> GpuError {
     }
 }
 
-/// A device allocation, freed on drop.
-pub struct DevBuf {
-    pub ptr: sys::CUdeviceptr,
-    pub bytes: usize,
+/// A typed device address: where a kernel argument of type `T*` points. Copying one does not copy the memory.
+pub struct DevPtr<T> {
+    addr: sys::CUdeviceptr,
+    _elem: PhantomData<*const T>,
 }
 
-impl DevBuf {
-    /// The address `offset` bytes in.
-    pub fn at(&self, offset: usize) -> sys::CUdeviceptr {
-        debug_assert!(offset <= self.bytes);
-        self.ptr + offset as u64
+impl<T> Clone for DevPtr<T> {
+    fn clone(&self) -> Self {
+        *self
     }
 }
 
-impl Drop for DevBuf {
+impl<T> Copy for DevPtr<T> {}
+
+impl<T> std::fmt::Debug for DevPtr<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevPtr({:#x})", self.addr)
+    }
+}
+
+impl<T> DevPtr<T> {
+    /// The null pointer (kernels take it for "no such output").
+    pub const NULL: DevPtr<T> = DevPtr::from_raw(0);
+
+    pub const fn from_raw(addr: sys::CUdeviceptr) -> DevPtr<T> {
+        DevPtr {
+            addr,
+            _elem: PhantomData,
+        }
+    }
+
+    /// The untyped address.
+    pub fn raw(self) -> sys::CUdeviceptr {
+        self.addr
+    }
+
+    /// The address `count` elements further on.
+    pub fn offset(self, count: usize) -> DevPtr<T> {
+        DevPtr::from_raw(self.addr + (count * std::mem::size_of::<T>()) as u64)
+    }
+
+    /// The same address seen as another element type (a buffer that holds two kinds of data, or a kernel that
+    /// reads raw bits).
+    pub fn cast<U>(self) -> DevPtr<U> {
+        DevPtr::from_raw(self.addr)
+    }
+}
+
+/// A device allocation of `len` values of `T`, freed on drop.
+pub struct DevBuf<T> {
+    addr: sys::CUdeviceptr,
+    len: usize,
+    _elem: PhantomData<T>,
+}
+
+// The memory belongs to the one context, used by one thread at a time; `T` is only a label.
+unsafe impl<T> Send for DevBuf<T> {}
+unsafe impl<T> Sync for DevBuf<T> {}
+unsafe impl<T> Send for DevPtr<T> {}
+unsafe impl<T> Sync for DevPtr<T> {}
+
+impl<T> DevBuf<T> {
+    /// The address of the first value.
+    pub fn ptr(&self) -> DevPtr<T> {
+        DevPtr::from_raw(self.addr)
+    }
+
+    /// The address of value `index` (`index == len` gives the end).
+    pub fn at(&self, index: usize) -> DevPtr<T> {
+        debug_assert!(index <= self.len);
+        self.ptr().offset(index)
+    }
+
+    /// Values the buffer holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes the buffer holds.
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+}
+
+impl<T> Drop for DevBuf<T> {
     fn drop(&mut self) {
-        if self.bytes > 0 {
+        if self.addr != 0 {
             // Errors while freeing at drop have nowhere to go; the context is torn down soon after anyway.
-            let _ = unsafe { result::free_sync(self.ptr) };
+            let _ = unsafe { result::free_sync(self.addr) };
         }
     }
 }
@@ -85,7 +160,7 @@ impl Drop for DevBuf {
 pub struct HostCell {
     host: *mut i32,
     /// The address kernels write to.
-    pub ptr: sys::CUdeviceptr,
+    pub ptr: DevPtr<i32>,
 }
 
 // Written by the GPU and read by the one thread that uses the backend, after a synchronisation.
@@ -162,21 +237,34 @@ impl Gpu {
         self._ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
     }
 
-    pub fn alloc(&self, bytes: usize) -> Result<DevBuf> {
-        if bytes == 0 {
-            return Ok(DevBuf { ptr: 0, bytes: 0 });
-        }
-        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| match driver_err("cuMemAlloc")(e) {
-            GpuError::Driver { name, .. } => GpuError::Other(format!("cuMemAlloc of {bytes} bytes: {name}")),
-            other => other,
-        })?;
-        Ok(DevBuf { ptr, bytes })
+    /// Room for `len` values of `T`, uninitialised.
+    pub fn alloc<T>(&self, len: usize) -> Result<DevBuf<T>> {
+        let bytes = len * std::mem::size_of::<T>();
+        let addr = match bytes {
+            0 => 0,
+            _ => unsafe { result::malloc_sync(bytes) }.map_err(|e| match driver_err("cuMemAlloc")(e) {
+                GpuError::Driver { name, .. } => GpuError::Other(format!("cuMemAlloc of {bytes} bytes: {name}")),
+                other => other,
+            })?,
+        };
+        Ok(DevBuf {
+            addr,
+            len,
+            _elem: PhantomData,
+        })
     }
 
-    /// An allocation filled with zero bytes.
-    pub fn alloc_zeroed(&self, bytes: usize) -> Result<DevBuf> {
-        let buf = self.alloc(bytes)?;
-        self.memset_u8(buf.ptr, 0, bytes)?;
+    /// Room for `len` values of `T`, filled with zero bytes.
+    pub fn alloc_zeroed<T>(&self, len: usize) -> Result<DevBuf<T>> {
+        let buf = self.alloc(len)?;
+        self.memset_u8(buf.ptr(), 0, buf.bytes())?;
+        Ok(buf)
+    }
+
+    /// A new buffer holding a copy of `data` (waits for the copy).
+    pub fn upload_new<T: bytemuck::Pod>(&self, data: &[T]) -> Result<DevBuf<T>> {
+        let buf = self.alloc(data.len())?;
+        self.upload(buf.ptr(), data)?;
         Ok(buf)
     }
 
@@ -186,78 +274,84 @@ impl Gpu {
         check("cuMemHostAlloc", unsafe {
             sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP)
         })?;
-        let mut cell = HostCell {
+        let mut addr: sys::CUdeviceptr = 0;
+        let cell = HostCell {
             host: host as *mut i32,
-            ptr: 0,
+            ptr: DevPtr::NULL,
         };
         unsafe { std::ptr::write_volatile(cell.host, 0) };
         check("cuMemHostGetDevicePointer", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut cell.ptr, host, 0)
+            sys::cuMemHostGetDevicePointer_v2(&mut addr, host, 0)
         })?;
-        Ok(cell)
-    }
-
-    /// Queues a write of one 32-bit value to device memory, done by the stream itself (no copy, no host buffer).
-    pub fn write_u32(&self, ptr: sys::CUdeviceptr, value: u32) -> Result<()> {
-        check("cuStreamWriteValue32", unsafe {
-            sys::cuStreamWriteValue32_v2(self.stream, ptr, value, 0)
+        Ok(HostCell {
+            ptr: DevPtr::from_raw(addr),
+            ..cell
         })
     }
 
-    pub fn memset_u8(&self, ptr: sys::CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
+    /// Queues a write of one 32-bit value to device memory, done by the stream itself (no copy, no host buffer).
+    pub fn write_u32(&self, ptr: DevPtr<u32>, value: u32) -> Result<()> {
+        check("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(self.stream, ptr.raw(), value, 0)
+        })
+    }
+
+    /// Queues a fill of `bytes` bytes from `ptr` with `value`.
+    pub fn memset_u8<T>(&self, ptr: DevPtr<T>, value: u8, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
         check("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(ptr, value, bytes, self.stream)
+            sys::cuMemsetD8Async(ptr.raw(), value, bytes, self.stream)
         })
     }
 
-    pub fn memset_u32(&self, ptr: sys::CUdeviceptr, value: u32, count: usize) -> Result<()> {
+    /// Queues a fill of `count` 32-bit words from `ptr` with `value`.
+    pub fn memset_u32<T>(&self, ptr: DevPtr<T>, value: u32, count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
         check("cuMemsetD32Async", unsafe {
-            sys::cuMemsetD32Async(ptr, value, count, self.stream)
+            sys::cuMemsetD32Async(ptr.raw(), value, count, self.stream)
         })
     }
 
     /// Copies host data to `ptr` and waits for it.
-    pub fn upload<T: bytemuck::Pod>(&self, ptr: sys::CUdeviceptr, data: &[T]) -> Result<()> {
+    pub fn upload<T: bytemuck::Pod>(&self, ptr: DevPtr<T>, data: &[T]) -> Result<()> {
         if data.is_empty() {
             return Ok(());
         }
         let bytes: &[u8] = bytemuck::cast_slice(data);
         check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr() as *const c_void, bytes.len(), self.stream)
+            sys::cuMemcpyHtoDAsync_v2(ptr.raw(), bytes.as_ptr() as *const c_void, bytes.len(), self.stream)
         })?;
         self.sync()
     }
 
     /// Queues a copy of host data to `ptr`; `data` is pageable memory, which the driver stages before returning.
-    pub fn upload_async<T: bytemuck::Pod>(&self, ptr: sys::CUdeviceptr, data: &[T]) -> Result<()> {
+    pub fn upload_async<T: bytemuck::Pod>(&self, ptr: DevPtr<T>, data: &[T]) -> Result<()> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr() as *const c_void, bytes.len(), self.stream)
+            sys::cuMemcpyHtoDAsync_v2(ptr.raw(), bytes.as_ptr() as *const c_void, bytes.len(), self.stream)
         })
     }
 
     /// Copies device data at `ptr` into `out`, waiting for all queued work first.
-    pub fn download<T: bytemuck::Pod>(&self, ptr: sys::CUdeviceptr, out: &mut [T]) -> Result<()> {
+    pub fn download<T: bytemuck::Pod>(&self, ptr: DevPtr<T>, out: &mut [T]) -> Result<()> {
         if out.is_empty() {
             return Ok(());
         }
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
         check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(bytes.as_mut_ptr() as *mut c_void, ptr, bytes.len(), self.stream)
+            sys::cuMemcpyDtoHAsync_v2(bytes.as_mut_ptr() as *mut c_void, ptr.raw(), bytes.len(), self.stream)
         })?;
         self.sync()
     }
 
-    /// Queues a device-to-device copy.
-    pub fn copy(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    /// Queues a device-to-device copy of `count` values.
+    pub fn copy<T>(&self, dst: DevPtr<T>, src: DevPtr<T>, count: usize) -> Result<()> {
         check("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream)
+            sys::cuMemcpyDtoDAsync_v2(dst.raw(), src.raw(), count * std::mem::size_of::<T>(), self.stream)
         })
     }
 
@@ -265,12 +359,8 @@ impl Gpu {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream) })
     }
 
-    pub fn launch(&self, kernel: Kernel, grid: (u32, u32, u32), block: u32, args: &mut Args) -> Result<()> {
-        self.launch_shared(kernel, grid, block, 0, args)
-    }
-
     /// A launch with `shared` bytes of dynamic shared memory (up to the device's opt-in limit; see `Kernels`).
-    pub fn launch_shared(
+    pub(crate) fn launch_shared(
         &self,
         kernel: Kernel,
         grid: (u32, u32, u32),
@@ -299,7 +389,7 @@ impl Gpu {
     /// Like `launch_shared`, with programmatic dependent launch allowed: the kernel may start before the previous
     /// kernel on the stream ends, so it must wait (`griddepcontrol.wait`) before it reads that kernel's results or
     /// writes anything.
-    pub fn launch_dependent(
+    pub(crate) fn launch_dependent(
         &self,
         kernel: Kernel,
         grid: (u32, u32, u32),
@@ -415,7 +505,8 @@ impl Drop for Event {
 #[derive(Clone, Copy)]
 pub struct Kernel(pub(crate) sys::CUfunction);
 
-/// A kernel's arguments, each kept in its own 16-byte slot so the driver can read it through a pointer.
+/// A kernel's arguments, each kept in its own 16-byte slot so the driver can read it through a pointer. Only the
+/// typed launchers of [`crate::kernels`] build them.
 pub struct Args {
     slots: [[u64; 2]; MAX_ARGS],
     len: usize,
@@ -430,7 +521,7 @@ impl Default for Args {
 }
 
 impl Args {
-    pub fn new() -> Args {
+    pub(crate) fn new() -> Args {
         Args {
             slots: [[0; 2]; MAX_ARGS],
             len: 0,
@@ -442,21 +533,9 @@ impl Args {
         self.len += 1;
         self
     }
-    pub fn ptr(self, p: sys::CUdeviceptr) -> Args {
-        self.push([p, 0])
-    }
-    pub fn i32(self, v: i32) -> Args {
-        self.push([v as u32 as u64, 0])
-    }
-    pub fn u64(self, v: u64) -> Args {
-        self.push([v, 0])
-    }
-    pub fn f32(self, v: f32) -> Args {
-        self.push([v.to_bits() as u64, 0])
-    }
-    /// Two pointers passed as one struct (the kernels' `Q4`).
-    pub fn pair(self, a: sys::CUdeviceptr, b: sys::CUdeviceptr) -> Args {
-        self.push([a, b])
+    /// Appends one argument (see [`crate::kernels::KernelArg`]).
+    pub fn arg<A: crate::kernels::KernelArg>(self, a: A) -> Args {
+        self.push(a.slot())
     }
     fn pointers(&mut self) -> [*mut c_void; MAX_ARGS] {
         let mut out = [std::ptr::null_mut(); MAX_ARGS];

@@ -28,6 +28,32 @@ impl Profile {
     }
 }
 
+/// A launch's geometry: the grid, the threads of a block (one dimension) and its dynamic shared memory in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared: u32,
+}
+
+impl Dims {
+    /// `grid` blocks of `block` threads, no dynamic shared memory.
+    pub fn new(grid: (u32, u32, u32), block: u32) -> Dims {
+        Dims { grid, block, shared: 0 }
+    }
+
+    /// A one-dimensional grid of `blocks` blocks of `block` threads.
+    pub fn linear(blocks: u32, block: u32) -> Dims {
+        Dims::new((blocks, 1, 1), block)
+    }
+
+    /// The same with `bytes` of dynamic shared memory per block.
+    pub fn shared(self, bytes: u32) -> Dims {
+        Dims { shared: bytes, ..self }
+    }
+}
+
+/// Queues kernels on the GPU's stream; the typed launchers of [`crate::kernels`] go through it.
 pub struct Launcher<'a> {
     pub gpu: &'a Gpu,
     pub kernels: &'a Kernels,
@@ -36,16 +62,20 @@ pub struct Launcher<'a> {
     pub dependent: bool,
 }
 
-impl Launcher<'_> {
-    /// Queues `name` with `shared` bytes of dynamic shared memory.
-    pub fn launch(
-        &mut self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: u32,
-        shared: u32,
-        args: Args,
-    ) -> Result<()> {
+impl<'a> Launcher<'a> {
+    /// A launcher of plain (not dependent) launches without profiling.
+    pub fn new(gpu: &'a Gpu, kernels: &'a Kernels) -> Launcher<'a> {
+        Launcher {
+            gpu,
+            kernels,
+            profile: None,
+            dependent: false,
+        }
+    }
+
+    /// Queues kernel `name` with `args` (called by the typed launchers only).
+    pub(crate) fn launch(&mut self, name: &'static str, dims: Dims, args: Args) -> Result<()> {
+        let Dims { grid, block, shared } = dims;
         let mut args = args;
         let kernel = self.kernels.get(name);
         let (gpu, dependent) = (self.gpu, self.dependent);

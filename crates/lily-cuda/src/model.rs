@@ -8,60 +8,60 @@
 //! before it reads them or writes; only then may the kernel after it start.
 
 use lily_model::backend::Backend;
-use lily_model::config::LayerKind;
-use lily_model::cpu::attention::rope_inv_freq;
-use lily_model::cpu::model::ForwardError;
-use lily_model::sampling::Sampler;
+use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Config;
+use lily_model::ForwardError;
 
-use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, HostCell, Result};
-use crate::kernels::{Kernels, ATTN_SPLITS};
-use crate::launch::{Launcher, Profile};
+use half::bf16;
+
+use crate::driver::{check, DevBuf, Gpu, GpuError, Graph, HostCell, Result};
+use crate::kernels::{attention, deltanet, matvec, moe, sampling, synth, Kernels, ATTN_SPLITS};
+use crate::launch::{Dims, Launcher, Profile};
 use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
 /// Per-sequence state and the step's activations, all allocated up front.
 pub struct DeviceState {
     /// i32: the position of the token being processed (tokens already in the context).
-    pub position: DevBuf,
+    pub position: DevBuf<i32>,
     /// i32 `[max_context]`: the sequence's token ids.
-    pub tokens: DevBuf,
+    pub tokens: DevBuf<i32>,
     /// i32 in host memory: the token the last step chose greedily (or the sampler chose), read without a copy.
     pub next_token: HostCell,
-    pub hidden: DevBuf,
+    pub hidden: DevBuf<f32>,
     /// Input projections of the current mixer.
-    pub proj: DevBuf,
+    pub proj: DevBuf<f32>,
     /// DeltaNet raw output, or the gated attention output.
-    pub core: DevBuf,
-    pub q: DevBuf,
-    pub part_o: DevBuf,
-    pub part_ml: DevBuf,
+    pub core: DevBuf<f32>,
+    pub q: DevBuf<f32>,
+    pub part_o: DevBuf<f32>,
+    pub part_ml: DevBuf<f32>,
     /// The router's logits and the shared expert's gate (written for the self-test; the routing does not read them).
-    pub router_logits: DevBuf,
-    pub act: DevBuf,
-    pub route_ids: DevBuf,
-    pub route_w: DevBuf,
-    /// u32: set by experts_gate_up once the routing is written (see moe.cu).
-    pub route_ready: DevBuf,
-    pub logits: DevBuf,
-    pub block_best: DevBuf,
-    pub block_arg: DevBuf,
-    pub blocks_done: DevBuf,
-    pub inv_freq: DevBuf,
-    /// Per full-attention layer: bf16 `[max_context][kv_heads][head_dim]`.
-    pub k_cache: Vec<DevBuf>,
-    pub v_cache: Vec<DevBuf>,
-    /// Per DeltaNet layer: f32 `[conv_k][conv_dim]`, slot `position % conv_k` holds that position's input.
-    pub conv_ring: Vec<DevBuf>,
-    /// Per DeltaNet layer: f32 `[value_heads][key_dim][value_dim]`.
-    pub recurrent: Vec<DevBuf>,
+    pub router_logits: DevBuf<f32>,
+    pub act: DevBuf<f32>,
+    pub route_ids: DevBuf<i32>,
+    pub route_w: DevBuf<f32>,
+    /// Set by experts_gate_up once the routing is written (see moe.cu).
+    pub route_ready: DevBuf<u32>,
+    pub logits: DevBuf<f32>,
+    pub block_best: DevBuf<f32>,
+    pub block_arg: DevBuf<i32>,
+    pub blocks_done: DevBuf<u32>,
+    pub inv_freq: DevBuf<f32>,
+    /// Per full-attention layer: `[max_context][kv_heads][head_dim]`.
+    pub k_cache: Vec<DevBuf<bf16>>,
+    pub v_cache: Vec<DevBuf<bf16>>,
+    /// Per DeltaNet layer: `[conv_k][conv_dim]`, slot `position % conv_k` holds that position's input.
+    pub conv_ring: Vec<DevBuf<f32>>,
+    /// Per DeltaNet layer: `[value_heads][key_dim][value_dim]`.
+    pub recurrent: Vec<DevBuf<f32>>,
 }
 
 /// Launch geometry fixed by the model and the GPU.
 struct Grids {
-    proj_gdn: u32,
+    proj_deltanet: u32,
     proj_attn: u32,
-    out_proj_gdn: u32,
+    out_proj_deltanet: u32,
     out_proj_attn: u32,
     gate_up: u32,
     down: u32,
@@ -74,8 +74,8 @@ pub enum Op {
     Embed,
     /// The DeltaNet's q/k/v/z/b/a or the attention's q/k/v projection, with the input RMSNorm.
     MixerInProj(usize),
-    GdnStep(usize),
-    GdnOutProj(usize),
+    DeltaNetStep(usize),
+    DeltaNetOutProj(usize),
     AttnPrep(usize),
     AttnPartial(usize),
     AttnMerge(usize),
@@ -127,7 +127,7 @@ impl CudaModel {
         }
         let kernels = Kernels::load(&gpu, c)?;
         let weights = GpuWeights::load(&gpu, &kernels, c, source, progress)?;
-        let f32s = |n: usize| gpu.alloc_zeroed(n * 4);
+        let f32s = |n: usize| gpu.alloc_zeroed::<f32>(n);
         let occupancy = |name: &'static str, threads: i32| -> Result<usize> {
             let mut n = 0i32;
             check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
@@ -146,13 +146,17 @@ impl CudaModel {
         };
         let rpb_h = kernels.constant("rows_per_block_hidden");
         let grids = Grids {
-            proj_gdn: mv_grid(
+            proj_deltanet: mv_grid(
                 "proj_normed",
                 c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads,
                 rpb_h,
             )?,
             proj_attn: mv_grid("proj_normed", 2 * c.q_dim() + 2 * c.kv_dim(), rpb_h)?,
-            out_proj_gdn: mv_grid("out_proj_gdn", c.hidden_size, kernels.constant("rows_per_block_lin_v"))?,
+            out_proj_deltanet: mv_grid(
+                "out_proj_deltanet",
+                c.hidden_size,
+                kernels.constant("rows_per_block_linear_v"),
+            )?,
             out_proj_attn: mv_grid("out_proj_attn", c.hidden_size, kernels.constant("rows_per_block_q"))?,
             gate_up: blocks(
                 (c.num_experts_per_tok + 1) * c.moe_intermediate_size,
@@ -161,10 +165,10 @@ impl CudaModel {
             down: blocks(c.hidden_size, kernels.constant("down_rows_per_block")),
             lm_head: mv_grid("lm_head", c.vocab_size, rpb_h)?,
         };
-        let kv_bytes = max_context * c.kv_dim() * 2;
+        let kv_len = max_context * c.kv_dim();
         let state = DeviceState {
-            position: gpu.alloc_zeroed(4)?,
-            tokens: gpu.alloc_zeroed(max_context * 4)?,
+            position: gpu.alloc_zeroed(1)?,
+            tokens: gpu.alloc_zeroed(max_context)?,
             next_token: gpu.host_cell()?,
             hidden: f32s(c.hidden_size)?,
             proj: f32s(
@@ -177,24 +181,19 @@ impl CudaModel {
             part_ml: f32s(c.num_attention_heads * ATTN_SPLITS * 2)?,
             router_logits: f32s(c.num_experts + 1)?,
             act: f32s((c.num_experts_per_tok + 1) * c.moe_intermediate_size)?,
-            route_ids: gpu.alloc_zeroed(c.num_experts_per_tok * 4)?,
-            route_ready: gpu.alloc_zeroed(4)?,
+            route_ids: gpu.alloc_zeroed(c.num_experts_per_tok)?,
+            route_ready: gpu.alloc_zeroed(1)?,
             route_w: f32s(c.num_experts_per_tok + 1)?,
             logits: f32s(c.vocab_size)?,
             block_best: f32s(grids.lm_head as usize)?,
-            block_arg: gpu.alloc_zeroed(grids.lm_head as usize * 4)?,
-            blocks_done: gpu.alloc_zeroed(4)?,
-            inv_freq: {
-                let inv = rope_inv_freq(c.rope_theta, c.rotary_dim());
-                let buf = gpu.alloc(inv.len() * 4)?;
-                gpu.upload(buf.ptr, &inv)?;
-                buf
-            },
+            block_arg: gpu.alloc_zeroed(grids.lm_head as usize)?,
+            blocks_done: gpu.alloc_zeroed(1)?,
+            inv_freq: gpu.upload_new(&c.rope_inv_freq())?,
             k_cache: (0..c.num_full_layers())
-                .map(|_| gpu.alloc_zeroed(kv_bytes))
+                .map(|_| gpu.alloc_zeroed(kv_len))
                 .collect::<Result<_>>()?,
             v_cache: (0..c.num_full_layers())
-                .map(|_| gpu.alloc_zeroed(kv_bytes))
+                .map(|_| gpu.alloc_zeroed(kv_len))
                 .collect::<Result<_>>()?,
             conv_ring: (0..c.num_linear_layers())
                 .map(|_| f32s(c.linear_conv_kernel_dim * c.linear_conv_dim()))
@@ -203,15 +202,7 @@ impl CudaModel {
                 .map(|_| f32s(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
                 .collect::<Result<_>>()?,
         };
-        let (mut full, mut linear) = (0, 0);
-        let slot = c
-            .layer_types
-            .iter()
-            .map(|k| match k {
-                LayerKind::Full => (full, full += 1).0,
-                LayerKind::Linear => (linear, linear += 1).0,
-            })
-            .collect();
+        let slot = c.layer_slots();
         let chunk = PREFILL_CHUNK.min(max_context);
         let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
         gpu.sync()?;
@@ -229,23 +220,13 @@ impl CudaModel {
         })
     }
 
-    /// Launches a kernel of the decode step (each waits for its predecessor, so from Hopper on it may start early).
-    fn launch(
-        &self,
-        name: &'static str,
-        grid: (u32, u32, u32),
-        block: u32,
-        args: Args,
-        profile: &mut Option<&mut Profile>,
-    ) -> Result<()> {
-        let dependent = self.gpu.compute_capability.0 >= 9;
+    /// A launcher of the decode step's kernels: each waits for its predecessor, so from Hopper on it is launched
+    /// as a programmatic dependent launch and may start early.
+    fn step_launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
         Launcher {
-            gpu: &self.gpu,
-            kernels: &self.kernels,
-            profile: profile.as_deref_mut(),
-            dependent,
+            dependent: self.gpu.compute_capability.0 >= 9,
+            ..self.launcher(profile)
         }
-        .launch(name, grid, block, 0, args)
     }
 
     pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
@@ -263,7 +244,7 @@ impl CudaModel {
         let mut ops = vec![Op::Embed];
         for (l, layer) in self.weights.layers.iter().enumerate() {
             match layer.mixer {
-                GpuMixer::Linear(_) => ops.extend([Op::MixerInProj(l), Op::GdnStep(l), Op::GdnOutProj(l)]),
+                GpuMixer::Linear(_) => ops.extend([Op::MixerInProj(l), Op::DeltaNetStep(l), Op::DeltaNetOutProj(l)]),
                 GpuMixer::Full(_) => ops.extend([
                     Op::MixerInProj(l),
                     Op::AttnPrep(l),
@@ -294,7 +275,7 @@ impl CudaModel {
         let c = &self.config;
         let s = &self.state;
         let w = &self.weights;
-        let gdn = |l: usize| match &w.layers[l].mixer {
+        let deltanet = |l: usize| match &w.layers[l].mixer {
             GpuMixer::Linear(g) => Ok(g),
             GpuMixer::Full(_) => Err(GpuError::Other(format!("layer {l} is not a DeltaNet layer"))),
         };
@@ -302,171 +283,158 @@ impl CudaModel {
             GpuMixer::Full(a) => Ok(a),
             GpuMixer::Linear(_) => Err(GpuError::Other(format!("layer {l} is not an attention layer"))),
         };
+        let l = &mut self.step_launcher(p.as_deref_mut());
+        let mv = |grid: u32| Dims::linear(grid, 256);
         match op {
-            Op::Embed => self.launch(
-                "embed",
-                (blocks(c.hidden_size, 256), 1, 1),
-                256,
-                w.embed
-                    .arg(Args::new().ptr(s.position.ptr).ptr(s.tokens.ptr))
-                    .ptr(s.hidden.ptr),
-                p,
+            Op::Embed => matvec::embed(
+                l,
+                mv(blocks(c.hidden_size, 256)),
+                s.position.ptr(),
+                s.tokens.ptr(),
+                w.embed_tokens.q4(),
+                s.hidden.ptr(),
             ),
-            Op::MixerInProj(l) => {
-                let layer = &w.layers[l];
+            Op::MixerInProj(i) => {
+                let layer = &w.layers[i];
                 let (m, grid) = match &layer.mixer {
-                    GpuMixer::Linear(g) => (&g.in_proj, self.grids.proj_gdn),
+                    GpuMixer::Linear(g) => (&g.in_proj, self.grids.proj_deltanet),
                     GpuMixer::Full(a) => (&a.qkv, self.grids.proj_attn),
                 };
-                self.launch(
-                    "proj_normed",
-                    (grid, 1, 1),
-                    256,
-                    m.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.input_norm.ptr))
-                        .ptr(s.proj.ptr)
-                        .i32(m.rows as i32),
-                    p,
+                let (hidden, norm, proj) = (s.hidden.ptr(), layer.input_layernorm.ptr(), s.proj.ptr());
+                matvec::proj_normed(l, mv(grid), hidden, norm, m.q4(), proj, m.rows as i32)
+            }
+            Op::DeltaNetStep(i) => {
+                let g = deltanet(i)?;
+                let slot = self.slot[i];
+                deltanet::deltanet_step(
+                    l,
+                    Dims::new((c.linear_num_value_heads as u32, 4, 1), 256),
+                    s.position.ptr(),
+                    s.proj.ptr(),
+                    s.conv_ring[slot].ptr(),
+                    g.conv1d.ptr(),
+                    g.a_log.ptr(),
+                    g.dt_bias.ptr(),
+                    s.recurrent[slot].ptr(),
+                    s.core.ptr(),
                 )
             }
-            Op::GdnStep(l) => {
-                let g = gdn(l)?;
-                let slot = self.slot[l];
-                self.launch(
-                    "gdn_step",
-                    (c.linear_num_value_heads as u32, 4, 1),
-                    256,
-                    Args::new()
-                        .ptr(s.position.ptr)
-                        .ptr(s.proj.ptr)
-                        .ptr(s.conv_ring[slot].ptr)
-                        .ptr(g.conv_w.ptr)
-                        .ptr(g.a_log.ptr)
-                        .ptr(g.dt_bias.ptr)
-                        .ptr(s.recurrent[slot].ptr)
-                        .ptr(s.core.ptr),
-                    p,
+            Op::DeltaNetOutProj(i) => {
+                let g = deltanet(i)?;
+                let z = s.proj.at(c.linear_conv_dim());
+                let grid = mv(self.grids.out_proj_deltanet);
+                matvec::out_proj_deltanet(l, grid, s.core.ptr(), z, g.norm.ptr(), g.out_proj.q4(), s.hidden.ptr())
+            }
+            Op::AttnPrep(i) => {
+                let a = attn(i)?;
+                let slot = self.slot[i];
+                attention::attn_prep(
+                    l,
+                    Dims::linear(
+                        (c.num_attention_heads + c.num_key_value_heads) as u32,
+                        c.head_dim as u32,
+                    ),
+                    s.position.ptr(),
+                    s.proj.ptr(),
+                    a.q_norm.ptr(),
+                    a.k_norm.ptr(),
+                    s.inv_freq.ptr(),
+                    s.q.ptr(),
+                    s.k_cache[slot].ptr(),
+                    s.v_cache[slot].ptr(),
                 )
             }
-            Op::GdnOutProj(l) => {
-                let g = gdn(l)?;
-                let z = s.proj.at(c.linear_conv_dim() * 4);
-                self.launch(
-                    "out_proj_gdn",
-                    (self.grids.out_proj_gdn, 1, 1),
-                    256,
-                    g.out_proj
-                        .arg(Args::new().ptr(s.core.ptr).ptr(z).ptr(g.norm.ptr))
-                        .ptr(s.hidden.ptr),
-                    p,
+            Op::AttnPartial(i) => {
+                let slot = self.slot[i];
+                attention::attn_partial(
+                    l,
+                    Dims::new((c.num_key_value_heads as u32, ATTN_SPLITS as u32, 1), 256),
+                    s.position.ptr(),
+                    s.q.ptr(),
+                    s.k_cache[slot].ptr(),
+                    s.v_cache[slot].ptr(),
+                    s.part_o.ptr(),
+                    s.part_ml.ptr(),
                 )
             }
-            Op::AttnPrep(l) => {
-                let a = attn(l)?;
-                let slot = self.slot[l];
-                self.launch(
-                    "attn_prep",
-                    ((c.num_attention_heads + c.num_key_value_heads) as u32, 1, 1),
-                    c.head_dim as u32,
-                    Args::new()
-                        .ptr(s.position.ptr)
-                        .ptr(s.proj.ptr)
-                        .ptr(a.q_norm.ptr)
-                        .ptr(a.k_norm.ptr)
-                        .ptr(s.inv_freq.ptr)
-                        .ptr(s.q.ptr)
-                        .ptr(s.k_cache[slot].ptr)
-                        .ptr(s.v_cache[slot].ptr),
-                    p,
-                )
-            }
-            Op::AttnPartial(l) => {
-                let slot = self.slot[l];
-                self.launch(
-                    "attn_partial",
-                    (c.num_key_value_heads as u32, ATTN_SPLITS as u32, 1),
-                    256,
-                    Args::new()
-                        .ptr(s.position.ptr)
-                        .ptr(s.q.ptr)
-                        .ptr(s.k_cache[slot].ptr)
-                        .ptr(s.v_cache[slot].ptr)
-                        .ptr(s.part_o.ptr)
-                        .ptr(s.part_ml.ptr),
-                    p,
-                )
-            }
-            Op::AttnMerge(_) => self.launch(
-                "attn_merge",
-                (c.num_attention_heads as u32, (c.head_dim / 32) as u32, 1),
-                256,
-                Args::new()
-                    .ptr(s.position.ptr)
-                    .ptr(s.part_o.ptr)
-                    .ptr(s.part_ml.ptr)
-                    .ptr(s.proj.ptr)
-                    .ptr(s.core.ptr),
-                p,
+            Op::AttnMerge(_) => attention::attn_merge(
+                l,
+                Dims::new((c.num_attention_heads as u32, (c.head_dim / 32) as u32, 1), 256),
+                s.position.ptr(),
+                s.part_o.ptr(),
+                s.part_ml.ptr(),
+                s.proj.ptr(),
+                s.core.ptr(),
             ),
-            Op::AttnOutProj(l) => {
-                let a = attn(l)?;
-                self.launch(
-                    "out_proj_attn",
-                    (self.grids.out_proj_attn, 1, 1),
-                    256,
-                    a.o_proj.arg(Args::new().ptr(s.core.ptr)).ptr(s.hidden.ptr),
-                    p,
+            Op::AttnOutProj(i) => {
+                let a = attn(i)?;
+                let grid = mv(self.grids.out_proj_attn);
+                matvec::out_proj_attn(l, grid, s.core.ptr(), a.o_proj.q4(), s.hidden.ptr())
+            }
+            Op::ExpertsGateUp(i) => {
+                let layer = &w.layers[i];
+                moe::experts_gate_up(
+                    l,
+                    Dims::linear(self.grids.gate_up, self.kernels.constant("gate_up_threads") as u32),
+                    s.hidden.ptr(),
+                    layer.post_attention_layernorm.ptr(),
+                    layer.router.q4(),
+                    layer.experts_gate.q4(),
+                    layer.experts_up.q4(),
+                    layer.shared_gate.q4(),
+                    layer.shared_up.q4(),
+                    s.router_logits.ptr(),
+                    s.act.ptr(),
+                    s.route_ids.ptr(),
+                    s.route_w.ptr(),
+                    s.route_ready.ptr(),
                 )
             }
-            Op::ExpertsGateUp(l) => {
-                let layer = &w.layers[l];
-                let args = layer.router.arg(Args::new().ptr(s.hidden.ptr).ptr(layer.post_norm.ptr));
-                let args = layer.shared_up.arg(
-                    layer
-                        .shared_gate
-                        .arg(layer.experts_up.arg(layer.experts_gate.arg(args))),
-                );
-                let args = args
-                    .ptr(s.router_logits.ptr)
-                    .ptr(s.act.ptr)
-                    .ptr(s.route_ids.ptr)
-                    .ptr(s.route_w.ptr)
-                    .ptr(s.route_ready.ptr);
-                self.launch(
-                    "experts_gate_up",
-                    (self.grids.gate_up, 1, 1),
-                    self.kernels.constant("gate_up_threads") as u32,
-                    args,
-                    p,
+            Op::ExpertsDown(i) => {
+                let layer = &w.layers[i];
+                moe::experts_down(
+                    l,
+                    Dims::linear(self.grids.down, ((c.num_experts_per_tok + 1) * 32) as u32),
+                    s.act.ptr(),
+                    s.route_ids.ptr(),
+                    s.route_w.ptr(),
+                    s.route_ready.ptr(),
+                    layer.experts_down.q4(),
+                    layer.shared_down.q4(),
+                    s.hidden.ptr(),
                 )
             }
-            Op::ExpertsDown(l) => {
-                let layer = &w.layers[l];
-                let args = Args::new()
-                    .ptr(s.act.ptr)
-                    .ptr(s.route_ids.ptr)
-                    .ptr(s.route_w.ptr)
-                    .ptr(s.route_ready.ptr);
-                let args = layer.shared_down.arg(layer.experts_down.arg(args)).ptr(s.hidden.ptr);
-                self.launch(
-                    "experts_down",
-                    (self.grids.down, 1, 1),
-                    ((c.num_experts_per_tok + 1) * 32) as u32,
-                    args,
-                    p,
-                )
-            }
-            Op::AdvancePosition => self.launch("advance_position", (1, 1, 1), 1, Args::new().ptr(s.position.ptr), p),
-            Op::LmHead => {
-                let args = w.lm_head.arg(Args::new().ptr(s.hidden.ptr).ptr(w.final_norm.ptr));
-                let args = args
-                    .ptr(s.logits.ptr)
-                    .ptr(s.block_best.ptr)
-                    .ptr(s.block_arg.ptr)
-                    .ptr(s.blocks_done.ptr)
-                    .ptr(s.next_token.ptr);
-                self.launch("lm_head", (self.grids.lm_head, 1, 1), 256, args, p)
-            }
+            Op::AdvancePosition => matvec::advance_position(l, Dims::linear(1, 1), s.position.ptr()),
+            Op::LmHead => sampling::lm_head(
+                l,
+                mv(self.grids.lm_head),
+                s.hidden.ptr(),
+                w.final_norm.ptr(),
+                w.lm_head.q4(),
+                s.logits.ptr(),
+                s.block_best.ptr(),
+                s.block_arg.ptr(),
+                s.blocks_done.ptr(),
+                s.next_token.ptr,
+            ),
         }
+    }
+
+    /// Queues the sampler: one token drawn from the logits with `params` (draw number `counter` of the sequence)
+    /// into `state.next_token`.
+    pub fn enqueue_sample(&self, params: &SamplingParams, counter: u64) -> Result<()> {
+        sampling::sample(
+            &mut self.launcher(None),
+            Dims::linear(1, 1024),
+            self.state.logits.ptr(),
+            params.temperature,
+            params.top_k.min(i32::MAX as usize) as i32,
+            params.top_p,
+            params.min_p,
+            params.seed,
+            counter,
+            self.state.next_token.ptr,
+        )
     }
 
     /// Prefills `tokens[start .. start + count]` (already in `state.tokens`) chunk by chunk; leaves the last token's
@@ -503,9 +471,9 @@ impl CudaModel {
     /// Forgets the sequence: position 0, DeltaNet conv and recurrent state zeroed (the KV cache is overwritten as
     /// positions fill).
     pub fn reset(&self) -> Result<()> {
-        self.gpu.memset_u8(self.state.position.ptr, 0, 4)?;
+        self.gpu.memset_u8(self.state.position.ptr(), 0, 4)?;
         for b in self.state.conv_ring.iter().chain(&self.state.recurrent) {
-            self.gpu.memset_u8(b.ptr, 0, b.bytes)?;
+            self.gpu.memset_u8(b.ptr(), 0, b.bytes())?;
         }
         Ok(())
     }
@@ -514,29 +482,30 @@ impl CudaModel {
     /// below `depth`, random conv inputs and recurrent state, position `depth`.
     pub fn fill_random_state(&self, depth: usize, seed: u64) -> Result<()> {
         let c = &self.config;
-        let grid = |n: usize| (n.div_ceil(256).min(65536) as u32, 1, 1);
+        let dims = |n: usize| Dims::linear(n.div_ceil(256).min(65536) as u32, 256);
+        let l = &mut self.launcher(None);
         let mut stream = 0u64;
-        let mut fill = |name: &'static str, ptr, n: usize, lo: f32, hi: f32| -> Result<()> {
+        let mut next_stream = || {
             stream += 1;
-            if n == 0 {
-                return Ok(());
-            }
-            self.gpu.launch(
-                self.kernels.get(name),
-                grid(n),
-                256,
-                &mut Args::new().ptr(ptr).u64(n as u64).u64(seed).u64(stream).f32(lo).f32(hi),
-            )
+            stream
         };
         for (k, v) in self.state.k_cache.iter().zip(&self.state.v_cache) {
-            fill("fill_uniform_bf16", k.ptr, depth * c.kv_dim(), -1.0, 1.0)?;
-            fill("fill_uniform_bf16", v.ptr, depth * c.kv_dim(), -1.0, 1.0)?;
+            for buf in [k, v] {
+                let (n, stream) = (depth * c.kv_dim(), next_stream());
+                if n > 0 {
+                    synth::fill_uniform_bf16(l, dims(n), buf.ptr(), n as u64, seed, stream, -1.0, 1.0)?;
+                }
+            }
         }
         for (ring, rec) in self.state.conv_ring.iter().zip(&self.state.recurrent) {
-            fill("fill_uniform_f32", ring.ptr, ring.bytes / 4, -1.0, 1.0)?;
-            fill("fill_uniform_f32", rec.ptr, rec.bytes / 4, -0.05, 0.05)?;
+            for (buf, bound) in [(ring, 1.0), (rec, 0.05)] {
+                let (n, stream) = (buf.len(), next_stream());
+                if n > 0 {
+                    synth::fill_uniform_f32(l, dims(n), buf.ptr(), n as u64, seed, stream, -bound, bound)?;
+                }
+            }
         }
-        self.gpu.upload(self.state.position.ptr, &[depth as i32])
+        self.gpu.upload(self.state.position.ptr(), &[depth as i32])
     }
 }
 
@@ -548,8 +517,6 @@ pub struct CudaBackend {
     logits: Vec<f32>,
     logits_current: bool,
     sample_counter: u64,
-    /// A device error met where the trait has no error to return; reported by the next prefill or decode.
-    failed: Option<String>,
     /// Last, so the graphs are destroyed before the context.
     pub model: CudaModel,
 }
@@ -564,7 +531,6 @@ impl CudaBackend {
             logits: vec![0.0; vocab],
             logits_current: false,
             sample_counter: 0,
-            failed: None,
         }
     }
 
@@ -611,9 +577,6 @@ impl CudaBackend {
     }
 
     fn check(&self, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
-        if let Some(e) = &self.failed {
-            return Err(ForwardError::Device(e.clone()));
-        }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
             return Err(ForwardError::BadToken(bad));
         }
@@ -652,7 +615,7 @@ impl CudaBackend {
     /// prefill.
     fn append(&mut self, tokens: &[u32]) -> Result<()> {
         // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
-        let at = self.model.state.tokens.at(self.position * 4);
+        let at = self.model.state.tokens.at(self.position).cast::<u32>();
         match tokens {
             &[token] => {
                 self.model.gpu.write_u32(at, token)?;
@@ -693,41 +656,21 @@ impl Backend for CudaBackend {
         self.check(&[token])?;
         self.append(&[token]).map_err(device_err)
     }
-    fn logits(&mut self) -> &[f32] {
+    fn logits(&mut self) -> std::result::Result<&[f32], ForwardError> {
         if !self.logits_current {
-            if let Err(e) = self.model.gpu.download(self.model.state.logits.ptr, &mut self.logits) {
-                self.logits.fill(f32::NAN);
-                self.failed = Some(e.to_string());
-            }
+            let logits = self.model.state.logits.ptr();
+            self.model.gpu.download(logits, &mut self.logits).map_err(device_err)?;
             self.logits_current = true;
         }
-        &self.logits
+        Ok(&self.logits)
     }
-    fn sample(&mut self, sampler: &mut Sampler) -> u32 {
+    fn sample(&mut self, sampler: &mut Sampler) -> std::result::Result<u32, ForwardError> {
         let p = sampler.params().clone();
-        let chosen = if p.temperature == 0.0 || p.top_k == 1 {
-            self.read_next_token()
-        } else {
+        if p.temperature != 0.0 && p.top_k != 1 {
             self.sample_counter += 1;
-            let s = &self.model.state;
-            let mut args = Args::new()
-                .ptr(s.logits.ptr)
-                .f32(p.temperature)
-                .i32(p.top_k.min(i32::MAX as usize) as i32)
-                .f32(p.top_p)
-                .f32(p.min_p)
-                .u64(p.seed)
-                .u64(self.sample_counter)
-                .ptr(s.next_token.ptr);
-            self.model
-                .gpu
-                .launch(self.model.kernels.get("sample"), (1, 1, 1), 1024, &mut args)
-                .and_then(|_| self.read_next_token())
-        };
-        chosen.unwrap_or_else(|e| {
-            self.failed = Some(e.to_string());
-            0
-        })
+            self.model.enqueue_sample(&p, self.sample_counter).map_err(device_err)?;
+        }
+        self.read_next_token().map_err(device_err)
     }
     fn describe(&self) -> String {
         format!("cuda: {}", self.model.gpu.name)

@@ -13,12 +13,15 @@ use lily_model::weights::{Mixer, Weights};
 use lily_model::Config;
 use safetensors::Dtype;
 
-use crate::driver::{Args, DevBuf, Gpu, GpuError, Result};
-use crate::kernels::Kernels;
+use crate::driver::{DevBuf, Gpu, GpuError, Result};
+use crate::kernels::{synth, Kernels, Q4};
+use crate::launch::{Dims, Launcher};
 
 pub struct GpuMatrix {
-    pub packed: DevBuf,
-    pub scale_bias: DevBuf,
+    /// `[rows][words per row]`: the packed codes.
+    pub packed: DevBuf<u32>,
+    /// `[rows][cols / group]`: each group's (scale, bias) bf16 pair, scale in the low half.
+    pub scale_bias: DevBuf<u32>,
     pub rows: usize,
     pub cols: usize,
     pub bits: u32,
@@ -27,26 +30,29 @@ pub struct GpuMatrix {
 impl GpuMatrix {
     fn alloc(gpu: &Gpu, rows: usize, cols: usize, bits: u32) -> Result<GpuMatrix> {
         Ok(GpuMatrix {
-            packed: gpu.alloc(rows * words_per_row(cols, bits) * 4)?,
-            scale_bias: gpu.alloc(rows * cols / GROUP_SIZE * 4)?,
+            packed: gpu.alloc(rows * words_per_row(cols, bits))?,
+            scale_bias: gpu.alloc(rows * cols / GROUP_SIZE)?,
             rows,
             cols,
             bits,
         })
     }
-    fn row_bytes(&self) -> usize {
-        words_per_row(self.cols, self.bits) * 4
+    fn row_words(&self) -> usize {
+        words_per_row(self.cols, self.bits)
     }
     /// Bytes of one row (packed values plus its scales and biases).
     pub fn bytes_per_row(&self) -> usize {
-        self.row_bytes() + self.cols / GROUP_SIZE * 4
+        (self.row_words() + self.cols / GROUP_SIZE) * 4
     }
     pub fn bytes(&self) -> usize {
         self.rows * self.bytes_per_row()
     }
     /// The kernels' `Q4` argument.
-    pub fn arg(&self, args: Args) -> Args {
-        args.pair(self.packed.ptr, self.scale_bias.ptr)
+    pub fn q4(&self) -> Q4 {
+        Q4 {
+            packed: self.packed.ptr(),
+            scale_bias: self.scale_bias.ptr(),
+        }
     }
 }
 
@@ -54,44 +60,44 @@ impl GpuMatrix {
 pub fn upload(gpu: &Gpu, m: &QMatrix) -> Result<GpuMatrix> {
     let dest = GpuMatrix::alloc(gpu, m.rows, m.cols, m.bits)?;
     let v = m.view();
-    gpu.upload(dest.packed.ptr, v.packed)?;
+    gpu.upload(dest.packed.ptr(), v.packed)?;
     let pairs: Vec<u32> = v
         .scales
         .iter()
         .zip(v.biases)
         .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
         .collect();
-    gpu.upload(dest.scale_bias.ptr, &pairs)?;
+    gpu.upload(dest.scale_bias.ptr(), &pairs)?;
     Ok(dest)
 }
 
-pub struct GpuDeltaNet {
+pub struct GpuGatedDeltaNet {
     /// Rows: q k v (conv channels), z, b, a.
     pub in_proj: GpuMatrix,
     /// `[channel][tap]`, f32.
-    pub conv_w: DevBuf,
-    pub a_log: DevBuf,
-    pub dt_bias: DevBuf,
-    pub norm: DevBuf,
+    pub conv1d: DevBuf<f32>,
+    pub a_log: DevBuf<f32>,
+    pub dt_bias: DevBuf<f32>,
+    pub norm: DevBuf<f32>,
     pub out_proj: GpuMatrix,
 }
 
 pub struct GpuAttention {
     /// Rows: per head [query | gate], then k, then v.
     pub qkv: GpuMatrix,
-    pub q_norm: DevBuf,
-    pub k_norm: DevBuf,
+    pub q_norm: DevBuf<f32>,
+    pub k_norm: DevBuf<f32>,
     pub o_proj: GpuMatrix,
 }
 
 pub enum GpuMixer {
-    Linear(GpuDeltaNet),
+    Linear(GpuGatedDeltaNet),
     Full(GpuAttention),
 }
 
 pub struct GpuLayer {
-    pub input_norm: DevBuf,
-    pub post_norm: DevBuf,
+    pub input_layernorm: DevBuf<f32>,
+    pub post_attention_layernorm: DevBuf<f32>,
     pub mixer: GpuMixer,
     /// 8-bit; rows: the experts' router, then the shared expert's gate.
     pub router: GpuMatrix,
@@ -104,9 +110,9 @@ pub struct GpuLayer {
 }
 
 pub struct GpuWeights {
-    pub embed: GpuMatrix,
+    pub embed_tokens: GpuMatrix,
     pub layers: Vec<GpuLayer>,
-    pub final_norm: DevBuf,
+    pub final_norm: DevBuf<f32>,
     pub lm_head: GpuMatrix,
 }
 
@@ -162,7 +168,7 @@ impl Mat {
 
     fn cpu(self, w: &Weights) -> Option<&QMatrix> {
         let layer = |l: usize| &w.layers[l];
-        let gdn = |l: usize| match &layer(l).mixer {
+        let deltanet = |l: usize| match &layer(l).mixer {
             Mixer::Linear(g) => Some(g),
             Mixer::Full(_) => None,
         };
@@ -173,11 +179,11 @@ impl Mat {
         Some(match self {
             Mat::Embed => &w.embed_tokens,
             Mat::LmHead => &w.lm_head,
-            Mat::InProjQkv(l) => &gdn(l)?.in_proj_qkv,
-            Mat::InProjZ(l) => &gdn(l)?.in_proj_z,
-            Mat::InProjB(l) => &gdn(l)?.in_proj_b,
-            Mat::InProjA(l) => &gdn(l)?.in_proj_a,
-            Mat::OutProj(l) => &gdn(l)?.out_proj,
+            Mat::InProjQkv(l) => &deltanet(l)?.in_proj_qkv,
+            Mat::InProjZ(l) => &deltanet(l)?.in_proj_z,
+            Mat::InProjB(l) => &deltanet(l)?.in_proj_b,
+            Mat::InProjA(l) => &deltanet(l)?.in_proj_a,
+            Mat::OutProj(l) => &deltanet(l)?.out_proj,
             Mat::QProj(l) => &attn(l)?.q_proj,
             Mat::KProj(l) => &attn(l)?.k_proj,
             Mat::VProj(l) => &attn(l)?.v_proj,
@@ -293,14 +299,14 @@ impl Source<'_> {
                     )));
                 }
                 let v = m.view();
-                gpu.upload(dest.packed.at(row0 * dest.row_bytes()), v.packed)?;
+                gpu.upload(dest.packed.at(row0 * dest.row_words()), v.packed)?;
                 let pairs: Vec<u32> = v
                     .scales
                     .iter()
                     .zip(v.biases)
                     .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
                     .collect();
-                gpu.upload(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE * 4), &pairs)?;
+                gpu.upload(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE), &pairs)?;
                 Ok(m.rows)
             }
             Source::Synthetic { seed, .. } => {
@@ -320,28 +326,25 @@ impl Source<'_> {
                     return Err(GpuError::Other(format!("{name}.scales is not a scales tensor")));
                 };
                 let levels = ((1u32 << dest.bits) - 1) as f32;
-                let grid = |n: usize| (n.div_ceil(256).min(65536) as u32, 1, 1);
-                gpu.launch(
-                    kernels.get("synth_packed"),
+                let grid = |n: usize| Dims::linear(n.div_ceil(256).min(65536) as u32, 256);
+                let mut l = Launcher::new(gpu, kernels);
+                synth::synth_packed(
+                    &mut l,
                     grid(words),
-                    256,
-                    &mut Args::new()
-                        .ptr(dest.packed.at(row0 * dest.row_bytes()))
-                        .u64(words as u64)
-                        .u64(*seed)
-                        .u64(weight.stream),
+                    dest.packed.at(row0 * dest.row_words()),
+                    words as u64,
+                    *seed,
+                    weight.stream,
                 )?;
-                gpu.launch(
-                    kernels.get("synth_scale_bias"),
+                synth::synth_scale_bias(
+                    &mut l,
                     grid(groups),
-                    256,
-                    &mut Args::new()
-                        .ptr(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE * 4))
-                        .u64(groups as u64)
-                        .u64(*seed)
-                        .u64(scales.stream)
-                        .f32(base)
-                        .f32(levels),
+                    dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE),
+                    groups as u64,
+                    *seed,
+                    scales.stream,
+                    base,
+                    levels,
                 )?;
                 Ok(rows)
             }
@@ -400,7 +403,7 @@ impl GpuWeights {
             progress(done.min(total), total);
             Ok(())
         };
-        let vector = |id: Vector, len: usize| -> Result<DevBuf> {
+        let vector = |id: Vector, len: usize| -> Result<DevBuf<f32>> {
             let values = source.vector(id)?;
             if values.len() != len {
                 return Err(GpuError::Other(format!(
@@ -408,13 +411,11 @@ impl GpuWeights {
                     values.len()
                 )));
             }
-            let buf = gpu.alloc(len * 4)?;
-            gpu.upload(buf.ptr, &values)?;
-            Ok(buf)
+            gpu.upload_new(&values)
         };
 
-        let embed = GpuMatrix::alloc(gpu, c.vocab_size, h, 4)?;
-        fill(&[Mat::Embed], &embed)?;
+        let embed_tokens = GpuMatrix::alloc(gpu, c.vocab_size, h, 4)?;
+        fill(&[Mat::Embed], &embed_tokens)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let mixer = match c.layer_types[l] {
@@ -431,9 +432,9 @@ impl GpuWeights {
                     )?;
                     let out_proj = GpuMatrix::alloc(gpu, h, c.linear_value_dim(), 4)?;
                     fill(&[Mat::OutProj(l)], &out_proj)?;
-                    GpuMixer::Linear(GpuDeltaNet {
+                    GpuMixer::Linear(GpuGatedDeltaNet {
                         in_proj,
-                        conv_w: vector(Vector::Conv(l), c.linear_conv_dim() * c.linear_conv_kernel_dim)?,
+                        conv1d: vector(Vector::Conv(l), c.linear_conv_dim() * c.linear_conv_kernel_dim)?,
                         a_log: vector(Vector::ALog(l), c.linear_num_value_heads)?,
                         dt_bias: vector(Vector::DtBias(l), c.linear_num_value_heads)?,
                         norm: vector(Vector::GatedNorm(l), c.linear_value_head_dim)?,
@@ -469,8 +470,8 @@ impl GpuWeights {
             let shared_down = GpuMatrix::alloc(gpu, h, si, 4)?;
             fill(&[Mat::SharedDown(l)], &shared_down)?;
             layers.push(GpuLayer {
-                input_norm: vector(Vector::InputNorm(l), h)?,
-                post_norm: vector(Vector::PostNorm(l), h)?,
+                input_layernorm: vector(Vector::InputNorm(l), h)?,
+                post_attention_layernorm: vector(Vector::PostNorm(l), h)?,
                 mixer,
                 router,
                 experts_gate,
@@ -486,7 +487,7 @@ impl GpuWeights {
         let final_norm = vector(Vector::FinalNorm, h)?;
         progress(total, total);
         Ok(GpuWeights {
-            embed,
+            embed_tokens,
             layers,
             final_norm,
             lm_head,

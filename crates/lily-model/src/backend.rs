@@ -2,9 +2,22 @@
 //! steps, with the next-token choice left to the backend so a GPU can sample without copying logits out.
 
 use crate::config::Config;
-use crate::cpu::model::ForwardError;
 use crate::cpu::{CpuModel, State};
 use crate::sampling::Sampler;
+
+/// Why a backend could not run a prefill or decode step, or give its logits or next token.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("context full: {needed} tokens needed but the context holds {max_context}")]
+    ContextFull { needed: usize, max_context: usize },
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+    #[error("empty prompt")]
+    EmptyPrompt,
+    /// A compute device failed (a GPU backend's driver error).
+    #[error("device: {0}")]
+    Device(String),
+}
 
 pub trait Backend: Send {
     fn config(&self) -> &Config;
@@ -14,11 +27,11 @@ pub trait Backend: Send {
     fn prefill(&mut self, prompt: &[u32]) -> Result<(), ForwardError>;
     /// Appends `token` to the sequence and computes the next-token logits.
     fn decode(&mut self, token: u32) -> Result<(), ForwardError>;
-    /// The next-token logits after the last `prefill` or `decode` (may copy them from a device).
-    fn logits(&mut self) -> &[f32];
+    /// The next-token logits after the last `prefill` or `decode` (may copy them from a device, which may fail).
+    fn logits(&mut self) -> Result<&[f32], ForwardError>;
     /// Chooses the next token.
-    fn sample(&mut self, sampler: &mut Sampler) -> u32 {
-        sampler.sample(self.logits())
+    fn sample(&mut self, sampler: &mut Sampler) -> Result<u32, ForwardError> {
+        Ok(sampler.sample(self.logits()?))
     }
     /// A short name for logs ("cpu", "cuda: NVIDIA H200").
     fn describe(&self) -> String;
@@ -62,8 +75,8 @@ impl Backend for CpuBackend {
     fn decode(&mut self, token: u32) -> Result<(), ForwardError> {
         self.model.decode(&mut self.state, token, &mut self.logits)
     }
-    fn logits(&mut self) -> &[f32] {
-        &self.logits
+    fn logits(&mut self) -> Result<&[f32], ForwardError> {
+        Ok(&self.logits)
     }
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())

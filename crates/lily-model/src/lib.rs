@@ -5,12 +5,13 @@ pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod default_model;
+pub mod derived;
 pub mod quant;
 pub mod rng;
 pub mod sampling;
 pub mod synth;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend};
+pub use backend::{Backend, CpuBackend, ForwardError};
 pub use config::Config;
 pub use weights::Weights;

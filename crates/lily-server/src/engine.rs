@@ -210,8 +210,7 @@ impl Engine {
     }
 
     fn generate(&mut self, job: &Job, seq: &SequenceSpec, first_token: &mut bool) -> Result<Outcome, ApiError> {
-        let forward_error =
-            |e: lily_model::cpu::model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
+        let forward_error = |e: lily_model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
         let tokenizer_error = |e: lily_chat::TokenizerError| ApiError::internal(format!("detokenizing failed: {e}"));
         self.backend.prefill(&seq.prompt).map_err(forward_error)?;
         self.shared.metrics.prompt_tokens.increment(seq.prompt.len() as u64);
@@ -236,7 +235,8 @@ impl Engine {
         loop {
             let (token, logprob) = if copy_logits {
                 self.scratch.clear();
-                self.scratch.extend_from_slice(self.backend.logits());
+                self.scratch
+                    .extend_from_slice(self.backend.logits().map_err(forward_error)?);
                 logits::apply(&mut self.scratch, &seq.penalties, &history);
                 let token = sampler.sample(&self.scratch);
                 (
@@ -244,7 +244,7 @@ impl Engine {
                     seq.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
                 )
             } else {
-                (self.backend.sample(&mut sampler), None)
+                (self.backend.sample(&mut sampler).map_err(forward_error)?, None)
             };
             let now = Instant::now();
             match last_token_at {

@@ -3,13 +3,6 @@
 
 use rayon::prelude::*;
 
-/// Inverse frequencies of the rotated dims, computed as HF does (f32 powers of theta).
-pub fn rope_inv_freq(theta: f64, rotary_dim: usize) -> Vec<f32> {
-    (0..rotary_dim / 2)
-        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
-        .collect()
-}
-
 /// Rotates the first `2 * inv_freq.len()` dims of one head in place: pairs (i, i + half).
 pub fn rope(head: &mut [f32], position: usize, inv_freq: &[f32]) {
     let half = inv_freq.len();
@@ -69,6 +62,7 @@ pub fn attend(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::derived::rope_inv_freq;
     use crate::rng::Rng;
 
     #[test]

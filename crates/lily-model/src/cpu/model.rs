@@ -6,29 +6,17 @@
 
 use rayon::prelude::*;
 
-use super::attention::{attend, rope, rope_inv_freq};
+use super::attention::{attend, rope};
 use super::deltanet::{self, conv_sequence, l2norm};
 use super::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
 use super::moe::moe_forward;
-use crate::config::{Config, LayerKind};
+pub use crate::backend::ForwardError;
+use crate::config::Config;
 use crate::weights::{Attention, GatedDeltaNet, Mixer, Weights};
 
 /// Prompt tokens processed per pass through the layers (bounds activation memory; a multiple of the DeltaNet
 /// chunk so that slices do not split chunks).
 pub const PREFILL_SLICE: usize = 256;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ForwardError {
-    #[error("context full: {needed} tokens needed but the context holds {max_context}")]
-    ContextFull { needed: usize, max_context: usize },
-    #[error("token id {0} is outside the vocabulary")]
-    BadToken(u32),
-    #[error("empty prompt")]
-    EmptyPrompt,
-    /// A compute device failed (a GPU backend's driver error).
-    #[error("device: {0}")]
-    Device(String),
-}
 
 /// One sequence's state: KV cache of the full-attention layers, conv and recurrent state of the DeltaNet layers.
 pub struct State {
@@ -128,16 +116,8 @@ pub struct CpuModel {
 impl CpuModel {
     pub fn new(weights: Weights) -> CpuModel {
         let c = &weights.config;
-        let inv_freq = rope_inv_freq(c.rope_theta, c.rotary_dim());
-        let (mut full, mut linear) = (0, 0);
-        let slot = c
-            .layer_types
-            .iter()
-            .map(|kind| match kind {
-                LayerKind::Full => (full, full += 1).0,
-                LayerKind::Linear => (linear, linear += 1).0,
-            })
-            .collect();
+        let inv_freq = c.rope_inv_freq();
+        let slot = c.layer_slots();
         CpuModel {
             weights,
             inv_freq,

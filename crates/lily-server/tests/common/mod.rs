@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use lily_chat::{Tokenizer, ToolCallIds};
-use lily_model::cpu::model::ForwardError;
+use lily_model::ForwardError;
 use lily_model::{Backend, Config};
 use lily_server::{BackendFactory, RunningServer, ServerConfig};
 use serde_json::Value as Json;
@@ -269,8 +269,8 @@ impl Backend for ScriptedBackend {
         self.set_logits();
         Ok(())
     }
-    fn logits(&mut self) -> &[f32] {
-        &self.logits
+    fn logits(&mut self) -> Result<&[f32], ForwardError> {
+        Ok(&self.logits)
     }
     fn describe(&self) -> String {
         "scripted".into()

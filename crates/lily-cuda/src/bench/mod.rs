@@ -6,6 +6,8 @@
 //! and written) and the bandwidth that implies, as a share of the card's measured 4.6 TB/s; every prompt figure with
 //! the FLOP/s it implies, as a share of the card's measured ~790 TFLOP/s (bf16 dense).
 
+pub mod timeline;
+
 use std::time::Instant;
 
 use lily_model::backend::Backend;
@@ -21,7 +23,8 @@ pub const CARD_BANDWIDTH: f64 = 4.6e12;
 /// The H200's measured dense bf16 tensor-core throughput, the reference for prefill shares.
 pub const CARD_BF16_FLOPS: f64 = 790e12;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// How the context is filled before the timed part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DepthFill {
     /// Random keys, values and recurrent state written directly.
     Random,
@@ -79,7 +82,7 @@ pub fn bytes_per_token(model: &CudaModel, depth: usize) -> f64 {
     let c = &model.config;
     let w = &model.weights;
     let k = c.num_experts_per_tok;
-    let mut bytes = w.embed.bytes_per_row() + w.lm_head.bytes();
+    let mut bytes = w.embed_tokens.bytes_per_row() + w.lm_head.bytes();
     for layer in &w.layers {
         bytes += match &layer.mixer {
             crate::weights::GpuMixer::Linear(g) => g.in_proj.bytes() + g.out_proj.bytes(),
@@ -137,7 +140,7 @@ fn set_depth(backend: &mut CudaBackend, depth: usize, fill: DepthFill, rng: &mut
 pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
     let mut rng = Rng::new(0xbe9c);
     let vocab = backend.model.config.vocab_size as u64;
-    let fe = |e: lily_model::cpu::model::ForwardError| crate::driver::GpuError::Other(e.to_string());
+    let fe = |e: lily_model::ForwardError| crate::driver::GpuError::Other(e.to_string());
     let fill_name = match plan.fill {
         DepthFill::Random => "random state",
         DepthFill::Prefill => "prefill",
@@ -146,7 +149,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
     println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut rows = Vec::new();
     let timeline = if plan.timeline {
-        Some(crate::timeline::Timeline::attach(backend)?)
+        Some(timeline::Timeline::attach(backend)?)
     } else {
         None
     };
@@ -215,7 +218,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                 backend
                     .model
                     .gpu
-                    .upload(backend.model.state.tokens.at(depth * 4), &ids)?;
+                    .upload(backend.model.state.tokens.at(depth).cast::<u32>(), &ids)?;
                 let mut profile = crate::launch::Profile::default();
                 backend.model.enqueue_prefill(depth, count, Some(&mut profile))?;
                 profile.collect()?;

@@ -4,6 +4,9 @@
 //! Every file gets `common.cuh` in front and the model's dimensions as `-D` defines, so the tiny models run the
 //! very kernels the full one does. On Hopper the target is `sm_90a` (machine code, no JIT); on other GPUs
 //! `compute_XY` PTX that the driver compiles. The cache key hashes source, options, target and driver version.
+//!
+//! Each family's module (`matvec`, `moe`, ...) declares its kernels' typed launchers; loading checks every launcher
+//! against the compiled kernel's parameters and refuses to start on a mismatch, naming the kernel.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
@@ -14,88 +17,44 @@ use cudarc::nvrtc::sys as nvrtc;
 use lily_model::rng::mix64;
 use lily_model::Config;
 
-use crate::driver::{check, Gpu, GpuError, Kernel, Result};
+use crate::driver::{check, DevPtr, Gpu, GpuError, Kernel, Result};
 
-const COMMON: &str = include_str!("../kernels/common.cuh");
+pub mod attention;
+pub mod attention_prefill;
+pub mod deltanet;
+pub mod deltanet_prefill;
+pub mod gemm;
+pub mod matvec;
+pub mod moe;
+pub mod prefill;
+pub mod sampling;
+pub mod signature;
+pub mod synth;
 
-/// Kernel families, one file each: (file name, source, kernels, module constants).
-pub const FILES: &[(&str, &str, &[&str], &[&str])] = &[
-    (
-        "matvec.cu",
-        include_str!("../kernels/matvec.cu"),
-        &[
-            "embed",
-            "proj_normed",
-            "out_proj_gdn",
-            "out_proj_attn",
-            "advance_position",
-        ],
-        &["rows_per_block_hidden", "rows_per_block_lin_v", "rows_per_block_q"],
-    ),
-    (
-        "moe.cu",
-        include_str!("../kernels/moe.cu"),
-        &["experts_gate_up", "experts_down"],
-        &["pairs_per_block", "gate_up_threads", "down_rows_per_block"],
-    ),
-    (
-        "deltanet.cu",
-        include_str!("../kernels/deltanet.cu"),
-        &["gdn_step"],
-        &[],
-    ),
-    (
-        "attention.cu",
-        include_str!("../kernels/attention.cu"),
-        &["attn_prep", "attn_partial", "attn_merge"],
-        &[],
-    ),
-    (
-        "sampling.cu",
-        include_str!("../kernels/sampling.cu"),
-        &["lm_head", "sample"],
-        &[],
-    ),
-    (
-        "gemm.cu",
-        include_str!("../kernels/gemm.cu"),
-        &["gemm_q4", "gemm_q8", "gemm_q4_swiglu", "moe_gate_up", "moe_down"],
-        &[
-            "moe_tile_rows",
-            "gemm_stages",
-            "moe_gate_up_col_blocks",
-            "moe_down_col_blocks",
-        ],
-    ),
-    (
-        "deltanet_prefill.cu",
-        include_str!("../kernels/deltanet_prefill.cu"),
-        &["gdn_prefill_chunks", "gdn_prefill_state", "gdn_prefill_norm"],
-        &["gdn_chunks_shared_bytes", "gdn_state_shared_bytes", "gdn_state_split"],
-    ),
-    (
-        "attention_prefill.cu",
-        include_str!("../kernels/attention_prefill.cu"),
-        &["attn_prefill_prep", "attn_prefill", "attn_prefill_merge"],
-        &[],
-    ),
-    (
-        "prefill.cu",
-        include_str!("../kernels/prefill.cu"),
-        &["embed_rows", "rmsnorm_rows", "route_rows", "moe_sort", "moe_combine"],
-        &[],
-    ),
-    (
-        "synth.cu",
-        include_str!("../kernels/synth.cu"),
-        &[
-            "synth_packed",
-            "synth_scale_bias",
-            "fill_uniform_f32",
-            "fill_uniform_bf16",
-        ],
-        &[],
-    ),
+pub use signature::{CType, KernelArg, Param, Signature, Q4};
+
+const COMMON: &str = include_str!("../../kernels/common.cuh");
+
+/// A kernel family: one `.cu` file, its kernels as their launchers declare them, and its integer constants.
+pub struct KernelFile<'a> {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'a [Signature<'a>],
+    pub constants: &'static [&'static str],
+}
+
+/// Every kernel family, in the order they are compiled and loaded.
+pub const FILES: &[KernelFile<'static>] = &[
+    matvec::FILE,
+    moe::FILE,
+    deltanet::FILE,
+    attention::FILE,
+    sampling::FILE,
+    gemm::FILE,
+    deltanet_prefill::FILE,
+    attention_prefill::FILE,
+    prefill::FILE,
+    synth::FILE,
 ];
 
 /// Parts each KV head's context is split into by the attention decode kernel.
@@ -153,7 +112,7 @@ impl Target {
 }
 
 /// Kernels loaded after this call note when each one's wait returned (`lily bench --timeline`; see
-/// [`crate::timeline`]). They are compiled separately from (and cached beside) the plain ones.
+/// [`crate::bench::timeline`]). They are compiled separately from (and cached beside) the plain ones.
 pub fn enable_timeline() {
     TIMELINE.store(true, std::sync::atomic::Ordering::Relaxed);
 }
@@ -257,9 +216,9 @@ pub fn compile_all(config: &Config, arch: &str, timeline: bool) -> Result<Vec<(S
     let opts = options(config, &target, timeline);
     FILES
         .iter()
-        .map(|(name, source, _, _)| {
-            let (image, log) = compile(name, source, &opts, target.is_machine_code())?;
-            Ok((name.to_string(), image.len(), log))
+        .map(|file| {
+            let (image, log) = compile(file.name, file.source, &opts, target.is_machine_code())?;
+            Ok((file.name.to_string(), image.len(), log))
         })
         .collect()
 }
@@ -299,7 +258,8 @@ impl Kernels {
             functions: HashMap::new(),
             constants: HashMap::new(),
         };
-        for (name, source, functions, constants) in FILES {
+        for file in FILES {
+            let (name, source) = (file.name, file.source);
             let key = hash_str(
                 hash_str(hash_str(0x6c696c79, source), COMMON),
                 &format!("{opts:?} {} {}", target.arch, gpu.driver_version),
@@ -321,12 +281,19 @@ impl Kernels {
                 sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _)
             })?;
             kernels.modules.push(module);
-            for f in functions.iter() {
-                let cname = CString::new(*f).expect("kernel names have no NUL");
+            for sig in file.kernels {
+                let f = sig.name;
+                let cname = CString::new(f).expect("kernel names have no NUL");
                 let mut func: sys::CUfunction = std::ptr::null_mut();
                 check("cuModuleGetFunction", unsafe {
                     sys::cuModuleGetFunction(&mut func, module, cname.as_ptr())
                 })?;
+                // A launcher that passes other arguments than the compiled kernel takes stops the start-up here
+                // (drivers before CUDA 12.4 cannot report parameters; there the CPU test's check has to do).
+                if gpu.driver_version >= PARAM_INFO_DRIVER {
+                    sig.check_layout(&param_layout(Kernel(func))?)
+                        .map_err(GpuError::Other)?;
+                }
                 // Every kernel may take up to the device's limit of dynamic shared memory, less its static part.
                 let mut static_bytes = 0i32;
                 check("cuFuncGetAttribute", unsafe {
@@ -356,14 +323,14 @@ impl Kernels {
                 }
                 kernels.functions.insert(f, func);
             }
-            for c in constants.iter() {
+            for c in file.constants {
                 let cname = CString::new(*c).expect("constant names have no NUL");
                 let (mut ptr, mut bytes) = (0u64, 0usize);
                 check("cuModuleGetGlobal", unsafe {
                     sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr())
                 })?;
                 let mut value = [0i32];
-                gpu.download(ptr, &mut value)?;
+                gpu.download(DevPtr::from_raw(ptr), &mut value)?;
                 kernels.constants.insert(c, value[0]);
             }
         }
@@ -371,7 +338,7 @@ impl Kernels {
     }
 
     /// Points every module's `timeline` at `buf` (kernels compiled with the timeline only).
-    pub fn attach_timeline(&self, gpu: &Gpu, buf: sys::CUdeviceptr) -> Result<()> {
+    pub fn attach_timeline(&self, gpu: &Gpu, buf: DevPtr<u64>) -> Result<()> {
         if !TIMELINE.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(GpuError::Other("the kernels were loaded without the timeline".into()));
         }
@@ -380,18 +347,29 @@ impl Kernels {
             check("cuModuleGetGlobal", unsafe {
                 sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, c"timeline".as_ptr())
             })?;
-            gpu.upload(ptr, &[buf])?;
+            gpu.upload(DevPtr::<u64>::from_raw(ptr), &[buf.raw()])?;
         }
         Ok(())
     }
 
-    pub fn get(&self, name: &'static str) -> Kernel {
+    pub fn get(&self, name: &str) -> Kernel {
         Kernel(
             *self
                 .functions
                 .get(name)
                 .unwrap_or_else(|| panic!("kernel {name} is not in FILES")),
         )
+    }
+
+    /// The parameter layout the driver reports for loaded kernel `name` (see [`param_layout`]).
+    pub fn layout(&self, gpu: &Gpu, name: &str) -> Result<Vec<(usize, usize)>> {
+        if gpu.driver_version < PARAM_INFO_DRIVER {
+            return Err(GpuError::Other(format!(
+                "driver {} cannot report kernel parameters (CUDA 12.4 can)",
+                gpu.driver_version
+            )));
+        }
+        param_layout(self.get(name))
     }
 
     pub fn constant(&self, name: &'static str) -> usize {
@@ -408,6 +386,26 @@ impl Drop for Kernels {
             let _ = unsafe { sys::cuModuleUnload(*m) };
         }
     }
+}
+
+/// The first driver version with `cuFuncGetParamInfo` (CUDA 12.4).
+const PARAM_INFO_DRIVER: i32 = 12040;
+
+/// The (offset, size) in bytes of each parameter of a compiled kernel, as the driver reports them. The driver
+/// answers CUDA_ERROR_INVALID_VALUE for the first index past the last parameter (a kernel takes at most 4 KiB of
+/// parameters, so at most 1024 of them).
+fn param_layout(func: Kernel) -> Result<Vec<(usize, usize)>> {
+    let mut layout = Vec::new();
+    for i in 0..1024 {
+        let (mut offset, mut size) = (0usize, 0usize);
+        let status = unsafe { sys::cuFuncGetParamInfo(func.0, i, &mut offset, &mut size) };
+        if status == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+            break;
+        }
+        check("cuFuncGetParamInfo", status)?;
+        layout.push((offset, size));
+    }
+    Ok(layout)
 }
 
 /// Writes the cache file atomically; a cache that cannot be written only costs a recompile next time.

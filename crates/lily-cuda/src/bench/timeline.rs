@@ -14,7 +14,8 @@ use crate::model::{CudaBackend, Op};
 const SLOTS: usize = 1 << 16;
 
 pub struct Timeline {
-    buf: DevBuf,
+    /// A u32 count of entries, then up to SLOTS u64 clock readings.
+    buf: DevBuf<u64>,
 }
 
 /// One kind of kernel: launches a step and the mean time it adds to a step.
@@ -28,8 +29,8 @@ impl Timeline {
     /// Needs a model whose kernels were loaded after [`crate::kernels::enable_timeline`].
     pub fn attach(backend: &CudaBackend) -> Result<Timeline> {
         let model = &backend.model;
-        let buf = model.gpu.alloc_zeroed(8 + 8 * SLOTS)?;
-        model.kernels.attach_timeline(&model.gpu, buf.ptr)?;
+        let buf = model.gpu.alloc_zeroed(1 + SLOTS)?;
+        model.kernels.attach_timeline(&model.gpu, buf.ptr())?;
         Ok(Timeline { buf })
     }
 
@@ -46,7 +47,7 @@ impl Timeline {
             )));
         }
         let gpu = &backend.model.gpu;
-        gpu.memset_u8(self.buf.ptr, 0, 8)?;
+        gpu.memset_u8(self.buf.ptr(), 0, 8)?;
         gpu.sync()?;
         for &t in tokens {
             backend.decode(t).map_err(|e| GpuError::Other(e.to_string()))?;
@@ -54,7 +55,7 @@ impl Timeline {
         }
         let gpu = &backend.model.gpu;
         let mut count = [0u32];
-        gpu.download(self.buf.ptr, &mut count)?;
+        gpu.download(self.buf.ptr().cast::<u32>(), &mut count)?;
         let expected = tokens.len() * per_step;
         if count[0] as usize != expected {
             return Err(GpuError::Other(format!(
@@ -63,7 +64,7 @@ impl Timeline {
             )));
         }
         let mut at = vec![0u64; expected];
-        gpu.download(self.buf.at(8), &mut at)?;
+        gpu.download(self.buf.at(1), &mut at)?;
         // The last step has no next kernel to close its head.
         let steps = tokens.len() - 1;
         let mut entries: Vec<Entry> = Vec::new();
@@ -96,8 +97,8 @@ fn label(backend: &CudaBackend, op: Op) -> String {
         Op::Embed => "embed".into(),
         Op::MixerInProj(l) if kind(l) == LayerKind::Full => "proj_normed (attention)".into(),
         Op::MixerInProj(_) => "proj_normed (DeltaNet)".into(),
-        Op::GdnStep(_) => "gdn_step".into(),
-        Op::GdnOutProj(_) => "out_proj_gdn".into(),
+        Op::DeltaNetStep(_) => "deltanet_step".into(),
+        Op::DeltaNetOutProj(_) => "out_proj_deltanet".into(),
         Op::AttnPrep(_) => "attn_prep".into(),
         Op::AttnPartial(_) => "attn_partial".into(),
         Op::AttnMerge(_) => "attn_merge".into(),

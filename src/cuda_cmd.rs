@@ -1,15 +1,15 @@
-//! What the `lily` binary's commands need from this crate: the device choice for `generate`, and the
-//! `selftest` and `bench` commands.
+//! The CUDA side of the command line: the device choice of `generate` and `chat`, and the `selftest` and `bench`
+//! commands over lily-cuda.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use lily_model::{Config, Weights};
 
-use crate::bench::{self, DepthFill, Plan};
-use crate::driver::{Gpu, GpuError};
-use crate::model::{CudaBackend, CudaModel};
-use crate::weights::Source;
+use lily_cuda::bench::{self, DepthFill, Plan};
+use lily_cuda::driver::{Gpu, GpuError};
+use lily_cuda::weights::Source;
+use lily_cuda::{CudaBackend, CudaModel};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Device {
@@ -113,11 +113,11 @@ pub struct SelftestArgs {
 
 pub fn selftest(args: SelftestArgs) -> Result<()> {
     if args.compile_only {
-        if !crate::kernels::nvrtc_available() {
+        if !lily_cuda::kernels::nvrtc_available() {
             bail!("libnvrtc not found: pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH");
         }
         for config in [Config::full_shape(), Config::tiny_shape()] {
-            for (name, bytes, log) in crate::kernels::compile_all(&config, "sm_90a", false)? {
+            for (name, bytes, log) in lily_cuda::kernels::compile_all(&config, "sm_90a", false)? {
                 println!(
                     "ok   {name:<14} hidden {:<5} {bytes} bytes of sm_90a code",
                     config.hidden_size
@@ -129,7 +129,7 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let failures = crate::selftest::run_all(&crate::selftest::Options {
+    let failures = lily_cuda::selftest::run_all(&lily_cuda::selftest::Options {
         full_shape: args.full_shape,
         golden: args.golden,
         seed: args.seed,
@@ -138,6 +138,15 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         bail!("{failures} selftest check(s) failed");
     }
     Ok(())
+}
+
+/// How `lily bench` fills the context before the timed part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fill {
+    /// Random keys, values and recurrent state written directly.
+    Random,
+    /// A real prefill of random tokens.
+    Prefill,
 }
 
 /// A comma-separated list of sizes (an option may also be repeated).
@@ -174,7 +183,7 @@ pub struct BenchArgs {
     pub repetitions: usize,
     /// How the context is filled before the timed part.
     #[arg(long, value_enum, default_value = "random")]
-    pub fill: DepthFill,
+    pub fill: Fill,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -198,7 +207,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let longest = prompts.iter().copied().max().unwrap_or(0).max(args.generate);
     let max_context = depths.iter().max().copied().unwrap_or(0) + longest + 1;
     if args.timeline {
-        crate::kernels::enable_timeline();
+        lily_cuda::kernels::enable_timeline();
     }
     let gpu = Gpu::open()?;
     let (model, model_name) = match args.synthetic {
@@ -244,7 +253,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         generate: args.generate,
         depths,
         repetitions: args.repetitions,
-        fill: args.fill,
+        fill: match args.fill {
+            Fill::Random => DepthFill::Random,
+            Fill::Prefill => DepthFill::Prefill,
+        },
         profile: args.profile,
         timeline: args.timeline,
     };

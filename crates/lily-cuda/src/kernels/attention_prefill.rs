@@ -1,0 +1,53 @@
+//! The prefill's gated full attention (kernels/attention_prefill.cu): q/k norms, RoPE and the KV cache write;
+//! causal flash attention on tensor cores; the merge of split key ranges with the output gate.
+
+use half::bf16;
+
+use super::signature::launchers;
+use super::KernelFile;
+use crate::driver::DevPtr;
+
+pub const FILE: KernelFile<'static> = KernelFile {
+    name: "attention_prefill.cu",
+    source: include_str!("../../kernels/attention_prefill.cu"),
+    kernels: KERNELS,
+    constants: &[],
+};
+
+launchers! {
+    /// Normed, rotated, scaled queries into `q_out`; the tokens' keys and values into the caches.
+    attn_prefill_prep(
+        proj: DevPtr<f32>,
+        q_norm: DevPtr<f32>,
+        k_norm: DevPtr<f32>,
+        inv_freq: DevPtr<f32>,
+        tokens: i32,
+        start: i32,
+        q_out: DevPtr<bf16>,
+        k_cache: DevPtr<bf16>,
+        v_cache: DevPtr<bf16>,
+    );
+    /// Causal attention over key chunks of `chunk` keys: gated output into `out` (one chunk) or parts.
+    attn_prefill(
+        q: DevPtr<bf16>,
+        k_cache: DevPtr<bf16>,
+        v_cache: DevPtr<bf16>,
+        proj: DevPtr<f32>,
+        tokens: i32,
+        start: i32,
+        chunk: i32,
+        out: DevPtr<bf16>,
+        part_o: DevPtr<f32>,
+        part_ml: DevPtr<f32>,
+    );
+    /// The parts merged and gated into `out`.
+    attn_prefill_merge(
+        part_o: DevPtr<f32>,
+        part_ml: DevPtr<f32>,
+        proj: DevPtr<f32>,
+        tokens: i32,
+        start: i32,
+        chunk: i32,
+        out: DevPtr<bf16>,
+    );
+}

@@ -1,0 +1,61 @@
+//! The prefill's Gated DeltaNet (kernels/deltanet_prefill.cu): chunk-parallel preparation, the sequential pass
+//! over the chunks' states, and the gated norm of the output.
+
+use half::bf16;
+
+use super::signature::launchers;
+use super::KernelFile;
+use crate::driver::DevPtr;
+
+pub const FILE: KernelFile<'static> = KernelFile {
+    name: "deltanet_prefill.cu",
+    source: include_str!("../../kernels/deltanet_prefill.cu"),
+    kernels: KERNELS,
+    constants: &[
+        "deltanet_chunks_shared_bytes",
+        "deltanet_state_shared_bytes",
+        "deltanet_state_split",
+    ],
+};
+
+launchers! {
+    /// The conv, l2 norms, gates and each chunk's (I + A)^-1 and intra-chunk attention.
+    deltanet_prefill_chunks(
+        proj: DevPtr<f32>,
+        t: i32,
+        start: i32,
+        ring: DevPtr<f32>,
+        conv1d: DevPtr<f32>,
+        a_log: DevPtr<f32>,
+        dt_bias: DevPtr<f32>,
+        q_out: DevPtr<f32>,
+        k_out: DevPtr<f32>,
+        v_out: DevPtr<f32>,
+        decay_out: DevPtr<f32>,
+        beta_out: DevPtr<f32>,
+        inverse_out: DevPtr<f32>,
+        attn_out: DevPtr<f32>,
+    );
+    /// The state carried through the chunks in order; each chunk's output over `v_o`.
+    deltanet_prefill_state(
+        q: DevPtr<f32>,
+        k: DevPtr<f32>,
+        v_o: DevPtr<f32>,
+        decay: DevPtr<f32>,
+        beta: DevPtr<f32>,
+        inverse: DevPtr<f32>,
+        attn: DevPtr<f32>,
+        t: i32,
+        state: DevPtr<f32>,
+    );
+    /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
+    deltanet_prefill_norm(
+        o: DevPtr<f32>,
+        proj: DevPtr<f32>,
+        norm_w: DevPtr<f32>,
+        t: i32,
+        start: i32,
+        ring: DevPtr<f32>,
+        out: DevPtr<bf16>,
+    );
+}

@@ -1,0 +1,51 @@
+//! The prefill's tensor-core matrix products (kernels/gemm.cu): dense 4- and 8-bit products, the shared expert's
+//! gate/up pair with SwiGLU, and the routed experts' grouped products over entries sorted by expert.
+
+use half::bf16;
+
+use super::signature::launchers;
+use super::{KernelFile, Q4};
+use crate::driver::DevPtr;
+
+pub const FILE: KernelFile<'static> = KernelFile {
+    name: "gemm.cu",
+    source: include_str!("../../kernels/gemm.cu"),
+    kernels: KERNELS,
+    constants: &[
+        "moe_tile_rows",
+        "gemm_stages",
+        "moe_gate_up_col_blocks",
+        "moe_down_col_blocks",
+    ],
+};
+
+launchers! {
+    /// `out[m][n] = a[m][k] w[n][k]^T` (`+=` where `accumulate` is 1), 4-bit weights.
+    gemm_q4(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// The same with 8-bit weights.
+    gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `out = bf16(silu(a gate^T) * (a up^T))`.
+    gemm_q4_swiglu(a: DevPtr<bf16>, m: i32, gate: Q4, up: Q4, n: i32, k: i32, out: DevPtr<bf16>);
+    /// The routed experts' gate/up products with SwiGLU, one tile of sorted entries per block row.
+    moe_gate_up(
+        x: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        gate: Q4,
+        up: Q4,
+        act: DevPtr<bf16>,
+    );
+    /// The routed experts' down products, scaled by the routing weights, by entry.
+    moe_down(
+        act: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        down: Q4,
+        out: DevPtr<f32>,
+    );
+}

@@ -1,0 +1,44 @@
+//! The prefill's glue (kernels/prefill.cu): embedding rows, RMSNorm rows into bf16, the routing and the stable
+//! sort of (token, slot) entries by expert, and the MoE combine into the residual stream.
+
+use half::bf16;
+
+use super::signature::launchers;
+use super::{KernelFile, Q4};
+use crate::driver::DevPtr;
+
+pub const FILE: KernelFile<'static> = KernelFile {
+    name: "prefill.cu",
+    source: include_str!("../../kernels/prefill.cu"),
+    kernels: KERNELS,
+    constants: &[],
+};
+
+launchers! {
+    /// `hidden[r] = embed_tokens[tokens[start + r]]`, dequantized.
+    embed_rows(tokens: DevPtr<i32>, start: i32, table: Q4, hidden: DevPtr<f32>);
+    /// `out[r] = bf16(rmsnorm(hidden[r]) * norm)`, and what that rounding lost into `out_lo` unless it is null.
+    rmsnorm_rows(hidden: DevPtr<f32>, norm: DevPtr<f32>, out: DevPtr<bf16>, out_lo: DevPtr<bf16>);
+    /// Each token's top-k experts and weights, the shared expert's gate, and the count of entries per expert.
+    route_rows(
+        logits: DevPtr<f32>,
+        t: i32,
+        route_ids: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        shared_w: DevPtr<f32>,
+        counts: DevPtr<i32>,
+    );
+    /// The entries stably sorted by expert, each expert's offset, and the tiles of `tile_rows` entries.
+    moe_sort(
+        route_ids: DevPtr<i32>,
+        t: i32,
+        counts: DevPtr<i32>,
+        tile_rows: i32,
+        offsets: DevPtr<i32>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+    );
+    /// `hidden[r] += sum of the routed outputs + shared_w[r] * shared_out[r]`.
+    moe_combine(hidden: DevPtr<f32>, expert_out: DevPtr<f32>, shared_out: DevPtr<f32>, shared_w: DevPtr<f32>);
+}

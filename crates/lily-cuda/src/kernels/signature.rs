@@ -1,0 +1,421 @@
+//! What a launcher passes to its kernel, written once per kernel with [`launchers!`]: the typed launcher function
+//! and a [`Signature`] (each parameter's C type, size and alignment). Two checks hold the signatures to the kernels:
+//! at load time against the compiled kernel's parameter layout (`cuFuncGetParamInfo`; see
+//! [`Signature::check_layout`]), and in a CPU test against the `extern "C"` declarations of the `.cu` files (see
+//! [`check_against_sources`]).
+
+use half::bf16;
+
+use crate::driver::DevPtr;
+
+/// A parameter's C type as the kernels spell it (after `common.cuh`'s typedefs, without `const`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CType {
+    /// A value passed by copy: `int`, `float`, `u64` or the `Q4` struct.
+    Value(&'static str),
+    /// A pointer to values of the named type.
+    Pointer(&'static str),
+}
+
+impl std::fmt::Display for CType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CType::Value(t) => write!(f, "{t}"),
+            CType::Pointer(t) => write!(f, "{t}*"),
+        }
+    }
+}
+
+/// One parameter of a kernel, as its launcher passes it.
+#[derive(Clone, Copy, Debug)]
+pub struct Param {
+    pub name: &'static str,
+    pub c_type: CType,
+    pub size: usize,
+    pub align: usize,
+}
+
+/// A kernel's name and parameters, as its launcher passes them.
+#[derive(Clone, Copy, Debug)]
+pub struct Signature<'a> {
+    pub name: &'a str,
+    pub params: &'a [Param],
+}
+
+impl Signature<'_> {
+    /// The (offset, size) of each parameter in the kernel's parameter buffer, by the C rules: each parameter at
+    /// the next multiple of its alignment.
+    pub fn layout(&self) -> Vec<(usize, usize)> {
+        let mut end = 0usize;
+        self.params
+            .iter()
+            .map(|p| {
+                let offset = end.next_multiple_of(p.align);
+                end = offset + p.size;
+                (offset, p.size)
+            })
+            .collect()
+    }
+
+    /// Compares the launcher's layout with the one the driver reports for the compiled kernel (`reported`, in
+    /// parameter order); the error names the kernel and the first difference.
+    pub fn check_layout(&self, reported: &[(usize, usize)]) -> Result<(), String> {
+        let declared = self.layout();
+        if declared.len() != reported.len() {
+            return Err(format!(
+                "kernel {}: its launcher passes {} parameters, the compiled kernel takes {}",
+                self.name,
+                declared.len(),
+                reported.len()
+            ));
+        }
+        for (i, (d, r)) in declared.iter().zip(reported).enumerate() {
+            if d != r {
+                return Err(format!(
+                    "kernel {}: parameter {i} ({}) is {} bytes at offset {} in its launcher, {} bytes at offset {} in \
+                     the compiled kernel",
+                    self.name, self.params[i].name, d.1, d.0, r.1, r.0
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A type a kernel reads through a pointer, by its C name.
+pub trait DeviceType {
+    const C_NAME: &'static str;
+}
+
+impl DeviceType for f32 {
+    const C_NAME: &'static str = "float";
+}
+impl DeviceType for i32 {
+    const C_NAME: &'static str = "int";
+}
+impl DeviceType for u32 {
+    const C_NAME: &'static str = "u32";
+}
+impl DeviceType for u64 {
+    const C_NAME: &'static str = "u64";
+}
+impl DeviceType for bf16 {
+    const C_NAME: &'static str = "bf16";
+}
+
+/// A value a launcher passes to a kernel: its C type, its size and alignment in the parameter buffer, and its
+/// bytes (at most 16, in one slot of [`crate::driver::Args`]).
+pub trait KernelArg: Copy {
+    const C_TYPE: CType;
+    const SIZE: usize;
+    const ALIGN: usize;
+    fn slot(self) -> [u64; 2];
+}
+
+impl<T: DeviceType> KernelArg for DevPtr<T> {
+    const C_TYPE: CType = CType::Pointer(T::C_NAME);
+    const SIZE: usize = 8;
+    const ALIGN: usize = 8;
+    fn slot(self) -> [u64; 2] {
+        [self.raw(), 0]
+    }
+}
+
+impl KernelArg for i32 {
+    const C_TYPE: CType = CType::Value("int");
+    const SIZE: usize = 4;
+    const ALIGN: usize = 4;
+    fn slot(self) -> [u64; 2] {
+        [self as u32 as u64, 0]
+    }
+}
+
+impl KernelArg for f32 {
+    const C_TYPE: CType = CType::Value("float");
+    const SIZE: usize = 4;
+    const ALIGN: usize = 4;
+    fn slot(self) -> [u64; 2] {
+        [self.to_bits() as u64, 0]
+    }
+}
+
+impl KernelArg for u64 {
+    const C_TYPE: CType = CType::Value("u64");
+    const SIZE: usize = 8;
+    const ALIGN: usize = 8;
+    fn slot(self) -> [u64; 2] {
+        [self, 0]
+    }
+}
+
+/// A quantized matrix as the kernels take it (common.cuh's `Q4`, also used for 8-bit): its packed rows and its
+/// (scale, bias) bf16 pairs.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4 {
+    pub packed: DevPtr<u32>,
+    pub scale_bias: DevPtr<u32>,
+}
+
+impl KernelArg for Q4 {
+    const C_TYPE: CType = CType::Value("Q4");
+    const SIZE: usize = 16;
+    const ALIGN: usize = 8;
+    fn slot(self) -> [u64; 2] {
+        [self.packed.raw(), self.scale_bias.raw()]
+    }
+}
+
+/// Declares a kernel family's launchers: for each `name(param: Type, ...)`, a function `name(l, dims, param, ...)`
+/// that queues the kernel through the [`crate::launch::Launcher`], and the family's `KERNELS` table of
+/// [`Signature`]s that the load-time and CPU checks compare with the kernel.
+macro_rules! launchers {
+    ($( $(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* $(,)? ); )*) => {
+        /// This family's kernels, as their launchers pass them.
+        pub const KERNELS: &[$crate::kernels::Signature<'static>] = &[$(
+            $crate::kernels::Signature {
+                name: stringify!($name),
+                params: &[$(
+                    $crate::kernels::Param {
+                        name: stringify!($arg),
+                        c_type: <$ty as $crate::kernels::KernelArg>::C_TYPE,
+                        size: <$ty as $crate::kernels::KernelArg>::SIZE,
+                        align: <$ty as $crate::kernels::KernelArg>::ALIGN,
+                    },
+                )*],
+            },
+        )*];
+        $(
+            $(#[$doc])*
+            #[allow(clippy::too_many_arguments)]
+            pub fn $name(
+                l: &mut $crate::launch::Launcher,
+                dims: $crate::launch::Dims,
+                $($arg: $ty),*
+            ) -> $crate::driver::Result<()> {
+                let args = $crate::driver::Args::new() $(.arg($arg))*;
+                l.launch(stringify!($name), dims, args)
+            }
+        )*
+    };
+}
+pub(crate) use launchers;
+
+/// The `extern "C" __global__` kernels of a `.cu` source: each one's name and parameter types, in order.
+/// `unsigned` (`unsigned int`) reads as `u32`, its typedef in common.cuh.
+pub fn declarations(source: &str) -> Vec<(String, Vec<String>)> {
+    const START: &str = "extern \"C\" __global__";
+    let mut out = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find(START) {
+        rest = &rest[at + START.len()..];
+        let Some(body) = rest.find('{') else { break };
+        let head = rest[..body].trim_end();
+        // The parameter list is the last parenthesised group before the body; the name precedes it.
+        let Some(close) = head.rfind(')') else { continue };
+        let mut depth = 0;
+        let mut open = close;
+        for (i, ch) in head[..=close].char_indices().rev() {
+            match ch {
+                ')' => depth += 1,
+                '(' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        open = i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let name = head[..open]
+            .trim_end()
+            .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .next()
+            .unwrap_or("")
+            .to_string();
+        let params = head[open + 1..close]
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                let pointer = p.contains('*');
+                let words: Vec<&str> = p
+                    .split(|c: char| c.is_whitespace() || c == '*')
+                    .filter(|w| !w.is_empty() && *w != "const" && *w != "__restrict__")
+                    .collect();
+                // All words but the last (the parameter's name) make the type.
+                let base = match words[..words.len().saturating_sub(1)].join(" ").as_str() {
+                    "unsigned" | "unsigned int" => "u32".to_string(),
+                    other => other.to_string(),
+                };
+                if pointer {
+                    format!("{base}*")
+                } else {
+                    base
+                }
+            })
+            .collect();
+        out.push((name, params));
+    }
+    out
+}
+
+/// Every family's launchers against its `.cu` declarations: every declared kernel has a launcher and every launcher
+/// a declared kernel, with the same parameter types in the same order. Returns each difference found.
+pub fn check_against_sources(files: &[crate::kernels::KernelFile<'_>]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for file in files {
+        let declared = declarations(file.source);
+        for (name, _) in &declared {
+            if !file.kernels.iter().any(|s| s.name == name) {
+                problems.push(format!("{}: kernel {name} has no launcher", file.name));
+            }
+        }
+        for sig in file.kernels {
+            match declared.iter().find(|(name, _)| name == sig.name) {
+                None => problems.push(format!("{}: no kernel {} for its launcher", file.name, sig.name)),
+                Some((_, types)) => {
+                    let wanted: Vec<String> = sig.params.iter().map(|p| p.c_type.to_string()).collect();
+                    if wanted.len() != types.len() {
+                        problems.push(format!(
+                            "kernel {}: its launcher passes {} parameters, the .cu declaration takes {}",
+                            sig.name,
+                            wanted.len(),
+                            types.len()
+                        ));
+                    } else if let Some(i) = (0..types.len()).find(|&i| wanted[i] != types[i]) {
+                        problems.push(format!(
+                            "kernel {}: parameter {i} ({}) is {} in its launcher, {} in the .cu declaration",
+                            sig.name, sig.params[i].name, wanted[i], types[i]
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{KernelFile, FILES};
+
+    /// `sig` with its parameter `drop` left out.
+    fn without_param(sig: &Signature, drop: usize) -> Vec<Param> {
+        let mut params = sig.params.to_vec();
+        params.remove(drop);
+        params
+    }
+
+    fn signature(name: &str) -> &'static Signature<'static> {
+        FILES
+            .iter()
+            .flat_map(|f| f.kernels)
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no launcher for {name}"))
+    }
+
+    /// CI's check that nothing ties launchers and kernels together but this: every launcher passes exactly the
+    /// parameter types its kernel's `extern "C"` declaration takes, and every kernel has a launcher.
+    #[test]
+    fn every_launcher_matches_its_kernel_declaration() {
+        let problems = check_against_sources(FILES);
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+        let kernels: usize = FILES.iter().map(|f| declarations(f.source).len()).sum();
+        assert_eq!(kernels, FILES.iter().map(|f| f.kernels.len()).sum::<usize>());
+        assert!(kernels >= 30, "only {kernels} kernels parsed");
+    }
+
+    /// A launcher with one argument dropped is refused by the source check, naming the kernel.
+    #[test]
+    fn a_launcher_missing_an_argument_fails_the_source_check() {
+        let sig = signature("route_rows");
+        let params = without_param(sig, 2);
+        let wrong = Signature {
+            name: sig.name,
+            params: &params,
+        };
+        let file = FILES.iter().find(|f| f.name == "prefill.cu").expect("prefill.cu");
+        let kernels: Vec<Signature> = file
+            .kernels
+            .iter()
+            .map(|s| if s.name == "route_rows" { wrong } else { *s })
+            .collect();
+        let broken = KernelFile {
+            kernels: &kernels,
+            ..*file
+        };
+        let problems = check_against_sources(std::slice::from_ref(&broken));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("kernel route_rows") && problems[0].contains("passes 5 parameters"),
+            "{}",
+            problems[0]
+        );
+    }
+
+    /// The load-time comparison: the layout a compiled kernel reports (here written out as the driver reports it
+    /// for route_rows: a pointer at 0, the int at 8, then four pointers from 16) accepts the right launcher and
+    /// refuses one with an argument dropped, naming the kernel.
+    #[test]
+    fn a_launcher_missing_an_argument_fails_the_layout_check() {
+        let sig = signature("route_rows");
+        let reported = [(0, 8), (8, 4), (16, 8), (24, 8), (32, 8), (40, 8)];
+        assert_eq!(sig.layout(), reported);
+        assert_eq!(sig.check_layout(&reported), Ok(()));
+        let params = without_param(sig, 2);
+        let dropped = Signature {
+            name: sig.name,
+            params: &params,
+        };
+        let err = dropped.check_layout(&reported).unwrap_err();
+        assert!(
+            err.starts_with("kernel route_rows:") && err.contains("passes 5 parameters"),
+            "{err}"
+        );
+        // Same count, a wrong size: an i32 where the kernel takes a pointer.
+        let mut params = sig.params.to_vec();
+        params[2] = Param {
+            name: "route_ids",
+            c_type: CType::Value("int"),
+            size: 4,
+            align: 4,
+        };
+        let swapped = Signature {
+            name: sig.name,
+            params: &params,
+        };
+        let err = swapped.check_layout(&reported).unwrap_err();
+        assert!(
+            err.contains("kernel route_rows: parameter 2 (route_ids) is 4 bytes"),
+            "{err}"
+        );
+    }
+
+    /// The Q4 struct takes 16 bytes at an 8-byte boundary: `gemm_q4`'s `w` follows an int at offset 8 and lands
+    /// at 16.
+    #[test]
+    fn a_q4_after_an_int_is_aligned_to_8_bytes() {
+        let layout = signature("gemm_q4").layout();
+        assert_eq!(&layout[..4], &[(0, 8), (8, 4), (16, 16), (32, 4)]);
+    }
+
+    #[test]
+    fn declarations_parse_launch_bounds_and_const() {
+        let src = "extern \"C\" __global__ void __launch_bounds__(A, 2)\n    k(const float* x, int n, Q4 w,\n \
+                   unsigned* done) {\n  f(1, 2);\n}\nextern \"C\" __device__ const int c = 1;\n\
+                   extern \"C\" __global__ void g(u64 s) { }";
+        let d = declarations(src);
+        assert_eq!(
+            d,
+            vec![
+                (
+                    "k".to_string(),
+                    vec!["float*".to_string(), "int".into(), "Q4".into(), "u32*".into()]
+                ),
+                ("g".to_string(), vec!["u64".to_string()]),
+            ]
+        );
+    }
+}

@@ -1,0 +1,163 @@
+//! `lily selftest`'s check of the prefill's attention mixer (src/prefill_attention.rs, kernels/attention_prefill.cu)
+//! against its CPU twin.
+
+use half::bf16;
+use lily_model::cpu::attention::{attend, rope};
+use lily_model::cpu::linalg::{rmsnorm, sigmoid};
+use lily_model::rng::Rng;
+use lily_model::Config;
+
+use super::{normals, rel_err, Report};
+use crate::driver::{Gpu, Result};
+use crate::kernels::Kernels;
+use crate::launch::Launcher;
+use crate::prefill_attention::{key_split, AttentionScratch};
+use crate::weights::{GpuAttention, GpuMatrix};
+
+fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// Selftest: prep and attention against the CPU twin (rmsnorm, RoPE, `attend` over the bf16 K/V the GPU reads,
+/// sigmoid gate), for prompts from the start (t = 1, 50, 300: one query tile, several, a ragged last tile) and after
+/// a random odd-length prefix of random keys and values (t = 130 and t = 1: the key range split into chunks).
+pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, report: &mut Report) -> Result<()> {
+    let c = config;
+    let mut rng = Rng::new(seed ^ 0xa77e);
+    let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+    let row = 2 * q_dim + 2 * kv_dim;
+    let nan = bf16::NAN;
+    let prefix = 1001 + 2 * (rng.next_u64() % 500) as usize;
+    let cases = [(1, 0), (50, 0), (300, 0), (130, prefix), (1, prefix)];
+    let max_tokens = cases.iter().map(|&(t, _)| t).max().unwrap_or(1);
+    let max_len = cases.iter().map(|&(t, start)| t + start).max().unwrap_or(1);
+
+    let scratch = AttentionScratch::new(gpu, c, max_tokens)?;
+    let q_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
+    let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
+    let inv_freq = c.rope_inv_freq();
+    // `run` reads only the norms of the layer's weights.
+    let no_matrix = || -> Result<GpuMatrix> {
+        Ok(GpuMatrix {
+            packed: gpu.alloc(0)?,
+            scale_bias: gpu.alloc(0)?,
+            rows: 0,
+            cols: 0,
+            bits: 4,
+        })
+    };
+    let weights = GpuAttention {
+        qkv: no_matrix()?,
+        q_norm: gpu.alloc(hd)?,
+        k_norm: gpu.alloc(hd)?,
+        o_proj: no_matrix()?,
+    };
+    gpu.upload(weights.q_norm.ptr(), &q_norm)?;
+    gpu.upload(weights.k_norm.ptr(), &k_norm)?;
+    let inv_freq_buf = gpu.upload_new(&inv_freq)?;
+    let proj_buf = gpu.alloc(max_tokens * row)?;
+    let k_cache = gpu.alloc(max_len * kv_dim)?;
+    let v_cache = gpu.alloc(max_len * kv_dim)?;
+    let out_buf = gpu.alloc(max_tokens * q_dim)?;
+    let mut launcher = Launcher::new(gpu, kernels);
+
+    for (t, start) in cases {
+        let len = start + t;
+        let proj = normals(&mut rng, t * row, 1.0);
+        // Random keys and values before `start`, NaN where this call must write.
+        let cache_in = |rng: &mut Rng| -> Vec<bf16> {
+            let mut v: Vec<bf16> = (0..start * kv_dim).map(|_| bf16::from_f32(rng.normal())).collect();
+            v.resize(len * kv_dim, nan);
+            v
+        };
+        let (k_in, v_in) = (cache_in(&mut rng), cache_in(&mut rng));
+        gpu.upload(proj_buf.ptr(), &proj)?;
+        gpu.upload(k_cache.ptr(), &k_in)?;
+        gpu.upload(v_cache.ptr(), &v_in)?;
+        gpu.upload(out_buf.ptr(), &vec![nan; t * q_dim])?;
+        gpu.upload(scratch.q.ptr(), &vec![nan; t * q_dim])?;
+        scratch.run(
+            &mut launcher,
+            c,
+            t,
+            start,
+            proj_buf.ptr(),
+            &weights,
+            inv_freq_buf.ptr(),
+            k_cache.ptr(),
+            v_cache.ptr(),
+            out_buf.ptr(),
+        )?;
+        gpu.sync()?;
+        let mut q_gpu = vec![bf16::ZERO; t * q_dim];
+        let mut k_gpu = vec![bf16::ZERO; len * kv_dim];
+        let mut v_gpu = vec![bf16::ZERO; len * kv_dim];
+        let mut out_gpu = vec![bf16::ZERO; t * q_dim];
+        gpu.download(scratch.q.ptr(), &mut q_gpu)?;
+        gpu.download(k_cache.ptr(), &mut k_gpu)?;
+        gpu.download(v_cache.ptr(), &mut v_gpu)?;
+        gpu.download(out_buf.ptr(), &mut out_gpu)?;
+        let (k_gpu, v_gpu) = (bf16_to_f32(&k_gpu), bf16_to_f32(&v_gpu));
+
+        // CPU twin of the prep: queries (unscaled: `attend` scales), and the whole cache as it should be after.
+        let mut q = vec![0.0f32; t * q_dim];
+        let mut k_ref = bf16_to_f32(&k_in[..start * kv_dim]);
+        let mut v_ref = bf16_to_f32(&v_in[..start * kv_dim]);
+        for i in 0..t {
+            let src = &proj[i * row..(i + 1) * row];
+            for h in 0..heads {
+                let qh = &mut q[(i * heads + h) * hd..(i * heads + h + 1) * hd];
+                rmsnorm(&src[h * 2 * hd..h * 2 * hd + hd], &q_norm, c.rms_norm_eps, qh);
+                rope(qh, start + i, &inv_freq);
+            }
+            for h in 0..kv_heads {
+                let mut k = vec![0.0; hd];
+                rmsnorm(
+                    &src[2 * q_dim + h * hd..2 * q_dim + (h + 1) * hd],
+                    &k_norm,
+                    c.rms_norm_eps,
+                    &mut k,
+                );
+                rope(&mut k, start + i, &inv_freq);
+                k_ref.extend(k);
+            }
+            v_ref.extend_from_slice(&src[2 * q_dim + kv_dim..]);
+        }
+        let q_scaled: Vec<f32> = q.iter().map(|v| v / (hd as f32).sqrt()).collect();
+        // Each value is one bf16 rounding of the f32 result (relative error <= 2^-8), so max error / max value
+        // <= 3.9e-3 plus f32 noise; the prefix rows must come back as they were.
+        let prep_err = rel_err(&bf16_to_f32(&q_gpu), &q_scaled)
+            .max(rel_err(&k_gpu, &k_ref))
+            .max(rel_err(&v_gpu, &v_ref));
+        report.check(
+            &format!("attn_prefill_prep t={t} start={start}: q, k and v cache (bf16)"),
+            prep_err,
+            5e-3,
+        );
+
+        // CPU twin of the attention over the K/V the GPU reads (its bf16 cache), with the gate.
+        let mut expected = vec![0.0f32; t * q_dim];
+        attend(&q, &k_gpu, &v_gpu, start, heads, kv_heads, hd, &mut expected);
+        for i in 0..t {
+            for h in 0..heads {
+                let gate = &proj[i * row + h * 2 * hd + hd..i * row + (h + 1) * 2 * hd];
+                for (o, g) in expected[(i * heads + h) * hd..(i * heads + h + 1) * hd]
+                    .iter_mut()
+                    .zip(gate)
+                {
+                    *o *= sigmoid(*g);
+                }
+            }
+        }
+        // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and the
+        // output to bf16 (<= 2^-8 of each value): a few 1e-3 of the largest output; a wrong key or mask is O(1).
+        let split = key_split(t, start, kv_heads, gpu.sm_count);
+        let name = format!(
+            "attn_prefill t={t} start={start} ({} key chunk(s)): gated output",
+            split.splits
+        );
+        report.check(&name, rel_err(&bf16_to_f32(&out_gpu), &expected), 1e-2);
+    }
+    Ok(())
+}

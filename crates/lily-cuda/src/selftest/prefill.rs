@@ -1,0 +1,158 @@
+//! `lily selftest`'s checks of the prefill's glue kernels (kernels/prefill.cu) against their CPU twins.
+
+use half::bf16;
+use lily_model::cpu::linalg::{rmsnorm, sigmoid};
+use lily_model::cpu::moe::route;
+use lily_model::rng::Rng;
+
+use super::{download_f32, normals, poison, rel_err, Report};
+use crate::driver::{Gpu, Result};
+use crate::kernels::{prefill, Kernels};
+use crate::launch::{Dims, Launcher};
+use crate::prefill::{route_and_sort, PrefillScratch, ROW_THREADS};
+use crate::weights::GpuWeights;
+
+/// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
+/// tolerance 4e-3, half a bf16 step), routing (exact ids; weights 1e-5) with the stable sort by expert and its
+/// tiles (exact), and the combine (1e-5: f32 sums in another order).
+pub(crate) fn check(
+    gpu: &Gpu,
+    kernels: &Kernels,
+    w: &lily_model::weights::Weights,
+    gw: &GpuWeights,
+    seed: u64,
+    report: &mut Report,
+) -> Result<()> {
+    let c = &w.config;
+    let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+    let mut rng = Rng::new(seed ^ 0x9ef111);
+    let t = 301;
+    let mut l = Launcher::new(gpu, kernels);
+    let l = &mut l;
+    let s = PrefillScratch::new(gpu, kernels, c, t)?;
+    let rows = Dims::linear(t as u32, ROW_THREADS);
+
+    // Embedding rows.
+    let tokens: Vec<i32> = (0..t + 3)
+        .map(|_| (rng.next_u64() % c.vocab_size as u64) as i32)
+        .collect();
+    let tokens_buf = gpu.upload_new(&tokens)?;
+    poison(gpu, &s.hidden)?;
+    prefill::embed_rows(l, rows, tokens_buf.ptr(), 3, gw.embed_tokens.q4(), s.hidden.ptr())?;
+    let mut expected = vec![0.0; t * h];
+    for (r, row) in expected.chunks_mut(h).enumerate() {
+        w.embed_tokens.view().dequantize_row(tokens[3 + r] as usize, row);
+    }
+    report.check(
+        &format!("embed_rows ({t} tokens)"),
+        rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected),
+        1e-6,
+    );
+
+    // RMSNorm rows into bf16, and what the rounding lost (bf16 holds 8 significant bits, the two 16).
+    let hidden = normals(&mut rng, t * h, 1.0);
+    gpu.upload(s.hidden.ptr(), &hidden)?;
+    poison(gpu, &s.normed)?;
+    poison(gpu, &s.normed_lo)?;
+    let norm = gw.layers[0].input_layernorm.ptr();
+    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), norm, s.normed.ptr(), s.normed_lo.ptr())?;
+    let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
+    gpu.download(s.normed.ptr(), &mut hi)?;
+    gpu.download(s.normed_lo.ptr(), &mut lo)?;
+    let got: Vec<f32> = hi.iter().map(|v| v.to_f32()).collect();
+    let both: Vec<f32> = hi.iter().zip(&lo).map(|(a, b)| a.to_f32() + b.to_f32()).collect();
+    let mut expected = vec![0.0; t * h];
+    for (x, out) in hidden.chunks(h).zip(expected.chunks_mut(h)) {
+        rmsnorm(x, &w.layers[0].input_norm, c.rms_norm_eps, out);
+    }
+    report.check(
+        &format!("rmsnorm_rows ({t} rows, bf16 out)"),
+        rel_err(&got, &expected),
+        4e-3,
+    );
+    report.check(
+        &format!("rmsnorm_rows ({t} rows, bf16 out + what rounding lost)"),
+        rel_err(&both, &expected),
+        2e-5,
+    );
+
+    // Routing, the stable sort by expert and the tiles.
+    let logits = normals(&mut rng, t * (e + 1), 2.0);
+    gpu.upload(s.router_logits.ptr(), &logits)?;
+    poison(gpu, &s.route_w)?;
+    poison(gpu, &s.entries)?;
+    let tile_rows = kernels.constant("moe_tile_rows");
+    route_and_sort(l, c, &s, t)?;
+    let (mut ids, mut weights) = (vec![0usize; t * k], vec![0.0f32; t * k]);
+    for r in 0..t {
+        route(
+            &logits[r * (e + 1)..][..e],
+            k,
+            &mut ids[r * k..][..k],
+            &mut weights[r * k..][..k],
+        );
+    }
+    let mut gpu_ids = vec![0i32; t * k];
+    gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
+    report.check_eq(
+        "route_rows: top-k experts of every token",
+        gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b),
+        "",
+    );
+    report.check(
+        "route_rows: routing weights",
+        rel_err(&download_f32(gpu, &s.route_w, t * k)?, &weights),
+        1e-5,
+    );
+    let shared: Vec<f32> = (0..t).map(|r| sigmoid(logits[r * (e + 1) + e])).collect();
+    report.check(
+        "route_rows: shared expert gate",
+        rel_err(&download_f32(gpu, &s.shared_w, t)?, &shared),
+        1e-6,
+    );
+    let mut order: Vec<usize> = (0..t * k).collect();
+    order.sort_by_key(|&i| ids[i]);
+    let mut offsets = vec![0i32; e + 1];
+    let mut tiles = Vec::new();
+    for x in 0..e {
+        let n = ids.iter().filter(|&&i| i == x).count();
+        offsets[x + 1] = offsets[x] + n as i32;
+        tiles.extend((0..n.div_ceil(tile_rows)).flat_map(|j| [x as i32, offsets[x] + (j * tile_rows) as i32]));
+    }
+    let mut gpu_entries = vec![0i32; t * k];
+    gpu.download(s.entries.ptr(), &mut gpu_entries)?;
+    let mut gpu_offsets = vec![0i32; e + 1];
+    gpu.download(s.offsets.ptr(), &mut gpu_offsets)?;
+    let mut gpu_count = [0i32];
+    gpu.download(s.tile_count.ptr(), &mut gpu_count)?;
+    let mut gpu_tiles = vec![0i32; tiles.len()];
+    gpu.download(s.tiles.ptr(), &mut gpu_tiles)?;
+    let sorted = gpu_entries.iter().zip(&order).all(|(a, b)| *a as usize == *b) && gpu_offsets == offsets;
+    report.check_eq("moe_sort: entries stably sorted by expert, offsets", sorted, "");
+    report.check_eq(
+        "moe_sort: tiles",
+        gpu_count[0] as usize * 2 == tiles.len() && gpu_tiles == tiles,
+        &format!("{} tiles", tiles.len() / 2),
+    );
+
+    // Combine into the residual stream.
+    let expert_out = normals(&mut rng, t * k * h, 1.0);
+    let shared_out = normals(&mut rng, t * h, 1.0);
+    gpu.upload(s.expert_out.ptr(), &expert_out)?;
+    gpu.upload(s.shared_out.ptr(), &shared_out)?;
+    gpu.upload(s.hidden.ptr(), &hidden)?;
+    let (expert_out_p, shared_out_p, shared_w_p) = (s.expert_out.ptr(), s.shared_out.ptr(), s.shared_w.ptr());
+    prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out_p, shared_out_p, shared_w_p)?;
+    let expected: Vec<f32> = (0..t * h)
+        .map(|i| {
+            let (r, col) = (i / h, i % h);
+            hidden[i] + (0..k).map(|j| expert_out[(r * k + j) * h + col]).sum::<f32>() + shared[r] * shared_out[i]
+        })
+        .collect();
+    report.check(
+        "moe_combine (routed + gated shared + residual)",
+        rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected),
+        1e-5,
+    );
+    gpu.sync()
+}
