@@ -275,7 +275,9 @@ impl Gpu {
             sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP)
         })?;
         let mut addr: sys::CUdeviceptr = 0;
-        let cell = HostCell {
+        // The cell owns the allocation from here on (its drop frees it), so it is completed in place rather than
+        // copied into a second cell, which would free the memory the first time either is dropped.
+        let mut cell = HostCell {
             host: host as *mut i32,
             ptr: DevPtr::NULL,
         };
@@ -283,10 +285,8 @@ impl Gpu {
         check("cuMemHostGetDevicePointer", unsafe {
             sys::cuMemHostGetDevicePointer_v2(&mut addr, host, 0)
         })?;
-        Ok(HostCell {
-            ptr: DevPtr::from_raw(addr),
-            ..cell
-        })
+        cell.ptr = DevPtr::from_raw(addr);
+        Ok(cell)
     }
 
     /// Queues a write of one 32-bit value to device memory, done by the stream itself (no copy, no host buffer).
