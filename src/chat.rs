@@ -16,6 +16,7 @@ use clap::Args;
 use lily_chat::{
     ChatTemplate, Delta, FinalOutput, FinishReason, OutputOptions, OutputStream, RenderRequest, Tokenizer,
 };
+use lily_model::config::GenerationConfig;
 use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Backend;
 use serde_json::{json, Map, Value as Json};
@@ -29,24 +30,27 @@ pub struct ChatArgs {
     /// Most tokens per answer (reasoning included).
     #[arg(long, default_value_t = 4096)]
     max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f32,
-    /// 1 means no limit.
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// 0 means no limit.
-    #[arg(long, default_value_t = 20)]
-    top_k: usize,
-    /// 0 means no limit.
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
+    /// 0 is greedy. Default: the model's generation_config.json, else 1.0.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// 1 means no limit. Default: the model's generation_config.json, else 0.95.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// 0 means no limit. Default: the model's generation_config.json, else 20.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// 0 means no limit. Default: the model's generation_config.json, else 0.
+    #[arg(long)]
+    min_p: Option<f32>,
     /// Sampling seed (default: a new one each session).
     #[arg(long)]
     seed: Option<u64>,
     /// Turn thinking off (the template's enable_thinking=false).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "think")]
     no_think: bool,
+    /// Turn thinking on (enable_thinking=true). Without --think or --no-think, the chat template's default.
+    #[arg(long)]
+    think: bool,
     /// Fold the model's thinking: show a one-line marker while it thinks instead of its text.
     #[arg(long)]
     hide_thinking: bool,
@@ -101,10 +105,22 @@ impl Turn {
     }
 }
 
-/// Renders a conversation for generation: `add_generation_prompt`, thinking on or off.
-pub fn render_prompt(template: &ChatTemplate, messages: Vec<Json>, enable_thinking: bool) -> Result<String> {
+/// `enable_thinking` from a `--think` / `--no-think` pair: None leaves it to the template's default.
+pub fn thinking_flag(think: bool, no_think: bool) -> Option<bool> {
+    match (think, no_think) {
+        (true, _) => Some(true),
+        (_, true) => Some(false),
+        _ => None,
+    }
+}
+
+/// Renders a conversation for generation: `add_generation_prompt`, thinking on, off, or (None) as the template
+/// decides by default.
+pub fn render_prompt(template: &ChatTemplate, messages: Vec<Json>, enable_thinking: Option<bool>) -> Result<String> {
     let mut kwargs = Map::new();
-    kwargs.insert("enable_thinking".into(), Json::Bool(enable_thinking));
+    if let Some(enable_thinking) = enable_thinking {
+        kwargs.insert("enable_thinking".into(), Json::Bool(enable_thinking));
+    }
     let request = RenderRequest {
         messages,
         tools: None,
@@ -352,11 +368,13 @@ pub fn run(args: ChatArgs) -> Result<()> {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_nanos() as u64)
     });
+    // The model's own sampling defaults where it ships them, else Qwen3.6's.
+    let defaults = GenerationConfig::from_dir(&dir)?.unwrap_or_default();
     let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
+        temperature: args.temperature.or(defaults.temperature).unwrap_or(1.0),
+        top_k: args.top_k.or(defaults.top_k).unwrap_or(20),
+        top_p: args.top_p.or(defaults.top_p).unwrap_or(0.95),
+        min_p: args.min_p.or(defaults.min_p).unwrap_or(0.0),
         seed,
     };
     params.validate()?;
@@ -446,7 +464,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             messages.push(json!({"role": "system", "content": system}));
         }
         messages.extend(history.iter().cloned());
-        let prompt_text = match render_prompt(&template, messages, !args.no_think) {
+        let prompt_text = match render_prompt(&template, messages, thinking_flag(args.think, args.no_think)) {
             Ok(text) => text,
             Err(error) => {
                 history.pop();

@@ -50,8 +50,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     chat: bool,
     /// With --chat: turn thinking off (the template's enable_thinking=false).
-    #[arg(long, requires = "chat")]
+    #[arg(long, requires = "chat", conflicts_with = "think")]
     no_think: bool,
+    /// With --chat: turn thinking on (enable_thinking=true). Without --think or --no-think, the template's default.
+    #[arg(long, requires = "chat")]
+    think: bool,
     /// With --chat: a system prompt.
     #[arg(long, requires = "chat")]
     system: Option<String>,
@@ -150,7 +153,11 @@ fn run_chat(args: &GenerateArgs, dir: &Path, params: SamplingParams) -> Result<(
         messages.push(serde_json::json!({"role": "system", "content": system}));
     }
     messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
-    let prompt_text = crate::chat::render_prompt(&template, messages, !args.no_think)?;
+    let prompt_text = crate::chat::render_prompt(
+        &template,
+        messages,
+        crate::chat::thinking_flag(args.think, args.no_think),
+    )?;
     let prompt_tokens = tokenizer.encode(&prompt_text, false)?.len();
     if prompt_tokens + args.max_tokens > args.context {
         bail!(

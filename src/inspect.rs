@@ -37,8 +37,11 @@ pub struct RenderArgs {
     /// (a bare list of messages is also accepted); "-" reads standard input.
     conversation: PathBuf,
     /// Render with thinking off (enable_thinking=false), overriding the body's chat_template_kwargs.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "think")]
     no_think: bool,
+    /// Render with thinking on (enable_thinking=true), overriding the body's chat_template_kwargs.
+    #[arg(long)]
+    think: bool,
     /// Leave out the assistant generation prompt (add_generation_prompt=false).
     #[arg(long)]
     no_generation_prompt: bool,
@@ -179,8 +182,8 @@ pub fn run_render(args: RenderArgs) -> Result<()> {
     let body = read_conversation(&args.conversation)?;
     let mut request =
         request_from_body(body).with_context(|| format!("{} is not a chat request", args.conversation.display()))?;
-    if args.no_think {
-        request.kwargs.insert("enable_thinking".into(), Json::Bool(false));
+    if let Some(thinking) = crate::chat::thinking_flag(args.think, args.no_think) {
+        request.kwargs.insert("enable_thinking".into(), Json::Bool(thinking));
     }
     if args.no_generation_prompt {
         request.add_generation_prompt = false;

@@ -13,10 +13,24 @@ pub enum Shape {
     Full,
 }
 
+/// The checkpoint layout to write: lily's synthetic MLX 4-bit (random packed weights, sharded), or one of the
+/// published releases' layouts (weights on the 4-bit grid, so every layout holds the same model).
+#[derive(Clone, Copy, ValueEnum)]
+pub enum LayoutArg {
+    Synthetic,
+    HfRelease,
+    HfPerExpert,
+    MlxLm,
+    MlxVlm,
+    MlxBf16,
+}
+
 #[derive(Args)]
 pub struct SynthArgs {
     #[arg(long, value_enum)]
     shape: Shape,
+    #[arg(long, value_enum, default_value = "synthetic")]
+    layout: LayoutArg,
     #[arg(long)]
     out: PathBuf,
     #[arg(long, default_value_t = 0)]
@@ -29,6 +43,19 @@ pub fn run(args: SynthArgs) -> Result<()> {
         Shape::Full => Config::full_shape(),
     };
     let start = Instant::now();
+    let published = match args.layout {
+        LayoutArg::Synthetic => None,
+        LayoutArg::HfRelease => Some(synth::Published::HfRelease),
+        LayoutArg::HfPerExpert => Some(synth::Published::HfPerExpert),
+        LayoutArg::MlxLm => Some(synth::Published::MlxLm),
+        LayoutArg::MlxVlm => Some(synth::Published::MlxVlm),
+        LayoutArg::MlxBf16 => Some(synth::Published::MlxBf16),
+    };
+    if let Some(layout) = published {
+        synth::write_published(&config, args.seed, layout, &args.out)?;
+        eprintln!("wrote {} in {:.1} s", args.out.display(), start.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let bar = indicatif::ProgressBar::new(0).with_style(
         indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} shards")
             .expect("valid template")

@@ -73,7 +73,7 @@ fn chat_turn_reset_interrupt_and_exit() {
     let reset = say(&mut chat, "/reset", Duration::from_secs(30));
     assert!(reset.contains("conversation cleared"), "{reset:?}");
 
-    // A long answer (thinking on, up to 2000 tokens) stopped by Ctrl-C once it is under way.
+    // A long answer (up to 2000 tokens) stopped by Ctrl-C once it is under way.
     chat.send("Recite the whole play, from the first act to the last.\r");
     chat.expect("to the last.\n", Duration::from_secs(30));
     let started = chat.expect_with("the answer to start", ANSWER, |rest| {
@@ -99,9 +99,9 @@ fn chat_turn_reset_interrupt_and_exit() {
 
 #[test]
 fn folded_thinking_still_shows_an_answer_written_in_the_think_block() {
-    // The default model answers inside the think block that the prompt opens and never closes it. Folded, the
-    // thinking is a marker while it runs; then that text is shown, as the answer.
-    let mut chat = start_chat(&["--hide-thinking", "--max-tokens", "2000"]);
+    // With thinking asked for, the default model answers inside the think block that the prompt opens and never
+    // closes it. Folded, the thinking is a marker while it runs; then that text is shown, as the answer.
+    let mut chat = start_chat(&["--think", "--hide-thinking", "--max-tokens", "2000"]);
     let reply = say(&mut chat, "What light through yonder window breaks?", ANSWER);
     let answer = reply.rsplit("thinking…").next().unwrap();
     assert!(

@@ -103,8 +103,8 @@ const CONVERSATION: &str = r#"{
   ]
 }"#;
 
-/// Hugging Face's apply_chat_template on the same conversation (reasoning of turns before the last user message
-/// is dropped by the template).
+/// Hugging Face's apply_chat_template on the same conversation with the real Qwen3.6 template, thinking on by
+/// default (reasoning of turns before the last user message is dropped by the template).
 const RENDERED: &str = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
 <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<think>\n";
 
@@ -118,9 +118,11 @@ fn write_temp(text: &str) -> tempfile::NamedTempFile {
 fn render_prints_the_exact_prompt() {
     let file = write_temp(CONVERSATION);
     let path = file.path().to_str().unwrap();
-    assert_eq!(ok(&["render", path]), RENDERED);
+    assert_eq!(ok(&["render", "--think", path]), RENDERED);
     let no_think = RENDERED.replace("<think>\n", "<think>\n\n</think>\n\n");
     assert_eq!(ok(&["render", "--no-think", path]), no_think);
+    // The bundled model's template turns thinking off unless asked for (it was trained with empty think blocks).
+    assert_eq!(ok(&["render", path]), no_think);
 
     // chat_template_kwargs in the body, and the body on standard input.
     let mut body: serde_json::Value = serde_json::from_str(CONVERSATION).unwrap();

@@ -121,10 +121,18 @@ fn generation_prompt_sets_the_reasoning_start_state() {
 fn the_bundled_model_template_renders() {
     let model_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/lily-tiny-shakespeare");
     let template = ChatTemplate::from_dir(&model_dir).unwrap();
+    // The bundled model was trained with empty think blocks: its template closes the block unless asked not to.
     assert_eq!(
         template.render(&user("Hi")).unwrap(),
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     );
+    // Asked for explicitly, each setting renders as the real template renders it.
+    let real = self::template();
+    for thinking in [true, false] {
+        let mut request = user("Hi");
+        request.kwargs = Map::from_iter([("enable_thinking".to_string(), json!(thinking))]);
+        assert_eq!(template.render(&request).unwrap(), real.render(&request).unwrap());
+    }
 }
 
 #[test]

@@ -59,16 +59,21 @@ impl GpuMatrix {
 /// A CPU matrix on the GPU in the kernels' layout (packed rows as they are, scale and bias paired).
 pub fn upload(gpu: &Gpu, m: &QMatrix) -> Result<GpuMatrix> {
     let dest = GpuMatrix::alloc(gpu, m.rows, m.cols, m.bits)?;
-    let v = m.view();
-    gpu.upload(dest.packed.ptr(), v.packed)?;
-    let pairs: Vec<u32> = v
-        .scales
-        .iter()
-        .zip(v.biases)
-        .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
-        .collect();
-    gpu.upload(dest.scale_bias.ptr(), &pairs)?;
+    gpu.upload(dest.packed.ptr().cast::<u8>(), m.packed.as_bytes())?;
+    gpu.upload(dest.scale_bias.ptr(), &scale_bias_pairs(m))?;
     Ok(dest)
+}
+
+/// Each group's (scale, bias) bf16 pair as one word, read from the checkpoint's bytes: a matrix mapped unaligned
+/// is uploaded from the map without an aligned host copy.
+fn scale_bias_pairs(m: &QMatrix) -> Vec<u32> {
+    let bits = |pair: &[u8]| u16::from_le_bytes([pair[0], pair[1]]) as u32;
+    m.scales
+        .as_bytes()
+        .chunks_exact(2)
+        .zip(m.biases.as_bytes().chunks_exact(2))
+        .map(|(s, b)| bits(s) | bits(b) << 16)
+        .collect()
 }
 
 pub struct GpuGatedDeltaNet {
@@ -298,15 +303,11 @@ impl Source<'_> {
                         m.rows, m.cols, m.bits, dest.rows, dest.cols, dest.bits
                     )));
                 }
-                let v = m.view();
-                gpu.upload(dest.packed.at(row0 * dest.row_words()), v.packed)?;
-                let pairs: Vec<u32> = v
-                    .scales
-                    .iter()
-                    .zip(v.biases)
-                    .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
-                    .collect();
-                gpu.upload(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE), &pairs)?;
+                gpu.upload(
+                    dest.packed.at(row0 * dest.row_words()).cast::<u8>(),
+                    m.packed.as_bytes(),
+                )?;
+                gpu.upload(dest.scale_bias.at(row0 * dest.cols / GROUP_SIZE), &scale_bias_pairs(m))?;
                 Ok(m.rows)
             }
             Source::Synthetic { seed, .. } => {

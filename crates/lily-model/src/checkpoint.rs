@@ -73,6 +73,7 @@ pub struct Checkpoint {
 }
 
 /// A located tensor: its file, mapping and byte range.
+#[derive(Clone, Copy)]
 pub struct TensorRef<'a> {
     pub name: &'a str,
     pub path: &'a Path,
@@ -109,7 +110,30 @@ impl TensorRef<'_> {
         if n != len {
             return Err(self.error(format!("expected {len} elements, found shape {:?}", self.info.shape)));
         }
-        let b = self.bytes();
+        self.f32_range(0, len)
+    }
+
+    /// Elements `start..start + len` of a float tensor (in storage order), converted to f32: a large tensor is
+    /// read a block at a time without converting all of it.
+    pub fn f32_range(&self, start: usize, len: usize) -> Result<Vec<f32>, CheckpointError> {
+        let n: usize = self.info.shape.iter().product();
+        if start + len > n {
+            return Err(self.error(format!(
+                "elements {start}..{} are past the end of shape {:?}",
+                start + len,
+                self.info.shape
+            )));
+        }
+        let size = match self.info.dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
+            other => {
+                return Err(self.error(format!(
+                    "dtype {other:?} is not a float type (expected BF16, F16 or F32)"
+                )))
+            }
+        };
+        let b = &self.bytes()[start * size..(start + len) * size];
         Ok(match self.info.dtype {
             Dtype::F32 => b
                 .chunks_exact(4)
@@ -123,7 +147,7 @@ impl TensorRef<'_> {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            other => return Err(self.error(format!("dtype {other:?} is not a float type"))),
+            _ => unreachable!("checked above"),
         })
     }
 }

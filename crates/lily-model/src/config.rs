@@ -82,6 +82,11 @@ pub struct Config {
     pub quantization: Option<Quantization>,
 }
 
+/// What lily loads, for error messages about what it does not.
+pub const SUPPORTED_FORMATS: &str = "lily loads MLX affine 4-bit checkpoints with group size 64 (the router and the \
+     shared-expert gate may be 8-bit), or unquantized BF16/F16/F32 checkpoints (HF or MLX names), which it \
+     quantizes to that layout at load";
+
 /// Group size of every quantized matrix in lily's layout (MLX's default; HF weights are quantized to it at load).
 pub const GROUP_SIZE: usize = 64;
 
@@ -96,7 +101,18 @@ impl Config {
             path: path.display().to_string(),
             source,
         })?;
-        Config::from_json(&value)
+        let mut config = Config::from_json(&value)?;
+        // The end tokens of generation_config.json and the tokenizer's end-of-turn token join config.json's.
+        let mut extra = GenerationConfig::from_dir(dir)?
+            .map(|g| g.eos_token_ids)
+            .unwrap_or_default();
+        extra.extend(end_of_turn_token(dir));
+        for id in extra {
+            if !config.eos_token_ids.contains(&id) {
+                config.eos_token_ids.push(id);
+            }
+        }
+        Ok(config)
     }
 
     pub fn from_json(root: &Value) -> Result<Config, ConfigError> {
@@ -202,11 +218,11 @@ impl Config {
             .or_else(|_| f64_field(text, "partial_rotary_factor"))
             .unwrap_or(1.0);
 
-        let eos_token_ids = match text.get("eos_token_id").or_else(|| root_obj.get("eos_token_id")) {
-            Some(Value::Array(ids)) => ids.iter().filter_map(Value::as_u64).map(|n| n as u32).collect(),
-            Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-            _ => vec![248046, 248044],
-        };
+        // Released checkpoints spread their end tokens: the HF config.json names only `<|endoftext|>` in
+        // text_config, mlx-lm copies generation_config.json's list to the root. Every one of them ends a reply.
+        let mut eos_token_ids = Vec::new();
+        extend_token_ids(&mut eos_token_ids, text.get("eos_token_id"));
+        extend_token_ids(&mut eos_token_ids, root_obj.get("eos_token_id"));
 
         let quantization = match root_obj
             .get("quantization")
@@ -216,7 +232,7 @@ impl Config {
             Some(q) => Some(parse_quantization(q)?),
         };
 
-        let config = Config {
+        let mut config = Config {
             vocab_size: usize_field("vocab_size")?,
             hidden_size: usize_field("hidden_size")?,
             num_hidden_layers,
@@ -240,6 +256,9 @@ impl Config {
             eos_token_ids,
             quantization,
         };
+        if config.eos_token_ids.is_empty() {
+            config.eos_token_ids = DEFAULT_EOS_TOKEN_IDS.to_vec();
+        }
         config.validate()?;
         Ok(config)
     }
@@ -303,14 +322,25 @@ impl Config {
             return Err(field_err("layer_types", "no full_attention layer"));
         }
         if let Some(q) = &self.quantization {
-            for (module, spec) in
-                std::iter::once(("<default>", &q.default)).chain(q.overrides.iter().map(|(k, v)| (k.as_str(), v)))
-            {
-                if spec.group_size != GROUP_SIZE || !matches!(spec.bits, 4 | 8) {
+            if q.default.bits != 4 || q.default.group_size != GROUP_SIZE {
+                return Err(field_err(
+                    "quantization",
+                    format!(
+                        "found MLX affine {}-bit, group {}: not supported. {SUPPORTED_FORMATS}",
+                        q.default.bits, q.default.group_size
+                    ),
+                ));
+            }
+            for (module, spec) in &q.overrides {
+                // The router and the shared-expert gate are the only modules lily runs at 8 bits.
+                let eight_bit_module = module.ends_with(".mlp.gate") || module.ends_with(".mlp.shared_expert_gate");
+                let allowed = spec.group_size == GROUP_SIZE && (spec.bits == 4 || (spec.bits == 8 && eight_bit_module));
+                if !allowed {
                     return Err(field_err(
                         &format!("quantization.{module}"),
                         format!(
-                            "bits {} group_size {} is not supported (affine 4 or 8 bits, group 64)",
+                            "found a mixed-bit recipe ({}-bit, group {} for this module): not supported. \
+                             {SUPPORTED_FORMATS}",
                             spec.bits, spec.group_size
                         ),
                     ));
@@ -458,11 +488,127 @@ impl Config {
     }
 }
 
+/// End-of-sequence ids of the model family, used when no file names any.
+pub const DEFAULT_EOS_TOKEN_IDS: [u32; 2] = [248046, 248044];
+
+/// Appends the ids of an `eos_token_id` field (a number or a list of numbers) that `ids` lacks.
+fn extend_token_ids(ids: &mut Vec<u32>, value: Option<&Value>) {
+    let found: Vec<u32> = match value {
+        Some(Value::Array(items)) => items.iter().filter_map(Value::as_u64).map(|n| n as u32).collect(),
+        Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    for id in found {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+}
+
+/// The tokenizer's end-of-turn token: `eos_token` of tokenizer_config.json (`<|im_end|>` in the Qwen releases),
+/// as numbered by its `added_tokens_decoder`. None where either is missing.
+fn end_of_turn_token(dir: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?;
+    let value: Value = serde_json::from_str(&text).ok()?;
+    let eos = match value.get("eos_token")? {
+        Value::String(s) => s.as_str(),
+        Value::Object(o) => o.get("content")?.as_str()?,
+        _ => return None,
+    };
+    value
+        .get("added_tokens_decoder")?
+        .as_object()?
+        .iter()
+        .find(|(_, token)| token.get("content").and_then(Value::as_str) == Some(eos))
+        .and_then(|(id, _)| id.parse().ok())
+}
+
+/// The model's `generation_config.json`: its end tokens and the sampling defaults it ships with. Each sampling
+/// value is kept only when it is in range (a value out of range is ignored with a warning, as if absent).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationConfig {
+    pub eos_token_ids: Vec<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl GenerationConfig {
+    /// Reads `dir/generation_config.json`; None when there is none. A file that is not a JSON object is an error.
+    pub fn from_dir(dir: &Path) -> Result<Option<GenerationConfig>, ConfigError> {
+        let path = dir.join("generation_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(ConfigError::Io {
+                    path: path.display().to_string(),
+                    source,
+                })
+            }
+        };
+        let value: Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| field_err("generation_config.json", "expected a JSON object"))?;
+        let mut config = GenerationConfig::default();
+        extend_token_ids(&mut config.eos_token_ids, obj.get("eos_token_id"));
+        let number = |key: &str, valid: fn(f64) -> bool| -> Option<f64> {
+            let v = obj.get(key)?;
+            match v.as_f64() {
+                Some(n) if valid(n) => Some(n),
+                _ => {
+                    tracing::warn!("{}: ignoring `{key}`: {v} is out of range", path.display());
+                    None
+                }
+            }
+        };
+        config.temperature = number("temperature", |v| v.is_finite() && v >= 0.0).map(|v| v as f32);
+        config.top_p = number("top_p", |v| v > 0.0 && v <= 1.0).map(|v| v as f32);
+        config.top_k = number("top_k", |v| v >= 0.0 && v.fract() == 0.0).map(|v| v as usize);
+        config.min_p = number("min_p", |v| (0.0..=1.0).contains(&v)).map(|v| v as f32);
+        config.repetition_penalty = number("repetition_penalty", |v| v.is_finite() && v > 0.0).map(|v| v as f32);
+        Ok(Some(config))
+    }
+}
+
 fn parse_quantization(q: &Value) -> Result<Quantization, ConfigError> {
     let obj = q
         .as_object()
         .ok_or_else(|| field_err("quantization", "expected an object"))?;
+    // Hugging Face quantizers (FP8, NVFP4 through ModelOpt or compressed-tensors, GPTQ, AWQ...) name themselves
+    // in `quant_method`; MLX's block has none.
+    if let Some(method) = obj.get("quant_method") {
+        let detail: Vec<String> = ["quant_algo", "fmt", "format", "bits", "weight_block_size"]
+            .iter()
+            .filter_map(|key| obj.get(*key).map(|v| format!("{key} {v}")))
+            .collect();
+        return Err(field_err(
+            "quantization_config.quant_method",
+            format!(
+                "found {method}{}: not supported. {SUPPORTED_FORMATS}",
+                if detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", detail.join(", "))
+                }
+            ),
+        ));
+    }
     let spec = |name: &str, o: &serde_json::Map<String, Value>| -> Result<QuantSpec, ConfigError> {
+        if let Some(mode) = o.get("mode").and_then(Value::as_str) {
+            if mode != "affine" {
+                return Err(field_err(
+                    &format!("{name}.mode"),
+                    format!("found MLX `{mode}` quantization: not supported. {SUPPORTED_FORMATS}"),
+                ));
+            }
+        }
         let bits = o
             .get("bits")
             .and_then(Value::as_u64)
@@ -471,14 +617,6 @@ fn parse_quantization(q: &Value) -> Result<Quantization, ConfigError> {
             .get("group_size")
             .and_then(Value::as_u64)
             .ok_or_else(|| field_err(&format!("{name}.group_size"), "missing or not an integer"))?;
-        if let Some(mode) = o.get("mode").and_then(Value::as_str) {
-            if mode != "affine" {
-                return Err(field_err(
-                    &format!("{name}.mode"),
-                    format!("`{mode}` is not supported (only affine)"),
-                ));
-            }
-        }
         Ok(QuantSpec {
             bits: bits as u32,
             group_size: group_size as usize,
@@ -520,7 +658,80 @@ mod tests {
             q.spec_for("language_model.model.layers.3.mlp.switch_mlp.up_proj").bits,
             4
         );
-        assert_eq!(c.eos_token_ids, vec![248046, 248044]);
+        // The released layout: config.json names only `<|endoftext|>`, generation_config.json adds `<|im_end|>`.
+        assert_eq!(c.eos_token_ids, vec![248044]);
+        let dir = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/lily-tiny-shakespeare"
+        ));
+        assert_eq!(Config::from_dir(dir).unwrap().eos_token_ids, vec![248044, 248046]);
+        let generation = GenerationConfig::from_dir(dir).unwrap().unwrap();
+        assert_eq!(
+            (generation.temperature, generation.top_p, generation.top_k),
+            (Some(1.0), Some(0.95), Some(20))
+        );
+    }
+
+    fn write_dir(files: &[(&str, Value)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, value) in files {
+            std::fs::write(dir.path().join(name), value.to_string()).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn end_tokens_are_the_union_of_every_file_that_names_them() {
+        // HF release: text_config has 248044 only; generation_config.json has the list.
+        let mut hf = shakespeare_json();
+        let generation = serde_json::json!({"eos_token_id": [248046, 248044], "top_k": 20});
+        let dir = write_dir(&[("config.json", hf.clone()), ("generation_config.json", generation)]);
+        assert_eq!(
+            Config::from_dir(dir.path()).unwrap().eos_token_ids,
+            vec![248044, 248046]
+        );
+
+        // mlx-lm conversion: the list copied to the root of config.json, no generation_config.json.
+        hf["eos_token_id"] = serde_json::json!([248046, 248044]);
+        let dir = write_dir(&[("config.json", hf.clone())]);
+        assert_eq!(
+            Config::from_dir(dir.path()).unwrap().eos_token_ids,
+            vec![248044, 248046]
+        );
+
+        // Only the tokenizer names the end of turn.
+        hf.as_object_mut().unwrap().remove("eos_token_id");
+        let tokenizer_config = serde_json::json!({
+            "eos_token": "<|im_end|>",
+            "added_tokens_decoder": {
+                "248044": {"content": "<|endoftext|>", "special": true},
+                "248046": {"content": "<|im_end|>", "special": true}
+            }
+        });
+        let dir = write_dir(&[("config.json", hf.clone()), ("tokenizer_config.json", tokenizer_config)]);
+        assert_eq!(
+            Config::from_dir(dir.path()).unwrap().eos_token_ids,
+            vec![248044, 248046]
+        );
+
+        // No file names any: the family's two.
+        hf["text_config"].as_object_mut().unwrap().remove("eos_token_id");
+        assert_eq!(Config::from_json(&hf).unwrap().eos_token_ids, DEFAULT_EOS_TOKEN_IDS);
+    }
+
+    #[test]
+    fn generation_config_values_out_of_range_are_dropped_and_a_broken_file_is_an_error() {
+        let generation = serde_json::json!({"temperature": -1, "top_p": 0.8, "top_k": 2.5, "min_p": 0.1});
+        let dir = write_dir(&[("generation_config.json", generation)]);
+        let g = GenerationConfig::from_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(
+            (g.temperature, g.top_p, g.top_k, g.min_p),
+            (None, Some(0.8), None, Some(0.1))
+        );
+        std::fs::write(dir.path().join("generation_config.json"), "[1]").unwrap();
+        assert!(GenerationConfig::from_dir(dir.path()).is_err());
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(GenerationConfig::from_dir(empty.path()).unwrap(), None);
     }
 
     #[test]
@@ -560,7 +771,6 @@ mod tests {
             "layer_types",
         );
         refused(|v| v["quantization"]["bits"] = 3.into(), "quantization");
-        refused(|v| v["quantization"]["group_size"] = 32.into(), "quantization");
         refused(|v| v["quantization"]["mode"] = "mxfp4".into(), "quantization.mode");
         refused(|v| v["text_config"]["hidden_size"] = 100.into(), "hidden_size");
         refused(
@@ -579,5 +789,75 @@ mod tests {
             "rope_type",
         );
         refused(|v| v["text_config"]["hidden_act"] = "gelu".into(), "hidden_act");
+    }
+
+    /// The error for a quantization lily does not run names what it found and what lily accepts.
+    fn refusal(edit: impl Fn(&mut Value)) -> String {
+        let mut v = shakespeare_json();
+        edit(&mut v);
+        let err = Config::from_json(&v).unwrap_err().to_string();
+        assert!(err.contains(SUPPORTED_FORMATS), "{err}");
+        err
+    }
+
+    #[test]
+    fn unsupported_quantizations_are_named_with_what_lily_accepts() {
+        let mlx = |edit: fn(&mut serde_json::Map<String, Value>)| {
+            move |v: &mut Value| {
+                for key in ["quantization", "quantization_config"] {
+                    edit(v[key].as_object_mut().unwrap());
+                }
+            }
+        };
+        // mlx-lm's 8-bit and group-32 recipes.
+        let err = refusal(mlx(|q| q["bits"] = 8.into()));
+        assert!(err.contains("8-bit, group 64"), "{err}");
+        let err = refusal(mlx(|q| q["group_size"] = 32.into()));
+        assert!(err.contains("4-bit, group 32"), "{err}");
+        // A mixed-bit recipe: some layers' projections at 6 or 8 bits.
+        let err = refusal(mlx(|q| {
+            q.insert(
+                "language_model.model.layers.0.mlp.switch_mlp.down_proj".into(),
+                serde_json::json!({"group_size": 64, "bits": 6}),
+            );
+        }));
+        assert!(
+            err.contains("mixed-bit") && err.contains("switch_mlp.down_proj") && err.contains("6-bit"),
+            "{err}"
+        );
+        let err = refusal(mlx(|q| {
+            q.insert(
+                "language_model.model.layers.0.self_attn.v_proj".into(),
+                serde_json::json!({"group_size": 64, "bits": 8}),
+            );
+        }));
+        assert!(err.contains("mixed-bit") && err.contains("v_proj"), "{err}");
+        // MLX's non-affine modes.
+        let err = refusal(mlx(|q| q["mode"] = "mxfp4".into()));
+        assert!(err.contains("mxfp4"), "{err}");
+
+        // The FP8 release (block-wise e4m3) and an NVFP4 checkpoint (ModelOpt, compressed-tensors).
+        let hf = |block: Value| {
+            move |v: &mut Value| {
+                let o = v.as_object_mut().unwrap();
+                o.remove("quantization");
+                o.insert("quantization_config".into(), block.clone());
+            }
+        };
+        let err = refusal(hf(serde_json::json!({
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+        })));
+        assert!(
+            err.contains("\"fp8\"") && err.contains("e4m3") && !err.contains("bits missing"),
+            "{err}"
+        );
+        let err = refusal(hf(
+            serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4"}),
+        ));
+        assert!(err.contains("modelopt") && err.contains("NVFP4"), "{err}");
+        let err = refusal(hf(serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"
+        })));
+        assert!(err.contains("nvfp4-pack-quantized"), "{err}");
     }
 }

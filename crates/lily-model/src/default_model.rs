@@ -6,7 +6,12 @@ use std::path::{Path, PathBuf};
 pub const NAME: &str = "lily-tiny-shakespeare";
 /// Files kept zstd-compressed in the repository (unpacked without the `.zst`), and files kept as they are.
 const COMPRESSED: [&str; 2] = ["model.safetensors", "tokenizer.json"];
-const PLAIN: [&str; 3] = ["config.json", "chat_template.jinja", "README.md"];
+const PLAIN: [&str; 4] = [
+    "config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "README.md",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DefaultModelError {

@@ -3,7 +3,7 @@
 //! word at 4 bits, 4 at 8 bits). Checkpoint data stays in the memory map; HF bf16 weights are quantized into owned
 //! buffers at load.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use half::bf16;
 
@@ -12,41 +12,70 @@ use crate::checkpoint::Buffer;
 use crate::config::GROUP_SIZE;
 
 /// A read-only array that lives either in a mapped checkpoint file or in memory.
+///
+/// A mapped array whose bytes are not aligned for `T` (MLX writes safetensors headers without padding) stays in
+/// the map: [`Blob::as_bytes`] reads it there, as the GPU upload does, and only [`Blob::as_slice`] copies it, once,
+/// on first use. So a load copies no tensor that the chosen backend does not read as a typed slice.
 pub enum Blob<T: bytemuck::Pod> {
     Mapped {
         map: Arc<Buffer>,
         offset: usize,
         len: usize,
-        _marker: std::marker::PhantomData<T>,
+        /// The aligned copy of unaligned bytes, made on the first `as_slice`.
+        copy: OnceLock<Vec<T>>,
     },
     Owned(Vec<T>),
 }
 
 impl<T: bytemuck::Pod> Blob<T> {
-    /// Views `len` elements at byte `offset` of `map`, copying only when the bytes are not aligned for `T`.
+    /// Views `len` elements at byte `offset` of `map`.
     pub fn from_map(map: &Arc<Buffer>, offset: usize, len: usize) -> Blob<T> {
-        let bytes = &map[offset..offset + len * std::mem::size_of::<T>()];
-        if bytemuck::try_cast_slice::<u8, T>(bytes).is_ok() {
-            Blob::Mapped {
-                map: map.clone(),
-                offset,
-                len,
-                _marker: std::marker::PhantomData,
-            }
-        } else {
-            Blob::Owned(
-                bytes
-                    .chunks_exact(std::mem::size_of::<T>())
-                    .map(bytemuck::pod_read_unaligned)
-                    .collect(),
-            )
+        assert!(offset + len * std::mem::size_of::<T>() <= map.len());
+        Blob::Mapped {
+            map: map.clone(),
+            offset,
+            len,
+            copy: OnceLock::new(),
         }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Blob::Mapped { len, .. } => *len,
+            Blob::Owned(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The raw little-endian bytes, wherever they lie; never copies.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Blob::Mapped { map, offset, len, .. } => &map[*offset..*offset + *len * std::mem::size_of::<T>()],
+            Blob::Owned(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// Whether `as_slice` borrows without copying.
+    pub fn is_aligned(&self) -> bool {
+        bytemuck::try_cast_slice::<u8, T>(self.as_bytes()).is_ok()
     }
 
     pub fn as_slice(&self) -> &[T] {
         match self {
-            Blob::Mapped { map, offset, len, .. } => {
-                bytemuck::cast_slice(&map[*offset..*offset + *len * std::mem::size_of::<T>()])
+            Blob::Mapped { copy, .. } => {
+                let bytes = self.as_bytes();
+                match bytemuck::try_cast_slice(bytes) {
+                    Ok(slice) => slice,
+                    Err(_) => copy.get_or_init(|| {
+                        bytes
+                            .chunks_exact(std::mem::size_of::<T>())
+                            .map(bytemuck::pod_read_unaligned)
+                            .collect()
+                    }),
+                }
             }
             Blob::Owned(v) => v,
         }
@@ -98,27 +127,67 @@ impl QMatrix {
     /// Quantizes a row-major f32 matrix (the HF load path and the synthetic generator).
     pub fn quantize(values: &[f32], rows: usize, cols: usize, bits: u32) -> QMatrix {
         assert_eq!(values.len(), rows * cols);
-        let groups = cols / GROUP_SIZE;
-        let wpr = words_per_row(cols, bits);
-        let mut packed = vec![0u32; rows * wpr];
-        let mut scales = vec![bf16::ZERO; rows * groups];
-        let mut biases = vec![bf16::ZERO; rows * groups];
-        for r in 0..rows {
-            for g in 0..groups {
-                let group = &values[r * cols + g * GROUP_SIZE..r * cols + (g + 1) * GROUP_SIZE];
-                let (s, b, q) = quantize_group(group, bits);
-                scales[r * groups + g] = s;
-                biases[r * groups + g] = b;
-                pack_group(&q, bits, &mut packed[r * wpr + g * GROUP_SIZE * bits as usize / 32..]);
-            }
-        }
-        QMatrix {
+        let mut builder = QMatrixBuilder::new(rows, cols, bits);
+        builder.push_rows(values);
+        builder.finish()
+    }
+}
+
+/// Quantizes a matrix a block of rows at a time, so that a caller converting a large bf16 tensor holds only one
+/// block of it in f32 (the HF load path streams experts and row blocks through it).
+pub struct QMatrixBuilder {
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    packed: Vec<u32>,
+    scales: Vec<bf16>,
+    biases: Vec<bf16>,
+}
+
+impl QMatrixBuilder {
+    pub fn new(rows: usize, cols: usize, bits: u32) -> QMatrixBuilder {
+        assert!(cols.is_multiple_of(GROUP_SIZE) && matches!(bits, 4 | 8));
+        QMatrixBuilder {
             rows,
             cols,
             bits,
-            packed: Blob::Owned(packed),
-            scales: Blob::Owned(scales),
-            biases: Blob::Owned(biases),
+            packed: Vec::with_capacity(rows * words_per_row(cols, bits)),
+            scales: Vec::with_capacity(rows * cols / GROUP_SIZE),
+            biases: Vec::with_capacity(rows * cols / GROUP_SIZE),
+        }
+    }
+
+    /// Appends whole rows (row-major f32, a multiple of `cols` values).
+    pub fn push_rows(&mut self, values: &[f32]) {
+        assert!(values.len().is_multiple_of(self.cols));
+        let wpg = GROUP_SIZE * self.bits as usize / 32;
+        for group in values.chunks_exact(GROUP_SIZE) {
+            let (s, b, q) = quantize_group(group, self.bits);
+            self.scales.push(s);
+            self.biases.push(b);
+            let start = self.packed.len();
+            self.packed.resize(start + wpg, 0);
+            pack_group(&q, self.bits, &mut self.packed[start..]);
+        }
+        assert!(
+            self.scales.len() * GROUP_SIZE <= self.rows * self.cols,
+            "more rows than the matrix has"
+        );
+    }
+
+    pub fn finish(self) -> QMatrix {
+        assert_eq!(
+            self.scales.len() * GROUP_SIZE,
+            self.rows * self.cols,
+            "fewer rows than the matrix has"
+        );
+        QMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            bits: self.bits,
+            packed: Blob::Owned(self.packed),
+            scales: Blob::Owned(self.scales),
+            biases: Blob::Owned(self.biases),
         }
     }
 }
@@ -268,6 +337,29 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn unaligned_mapped_bytes_stay_mapped_until_read_as_a_slice() {
+        let values: Vec<u32> = (0..16).map(|i| i * 0x0101_0101).collect();
+        let mut bytes = vec![0xEEu8];
+        bytes.extend_from_slice(bytemuck::cast_slice(&values));
+        let map = Arc::new(Buffer::Owned(bytes));
+        let blob = Blob::<u32>::from_map(&map, 1, 16);
+        assert_eq!(blob.as_bytes(), bytemuck::cast_slice::<u32, u8>(&values));
+        let Blob::Mapped { copy, .. } = &blob else {
+            unreachable!()
+        };
+        assert!(copy.get().is_none(), "as_bytes copied");
+        assert!(!blob.is_aligned());
+        assert_eq!(blob.as_slice(), &values[..]);
+        let Blob::Mapped { copy, .. } = &blob else {
+            unreachable!()
+        };
+        assert!(
+            copy.get().is_some(),
+            "as_slice of unaligned bytes reads an aligned copy"
+        );
     }
 
     #[test]

@@ -18,9 +18,10 @@ use crate::config::{Config, LayerKind, GROUP_SIZE};
 use crate::quant::words_per_row;
 use crate::rng::{hash3, mix64, uniform_at};
 
-/// The tokenizer and chat template a synthetic model directory gets (the real Qwen3.6 ones).
+/// The tokenizer and chat template a synthetic model directory gets (the real Qwen3.6 ones). The bundled model
+/// shares the tokenizer; its template differs in one place (thinking is off unless asked for).
 pub const TOKENIZER_JSON_ZST: &[u8] = include_bytes!("../../../models/lily-tiny-shakespeare/tokenizer.json.zst");
-pub const CHAT_TEMPLATE: &str = include_str!("../../../models/lily-tiny-shakespeare/chat_template.jinja");
+pub const CHAT_TEMPLATE: &str = include_str!("qwen3_6_chat_template.jinja");
 
 /// How the bytes of one tensor are made.
 #[derive(Clone, Copy, Debug)]
@@ -414,6 +415,482 @@ fn write_into(config: &Config, seed: u64, dir: &Path, progress: &dyn Fn(usize, u
 /// Total bytes of the synthetic checkpoint's tensors.
 pub fn total_bytes(config: &Config) -> usize {
     tensors(config, 0).iter().map(|t| t.len() * t.dtype.bitsize() / 8).sum()
+}
+
+/// The checkpoint layouts of the published Qwen3.5/3.6 MoE releases, for [`write_published`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Published {
+    /// The Hugging Face release: bf16 `model.language_model.*`, fused experts, norms as offsets, A_log f32, the
+    /// vision tower (`model.visual.*`) and the MTP layer (`mtp.*`), sharded with an index; `eos_token_id` 248044
+    /// in config.json's text_config and the full list in generation_config.json.
+    HfRelease,
+    /// A bf16 re-save with one module per expert (`mlp.experts.N.{gate,up,down}_proj.weight`), text only.
+    HfPerExpert,
+    /// mlx-lm's 4-bit conversion: `language_model.*`, stacked `switch_mlp` experts, 8-bit router and shared-expert
+    /// gate, norms as `1 + w`, conv1d as `[C, K, 1]`, the eos list copied to config.json's root, sharded.
+    MlxLm,
+    /// mlx-vlm's 4-bit conversion: as mlx-lm's, plus the vision tower (`vision_tower.*`), one file whose JSON
+    /// header is not padded (so tensor data is not aligned), and the end of turn named by tokenizer_config.json.
+    MlxVlm,
+    /// An mlx-community bf16 conversion: MLX names, no `quantization` block.
+    MlxBf16,
+}
+
+impl Published {
+    pub const ALL: [Published; 5] = [
+        Published::HfRelease,
+        Published::HfPerExpert,
+        Published::MlxLm,
+        Published::MlxVlm,
+        Published::MlxBf16,
+    ];
+}
+
+/// One tensor as it is written: name, dtype, shape, little-endian bytes.
+type Written = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// A matrix on the 4-bit (or 8-bit) grid: `w = (q - 2^(bits-1)) * 2^exp[group]`. Every value is exact in bf16,
+/// and every group holds both extreme levels, so min/max quantization of the bf16 values gives back exactly
+/// these `q`, scales `2^exp` and biases `-2^(bits-1) * 2^exp`.
+struct GridMatrix {
+    cols: usize,
+    bits: u32,
+    q: Vec<u32>,
+    exp: Vec<i32>,
+}
+
+impl GridMatrix {
+    fn new(name: &str, rows: usize, cols: usize, bits: u32, std: f32, seed: u64) -> GridMatrix {
+        let stream = name_stream(name);
+        let levels = (1u32 << bits) - 1;
+        let q = (0..rows * cols)
+            .map(|i| match i % GROUP_SIZE {
+                0 => 0,
+                1 => levels,
+                _ => hash3(seed, stream, i as u64) as u32 & levels,
+            })
+            .collect();
+        // Uniform levels have a standard deviation of about 2^bits / sqrt(12) steps.
+        let base = (std / ((levels + 1) as f32 / 12f32.sqrt())).log2().round() as i32;
+        let exp = (0..rows * cols / GROUP_SIZE)
+            .map(|g| base - (uniform_at(seed, stream ^ 1, g as u64) < 0.5) as i32)
+            .collect();
+        GridMatrix { cols, bits, q, exp }
+    }
+
+    fn values(&self) -> Vec<f32> {
+        let half = (1i64 << (self.bits - 1)) as f32;
+        self.q
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| (q as f32 - half) * (self.exp[i / GROUP_SIZE] as f32).exp2())
+            .collect()
+    }
+
+    fn mlx(&self, module: &str, outer: &[usize]) -> Vec<Written> {
+        let shape = |last: usize| outer.iter().copied().chain([last]).collect::<Vec<_>>();
+        let per_word = 32 / self.bits as usize;
+        let mut packed = vec![0u32; self.q.len() / per_word];
+        for (i, &q) in self.q.iter().enumerate() {
+            packed[i / per_word] |= q << ((i % per_word) as u32 * self.bits);
+        }
+        let half = (1i64 << (self.bits - 1)) as f32;
+        let scales: Vec<f32> = self.exp.iter().map(|e| (*e as f32).exp2()).collect();
+        let biases: Vec<f32> = scales.iter().map(|s| -half * s).collect();
+        vec![
+            (
+                format!("{module}.weight"),
+                Dtype::U32,
+                shape(words_per_row(self.cols, self.bits)),
+                packed.iter().flat_map(|w| w.to_le_bytes()).collect(),
+            ),
+            (
+                format!("{module}.scales"),
+                Dtype::BF16,
+                shape(self.cols / GROUP_SIZE),
+                bf16_bytes(&scales),
+            ),
+            (
+                format!("{module}.biases"),
+                Dtype::BF16,
+                shape(self.cols / GROUP_SIZE),
+                bf16_bytes(&biases),
+            ),
+        ]
+    }
+}
+
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect()
+}
+
+/// A bf16 float tensor of `n` values `lo + (hi - lo) * u`, rounded to bf16.
+fn bf16_values(name: &str, n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    let stream = name_stream(name);
+    (0..n)
+        .map(|i| bf16::from_f32(lo + (hi - lo) * uniform_at(seed, stream, i as u64)).to_f32())
+        .collect()
+}
+
+/// Writes a tiny checkpoint in one published layout. Every layout holds the same model: its matrices lie on the
+/// 4-bit grid (8-bit for the router and shared-expert gate), so the bf16 ones quantize at load to exactly the
+/// MLX ones, and its zero-centred norms are bf16 values near 1 whose offsets are exact too. `dir` must not exist
+/// or be empty.
+pub fn write_published(config: &Config, seed: u64, layout: Published, dir: &Path) -> Result<(), SynthError> {
+    let c = config;
+    let (h, e, i, si) = (
+        c.hidden_size,
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+    );
+    let mlx = matches!(layout, Published::MlxLm | Published::MlxVlm | Published::MlxBf16);
+    let quantized = matches!(layout, Published::MlxLm | Published::MlxVlm);
+    // Every tensor is made under its MLX name (the name seeds its values), and renamed below for HF layouts.
+    let base = "language_model.model";
+    let lm_head = "language_model.lm_head";
+    let mut out: Vec<Written> = Vec::new();
+    let fan_in = |cols: usize, gain: f32| gain / (cols as f32).sqrt();
+
+    // A matrix `[..outer, rows, cols]` in this layout: packed MLX tensors, or bf16 values.
+    let matrix = |module: &str, outer: &[usize], cols: usize, bits: u32, std: f32, out: &mut Vec<Written>| {
+        let rows: usize = outer.iter().product();
+        let m = GridMatrix::new(module, rows, cols, bits, std, seed);
+        if quantized {
+            out.extend(m.mlx(module, outer));
+        } else {
+            let shape = outer.iter().copied().chain([cols]).collect();
+            out.push((format!("{module}.weight"), Dtype::BF16, shape, bf16_bytes(&m.values())));
+        }
+    };
+    matrix(&format!("{base}.embed_tokens"), &[c.vocab_size], h, 4, 1.0, &mut out);
+    matrix(lm_head, &[c.vocab_size], h, 4, fan_in(h, 4.0), &mut out);
+    let norm = |name: String, n: usize, out: &mut Vec<Written>| {
+        let values = bf16_values(&name, n, 0.9, 1.1, seed);
+        let stored: Vec<f32> = if mlx {
+            values
+        } else {
+            values.iter().map(|v| v - 1.0).collect()
+        };
+        out.push((name, Dtype::BF16, vec![n], bf16_bytes(&stored)));
+    };
+    norm(format!("{base}.norm.weight"), h, &mut out);
+    for l in 0..c.num_hidden_layers {
+        let p = format!("{base}.layers.{l}");
+        norm(format!("{p}.input_layernorm.weight"), h, &mut out);
+        norm(format!("{p}.post_attention_layernorm.weight"), h, &mut out);
+        match c.layer_types[l] {
+            LayerKind::Linear => {
+                let a = format!("{p}.linear_attn");
+                matrix(
+                    &format!("{a}.in_proj_qkv"),
+                    &[c.linear_conv_dim()],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                    &mut out,
+                );
+                matrix(
+                    &format!("{a}.in_proj_z"),
+                    &[c.linear_value_dim()],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                    &mut out,
+                );
+                matrix(
+                    &format!("{a}.in_proj_b"),
+                    &[c.linear_num_value_heads],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                    &mut out,
+                );
+                matrix(
+                    &format!("{a}.in_proj_a"),
+                    &[c.linear_num_value_heads],
+                    h,
+                    4,
+                    fan_in(h, 1.0),
+                    &mut out,
+                );
+                let vd = c.linear_value_dim();
+                matrix(&format!("{a}.out_proj"), &[h], vd, 4, fan_in(vd, 0.5), &mut out);
+                let (channels, taps) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
+                let bound = 1.0 / (taps as f32).sqrt();
+                let conv = bf16_values(&format!("{a}.conv1d.weight"), channels * taps, -bound, bound, seed);
+                let shape = if mlx {
+                    vec![channels, taps, 1]
+                } else {
+                    vec![channels, 1, taps]
+                };
+                out.push((format!("{a}.conv1d.weight"), Dtype::BF16, shape, bf16_bytes(&conv)));
+                let nv = c.linear_num_value_heads;
+                let a_log: Vec<f32> = bf16_values(&format!("{a}.A_log"), nv, 1.0, 16.0, seed)
+                    .iter()
+                    .map(|v| v.ln())
+                    .collect();
+                out.push((
+                    format!("{a}.A_log"),
+                    Dtype::F32,
+                    vec![nv],
+                    a_log.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ));
+                let dt = bf16_values(&format!("{a}.dt_bias"), nv, -2.0, 0.0, seed);
+                out.push((format!("{a}.dt_bias"), Dtype::BF16, vec![nv], bf16_bytes(&dt)));
+                let gated = bf16_values(&format!("{a}.norm.weight"), c.linear_value_head_dim, 0.9, 1.1, seed);
+                out.push((
+                    format!("{a}.norm.weight"),
+                    Dtype::BF16,
+                    vec![c.linear_value_head_dim],
+                    bf16_bytes(&gated),
+                ));
+            }
+            LayerKind::Full => {
+                let a = format!("{p}.self_attn");
+                matrix(&format!("{a}.q_proj"), &[2 * c.q_dim()], h, 4, fan_in(h, 1.0), &mut out);
+                matrix(&format!("{a}.k_proj"), &[c.kv_dim()], h, 4, fan_in(h, 1.0), &mut out);
+                matrix(&format!("{a}.v_proj"), &[c.kv_dim()], h, 4, fan_in(h, 1.0), &mut out);
+                matrix(
+                    &format!("{a}.o_proj"),
+                    &[h],
+                    c.q_dim(),
+                    4,
+                    fan_in(c.q_dim(), 0.5),
+                    &mut out,
+                );
+                norm(format!("{a}.q_norm.weight"), c.head_dim, &mut out);
+                norm(format!("{a}.k_norm.weight"), c.head_dim, &mut out);
+            }
+        }
+        let m = format!("{p}.mlp");
+        matrix(&format!("{m}.gate"), &[e], h, 8, fan_in(h, 2.0), &mut out);
+        matrix(
+            &format!("{m}.shared_expert.gate_proj"),
+            &[si],
+            h,
+            4,
+            fan_in(h, 1.0),
+            &mut out,
+        );
+        matrix(
+            &format!("{m}.shared_expert.up_proj"),
+            &[si],
+            h,
+            4,
+            fan_in(h, 1.0),
+            &mut out,
+        );
+        matrix(
+            &format!("{m}.shared_expert.down_proj"),
+            &[h],
+            si,
+            4,
+            fan_in(si, 0.5),
+            &mut out,
+        );
+        matrix(&format!("{m}.shared_expert_gate"), &[1], h, 8, fan_in(h, 1.0), &mut out);
+        // The experts: generated under their MLX (stacked) names in every layout, then laid out as each stores them.
+        let mut scratch = Vec::new();
+        let stacked = |proj: &str, rows: usize, cols: usize, gain: f32, scratch: &mut Vec<Written>| {
+            let mlx_module = format!("language_model.model.layers.{l}.mlp.switch_mlp.{proj}");
+            let grid = GridMatrix::new(&mlx_module, e * rows, cols, 4, fan_in(cols, gain), seed);
+            if quantized {
+                scratch.extend(grid.mlx(&format!("{m}.switch_mlp.{proj}"), &[e, rows]));
+            }
+            grid.values()
+        };
+        let gate = stacked("gate_proj", i, h, 1.0, &mut scratch);
+        let up = stacked("up_proj", i, h, 1.0, &mut scratch);
+        let down = stacked("down_proj", h, i, 0.5, &mut scratch);
+        out.append(&mut scratch);
+        match layout {
+            Published::MlxLm | Published::MlxVlm => {}
+            Published::MlxBf16 => {
+                for (proj, values, rows, cols) in [
+                    ("gate_proj", &gate, i, h),
+                    ("up_proj", &up, i, h),
+                    ("down_proj", &down, h, i),
+                ] {
+                    out.push((
+                        format!("{m}.switch_mlp.{proj}.weight"),
+                        Dtype::BF16,
+                        vec![e, rows, cols],
+                        bf16_bytes(values),
+                    ));
+                }
+            }
+            Published::HfRelease => {
+                let mut gate_up = Vec::with_capacity(2 * gate.len());
+                for x in 0..e {
+                    gate_up.extend_from_slice(&gate[x * i * h..(x + 1) * i * h]);
+                    gate_up.extend_from_slice(&up[x * i * h..(x + 1) * i * h]);
+                }
+                out.push((
+                    format!("{m}.experts.gate_up_proj"),
+                    Dtype::BF16,
+                    vec![e, 2 * i, h],
+                    bf16_bytes(&gate_up),
+                ));
+                out.push((
+                    format!("{m}.experts.down_proj"),
+                    Dtype::BF16,
+                    vec![e, h, i],
+                    bf16_bytes(&down),
+                ));
+            }
+            Published::HfPerExpert => {
+                for x in 0..e {
+                    for (proj, values, rows, cols) in [
+                        ("gate_proj", &gate, i, h),
+                        ("up_proj", &up, i, h),
+                        ("down_proj", &down, h, i),
+                    ] {
+                        out.push((
+                            format!("{m}.experts.{x}.{proj}.weight"),
+                            Dtype::BF16,
+                            vec![rows, cols],
+                            bf16_bytes(&values[x * rows * cols..(x + 1) * rows * cols]),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    if !mlx {
+        for t in &mut out {
+            t.0 = match t.0.strip_prefix("language_model.model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => t.0.replace("language_model.lm_head", "lm_head"),
+            };
+        }
+    }
+    // The extras each release carries and lily does not run.
+    let extra = |name: &str, shape: Vec<usize>, out: &mut Vec<Written>| {
+        let n = shape.iter().product();
+        out.push((
+            name.to_string(),
+            Dtype::BF16,
+            shape,
+            bf16_bytes(&bf16_values(name, n, -0.1, 0.1, seed)),
+        ));
+    };
+    match layout {
+        Published::HfRelease => {
+            extra("model.visual.patch_embed.proj.weight", vec![64, 3, 2, 16, 16], &mut out);
+            extra("model.visual.blocks.0.attn.qkv.weight", vec![192, 64], &mut out);
+            extra("model.visual.merger.linear_fc1.weight", vec![256, 256], &mut out);
+            extra("mtp.fc.weight", vec![h, 2 * h], &mut out);
+            extra("mtp.pre_fc_norm_embedding.weight", vec![h], &mut out);
+            extra("mtp.pre_fc_norm_hidden.weight", vec![h], &mut out);
+            extra("mtp.layers.0.input_layernorm.weight", vec![h], &mut out);
+            extra("mtp.norm.weight", vec![h], &mut out);
+        }
+        Published::MlxVlm => {
+            extra("vision_tower.patch_embed.proj.weight", vec![64, 2, 16, 16, 3], &mut out);
+            extra("vision_tower.blocks.0.attn.qkv.weight", vec![192, 64], &mut out);
+        }
+        _ => {}
+    }
+
+    // config.json as each tool writes it.
+    let mut config_json = c.to_mlx_json();
+    let root = config_json.as_object_mut().expect("an object");
+    root["text_config"]["eos_token_id"] = 248044.into();
+    if !quantized {
+        root.remove("quantization");
+        root.remove("quantization_config");
+    }
+    let vision_config = serde_json::json!({"depth": 1, "hidden_size": 64, "model_type": "qwen3_5_moe"});
+    let mut files: Vec<(&str, serde_json::Value)> = Vec::new();
+    match layout {
+        Published::HfRelease | Published::HfPerExpert => {
+            root.insert("vision_config".into(), vision_config);
+            files.push((
+                "generation_config.json",
+                serde_json::json!({"bos_token_id": 248044, "do_sample": true, "eos_token_id": [248046, 248044],
+                    "pad_token_id": 248044, "temperature": 1.0, "top_k": 20, "top_p": 0.95}),
+            ));
+        }
+        Published::MlxLm | Published::MlxBf16 => {
+            root.insert("eos_token_id".into(), serde_json::json!([248046, 248044]));
+        }
+        Published::MlxVlm => {
+            root.insert("vision_config".into(), vision_config);
+            files.push((
+                "tokenizer_config.json",
+                serde_json::json!({"eos_token": "<|im_end|>", "added_tokens_decoder": {
+                    "248044": {"content": "<|endoftext|>", "special": true},
+                    "248046": {"content": "<|im_end|>", "special": true}}}),
+            ));
+        }
+    }
+    files.push(("config.json", config_json));
+
+    if dir.exists() && std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        return Err(SynthError::OutputExists(dir.to_path_buf()));
+    }
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    for (name, value) in files {
+        let path = dir.join(name);
+        std::fs::write(&path, serde_json::to_string_pretty(&value).expect("serialises")).map_err(io_err(&path))?;
+    }
+    let tokenizer = zstd::decode_all(TOKENIZER_JSON_ZST).map_err(io_err(dir))?;
+    std::fs::write(dir.join("tokenizer.json"), tokenizer).map_err(io_err(dir))?;
+    std::fs::write(dir.join("chat_template.jinja"), CHAT_TEMPLATE).map_err(io_err(dir))?;
+    let sharded = matches!(layout, Published::HfRelease | Published::MlxLm);
+    if !sharded {
+        return write_safetensors(&out, &dir.join("model.safetensors"), layout != Published::MlxVlm);
+    }
+    let half = out.len() / 2;
+    let mut weight_map = BTreeMap::new();
+    for (k, part) in [&out[..half], &out[half..]].into_iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", k + 1);
+        for t in part {
+            weight_map.insert(t.0.clone(), file.clone());
+        }
+        write_safetensors(part, &dir.join(&file), true)?;
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    let path = dir.join("model.safetensors.index.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&index).unwrap()).map_err(io_err(&path))
+}
+
+/// Writes a safetensors file. `padded` pads the JSON header to 8 bytes as the safetensors library does; MLX does
+/// not, which leaves tensor data at any byte offset.
+fn write_safetensors(tensors: &[Written], path: &Path, padded: bool) -> Result<(), SynthError> {
+    let write_err = |message: String| SynthError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    if padded {
+        let views = tensors
+            .iter()
+            .map(|(name, dtype, shape, bytes)| {
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
+                    .map(|view| (name.clone(), view))
+                    .map_err(|e| write_err(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        return safetensors::serialize_to_file(views, None, path).map_err(|e| write_err(e.to_string()));
+    }
+    let mut header = serde_json::Map::new();
+    let mut offset = 0;
+    for (name, dtype, shape, bytes) in tensors {
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [offset, offset + bytes.len()]}),
+        );
+        offset += bytes.len();
+    }
+    header.insert("__metadata__".into(), serde_json::json!({"format": "mlx"}));
+    let header = serde_json::to_vec(&header).expect("serialises");
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&header);
+    for (_, _, _, bytes) in tensors {
+        file.extend_from_slice(bytes);
+    }
+    std::fs::write(path, file).map_err(io_err(path))
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! The model's weights in lily's layout, and the one table that maps them from checkpoint names (MLX 4-bit and
 //! HF bf16). Quantized matrices stay in the checkpoint's memory map; HF weights are quantized at load.
 
+use std::collections::HashSet;
 use std::path::Path;
+use std::sync::Mutex;
 
 use half::bf16;
 use rayon::prelude::*;
@@ -9,7 +11,7 @@ use safetensors::Dtype;
 
 use crate::checkpoint::{Checkpoint, CheckpointError, TensorRef};
 use crate::config::{Config, LayerKind, GROUP_SIZE};
-use crate::quant::{words_per_row, Blob, QMatrix};
+use crate::quant::{words_per_row, Blob, QMatrix, QMatrixBuilder};
 
 pub struct Weights {
     pub config: Config,
@@ -18,6 +20,72 @@ pub struct Weights {
     /// RMSNorm scales are stored as `1 + w` (MLX's convention) for every zero-centred norm.
     pub final_norm: Vec<f32>,
     pub lm_head: QMatrix,
+    /// What the load found besides the weights.
+    pub report: LoadReport,
+}
+
+/// What a load found besides the weights: the layout, the tensors it did not use, and suspicious norms.
+#[derive(Clone, Debug, Default)]
+pub struct LoadReport {
+    pub layout: Option<Layout>,
+    /// Tensors of the vision tower (`model.visual.*`, `vision_tower.*`), unused for text.
+    pub unused_vision: usize,
+    /// Tensors of the multi-token-prediction layer (`mtp.*`), unused by lily's decoding.
+    pub unused_mtp: usize,
+    /// Unused tensors that are neither.
+    pub unused_unknown: Vec<String>,
+    /// One line per norm tensor that looks stored in the other layout's convention.
+    pub norm_warnings: Vec<String>,
+}
+
+enum UnusedKind {
+    Vision,
+    Mtp,
+    Unknown,
+}
+
+impl UnusedKind {
+    fn of(name: &str) -> UnusedKind {
+        let top = name.strip_prefix("model.").unwrap_or(name);
+        if top.starts_with("visual.") || top.starts_with("vision_tower.") {
+            UnusedKind::Vision
+        } else if top.starts_with("mtp.") {
+            UnusedKind::Mtp
+        } else {
+            UnusedKind::Unknown
+        }
+    }
+}
+
+impl LoadReport {
+    fn log(&self, dir: &Path) {
+        let dir = dir.display();
+        if self.unused_vision + self.unused_mtp > 0 {
+            tracing::info!(
+                "{dir}: {} tensors not used: {} of the vision tower, {} of the MTP layer",
+                self.unused_vision + self.unused_mtp,
+                self.unused_vision,
+                self.unused_mtp
+            );
+        }
+        if !self.unused_unknown.is_empty() {
+            const SHOWN: usize = 8;
+            let more = self.unused_unknown.len().saturating_sub(SHOWN);
+            tracing::warn!(
+                "{dir}: {} tensors not used and not known to lily: {}{}",
+                self.unused_unknown.len(),
+                self.unused_unknown[..self.unused_unknown.len().min(SHOWN)].join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            );
+        }
+        for warning in &self.norm_warnings {
+            tracing::warn!("{dir}: {warning}");
+        }
+    }
 }
 
 pub struct Layer {
@@ -27,6 +95,8 @@ pub struct Layer {
     pub moe: Moe,
 }
 
+// One per layer: the size difference between the variants costs a few hundred bytes in all, not worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Mixer {
     Linear(GatedDeltaNet),
     Full(Attention),
@@ -73,9 +143,11 @@ pub struct Moe {
 /// Where a checkpoint keeps its tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
-    /// MLX 4-bit: `language_model.model.*`, `language_model.lm_head`.
-    Mlx,
-    /// HF bf16: `model.language_model.*` (or `model.*` for a text-only save), `lm_head.weight`.
+    /// MLX: `language_model.model.*`, `language_model.lm_head`, experts stacked as `mlp.switch_mlp.*`, norms stored
+    /// as `1 + w`. `quantized` is false for a bf16 conversion (no `quantization` block), quantized at load.
+    Mlx { quantized: bool },
+    /// HF bf16: `model.language_model.*` (or `model.*` for a text-only save), `lm_head.weight`; experts fused as
+    /// `mlp.experts.{gate_up,down}_proj` or one module per expert, `mlp.experts.N.{gate,up,down}_proj.weight`.
     Hf { text_only: bool },
 }
 
@@ -144,6 +216,10 @@ const EXPERTS_DOWN: MatrixName = MatrixName {
 };
 const HF_EXPERTS_GATE_UP: &str = "mlp.experts.gate_up_proj";
 const HF_EXPERTS_DOWN: &str = "mlp.experts.down_proj";
+/// One expert's projection in the per-expert HF layout: `mlp.experts.{N}.{gate,up,down}_proj.weight`.
+fn hf_expert(expert: usize, proj: &str) -> String {
+    format!("mlp.experts.{expert}.{proj}.weight")
+}
 const SHARED_GATE: MatrixName = MatrixName {
     mlx: "mlp.shared_expert.gate_proj",
     hf: Some("mlp.shared_expert.gate_proj"),
@@ -180,13 +256,30 @@ struct Loader<'a> {
     ckpt: &'a Checkpoint,
     config: &'a Config,
     layout: Layout,
+    /// Every tensor name read so far (layers load in parallel).
+    used: Mutex<HashSet<String>>,
+    /// Norm tensors whose values look stored in the other layout's convention.
+    norm_warnings: Mutex<Vec<String>>,
 }
 
+/// Rows quantized at a time when a float matrix is quantized at load: bounds the f32 copy held per thread.
+const QUANTIZE_BLOCK_ELEMENTS: usize = 1 << 20;
+
 impl Loader<'_> {
+    fn get(&self, name: &str) -> Result<TensorRef<'_>, CheckpointError> {
+        let t = self.ckpt.get(name)?;
+        self.used.lock().unwrap().insert(name.to_string());
+        Ok(t)
+    }
+
+    fn quantized(&self) -> bool {
+        matches!(self.layout, Layout::Mlx { quantized: true })
+    }
+
     /// Full name of a tensor below the text model (`layer` None for top-level ones, except lm_head).
     fn name(&self, layer: Option<usize>, path: &str) -> String {
         let base = match self.layout {
-            Layout::Mlx => "language_model.model.",
+            Layout::Mlx { .. } => "language_model.model.",
             Layout::Hf { text_only: false } => "model.language_model.",
             Layout::Hf { text_only: true } => "model.",
         };
@@ -198,7 +291,7 @@ impl Loader<'_> {
 
     fn lm_head_module(&self) -> String {
         match self.layout {
-            Layout::Mlx => "language_model.lm_head".to_string(),
+            Layout::Mlx { .. } => "language_model.lm_head".to_string(),
             Layout::Hf { .. } => "lm_head".to_string(),
         }
     }
@@ -210,24 +303,28 @@ impl Loader<'_> {
         rows: usize,
         cols: usize,
     ) -> Result<QMatrix, CheckpointError> {
-        let module = if name.mlx == "lm_head" {
+        let module = if name.mlx == LM_HEAD.mlx {
             self.lm_head_module()
         } else {
-            self.name(layer, name.mlx)
-        };
-        match self.layout {
-            Layout::Mlx => self.mlx_matrix(&module, &[rows], cols),
-            Layout::Hf { .. } => {
-                let module = if name.mlx == "lm_head" {
-                    module
-                } else {
-                    self.name(layer, name.hf.expect("fused HF tensors are loaded by experts()"))
-                };
-                let t = self.ckpt.get(&format!("{module}.weight"))?;
-                let values = hf_values(&t, &[rows, cols])?;
-                Ok(QMatrix::quantize(&values, rows, cols, hf_bits(name)))
+            match self.layout {
+                Layout::Mlx { .. } => self.name(layer, name.mlx),
+                Layout::Hf { .. } => self.name(layer, name.hf.expect("fused HF tensors are loaded by experts()")),
             }
+        };
+        if self.quantized() {
+            return self.mlx_matrix(&module, &[rows], cols);
         }
+        let t = self.get(&format!("{module}.weight"))?;
+        float_shape(&t, &[rows, cols])?;
+        let mut builder = QMatrixBuilder::new(rows, cols, unquantized_bits(name));
+        let block = (QUANTIZE_BLOCK_ELEMENTS / cols).max(1) * cols;
+        let mut start = 0;
+        while start < rows * cols {
+            let n = block.min(rows * cols - start);
+            builder.push_rows(&t.f32_range(start, n)?);
+            start += n;
+        }
+        Ok(builder.finish())
     }
 
     /// An MLX quantized module: `.weight` u32 `[..outer, packed]`, `.scales`/`.biases` bf16 `[..outer, groups]`.
@@ -240,11 +337,11 @@ impl Loader<'_> {
             .expect("MLX layout has quantization");
         let rows: usize = outer.iter().product();
         let shape = |last: usize| outer.iter().copied().chain([last]).collect::<Vec<_>>();
-        let weight = self.ckpt.get(&format!("{module}.weight"))?;
+        let weight = self.get(&format!("{module}.weight"))?;
         weight.expect(Dtype::U32, &shape(words_per_row(cols, spec.bits)))?;
-        let scales = self.ckpt.get(&format!("{module}.scales"))?;
+        let scales = self.get(&format!("{module}.scales"))?;
         scales.expect(Dtype::BF16, &shape(cols / GROUP_SIZE))?;
-        let biases = self.ckpt.get(&format!("{module}.biases"))?;
+        let biases = self.get(&format!("{module}.biases"))?;
         biases.expect(Dtype::BF16, &shape(cols / GROUP_SIZE))?;
         Ok(QMatrix {
             rows,
@@ -256,43 +353,99 @@ impl Loader<'_> {
         })
     }
 
+    /// Quantizes `num_experts` float blocks of `rows x cols` into one stacked 4-bit matrix, one expert at a time;
+    /// `part(x)` gives expert `x`'s tensor and the element its block starts at.
+    fn stack_experts<'t>(
+        &self,
+        rows: usize,
+        cols: usize,
+        part: impl Fn(usize) -> Result<(TensorRef<'t>, usize), CheckpointError>,
+    ) -> Result<QMatrix, CheckpointError> {
+        let e = self.config.num_experts;
+        let mut builder = QMatrixBuilder::new(e * rows, cols, 4);
+        for x in 0..e {
+            let (t, start) = part(x)?;
+            builder.push_rows(&t.f32_range(start, rows * cols)?);
+        }
+        Ok(builder.finish())
+    }
+
     /// Stacked experts (gate, up, down), each `[num_experts * rows, cols]`.
     fn experts(&self, layer: usize) -> Result<(QMatrix, QMatrix, QMatrix), CheckpointError> {
         let c = self.config;
         let (e, i, h) = (c.num_experts, c.moe_intermediate_size, c.hidden_size);
+        let name = |path: &str| self.name(Some(layer), path);
         match self.layout {
-            Layout::Mlx => Ok((
-                self.mlx_matrix(&self.name(Some(layer), EXPERTS_GATE.mlx), &[e, i], h)?,
-                self.mlx_matrix(&self.name(Some(layer), EXPERTS_UP.mlx), &[e, i], h)?,
-                self.mlx_matrix(&self.name(Some(layer), EXPERTS_DOWN.mlx), &[e, h], i)?,
+            Layout::Mlx { quantized: true } => Ok((
+                self.mlx_matrix(&name(EXPERTS_GATE.mlx), &[e, i], h)?,
+                self.mlx_matrix(&name(EXPERTS_UP.mlx), &[e, i], h)?,
+                self.mlx_matrix(&name(EXPERTS_DOWN.mlx), &[e, h], i)?,
             )),
-            Layout::Hf { .. } => {
-                let gate_up = self.ckpt.get(&self.name(Some(layer), HF_EXPERTS_GATE_UP))?;
-                let gate_up = hf_values(&gate_up, &[e, 2 * i, h])?;
-                let (mut gate, mut up) = (Vec::with_capacity(e * i * h), Vec::with_capacity(e * i * h));
-                for expert in gate_up.chunks_exact(2 * i * h) {
-                    gate.extend_from_slice(&expert[..i * h]);
-                    up.extend_from_slice(&expert[i * h..]);
-                }
-                let down = self.ckpt.get(&self.name(Some(layer), HF_EXPERTS_DOWN))?;
-                let down = hf_values(&down, &[e, h, i])?;
+            Layout::Mlx { quantized: false } => {
+                let stacked = |path: &str, rows: usize, cols: usize| -> Result<QMatrix, CheckpointError> {
+                    let t = self.get(&format!("{}.weight", name(path)))?;
+                    float_shape(&t, &[e, rows, cols])?;
+                    self.stack_experts(rows, cols, |x| Ok((t, x * rows * cols)))
+                };
                 Ok((
-                    QMatrix::quantize(&gate, e * i, h, 4),
-                    QMatrix::quantize(&up, e * i, h, 4),
-                    QMatrix::quantize(&down, e * h, i, 4),
+                    stacked(EXPERTS_GATE.mlx, i, h)?,
+                    stacked(EXPERTS_UP.mlx, i, h)?,
+                    stacked(EXPERTS_DOWN.mlx, h, i)?,
+                ))
+            }
+            Layout::Hf { .. } if self.ckpt.contains(&name(HF_EXPERTS_GATE_UP)) => {
+                let gate_up = self.get(&name(HF_EXPERTS_GATE_UP))?;
+                float_shape(&gate_up, &[e, 2 * i, h])?;
+                let down = self.get(&name(HF_EXPERTS_DOWN))?;
+                float_shape(&down, &[e, h, i])?;
+                Ok((
+                    self.stack_experts(i, h, |x| Ok((gate_up, x * 2 * i * h)))?,
+                    self.stack_experts(i, h, |x| Ok((gate_up, x * 2 * i * h + i * h)))?,
+                    self.stack_experts(h, i, |x| Ok((down, x * h * i)))?,
+                ))
+            }
+            Layout::Hf { .. } => {
+                let per_expert = |proj: &'static str, rows: usize, cols: usize| {
+                    self.stack_experts(rows, cols, move |x| {
+                        let t = self.get(&name(&hf_expert(x, proj)))?;
+                        float_shape(&t, &[rows, cols])?;
+                        Ok((t, 0))
+                    })
+                };
+                Ok((
+                    per_expert("gate_proj", i, h)?,
+                    per_expert("up_proj", i, h)?,
+                    per_expert("down_proj", h, i)?,
                 ))
             }
         }
     }
 
     fn floats(&self, layer: Option<usize>, path: &str, len: usize) -> Result<Vec<f32>, CheckpointError> {
-        self.ckpt.get(&self.name(layer, path))?.to_f32(len)
+        self.get(&self.name(layer, path))?.to_f32(len)
     }
 
     /// A zero-centred RMSNorm scale, returned as `1 + w` whatever the checkpoint stores.
+    ///
+    /// MLX stores `1 + w` (values near 1), HF stores `w` (values near 0). A norm whose mean lies nearer the other
+    /// convention's is noted: conversions that shifted the weights twice, or not at all, load without error but
+    /// compute garbage.
     fn norm(&self, layer: Option<usize>, path: &str, len: usize) -> Result<Vec<f32>, CheckpointError> {
         let mut w = self.floats(layer, path, len)?;
-        if matches!(self.layout, Layout::Hf { .. }) {
+        let mean = w.iter().map(|v| *v as f64).sum::<f64>() / len as f64;
+        let hf = matches!(self.layout, Layout::Hf { .. });
+        if hf == (mean > 0.5) {
+            let (found, expected) = if hf {
+                ("one-centred (the MLX convention, 1 + w)", "offsets w near 0")
+            } else {
+                ("zero-centred (the HF convention, w)", "1 + w near 1")
+            };
+            self.norm_warnings.lock().unwrap().push(format!(
+                "`{}` looks {found}: mean {mean:.3}, where this layout stores {expected}",
+                self.name(layer, path)
+            ));
+        }
+        if hf {
             w.iter_mut().for_each(|v| *v += 1.0);
         }
         Ok(w)
@@ -301,9 +454,9 @@ impl Loader<'_> {
     fn conv1d(&self, layer: usize) -> Result<Vec<f32>, CheckpointError> {
         let c = self.config;
         let (channels, taps) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
-        let t = self.ckpt.get(&self.name(Some(layer), CONV1D))?;
+        let t = self.get(&self.name(Some(layer), CONV1D))?;
         let expected = match self.layout {
-            Layout::Mlx => [channels, taps, 1],
+            Layout::Mlx { .. } => [channels, taps, 1],
             Layout::Hf { .. } => [channels, 1, taps],
         };
         if t.info.shape != expected {
@@ -357,8 +510,9 @@ impl Loader<'_> {
     }
 }
 
-/// HF quantizes the router and the shared-expert gate to 8 bits (as MLX does), everything else to 4.
-fn hf_bits(name: &MatrixName) -> u32 {
+/// A float checkpoint is quantized as MLX quantizes: the router and the shared-expert gate to 8 bits, everything
+/// else to 4.
+fn unquantized_bits(name: &MatrixName) -> u32 {
     if name.mlx == ROUTER.mlx || name.mlx == SHARED_EXPERT_GATE.mlx {
         8
     } else {
@@ -366,14 +520,15 @@ fn hf_bits(name: &MatrixName) -> u32 {
     }
 }
 
-fn hf_values(t: &TensorRef, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+/// Checks a float tensor's shape and dtype before it is read in blocks.
+fn float_shape(t: &TensorRef, shape: &[usize]) -> Result<(), CheckpointError> {
     if t.info.shape != shape {
         return Err(t.error(format!("expected shape {shape:?}, found {:?}", t.info.shape)));
     }
     if !matches!(t.info.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
         return Err(t.error(format!("expected BF16, F16 or F32, found {:?}", t.info.dtype)));
     }
-    t.to_f32(shape.iter().product())
+    Ok(())
 }
 
 impl Weights {
@@ -385,13 +540,9 @@ impl Weights {
 
     pub fn from_checkpoint(config: Config, ckpt: &Checkpoint) -> Result<Weights, CheckpointError> {
         let layout = if ckpt.contains("language_model.model.embed_tokens.weight") {
-            if config.quantization.is_none() {
-                return Err(CheckpointError::File {
-                    path: ckpt.dir.join("config.json"),
-                    message: "MLX tensor names but no `quantization` block in config.json".into(),
-                });
+            Layout::Mlx {
+                quantized: config.quantization.is_some(),
             }
-            Layout::Mlx
         } else if ckpt.contains("model.language_model.embed_tokens.weight") {
             Layout::Hf { text_only: false }
         } else if ckpt.contains("model.embed_tokens.weight") {
@@ -408,26 +559,47 @@ impl Weights {
             ckpt,
             config: &config,
             layout,
+            used: Mutex::new(HashSet::new()),
+            norm_warnings: Mutex::new(Vec::new()),
         };
         let c = &config;
         let layers = (0..c.num_hidden_layers)
             .into_par_iter()
             .map(|l| loader.layer(l))
             .collect::<Result<Vec<_>, _>>()?;
-        let weights = Weights {
-            embed_tokens: loader.matrix(None, &EMBED, c.vocab_size, c.hidden_size)?,
-            final_norm: loader.norm(None, FINAL_NORM, c.hidden_size)?,
-            lm_head: loader.matrix(None, &LM_HEAD, c.vocab_size, c.hidden_size)?,
+        let embed_tokens = loader.matrix(None, &EMBED, c.vocab_size, c.hidden_size)?;
+        let final_norm = loader.norm(None, FINAL_NORM, c.hidden_size)?;
+        let lm_head = loader.matrix(None, &LM_HEAD, c.vocab_size, c.hidden_size)?;
+        let used = loader.used.into_inner().unwrap();
+        let mut report = LoadReport {
+            layout: Some(layout),
+            norm_warnings: loader.norm_warnings.into_inner().unwrap(),
+            ..LoadReport::default()
+        };
+        report.norm_warnings.sort();
+        for name in ckpt.names().filter(|name| !used.contains(*name)) {
+            match UnusedKind::of(name) {
+                UnusedKind::Vision => report.unused_vision += 1,
+                UnusedKind::Mtp => report.unused_mtp += 1,
+                UnusedKind::Unknown => report.unused_unknown.push(name.to_string()),
+            }
+        }
+        report.unused_unknown.sort();
+        report.log(&ckpt.dir);
+        Ok(Weights {
+            embed_tokens,
+            final_norm,
+            lm_head,
             layers,
             config,
-        };
-        Ok(weights)
+            report,
+        })
     }
 
     /// Bytes of weight data (quantized values, scales and biases, plus float tensors).
     pub fn bytes(&self) -> usize {
         fn q(m: &QMatrix) -> usize {
-            m.packed.as_slice().len() * 4 + m.scales.as_slice().len() * 2 * 2
+            m.packed.as_bytes().len() + m.scales.as_bytes().len() + m.biases.as_bytes().len()
         }
         let mut total = q(&self.embed_tokens) + q(&self.lm_head) + self.final_norm.len() * 4;
         for layer in &self.layers {

@@ -5,7 +5,6 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use lily_model::sampling::SamplingParams;
-use serde_json::Value as Json;
 
 use crate::error::ApiError;
 use crate::logits::Penalties;
@@ -37,29 +36,19 @@ impl Default for GenerationDefaults {
 impl GenerationDefaults {
     pub fn from_dir(dir: &Path) -> GenerationDefaults {
         let mut d = GenerationDefaults::default();
-        let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
-            return d;
+        let config = match lily_model::config::GenerationConfig::from_dir(dir) {
+            Ok(Some(config)) => config,
+            Ok(None) => return d,
+            Err(error) => {
+                tracing::warn!("ignoring generation_config.json: {error}");
+                return d;
+            }
         };
-        let Ok(Json::Object(config)) = serde_json::from_str::<Json>(&text) else {
-            tracing::warn!("ignoring generation_config.json: not a JSON object");
-            return d;
-        };
-        let f = |key: &str| config.get(key).and_then(Json::as_f64);
-        if let Some(v) = f("temperature").filter(|v| v.is_finite() && *v >= 0.0) {
-            d.temperature = v as f32;
-        }
-        if let Some(v) = f("top_p").filter(|v| *v > 0.0 && *v <= 1.0) {
-            d.top_p = v as f32;
-        }
-        if let Some(v) = f("top_k").filter(|v| *v >= 0.0) {
-            d.top_k = v as usize;
-        }
-        if let Some(v) = f("min_p").filter(|v| (0.0..=1.0).contains(v)) {
-            d.min_p = v as f32;
-        }
-        if let Some(v) = f("repetition_penalty").filter(|v| v.is_finite() && *v > 0.0) {
-            d.repetition_penalty = v as f32;
-        }
+        d.temperature = config.temperature.unwrap_or(d.temperature);
+        d.top_p = config.top_p.unwrap_or(d.top_p);
+        d.top_k = config.top_k.unwrap_or(d.top_k);
+        d.min_p = config.min_p.unwrap_or(d.min_p);
+        d.repetition_penalty = config.repetition_penalty.unwrap_or(d.repetition_penalty);
         d
     }
 }

@@ -16,6 +16,21 @@ fn chat_body(content: &str, max_tokens: u32) -> Json {
 }
 
 #[tokio::test]
+async fn a_reply_stops_at_the_end_of_turn_token_that_generation_config_names() {
+    // The default model's files follow the released layout: config.json names only `<|endoftext|>` (248044),
+    // generation_config.json adds `<|im_end|>` (248046). A reply pushed to end its turn at once stops there.
+    let s = TestServer::real(config()).await;
+    let mut body = chat_body("Speak, Romeo.", 8);
+    body["logit_bias"] = json!({"248046": 100});
+    let (status, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], "", "{r}");
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() <= 1, "{r}");
+    s.shutdown().await;
+}
+
+#[tokio::test]
 async fn health_models_and_unknown_routes() {
     let s = TestServer::real(config()).await;
     let (status, body) = s.get("/health").await;
@@ -114,11 +129,22 @@ async fn chat_streaming_matches_non_streaming() {
 
 #[tokio::test]
 async fn with_thinking_on_the_default_models_answer_is_the_content() {
-    // The default model, trained with empty think blocks, answers inside the block that the prompt opens and never
-    // closes it: that text is the content, and the reasoning it was streamed as.
+    // The default model, trained with empty think blocks, has thinking off by default: its answer is content.
     let s = TestServer::real(config()).await;
     let mut body = chat_body("What light through yonder window breaks?", 48);
     body.as_object_mut().unwrap().remove("chat_template_kwargs");
+    let (status, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    let message = &r["choices"][0]["message"];
+    assert!(
+        message["content"].as_str().unwrap().split_whitespace().count() >= 3,
+        "{message}"
+    );
+    assert!(message["reasoning_content"].is_null(), "{message}");
+
+    // With thinking on, it answers inside the block that the prompt opens and never closes it: that text is the
+    // content, and the reasoning it was streamed as.
+    body["chat_template_kwargs"] = json!({"enable_thinking": true});
     let (status, r) = s.post("/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{r}");
     let message = &r["choices"][0]["message"];

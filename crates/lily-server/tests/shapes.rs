@@ -204,16 +204,22 @@ async fn reasoning_split_follows_enable_thinking_and_the_field_flag() {
     let mut c = config();
     c.reasoning_field = ReasoningField::Both;
     let s = TestServer::fake(c, Script::text("Hello there, friend.")).await;
-    // Thinking on (the template's default): the output starts inside the think block and never closes it. That
-    // text is the reasoning, and the content too (the answer of a model that never closes its think block).
-    let (_, r) = s.post("/v1/chat/completions", &ask(json!({}))).await;
+    // Thinking on: the output starts inside the think block and never closes it. That text is the reasoning, and
+    // the content too (the answer of a model that never closes its think block).
+    let thinking = json!({"chat_template_kwargs": {"enable_thinking": true}});
+    let (_, r) = s.post("/v1/chat/completions", &ask(thinking.clone())).await;
     let message = &r["choices"][0]["message"];
     assert_eq!(message["reasoning_content"], "Hello there, friend.");
     assert_eq!(message["reasoning"], "Hello there, friend.");
     assert_eq!(message["content"], "Hello there, friend.");
     assert_eq!(r["choices"][0]["finish_reason"], "stop");
     // Streamed: reasoning deltas as they come, then the same text as one content delta, before the finish chunk.
-    let (_, data) = s.stream("/v1/chat/completions", &ask(json!({"stream": true}))).await;
+    let (_, data) = s
+        .stream(
+            "/v1/chat/completions",
+            &ask(json!({"stream": true, "chat_template_kwargs": {"enable_thinking": true}})),
+        )
+        .await;
     let deltas: Vec<Json> = chunks(&data).iter().map(|c| c["choices"][0]["delta"].clone()).collect();
     assert!(deltas
         .iter()
@@ -230,8 +236,10 @@ async fn reasoning_split_follows_enable_thinking_and_the_field_flag() {
     assert_eq!(finish, &json!({}));
     assert_eq!(before.last().unwrap()["content"], "Hello there, friend.");
 
-    // reasoning_effort none / minimal, or enable_thinking false: all content.
+    // The bundled model's default (its template turns thinking off), reasoning_effort none / minimal, or
+    // enable_thinking false: all content.
     for extra in [
+        json!({}),
         json!({"reasoning_effort": "none"}),
         json!({"reasoning_effort": "minimal"}),
         json!({"chat_template_kwargs": {"enable_thinking": false}}),
