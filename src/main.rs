@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod chat;
 mod generate;
 mod inspect;
+mod serve;
 mod synth_cmd;
 
 #[derive(Parser)]
@@ -34,7 +35,7 @@ enum Command {
     /// Measure GPU decode and prompt speed, llama-bench style.
     Bench(lily_cuda::cli::BenchArgs),
     /// Serve the OpenAI-compatible HTTP API (chat, completions, models, tokenize, metrics).
-    Serve(lily_server::ServeArgs),
+    Serve(serve::ServeCmd),
 }
 
 fn main() -> ExitCode {
@@ -51,7 +52,7 @@ fn main() -> ExitCode {
         Command::Render(args) => inspect::run_render(args),
         Command::Selftest(args) => lily_cuda::cli::selftest(args),
         Command::Bench(args) => lily_cuda::cli::bench(args),
-        Command::Serve(args) => lily_server::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -159,6 +159,12 @@ def test_completions(client, model):
     assert all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
 
 
+def test_health_names_the_device(base_url):
+    health = json.loads(urllib.request.urlopen(base_url + "/health").read())
+    assert health["status"] == "ok"
+    assert health["device"].startswith(("cpu", "cuda"))
+
+
 def test_json_object_is_a_prompt_hint(client, model):
     r = client.chat.completions.create(model=model, messages=ask("Answer in JSON."), max_tokens=4,
                                        response_format={"type": "json_object"})

@@ -11,7 +11,7 @@ use lily_model::backend::Backend;
 use lily_model::config::LayerKind;
 use lily_model::cpu::attention::rope_inv_freq;
 use lily_model::cpu::model::ForwardError;
-use lily_model::sampling::Sampler;
+use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Config;
 
 use crate::driver::{check, Args, DevBuf, Gpu, GpuError, Graph, HostCell, Result};
@@ -705,6 +705,9 @@ impl Backend for CudaBackend {
     }
     fn sample(&mut self, sampler: &mut Sampler) -> u32 {
         let p = sampler.params().clone();
+        if !self.samples_on_device(&p) {
+            return sampler.sample(self.logits());
+        }
         let chosen = if p.temperature == 0.0 || p.top_k == 1 {
             self.read_next_token()
         } else {
@@ -728,6 +731,15 @@ impl Backend for CudaBackend {
             self.failed = Some(e.to_string());
             0
         })
+    }
+    /// The `sample` kernel draws as `Sampler` does for greedy and for top-k in 1..=SAMPLE_MAX_CANDIDATES; without
+    /// such a top-k it would draw from the SAMPLE_MAX_CANDIDATES most likely tokens only, so `sample` copies the
+    /// logits out for those parameters.
+    fn samples_on_device(&self, params: &SamplingParams) -> bool {
+        params.temperature == 0.0 || (1..=crate::kernels::SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+    }
+    fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
+        self.model.gpu.sync().map_err(device_err)
     }
     fn describe(&self) -> String {
         format!("cuda: {}", self.model.gpu.name)

@@ -4,7 +4,7 @@
 use crate::config::Config;
 use crate::cpu::model::ForwardError;
 use crate::cpu::{CpuModel, State};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplingParams};
 
 pub trait Backend: Send {
     fn config(&self) -> &Config;
@@ -16,9 +16,22 @@ pub trait Backend: Send {
     fn decode(&mut self, token: u32) -> Result<(), ForwardError>;
     /// The next-token logits after the last `prefill` or `decode` (may copy them from a device).
     fn logits(&mut self) -> &[f32];
-    /// Chooses the next token.
+    /// Chooses the next token exactly as `sampler` would from `logits()` on the host. A backend samples where the
+    /// logits are when it can (see `samples_on_device`) and copies them out otherwise. Sampling only knows
+    /// `SamplingParams`: whatever else a request asks for (penalties, logit bias, logprobs) is done by the caller on
+    /// `logits()`.
     fn sample(&mut self, sampler: &mut Sampler) -> u32 {
         sampler.sample(self.logits())
+    }
+    /// Whether `sample` draws from `params` where the logits are, without copying them to the host (a CPU backend
+    /// always does).
+    fn samples_on_device(&self, params: &SamplingParams) -> bool {
+        let _ = params;
+        true
+    }
+    /// Waits until the work queued so far has finished (a GPU runs asynchronously), so that timings are honest.
+    fn synchronize(&mut self) -> Result<(), ForwardError> {
+        Ok(())
     }
     /// A short name for logs ("cpu", "cuda: NVIDIA H200").
     fn describe(&self) -> String;

@@ -48,6 +48,15 @@ pub struct SequenceSpec {
     pub logprobs: Option<usize>,
 }
 
+impl SequenceSpec {
+    /// Whether the engine needs the logits on the host for this sequence: penalties, logit bias and logprobs work
+    /// on a copy of the logits. Otherwise the backend samples (on a GPU without copying the logits out, where its
+    /// sampler can: see `Backend::samples_on_device`).
+    pub fn needs_host_logits(&self) -> bool {
+        self.penalties.is_active() || self.logprobs.is_some()
+    }
+}
+
 pub struct Job {
     pub sequences: Vec<SequenceSpec>,
     pub events: UnboundedSender<Event>,
@@ -231,7 +240,7 @@ impl Engine {
         };
         let mut sampler = Sampler::new(seq.sampling.clone());
         let mut history = History::new(&seq.prompt, &seq.penalties);
-        let copy_logits = seq.penalties.is_active() || seq.logprobs.is_some();
+        let copy_logits = seq.needs_host_logits();
         let mut last_token_at: Option<Instant> = None;
         loop {
             let (token, logprob) = if copy_logits {
