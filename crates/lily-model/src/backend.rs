@@ -23,6 +23,30 @@ pub trait Backend: Send {
     fn sample(&mut self, sampler: &mut Sampler) -> u32 {
         sampler.sample(self.logits())
     }
+    /// Starts a new sequence with `prompt` as `prefill` does, and hands `each(i, logits)` the next-token logits
+    /// after every prompt position `i` (for the prompt's logprobs); `each` returning false stops early, leaving the
+    /// sequence part-way. The prompt goes through one `decode` step per token, so that every position's logits
+    /// come out of the same forward pass that generation uses.
+    fn prefill_each(
+        &mut self,
+        prompt: &[u32],
+        each: &mut dyn FnMut(usize, &[f32]) -> bool,
+    ) -> Result<(), ForwardError> {
+        let Some(&first) = prompt.first() else {
+            return self.prefill(prompt);
+        };
+        self.prefill(&[first])?;
+        if !each(0, self.logits()) {
+            return Ok(());
+        }
+        for (i, &token) in prompt.iter().enumerate().skip(1) {
+            self.decode(token)?;
+            if !each(i, self.logits()) {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
     /// Whether `sample` draws from `params` where the logits are, without copying them to the host (a CPU backend
     /// always does).
     fn samples_on_device(&self, params: &SamplingParams) -> bool {
