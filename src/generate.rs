@@ -106,6 +106,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 
     let prefill_start = Instant::now();
     backend.prefill(&prompt)?;
+    // A GPU backend queues the prefill and returns: the time counts once the device has finished it.
+    backend.synchronize()?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
 
     let mut stdout = std::io::stdout().lock();
