@@ -9,18 +9,18 @@
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lily_chat::{
     ChatTemplate, Delta, FinalOutput, FinishReason, OutputOptions, OutputStream, RenderRequest, Tokenizer,
 };
-use lily_model::sampling::{Sampler, SamplingParams};
+use lily_model::sampling::Sampler;
 use lily_model::Backend;
 use serde_json::{json, Map, Value as Json};
 
-use crate::generate::{load_model, model_dir, ModelArgs};
+use crate::generate::{load_model, model_dir, ModelArgs, SamplingArgs};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -29,21 +29,8 @@ pub struct ChatArgs {
     /// Most tokens per answer (reasoning included).
     #[arg(long, default_value_t = 4096)]
     max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f32,
-    /// 1 means no limit.
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// 0 means no limit.
-    #[arg(long, default_value_t = 20)]
-    top_k: usize,
-    /// 0 means no limit.
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    /// Sampling seed (default: a new one each session).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Turn thinking off (the template's enable_thinking=false).
     #[arg(long)]
     no_think: bool,
@@ -349,19 +336,7 @@ const HELP: &str = "commands: /reset (start over), /system TEXT (set the system 
 
 pub fn run(args: ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
-    let seed = args.seed.unwrap_or_else(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_nanos() as u64)
-    });
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed,
-    };
-    params.validate()?;
+    let params = args.sampling.params(&dir)?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }

@@ -708,7 +708,7 @@ impl Backend for CudaBackend {
         if !self.samples_on_device(&p) {
             return sampler.sample(self.logits());
         }
-        let chosen = if p.temperature == 0.0 || p.top_k == 1 {
+        let chosen = if p.is_greedy() {
             self.read_next_token()
         } else {
             self.sample_counter += 1;
@@ -736,7 +736,7 @@ impl Backend for CudaBackend {
     /// such a top-k it would draw from the SAMPLE_MAX_CANDIDATES most likely tokens only, so `sample` copies the
     /// logits out for those parameters.
     fn samples_on_device(&self, params: &SamplingParams) -> bool {
-        params.temperature == 0.0 || (1..=crate::kernels::SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+        params.is_greedy() || (1..=crate::kernels::SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
     }
     fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
         self.model.gpu.sync().map_err(device_err)

@@ -1,5 +1,6 @@
 //! Validation of the sampling fields that chat and completions share, with OpenAI's ranges; each bad value is a
-//! 400 naming its field.
+//! 400 naming its field. The sampler's own parameters are checked by `SamplingParams::validate`, here as
+//! everywhere else.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,17 +46,16 @@ impl GenerationDefaults {
             return d;
         };
         let f = |key: &str| config.get(key).and_then(Json::as_f64);
-        if let Some(v) = f("temperature").filter(|v| v.is_finite() && *v >= 0.0) {
-            d.temperature = v as f32;
-        }
-        if let Some(v) = f("top_p").filter(|v| *v > 0.0 && *v <= 1.0) {
-            d.top_p = v as f32;
-        }
-        if let Some(v) = f("top_k").filter(|v| *v >= 0.0) {
-            d.top_k = v as usize;
-        }
-        if let Some(v) = f("min_p").filter(|v| (0.0..=1.0).contains(v)) {
-            d.min_p = v as f32;
+        let sampling = SamplingParams {
+            temperature: f("temperature").map_or(d.temperature, |v| v as f32),
+            top_k: f("top_k").filter(|v| *v >= 0.0).map_or(d.top_k, |v| v as usize),
+            top_p: f("top_p").map_or(d.top_p, |v| v as f32),
+            min_p: f("min_p").map_or(d.min_p, |v| v as f32),
+            seed: 0,
+        };
+        match sampling.validate() {
+            Ok(p) => (d.temperature, d.top_k, d.top_p, d.min_p) = (p.temperature, p.top_k, p.top_p, p.min_p),
+            Err(e) => tracing::warn!("ignoring generation_config.json's sampling values: {e}"),
         }
         if let Some(v) = f("repetition_penalty").filter(|v| v.is_finite() && *v > 0.0) {
             d.repetition_penalty = v as f32;
@@ -77,20 +77,6 @@ pub const MAX_N: usize = 16;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usize) -> Result<Sampling, ApiError> {
-    let temperature = raw.temperature.unwrap_or(defaults.temperature);
-    if !(temperature.is_finite() && temperature >= 0.0) {
-        return Err(ApiError::invalid(
-            "temperature",
-            format!("`temperature` must be a number >= 0, got {temperature}"),
-        ));
-    }
-    let top_p = raw.top_p.unwrap_or(defaults.top_p);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid(
-            "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}"),
-        ));
-    }
     let top_k = match raw.top_k {
         None => defaults.top_k,
         // vLLM's spelling of "no limit".
@@ -103,13 +89,6 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
             ))
         }
     };
-    let min_p = raw.min_p.unwrap_or(defaults.min_p);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::invalid(
-            "min_p",
-            format!("`min_p` must be in [0, 1], got {min_p}"),
-        ));
-    }
     let penalty = |name: &str, value: Option<f32>| -> Result<f32, ApiError> {
         let v = value.unwrap_or(0.0);
         if !(-2.0..=2.0).contains(&v) {
@@ -162,13 +141,14 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
     };
     let stop = raw.stop.map(StopField::into_vec).unwrap_or_default();
     let params = SamplingParams {
-        temperature,
+        temperature: raw.temperature.unwrap_or(defaults.temperature),
         top_k,
-        top_p,
-        min_p,
+        top_p: raw.top_p.unwrap_or(defaults.top_p),
+        min_p: raw.min_p.unwrap_or(defaults.min_p),
         seed,
-    };
-    params.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
+    }
+    .validate()
+    .map_err(|e| ApiError::invalid(e.param(), e.to_string()))?;
     Ok(Sampling {
         params,
         penalties: Penalties {

@@ -474,3 +474,21 @@ async fn completions_echo_with_logprobs_gives_prompt_logprobs() {
     }
     s.shutdown().await;
 }
+
+/// A temperature too small to divide the logits by (they would overflow to NaN) samples greedily.
+#[tokio::test]
+async fn tiny_temperatures_are_greedy() {
+    let s = TestServer::real(config()).await;
+    let body = |t: f64| json!({"prompt": "ROMEO.\n", "max_tokens": 8, "temperature": t, "seed": 3});
+    let (status, greedy) = s.post("/v1/completions", &body(0.0)).await;
+    assert_eq!(status, 200, "{greedy}");
+    for t in [1e-38, 1e-6] {
+        let (status, tiny) = s.post("/v1/completions", &body(t)).await;
+        assert_eq!(status, 200, "{tiny}");
+        assert_eq!(
+            tiny["choices"][0]["text"], greedy["choices"][0]["text"],
+            "temperature {t}"
+        );
+    }
+    s.shutdown().await;
+}
