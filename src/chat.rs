@@ -9,19 +9,18 @@
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lily_chat::{
     ChatTemplate, Delta, FinalOutput, FinishReason, OutputOptions, OutputStream, RenderRequest, Tokenizer,
 };
-use lily_model::config::GenerationConfig;
-use lily_model::sampling::{Sampler, SamplingParams};
+use lily_model::sampling::Sampler;
 use lily_model::Backend;
 use serde_json::{json, Map, Value as Json};
 
-use crate::generate::{load_model, model_dir, ModelArgs};
+use crate::generate::{load_model, model_dir, ModelArgs, SamplingArgs};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -30,21 +29,8 @@ pub struct ChatArgs {
     /// Most tokens per answer (reasoning included).
     #[arg(long, default_value_t = 4096)]
     max_tokens: usize,
-    /// 0 is greedy. Default: the model's generation_config.json, else 1.0.
-    #[arg(long)]
-    temperature: Option<f32>,
-    /// 1 means no limit. Default: the model's generation_config.json, else 0.95.
-    #[arg(long)]
-    top_p: Option<f32>,
-    /// 0 means no limit. Default: the model's generation_config.json, else 20.
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// 0 means no limit. Default: the model's generation_config.json, else 0.
-    #[arg(long)]
-    min_p: Option<f32>,
-    /// Sampling seed (default: a new one each session).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Turn thinking off (the template's enable_thinking=false).
     #[arg(long, conflicts_with = "think")]
     no_think: bool,
@@ -159,6 +145,8 @@ pub fn generate_turn(
 
     let prefill_start = Instant::now();
     backend.prefill(&prompt)?;
+    // A GPU backend queues the prefill and returns: the time counts once the device has finished it.
+    backend.synchronize()?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
 
     let options = OutputOptions {
@@ -363,21 +351,7 @@ const HELP: &str = "commands: /reset (start over), /system TEXT (set the system 
 
 pub fn run(args: ChatArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
-    let seed = args.seed.unwrap_or_else(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_nanos() as u64)
-    });
-    // The model's own sampling defaults where it ships them, else Qwen3.6's.
-    let defaults = GenerationConfig::from_dir(&dir)?.unwrap_or_default();
-    let params = SamplingParams {
-        temperature: args.temperature.or(defaults.temperature).unwrap_or(1.0),
-        top_k: args.top_k.or(defaults.top_k).unwrap_or(20),
-        top_p: args.top_p.or(defaults.top_p).unwrap_or(0.95),
-        min_p: args.min_p.or(defaults.min_p).unwrap_or(0.0),
-        seed,
-    };
-    params.validate()?;
+    let params = args.sampling.params(&dir)?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }

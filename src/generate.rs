@@ -17,6 +17,60 @@ pub struct ModelArgs {
     pub model: Option<PathBuf>,
 }
 
+/// The sampling options of `generate` and `chat`. One left out takes the model directory's generation_config.json
+/// value, as the server does; a model without that file is sampled greedily.
+#[derive(Args)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Sample from the k most likely tokens only; 0 means no limit.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample from the most likely tokens that together reach this probability; 1 means no limit.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than this fraction of the most likely one; 0 means no limit.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Sampling seed (default: a new one each run).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The checked parameters for the model in `dir`.
+    pub fn params(&self, dir: &Path) -> Result<SamplingParams> {
+        let base = if dir.join("generation_config.json").is_file() {
+            let d = lily_server::params::GenerationDefaults::from_dir(dir);
+            SamplingParams {
+                temperature: d.temperature,
+                top_k: d.top_k,
+                top_p: d.top_p,
+                min_p: d.min_p,
+                seed: 0,
+            }
+        } else {
+            SamplingParams::default()
+        };
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_nanos() as u64)
+        });
+        let params = SamplingParams {
+            temperature: self.temperature.unwrap_or(base.temperature),
+            top_k: self.top_k.unwrap_or(base.top_k),
+            top_p: self.top_p.unwrap_or(base.top_p),
+            min_p: self.min_p.unwrap_or(base.min_p),
+            seed,
+        };
+        params
+            .validate()
+            .map_err(|e| anyhow::anyhow!("--{}: {e}", e.param().replace('_', "-")))
+    }
+}
+
 #[derive(Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
@@ -25,17 +79,8 @@ pub struct GenerateArgs {
     prompt: String,
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Maximum tokens of context (prompt + generated) to allocate state for.
     #[arg(long, default_value_t = 4096)]
     context: usize,
@@ -79,14 +124,7 @@ pub fn load_model(dir: &Path) -> Result<CpuModel> {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    };
-    params.validate()?;
+    let params = args.sampling.params(&dir)?;
     if args.chat {
         return run_chat(&args, &dir, params);
     }
@@ -109,6 +147,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 
     let prefill_start = Instant::now();
     backend.prefill(&prompt)?;
+    // A GPU backend queues the prefill and returns: the time counts once the device has finished it.
+    backend.synchronize()?;
     let prefill_secs = prefill_start.elapsed().as_secs_f64();
 
     let mut stdout = std::io::stdout().lock();

@@ -8,6 +8,7 @@ mod chat;
 mod cuda_cmd;
 mod generate;
 mod inspect;
+mod serve;
 mod synth_cmd;
 
 #[derive(Parser)]
@@ -35,7 +36,7 @@ enum Command {
     /// Measure GPU decode and prompt speed, llama-bench style.
     Bench(cuda_cmd::BenchArgs),
     /// Serve the OpenAI-compatible HTTP API (chat, completions, models, tokenize, metrics).
-    Serve(lily_server::ServeArgs),
+    Serve(serve::ServeCmd),
 }
 
 fn main() -> ExitCode {
@@ -52,7 +53,7 @@ fn main() -> ExitCode {
         Command::Render(args) => inspect::run_render(args),
         Command::Selftest(args) => cuda_cmd::selftest(args),
         Command::Bench(args) => cuda_cmd::bench(args),
-        Command::Serve(args) => lily_server::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

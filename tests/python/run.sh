@@ -3,7 +3,8 @@
 #
 #   tests/python/run.sh PATH/TO/lily [pytest args...]
 #
-# Builds nothing. Needs python3 with `openai` and `pytest` installed (pip install openai pytest). Starts
+# Builds nothing. Needs python3 with `openai` and `pytest` (scripts/test.sh runs it in the virtual environment that
+# scripts/python_env.sh makes). Starts
 # `lily serve` (default model, an API key, any free port) from the repository root, waits for /health, runs
 # pytest, then stops the server with SIGTERM and checks that it exits cleanly (graceful shutdown).
 set -uo pipefail

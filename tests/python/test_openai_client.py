@@ -159,6 +159,25 @@ def test_completions(client, model):
     assert all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
 
 
+def test_completions_logprobs_and_echo(client, model):
+    # top_logprobs holds the sampled token: logprobs=0 gives exactly that entry.
+    r = client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=4, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[token] for token in lp.tokens]
+    # echo with logprobs: the prompt's tokens come first, the first without a logprob.
+    e = client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=2, temperature=0, logprobs=1, echo=True)
+    lp = e.choices[0].logprobs
+    assert e.choices[0].text.startswith("ROMEO.\n")
+    assert len(lp.tokens) > 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+
+
+def test_health_names_the_device(base_url):
+    health = json.loads(urllib.request.urlopen(base_url + "/health").read())
+    assert health["status"] == "ok"
+    assert health["device"].startswith(("cpu", "cuda"))
+
+
 def test_json_object_is_a_prompt_hint(client, model):
     r = client.chat.completions.create(model=model, messages=ask("Answer in JSON."), max_tokens=4,
                                        response_format={"type": "json_object"})
@@ -193,6 +212,8 @@ def test_errors(client, model, base_url):
         model=model, messages=ask(),
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
         param="response_format")
+    expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), tool_choice="auto"),
+                 param="tool_choice")
     expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), tool_choice="required"),
                  param="tool_choice")
     expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), extra_body={"temperature": "hot"}),

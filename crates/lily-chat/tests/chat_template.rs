@@ -7,7 +7,7 @@ use lily_chat::{ChatTemplate, ReasoningParser, RenderRequest, TemplateError};
 use serde_json::{json, Map, Value};
 
 fn template() -> ChatTemplate {
-    ChatTemplate::from_dir(&common::shared_model_dir()).unwrap()
+    ChatTemplate::from_dir(&common::model_dir()).unwrap()
 }
 
 fn golden_cases() -> Vec<Value> {

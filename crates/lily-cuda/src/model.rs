@@ -666,11 +666,23 @@ impl Backend for CudaBackend {
     }
     fn sample(&mut self, sampler: &mut Sampler) -> std::result::Result<u32, ForwardError> {
         let p = sampler.params().clone();
-        if p.temperature != 0.0 && p.top_k != 1 {
+        if !self.samples_on_device(&p) {
+            return Ok(sampler.sample(self.logits()?));
+        }
+        if !p.is_greedy() {
             self.sample_counter += 1;
             self.model.enqueue_sample(&p, self.sample_counter).map_err(device_err)?;
         }
         self.read_next_token().map_err(device_err)
+    }
+    /// The `sample` kernel draws as `Sampler` does for greedy and for top-k in 1..=SAMPLE_MAX_CANDIDATES; without
+    /// such a top-k it would draw from the SAMPLE_MAX_CANDIDATES most likely tokens only, so `sample` copies the
+    /// logits out for those parameters.
+    fn samples_on_device(&self, params: &SamplingParams) -> bool {
+        params.is_greedy() || (1..=crate::kernels::SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+    }
+    fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
+        self.model.gpu.sync().map_err(device_err)
     }
     fn describe(&self) -> String {
         format!("cuda: {}", self.model.gpu.name)

@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use crate::cpu::{CpuModel, State};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplingParams};
 
 /// Why a backend could not run a prefill or decode step, or give its logits or next token.
 #[derive(Debug, thiserror::Error)]
@@ -29,9 +29,46 @@ pub trait Backend: Send {
     fn decode(&mut self, token: u32) -> Result<(), ForwardError>;
     /// The next-token logits after the last `prefill` or `decode` (may copy them from a device, which may fail).
     fn logits(&mut self) -> Result<&[f32], ForwardError>;
-    /// Chooses the next token.
+    /// Chooses the next token exactly as `sampler` would from `logits()` on the host. A backend samples where the
+    /// logits are when it can (see `samples_on_device`) and copies them out otherwise. Sampling only knows
+    /// `SamplingParams`: whatever else a request asks for (penalties, logit bias, logprobs) is done by the caller on
+    /// `logits()`.
     fn sample(&mut self, sampler: &mut Sampler) -> Result<u32, ForwardError> {
         Ok(sampler.sample(self.logits()?))
+    }
+    /// Starts a new sequence with `prompt` as `prefill` does, and hands `each(i, logits)` the next-token logits
+    /// after every prompt position `i` (for the prompt's logprobs); `each` returning false stops early, leaving the
+    /// sequence part-way. The prompt goes through one `decode` step per token, so that every position's logits
+    /// come out of the same forward pass that generation uses.
+    fn prefill_each(
+        &mut self,
+        prompt: &[u32],
+        each: &mut dyn FnMut(usize, &[f32]) -> bool,
+    ) -> Result<(), ForwardError> {
+        let Some(&first) = prompt.first() else {
+            return self.prefill(prompt);
+        };
+        self.prefill(&[first])?;
+        if !each(0, self.logits()?) {
+            return Ok(());
+        }
+        for (i, &token) in prompt.iter().enumerate().skip(1) {
+            self.decode(token)?;
+            if !each(i, self.logits()?) {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+    /// Whether `sample` draws from `params` where the logits are, without copying them to the host (a CPU backend
+    /// always does).
+    fn samples_on_device(&self, params: &SamplingParams) -> bool {
+        let _ = params;
+        true
+    }
+    /// Waits until the work queued so far has finished (a GPU runs asynchronously), so that timings are honest.
+    fn synchronize(&mut self) -> Result<(), ForwardError> {
+        Ok(())
     }
     /// A short name for logs ("cpu", "cuda: NVIDIA H200").
     fn describe(&self) -> String;

@@ -1,11 +1,16 @@
 //! Choosing the next token from logits: greedy, or seeded sampling with temperature, top-k, top-p and min-p
-//! (applied in that order, as vLLM and HF do).
+//! (applied in that order, as vLLM and HF do). `SamplingParams::validate` is the one check of their ranges, used
+//! by the server, the command line and a model's generation_config.json alike.
 
 use crate::rng::Rng;
 
+/// Temperatures below this are greedy: dividing logits by a smaller one overflows to infinities (and NaN
+/// probabilities), and the distribution is all but greedy there anyway (vLLM draws the line at the same value).
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// 0 means greedy.
+    /// 0 (or anything below `MIN_TEMPERATURE`) means greedy.
     pub temperature: f32,
     /// 0 means no limit.
     pub top_k: usize,
@@ -38,8 +43,21 @@ pub enum SamplingError {
     MinP(f32),
 }
 
+impl SamplingError {
+    /// The parameter's name, as the OpenAI API and the command line spell it.
+    pub fn param(&self) -> &'static str {
+        match self {
+            SamplingError::Temperature(_) => "temperature",
+            SamplingError::TopP(_) => "top_p",
+            SamplingError::MinP(_) => "min_p",
+        }
+    }
+}
+
 impl SamplingParams {
-    pub fn validate(&self) -> Result<(), SamplingError> {
+    /// Checks every range, and returns the parameters as the samplers use them: a temperature below
+    /// `MIN_TEMPERATURE` becomes 0 (greedy).
+    pub fn validate(mut self) -> Result<SamplingParams, SamplingError> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(SamplingError::Temperature(self.temperature));
         }
@@ -49,7 +67,15 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(SamplingError::MinP(self.min_p));
         }
-        Ok(())
+        if self.temperature < MIN_TEMPERATURE {
+            self.temperature = 0.0;
+        }
+        Ok(self)
+    }
+
+    /// Whether these parameters always choose the most likely token.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < MIN_TEMPERATURE || self.top_k == 1
     }
 }
 
@@ -87,7 +113,7 @@ impl Sampler {
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if p.is_greedy() {
             return argmax(logits);
         }
         let c = &mut self.candidates;
@@ -191,8 +217,19 @@ mod tests {
     }
 
     #[test]
+    fn tiny_temperatures_are_greedy() {
+        let logits = [0.0, 5.0, 1.0, -3.0];
+        for t in [1e-38, 1e-30, 1e-6] {
+            let mut s = Sampler::new(params(t, 0, 1.0, 0.0));
+            assert!((0..100).all(|_| s.sample(&logits) == 1), "temperature {t}");
+            assert_eq!(params(t, 0, 1.0, 0.0).validate().unwrap().temperature, 0.0);
+        }
+        assert_eq!(params(0.5, 0, 1.0, 0.0).validate().unwrap().temperature, 0.5);
+    }
+
+    #[test]
     fn bad_parameters_are_refused() {
-        assert!(params(-1.0, 0, 1.0, 0.0).validate().is_err());
+        assert_eq!(params(-1.0, 0, 1.0, 0.0).validate().unwrap_err().param(), "temperature");
         assert!(params(f32::NAN, 0, 1.0, 0.0).validate().is_err());
         assert!(params(1.0, 0, 0.0, 0.0).validate().is_err());
         assert!(params(1.0, 0, 1.0, 1.5).validate().is_err());

@@ -156,6 +156,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
                 stop: sampling.stop.clone(),
                 ignore_eos: request.ignore_eos.unwrap_or(false),
                 logprobs: logprobs.then_some(top_logprobs),
+                prompt_logprobs: None,
             }
         })
         .collect();
@@ -320,6 +321,10 @@ fn validate_tools(tools: Vec<Json>) -> Result<Vec<Json>, ApiError> {
 
 fn tool_choice(choice: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiError> {
     let bad = |message: String| Err(ApiError::invalid("tool_choice", message));
+    if choice.is_some_and(|c| !c.is_null()) && tools.is_empty() {
+        // As the OpenAI API: `tool_choice`, even "none" or "auto", is only allowed with `tools`.
+        return bad("`tool_choice` is only allowed when `tools` are given".into());
+    }
     let choice = match choice {
         None | Some(Json::Null) => {
             return Ok(if tools.is_empty() {
@@ -352,9 +357,6 @@ fn tool_choice(choice: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiE
         Some(_) => return bad("`tool_choice` must be a string or an object".into()),
     };
     match &choice {
-        ToolChoice::Required | ToolChoice::Named(_) if tools.is_empty() => {
-            bad("`tool_choice` asks for a tool call but the request has no `tools`".into())
-        }
         ToolChoice::Named(name) if !tools.iter().any(|t| function_name(t) == Some(name)) => bad(format!(
             "`tool_choice` names the function {name:?}, which is not in `tools`"
         )),
@@ -557,6 +559,7 @@ impl ChatResponder {
                 return (data, true);
             }
             Event::Error(error) => return (vec![to_json(&error.body()), "[DONE]".into()], true),
+            Event::PromptLogprobs { .. } => {}
         }
         (out.iter().map(to_json).collect(), false)
     }
@@ -598,6 +601,8 @@ impl ChatResponder {
             }
             Event::Error(error) => Some(Err(error)),
             Event::Done => Some(Ok(self.completion())),
+            // Chat requests never ask for prompt logprobs.
+            Event::PromptLogprobs { .. } => None,
         }
     }
 

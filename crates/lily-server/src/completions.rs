@@ -97,12 +97,6 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             ))
         }
     };
-    if echo && logprobs.is_some() {
-        return Err(ApiError::invalid(
-            "echo",
-            "`echo` together with `logprobs` is not supported (prompt logprobs are not computed)",
-        ));
-    }
     let sampling = params::validate(sampling, &ready.defaults, ready.vocab_size)?;
     match request.best_of {
         None => {}
@@ -164,6 +158,7 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
                 stop: sampling.stop.clone(),
                 ignore_eos: request.ignore_eos.unwrap_or(false),
                 logprobs,
+                prompt_logprobs: logprobs.filter(|_| echo),
             });
             echoes.push(echo.then(|| text.clone()));
         }
@@ -213,16 +208,24 @@ impl CompletionResponder {
             echo: plan.echo.clone(),
             started: vec![false; n],
             pending: vec![CompletionLogprobs::default(); n],
+            // With prompt logprobs the offsets count from the prompt's first token; otherwise from the end of the
+            // echoed prompt, if any.
             offsets: plan
                 .echo
                 .iter()
-                .map(|e| e.as_ref().map_or(0, |t| t.chars().count()))
+                .zip(&plan.sequences)
+                .map(|(e, seq)| match (e, seq.prompt_logprobs) {
+                    (Some(text), None) => text.chars().count(),
+                    _ => 0,
+                })
                 .collect(),
             texts: vec![String::new(); n],
             finish: vec![None; n],
         }
     }
 
+    /// One token's entry: its logprob, and the most likely tokens and the token itself in `top_logprobs` (as the
+    /// OpenAI API gives them: up to `logprobs` + 1 entries).
     fn add_logprob(&mut self, index: usize, lp: &TokenLogprob) {
         let (token, _) = token_text(&self.tokenizer, lp.token);
         let mut top = Map::new();
@@ -230,11 +233,25 @@ impl CompletionResponder {
             let (text, _) = token_text(&self.tokenizer, id);
             top.entry(text).or_insert(Json::from(logprob as f64));
         }
+        top.entry(token.clone()).or_insert(Json::from(lp.logprob as f64));
+        self.push_entry(index, token, Some(lp.logprob as f64), Some(top));
+    }
+
+    /// The prompt's tokens (with `echo`): the first without a logprob, then each with its own.
+    fn add_prompt_logprobs(&mut self, index: usize, first_token: u32, logprobs: &[TokenLogprob]) {
+        let (first, _) = token_text(&self.tokenizer, first_token);
+        self.push_entry(index, first, None, None);
+        for lp in logprobs {
+            self.add_logprob(index, lp);
+        }
+    }
+
+    fn push_entry(&mut self, index: usize, token: String, logprob: Option<f64>, top: Option<Map<String, Json>>) {
         let p = &mut self.pending[index];
         p.text_offset.push(self.offsets[index]);
         self.offsets[index] += token.chars().count();
         p.tokens.push(token);
-        p.token_logprobs.push(lp.logprob);
+        p.token_logprobs.push(logprob);
         p.top_logprobs.push(top);
     }
 
@@ -288,6 +305,15 @@ impl CompletionResponder {
                     out.push(self.text_chunk(index, text, None));
                 }
             }
+            Event::PromptLogprobs {
+                index,
+                first_token,
+                logprobs,
+            } => {
+                self.add_prompt_logprobs(index, first_token, &logprobs);
+                let text = self.start_text(index);
+                out.push(self.text_chunk(index, text, None));
+            }
             Event::Finished { index, output } => {
                 let mut text = self.start_text(index);
                 text.push_str(&content_of(output.deltas));
@@ -314,6 +340,14 @@ impl CompletionResponder {
                 if let Some(lp) = logprob {
                     self.add_logprob(index, &lp);
                 }
+                None
+            }
+            Event::PromptLogprobs {
+                index,
+                first_token,
+                logprobs,
+            } => {
+                self.add_prompt_logprobs(index, first_token, &logprobs);
                 None
             }
             Event::Finished { index, output } => {

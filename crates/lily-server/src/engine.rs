@@ -46,6 +46,17 @@ pub struct SequenceSpec {
     pub ignore_eos: bool,
     /// `Some(k)`: report the chosen token's logprob and the k most likely tokens.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: also report each prompt token's logprob (after the first) and the k most likely tokens there.
+    pub prompt_logprobs: Option<usize>,
+}
+
+impl SequenceSpec {
+    /// Whether the engine needs the logits on the host for this sequence: penalties, logit bias and logprobs work
+    /// on a copy of the logits. Otherwise the backend samples (on a GPU without copying the logits out, where its
+    /// sampler can: see `Backend::samples_on_device`).
+    pub fn needs_host_logits(&self) -> bool {
+        self.penalties.is_active() || self.logprobs.is_some()
+    }
 }
 
 pub struct Job {
@@ -63,6 +74,13 @@ pub enum Event {
         index: usize,
         deltas: Vec<Delta>,
         logprob: Option<TokenLogprob>,
+    },
+    /// The prompt's tokens with their logprobs (from the second token on), sent before the sequence's first
+    /// token when the sequence asks for `prompt_logprobs`.
+    PromptLogprobs {
+        index: usize,
+        first_token: u32,
+        logprobs: Vec<TokenLogprob>,
     },
     /// A sequence ended; `output.deltas` is text held back until the end.
     Finished { index: usize, output: FinalOutput },
@@ -129,6 +147,11 @@ pub struct Engine {
     scratch: Vec<f32>,
 }
 
+/// Whether the client hung up, the job was cancelled, or the server cancels everything.
+fn job_cancelled(job: &Job, shared: &EngineShared) -> bool {
+    job.cancel.load(Ordering::Relaxed) || job.events.is_closed() || shared.cancel_all.load(Ordering::Relaxed)
+}
+
 enum Outcome {
     Finished(FinalOutput),
     Cancelled,
@@ -171,7 +194,7 @@ impl Engine {
     }
 
     fn cancelled(&self, job: &Job) -> bool {
-        job.cancel.load(Ordering::Relaxed) || job.events.is_closed() || self.shared.cancel_all.load(Ordering::Relaxed)
+        job_cancelled(job, &self.shared)
     }
 
     /// Runs a job's sequences; returns its last event (`Done`, or an `Error`).
@@ -212,7 +235,32 @@ impl Engine {
     fn generate(&mut self, job: &Job, seq: &SequenceSpec, first_token: &mut bool) -> Result<Outcome, ApiError> {
         let forward_error = |e: lily_model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
         let tokenizer_error = |e: lily_chat::TokenizerError| ApiError::internal(format!("detokenizing failed: {e}"));
-        self.backend.prefill(&seq.prompt).map_err(forward_error)?;
+        match seq.prompt_logprobs {
+            None => self.backend.prefill(&seq.prompt).map_err(forward_error)?,
+            Some(top) => {
+                let prompt = &seq.prompt;
+                let mut entries = Vec::with_capacity(prompt.len().saturating_sub(1));
+                let mut cancelled = false;
+                let shared = &self.shared;
+                self.backend
+                    .prefill_each(prompt, &mut |i, logits| {
+                        if let Some(&next) = prompt.get(i + 1) {
+                            entries.push(logits::logprobs(logits, next, top));
+                        }
+                        cancelled = job_cancelled(job, shared);
+                        !cancelled
+                    })
+                    .map_err(forward_error)?;
+                let event = Event::PromptLogprobs {
+                    index: seq.index,
+                    first_token: prompt[0],
+                    logprobs: entries,
+                };
+                if cancelled || job.events.send(event).is_err() {
+                    return Ok(Outcome::Cancelled);
+                }
+            }
+        }
         self.shared.metrics.prompt_tokens.increment(seq.prompt.len() as u64);
         let options = OutputOptions {
             eos_token_ids: if seq.ignore_eos { Vec::new() } else { self.eos.clone() },
@@ -230,7 +278,7 @@ impl Engine {
         };
         let mut sampler = Sampler::new(seq.sampling.clone());
         let mut history = History::new(&seq.prompt, &seq.penalties);
-        let copy_logits = seq.penalties.is_active() || seq.logprobs.is_some();
+        let copy_logits = seq.needs_host_logits();
         let mut last_token_at: Option<Instant> = None;
         loop {
             let (token, logprob) = if copy_logits {

@@ -1,5 +1,6 @@
 //! Validation of the sampling fields that chat and completions share, with OpenAI's ranges; each bad value is a
-//! 400 naming its field.
+//! 400 naming its field. The sampler's own parameters are checked by `SamplingParams::validate`, here as
+//! everywhere else.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,20 +67,6 @@ pub const MAX_N: usize = 16;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usize) -> Result<Sampling, ApiError> {
-    let temperature = raw.temperature.unwrap_or(defaults.temperature);
-    if !(temperature.is_finite() && temperature >= 0.0) {
-        return Err(ApiError::invalid(
-            "temperature",
-            format!("`temperature` must be a number >= 0, got {temperature}"),
-        ));
-    }
-    let top_p = raw.top_p.unwrap_or(defaults.top_p);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid(
-            "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}"),
-        ));
-    }
     let top_k = match raw.top_k {
         None => defaults.top_k,
         // vLLM's spelling of "no limit".
@@ -92,13 +79,6 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
             ))
         }
     };
-    let min_p = raw.min_p.unwrap_or(defaults.min_p);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::invalid(
-            "min_p",
-            format!("`min_p` must be in [0, 1], got {min_p}"),
-        ));
-    }
     let penalty = |name: &str, value: Option<f32>| -> Result<f32, ApiError> {
         let v = value.unwrap_or(0.0);
         if !(-2.0..=2.0).contains(&v) {
@@ -151,13 +131,14 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
     };
     let stop = raw.stop.map(StopField::into_vec).unwrap_or_default();
     let params = SamplingParams {
-        temperature,
+        temperature: raw.temperature.unwrap_or(defaults.temperature),
         top_k,
-        top_p,
-        min_p,
+        top_p: raw.top_p.unwrap_or(defaults.top_p),
+        min_p: raw.min_p.unwrap_or(defaults.min_p),
         seed,
-    };
-    params.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
+    }
+    .validate()
+    .map_err(|e| ApiError::invalid(e.param(), e.to_string()))?;
     Ok(Sampling {
         params,
         penalties: Penalties {

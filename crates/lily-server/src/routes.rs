@@ -99,7 +99,11 @@ async fn health(State(state): State<AppStateRef>) -> Response {
             .into_response();
     }
     match state.ready.get() {
-        Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        Some(ready) => (
+            StatusCode::OK,
+            Json(json!({"status": "ok", "device": ready.backend_name})),
+        )
+            .into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
     }
 }

@@ -333,16 +333,18 @@ pub fn cpu_backend_factory(dir: PathBuf) -> BackendFactory {
     })
 }
 
-/// `lily serve`: serves until SIGINT or SIGTERM (a second one cancels in-flight requests at once).
-pub fn run(args: ServeArgs) -> Result<()> {
+/// `lily serve`: serves until SIGINT or SIGTERM (a second one cancels in-flight requests at once). `backend`
+/// makes the backend factory for the model directory (the binary chooses the device; [`cpu_backend_factory`] is the
+/// CPU's).
+pub fn run(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFactory) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting tokio")?;
-    runtime.block_on(run_async(args))
+    runtime.block_on(run_async(args, backend))
 }
 
-async fn run_async(args: ServeArgs) -> Result<()> {
+async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFactory) -> Result<()> {
     let (model_dir, default_id) = match &args.model {
         Some(dir) => {
             let name = dir
@@ -367,7 +369,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
     config.max_body_bytes = args.max_body_bytes;
     config.reasoning_field = args.reasoning_field;
     config.shutdown_timeout = Duration::from_secs_f64(args.shutdown_timeout);
-    let server = start(config, cpu_backend_factory(model_dir)).await?;
+    let server = start(config, backend(model_dir)).await?;
     eprintln!(
         "lily serve: listening on http://{} (GET /health answers 503 until the model is loaded)",
         server.local_addr()

@@ -301,8 +301,11 @@ pub struct ChatCompletionChunk {
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<Map<String, Json>>,
+    /// Null for the prompt's first token (with `echo`), which has nothing before it.
+    pub token_logprobs: Vec<Option<f64>>,
+    /// The `logprobs` most likely tokens and the token itself (up to `logprobs` + 1 entries); null where
+    /// `token_logprobs` is.
+    pub top_logprobs: Vec<Option<Map<String, Json>>>,
     pub text_offset: Vec<usize>,
 }
 

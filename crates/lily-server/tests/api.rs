@@ -408,3 +408,113 @@ async fn metrics_count_requests_tokens_and_latency() {
     assert!(text.contains("# HELP lily_time_to_first_token_seconds"));
     s.shutdown().await;
 }
+
+/// `/v1/completions` logprobs as the OpenAI API gives them: `top_logprobs` holds the sampled token (up to
+/// `logprobs` + 1 entries), also with `logprobs: 0`.
+#[tokio::test]
+async fn completions_top_logprobs_include_the_sampled_token() {
+    let s = TestServer::real(config()).await;
+    for k in [0usize, 1] {
+        let body = json!({"prompt": "ROMEO.\n", "max_tokens": 12, "temperature": 3.0, "seed": 7, "logprobs": k});
+        let (status, r) = s.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{r}");
+        let lp = &r["choices"][0]["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        assert_eq!(tokens.len(), 12, "{r}");
+        for (i, token) in tokens.iter().enumerate() {
+            let top = lp["top_logprobs"][i].as_object().unwrap();
+            assert!(
+                !top.is_empty() && top.len() <= k + 1,
+                "logprobs {k}, position {i}: {top:?}"
+            );
+            let sampled = top
+                .get(token.as_str().unwrap())
+                .unwrap_or_else(|| panic!("{token} not in {top:?}"));
+            assert_eq!(sampled.as_f64(), lp["token_logprobs"][i].as_f64());
+        }
+    }
+    s.shutdown().await;
+}
+
+/// `echo` with `logprobs` gives the prompt tokens' logprobs (the first null) before the completion's; a prompt
+/// token's logprob is what the model gave that token when it generated it.
+#[tokio::test]
+async fn completions_echo_with_logprobs_gives_prompt_logprobs() {
+    let s = TestServer::real(config()).await;
+    let prompt = tokenizer().encode("ROMEO.\n", false).unwrap();
+    let (status, a) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 1}),
+        )
+        .await;
+    assert_eq!(status, 200, "{a}");
+    let generated = &a["choices"][0]["logprobs"];
+    let text = a["choices"][0]["text"].as_str().unwrap();
+
+    // The prompt plus the first two generated tokens, echoed with logprobs.
+    let completion = tokenizer().encode(text, false).unwrap();
+    let mut longer = prompt.clone();
+    longer.extend_from_slice(&completion[..2]);
+    for stream in [false, true] {
+        let body = json!({"prompt": longer, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true,
+                          "stream": stream});
+        let lp = if stream {
+            let (status, data) = s.stream("/v1/completions", &body).await;
+            assert_eq!(status, 200);
+            let mut merged = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+            for chunk in chunks(&data) {
+                if let Some(lp) = chunk["choices"][0]["logprobs"].as_object() {
+                    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                        let more = lp[key].as_array().unwrap().clone();
+                        merged[key].as_array_mut().unwrap().extend(more);
+                    }
+                }
+            }
+            merged
+        } else {
+            let (status, r) = s.post("/v1/completions", &body).await;
+            assert_eq!(status, 200, "{r}");
+            r["choices"][0]["logprobs"].clone()
+        };
+        let n = longer.len();
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), n + 1, "stream {stream}: {lp}");
+        assert!(
+            lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+            "{lp}"
+        );
+        for i in 1..n {
+            let value = lp["token_logprobs"][i].as_f64().unwrap();
+            assert!(value <= 0.0, "{lp}");
+            let top = lp["top_logprobs"][i].as_object().unwrap();
+            assert_eq!(top[lp["tokens"][i].as_str().unwrap()].as_f64(), Some(value));
+        }
+        assert_eq!(lp["text_offset"][0], 0);
+        // The two generated tokens, now in the prompt, have the logprobs they were generated with.
+        for j in 0..2 {
+            let echoed = lp["token_logprobs"][prompt.len() + j].as_f64().unwrap();
+            let original = generated["token_logprobs"][j].as_f64().unwrap();
+            assert!((echoed - original).abs() < 1e-3, "token {j}: {echoed} vs {original}");
+            assert_eq!(lp["tokens"][prompt.len() + j], generated["tokens"][j]);
+        }
+    }
+    s.shutdown().await;
+}
+
+/// A temperature too small to divide the logits by (they would overflow to NaN) samples greedily.
+#[tokio::test]
+async fn tiny_temperatures_are_greedy() {
+    let s = TestServer::real(config()).await;
+    let body = |t: f64| json!({"prompt": "ROMEO.\n", "max_tokens": 8, "temperature": t, "seed": 3});
+    let (status, greedy) = s.post("/v1/completions", &body(0.0)).await;
+    assert_eq!(status, 200, "{greedy}");
+    for t in [1e-38, 1e-6] {
+        let (status, tiny) = s.post("/v1/completions", &body(t)).await;
+        assert_eq!(status, 200, "{tiny}");
+        assert_eq!(
+            tiny["choices"][0]["text"], greedy["choices"][0]["text"],
+            "temperature {t}"
+        );
+    }
+    s.shutdown().await;
+}

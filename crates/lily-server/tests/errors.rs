@@ -122,6 +122,9 @@ async fn every_bad_request_is_an_openai_error() {
         ),
         (with("tool_choice", json!("required")), 400, Some("tool_choice")),
         (with("tool_choice", json!("sometimes")), 400, Some("tool_choice")),
+        // As the OpenAI API: any `tool_choice`, even "auto" or "none", needs `tools`.
+        (with("tool_choice", json!("auto")), 400, Some("tool_choice")),
+        (with("tool_choice", json!("none")), 400, Some("tool_choice")),
         (
             json!({"messages": ok_body()["messages"], "tools": [{"type": "function", "function": {"name": "f"}}],
                    "tool_choice": {"type": "function", "function": {"name": "g"}}}),
@@ -175,7 +178,6 @@ async fn every_bad_request_is_an_openai_error() {
         (json!({"prompt": [999999999]}), "prompt"),
         (json!({"prompt": "a", "max_tokens": 0}), "max_tokens"),
         (json!({"prompt": "a", "logprobs": 99}), "logprobs"),
-        (json!({"prompt": "a", "echo": true, "logprobs": 1}), "echo"),
         (json!({"prompt": "a", "suffix": "b"}), "suffix"),
         (json!({"prompt": "a", "best_of": 3}), "best_of"),
         (json!({"prompt": long, "max_tokens": 1}), "prompt"),
