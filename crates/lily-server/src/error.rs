@@ -70,6 +70,15 @@ impl ApiError {
         .with_code("request_too_large")
     }
 
+    pub fn body_timeout(limit: std::time::Duration) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("The request body did not arrive within {:.1} s.", limit.as_secs_f64()),
+        )
+        .with_code("request_timeout")
+    }
+
     pub fn queue_full(max_queue: usize) -> ApiError {
         let mut e = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,

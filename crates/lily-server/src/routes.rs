@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -21,7 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::chat::{self, ChatResponder};
 use crate::completions::{self, CompletionResponder};
-use crate::engine::{Event, Job, SequenceSpec, SubmitError};
+use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::server::{AppState, Ready};
 use crate::types::*;
@@ -138,7 +137,12 @@ async fn get_model(State(state): State<AppStateRef>, Path(id): Path<String>) -> 
     Ok(Json(model_card(&state)))
 }
 
-fn read_body(body: Result<Bytes, BytesRejection>, state: &AppState) -> Result<Bytes, ApiError> {
+/// Reads the request's body, which must arrive within `--body-timeout` (408 otherwise) and be at most
+/// `--max-body-bytes` long (413 otherwise).
+async fn read_body(request: Request, state: &AppStateRef) -> Result<Bytes, ApiError> {
+    let body = tokio::time::timeout(state.config.body_timeout, Bytes::from_request(request, state))
+        .await
+        .map_err(|_| ApiError::body_timeout(state.config.body_timeout))?;
     body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::payload_too_large(state.config.max_body_bytes)
@@ -159,7 +163,7 @@ fn ready(state: &AppState) -> Result<&Ready, ApiError> {
 /// the queue is the check that counts; this one keeps an overloaded server cheap to refuse).
 fn check_queue(state: &AppState) -> Result<(), ApiError> {
     let shared = state.shared();
-    if shared.queue_depth.load(Ordering::SeqCst) >= shared.max_queue {
+    if shared.queue.len() >= shared.queue.max() {
         shared.metrics.rejected.increment(1);
         return Err(ApiError::queue_full(state.config.max_queue));
     }
@@ -174,12 +178,19 @@ fn check_model(model: Option<&str>, state: &AppState) -> Result<(), ApiError> {
     }
 }
 
-/// Sets the job's cancel flag when dropped: with the response stream (client gone) or the handler's future.
-struct CancelOnDrop(Arc<AtomicBool>);
+/// Cancels the job when dropped, with the response stream (client gone) or the handler's future: sets its cancel
+/// flag (a running job stops within a step) and takes it out of the queue if it is still waiting there.
+struct CancelOnDrop {
+    cancel: Arc<AtomicBool>,
+    shared: Arc<EngineShared>,
+    id: u64,
+}
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
+        self.cancel.store(true, Ordering::SeqCst);
+        self.shared.queue.withdraw(self.id);
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -196,10 +207,19 @@ fn submit(
         cancel: cancel.clone(),
         arrived,
     };
+    // Counted before the job is queued, so that shutdown never sees a queued job as none in flight; the guard's
+    // drop uncounts it when the response is done or abandoned.
+    let shared = state.engine.shared.clone();
+    shared.in_flight.fetch_add(1, Ordering::SeqCst);
     match state.engine.submit(job) {
-        Ok(()) => Ok((receiver, CancelOnDrop(cancel))),
-        Err(SubmitError::QueueFull) => Err(ApiError::queue_full(state.config.max_queue)),
-        Err(SubmitError::EngineGone) => Err(ApiError::shutting_down()),
+        Ok(id) => Ok((receiver, CancelOnDrop { cancel, shared, id })),
+        Err(error) => {
+            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            Err(match error {
+                SubmitError::QueueFull => ApiError::queue_full(state.config.max_queue),
+                SubmitError::EngineGone => ApiError::shutting_down(),
+            })
+        }
     }
 }
 
@@ -253,15 +273,42 @@ where
     Err(ApiError::internal("the engine stopped before finishing the request"))
 }
 
-async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Response {
+/// Runs the CPU-heavy part of a request (parsing a large body, rendering the chat template, tokenizing) on
+/// tokio's blocking pool, at most one request per core at a time, so that the async threads stay free to answer
+/// `/health` and to feed running streams whatever clients send.
+async fn off_runtime<T, F>(state: &AppStateRef, work: F) -> Result<T, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+{
+    let permit = state
+        .prepare_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::shutting_down())?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        work(&state)
+    })
+    .await
+    .unwrap_or_else(|_| Err(ApiError::internal("preparing the request failed")))
+}
+
+async fn chat_completions(State(state): State<AppStateRef>, request: Request) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let body = read_body(body, &state)?;
-        let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(&body)?;
-        check_model(request.model.as_deref(), &state)?;
+        let body = read_body(request, &state).await?;
+        let plan = off_runtime(&state, move |state| {
+            let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(&body)?;
+            check_model(request.model.as_deref(), state)?;
+            let ready = ready(state)?;
+            check_queue(state)?;
+            chat::prepare(request, sampling, ready)
+        })
+        .await?;
         let ready = ready(&state)?;
-        check_queue(&state)?;
-        let plan = chat::prepare(request, sampling, ready)?;
         let mut responder = ChatResponder::new(
             &plan,
             state.config.model_id.clone(),
@@ -282,15 +329,19 @@ async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn text_completions(State(state): State<AppStateRef>, request: Request) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let body = read_body(body, &state)?;
-        let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(&body)?;
-        check_model(request.model.as_deref(), &state)?;
+        let body = read_body(request, &state).await?;
+        let plan = off_runtime(&state, move |state| {
+            let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(&body)?;
+            check_model(request.model.as_deref(), state)?;
+            let ready = ready(state)?;
+            check_queue(state)?;
+            completions::prepare(request, sampling, ready)
+        })
+        .await?;
         let ready = ready(&state)?;
-        check_queue(&state)?;
-        let plan = completions::prepare(request, sampling, ready)?;
         let mut responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
         let stream = plan.stream;
         let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
@@ -306,14 +357,17 @@ async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-async fn tokenize(
-    State(state): State<AppStateRef>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<TokenizeResponse>, ApiError> {
-    let body = read_body(body, &state)?;
-    let request: TokenizeRequest = parse_json(&body)?;
-    check_model(request.model.as_deref(), &state)?;
-    let ready = ready(&state)?;
+async fn tokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<TokenizeResponse>, ApiError> {
+    let body = read_body(request, &state).await?;
+    off_runtime(&state, move |state| tokenize_body(&body, state))
+        .await
+        .map(Json)
+}
+
+fn tokenize_body(body: &[u8], state: &AppState) -> Result<TokenizeResponse, ApiError> {
+    let request: TokenizeRequest = parse_json(body)?;
+    check_model(request.model.as_deref(), state)?;
+    let ready = ready(state)?;
     let tokenizer = &ready.tokenizer;
     let encode_error = |e: lily_chat::TokenizerError| ApiError::bad_request(format!("cannot tokenize: {e}"));
     let tokens = match (request.prompt, request.messages) {
@@ -322,14 +376,14 @@ async fn tokenize(
             .map_err(encode_error)?,
         (None, Some(messages)) => {
             let messages = chat::validate_messages(messages)?;
-            let text = chat::render(
+            chat::render_tokens(
                 ready,
                 messages,
                 &request.tools.unwrap_or_default(),
                 request.chat_template_kwargs.unwrap_or_default(),
                 request.add_generation_prompt.unwrap_or(true),
-            )?;
-            tokenizer.encode(&text, false).map_err(encode_error)?
+            )?
+            .1
         }
         (Some(_), Some(_)) => return Err(ApiError::bad_request("give either `prompt` or `messages`, not both")),
         (None, None) => {
@@ -345,22 +399,25 @@ async fn tokenize(
             .map(|&id| tokenizer.id_to_token(id).unwrap_or_default())
             .collect()
     });
-    Ok(Json(TokenizeResponse {
+    Ok(TokenizeResponse {
         count: tokens.len(),
         max_model_len: ready.context,
         tokens,
         token_strs,
-    }))
+    })
 }
 
-async fn detokenize(
-    State(state): State<AppStateRef>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let body = read_body(body, &state)?;
-    let request: DetokenizeRequest = parse_json(&body)?;
-    check_model(request.model.as_deref(), &state)?;
-    let ready = ready(&state)?;
+async fn detokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let body = read_body(request, &state).await?;
+    off_runtime(&state, move |state| detokenize_body(&body, state))
+        .await
+        .map(Json)
+}
+
+fn detokenize_body(body: &[u8], state: &AppState) -> Result<DetokenizeResponse, ApiError> {
+    let request: DetokenizeRequest = parse_json(body)?;
+    check_model(request.model.as_deref(), state)?;
+    let ready = ready(state)?;
     let ids = request
         .tokens
         .ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
@@ -380,5 +437,5 @@ async fn detokenize(
         .tokenizer
         .decode(&ids, false)
         .map_err(|e| ApiError::bad_request(format!("cannot detokenize: {e}")))?;
-    Ok(Json(DetokenizeResponse { prompt }))
+    Ok(DetokenizeResponse { prompt })
 }
