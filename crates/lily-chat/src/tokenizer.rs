@@ -114,6 +114,8 @@ pub struct Tokenizer {
     added_first: Vec<char>,
     /// No added token holds a newline, so long texts may be encoded in pieces cut at newlines.
     newline_cuts: bool,
+    /// `inner.get_vocab_size(true)`, counted once: the tokenizers crate counts it from its maps on every call.
+    vocab_size: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -179,6 +181,7 @@ impl Tokenizer {
         added_first.sort_unstable();
         added_first.dedup();
         let newline_cuts = !added.iter().any(|(t, _)| t.contains('\n'));
+        let vocab_size = inner.get_vocab_size(true);
         Ok(Self {
             inner,
             plain,
@@ -186,6 +189,7 @@ impl Tokenizer {
             added,
             added_first,
             newline_cuts,
+            vocab_size,
         })
     }
 
@@ -338,7 +342,7 @@ impl Tokenizer {
 
     /// Number of tokens the tokenizer knows, special tokens included (the model's embedding is larger: padded).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn special(&self) -> &SpecialTokens {
@@ -391,6 +395,22 @@ mod tests {
         );
         assert_eq!(tokenizer.encode_marked(plain, marker, 3).unwrap(), None);
         assert_eq!(tokenizer.mark_plain("no specials", marker), "no specials");
+    }
+
+    #[test]
+    fn the_vocabulary_size_is_counted_once() {
+        let tokenizer = bundled();
+        assert_eq!(tokenizer.vocab_size(), tokenizer.inner.get_vocab_size(true));
+        assert_eq!(tokenizer.vocab_size(), 248077);
+        let started = std::time::Instant::now();
+        for _ in 0..200 {
+            std::hint::black_box(tokenizer.vocab_size());
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(50),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]
