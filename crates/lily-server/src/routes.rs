@@ -59,12 +59,14 @@ async fn count_requests(State(state): State<AppStateRef>, request: Request, next
 
 async fn require_api_key(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
+        // The scheme's name is case-insensitive (RFC 7235); the key is compared without surrounding spaces.
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.trim_start().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, key)| key.trim());
         if !given.is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }

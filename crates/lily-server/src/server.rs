@@ -208,6 +208,18 @@ impl RunningServer {
 /// Binds the port, starts loading the model on the engine thread, and serves. Returns once the port is bound.
 pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<RunningServer> {
     anyhow::ensure!(config.max_queue >= 1, "--max-queue must be at least 1");
+    if let Some(key) = &config.api_key {
+        // An empty key would turn authentication off without a word, and one with surrounding spaces could never
+        // match (the key a client sends is compared without them).
+        anyhow::ensure!(
+            !key.is_empty(),
+            "--api-key (or LILY_API_KEY) is empty; leave it out to serve without a key"
+        );
+        anyhow::ensure!(
+            key.trim() == key && key.chars().all(|c| c.is_ascii_graphic()),
+            "--api-key (or LILY_API_KEY) must be visible ASCII characters without spaces around it"
+        );
+    }
     anyhow::ensure!(config.max_choices >= 1, "--max-choices must be at least 1");
     anyhow::ensure!(config.max_connections >= 1, "--max-connections must be at least 1");
     anyhow::ensure!(
@@ -501,7 +513,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
     let mut config = ServerConfig::new(model_dir.clone(), args.served_model_name.clone().unwrap_or(default_id));
     config.host = args.host.clone();
     config.port = args.port;
-    config.api_key = args.api_key.clone().filter(|k| !k.is_empty());
+    config.api_key = args.api_key.clone();
     config.max_queue = args.max_queue;
     config.context = args.context;
     config.max_body_bytes = args.max_body_bytes;

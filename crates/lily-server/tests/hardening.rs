@@ -436,3 +436,34 @@ async fn cancel_now_stops_at_once() {
         .expect("cleanly");
     assert!(started.elapsed() < Duration::from_secs(2));
 }
+
+#[tokio::test]
+async fn api_keys_are_checked_at_start_up_and_the_scheme_is_case_insensitive() {
+    for bad in ["", " key", "key\n"] {
+        let mut c = config();
+        c.api_key = Some(bad.into());
+        let refused = lily_server::start(c, Script::text("Ay.").factory()).await;
+        assert!(refused.is_err(), "the key {bad:?} was accepted");
+    }
+    let mut c = config();
+    c.api_key = Some("sesame".into());
+    let s = TestServer::fake(c, Script::text("Ay.")).await;
+    for (header, status) in [
+        ("Bearer sesame", 200),
+        ("bearer sesame", 200),
+        ("BEARER  sesame ", 200),
+        ("Bearer wrong", 401),
+        ("Basic sesame", 401),
+        ("sesame", 401),
+    ] {
+        let response = s
+            .client
+            .get(s.url("/v1/models"))
+            .header("authorization", header)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), status, "{header:?}");
+    }
+    s.shutdown().await;
+}
