@@ -80,7 +80,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         add_system_instruction(&mut messages, &instructions.join("\n\n"));
     }
 
-    let mut kwargs = request.chat_template_kwargs.unwrap_or_default();
+    let mut kwargs = validate_kwargs(request.chat_template_kwargs.unwrap_or_default())?;
     if let Some(effort) = &request.reasoning_effort {
         let thinking = match effort.as_str() {
             "none" | "minimal" => false,
@@ -262,6 +262,23 @@ pub fn render(
         | TemplateError::Render(_)) => ApiError::invalid("messages", e.to_string()),
         other => ApiError::internal(other.to_string()),
     })
+}
+
+/// Checks the template arguments the model's template reads as switches: `enable_thinking` must be a boolean
+/// (the template tests `enable_thinking is false`, so any other value would silently mean "think").
+pub fn validate_kwargs(kwargs: Map<String, Json>) -> Result<Map<String, Json>, ApiError> {
+    for key in ["enable_thinking", "preserve_thinking"] {
+        match kwargs.get(key) {
+            None | Some(Json::Bool(_)) => {}
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    format!("chat_template_kwargs.{key}"),
+                    format!("`chat_template_kwargs.{key}` must be true or false, got {other}"),
+                ))
+            }
+        }
+    }
+    Ok(kwargs)
 }
 
 /// Checks roles and content types; `developer` becomes `system` (OpenAI's newer name for it).

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -22,8 +22,10 @@ use crate::chat::{self, ChatResponder};
 use crate::completions::{self, CompletionResponder};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
+use crate::params;
 use crate::server::{AppState, Ready};
 use crate::types::*;
+use tracing::Instrument;
 
 type AppStateRef = Arc<AppState>;
 
@@ -47,15 +49,36 @@ pub fn router(state: AppStateRef) -> Router {
         .with_state(state)
 }
 
+/// Counts the request in the metrics, and gives it an id: the client's `x-request-id` when it sends a usable one
+/// (up to 128 visible ASCII characters), a new one otherwise. The id is echoed in the response's `x-request-id`
+/// and names the request in the logs.
 async fn count_requests(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
     let endpoint = request
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched".to_string(), |p| p.as_str().to_string());
-    let response = next.run(request).await;
-    state.metrics.request(&endpoint, response.status().as_u16());
+    let id = request
+        .headers()
+        .get(REQUEST_ID)
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(|b| b.is_ascii_graphic()))
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_str(&params::random_id("req-")).expect("letters and digits"));
+    let span = tracing::info_span!("request", id = %id.to_str().unwrap_or_default(), endpoint = %endpoint);
+    let mut response = next.run(request).instrument(span.clone()).await;
+    let status = response.status().as_u16();
+    span.in_scope(|| {
+        if status >= 500 {
+            tracing::warn!(status, "answered");
+        } else {
+            tracing::debug!(status, "answered");
+        }
+    });
+    state.metrics.request(&endpoint, status);
+    response.headers_mut().insert(REQUEST_ID, id);
     response
 }
+
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 async fn require_api_key(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
@@ -382,7 +405,7 @@ fn tokenize_body(body: &[u8], state: &AppState) -> Result<TokenizeResponse, ApiE
                 ready,
                 messages,
                 &request.tools.unwrap_or_default(),
-                request.chat_template_kwargs.unwrap_or_default(),
+                chat::validate_kwargs(request.chat_template_kwargs.unwrap_or_default())?,
                 request.add_generation_prompt.unwrap_or(true),
             )?
             .1
@@ -423,7 +446,7 @@ fn detokenize_body(body: &[u8], state: &AppState) -> Result<DetokenizeResponse, 
     let ids = request
         .tokens
         .ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
-    let limit = ready.tokenizer.vocab_size().min(ready.vocab_size);
+    let limit = ready.vocab_size;
     let ids = ids
         .into_iter()
         .map(|id| {

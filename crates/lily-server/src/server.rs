@@ -88,7 +88,8 @@ pub struct Ready {
     pub template: ChatTemplate,
     /// Tokens of context per sequence (the backend's).
     pub context: usize,
-    /// The model's vocabulary (logits) size; token ids must be below it.
+    /// Token ids clients may send (prompt ids, `logit_bias` keys, `/detokenize`) are below this: the ids the
+    /// tokenizer knows. The model's logits are wider (padded to a multiple of 64), and the padding ids have no text.
     pub vocab_size: usize,
     pub defaults: GenerationDefaults,
     pub backend_name: String,
@@ -447,7 +448,7 @@ fn load(
         tokenizer: tokenizer.clone(),
         template,
         context,
-        vocab_size: backend.config().vocab_size,
+        vocab_size: tokenizer.vocab_size().min(backend.config().vocab_size),
         defaults: GenerationDefaults::from_dir(dir),
         backend_name: backend.describe(),
         limits: RequestLimits {

@@ -467,3 +467,56 @@ async fn api_keys_are_checked_at_start_up_and_the_scheme_is_case_insensitive() {
     }
     s.shutdown().await;
 }
+
+#[tokio::test]
+async fn one_rule_for_token_ids_strict_fields_and_request_ids() {
+    let s = TestServer::fake(config(), Script::text("Ay.")).await;
+    // 248077.. are the model's padding rows: no text, so not a token id anywhere.
+    let padding = 248_100;
+    let (status, r) = s
+        .post("/v1/completions", &json!({"prompt": [padding], "max_tokens": 1}))
+        .await;
+    assert_eq!((status, r["error"]["param"].clone()), (400, json!("prompt")), "{r}");
+    let (status, r) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Hi", "max_tokens": 1, "logit_bias": {padding.to_string(): 1}}),
+        )
+        .await;
+    assert_eq!((status, r["error"]["param"].clone()), (400, json!("logit_bias")), "{r}");
+    let (status, _) = s.post("/detokenize", &json!({"tokens": [padding]})).await;
+    assert_eq!(status, 400);
+    let (status, _) = s.post("/detokenize", &json!({"tokens": [248_076]})).await;
+    assert_eq!(status, 200, "the last real token decodes");
+    let (status, r) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Hi", "max_tokens": 1, "logit_bias": {"+5": 1}}),
+        )
+        .await;
+    assert_eq!((status, r["error"]["param"].clone()), (400, json!("logit_bias")), "{r}");
+    let mut body = chat("Hi", 1);
+    body["chat_template_kwargs"] = json!({"enable_thinking": "maybe"});
+    let (status, r) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r["error"]["param"], "chat_template_kwargs.enable_thinking");
+    // x-request-id: the client's is echoed, else one is made.
+    let response = s
+        .client
+        .get(s.url("/health"))
+        .header("x-request-id", "abc-123")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.headers()["x-request-id"], "abc-123");
+    let response = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": "Hi", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    let id = response.headers()["x-request-id"].to_str().unwrap().to_string();
+    assert!(id.starts_with("req-") && id.len() > 10, "{id}");
+    s.shutdown().await;
+}
