@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// Connections open at once; more wait to be accepted until one closes.
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
+    /// Origins whose browser pages may call the server (CORS), comma-separated, e.g.
+    /// `https://app.example.com,http://localhost:3000`; `*` for any. Default: none.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
     /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,

@@ -46,7 +46,25 @@ pub fn router(state: AppStateRef) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(cors(&state.config.allowed_origins))
         .with_state(state)
+}
+
+/// Cross-origin requests from the `--allowed-origins` (none by default, `*` for any), with preflight `OPTIONS`
+/// answered; browsers refuse other origins' requests that need a preflight (JSON bodies, `Authorization`).
+fn cors(origins: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let allow_origin = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+    };
+    CorsLayer::new()
+        .allow_origin(allow_origin)
+        .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, REQUEST_ID])
+        .expose_headers([REQUEST_ID, header::RETRY_AFTER])
+        .max_age(std::time::Duration::from_secs(3600))
 }
 
 /// Counts the request in the metrics, and gives it an id: the client's `x-request-id` when it sends a usable one
@@ -162,9 +180,25 @@ async fn get_model(State(state): State<AppStateRef>, Path(id): Path<String>) -> 
     Ok(Json(model_card(&state)))
 }
 
-/// Reads the request's body, which must arrive within `--body-timeout` (408 otherwise) and be at most
+/// JSON routes take only JSON bodies (415 otherwise): a web page can send a `text/plain` POST to a local server
+/// without asking the browser first, but not an `application/json` one.
+fn check_json_content_type(request: &Request) -> Result<(), ApiError> {
+    let content_type = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    Err(ApiError::unsupported_media_type(content_type))
+}
+
+/// Reads the request's body, which must be JSON (415 otherwise), arrive within `--body-timeout` (408 otherwise) and be at most
 /// `--max-body-bytes` long (413 otherwise).
 async fn read_body(request: Request, state: &AppStateRef) -> Result<Bytes, ApiError> {
+    check_json_content_type(&request)?;
     let body = tokio::time::timeout(state.config.body_timeout, Bytes::from_request(request, state))
         .await
         .map_err(|_| ApiError::body_timeout(state.config.body_timeout))?;

@@ -52,6 +52,8 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// Connections open at once; more wait to be accepted.
     pub max_connections: usize,
+    /// Origins whose browser pages may call the server (CORS); `*` for any. Empty: none.
+    pub allowed_origins: Vec<String>,
     /// Most choices (prompts x `n`) per request.
     pub max_choices: usize,
     /// Most tokens (prompt plus `max_tokens` over all choices) per request; default: 16 contexts.
@@ -76,6 +78,7 @@ impl ServerConfig {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(60),
             max_connections: 512,
+            allowed_origins: Vec::new(),
             max_choices: crate::limits::DEFAULT_MAX_CHOICES,
             max_request_tokens: None,
         }
@@ -223,6 +226,12 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
     }
     anyhow::ensure!(config.max_choices >= 1, "--max-choices must be at least 1");
     anyhow::ensure!(config.max_connections >= 1, "--max-connections must be at least 1");
+    for origin in &config.allowed_origins {
+        anyhow::ensure!(
+            origin == "*" || axum::http::HeaderValue::from_str(origin).is_ok() && origin.contains("://"),
+            "--allowed-origins: {origin:?} is not an origin such as https://example.com (or *)"
+        );
+    }
     anyhow::ensure!(
         !config.header_timeout.is_zero() && !config.body_timeout.is_zero(),
         "--header-timeout and --body-timeout must be more than 0"
@@ -524,6 +533,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
     config.header_timeout = seconds("--header-timeout", args.header_timeout)?;
     config.body_timeout = seconds("--body-timeout", args.body_timeout)?;
     config.max_connections = args.max_connections;
+    config.allowed_origins = args.allowed_origins.clone();
     config.special_tokens_in_content = args.allow_special_tokens_in_content;
     config.max_request_tokens = args.max_request_tokens;
     let server = start(config, cpu_backend_factory(model_dir)).await?;

@@ -520,3 +520,79 @@ async fn one_rule_for_token_ids_strict_fields_and_request_ids() {
     assert!(id.starts_with("req-") && id.len() > 10, "{id}");
     s.shutdown().await;
 }
+
+#[tokio::test]
+async fn json_routes_take_only_json_and_cors_is_opt_in() {
+    let s = TestServer::fake(config(), Script::text("Ay.")).await;
+    let body = r#"{"prompt": "Hi", "max_tokens": 1}"#;
+    for content_type in [None, Some("text/plain"), Some("application/x-www-form-urlencoded")] {
+        let mut request = s.client.post(s.url("/v1/completions")).body(body);
+        if let Some(t) = content_type {
+            request = request.header("content-type", t);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 415, "{content_type:?}");
+        assert_error_shape(&response.json().await.unwrap());
+    }
+    let response = s
+        .client
+        .post(s.url("/v1/completions"))
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // No --allowed-origins: no CORS headers, so browsers keep other origins out.
+    let preflight = |s: &TestServer| {
+        s.client
+            .request(reqwest::Method::OPTIONS, s.url("/v1/chat/completions"))
+            .header("origin", "https://app.example.com")
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "authorization,content-type")
+    };
+    let response = preflight(&s).send().await.unwrap();
+    assert!(response.headers().get("access-control-allow-origin").is_none());
+    s.shutdown().await;
+
+    let mut c = config();
+    c.allowed_origins = vec!["https://app.example.com".into()];
+    c.api_key = Some("sesame".into());
+    let s = TestServer::fake(c, Script::text("Ay.")).await;
+    let response = preflight(&s).send().await.unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
+    let allowed = response.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(
+        allowed.contains("authorization") && allowed.contains("content-type"),
+        "{allowed}"
+    );
+    let response = s
+        .client
+        .get(s.url("/v1/models"))
+        .header("origin", "https://app.example.com")
+        .header("authorization", "Bearer sesame")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
+    let response = s
+        .client
+        .get(s.url("/health"))
+        .header("origin", "https://evil.example.com")
+        .send()
+        .await
+        .unwrap();
+    assert!(response.headers().get("access-control-allow-origin").is_none());
+    s.shutdown().await;
+}
