@@ -19,7 +19,7 @@ pub use reasoning::{ReasoningParser, TextSegment};
 pub use stop::{FinishReason, StopChecker, StopScan, TokenCheck};
 pub use stream_decoder::StreamDecoder;
 pub use template::{ChatTemplate, RenderRequest, TemplateError};
-pub use tokenizer::{SpecialTokens, Tokenizer, TokenizerError};
+pub use tokenizer::{PlainMarker, SpecialTokens, Tokenizer, TokenizerError};
 pub use tool_call::{ToolCall, ToolCallEvent, ToolCallIds, ToolCallParser};
 
 #[cfg(test)]

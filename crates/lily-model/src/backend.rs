@@ -2,6 +2,7 @@
 //! steps, with the next-token choice left to the backend so a GPU can sample without copying logits out.
 
 use crate::config::Config;
+use crate::cpu::model::PREFILL_SLICE;
 use crate::cpu::{CpuModel, State};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -25,6 +26,13 @@ pub trait Backend: Send {
     fn max_context(&self) -> usize;
     /// Starts a new sequence with `prompt` (non-empty) and computes the next-token logits.
     fn prefill(&mut self, prompt: &[u32]) -> Result<(), ForwardError>;
+    /// As [`Backend::prefill`], but asks `cancelled` between slices of the prompt and stops when it answers true:
+    /// `Ok(false)`, and the sequence is unusable until the next prefill. A backend that cannot split a prefill
+    /// runs it whole, as this default does.
+    fn prefill_cancellable(&mut self, prompt: &[u32], cancelled: &dyn Fn() -> bool) -> Result<bool, ForwardError> {
+        let _ = cancelled;
+        self.prefill(prompt).map(|()| true)
+    }
     /// Appends `token` to the sequence and computes the next-token logits.
     fn decode(&mut self, token: u32) -> Result<(), ForwardError>;
     /// The next-token logits after the last `prefill` or `decode` (may copy them from a device, which may fail).
@@ -109,6 +117,20 @@ impl Backend for CpuBackend {
         self.state.reset();
         self.model.prefill(&mut self.state, prompt, &mut self.logits)
     }
+    /// Runs the prompt one [`PREFILL_SLICE`] at a time, each slice continuing the sequence.
+    fn prefill_cancellable(&mut self, prompt: &[u32], cancelled: &dyn Fn() -> bool) -> Result<bool, ForwardError> {
+        if prompt.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        self.state.reset();
+        for slice in prompt.chunks(PREFILL_SLICE) {
+            if cancelled() {
+                return Ok(false);
+            }
+            self.model.prefill(&mut self.state, slice, &mut self.logits)?;
+        }
+        Ok(true)
+    }
     fn decode(&mut self, token: u32) -> Result<(), ForwardError> {
         self.model.decode(&mut self.state, token, &mut self.logits)
     }
@@ -117,5 +139,57 @@ impl Backend for CpuBackend {
     }
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn tiny_backend() -> CpuBackend {
+        let mut config = Config::tiny_shape();
+        config.quantization = Config::from_json(&config.to_mlx_json()).unwrap().quantization;
+        let checkpoint = crate::synth::checkpoint_in_memory(&config, 7).unwrap();
+        let weights = crate::Weights::from_checkpoint(config, &checkpoint).unwrap();
+        CpuBackend::new(CpuModel::new(weights), 4 * PREFILL_SLICE)
+    }
+
+    #[test]
+    fn a_prefill_in_slices_matches_one_prefill_and_stops_when_cancelled() {
+        let mut backend = tiny_backend();
+        let vocab = backend.config().vocab_size as u32;
+        let prompt: Vec<u32> = (0..2 * PREFILL_SLICE as u32 + 17).map(|i| (i * 7919) % vocab).collect();
+        backend.prefill(&prompt).unwrap();
+        let whole = backend.logits().unwrap().to_vec();
+        let asked = Cell::new(0);
+        let done = backend
+            .prefill_cancellable(&prompt, &|| {
+                asked.set(asked.get() + 1);
+                false
+            })
+            .unwrap();
+        assert!(done);
+        assert_eq!(asked.get(), 3, "asked before each of the three slices");
+        let sliced = backend.logits().unwrap().to_vec();
+        let worst = whole
+            .iter()
+            .zip(&sliced)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "sliced prefill differs by {worst}");
+        // Cancelled after the first slice: stops there.
+        let asked = Cell::new(0);
+        let done = backend
+            .prefill_cancellable(&prompt, &|| {
+                asked.set(asked.get() + 1);
+                asked.get() > 1
+            })
+            .unwrap();
+        assert!(!done);
+        assert_eq!(asked.get(), 2);
+        assert_eq!(backend.state.position, PREFILL_SLICE);
     }
 }

@@ -126,6 +126,11 @@ impl Sampler {
         }
         c.sort_unstable_by(by_logit_desc);
         let max = c[0].1;
+        if max == f32::INFINITY {
+            // A temperature so small that dividing by it overflows: the distribution is all on the largest logit
+            // (and the softmax below would be NaN).
+            return argmax(logits);
+        }
         let mut total = 0.0f64;
         for cand in c.iter_mut() {
             cand.1 = (cand.1 - max).exp();
@@ -225,6 +230,17 @@ mod tests {
             assert_eq!(params(t, 0, 1.0, 0.0).validate().unwrap().temperature, 0.0);
         }
         assert_eq!(params(0.5, 0, 1.0, 0.0).validate().unwrap().temperature, 0.5);
+    }
+
+    #[test]
+    fn a_tiny_temperature_is_greedy() {
+        let logits = [1.0, 4.0, 2.0, 3.0, 0.5];
+        for temperature in [1e-38, 1e-40, f32::MIN_POSITIVE, 1e-45] {
+            let mut s = Sampler::new(params(temperature, 0, 1.0, 0.0));
+            assert_eq!(s.sample(&logits), 1, "temperature {temperature:e}");
+            let mut s = Sampler::new(params(temperature, 3, 0.9, 0.1));
+            assert_eq!(s.sample(&logits), 1, "temperature {temperature:e} with filters");
+        }
     }
 
     #[test]

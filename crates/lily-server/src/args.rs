@@ -53,6 +53,31 @@ pub struct ServeArgs {
     /// Where chat responses put the model's reasoning.
     #[arg(long, value_enum, default_value = "reasoning-content")]
     pub reasoning_field: ReasoningField,
+    /// Most choices one request may ask for (prompts x `n`); more: 400.
+    #[arg(long, default_value_t = crate::limits::DEFAULT_MAX_CHOICES)]
+    pub max_choices: usize,
+    /// Most tokens one request may ask for: each choice's prompt plus its `max_tokens`, summed; more: 400.
+    /// Default: 16 times the context.
+    #[arg(long)]
+    pub max_request_tokens: Option<usize>,
+    /// Let special-token text in message content (`<|im_end|>`, `<think>`, ...) become control tokens, as the
+    /// template's own do. Off: content is always plain text, so a user cannot forge turns or tool results.
+    #[arg(long)]
+    pub allow_special_tokens_in_content: bool,
+    /// Seconds a connection may take to send a request's headers; also how long an idle keep-alive connection
+    /// stays open.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_timeout: f64,
+    /// Seconds a request's body may take to arrive (longer: 408).
+    #[arg(long, default_value_t = 60.0)]
+    pub body_timeout: f64,
+    /// Connections open at once; more wait to be accepted until one closes.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Origins whose browser pages may call the server (CORS), comma-separated, e.g.
+    /// `https://app.example.com,http://localhost:3000`; `*` for any. Default: none.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
     /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,

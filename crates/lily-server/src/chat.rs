@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 
-use lily_chat::{Delta, FinalOutput, RenderRequest, TemplateError, Tokenizer};
+use lily_chat::{Delta, FinalOutput, PlainMarker, RenderRequest, TemplateError, Tokenizer};
 use serde_json::{json, Map, Value as Json};
 
 use crate::args::ReasoningField;
-use crate::engine::{Event, OutputKind, SequenceSpec};
+use crate::engine::{Event, OutputKind, RequestSpec, SequenceSpec};
 use crate::error::ApiError;
+use crate::limits::{prompt_limit, prompt_too_long};
 use crate::logits::TokenLogprob;
 use crate::params::{self, MAX_TOP_LOGPROBS};
 use crate::server::Ready;
@@ -79,7 +80,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         add_system_instruction(&mut messages, &instructions.join("\n\n"));
     }
 
-    let mut kwargs = request.chat_template_kwargs.unwrap_or_default();
+    let mut kwargs = validate_kwargs(request.chat_template_kwargs.unwrap_or_default())?;
     if let Some(effort) = &request.reasoning_effort {
         let thinking = match effort.as_str() {
             "none" | "minimal" => false,
@@ -94,11 +95,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         kwargs.entry("enable_thinking").or_insert(Json::Bool(thinking));
     }
 
-    let prompt_text = render(ready, messages, &rendered_tools, kwargs, true)?;
-    let prompt = ready
-        .tokenizer
-        .encode(&prompt_text, false)
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?;
+    let (prompt_text, prompt) = render_tokens(ready, messages, &rendered_tools, kwargs, true)?;
 
     let (requested, param) = match (request.max_completion_tokens, request.max_tokens) {
         (Some(m), _) => (Some(m), "max_completion_tokens"),
@@ -137,9 +134,18 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         ));
     }
 
+    ready.limits.check_choices(1, sampling.n, "n")?;
     let prompt = Arc::new(prompt);
     let prompt_text: Arc<str> = prompt_text.into();
-    let sequences = (0..sampling.n)
+    let shared = Arc::new(RequestSpec {
+        kind: OutputKind::Chat { tools: rendered_tools },
+        penalties: sampling.penalties,
+        stop: sampling.stop,
+        ignore_eos: request.ignore_eos.unwrap_or(false),
+        logprobs: logprobs.then_some(top_logprobs),
+        prompt_logprobs: None,
+    });
+    let sequences: Vec<SequenceSpec> = (0..sampling.n)
         .map(|i| {
             let mut sampling_params = sampling.params.clone();
             sampling_params.seed = sampling_params.seed.wrapping_add(i as u64);
@@ -147,19 +153,13 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
                 index: i,
                 prompt: prompt.clone(),
                 prompt_text: prompt_text.clone(),
-                kind: OutputKind::Chat {
-                    tools: rendered_tools.clone(),
-                },
                 sampling: sampling_params,
-                penalties: sampling.penalties.clone(),
                 max_tokens,
-                stop: sampling.stop.clone(),
-                ignore_eos: request.ignore_eos.unwrap_or(false),
-                logprobs: logprobs.then_some(top_logprobs),
-                prompt_logprobs: None,
+                request: shared.clone(),
             }
         })
         .collect();
+    ready.limits.check_work(&sequences)?;
     Ok(ChatPlan {
         stream,
         include_usage,
@@ -168,6 +168,73 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         prompt_tokens: prompt.len(),
         sequences,
     })
+}
+
+/// Renders messages (already validated) with the model's template and tokenizes the result; returns the prompt
+/// text as the model reads it and its tokens. Text from the client (message content, tool results, tool
+/// definitions, template arguments) is tokenized as plain text, so that only what the template itself adds
+/// becomes control tokens: a user who writes `<|im_end|>` cannot end their turn and start a system one. With
+/// `--allow-special-tokens-in-content` the whole rendered text is tokenized as one, as before. A prompt longer
+/// than the context is refused as soon as tokenizing it has gone past the context.
+pub fn render_tokens(
+    ready: &Ready,
+    mut messages: Vec<Json>,
+    tools: &[Json],
+    mut kwargs: Map<String, Json>,
+    add_generation_prompt: bool,
+) -> Result<(String, Vec<u32>), ApiError> {
+    let tokenizer = &ready.tokenizer;
+    let encode_error = |e: lily_chat::TokenizerError| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"));
+    let limit = prompt_limit(ready.context);
+    if ready.special_tokens_in_content {
+        let text = render(ready, messages, tools, kwargs, add_generation_prompt)?;
+        let tokens = tokenizer.encode_limited(&text, limit).map_err(encode_error)?;
+        let tokens = tokens.ok_or_else(|| prompt_too_long("messages", ready.context))?;
+        return Ok((text, tokens));
+    }
+    let mut tools = tools.to_vec();
+    let marker = {
+        let mut texts = Vec::new();
+        for value in messages.iter().chain(&tools).chain(kwargs.values()) {
+            collect_strings(value, &mut texts);
+        }
+        PlainMarker::choose(texts).ok_or_else(|| {
+            ApiError::invalid(
+                "messages",
+                "The request uses every character of Unicode's private use area U+E000..U+F8FF; lily needs one \
+                 of them free to keep message text apart from control tokens.",
+            )
+        })?
+    };
+    for value in messages.iter_mut().chain(tools.iter_mut()).chain(kwargs.values_mut()) {
+        mark_strings(value, tokenizer, marker);
+    }
+    let text = render(ready, messages, &tools, kwargs, add_generation_prompt)?;
+    let tokens = tokenizer.encode_marked(&text, marker, limit).map_err(encode_error)?;
+    let tokens = tokens.ok_or_else(|| prompt_too_long("messages", ready.context))?;
+    Ok((marker.strip(&text), tokens))
+}
+
+fn collect_strings<'a>(value: &'a Json, out: &mut Vec<&'a str>) {
+    match value {
+        Json::String(text) => out.push(text),
+        Json::Array(items) => items.iter().for_each(|v| collect_strings(v, out)),
+        Json::Object(fields) => fields.values().for_each(|v| collect_strings(v, out)),
+        _ => {}
+    }
+}
+
+fn mark_strings(value: &mut Json, tokenizer: &Tokenizer, marker: PlainMarker) {
+    match value {
+        Json::String(text) => {
+            if let std::borrow::Cow::Owned(marked) = tokenizer.mark_plain(text, marker) {
+                *text = marked;
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(|v| mark_strings(v, tokenizer, marker)),
+        Json::Object(fields) => fields.values_mut().for_each(|v| mark_strings(v, tokenizer, marker)),
+        _ => {}
+    }
 }
 
 /// Renders messages (already validated) with the model's template; the template's own refusals are 400s.
@@ -196,6 +263,23 @@ pub fn render(
         | TemplateError::Render(_)) => ApiError::invalid("messages", e.to_string()),
         other => ApiError::internal(other.to_string()),
     })
+}
+
+/// Checks the template arguments the model's template reads as switches: `enable_thinking` must be a boolean
+/// (the template tests `enable_thinking is false`, so any other value would silently mean "think").
+pub fn validate_kwargs(kwargs: Map<String, Json>) -> Result<Map<String, Json>, ApiError> {
+    for key in ["enable_thinking", "preserve_thinking"] {
+        match kwargs.get(key) {
+            None | Some(Json::Bool(_)) => {}
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    format!("chat_template_kwargs.{key}"),
+                    format!("`chat_template_kwargs.{key}` must be true or false, got {other}"),
+                ))
+            }
+        }
+    }
+    Ok(kwargs)
 }
 
 /// Checks roles and content types; `developer` becomes `system` (OpenAI's newer name for it).

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use lily_chat::{Delta, Tokenizer};
 use serde_json::{Map, Value as Json};
 
-use crate::engine::{Event, OutputKind, SequenceSpec};
+use crate::engine::{Event, OutputKind, RequestSpec, SequenceSpec};
 use crate::error::ApiError;
+use crate::limits::{prompt_limit, prompt_too_long};
 use crate::logits::TokenLogprob;
 use crate::params;
 use crate::server::Ready;
@@ -22,8 +23,8 @@ pub struct CompletionPlan {
     pub stream: bool,
     pub include_usage: bool,
     pub logprobs: bool,
-    /// Per prompt: its text, shown first when `echo` is set.
-    pub echo: Vec<Option<String>>,
+    /// Per choice: its prompt's text, shown first when `echo` is set.
+    pub echo: Vec<Option<Arc<str>>>,
     pub n: usize,
     pub prompt_tokens: usize,
     pub sequences: Vec<SequenceSpec>,
@@ -33,11 +34,21 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
     let prompt = request
         .prompt
         .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+    let sampling = params::validate(sampling, &ready.defaults, ready.vocab_size)?;
+    let prompt_count = match &prompt {
+        PromptField::Text(_) | PromptField::Tokens(_) => 1,
+        PromptField::Texts(texts) => texts.len(),
+        PromptField::TokenLists(lists) => lists.len(),
+    };
+    let choices_param = if prompt_count > 1 { "prompt" } else { "n" };
+    ready.limits.check_choices(prompt_count, sampling.n, choices_param)?;
     let tokenizer = &ready.tokenizer;
+    // A prompt longer than the context is refused as soon as tokenizing it has gone past the context.
     let encode = |text: &str| {
         tokenizer
-            .encode(text, false)
-            .map_err(|e| ApiError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
+            .encode_limited(text, prompt_limit(ready.context))
+            .map_err(|e| ApiError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))?
+            .ok_or_else(|| prompt_too_long("prompt", ready.context))
     };
     let check_ids = |ids: Vec<i64>| -> Result<Vec<u32>, ApiError> {
         ids.into_iter()
@@ -97,7 +108,6 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             ))
         }
     };
-    let sampling = params::validate(sampling, &ready.defaults, ready.vocab_size)?;
     match request.best_of {
         None => {}
         Some(b) if b as usize == sampling.n => {}
@@ -124,6 +134,14 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
     let requested = Some(request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS));
+    let shared = Arc::new(RequestSpec {
+        kind: OutputKind::Text,
+        penalties: sampling.penalties,
+        stop: sampling.stop,
+        ignore_eos: request.ignore_eos.unwrap_or(false),
+        logprobs,
+        prompt_logprobs: logprobs.filter(|_| echo),
+    });
     let mut sequences = Vec::new();
     let mut prompt_tokens = 0;
     let mut echoes = Vec::new();
@@ -143,7 +161,7 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
         };
         prompt_tokens += ids.len();
         let ids = Arc::new(ids);
-        let prompt_text: Arc<str> = text.as_str().into();
+        let prompt_text: Arc<str> = text.into();
         for j in 0..sampling.n {
             let mut sampling_params = sampling.params.clone();
             sampling_params.seed = sampling_params.seed.wrapping_add(j as u64);
@@ -151,18 +169,14 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
                 index: p * sampling.n + j,
                 prompt: ids.clone(),
                 prompt_text: prompt_text.clone(),
-                kind: OutputKind::Text,
                 sampling: sampling_params,
-                penalties: sampling.penalties.clone(),
                 max_tokens,
-                stop: sampling.stop.clone(),
-                ignore_eos: request.ignore_eos.unwrap_or(false),
-                logprobs,
-                prompt_logprobs: logprobs.filter(|_| echo),
+                request: shared.clone(),
             });
-            echoes.push(echo.then(|| text.clone()));
+            echoes.push(echo.then(|| prompt_text.clone()));
         }
     }
+    ready.limits.check_work(&sequences)?;
     Ok(CompletionPlan {
         stream,
         include_usage,
@@ -183,7 +197,7 @@ pub struct CompletionResponder {
     logprobs: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
-    echo: Vec<Option<String>>,
+    echo: Vec<Option<Arc<str>>>,
     started: Vec<bool>,
     /// Per choice: logprobs not yet sent (streaming) or all of them (not streaming), and the text length so far
     /// (for `text_offset`).
@@ -214,7 +228,7 @@ impl CompletionResponder {
                 .echo
                 .iter()
                 .zip(&plan.sequences)
-                .map(|(e, seq)| match (e, seq.prompt_logprobs) {
+                .map(|(e, seq)| match (e, seq.request.prompt_logprobs) {
                     (Some(text), None) => text.chars().count(),
                     _ => 0,
                 })
@@ -289,7 +303,7 @@ impl CompletionResponder {
             return String::new();
         }
         self.started[index] = true;
-        self.echo[index].clone().unwrap_or_default()
+        self.echo[index].as_deref().unwrap_or_default().to_string()
     }
 
     pub fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {

@@ -1,14 +1,16 @@
 //! The engine: one OS thread that owns the backend, takes jobs first-in first-out from a bounded queue and runs
 //! their sequences one at a time, streaming per-token events back through a tokio channel.
 //!
-//! Cancellation: before each decode step the engine checks the job's cancel flag (set when the client's response
-//! is dropped, i.e. it disconnected), whether the event receiver is gone, and the server-wide cancel flag (set at
-//! shutdown once the grace period is over). A cancelled job stops within one decode step.
+//! Cancellation: before each decode step, and between the slices of a prompt's prefill where the backend can
+//! split it, the engine checks the job's cancel flag (set when the client's response is dropped, i.e. it
+//! disconnected), whether the event receiver is gone, and the server-wide cancel flag (set at shutdown once the
+//! grace period is over). A cancelled job stops within one decode step or prefill slice; a job whose client hangs
+//! up while it waits leaves the queue at once.
 
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
@@ -30,18 +32,12 @@ pub enum OutputKind {
     Text,
 }
 
-/// One sequence to generate (a choice of the response).
-#[derive(Debug, Clone)]
-pub struct SequenceSpec {
-    /// The choice's `index` in the response.
-    pub index: usize,
-    pub prompt: Arc<Vec<u32>>,
-    /// The rendered prompt text (its end tells the reasoning parser where output starts).
-    pub prompt_text: Arc<str>,
+/// What every sequence of a request shares. The sequences hold it behind one `Arc`, so that a request's stop
+/// strings, tools and logit bias exist once however many choices it asks for.
+#[derive(Debug)]
+pub struct RequestSpec {
     pub kind: OutputKind,
-    pub sampling: SamplingParams,
     pub penalties: Penalties,
-    pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// `Some(k)`: report the chosen token's logprob and the k most likely tokens.
@@ -50,12 +46,33 @@ pub struct SequenceSpec {
     pub prompt_logprobs: Option<usize>,
 }
 
-impl SequenceSpec {
-    /// Whether the engine needs the logits on the host for this sequence: penalties, logit bias and logprobs work
+impl RequestSpec {
+    /// Whether the engine needs the logits on the host for this request: penalties, logit bias and logprobs work
     /// on a copy of the logits. Otherwise the backend samples (on a GPU without copying the logits out, where its
     /// sampler can: see `Backend::samples_on_device`).
     pub fn needs_host_logits(&self) -> bool {
         self.penalties.is_active() || self.logprobs.is_some()
+    }
+}
+
+/// One sequence to generate (a choice of the response).
+#[derive(Debug, Clone)]
+pub struct SequenceSpec {
+    /// The choice's `index` in the response.
+    pub index: usize,
+    pub prompt: Arc<Vec<u32>>,
+    /// The rendered prompt text (its end tells the reasoning parser where output starts).
+    pub prompt_text: Arc<str>,
+    /// The request's sampling parameters with this choice's seed.
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub request: Arc<RequestSpec>,
+}
+
+impl SequenceSpec {
+    /// Tokens this sequence may occupy: its prompt plus the most it may generate.
+    pub fn work(&self) -> usize {
+        self.prompt.len() + self.max_tokens
     }
 }
 
@@ -95,14 +112,25 @@ pub struct EngineShared {
     pub metrics: Arc<Metrics>,
     /// Set at shutdown once the grace period is over: running and queued jobs are cancelled.
     pub cancel_all: AtomicBool,
-    pub queue_depth: AtomicUsize,
-    pub max_queue: usize,
+    pub queue: JobQueue,
+    /// Requests queued, running or still sending their response: shutdown waits for these.
+    pub in_flight: AtomicUsize,
 }
 
-/// The HTTP side's end of the queue.
-pub struct EngineHandle {
-    sender: SyncSender<Job>,
-    pub shared: Arc<EngineShared>,
+/// The jobs waiting for the engine, first in first out, at most `max` of them. A job whose client hangs up while
+/// it waits is taken out at once ([`JobQueue::withdraw`]), so that it neither holds a place nor keeps its memory.
+pub struct JobQueue {
+    state: Mutex<QueueState>,
+    available: Condvar,
+    max: usize,
+    metrics: Arc<Metrics>,
+}
+
+struct QueueState {
+    jobs: VecDeque<(u64, Job)>,
+    next_id: u64,
+    /// No more jobs will come: the engine stops once the queue is empty.
+    closed: bool,
 }
 
 pub enum SubmitError {
@@ -110,30 +138,116 @@ pub enum SubmitError {
     EngineGone,
 }
 
-impl EngineHandle {
-    pub fn new(sender: SyncSender<Job>, shared: Arc<EngineShared>) -> EngineHandle {
-        EngineHandle { sender, shared }
+impl JobQueue {
+    pub fn new(max: usize, metrics: Arc<Metrics>) -> JobQueue {
+        JobQueue {
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                next_id: 0,
+                closed: false,
+            }),
+            available: Condvar::new(),
+            max,
+            metrics,
+        }
     }
 
-    /// Queues a job without waiting: a full queue is refused at once.
-    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        // Counted before sending, so that the engine's decrement never comes first.
-        self.shared.queue_depth.fetch_add(1, Ordering::SeqCst);
-        self.shared.metrics.queue_depth.increment(1.0);
-        match self.sender.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.shared.queue_depth.fetch_sub(1, Ordering::SeqCst);
-                self.shared.metrics.queue_depth.decrement(1.0);
-                match e {
-                    TrySendError::Full(_) => {
-                        self.shared.metrics.rejected.increment(1);
-                        Err(SubmitError::QueueFull)
-                    }
-                    TrySendError::Disconnected(_) => Err(SubmitError::EngineGone),
-                }
-            }
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        // The lock is never held across anything that can panic, but a poisoned queue is still a usable one.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The most jobs that may wait.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Jobs waiting now.
+    pub fn len(&self) -> usize {
+        self.lock().jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Queues a job without waiting: a full queue is refused at once. Returns the job's id for `withdraw`.
+    pub fn submit(&self, job: Job) -> Result<u64, SubmitError> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(SubmitError::EngineGone);
         }
+        if state.jobs.len() >= self.max {
+            self.metrics.rejected.increment(1);
+            return Err(SubmitError::QueueFull);
+        }
+        let id = state.next_id;
+        state.next_id += 1;
+        state.jobs.push_back((id, job));
+        self.metrics.queue_depth.set(state.jobs.len() as f64);
+        drop(state);
+        self.available.notify_one();
+        Ok(id)
+    }
+
+    /// Takes the job out of the queue if it is still waiting; true when it was.
+    pub fn withdraw(&self, id: u64) -> bool {
+        let mut state = self.lock();
+        let Some(at) = state.jobs.iter().position(|(queued, _)| *queued == id) else {
+            return false;
+        };
+        let job = state.jobs.remove(at);
+        self.metrics.queue_depth.set(state.jobs.len() as f64);
+        self.metrics.cancelled.increment(1);
+        drop(state);
+        // The job (its prompts and its event sender) is dropped outside the lock.
+        drop(job);
+        true
+    }
+
+    /// Waits for the next job; `None` once the queue is closed and empty.
+    fn pop(&self) -> Option<Job> {
+        let mut state = self.lock();
+        loop {
+            if let Some((_, job)) = state.jobs.pop_front() {
+                self.metrics.queue_depth.set(state.jobs.len() as f64);
+                return Some(job);
+            }
+            if state.closed {
+                return None;
+            }
+            state = self
+                .available
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.available.notify_all();
+    }
+}
+
+/// The HTTP side's end of the queue; dropping it closes the queue, which ends the engine's loop once the jobs
+/// still waiting are served.
+pub struct EngineHandle {
+    pub shared: Arc<EngineShared>,
+}
+
+impl EngineHandle {
+    pub fn new(shared: Arc<EngineShared>) -> EngineHandle {
+        EngineHandle { shared }
+    }
+
+    pub fn submit(&self, job: Job) -> Result<u64, SubmitError> {
+        self.shared.queue.submit(job)
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.shared.queue.close();
     }
 }
 
@@ -148,13 +262,15 @@ pub struct Engine {
 }
 
 /// Whether the client hung up, the job was cancelled, or the server cancels everything.
-fn job_cancelled(job: &Job, shared: &EngineShared) -> bool {
-    job.cancel.load(Ordering::Relaxed) || job.events.is_closed() || shared.cancel_all.load(Ordering::Relaxed)
-}
-
 enum Outcome {
     Finished(FinalOutput),
     Cancelled,
+}
+
+/// Whether the job should stop: its client hung up (the response was dropped or the event receiver is gone), or
+/// the server cancels everything.
+fn is_cancelled(shared: &EngineShared, job: &Job) -> bool {
+    job.cancel.load(Ordering::Relaxed) || job.events.is_closed() || shared.cancel_all.load(Ordering::Relaxed)
 }
 
 impl Engine {
@@ -175,11 +291,9 @@ impl Engine {
         }
     }
 
-    /// Serves jobs until every sender is gone.
-    pub fn run(mut self, jobs: Receiver<Job>) {
-        while let Ok(job) = jobs.recv() {
-            self.shared.queue_depth.fetch_sub(1, Ordering::SeqCst);
-            self.shared.metrics.queue_depth.decrement(1.0);
+    /// Serves jobs until the queue is closed and empty.
+    pub fn run(mut self) {
+        while let Some(job) = self.shared.queue.pop() {
             let events = job.events.clone();
             self.shared.metrics.running.set(1.0);
             let last = std::panic::catch_unwind(AssertUnwindSafe(|| self.process(job))).unwrap_or_else(|_| {
@@ -194,7 +308,7 @@ impl Engine {
     }
 
     fn cancelled(&self, job: &Job) -> bool {
-        job_cancelled(job, &self.shared)
+        is_cancelled(&self.shared, job)
     }
 
     /// Runs a job's sequences; returns its last event (`Done`, or an `Error`).
@@ -235,19 +349,27 @@ impl Engine {
     fn generate(&mut self, job: &Job, seq: &SequenceSpec, first_token: &mut bool) -> Result<Outcome, ApiError> {
         let forward_error = |e: lily_model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
         let tokenizer_error = |e: lily_chat::TokenizerError| ApiError::internal(format!("detokenizing failed: {e}"));
-        match seq.prompt_logprobs {
-            None => self.backend.prefill(&seq.prompt).map_err(forward_error)?,
+        let shared = self.shared.clone();
+        match seq.request.prompt_logprobs {
+            None => {
+                let prefilled = self
+                    .backend
+                    .prefill_cancellable(&seq.prompt, &|| is_cancelled(&shared, job))
+                    .map_err(forward_error)?;
+                if !prefilled {
+                    return Ok(Outcome::Cancelled);
+                }
+            }
             Some(top) => {
                 let prompt = &seq.prompt;
                 let mut entries = Vec::with_capacity(prompt.len().saturating_sub(1));
                 let mut cancelled = false;
-                let shared = &self.shared;
                 self.backend
                     .prefill_each(prompt, &mut |i, logits| {
                         if let Some(&next) = prompt.get(i + 1) {
                             entries.push(logits::logprobs(logits, next, top));
                         }
-                        cancelled = job_cancelled(job, shared);
+                        cancelled = is_cancelled(&shared, job);
                         !cancelled
                     })
                     .map_err(forward_error)?;
@@ -262,34 +384,39 @@ impl Engine {
             }
         }
         self.shared.metrics.prompt_tokens.increment(seq.prompt.len() as u64);
+        let request = &*seq.request;
         let options = OutputOptions {
-            eos_token_ids: if seq.ignore_eos { Vec::new() } else { self.eos.clone() },
-            stop_strings: seq.stop.clone(),
+            eos_token_ids: if request.ignore_eos {
+                Vec::new()
+            } else {
+                self.eos.clone()
+            },
+            stop_strings: request.stop.clone(),
             max_tokens: Some(seq.max_tokens),
-            tools: match &seq.kind {
+            tools: match &request.kind {
                 OutputKind::Chat { tools } => tools.clone(),
                 OutputKind::Text => Vec::new(),
             },
             call_ids: self.call_ids,
         };
-        let mut output = match seq.kind {
+        let mut output = match request.kind {
             OutputKind::Chat { .. } => OutputStream::new(self.tokenizer.clone(), &seq.prompt_text, options),
             OutputKind::Text => OutputStream::raw(self.tokenizer.clone(), options),
         };
         let mut sampler = Sampler::new(seq.sampling.clone());
-        let mut history = History::new(&seq.prompt, &seq.penalties);
-        let copy_logits = seq.needs_host_logits();
+        let mut history = History::new(&seq.prompt, &request.penalties);
+        let copy_logits = request.needs_host_logits();
         let mut last_token_at: Option<Instant> = None;
         loop {
             let (token, logprob) = if copy_logits {
                 self.scratch.clear();
                 self.scratch
                     .extend_from_slice(self.backend.logits().map_err(forward_error)?);
-                logits::apply(&mut self.scratch, &seq.penalties, &history);
+                logits::apply(&mut self.scratch, &request.penalties, &history);
                 let token = sampler.sample(&self.scratch);
                 (
                     token,
-                    seq.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
+                    request.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
                 )
             } else {
                 (self.backend.sample(&mut sampler).map_err(forward_error)?, None)
@@ -307,7 +434,7 @@ impl Engine {
             self.shared.metrics.generation_tokens.increment(1);
             history.push(token);
             let deltas = output.push_token(token).map_err(tokenizer_error)?;
-            let is_eos = !seq.ignore_eos && self.eos.contains(&token);
+            let is_eos = !request.ignore_eos && self.eos.contains(&token);
             let logprob = if is_eos { None } else { logprob };
             if job
                 .events

@@ -70,6 +70,26 @@ impl ApiError {
         .with_code("request_too_large")
     }
 
+    pub fn unsupported_media_type(content_type: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            format!(
+                "The request body must be JSON, sent with `Content-Type: application/json` (got {content_type:?})."
+            ),
+        )
+        .with_code("unsupported_media_type")
+    }
+
+    pub fn body_timeout(limit: std::time::Duration) -> ApiError {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("The request body did not arrive within {:.1} s.", limit.as_secs_f64()),
+        )
+        .with_code("request_timeout")
+    }
+
     pub fn queue_full(max_queue: usize) -> ApiError {
         let mut e = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,

@@ -10,6 +10,7 @@ pub mod chat;
 pub mod completions;
 pub mod engine;
 pub mod error;
+pub mod limits;
 pub mod logits;
 pub mod metrics;
 pub mod params;

@@ -97,9 +97,10 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
     }
     let mut logit_bias = Vec::new();
     for (key, value) in raw.logit_bias.unwrap_or_default() {
-        let token: u32 = key
-            .parse()
-            .ok()
+        // Only plain digits: `str::parse` would also take "+5".
+        let token: u32 = Some(&key)
+            .filter(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|k| k.parse().ok())
             .filter(|&t: &u32| (t as usize) < vocab_size)
             .ok_or_else(|| {
                 ApiError::invalid(

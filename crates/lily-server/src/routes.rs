@@ -7,9 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -21,10 +20,12 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::chat::{self, ChatResponder};
 use crate::completions::{self, CompletionResponder};
-use crate::engine::{Event, Job, SequenceSpec, SubmitError};
+use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
+use crate::params;
 use crate::server::{AppState, Ready};
 use crate::types::*;
+use tracing::Instrument;
 
 type AppStateRef = Arc<AppState>;
 
@@ -45,27 +46,68 @@ pub fn router(state: AppStateRef) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(cors(&state.config.allowed_origins))
         .with_state(state)
 }
 
+/// Cross-origin requests from the `--allowed-origins` (none by default, `*` for any), with preflight `OPTIONS`
+/// answered; browsers refuse other origins' requests that need a preflight (JSON bodies, `Authorization`).
+fn cors(origins: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let allow_origin = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+    };
+    CorsLayer::new()
+        .allow_origin(allow_origin)
+        .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, REQUEST_ID])
+        .expose_headers([REQUEST_ID, header::RETRY_AFTER])
+        .max_age(std::time::Duration::from_secs(3600))
+}
+
+/// Counts the request in the metrics, and gives it an id: the client's `x-request-id` when it sends a usable one
+/// (up to 128 visible ASCII characters), a new one otherwise. The id is echoed in the response's `x-request-id`
+/// and names the request in the logs.
 async fn count_requests(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
     let endpoint = request
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched".to_string(), |p| p.as_str().to_string());
-    let response = next.run(request).await;
-    state.metrics.request(&endpoint, response.status().as_u16());
+    let id = request
+        .headers()
+        .get(REQUEST_ID)
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(|b| b.is_ascii_graphic()))
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_str(&params::random_id("req-")).expect("letters and digits"));
+    let span = tracing::info_span!("request", id = %id.to_str().unwrap_or_default(), endpoint = %endpoint);
+    let mut response = next.run(request).instrument(span.clone()).await;
+    let status = response.status().as_u16();
+    span.in_scope(|| {
+        if status >= 500 {
+            tracing::warn!(status, "answered");
+        } else {
+            tracing::debug!(status, "answered");
+        }
+    });
+    state.metrics.request(&endpoint, status);
+    response.headers_mut().insert(REQUEST_ID, id);
     response
 }
 
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
 async fn require_api_key(State(state): State<AppStateRef>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
+        // The scheme's name is case-insensitive (RFC 7235); the key is compared without surrounding spaces.
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.trim_start().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, key)| key.trim());
         if !given.is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
@@ -142,7 +184,28 @@ async fn get_model(State(state): State<AppStateRef>, Path(id): Path<String>) -> 
     Ok(Json(model_card(&state)))
 }
 
-fn read_body(body: Result<Bytes, BytesRejection>, state: &AppState) -> Result<Bytes, ApiError> {
+/// JSON routes take only JSON bodies (415 otherwise): a web page can send a `text/plain` POST to a local server
+/// without asking the browser first, but not an `application/json` one.
+fn check_json_content_type(request: &Request) -> Result<(), ApiError> {
+    let content_type = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    Err(ApiError::unsupported_media_type(content_type))
+}
+
+/// Reads the request's body, which must be JSON (415 otherwise), arrive within `--body-timeout` (408 otherwise) and be at most
+/// `--max-body-bytes` long (413 otherwise).
+async fn read_body(request: Request, state: &AppStateRef) -> Result<Bytes, ApiError> {
+    check_json_content_type(&request)?;
+    let body = tokio::time::timeout(state.config.body_timeout, Bytes::from_request(request, state))
+        .await
+        .map_err(|_| ApiError::body_timeout(state.config.body_timeout))?;
     body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::payload_too_large(state.config.max_body_bytes)
@@ -163,7 +226,7 @@ fn ready(state: &AppState) -> Result<&Ready, ApiError> {
 /// the queue is the check that counts; this one keeps an overloaded server cheap to refuse).
 fn check_queue(state: &AppState) -> Result<(), ApiError> {
     let shared = state.shared();
-    if shared.queue_depth.load(Ordering::SeqCst) >= shared.max_queue {
+    if shared.queue.len() >= shared.queue.max() {
         shared.metrics.rejected.increment(1);
         return Err(ApiError::queue_full(state.config.max_queue));
     }
@@ -178,12 +241,19 @@ fn check_model(model: Option<&str>, state: &AppState) -> Result<(), ApiError> {
     }
 }
 
-/// Sets the job's cancel flag when dropped: with the response stream (client gone) or the handler's future.
-struct CancelOnDrop(Arc<AtomicBool>);
+/// Cancels the job when dropped, with the response stream (client gone) or the handler's future: sets its cancel
+/// flag (a running job stops within a step) and takes it out of the queue if it is still waiting there.
+struct CancelOnDrop {
+    cancel: Arc<AtomicBool>,
+    shared: Arc<EngineShared>,
+    id: u64,
+}
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
+        self.cancel.store(true, Ordering::SeqCst);
+        self.shared.queue.withdraw(self.id);
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -200,10 +270,19 @@ fn submit(
         cancel: cancel.clone(),
         arrived,
     };
+    // Counted before the job is queued, so that shutdown never sees a queued job as none in flight; the guard's
+    // drop uncounts it when the response is done or abandoned.
+    let shared = state.engine.shared.clone();
+    shared.in_flight.fetch_add(1, Ordering::SeqCst);
     match state.engine.submit(job) {
-        Ok(()) => Ok((receiver, CancelOnDrop(cancel))),
-        Err(SubmitError::QueueFull) => Err(ApiError::queue_full(state.config.max_queue)),
-        Err(SubmitError::EngineGone) => Err(ApiError::shutting_down()),
+        Ok(id) => Ok((receiver, CancelOnDrop { cancel, shared, id })),
+        Err(error) => {
+            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            Err(match error {
+                SubmitError::QueueFull => ApiError::queue_full(state.config.max_queue),
+                SubmitError::EngineGone => ApiError::shutting_down(),
+            })
+        }
     }
 }
 
@@ -257,15 +336,42 @@ where
     Err(ApiError::internal("the engine stopped before finishing the request"))
 }
 
-async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Response {
+/// Runs the CPU-heavy part of a request (parsing a large body, rendering the chat template, tokenizing) on
+/// tokio's blocking pool, at most one request per core at a time, so that the async threads stay free to answer
+/// `/health` and to feed running streams whatever clients send.
+async fn off_runtime<T, F>(state: &AppStateRef, work: F) -> Result<T, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+{
+    let permit = state
+        .prepare_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::shutting_down())?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        work(&state)
+    })
+    .await
+    .unwrap_or_else(|_| Err(ApiError::internal("preparing the request failed")))
+}
+
+async fn chat_completions(State(state): State<AppStateRef>, request: Request) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let body = read_body(body, &state)?;
-        let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(&body)?;
-        check_model(request.model.as_deref(), &state)?;
+        let body = read_body(request, &state).await?;
+        let plan = off_runtime(&state, move |state| {
+            let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(&body)?;
+            check_model(request.model.as_deref(), state)?;
+            let ready = ready(state)?;
+            check_queue(state)?;
+            chat::prepare(request, sampling, ready)
+        })
+        .await?;
         let ready = ready(&state)?;
-        check_queue(&state)?;
-        let plan = chat::prepare(request, sampling, ready)?;
         let mut responder = ChatResponder::new(
             &plan,
             state.config.model_id.clone(),
@@ -286,15 +392,19 @@ async fn chat_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn text_completions(State(state): State<AppStateRef>, request: Request) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let body = read_body(body, &state)?;
-        let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(&body)?;
-        check_model(request.model.as_deref(), &state)?;
+        let body = read_body(request, &state).await?;
+        let plan = off_runtime(&state, move |state| {
+            let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(&body)?;
+            check_model(request.model.as_deref(), state)?;
+            let ready = ready(state)?;
+            check_queue(state)?;
+            completions::prepare(request, sampling, ready)
+        })
+        .await?;
         let ready = ready(&state)?;
-        check_queue(&state)?;
-        let plan = completions::prepare(request, sampling, ready)?;
         let mut responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
         let stream = plan.stream;
         let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
@@ -310,14 +420,17 @@ async fn text_completions(State(state): State<AppStateRef>, body: Result<Bytes, 
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-async fn tokenize(
-    State(state): State<AppStateRef>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<TokenizeResponse>, ApiError> {
-    let body = read_body(body, &state)?;
-    let request: TokenizeRequest = parse_json(&body)?;
-    check_model(request.model.as_deref(), &state)?;
-    let ready = ready(&state)?;
+async fn tokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<TokenizeResponse>, ApiError> {
+    let body = read_body(request, &state).await?;
+    off_runtime(&state, move |state| tokenize_body(&body, state))
+        .await
+        .map(Json)
+}
+
+fn tokenize_body(body: &[u8], state: &AppState) -> Result<TokenizeResponse, ApiError> {
+    let request: TokenizeRequest = parse_json(body)?;
+    check_model(request.model.as_deref(), state)?;
+    let ready = ready(state)?;
     let tokenizer = &ready.tokenizer;
     let encode_error = |e: lily_chat::TokenizerError| ApiError::bad_request(format!("cannot tokenize: {e}"));
     let tokens = match (request.prompt, request.messages) {
@@ -326,14 +439,14 @@ async fn tokenize(
             .map_err(encode_error)?,
         (None, Some(messages)) => {
             let messages = chat::validate_messages(messages)?;
-            let text = chat::render(
+            chat::render_tokens(
                 ready,
                 messages,
                 &request.tools.unwrap_or_default(),
-                request.chat_template_kwargs.unwrap_or_default(),
+                chat::validate_kwargs(request.chat_template_kwargs.unwrap_or_default())?,
                 request.add_generation_prompt.unwrap_or(true),
-            )?;
-            tokenizer.encode(&text, false).map_err(encode_error)?
+            )?
+            .1
         }
         (Some(_), Some(_)) => return Err(ApiError::bad_request("give either `prompt` or `messages`, not both")),
         (None, None) => {
@@ -349,26 +462,29 @@ async fn tokenize(
             .map(|&id| tokenizer.id_to_token(id).unwrap_or_default())
             .collect()
     });
-    Ok(Json(TokenizeResponse {
+    Ok(TokenizeResponse {
         count: tokens.len(),
         max_model_len: ready.context,
         tokens,
         token_strs,
-    }))
+    })
 }
 
-async fn detokenize(
-    State(state): State<AppStateRef>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let body = read_body(body, &state)?;
-    let request: DetokenizeRequest = parse_json(&body)?;
-    check_model(request.model.as_deref(), &state)?;
-    let ready = ready(&state)?;
+async fn detokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let body = read_body(request, &state).await?;
+    off_runtime(&state, move |state| detokenize_body(&body, state))
+        .await
+        .map(Json)
+}
+
+fn detokenize_body(body: &[u8], state: &AppState) -> Result<DetokenizeResponse, ApiError> {
+    let request: DetokenizeRequest = parse_json(body)?;
+    check_model(request.model.as_deref(), state)?;
+    let ready = ready(state)?;
     let ids = request
         .tokens
         .ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
-    let limit = ready.tokenizer.vocab_size().min(ready.vocab_size);
+    let limit = ready.vocab_size;
     let ids = ids
         .into_iter()
         .map(|id| {
@@ -384,5 +500,5 @@ async fn detokenize(
         .tokenizer
         .decode(&ids, false)
         .map_err(|e| ApiError::bad_request(format!("cannot detokenize: {e}")))?;
-    Ok(Json(DetokenizeResponse { prompt }))
+    Ok(DetokenizeResponse { prompt })
 }

@@ -13,7 +13,8 @@ use lily_model::Backend;
 use tokio::sync::watch;
 
 use crate::args::{ReasoningField, ServeArgs};
-use crate::engine::{Engine, EngineHandle, EngineShared};
+use crate::engine::{Engine, EngineHandle, EngineShared, JobQueue};
+use crate::limits::{RequestLimits, DEFAULT_REQUEST_CONTEXTS};
 use crate::metrics::Metrics;
 use crate::params::GenerationDefaults;
 
@@ -42,6 +43,21 @@ pub struct ServerConfig {
     pub shutdown_timeout: Duration,
     /// `Sequential` gives `call_0`, `call_1`, ... (tests); `Random` OpenAI-like random ids.
     pub tool_call_ids: ToolCallIds,
+    /// Tokenize special-token text inside message content as control tokens (the behaviour before content was
+    /// kept plain); off by default.
+    pub special_tokens_in_content: bool,
+    /// A connection must send a request's headers within this time, and is closed after this long idle.
+    pub header_timeout: Duration,
+    /// A request's body must arrive within this time (408 otherwise).
+    pub body_timeout: Duration,
+    /// Connections open at once; more wait to be accepted.
+    pub max_connections: usize,
+    /// Origins whose browser pages may call the server (CORS); `*` for any. Empty: none.
+    pub allowed_origins: Vec<String>,
+    /// Most choices (prompts x `n`) per request.
+    pub max_choices: usize,
+    /// Most tokens (prompt plus `max_tokens` over all choices) per request; default: 16 contexts.
+    pub max_request_tokens: Option<usize>,
 }
 
 impl ServerConfig {
@@ -58,6 +74,13 @@ impl ServerConfig {
             reasoning_field: ReasoningField::ReasoningContent,
             shutdown_timeout: Duration::from_secs(30),
             tool_call_ids: ToolCallIds::Random,
+            special_tokens_in_content: false,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            max_connections: 512,
+            allowed_origins: Vec::new(),
+            max_choices: crate::limits::DEFAULT_MAX_CHOICES,
+            max_request_tokens: None,
         }
     }
 }
@@ -68,10 +91,14 @@ pub struct Ready {
     pub template: ChatTemplate,
     /// Tokens of context per sequence (the backend's).
     pub context: usize,
-    /// The model's vocabulary (logits) size; token ids must be below it.
+    /// Token ids clients may send (prompt ids, `logit_bias` keys, `/detokenize`) are below this: the ids the
+    /// tokenizer knows. The model's logits are wider (padded to a multiple of 64), and the padding ids have no text.
     pub vocab_size: usize,
     pub defaults: GenerationDefaults,
     pub backend_name: String,
+    pub limits: RequestLimits,
+    /// See [`ServerConfig::special_tokens_in_content`].
+    pub special_tokens_in_content: bool,
 }
 
 pub struct AppState {
@@ -81,6 +108,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub shutting_down: AtomicBool,
     pub created: u64,
+    /// Requests being parsed, rendered and tokenized on the blocking pool at once: one per core.
+    pub prepare_slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -109,6 +138,7 @@ pub struct RunningServer {
 #[derive(Clone)]
 pub struct StopHandle {
     shutdown: Arc<watch::Sender<bool>>,
+    force: Arc<watch::Sender<bool>>,
     shared: Arc<EngineShared>,
 }
 
@@ -118,9 +148,10 @@ impl StopHandle {
         self.shutdown.send_replace(true);
     }
 
-    /// Cancels every running and queued generation now (and shuts down).
+    /// Cancels every running and queued generation and closes every connection now.
     pub fn cancel_now(&self) {
         self.shared.cancel_all.store(true, Ordering::SeqCst);
+        self.force.send_replace(true);
         self.shutdown();
     }
 }
@@ -162,8 +193,8 @@ impl RunningServer {
             .await
             .context("the server task failed")?
             .context("serving HTTP")?;
-        // The router and with it the queue's sender are gone, so the engine's loop ends; a generation still
-        // running was cancelled by `cancel_all`.
+        // The router and with it the engine handle are gone, so the queue is closed and the engine's loop ends;
+        // a generation still running was cancelled by `cancel_all`.
         let thread = self.engine_thread;
         let joined = tokio::task::spawn_blocking(move || thread.join());
         match tokio::time::timeout(Duration::from_secs(30), joined).await {
@@ -181,6 +212,34 @@ impl RunningServer {
 /// Binds the port, starts loading the model on the engine thread, and serves. Returns once the port is bound.
 pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<RunningServer> {
     anyhow::ensure!(config.max_queue >= 1, "--max-queue must be at least 1");
+    if let Some(key) = &config.api_key {
+        // An empty key would turn authentication off without a word, and one with surrounding spaces could never
+        // match (the key a client sends is compared without them).
+        anyhow::ensure!(
+            !key.is_empty(),
+            "--api-key (or LILY_API_KEY) is empty; leave it out to serve without a key"
+        );
+        anyhow::ensure!(
+            key.trim() == key && key.chars().all(|c| c.is_ascii_graphic()),
+            "--api-key (or LILY_API_KEY) must be visible ASCII characters without spaces around it"
+        );
+    }
+    anyhow::ensure!(config.max_choices >= 1, "--max-choices must be at least 1");
+    anyhow::ensure!(config.max_connections >= 1, "--max-connections must be at least 1");
+    for origin in &config.allowed_origins {
+        anyhow::ensure!(
+            origin == "*" || axum::http::HeaderValue::from_str(origin).is_ok() && origin.contains("://"),
+            "--allowed-origins: {origin:?} is not an origin such as https://example.com (or *)"
+        );
+    }
+    anyhow::ensure!(
+        !config.header_timeout.is_zero() && !config.body_timeout.is_zero(),
+        "--header-timeout and --body-timeout must be more than 0"
+    );
+    anyhow::ensure!(
+        config.max_request_tokens != Some(0),
+        "--max-request-tokens must be at least 1"
+    );
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
         .await
         .with_context(|| format!("binding {}:{}", config.host, config.port))?;
@@ -190,29 +249,33 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
     let shared = Arc::new(EngineShared {
         metrics: metrics.clone(),
         cancel_all: AtomicBool::new(false),
-        queue_depth: AtomicUsize::new(0),
-        max_queue: config.max_queue,
+        queue: JobQueue::new(config.max_queue, metrics.clone()),
+        in_flight: AtomicUsize::new(0),
     });
-    let (sender, receiver) = std::sync::mpsc::sync_channel(config.max_queue);
     let state = Arc::new(AppState {
         config: config.clone(),
         ready: OnceLock::new(),
-        engine: EngineHandle::new(sender, shared.clone()),
+        engine: EngineHandle::new(shared.clone()),
         metrics,
         shutting_down: AtomicBool::new(false),
         created: crate::params::unix_now(),
+        prepare_slots: Arc::new(tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        )),
     });
 
     let (status_tx, status_rx) = watch::channel(Status::Loading);
     let status_tx = Arc::new(status_tx);
-    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let (force_tx, force_rx) = watch::channel(false);
     let stop = StopHandle {
         shutdown: Arc::new(shutdown_tx),
+        force: Arc::new(force_tx),
         shared: shared.clone(),
     };
 
-    // The engine thread holds only a weak reference to the state: once the HTTP side is gone, so is the queue's
-    // sender, and the engine's loop ends.
+    // The engine thread holds only a weak reference to the state: once the HTTP side is gone, so is the engine
+    // handle, which closes the queue, and the engine's loop ends.
     let weak = Arc::downgrade(&state);
     let engine_thread = {
         let status_tx = status_tx.clone();
@@ -222,7 +285,7 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
             .spawn(move || match load(&config, factory, &weak, shared) {
                 Ok(Some(engine)) => {
                     status_tx.send_replace(Status::Ready);
-                    engine.run(receiver);
+                    engine.run();
                 }
                 // Stopped while loading: nothing to serve, and nothing went wrong.
                 Ok(None) => {}
@@ -237,32 +300,7 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
     };
 
     let app = crate::routes::router(state.clone());
-    let graceful = {
-        let state = state.clone();
-        async move {
-            let _ = shutdown_rx.wait_for(|stop| *stop).await;
-            state.shutting_down.store(true, Ordering::SeqCst);
-            let shared = state.engine.shared.clone();
-            let grace = state.config.shutdown_timeout;
-            drop(state);
-            tokio::spawn(async move {
-                tokio::time::sleep(grace).await;
-                if !shared.cancel_all.swap(true, Ordering::SeqCst) {
-                    tracing::warn!("shutdown grace period over: cancelling in-flight requests");
-                }
-            });
-        }
-    };
-    drop(state);
-    let task = {
-        let shared = stop.shared.clone();
-        tokio::spawn(async move {
-            let result = axum::serve(listener, app).with_graceful_shutdown(graceful).await;
-            // Nothing is listening any more: whatever is still queued or running is cancelled.
-            shared.cancel_all.store(true, Ordering::SeqCst);
-            result
-        })
-    };
+    let task = tokio::spawn(serve(listener, app, state, shutdown_rx, force_rx));
     Ok(RunningServer {
         addr,
         status: status_rx,
@@ -271,6 +309,123 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
         engine_thread,
     })
 }
+
+/// Accepts connections and serves them with hyper's HTTP/1 connection settings until shut down.
+///
+/// Bad clients cannot hold the server: a connection must send a request's headers within `--header-timeout`
+/// (hyper's header read timeout, which also closes a keep-alive connection that stays idle that long), a body
+/// within `--body-timeout` (in the routes), and at most `--max-connections` are open at once (more wait in the
+/// kernel's accept queue).
+///
+/// Shutdown: the server keeps accepting while requests are in flight, answering new ones 503 (and `/health` 503);
+/// once none is in flight, or when the grace period (`--shutdown-timeout`) ends and what is left is cancelled, it
+/// stops accepting, lets each connection finish the response it is writing for up to [`DRAIN`], then closes every
+/// connection, however far its client got. `StopHandle::cancel_now` closes everything at once.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    state: Arc<AppState>,
+    mut shutdown: watch::Receiver<bool>,
+    mut force: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(state.config.header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(state.config.max_connections));
+    let mut connections = tokio::task::JoinSet::new();
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let mut grace_end: Option<tokio::time::Instant> = None;
+    let shared = state.engine.shared.clone();
+    loop {
+        // Finished connection tasks are reaped so that the set does not grow.
+        while connections.try_join_next().is_some() {}
+        if let Some(end) = grace_end {
+            if shared.in_flight.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            if tokio::time::Instant::now() >= end {
+                if !shared.cancel_all.swap(true, Ordering::SeqCst) {
+                    tracing::warn!("shutdown grace period over: cancelling in-flight requests");
+                }
+                break;
+            }
+        }
+        tokio::select! {
+            biased;
+            _ = forced(&mut force) => break,
+            _ = stopping(&mut shutdown), if grace_end.is_none() => {
+                state.shutting_down.store(true, Ordering::SeqCst);
+                grace_end = Some(tokio::time::Instant::now() + state.config.shutdown_timeout);
+            }
+            _ = tokio::time::sleep(Duration::from_millis(20)), if grace_end.is_some() => {}
+            (permit, accepted) = accept(&listener, &slots) => {
+                let stream = match accepted {
+                    Ok(stream) => stream,
+                    Err(error) => {
+                        // Out of file descriptors, most likely: wait for connections to close.
+                        tracing::warn!("accepting a connection failed: {error}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service.clone());
+                let connection = graceful.watch(connection);
+                connections.spawn(async move {
+                    if let Err(error) = connection.await {
+                        tracing::debug!("connection closed: {error}");
+                    }
+                    drop(permit);
+                });
+            }
+        }
+    }
+    state.shutting_down.store(true, Ordering::SeqCst);
+    drop(listener);
+    if !*force.borrow() {
+        // Cancelled jobs end within one step; their streams get their last event out during the drain.
+        tokio::select! {
+            _ = graceful.shutdown() => {}
+            _ = tokio::time::sleep(DRAIN) => tracing::warn!("closing connections that did not finish in time"),
+            _ = forced(&mut force) => {}
+        }
+    }
+    connections.shutdown().await;
+    // Nothing is served any more: whatever is still queued or running is cancelled.
+    shared.cancel_all.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+/// Waits for a connection slot, then for a connection.
+async fn accept(
+    listener: &tokio::net::TcpListener,
+    slots: &Arc<tokio::sync::Semaphore>,
+) -> (
+    tokio::sync::OwnedSemaphorePermit,
+    std::io::Result<tokio::net::TcpStream>,
+) {
+    let permit = slots
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the connection semaphore is never closed");
+    (permit, listener.accept().await.map(|(stream, _)| stream))
+}
+
+/// Resolves once a shutdown was asked for (or the handle that could ask is gone).
+async fn stopping(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+/// Resolves once `StopHandle::cancel_now` was called (never, if the handle is gone without calling it).
+async fn forced(force: &mut watch::Receiver<bool>) {
+    if force.wait_for(|force| *force).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// How long connections may take, once the server stops accepting, to finish the responses they are writing.
+pub const DRAIN: Duration = Duration::from_secs(1);
 
 /// Loads tokenizer, chat template and backend; publishes what requests need into the state. `None`: the server
 /// stopped while the model was loading.
@@ -302,9 +457,16 @@ fn load(
         tokenizer: tokenizer.clone(),
         template,
         context,
-        vocab_size: backend.config().vocab_size,
+        vocab_size: tokenizer.vocab_size().min(backend.config().vocab_size),
         defaults: GenerationDefaults::from_dir(dir),
         backend_name: backend.describe(),
+        limits: RequestLimits {
+            max_choices: config.max_choices,
+            max_request_tokens: config
+                .max_request_tokens
+                .unwrap_or(context.saturating_mul(DEFAULT_REQUEST_CONTEXTS)),
+        },
+        special_tokens_in_content: config.special_tokens_in_content,
     };
     eprintln!(
         "lily serve: model `{}` ready on {} in {:.1} s (context {} tokens)",
@@ -333,7 +495,7 @@ pub fn cpu_backend_factory(dir: PathBuf) -> BackendFactory {
     })
 }
 
-/// `lily serve`: serves until SIGINT or SIGTERM (a second one cancels in-flight requests at once). `backend`
+/// `lily serve`: serves until SIGINT or SIGTERM (a second one cancels in-flight requests and exits at once). `backend`
 /// makes the backend factory for the model directory (the binary chooses the device; [`cpu_backend_factory`] is the
 /// CPU's).
 pub fn run(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFactory) -> Result<()> {
@@ -363,12 +525,19 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
     let mut config = ServerConfig::new(model_dir.clone(), args.served_model_name.clone().unwrap_or(default_id));
     config.host = args.host.clone();
     config.port = args.port;
-    config.api_key = args.api_key.clone().filter(|k| !k.is_empty());
+    config.api_key = args.api_key.clone();
     config.max_queue = args.max_queue;
     config.context = args.context;
     config.max_body_bytes = args.max_body_bytes;
     config.reasoning_field = args.reasoning_field;
-    config.shutdown_timeout = Duration::from_secs_f64(args.shutdown_timeout);
+    config.shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
+    config.max_choices = args.max_choices;
+    config.header_timeout = seconds("--header-timeout", args.header_timeout)?;
+    config.body_timeout = seconds("--body-timeout", args.body_timeout)?;
+    config.max_connections = args.max_connections;
+    config.allowed_origins = args.allowed_origins.clone();
+    config.special_tokens_in_content = args.allow_special_tokens_in_content;
+    config.max_request_tokens = args.max_request_tokens;
     let server = start(config, backend(model_dir)).await?;
     eprintln!(
         "lily serve: listening on http://{} (GET /health answers 503 until the model is loaded)",
@@ -385,8 +554,12 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
                 eprintln!("lily serve: shutting down: finishing in-flight requests (a second signal cancels them)");
                 stop.shutdown();
                 shutdown_signal().await;
-                eprintln!("lily serve: cancelling in-flight requests");
+                eprintln!("lily serve: second signal: cancelling in-flight requests and exiting");
                 stop.cancel_now();
+                // The server stops at once; should the engine thread be inside a long step, the process does not
+                // wait for it.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                std::process::exit(1);
             }
             _ = failed => {}
         }
@@ -394,6 +567,12 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
     server.wait().await?;
     eprintln!("lily serve: stopped");
     Ok(())
+}
+
+/// A command-line number of seconds as a duration: a finite number >= 0.
+fn seconds(flag: &str, value: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a number of seconds >= 0, got {value}"))
 }
 
 async fn shutdown_signal() {

@@ -178,6 +178,10 @@ pub struct Script {
     pub runner_up: u32,
     pub decode_delay: Duration,
     pub decodes: Arc<AtomicUsize>,
+    /// Prefill takes this long per slice of `PREFILL_SLICE` prompt tokens (zero: instant).
+    pub prefill_slice_delay: Duration,
+    /// Prefill slices run so far.
+    pub prefill_slices: Arc<AtomicUsize>,
     /// The factory waits for a message (or the sender's drop) here before it returns: tests of the loading state.
     pub load_gate: Option<Arc<Mutex<std::sync::mpsc::Receiver<()>>>>,
 }
@@ -191,6 +195,8 @@ impl Script {
             runner_up: 99_999,
             decode_delay: Duration::ZERO,
             decodes: Arc::new(AtomicUsize::new(0)),
+            prefill_slice_delay: Duration::ZERO,
+            prefill_slices: Arc::new(AtomicUsize::new(0)),
             load_gate: None,
         }
     }
@@ -236,7 +242,17 @@ pub struct ScriptedBackend {
     context: usize,
 }
 
+/// Prompt tokens per slice of the scripted backend's prefill.
+pub const PREFILL_SLICE: usize = 64;
+
 impl ScriptedBackend {
+    fn prefill_slice(&mut self) {
+        if !self.script.prefill_slice_delay.is_zero() {
+            std::thread::sleep(self.script.prefill_slice_delay);
+        }
+        self.script.prefill_slices.fetch_add(1, Ordering::SeqCst);
+    }
+
     fn set_logits(&mut self) {
         self.logits.fill(0.0);
         let next = self.script.tokens.get(self.pos).copied().unwrap_or(EOS);
@@ -256,9 +272,26 @@ impl Backend for ScriptedBackend {
         if prompt.is_empty() {
             return Err(ForwardError::EmptyPrompt);
         }
+        for _ in prompt.chunks(PREFILL_SLICE) {
+            self.prefill_slice();
+        }
         self.pos = 0;
         self.set_logits();
         Ok(())
+    }
+    fn prefill_cancellable(&mut self, prompt: &[u32], cancelled: &dyn Fn() -> bool) -> Result<bool, ForwardError> {
+        if prompt.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        for _ in prompt.chunks(PREFILL_SLICE) {
+            if cancelled() {
+                return Ok(false);
+            }
+            self.prefill_slice();
+        }
+        self.pos = 0;
+        self.set_logits();
+        Ok(true)
     }
     fn decode(&mut self, _token: u32) -> Result<(), ForwardError> {
         if !self.script.decode_delay.is_zero() {
