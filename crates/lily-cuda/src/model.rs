@@ -651,6 +651,27 @@ impl Backend for CudaBackend {
         self.sample_counter = 0;
         self.append(prompt).map_err(device_err)
     }
+    /// The prompt goes to the GPU one prefill chunk at a time; after each chunk the host waits for the GPU and asks
+    /// `cancelled`, so a client that went away stops a long prompt within one chunk's time.
+    fn prefill_cancellable(
+        &mut self,
+        prompt: &[u32],
+        cancelled: &dyn Fn() -> bool,
+    ) -> std::result::Result<bool, ForwardError> {
+        let mut slices = prompt.chunks(self.model.prefill_chunk.max(1));
+        let Some(first) = slices.next() else {
+            return Err(ForwardError::EmptyPrompt);
+        };
+        self.prefill(first)?;
+        for slice in slices {
+            self.synchronize()?;
+            if cancelled() {
+                return Ok(false);
+            }
+            self.extend(slice)?;
+        }
+        Ok(true)
+    }
     fn decode(&mut self, token: u32) -> std::result::Result<(), ForwardError> {
         self.model.gpu.bind().map_err(device_err)?;
         self.check(&[token])?;
