@@ -887,7 +887,7 @@ fn write_safetensors(tensors: &[Written], path: &Path, padded: bool) -> Result<(
     let mut header = serde_json::to_vec(&header).expect("serialises");
     // MLX leaves the header at whatever length its JSON has. An odd data start is the worst case that gives (every
     // tensor unaligned); trailing spaces, legal in the JSON, make this file have it.
-    while (8 + header.len()) % 2 == 0 {
+    while (8 + header.len()).is_multiple_of(2) {
         header.push(b' ');
     }
     let mut file = (header.len() as u64).to_le_bytes().to_vec();
