@@ -884,7 +884,12 @@ fn write_safetensors(tensors: &[Written], path: &Path, padded: bool) -> Result<(
         offset += bytes.len();
     }
     header.insert("__metadata__".into(), serde_json::json!({"format": "mlx"}));
-    let header = serde_json::to_vec(&header).expect("serialises");
+    let mut header = serde_json::to_vec(&header).expect("serialises");
+    // MLX leaves the header at whatever length its JSON has. An odd data start is the worst case that gives (every
+    // tensor unaligned); trailing spaces, legal in the JSON, make this file have it.
+    while (8 + header.len()).is_multiple_of(2) {
+        header.push(b' ');
+    }
     let mut file = (header.len() as u64).to_le_bytes().to_vec();
     file.extend_from_slice(&header);
     for (_, _, _, bytes) in tensors {

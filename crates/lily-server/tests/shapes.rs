@@ -39,10 +39,15 @@ async fn tool_call_streaming_and_message_shapes() {
     let script = Script::text(&format!("Let me check the weather.\n</think>\n\n{WEATHER_CALL}"));
     let completion_tokens = script.tokens.len();
     let s = TestServer::fake(config(), script).await;
+    // The script thinks first: thinking on (the bundled model's template has it off unless asked for).
+    let thinking = json!({"enable_thinking": true});
 
     // Not streamed.
     let (status, r) = s
-        .post("/v1/chat/completions", &ask(json!({"tools": weather_tools()})))
+        .post(
+            "/v1/chat/completions",
+            &ask(json!({"tools": weather_tools(), "chat_template_kwargs": thinking})),
+        )
         .await;
     assert_eq!(status, 200, "{r}");
     let choice = &r["choices"][0];
@@ -70,7 +75,7 @@ async fn tool_call_streaming_and_message_shapes() {
     let (_, data) = s
         .stream(
             "/v1/chat/completions",
-            &ask(json!({"tools": weather_tools(), "stream": true})),
+            &ask(json!({"tools": weather_tools(), "stream": true, "chat_template_kwargs": thinking})),
         )
         .await;
     let chunks = chunks(&data);
