@@ -359,27 +359,59 @@ where
     .unwrap_or_else(|_| Err(ApiError::internal("preparing the request failed")))
 }
 
-async fn chat_completions(State(state): State<AppStateRef>, request: Request) -> Response {
+/// What the two completion endpoints hand to [`complete`]: the sequences to queue, whether to stream, and the
+/// responder that turns the engine's events into the endpoint's response or chunks.
+struct Prepared<R> {
+    stream: bool,
+    sequences: Vec<SequenceSpec>,
+    responder: R,
+}
+
+/// Turns engine events into a completion endpoint's answer; [`ChatResponder`] and [`CompletionResponder`].
+trait Responder: Send + 'static {
+    type Response: serde::Serialize;
+    /// Streaming: the `data:` payloads an event produces, and whether the stream ends.
+    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool);
+    /// Not streaming: `Some` once the response is complete (or failed).
+    fn collect_event(&mut self, event: Event) -> Option<Result<Self::Response, ApiError>>;
+}
+
+impl Responder for ChatResponder {
+    type Response = ChatCompletion;
+    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+        ChatResponder::stream_event(self, event)
+    }
+    fn collect_event(&mut self, event: Event) -> Option<Result<ChatCompletion, ApiError>> {
+        ChatResponder::collect_event(self, event)
+    }
+}
+
+impl Responder for CompletionResponder {
+    type Response = Completion;
+    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+        CompletionResponder::stream_event(self, event)
+    }
+    fn collect_event(&mut self, event: Event) -> Option<Result<Completion, ApiError>> {
+        CompletionResponder::collect_event(self, event)
+    }
+}
+
+/// The one handler behind both completion endpoints: read the body, prepare the request off the async threads
+/// (`prepare`: parse, check, render and tokenize, build the responder), queue it, then stream or collect.
+async fn complete<R, F>(state: AppStateRef, request: Request, prepare: F) -> Response
+where
+    R: Responder,
+    F: FnOnce(&[u8], &AppState) -> Result<Prepared<R>, ApiError> + Send + 'static,
+{
     let arrived = Instant::now();
     let result = async {
         let body = read_body(request, &state).await?;
-        let plan = off_runtime(&state, move |state| {
-            let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(&body)?;
-            check_model(request.model.as_deref(), state)?;
-            let ready = ready(state)?;
-            check_queue(state)?;
-            chat::prepare(request, sampling, ready)
-        })
-        .await?;
-        let ready = ready(&state)?;
-        let mut responder = ChatResponder::new(
-            &plan,
-            state.config.model_id.clone(),
-            ready.tokenizer.clone(),
-            state.config.reasoning_field,
-        );
-        let stream = plan.stream;
-        let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
+        let Prepared {
+            stream,
+            sequences,
+            mut responder,
+        } = off_runtime(&state, move |state| prepare(&body, state)).await?;
+        let (receiver, guard) = submit(&state, sequences, arrived)?;
         if stream {
             Ok(sse_response(receiver, guard, move |event| {
                 responder.stream_event(event)
@@ -392,32 +424,43 @@ async fn chat_completions(State(state): State<AppStateRef>, request: Request) ->
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-async fn text_completions(State(state): State<AppStateRef>, request: Request) -> Response {
-    let arrived = Instant::now();
-    let result = async {
-        let body = read_body(request, &state).await?;
-        let plan = off_runtime(&state, move |state| {
-            let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(&body)?;
-            check_model(request.model.as_deref(), state)?;
-            let ready = ready(state)?;
-            check_queue(state)?;
-            completions::prepare(request, sampling, ready)
+async fn chat_completions(State(state): State<AppStateRef>, request: Request) -> Response {
+    complete(state, request, |body, state| {
+        let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(body)?;
+        check_model(request.model.as_deref(), state)?;
+        let ready = ready(state)?;
+        check_queue(state)?;
+        let plan = chat::prepare(request, sampling, ready)?;
+        let responder = ChatResponder::new(
+            &plan,
+            state.config.model_id.clone(),
+            ready.tokenizer.clone(),
+            state.config.reasoning_field,
+        );
+        Ok(Prepared {
+            stream: plan.stream,
+            sequences: plan.sequences,
+            responder,
         })
-        .await?;
-        let ready = ready(&state)?;
-        let mut responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
-        let stream = plan.stream;
-        let (receiver, guard) = submit(&state, plan.sequences, arrived)?;
-        if stream {
-            Ok(sse_response(receiver, guard, move |event| {
-                responder.stream_event(event)
-            }))
-        } else {
-            let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
-            Ok(Json(completion).into_response())
-        }
-    };
-    result.await.unwrap_or_else(|e: ApiError| e.into_response())
+    })
+    .await
+}
+
+async fn text_completions(State(state): State<AppStateRef>, request: Request) -> Response {
+    complete(state, request, |body, state| {
+        let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(body)?;
+        check_model(request.model.as_deref(), state)?;
+        let ready = ready(state)?;
+        check_queue(state)?;
+        let plan = completions::prepare(request, sampling, ready)?;
+        let responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
+        Ok(Prepared {
+            stream: plan.stream,
+            sequences: plan.sequences,
+            responder,
+        })
+    })
+    .await
 }
 
 async fn tokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<TokenizeResponse>, ApiError> {

@@ -369,6 +369,11 @@ async fn serve(
                         continue;
                     }
                 };
+                // Streamed tokens are small writes: without this, Nagle's algorithm holds each back for the
+                // previous one's acknowledgement.
+                if let Err(error) = stream.set_nodelay(true) {
+                    tracing::debug!("cannot set TCP_NODELAY: {error}");
+                }
                 let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service.clone());
                 let connection = graceful.watch(connection);
                 connections.spawn(async move {
