@@ -10,6 +10,7 @@ use crate::error::ApiError;
 use crate::logits::TokenLogprob;
 use crate::params;
 use crate::server::Ready;
+use crate::structured;
 use crate::token_bytes::token_text;
 use crate::types::*;
 
@@ -117,6 +118,9 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             ))
         }
     }
+    let constraint = structured::for_completion(request.response_format.as_ref(), request.structured_outputs.as_ref())?
+        .map(|(spec, param)| structured::compile(ready.structured.as_deref(), &spec, param))
+        .transpose()?;
     let stream = request.stream.unwrap_or(false);
     if request.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
@@ -164,6 +168,7 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
                 stop: sampling.stop.clone(),
                 ignore_eos: request.ignore_eos.unwrap_or(false),
                 logprobs,
+                constraint: constraint.clone(),
             });
             echoes.push(echo.then(|| text.clone()));
         }

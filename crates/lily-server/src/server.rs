@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use lily_chat::{ChatTemplate, Tokenizer, ToolCallIds};
 use lily_model::Backend;
+use lily_structured::StructuredEnv;
 use tokio::sync::watch;
 
 use crate::args::{ReasoningField, ServeArgs};
@@ -72,6 +73,9 @@ pub struct Ready {
     pub vocab_size: usize,
     pub defaults: GenerationDefaults,
     pub backend_name: String,
+    /// The token trie for constrained decoding, built once per model; `None` when the tokenizer does not fit the
+    /// model's vocabulary (constrained requests are then refused).
+    pub structured: Option<Arc<StructuredEnv>>,
 }
 
 pub struct AppState {
@@ -298,6 +302,13 @@ fn load(
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
     let backend = factory(context).context("loading the weights")?;
     let context = backend.max_context();
+    let structured = match StructuredEnv::new(tokenizer.clone(), backend.config().vocab_size) {
+        Ok(env) => Some(Arc::new(env)),
+        Err(e) => {
+            tracing::warn!("structured outputs are unavailable: {e}");
+            None
+        }
+    };
     let ready = Ready {
         tokenizer: tokenizer.clone(),
         template,
@@ -305,6 +316,7 @@ fn load(
         vocab_size: backend.config().vocab_size,
         defaults: GenerationDefaults::from_dir(dir),
         backend_name: backend.describe(),
+        structured,
     };
     eprintln!(
         "lily serve: model `{}` ready on {} in {:.1} s (context {} tokens)",
