@@ -1,13 +1,18 @@
 """`lily serve` driven by the official `openai` Python package: chat (streamed and not), completions, tools,
-logprobs and the error cases. The model is the bundled lily-tiny-shakespeare: it writes Shakespearean English and
-never calls tools by itself, so the tool tests check the request/response plumbing (the exact tool-call shapes are
-tested in Rust with a scripted backend)."""
+logprobs, structured outputs and the error cases. The model is the bundled lily-tiny-shakespeare: it writes
+Shakespearean English and never calls tools by itself, so the free tool tests check the request/response plumbing
+(the exact tool-call shapes are tested in Rust with a scripted backend); with `tool_choice` `required` the
+constraint makes it call one."""
 
 import json
+import re
 import urllib.request
+from typing import Annotated, Literal, Optional
 
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER_TOOL = {
@@ -178,10 +183,103 @@ def test_health_names_the_device(base_url):
     assert health["device"].startswith(("cpu", "cuda"))
 
 
-def test_json_object_is_a_prompt_hint(client, model):
-    r = client.chat.completions.create(model=model, messages=ask("Answer in JSON."), max_tokens=4,
-                                       response_format={"type": "json_object"})
-    assert r.choices[0].finish_reason in ("stop", "length")
+def test_json_object_is_enforced(client, model):
+    r = client.chat.completions.create(model=model, messages=ask("Answer in JSON."), max_tokens=300, temperature=0,
+                                       response_format={"type": "json_object"}, extra_body=NO_THINKING)
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    cut = client.chat.completions.create(model=model, messages=ask("Answer in JSON."), max_tokens=2, temperature=0,
+                                         response_format={"type": "json_object"}, extra_body=NO_THINKING)
+    assert cut.choices[0].finish_reason == "length"
+
+
+class Character(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=120)
+    house: Literal["Montague", "Capulet", "Escalus"]
+    lines: list[Annotated[str, Field(max_length=10)]] = Field(min_length=1, max_length=3)
+    nickname: Optional[Annotated[str, Field(max_length=8)]]
+
+
+SCHEMAS = [
+    {"type": "object",
+     "properties": {"play": {"type": "string", "maxLength": 10},
+                    "act": {"type": "object",
+                            "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 5},
+                                           "title": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}},
+                            "required": ["number", "title"], "additionalProperties": False}},
+     "required": ["play", "act"], "additionalProperties": False},
+    {"type": "object",
+     "properties": {"words": {"type": "array", "items": {"enum": ["thee", "thou", "thy"]}, "minItems": 2,
+                              "maxItems": 4},
+                    "mood": {"anyOf": [{"type": "integer", "minimum": -3, "maximum": 3}, {"type": "null"}]},
+                    "date": {"type": "string", "format": "date"}},
+     "required": ["words", "mood", "date"], "additionalProperties": False},
+    {"type": "object",
+     "properties": {"a": {"type": "boolean"}, "b": {"type": "number", "minimum": 0, "maximum": 1},
+                    "c": {"type": "string", "maxLength": 4}},
+     "required": ["a"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_json_schema_output_validates(client, model, schema):
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=model, messages=ask("Tell me of the play."), max_tokens=200, temperature=0.8, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                    "strict": True}},
+            extra_body=NO_THINKING)
+        assert r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema,
+                            format_checker=jsonschema.FormatChecker())
+
+
+def test_parse_with_a_pydantic_model(client, model):
+    r = client.chat.completions.parse(model=model, messages=ask("Who is Romeo?"), max_tokens=200, temperature=0,
+                                      response_format=Character, extra_body=NO_THINKING)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Character)
+    assert parsed.house in ("Montague", "Capulet", "Escalus") and 1 <= len(parsed.lines) <= 3
+
+
+def test_streaming_gives_the_same_structured_text(client, model):
+    kwargs = dict(model=model, messages=ask("Who is Juliet?"), max_tokens=200, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS[0]}},
+                  extra_body=NO_THINKING)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(whole), SCHEMAS[0])
+
+
+def test_tool_choice_required_returns_tool_calls(client, model):
+    tool = {"type": "function", "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "maxLength": 12},
+                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                       "required": ["city", "days"]}}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=model, messages=ask("Weather in Verona?"), max_tokens=120,
+                                           temperature=0, tools=[tool], tool_choice=choice,
+                                           parallel_tool_calls=False, extra_body=NO_THINKING)
+        assert r.choices[0].finish_reason == "tool_calls", r
+        calls = r.choices[0].message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
+
+
+def test_vllm_structured_outputs(client, model):
+    r = client.chat.completions.create(model=model, messages=ask(), max_tokens=20, temperature=0,
+                                       extra_body={**NO_THINKING, "structured_outputs": {"choice": ["aye", "nay"]}})
+    assert r.choices[0].message.content in ("aye", "nay")
+    r = client.chat.completions.create(model=model, messages=ask(), max_tokens=30, temperature=0,
+                                       extra_body={**NO_THINKING, "structured_outputs": {"regex": "[A-Z][a-z]{2,8}!"}})
+    assert re.fullmatch("[A-Z][a-z]{2,8}!", r.choices[0].message.content)
 
 
 def expect_error(kind, fn, param=None, code=None):
@@ -210,7 +308,7 @@ def test_errors(client, model, base_url):
                  code="context_length_exceeded")
     expect_error(openai.BadRequestError, lambda: chat(
         model=model, messages=ask(),
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}),
         param="response_format")
     expect_error(openai.BadRequestError, lambda: chat(model=model, messages=ask(), tool_choice="auto"),
                  param="tool_choice")

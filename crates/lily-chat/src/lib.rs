@@ -11,6 +11,7 @@ pub mod reasoning;
 pub mod stop;
 pub mod stream_decoder;
 pub mod template;
+pub mod token_bytes;
 pub mod tokenizer;
 pub mod tool_call;
 

@@ -90,6 +90,17 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// Keeps only the tokens a mask allows: bit `t % 32` of word `t / 32` allows token `t`; every other logit (the
+/// tokens past the mask's end too) becomes negative infinity. Constrained decoding computes the mask.
+pub fn apply_token_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (i, logit) in logits.iter_mut().enumerate() {
+        let word = allowed.get(i / 32).copied().unwrap_or(0);
+        if word & (1 << (i % 32)) == 0 {
+            *logit = f32::NEG_INFINITY;
+        }
+    }
+}
+
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
@@ -109,6 +120,13 @@ impl Sampler {
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Samples among the tokens the mask allows ([`apply_token_mask`], applied to `logits` in place). The mask
+    /// must allow at least one token.
+    pub fn sample_masked(&mut self, logits: &mut [f32], allowed: &[u32]) -> u32 {
+        apply_token_mask(logits, allowed);
+        self.sample(logits)
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -241,6 +259,28 @@ mod tests {
             let mut s = Sampler::new(params(temperature, 3, 0.9, 0.1));
             assert_eq!(s.sample(&logits), 1, "temperature {temperature:e} with filters");
         }
+    }
+
+    #[test]
+    fn a_mask_restricts_greedy_and_sampled_draws() {
+        // Tokens 1 and 33 allowed (word 0 bit 1, word 1 bit 1); token 2 has the largest logit but is masked out.
+        let mut logits = vec![0.0f32; 40];
+        logits[2] = 10.0;
+        logits[33] = 1.0;
+        let mask = [0b10u32, 0b10u32];
+        assert_eq!(
+            Sampler::new(params(0.0, 0, 1.0, 0.0)).sample_masked(&mut logits.clone(), &mask),
+            33
+        );
+        let mut sampler = Sampler::new(params(1.0, 0, 1.0, 0.0));
+        let drawn: std::collections::BTreeSet<u32> = (0..500)
+            .map(|_| sampler.sample_masked(&mut logits.clone(), &mask))
+            .collect();
+        assert_eq!(drawn, [1, 33].into());
+        // A mask shorter than the logits refuses the tokens past its end.
+        let mut short = logits.clone();
+        apply_token_mask(&mut short, &[0b10]);
+        assert!(short[33] == f32::NEG_INFINITY && short[1] == 0.0);
     }
 
     #[test]

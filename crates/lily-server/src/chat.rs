@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use lily_chat::{Delta, FinalOutput, PlainMarker, RenderRequest, TemplateError, Tokenizer};
+use lily_structured::ConstraintSpec;
 use serde_json::{json, Map, Value as Json};
 
 use crate::args::ReasoningField;
@@ -13,6 +14,7 @@ use crate::limits::{prompt_limit, prompt_too_long};
 use crate::logits::TokenLogprob;
 use crate::params::{self, MAX_TOP_LOGPROBS};
 use crate::server::Ready;
+use crate::structured;
 use crate::token_bytes::token_text;
 use crate::types::*;
 
@@ -73,9 +75,25 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         )),
         _ => {}
     }
-    if let Some(instruction) = response_format_instruction(request.response_format.as_ref())? {
-        instructions.push(instruction);
+    let format = structured::response_format(request.response_format.as_ref())?;
+    if format == Some(ConstraintSpec::JsonObject) {
+        instructions.push("Respond with a single valid JSON object and nothing else.".to_string());
     }
+    let parallel_tool_calls = request.parallel_tool_calls.unwrap_or(true);
+    // A required tool call is the constraint; otherwise `response_format` or `structured_outputs`, if any.
+    let constraint = match &choice {
+        ToolChoice::Required | ToolChoice::Named(_) => Some((
+            structured::tool_calls(&rendered_tools, parallel_tool_calls),
+            "tool_choice",
+        )),
+        _ => structured::either(
+            format,
+            structured::structured_outputs(request.structured_outputs.as_ref())?,
+        )?,
+    };
+    let constraint = constraint
+        .map(|(spec, param)| structured::compile(ready.structured.as_deref(), &spec, param))
+        .transpose()?;
     if !instructions.is_empty() {
         add_system_instruction(&mut messages, &instructions.join("\n\n"));
     }
@@ -144,6 +162,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         ignore_eos: request.ignore_eos.unwrap_or(false),
         logprobs: logprobs.then_some(top_logprobs),
         prompt_logprobs: None,
+        constraint,
     });
     let sequences: Vec<SequenceSpec> = (0..sampling.n)
         .map(|i| {
@@ -164,7 +183,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         stream,
         include_usage,
         logprobs,
-        parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
+        parallel_tool_calls,
         prompt_tokens: prompt.len(),
         sequences,
     })
@@ -445,28 +464,6 @@ fn tool_choice(choice: Option<&Json>, tools: &[Json]) -> Result<ToolChoice, ApiE
             "`tool_choice` names the function {name:?}, which is not in `tools`"
         )),
         _ => Ok(choice),
-    }
-}
-
-/// `text`: nothing; `json_object`: a system instruction (a prompt-level hint, not enforced); `json_schema`:
-/// refused, since lily has no constrained decoding to enforce it.
-fn response_format_instruction(format: Option<&Json>) -> Result<Option<String>, ApiError> {
-    let Some(format) = format.filter(|f| !f.is_null()) else {
-        return Ok(None);
-    };
-    match format.get("type").and_then(Json::as_str) {
-        Some("text") => Ok(None),
-        Some("json_object") => Ok(Some("Respond with a single valid JSON object and nothing else.".into())),
-        Some("json_schema") => Err(ApiError::invalid(
-            "response_format",
-            "`response_format` of type `json_schema` is not supported: lily cannot enforce a JSON schema yet (no \
-             constrained decoding). Use type `json_object` (a prompt-level hint, not enforced) or `text`.",
-        )
-        .with_code("unsupported_response_format")),
-        _ => Err(ApiError::invalid(
-            "response_format",
-            "`response_format.type` must be one of text, json_object (json_schema is not supported)",
-        )),
     }
 }
 

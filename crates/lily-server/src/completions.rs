@@ -11,6 +11,7 @@ use crate::limits::{prompt_limit, prompt_too_long};
 use crate::logits::TokenLogprob;
 use crate::params;
 use crate::server::Ready;
+use crate::structured;
 use crate::token_bytes::token_text;
 use crate::types::*;
 
@@ -121,6 +122,9 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             ))
         }
     }
+    let constraint = structured::for_completion(request.response_format.as_ref(), request.structured_outputs.as_ref())?
+        .map(|(spec, param)| structured::compile(ready.structured.as_deref(), &spec, param))
+        .transpose()?;
     let stream = request.stream.unwrap_or(false);
     if request.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
@@ -141,6 +145,7 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
         ignore_eos: request.ignore_eos.unwrap_or(false),
         logprobs,
         prompt_logprobs: logprobs.filter(|_| echo),
+        constraint,
     });
     let mut sequences = Vec::new();
     let mut prompt_tokens = 0;

@@ -16,6 +16,7 @@ use std::time::Instant;
 use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
 use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Backend;
+use lily_structured::{Constraint, Grammar};
 use serde_json::Value as Json;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -44,6 +45,8 @@ pub struct RequestSpec {
     pub logprobs: Option<usize>,
     /// `Some(k)`: also report each prompt token's logprob (after the first) and the k most likely tokens there.
     pub prompt_logprobs: Option<usize>,
+    /// The constraint the output is held to (structured outputs, required tool calls).
+    pub constraint: Option<Grammar>,
 }
 
 impl RequestSpec {
@@ -257,8 +260,10 @@ pub struct Engine {
     eos: Vec<u32>,
     call_ids: ToolCallIds,
     shared: Arc<EngineShared>,
-    /// A copy of the logits for penalties and logprobs.
+    /// A copy of the logits for penalties, logprobs and constrained decoding.
     scratch: Vec<f32>,
+    /// The copy that a constrained step masks, when `scratch` must stay whole for logprobs.
+    masked: Vec<f32>,
 }
 
 /// Whether the client hung up, the job was cancelled, or the server cancels everything.
@@ -288,6 +293,7 @@ impl Engine {
             call_ids,
             shared,
             scratch: Vec::new(),
+            masked: Vec::new(),
         }
     }
 
@@ -349,6 +355,7 @@ impl Engine {
     fn generate(&mut self, job: &Job, seq: &SequenceSpec, first_token: &mut bool) -> Result<Outcome, ApiError> {
         let forward_error = |e: lily_model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
         let tokenizer_error = |e: lily_chat::TokenizerError| ApiError::internal(format!("detokenizing failed: {e}"));
+        let constraint_error = |e: lily_structured::ConstraintError| ApiError::internal(e.to_string());
         let shared = self.shared.clone();
         match seq.request.prompt_logprobs {
             None => {
@@ -405,7 +412,14 @@ impl Engine {
         };
         let mut sampler = Sampler::new(seq.sampling.clone());
         let mut history = History::new(&seq.prompt, &request.penalties);
-        let copy_logits = request.needs_host_logits();
+        // A chat output that starts inside the prompt's think block is constrained only after `</think>`.
+        let in_reasoning = match request.kind {
+            OutputKind::Chat { .. } => lily_chat::ReasoningParser::for_prompt(&seq.prompt_text).in_reasoning(),
+            OutputKind::Text => false,
+        };
+        let mut constraint = request.constraint.as_ref().map(|g| Constraint::new(g, in_reasoning));
+        // A constrained sequence copies its logits out and masks them on the CPU, on every backend.
+        let copy_logits = request.needs_host_logits() || constraint.is_some();
         let mut last_token_at: Option<Instant> = None;
         loop {
             let (token, logprob) = if copy_logits {
@@ -413,7 +427,20 @@ impl Engine {
                 self.scratch
                     .extend_from_slice(self.backend.logits().map_err(forward_error)?);
                 logits::apply(&mut self.scratch, &request.penalties, &history);
-                let token = sampler.sample(&self.scratch);
+                let mask = match constraint.as_mut() {
+                    Some(c) => c.mask().map_err(constraint_error)?,
+                    None => None,
+                };
+                // Logprobs are the model's, before the mask: the masked copy is a second buffer then.
+                let token = match mask {
+                    Some(mask) if request.logprobs.is_some() => {
+                        self.masked.clear();
+                        self.masked.extend_from_slice(&self.scratch);
+                        sampler.sample_masked(&mut self.masked, mask)
+                    }
+                    Some(mask) => sampler.sample_masked(&mut self.scratch, mask),
+                    None => sampler.sample(&self.scratch),
+                };
                 (
                     token,
                     request.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
@@ -432,6 +459,9 @@ impl Engine {
             }
             last_token_at = Some(now);
             self.shared.metrics.generation_tokens.increment(1);
+            if let Some(c) = constraint.as_mut() {
+                c.consume(token).map_err(constraint_error)?;
+            }
             history.push(token);
             let deltas = output.push_token(token).map_err(tokenizer_error)?;
             let is_eos = !request.ignore_eos && self.eos.contains(&token);

@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod params;
 pub mod routes;
 pub mod server;
+pub mod structured;
 pub mod token_bytes;
 pub mod types;
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use lily_chat::{ChatTemplate, Tokenizer, ToolCallIds};
 use lily_model::Backend;
+use lily_structured::StructuredEnv;
 use tokio::sync::watch;
 
 use crate::args::{ReasoningField, ServeArgs};
@@ -99,6 +100,9 @@ pub struct Ready {
     pub limits: RequestLimits,
     /// See [`ServerConfig::special_tokens_in_content`].
     pub special_tokens_in_content: bool,
+    /// The token trie for constrained decoding, built once per model; `None` when the tokenizer does not fit the
+    /// model's vocabulary (constrained requests are then refused).
+    pub structured: Option<Arc<StructuredEnv>>,
 }
 
 pub struct AppState {
@@ -458,6 +462,13 @@ fn load(
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
     let backend = factory(context).context("loading the weights")?;
     let context = backend.max_context();
+    let structured = match StructuredEnv::new(tokenizer.clone(), backend.config().vocab_size) {
+        Ok(env) => Some(Arc::new(env)),
+        Err(e) => {
+            tracing::warn!("structured outputs are unavailable: {e}");
+            None
+        }
+    };
     let ready = Ready {
         tokenizer: tokenizer.clone(),
         template,
@@ -472,6 +483,7 @@ fn load(
                 .unwrap_or(context.saturating_mul(DEFAULT_REQUEST_CONTEXTS)),
         },
         special_tokens_in_content: config.special_tokens_in_content,
+        structured,
     };
     eprintln!(
         "lily serve: model `{}` ready on {} in {:.1} s (context {} tokens)",

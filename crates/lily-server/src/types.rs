@@ -67,6 +67,8 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Map<String, Json>>,
     pub reasoning_effort: Option<String>,
     pub response_format: Option<Json>,
+    /// vLLM extension: a JSON schema, regex, choice or grammar the output must follow.
+    pub structured_outputs: Option<Json>,
     /// vLLM extension: keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: Option<bool>,
     /// OpenAI's deprecated function-calling fields: refused (use `tools` and `tool_choice`).
@@ -101,6 +103,9 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub ignore_eos: Option<bool>,
+    /// vLLM extensions: the output follows a JSON schema, regex, choice or grammar.
+    pub response_format: Option<Json>,
+    pub structured_outputs: Option<Json>,
 }
 
 /// `/tokenize`: either `prompt` (raw text) or `messages` (rendered with the chat template first).

@@ -99,7 +99,7 @@ async fn every_bad_request_is_an_openai_error() {
         (
             with(
                 "response_format",
-                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}),
             ),
             400,
             Some("response_format"),

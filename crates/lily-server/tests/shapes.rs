@@ -175,7 +175,7 @@ async fn tool_choice_none_and_parallel_tool_calls() {
         "tools not rendered"
     );
 
-    // required and a named function: accepted, with an instruction added to the prompt (not enforced).
+    // required and a named function: enforced, with an instruction added to the prompt too.
     let auto = with_tools["usage"]["prompt_tokens"].as_u64().unwrap();
     for choice in [
         json!("required"),
@@ -191,7 +191,7 @@ async fn tool_choice_none_and_parallel_tool_calls() {
         assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() > auto);
         assert_eq!(r["choices"][0]["finish_reason"], "tool_calls");
     }
-    // response_format json_object: accepted as a prompt-level hint.
+    // response_format json_object: enforced, with an instruction added to the prompt too.
     let (_, plain) = s.post("/v1/chat/completions", &ask(json!({}))).await;
     let (status, r) = s
         .post(
