@@ -141,9 +141,13 @@ fn render_prints_the_exact_prompt() {
     );
 
     // The prompt's token ids.
-    let ids: Vec<u32> = serde_json::from_str(&ok(&["render", "--ids", path])).unwrap();
+    let ids: Vec<u32> = serde_json::from_str(&ok(&["render", "--think", "--ids", path])).unwrap();
     assert_eq!(ids.first(), Some(&248045));
     assert_eq!(ids.len(), 33, "{ids:?}");
+    // Without a flag the bundled template closes the think block: four more tokens (`\n`, `</think>`, `\n\n`).
+    let ids: Vec<u32> = serde_json::from_str(&ok(&["render", "--ids", path])).unwrap();
+    assert_eq!(ids.len(), 35, "{ids:?}");
+    assert_eq!(ids[ids.len() - 2], 248069, "{ids:?}");
 }
 
 #[test]
@@ -158,7 +162,8 @@ fn render_with_tools() {
         prompt.contains(r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather.""#),
         "{prompt}"
     );
-    assert!(prompt.ends_with("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n"));
+    assert!(prompt
+        .ends_with("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"));
 }
 
 #[test]
@@ -193,6 +198,7 @@ fn generate_chat_prints_an_answer() {
     let output = lily(&[
         "generate",
         "--chat",
+        "--think",
         "--temperature",
         "0",
         "--max-tokens",
@@ -207,8 +213,8 @@ fn generate_chat_prints_an_answer() {
         !answer.contains("<|im_end|>") && !answer.contains("<think>"),
         "answer: {answer:?}"
     );
-    // The default model writes its answer in the think block that the prompt opens and never closes it: the
-    // reasoning on stderr is the same text.
+    // With thinking on, the default model writes its answer in the think block that the prompt opens and never
+    // closes it: the reasoning on stderr is the same text.
     assert!(
         stderr(&output).contains(answer.trim()),
         "answer {answer:?}, stderr {:?}",
@@ -219,7 +225,6 @@ fn generate_chat_prints_an_answer() {
     let output = lily(&[
         "generate",
         "--chat",
-        "--no-think",
         "--temperature",
         "0",
         "--max-tokens",
@@ -256,6 +261,6 @@ fn generate_with_a_bad_model_dir_names_it() {
 
 #[test]
 fn generate_defaults_to_the_shakespeare_model() {
-    let text = ok(&["generate", "--max-tokens", "8"]);
+    let text = ok(&["generate", "--max-tokens", "8", "--temperature", "0"]);
     assert!(text.starts_with("And in your city"), "{text:?}");
 }
