@@ -423,14 +423,16 @@ impl Engine {
         let mut last_token_at: Option<Instant> = None;
         loop {
             let (token, logprob) = if copy_logits {
-                self.scratch.clear();
-                self.scratch
-                    .extend_from_slice(self.backend.logits().map_err(forward_error)?);
-                logits::apply(&mut self.scratch, &request.penalties, &history);
+                // The constraint's mask depends only on the tokens so far, so it is computed first, while a GPU
+                // still runs the step queued last; reading the logits then waits for that step.
                 let mask = match constraint.as_mut() {
                     Some(c) => c.mask().map_err(constraint_error)?,
                     None => None,
                 };
+                self.scratch.clear();
+                self.scratch
+                    .extend_from_slice(self.backend.logits().map_err(forward_error)?);
+                logits::apply(&mut self.scratch, &request.penalties, &history);
                 // Logprobs are the model's, before the mask: the masked copy is a second buffer then.
                 let token = match mask {
                     Some(mask) if request.logprobs.is_some() => {
