@@ -238,8 +238,8 @@ impl Vector {
     fn cpu(self, w: &Weights) -> Option<&[f32]> {
         let layer = |l: usize| &w.layers[l];
         Some(match self {
-            Vector::InputNorm(l) => &layer(l).input_norm,
-            Vector::PostNorm(l) => &layer(l).post_attention_norm,
+            Vector::InputNorm(l) => &layer(l).input_layernorm,
+            Vector::PostNorm(l) => &layer(l).post_attention_layernorm,
             Vector::FinalNorm => &w.final_norm,
             Vector::Conv(l) | Vector::ALog(l) | Vector::DtBias(l) | Vector::GatedNorm(l) => match &layer(l).mixer {
                 Mixer::Linear(g) => match self {

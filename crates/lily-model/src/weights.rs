@@ -89,9 +89,9 @@ impl LoadReport {
 }
 
 pub struct Layer {
-    pub input_norm: Vec<f32>,
+    pub input_layernorm: Vec<f32>,
     pub mixer: Mixer,
-    pub post_attention_norm: Vec<f32>,
+    pub post_attention_layernorm: Vec<f32>,
     pub moe: Moe,
 }
 
@@ -502,9 +502,9 @@ impl Loader<'_> {
             shared_expert_gate: self.matrix(Some(l), &SHARED_EXPERT_GATE, 1, h)?,
         };
         Ok(Layer {
-            input_norm: self.norm(Some(l), INPUT_NORM, h)?,
+            input_layernorm: self.norm(Some(l), INPUT_NORM, h)?,
             mixer,
-            post_attention_norm: self.norm(Some(l), POST_ATTENTION_NORM, h)?,
+            post_attention_layernorm: self.norm(Some(l), POST_ATTENTION_NORM, h)?,
             moe,
         })
     }
@@ -603,7 +603,7 @@ impl Weights {
         }
         let mut total = q(&self.embed_tokens) + q(&self.lm_head) + self.final_norm.len() * 4;
         for layer in &self.layers {
-            total += (layer.input_norm.len() + layer.post_attention_norm.len()) * 4;
+            total += (layer.input_layernorm.len() + layer.post_attention_layernorm.len()) * 4;
             total += match &layer.mixer {
                 Mixer::Linear(g) => {
                     q(&g.in_proj_qkv)

@@ -278,12 +278,12 @@ fn write_hf(weights: &Weights, dir: &Path) {
         floats.push((
             format!("{lp}.input_layernorm.weight"),
             vec![c.hidden_size],
-            offset(&layer.input_norm),
+            offset(&layer.input_layernorm),
         ));
         floats.push((
             format!("{lp}.post_attention_layernorm.weight"),
             vec![c.hidden_size],
-            offset(&layer.post_attention_norm),
+            offset(&layer.post_attention_layernorm),
         ));
         match &layer.mixer {
             Mixer::Linear(g) => {

@@ -47,10 +47,10 @@ fn same_weights(layout: Published, a: &Weights, b: &Weights) {
     assert_eq!(a.final_norm, b.final_norm, "{}", tag("final norm"));
     for (l, (x, y)) in a.layers.iter().zip(&b.layers).enumerate() {
         let t = |what: &str| tag(&format!("layer {l} {what}"));
-        assert_eq!(x.input_norm, y.input_norm, "{}", t("input norm"));
+        assert_eq!(x.input_layernorm, y.input_layernorm, "{}", t("input norm"));
         assert_eq!(
-            x.post_attention_norm,
-            y.post_attention_norm,
+            x.post_attention_layernorm,
+            y.post_attention_layernorm,
             "{}",
             t("post-attention norm")
         );

@@ -627,7 +627,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         run(model, Op::MixerInProj(l))?;
         let layer = &w.layers[l];
         let mut x = vec![0.0; h];
-        rmsnorm(&hidden, &layer.input_norm, c.rms_norm_eps, &mut x);
+        rmsnorm(&hidden, &layer.input_layernorm, c.rms_norm_eps, &mut x);
         let mats = match &layer.mixer {
             Mixer::Linear(d) => vec![&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
             Mixer::Full(a) => vec![&a.q_proj, &a.k_proj, &a.v_proj],
@@ -838,7 +838,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         poison(g, &s.act)?;
         run(model, Op::ExpertsGateUp(l))?;
         let mut x = vec![0.0; h];
-        rmsnorm(&hidden, &w.layers[l].post_attention_norm, c.rms_norm_eps, &mut x);
+        rmsnorm(&hidden, &w.layers[l].post_attention_layernorm, c.rms_norm_eps, &mut x);
         let mut logits = vec![0.0; e + 1];
         qmatmul(moe.router.view(), &x, &mut logits[..e]);
         qmatmul(moe.shared_expert_gate.view(), &x, &mut logits[e..]);

@@ -63,7 +63,7 @@ pub(crate) fn check(
     let both: Vec<f32> = hi.iter().zip(&lo).map(|(a, b)| a.to_f32() + b.to_f32()).collect();
     let mut expected = vec![0.0; t * h];
     for (x, out) in hidden.chunks(h).zip(expected.chunks_mut(h)) {
-        rmsnorm(x, &w.layers[0].input_norm, c.rms_norm_eps, out);
+        rmsnorm(x, &w.layers[0].input_layernorm, c.rms_norm_eps, out);
     }
     report.check(
         &format!("rmsnorm_rows ({t} rows, bf16 out)"),

@@ -218,18 +218,18 @@ impl CpuModel {
         for (l, layer) in w.layers.iter().enumerate() {
             rmsnorm(
                 &state.act.hidden[..n * h],
-                &layer.input_norm,
+                &layer.input_layernorm,
                 c.rms_norm_eps,
                 &mut state.act.normed[..n * h],
             );
             match &layer.mixer {
-                Mixer::Linear(gdn) => self.gated_deltanet(gdn, self.slot[l], state, n, pass),
+                Mixer::Linear(deltanet) => self.gated_deltanet(deltanet, self.slot[l], state, n, pass),
                 Mixer::Full(attn) => self.attention(attn, self.slot[l], state, n),
             }
             add(&mut state.act.hidden[..n * h], &state.act.mixer_out[..n * h]);
             rmsnorm(
                 &state.act.hidden[..n * h],
-                &layer.post_attention_norm,
+                &layer.post_attention_layernorm,
                 c.rms_norm_eps,
                 &mut state.act.normed[..n * h],
             );
@@ -252,7 +252,7 @@ impl CpuModel {
         state.position += n;
     }
 
-    fn gated_deltanet(&self, gdn: &GatedDeltaNet, slot: usize, state: &mut State, n: usize, pass: Pass) {
+    fn gated_deltanet(&self, deltanet: &GatedDeltaNet, slot: usize, state: &mut State, n: usize, pass: Pass) {
         let c = self.config();
         let (h, conv_dim) = (c.hidden_size, c.linear_conv_dim());
         let (nk, nv, dk, dv) = (
@@ -264,14 +264,14 @@ impl CpuModel {
         let key_dim = c.linear_key_dim();
         let act = &mut state.act;
         let x = &act.normed[..n * h];
-        qmatmul(gdn.in_proj_qkv.view(), x, &mut act.projected[..n * conv_dim]);
-        qmatmul(gdn.in_proj_z.view(), x, &mut act.z[..n * nv * dv]);
-        qmatmul(gdn.in_proj_b.view(), x, &mut act.beta[..n * nv]);
-        qmatmul(gdn.in_proj_a.view(), x, &mut act.decay[..n * nv]);
+        qmatmul(deltanet.in_proj_qkv.view(), x, &mut act.projected[..n * conv_dim]);
+        qmatmul(deltanet.in_proj_z.view(), x, &mut act.z[..n * nv * dv]);
+        qmatmul(deltanet.in_proj_b.view(), x, &mut act.beta[..n * nv]);
+        qmatmul(deltanet.in_proj_a.view(), x, &mut act.decay[..n * nv]);
         conv_sequence(
             &act.projected[..n * conv_dim],
             &mut state.conv[slot],
-            &gdn.conv1d,
+            &deltanet.conv1d,
             c.linear_conv_kernel_dim,
             conv_dim,
             &mut act.conv_out[..n * conv_dim],
@@ -286,7 +286,7 @@ impl CpuModel {
             for j in 0..nv {
                 let i = t * nv + j;
                 act.beta[i] = sigmoid(act.beta[i]);
-                act.decay[i] = -gdn.a_log[j].exp() * softplus(act.decay[i] + gdn.dt_bias[j]);
+                act.decay[i] = -deltanet.a_log[j].exp() * softplus(act.decay[i] + deltanet.dt_bias[j]);
             }
         }
         let conv_out = &act.conv_out[..n * conv_dim];
@@ -341,11 +341,11 @@ impl CpuModel {
             }
         }
         // Gated RMSNorm per value head: w * rmsnorm(o) * silu(z).
-        rmsnorm_in_place(core, &gdn.norm, c.rms_norm_eps);
+        rmsnorm_in_place(core, &deltanet.norm, c.rms_norm_eps);
         for (o, z) in core.iter_mut().zip(&act.z[..n * nv * dv]) {
             *o *= silu(*z);
         }
-        qmatmul(gdn.out_proj.view(), core, &mut act.mixer_out[..n * h]);
+        qmatmul(deltanet.out_proj.view(), core, &mut act.mixer_out[..n * h]);
     }
 
     fn attention(&self, attn: &Attention, slot: usize, state: &mut State, n: usize) {
