@@ -1,5 +1,5 @@
-//! Shared by the integration tests: the real Qwen3.6 tokenizer and chat template, as bundled with the default
-//! model under models/ (the same files as the released model's), loaded once per test binary.
+//! Shared by the integration tests: the real Qwen3.6 tokenizer, as bundled with the default model under models/
+//! (the same file as the released model's), loaded once per test binary.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
