@@ -23,7 +23,7 @@ sample_seed. Logits are for the prompt positions only.
 
 Regenerate (needs python3 with torch, transformers 5.17, numpy, safetensors, tokenizers):
 
-  python3 scripts/golden.py --model /work/shared/lily-tiny-shakespeare \\
+  python3 scripts/golden.py --model ~/.cache/lily/lily-tiny-shakespeare-*/ \\
       --out crates/lily-model/tests/golden/lily-tiny-shakespeare.safetensors --greedy 64
 
 Options: --prompts FILE.json replaces the built-in prompts with a JSON list of strings;
