@@ -92,7 +92,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         )?,
     };
     let constraint = constraint
-        .map(|(spec, param)| structured::compile(ready.structured.as_deref(), &spec, param))
+        .map(|(spec, param)| structured::compile(ready.structured.get(), &spec, param))
         .transpose()?;
     if !instructions.is_empty() {
         add_system_instruction(&mut messages, &instructions.join("\n\n"));

@@ -123,7 +123,7 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
         }
     }
     let constraint = structured::for_completion(request.response_format.as_ref(), request.structured_outputs.as_ref())?
-        .map(|(spec, param)| structured::compile(ready.structured.as_deref(), &spec, param))
+        .map(|(spec, param)| structured::compile(ready.structured.get(), &spec, param))
         .transpose()?;
     let stream = request.stream.unwrap_or(false);
     if request.stream_options.is_some() && !stream {

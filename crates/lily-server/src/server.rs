@@ -100,9 +100,32 @@ pub struct Ready {
     pub limits: RequestLimits,
     /// See [`ServerConfig::special_tokens_in_content`].
     pub special_tokens_in_content: bool,
-    /// The token trie for constrained decoding, built once per model; `None` when the tokenizer does not fit the
-    /// model's vocabulary (constrained requests are then refused).
-    pub structured: Option<Arc<StructuredEnv>>,
+    /// The token trie for constrained decoding, built by the first constrained request.
+    pub structured: LazyStructured,
+}
+
+/// The token trie for constrained decoding: it takes seconds to build, so it is built once, when the first request
+/// that needs it is prepared (on the blocking pool), rather than at every start-up.
+pub struct LazyStructured {
+    tokenizer: Arc<Tokenizer>,
+    vocab_size: usize,
+    env: OnceLock<Option<StructuredEnv>>,
+}
+
+impl LazyStructured {
+    /// The trie, or `None` when the tokenizer does not fit the model's vocabulary (constrained requests are then
+    /// refused).
+    pub fn get(&self) -> Option<&StructuredEnv> {
+        self.env
+            .get_or_init(|| match StructuredEnv::new(self.tokenizer.clone(), self.vocab_size) {
+                Ok(env) => Some(env),
+                Err(e) => {
+                    tracing::warn!("structured outputs are unavailable: {e}");
+                    None
+                }
+            })
+            .as_ref()
+    }
 }
 
 pub struct AppState {
@@ -462,12 +485,10 @@ fn load(
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
     let backend = factory(context).context("loading the weights")?;
     let context = backend.max_context();
-    let structured = match StructuredEnv::new(tokenizer.clone(), backend.config().vocab_size) {
-        Ok(env) => Some(Arc::new(env)),
-        Err(e) => {
-            tracing::warn!("structured outputs are unavailable: {e}");
-            None
-        }
+    let structured = LazyStructured {
+        tokenizer: tokenizer.clone(),
+        vocab_size: backend.config().vocab_size,
+        env: OnceLock::new(),
     };
     let ready = Ready {
         tokenizer: tokenizer.clone(),

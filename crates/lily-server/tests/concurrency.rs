@@ -15,19 +15,6 @@ fn long_stream(max_tokens: usize) -> Json {
            "ignore_eos": true, "chat_template_kwargs": {"enable_thinking": false}})
 }
 
-/// Waits until `check` holds, polling; panics after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < limit, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// Opens a stream and reads until `chunks` data lines have arrived; returns the open response.
 async fn open_stream(s: &TestServer, body: &Json, chunks: usize) -> reqwest::Response {
     let response = s

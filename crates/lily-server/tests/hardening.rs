@@ -9,19 +9,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value as Json};
 
-/// Waits until `check` holds, polling; panics after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < limit, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 fn chat(content: &str, max_tokens: usize) -> Json {
     json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
            "chat_template_kwargs": {"enable_thinking": false}})

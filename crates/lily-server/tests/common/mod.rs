@@ -315,3 +315,16 @@ pub fn scripted_logprob(value: f32, vocab: usize) -> f32 {
     let z = (10.0f64).exp() + (8.0f64).exp() + (vocab - 2) as f64;
     (value as f64 - z.ln()) as f32
 }
+
+/// Waits until `check` holds, polling; panics after `limit`.
+pub async fn eventually<F, Fut>(limit: std::time::Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = std::time::Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < limit, "timed out waiting for: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
