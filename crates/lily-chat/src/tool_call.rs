@@ -73,8 +73,10 @@ impl ToolSchemas {
     }
 }
 
-/// The JSON types a schema allows: `"type"` as a string or list, or the types of `anyOf`/`oneOf` branches.
-fn schema_types(schema: &Json) -> Vec<String> {
+/// The JSON types a schema allows: `"type"` as a string or list, or the types of `anyOf`/`oneOf` branches. The
+/// constrained-decoding grammar for tool calls reads schemas the same way, so grammar and parser agree on which
+/// values are text.
+pub fn schema_types(schema: &Json) -> Vec<String> {
     match schema.get("type") {
         Some(Json::String(kind)) => return vec![kind.clone()],
         Some(Json::Array(kinds)) => return kinds.iter().filter_map(Json::as_str).map(str::to_string).collect(),

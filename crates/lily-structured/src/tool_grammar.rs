@@ -15,6 +15,7 @@
 //! the template writes it: a parameter whose schema allows a string is raw text (the parser keeps text as a string),
 //! any other is compact JSON that its schema accepts (the parser reads it back as JSON).
 
+use lily_chat::tool_call::schema_types;
 use serde_json::{Map, Value as Json};
 
 use crate::{json_layout, ConstraintError};
@@ -41,22 +42,6 @@ fn regex_escape(text: &str) -> String {
         }
     }
     out
-}
-
-/// The JSON types a schema allows: `type` as a string or a list, or those of its `anyOf`/`oneOf` branches (the
-/// same reading as the tool-call parser's, so that grammar and parser agree on which values are text).
-fn schema_types(schema: &Json) -> Vec<String> {
-    match schema.get("type") {
-        Some(Json::String(kind)) => return vec![kind.clone()],
-        Some(Json::Array(kinds)) => return kinds.iter().filter_map(Json::as_str).map(str::to_string).collect(),
-        _ => {}
-    }
-    ["anyOf", "oneOf"]
-        .iter()
-        .filter_map(|key| schema.get(*key).and_then(Json::as_array))
-        .flatten()
-        .flat_map(schema_types)
-        .collect()
 }
 
 /// The string branch of a schema that allows strings: itself, or its first `anyOf`/`oneOf` branch of type string.
