@@ -82,6 +82,88 @@ pub trait Backend: Send {
     fn describe(&self) -> String;
 }
 
+/// A sequence's place in a [`BatchBackend`]: an index below `max_seqs()`.
+pub type Slot = usize;
+
+/// One row of a batched decode step: `token` goes at the next position of the sequence in `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRow {
+    pub slot: Slot,
+    pub token: u32,
+}
+
+/// How the next token of one output row is chosen: as `sampler` would from that row's logits, among the tokens
+/// `allowed` lets through when given (bit `t % 32` of word `t / 32` set: token `t` allowed; at least one is).
+pub struct Pick<'a> {
+    /// Output row of the last call: 0 after `prefill`, the row's index in `rows` after `step`.
+    pub row: usize,
+    pub sampler: &'a mut Sampler,
+    pub allowed: Option<&'a [u32]>,
+}
+
+/// The seam between the batching engine and a compute backend: many sequences resident at once, each in its own
+/// slot, advanced together one token per `step`, with prompts entering in chunks through `prefill`.
+///
+/// Memory: every slot has its fixed recurrent state; the context (the attention layers' keys and values) comes
+/// from one pool shared by all slots, granted by `reserve`. The engine reserves a sequence's whole length (prompt
+/// plus the most it may generate) before the sequence starts, so a running sequence never runs out mid-way.
+pub trait BatchBackend: Send {
+    fn config(&self) -> &Config;
+    /// Tokens of context (prompt plus generated) one sequence may hold.
+    fn max_context(&self) -> usize;
+    /// Slots: the most sequences resident at once.
+    fn max_seqs(&self) -> usize;
+    /// Rows one `step` takes at most.
+    fn max_step_rows(&self) -> usize;
+    /// Tokens one `prefill` call takes at most.
+    fn max_prefill_tokens(&self) -> usize;
+    /// Context, in tokens, that `reserve` can still grant from the pool.
+    fn free_tokens(&self) -> usize;
+    /// Makes `slot` able to hold `tokens` positions, taking context memory from the pool (rounded up to the pool's
+    /// unit). `Ok(false)`, with nothing changed, when the pool lacks it; a slot already holding enough is unchanged.
+    fn reserve(&mut self, slot: Slot, tokens: usize) -> Result<bool, ForwardError>;
+    /// Empties `slot`: its length is 0 and its context memory returns to the pool.
+    fn release(&mut self, slot: Slot);
+    /// Tokens in the sequence held by `slot`.
+    fn len(&self, slot: Slot) -> usize;
+    /// Appends `tokens` (1 ..= `max_prefill_tokens`) to the sequence in `slot` (an empty slot starts afresh) and
+    /// computes the last token's next-token logits as output row 0. The slot's reservation must cover the result.
+    fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> Result<(), ForwardError>;
+    /// Makes `to` (empty, reserved for at least `len(from)` tokens) a copy of the sequence in `from`, so that the
+    /// choices of one request share one prefill.
+    fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError>;
+    /// Appends each row's token to its slot's sequence (rows name distinct slots, 1 ..= `max_step_rows` of them)
+    /// and computes the next-token logits of each, output row `i` for `rows[i]`.
+    fn step(&mut self, rows: &[StepRow]) -> Result<(), ForwardError>;
+    /// The next-token logits of output `row` of the last `prefill` or `step` (may copy them from a device).
+    fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError>;
+    /// The next token of each pick, in order. A backend samples where the logits are when it can and copies the
+    /// row out otherwise; this default samples every row on the host.
+    fn sample(&mut self, picks: &mut [Pick<'_>]) -> Result<Vec<u32>, ForwardError> {
+        let mut tokens = Vec::with_capacity(picks.len());
+        let mut row_copy = Vec::new();
+        for pick in picks.iter_mut() {
+            let logits = self.logits(pick.row)?;
+            let token = match pick.allowed {
+                Some(allowed) => {
+                    row_copy.clear();
+                    row_copy.extend_from_slice(logits);
+                    pick.sampler.sample_masked(&mut row_copy, allowed)
+                }
+                None => pick.sampler.sample(logits),
+            };
+            tokens.push(token);
+        }
+        Ok(tokens)
+    }
+    /// Waits until the work queued so far has finished (a GPU runs asynchronously), so that timings are honest.
+    fn synchronize(&mut self) -> Result<(), ForwardError> {
+        Ok(())
+    }
+    /// A short name for logs ("cpu", "cuda: NVIDIA H200").
+    fn describe(&self) -> String;
+}
+
 /// The CPU backend with its preallocated state.
 pub struct CpuBackend {
     model: CpuModel,

@@ -12,6 +12,6 @@ pub mod sampling;
 pub mod synth;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend, ForwardError};
+pub use backend::{Backend, BatchBackend, CpuBackend, ForwardError, Pick, Slot, StepRow};
 pub use config::Config;
 pub use weights::Weights;
