@@ -47,7 +47,7 @@ fn progress_bar(message: String) -> indicatif::ProgressBar {
 
 fn load(gpu: Gpu, config: Config, source: &Source, max_context: usize, what: &str) -> Result<CudaModel> {
     let bar = progress_bar(format!("loading {what} onto {}", gpu.name));
-    let model = CudaModel::new(gpu, config, source, max_context, &|done, total| {
+    let model = CudaModel::single(gpu, config, source, max_context, &|done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })?;

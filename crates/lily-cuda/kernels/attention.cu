@@ -2,7 +2,12 @@
 // split in ATTN_SPLITS parts per KV head (the GQA query heads of a KV head read each key and value once); the
 // merge of the parts with the output gate applied.
 //
-// KV cache: bf16, [position][kv head][HEAD_DIM] per layer for keys and for values.
+// KV: bf16 pools per layer for keys and for values, [page][KV_PAGE][kv head][HEAD_DIM]; the page table holds
+// pages_per_seq page ids a slot (see kv_offset in common.cuh).
+//
+// Batched: blockIdx.z is the batch row b, a token of the sequence in slot slots[b] at position positions[b]. Its
+// rows: proj + b * PROJ_ROW, q + b * Q_DIM, part_o + b * N_HEADS * ATTN_SPLITS * HEAD_DIM, part_ml + b * N_HEADS *
+// ATTN_SPLITS * 2, the output + b * Q_DIM.
 
 #define GQA (N_HEADS / N_KV_HEADS)
 #define ATTN_THREADS 256
@@ -11,6 +16,11 @@
 #define ATTN_MIN_CHUNK 64   // fewest positions a part takes
 static_assert(HEAD_DIM == ATTN_THREADS, "one thread per head dimension");
 static_assert(GQA == 8, "the score loop holds the 8 query heads of a KV head");
+#define PROJ_ROW (2 * Q_DIM + 2 * KV_DIM)
+#define PART_O_ROW ((size_t)N_HEADS * ATTN_SPLITS * HEAD_DIM)
+#define PART_ML_ROW ((size_t)N_HEADS * ATTN_SPLITS * 2)
+// Pages a tile of ATTN_TILE positions starting anywhere touches at most.
+#define TILE_PAGES (ATTN_TILE / KV_PAGE + 1)
 
 // Positions per part for a context of `len`; the same in the partial and the merge kernels.
 __device__ __forceinline__ int attn_chunk(int len) {
@@ -19,16 +29,21 @@ __device__ __forceinline__ int attn_chunk(int len) {
     return c < ATTN_MIN_CHUNK ? ATTN_MIN_CHUNK : c;
 }
 
-// Blocks 0..N_HEADS: query heads (rmsnorm, RoPE, scaled by 1/sqrt(HEAD_DIM)) into q_out; then KV heads: key
-// (rmsnorm, RoPE) and value into the cache at `position`. proj: [q|gate per head (2 Q_DIM) | k | v].
-extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* position_ptr, const float* proj,
-                                                                 const float* q_norm, const float* k_norm,
-                                                                 const float* inv_freq, float* q_out,
-                                                                 bf16* k_cache, bf16* v_cache) {
+// Grid (N_HEADS + N_KV_HEADS, 1, rows). Blocks 0..N_HEADS: query heads (rmsnorm, RoPE, scaled by 1/sqrt(HEAD_DIM))
+// into q_out; then KV heads: key (rmsnorm, RoPE) and value into the pools at the row's position through its slot's
+// page-table row. proj: [q|gate per head (2 Q_DIM) | k | v].
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* positions, const int* slots,
+                                                                 const float* proj, const float* q_norm,
+                                                                 const float* k_norm, const float* inv_freq,
+                                                                 float* q_out, bf16* k_pool, bf16* v_pool,
+                                                                 const int* page_table, int pages_per_seq) {
     wait_previous();
     __shared__ float x[HEAD_DIM];
     __shared__ float scratch[32];
-    const int position = *position_ptr;
+    const int row = blockIdx.z;
+    const int position = positions[row];
+    proj += (size_t)row * PROJ_ROW;
+    q_out += (size_t)row * Q_DIM;
     const int d = threadIdx.x;
     const bool is_query = blockIdx.x < N_HEADS;
     const int kv_head = blockIdx.x - N_HEADS;
@@ -47,9 +62,10 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
     if (is_query) {
         q_out[blockIdx.x * HEAD_DIM + d] = y * (1.f / sqrtf((float)HEAD_DIM));
     } else {
-        const size_t at = ((size_t)position * N_KV_HEADS + kv_head) * HEAD_DIM + d;
-        k_cache[at] = float_to_bf16(y);
-        v_cache[at] = float_to_bf16(proj[2 * Q_DIM + KV_DIM + kv_head * HEAD_DIM + d]);
+        const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
+        const size_t at = kv_offset(pages, position) + kv_head * HEAD_DIM + d;
+        k_pool[at] = float_to_bf16(y);
+        v_pool[at] = float_to_bf16(proj[2 * Q_DIM + KV_DIM + kv_head * HEAD_DIM + d]);
     }
 }
 
@@ -83,20 +99,27 @@ __device__ __forceinline__ void store_scores(float (&row)[GQA], const float (&s)
     *(float4*)&row[4] = in ? make_float4(s[4], s[5], s[6], s[7]) : make_float4(-INF_F, -INF_F, -INF_F, -INF_F);
 }
 
+// The key row of `pos` (in the tile whose first page is page `page0` of the sequence) for kv_head.
+__device__ __forceinline__ const uint4* key_row(const bf16* k_pool, const int* tile_pages, int page0, int pos,
+                                                int kv_head) {
+    const int page = tile_pages[pos / KV_PAGE - page0];
+    return (const uint4*)(k_pool + ((size_t)page * KV_PAGE + pos % KV_PAGE) * KV_DIM + kv_head * HEAD_DIM);
+}
+
 // Short parts (up to SCORE_ROWS positions): four threads a position, each a quarter of the dimensions. Quarter qd
 // reads 16-byte pieces 4c + qd of the key row, so the four read 64 contiguous bytes at once and a thread's loads
 // are all in flight together; the padding puts the four quarters' query reads in different banks. Rows past the
 // part get -inf.
 #define SCORE_ROWS (ATTN_THREADS / 4)
-__device__ __forceinline__ void score_quartered(const float* qs, const bf16* k_cache, int kv_head, int tile, int end,
-                                                float (*p)[GQA]) {
+__device__ __forceinline__ void score_quartered(const float* qs, const bf16* k_pool, const int* tile_pages,
+                                                int kv_head, int tile, int end, float (*p)[GQA]) {
     constexpr int PIECES = HEAD_DIM / 8 / 4;
     const int qd = threadIdx.x % 4, row = threadIdx.x / 4, pos = tile + row;
     float s[GQA], s_odd[GQA];
 #pragma unroll
     for (int h = 0; h < GQA; h++) s[h] = 0.f, s_odd[h] = 0.f;
     if (pos < end) {
-        const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
+        const uint4* krow = key_row(k_pool, tile_pages, tile / KV_PAGE, pos, kv_head);
         uint4 raw[PIECES];
 #pragma unroll
         for (int c = 0; c < PIECES; c++) raw[c] = krow[4 * c + qd];
@@ -114,14 +137,14 @@ __device__ __forceinline__ void score_quartered(const float* qs, const bf16* k_c
 }
 
 // Longer parts: a thread a position, a whole tile at once.
-__device__ __forceinline__ void score_whole(const float* qs, const bf16* k_cache, int kv_head, int tile, int end,
-                                            float (*p)[GQA]) {
+__device__ __forceinline__ void score_whole(const float* qs, const bf16* k_pool, const int* tile_pages, int kv_head,
+                                            int tile, int end, float (*p)[GQA]) {
     const int pos = tile + threadIdx.x;
     float s[GQA], s_odd[GQA];
 #pragma unroll
     for (int h = 0; h < GQA; h++) s[h] = 0.f, s_odd[h] = 0.f;
     if (pos < end) {
-        const uint4* krow = (const uint4*)(k_cache + ((size_t)pos * N_KV_HEADS + kv_head) * HEAD_DIM);
+        const uint4* krow = key_row(k_pool, tile_pages, tile / KV_PAGE, pos, kv_head);
 #pragma unroll 8
         for (int c = 0; c < HEAD_DIM / 8; c++) score_piece(qs, krow[c], 8 * c, s, s_odd);
     }
@@ -130,18 +153,24 @@ __device__ __forceinline__ void score_whole(const float* qs, const bf16* k_cache
     store_scores(p[threadIdx.x], s, pos < end);
 }
 
-// Grid (N_KV_HEADS, ATTN_SPLITS). Part `split` of the context [0, position] for the GQA query heads of a KV head:
-// writes the unnormalised output, the running max and the sum of exponentials per query head.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const int* position_ptr, const float* q,
-                                                                        const bf16* k_cache,
-                                                                        const bf16* v_cache,
-                                                                        float* part_o, float* part_ml) {
+// Grid (N_KV_HEADS, ATTN_SPLITS, rows). Part `split` of the row's context [0, position] for the GQA query heads of
+// a KV head: writes the unnormalised output, the running max and the sum of exponentials per query head. Each tile
+// of positions first takes the ids of the pages it touches into shared memory.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_partial(const int* positions, const int* slots, const float* q, const bf16* k_pool, const bf16* v_pool,
+                 const int* page_table, int pages_per_seq, float* part_o, float* part_ml) {
     wait_previous();
     __shared__ __align__(16) float qs[HEAD_DIM * GQA + HEAD_DIM / 2];  // see q_at
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
     __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
     __shared__ __align__(16) float red[ATTN_WARPS][HEAD_DIM];
-    const int len = *position_ptr + 1;
+    __shared__ int tile_pages[TILE_PAGES];
+    const int row = blockIdx.z;
+    const int len = positions[row] + 1;
+    const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
+    q += (size_t)row * Q_DIM;
+    part_o += row * PART_O_ROW;
+    part_ml += row * PART_ML_ROW;
     const int chunk = attn_chunk(len);
     const int kv_head = blockIdx.x, split = blockIdx.y;
     const int start = split * chunk, end = min(len, start + chunk);
@@ -163,10 +192,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
     __syncthreads();
 
     for (int tile = start; tile < end; tile += ATTN_TILE) {
+        // The pages of positions tile .. min(end, tile + ATTN_TILE) - 1 (the previous tile's readers are past the
+        // loop's closing barrier).
+        const int page0 = tile / KV_PAGE, last_page = (min(end, tile + ATTN_TILE) - 1) / KV_PAGE;
+        if (t <= last_page - page0) tile_pages[t] = pages[page0 + t];
+        __syncthreads();
         if (end - start <= SCORE_ROWS)
-            score_quartered(qs, k_cache, kv_head, tile, end, p);
+            score_quartered(qs, k_pool, tile_pages, kv_head, tile, end, p);
         else
-            score_whole(qs, k_cache, kv_head, tile, end, p);
+            score_whole(qs, k_pool, tile_pages, kv_head, tile, end, p);
         __syncthreads();
         // Warp h: the tile's max for head h, the new running max, and the rescale of what came before.
         {
@@ -198,10 +232,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
 #pragma unroll
             for (int j = 0; j < 8; j++) acc[h][j] *= rescale[h];
         const int n = min(ATTN_TILE, end - tile);
-        const bf16* vrows = v_cache + ((size_t)tile * N_KV_HEADS + kv_head) * HEAD_DIM + 8 * lane;
+        const bf16* vrows = v_pool + kv_head * HEAD_DIM + 8 * lane;
 #pragma unroll 4
         for (int i = warp; i < n; i += ATTN_WARPS) {
-            const uint4 raw = *(const uint4*)(vrows + (size_t)i * N_KV_HEADS * HEAD_DIM);
+            const int pos = tile + i;
+            const size_t at = ((size_t)tile_pages[pos / KV_PAGE - page0] * KV_PAGE + pos % KV_PAGE) * KV_DIM;
+            const uint4 raw = *(const uint4*)(vrows + at);
             const u32 v2[4] = {raw.x, raw.y, raw.z, raw.w};
             float v[8];
 #pragma unroll
@@ -237,19 +273,23 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial(const in
     }
 }
 
-// Grid (N_HEADS, HEAD_DIM / WARP): a block merges the parts for one query head's 32-dimension slice, lane =
+// Grid (N_HEADS, HEAD_DIM / WARP, rows): a block merges the parts for one query head's 32-dimension slice, lane =
 // dimension; warp w takes parts w, w + MERGE_WARPS, ... against the maximum over all parts, and the warps' sums
-// meet in shared memory. Then the output gate: attn = o * sigmoid(gate).
+// meet in shared memory. Then the output gate: attn = o * sigmoid(gate), written as f32 to `attn` and as bf16 to
+// `attn_bf16` (the batched step's o_proj input), each when not null.
 #define MERGE_WARPS 8
-extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP) attn_merge(const int* position_ptr,
-                                                                           const float* part_o,
-                                                                           const float* part_ml,
-                                                                           const float* proj, float* attn) {
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
+    attn_merge(const int* positions, const float* part_o, const float* part_ml, const float* proj, float* attn,
+               bf16* attn_bf16) {
     wait_previous();
     __shared__ float warp_max_s[MERGE_WARPS];
     __shared__ float num_s[MERGE_WARPS][WARP];
     __shared__ float den_s[MERGE_WARPS];
-    const int len = *position_ptr + 1;
+    const int row = blockIdx.z;
+    const int len = positions[row] + 1;
+    part_o += row * PART_O_ROW;
+    part_ml += row * PART_ML_ROW;
+    proj += (size_t)row * PROJ_ROW;
     const int parts = (len + attn_chunk(len) - 1) / attn_chunk(len);
     const int qh = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int d = blockIdx.y * WARP + lane;
@@ -276,6 +316,9 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP) attn_merge(cons
 #pragma unroll
         for (int w = 0; w < MERGE_WARPS; w++) n += num_s[w][lane], total += den_s[w];
         const float gate = proj[qh * 2 * HEAD_DIM + HEAD_DIM + d];
-        attn[qh * HEAD_DIM + d] = n / total * sigmoidf_(gate);
+        const float y = n / total * sigmoidf_(gate);
+        const size_t at = (size_t)row * Q_DIM + qh * HEAD_DIM + d;
+        if (attn) attn[at] = y;
+        if (attn_bf16) attn_bf16[at] = float_to_bf16(y);
     }
 }

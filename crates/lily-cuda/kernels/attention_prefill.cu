@@ -3,16 +3,17 @@
 // GEMM's input (`out`, bf16 [token][Q_DIM], query head h at columns h*HEAD_DIM..), attention times sigmoid(gate).
 //
 // attn_prefill_prep, one warp per (token, head), a lane holding 8 dims: q rmsnorm, partial RoPE, times
-// 1/sqrt(HEAD_DIM), into the q buffer (bf16 [token][N_HEADS][HEAD_DIM]); k rmsnorm + RoPE and v into the bf16 KV cache
-// ([position][N_KV_HEADS][HEAD_DIM]) at the token's position.
+// 1/sqrt(HEAD_DIM), into the q buffer (bf16 [token][N_HEADS][HEAD_DIM]); k rmsnorm + RoPE and v into the bf16 KV
+// pools (pages of KV_PAGE positions, [page][KV_PAGE][N_KV_HEADS][HEAD_DIM]) at the token's position, through the
+// sequence's page-table row `pages` (see kv_offset in common.cuh).
 //
 // attn_prefill, causal flash attention on tensor cores (mma.sync m16n8k16 bf16, f32 accumulation). Work split: a
 // block takes a tile of QUERY_TILE (16) consecutive query tokens for the GQA (8) query heads of one KV head: 128
 // rows, warp w holding query head w of the group for the 16 tokens (m16 = tokens, so each K/V tile loaded into shared
 // memory serves all 8 heads). The block walks the keys 0 .. (its last token's position) in tiles of KEY_TILE (64)
-// keys, K and V double-buffered through cp.async (the next tile loads while this one is used), ldmatrix fragments
-// from XOR-swizzled rows; S = Q K^T and O += P V per warp with the online softmax in registers (the S accumulators
-// become P's A fragments in place), O (16 x 256 f32) lives in registers. Only tiles reaching past the block's first
+// keys (a tile is one page of the pools), K and V double-buffered through cp.async (the next tile loads while
+// this one is used), ldmatrix fragments from XOR-swizzled rows; S = Q K^T and O += P V per warp with the online
+// softmax in registers (the S accumulators become P's A fragments in place), O (16 x 256 f32) lives in registers. Only tiles reaching past the block's first
 // query position are masked. Blocks run the longest key ranges first (the causal tail is the short tiles).
 // When query tiles x KV heads would leave SMs idle (a short prompt after a long prefix, or a short prompt), the
 // key range is also split into chunks of `chunk` keys (grid.y): each block writes its unnormalised O with the
@@ -34,6 +35,7 @@
 #define LOG2E 1.4426950408889634f
 static_assert(HEAD_DIM == 256, "the O accumulators hold 256 dims per row");
 static_assert(GQA == 8, "a block's warps are the 8 query heads of a KV head");
+static_assert(KEY_TILE == KV_PAGE, "a key tile is one page of the KV pools");
 static_assert(ROT_DIM % 16 == 0 && ROT_DIM <= HEAD_DIM, "RoPE pairs move between whole lanes of 8 dims");
 static_assert(PF_THREADS * 16 == GQA * QUERY_TILE * ROW_CHUNKS, "16 Q chunks per thread");
 static_assert(PF_THREADS * 8 == KEY_TILE * ROW_CHUNKS, "8 K (and V) chunks per thread");
@@ -100,7 +102,7 @@ __device__ __forceinline__ void store8_bf16(bf16* p, const float (&v)[8]) {
 // query heads first, then the KV heads (key and value).
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     attn_prefill_prep(const float* proj, const float* q_norm, const float* k_norm, const float* inv_freq, int tokens,
-                      int start, bf16* q_out, bf16* k_cache, bf16* v_cache) {
+                      int start, bf16* q_out, bf16* k_pool, bf16* v_pool, const int* pages) {
     constexpr int HEADS = N_HEADS + N_KV_HEADS;
     const int lane = threadIdx.x % WARP;
     const int item = blockIdx.x * (PREP_THREADS / WARP) + threadIdx.x / WARP;
@@ -142,9 +144,9 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
         for (int i = 0; i < 8; i++) x[i] *= 1.f / sqrtf((float)HEAD_DIM);
         store8_bf16(q_out + ((size_t)token * N_HEADS + head) * HEAD_DIM + d0, x);
     } else {
-        const size_t at = ((size_t)position * N_KV_HEADS + kv_head) * HEAD_DIM + d0;
-        store8_bf16(k_cache + at, x);
-        store8_bf16(v_cache + at, v);
+        const size_t at = kv_offset(pages, position) + kv_head * HEAD_DIM + d0;
+        store8_bf16(k_pool + at, x);
+        store8_bf16(v_pool + at, v);
     }
 }
 
@@ -154,8 +156,8 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
 // times sigmoid(gate). With several: part_o [split][token][N_HEADS][HEAD_DIM] the unnormalised output, part_ml
 // [split][token][N_HEADS][2] the row's max (log2 units) and sum of exponentials.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
-    attn_prefill(const bf16* q, const bf16* k_cache, const bf16* v_cache, const float* proj, int tokens, int start,
-                 int chunk, bf16* out, float* part_o, float* part_ml) {
+    attn_prefill(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int* pages, const float* proj,
+                 int tokens, int start, int chunk, bf16* out, float* part_o, float* part_ml) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
     const int kv_head = blockIdx.x % N_KV_HEADS;
@@ -181,22 +183,24 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         const bf16* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
         cp_async_16(q_smem + swizzled(row, chunk16), src + chunk16 * 8, valid);
     }
-    // One K or V tile: keys past key_end read as zero (V's zeros keep 0 * garbage out of the P V product).
-    auto load_tile = [&](u32 dst, const bf16* cache, int key0) {
+    // One K or V tile (key0 a multiple of KEY_TILE: one page): keys past key_end read as zero (V's zeros keep
+    // 0 * garbage out of the P V product).
+    auto load_tile = [&](u32 dst, const bf16* pool, int key0) {
+        const bf16* page = pool + (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const int c = threadIdx.x + i * PF_THREADS;
             const int row = c / ROW_CHUNKS, chunk16 = c % ROW_CHUNKS;
             const int key = key0 + row;
             const bool valid = key < key_end;
-            const bf16* src = cache + ((size_t)(valid ? key : key_begin) * N_KV_HEADS + kv_head) * HEAD_DIM;
+            const bf16* src = page + (size_t)(valid ? row : 0) * KV_DIM;
             cp_async_16(dst + swizzled(row, chunk16), src + chunk16 * 8, valid);
         }
     };
     cp_async_commit();
-    load_tile(k_smem, k_cache, key_begin);
+    load_tile(k_smem, k_pool, key_begin);
     cp_async_commit();
-    load_tile(v_smem, v_cache, key_begin);
+    load_tile(v_smem, v_pool, key_begin);
     cp_async_commit();
 
     // Fragment layout (mma m16n8k16): lane holds rows g and g + 8 (tokens tok0 + g, tok0 + g + 8), columns 2c, 2c+1
@@ -222,9 +226,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         const u32 k_tile = k_smem + (it & 1) * KV_TILE_BYTES, v_tile = v_smem + (it & 1) * KV_TILE_BYTES;
         cp_async_wait<1>();  // Q and this K tile have landed (this V tile may still be in flight)
         __syncthreads();     // ... for every thread; and every warp is done with the other buffers
-        if (it + 1 < key_tiles) load_tile(k_smem + ((it + 1) & 1) * KV_TILE_BYTES, k_cache, key0 + KEY_TILE);
+        if (it + 1 < key_tiles) load_tile(k_smem + ((it + 1) & 1) * KV_TILE_BYTES, k_pool, key0 + KEY_TILE);
         cp_async_commit();
-        if (it + 1 < key_tiles) load_tile(v_smem + ((it + 1) & 1) * KV_TILE_BYTES, v_cache, key0 + KEY_TILE);
+        if (it + 1 < key_tiles) load_tile(v_smem + ((it + 1) & 1) * KV_TILE_BYTES, v_pool, key0 + KEY_TILE);
         cp_async_commit();
 
         float s[KEY_TILE / 8][4];

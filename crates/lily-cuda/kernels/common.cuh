@@ -26,6 +26,13 @@ __device__ __forceinline__ float2 pair_to_float2(u32 p) {
 #define GROUP 64
 #define WARP 32
 
+// The attention KV lives in pages of KV_PAGE positions from one pool per layer (bf16 [page][KV_PAGE][KV_DIM]); a
+// sequence's page-table row maps its position p to page pages[p / KV_PAGE], row p % KV_PAGE of that page.
+#define KV_PAGE 64
+__device__ __forceinline__ size_t kv_offset(const int* pages, int position) {
+    return ((size_t)pages[position / KV_PAGE] * KV_PAGE + position % KV_PAGE) * KV_DIM;
+}
+
 struct Q4 {
     const u32* packed;
     const u32* scale_bias;

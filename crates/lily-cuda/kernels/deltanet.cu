@@ -2,9 +2,12 @@
 // l2-norms, the gates and the delta-rule update of the f32 state; writes the raw output o (the gated RMSNorm is
 // applied in front of the output projection, which needs the whole head).
 //
-// Grid (value heads, DELTANET_SPLIT): a block owns DV/DELTANET_SPLIT state columns of one value head (the columns
-// of the recurrence are independent). The conv keeps the last CONV_K inputs in a ring indexed by position % CONV_K,
-// so the slot written this step is one no block reads this step.
+// Grid (value heads, DELTANET_SPLIT, rows): a block owns DV/DELTANET_SPLIT state columns of one value head (the
+// columns of the recurrence are independent) for batch row blockIdx.z. Row b is a token of the sequence in slot
+// slots[b] at position positions[b]: its proj row is proj + b * DN_PROJ_ROW, its output row core + b * LIN_V_DIM,
+// and its state is the slot's (slot s at s times the size of one sequence's ring and recurrent state). The conv
+// keeps the last CONV_K inputs in a ring indexed by position % CONV_K, so the ring row written this step is one no
+// block reads this step.
 
 #define DELTANET_SPLIT 4
 #define DELTANET_THREADS 256
@@ -13,6 +16,9 @@
 #define COLS_PER_BLOCK (DV / DELTANET_SPLIT)
 #define ROW_GROUPS (DELTANET_THREADS / COLS_PER_BLOCK)
 #define ROWS_PER_THREAD (DK / ROW_GROUPS)
+#define DN_PROJ_ROW (LIN_CONV_DIM + LIN_V_DIM + 2 * LIN_V_HEADS)
+#define DN_STATE_SIZE ((size_t)LIN_V_HEADS * DK * DV)
+#define DN_RING_SIZE ((size_t)CONV_K * LIN_CONV_DIM)
 static_assert(2 * DK == DELTANET_THREADS, "one thread per q/k channel of the key head");
 static_assert(DK % ROW_GROUPS == 0, "state rows split evenly");
 
@@ -37,13 +43,18 @@ struct ConvTaps {
 // proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)]. What does not depend on this
 // step's input projection (the state, the conv taps and weights, the position) is requested before the wait.
 extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
-    deltanet_step(const int* position_ptr, const float* proj, float* ring, const float* conv_w, const float* a_log,
-                  const float* dt_bias, float* state, float* core) {
+    deltanet_step(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
+                  const float* a_log, const float* dt_bias, float* state, float* core) {
     __shared__ float q[DK], k[DK];
     __shared__ float v[COLS_PER_BLOCK];
     __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];
     __shared__ float sums[2][WARP];
-    const int position = *position_ptr;
+    const int row = blockIdx.z;
+    const int position = positions[row], seq = slots[row];
+    proj += (size_t)row * DN_PROJ_ROW;
+    core += (size_t)row * LIN_V_DIM;
+    ring += seq * DN_RING_SIZE;
+    state += seq * DN_STATE_SIZE;
     const int head = blockIdx.x, key_head = head / (LIN_V_HEADS / LIN_K_HEADS);
     const int col0 = blockIdx.y * COLS_PER_BLOCK;
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -115,4 +126,26 @@ extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
         for (int gi = 0; gi < ROW_GROUPS; gi++) out += red[gi][j];
         core[head * DV + col0 + j] = out;
     }
+}
+
+// Grid (ceil(rows * LIN_V_HEADS / 8)), 256 threads: a warp per (row, value head), a lane holding 4 columns.
+// out[row][head * DV + j] = bf16(norm_w[j] * rmsnorm(core head)[j] * silu(z[j])), z at column LIN_CONV_DIM of the
+// row's proj: the gated RMSNorm in front of the batched step's out_proj product.
+#define GATED_NORM_THREADS 256
+extern "C" __global__ void __launch_bounds__(GATED_NORM_THREADS)
+    gated_norm_rows(const float* core, const float* proj, const float* norm_w, int rows, bf16* out) {
+    static_assert(DV == 4 * WARP && DN_PROJ_ROW % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
+    wait_previous();
+    const int lane = threadIdx.x % WARP;
+    const int item = blockIdx.x * (GATED_NORM_THREADS / WARP) + threadIdx.x / WARP;
+    if (item >= rows * LIN_V_HEADS) return;
+    const int row = item / LIN_V_HEADS, head = item % LIN_V_HEADS;
+    const float4 x = *(const float4*)&core[(size_t)row * LIN_V_DIM + head * DV + 4 * lane];
+    const float4 z = *(const float4*)&proj[(size_t)row * DN_PROJ_ROW + LIN_CONV_DIM + head * DV + 4 * lane];
+    const float4 w = *(const float4*)&norm_w[4 * lane];
+    const float inv = 1.f / sqrtf(warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w) / DV + RMS_EPS);
+    const bf16 y0 = float_to_bf16(x.x * (inv * w.x) * siluf_(z.x)), y1 = float_to_bf16(x.y * (inv * w.y) * siluf_(z.y));
+    const bf16 y2 = float_to_bf16(x.z * (inv * w.z) * siluf_(z.z)), y3 = float_to_bf16(x.w * (inv * w.w) * siluf_(z.w));
+    *(uint2*)&out[(size_t)row * LIN_V_DIM + head * DV + 4 * lane] =
+        make_uint2((u32)y0 | (u32)y1 << 16, (u32)y2 | (u32)y3 << 16);
 }

@@ -13,6 +13,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod launch;
 pub mod model;
+pub mod pages;
 pub mod prefill;
 pub mod prefill_attention;
 pub mod prefill_deltanet;

@@ -2,7 +2,9 @@
 //! lm_head, greedy choice) as device work captured once into two CUDA graphs and replayed: `layers` (through the
 //! position's advance) and `head`. Positions and token ids are read from device memory, so the graphs never
 //! change; the stream writes in a token id (no copy) and the head kernel writes the chosen one to pinned host
-//! memory, which the host reads after synchronising. From Hopper on the step's kernels are
+//! memory, which the host reads after synchronising. The state is laid out for many sequences (slots): the
+//! single-sequence step is the batch of one row in slot 0, whose page-table row maps position p to page p / 64
+//! (the identity), so its KV is contiguous as a plain cache would be. From Hopper on the step's kernels are
 //! launched with programmatic dependent launch: each starts while its predecessor runs, requests what does not
 //! depend on it (weights, its own state), and waits for the predecessor's results (`wait_previous` in common.cuh)
 //! before it reads them or writes; only then may the kernel after it start.
@@ -14,17 +16,25 @@ use lily_model::ForwardError;
 
 use half::bf16;
 
-use crate::driver::{check, DevBuf, Gpu, GpuError, Graph, HostCell, Result};
+use crate::driver::{check, DevBuf, DevPtr, Gpu, GpuError, Graph, HostCell, Result};
 use crate::kernels::{attention, deltanet, matvec, moe, sampling, synth, Kernels, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher, Profile};
+pub use crate::pages::Capacity;
+use crate::pages::{pages_for, PageAllocator, KV_PAGE};
 use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
-/// Per-sequence state and the step's activations, all allocated up front.
+/// Per-sequence state for `max_seqs` slots and the single-sequence step's activations, all allocated up front.
 pub struct DeviceState {
-    /// i32: the position of the token being processed (tokens already in the context).
+    /// Sequence slots: DeltaNet state for each; KV pages from the shared pools.
+    pub max_seqs: usize,
+    /// Entries of a slot's page-table row: ceil(max_context / KV_PAGE).
+    pub pages_per_seq: usize,
+    /// i32: the position of the single-sequence step's token (tokens already in the context of slot 0).
     pub position: DevBuf<i32>,
-    /// i32 `[max_context]`: the sequence's token ids.
+    /// i32 `[1]` = 0: the slot of the single-sequence step's one row.
+    pub single_slot: DevBuf<i32>,
+    /// i32 `[max_context]`: the single sequence's token ids.
     pub tokens: DevBuf<i32>,
     /// i32 in host memory: the token the last step chose greedily (or the sampler chose), read without a copy.
     pub next_token: HostCell,
@@ -48,13 +58,46 @@ pub struct DeviceState {
     pub block_arg: DevBuf<i32>,
     pub blocks_done: DevBuf<u32>,
     pub inv_freq: DevBuf<f32>,
-    /// Per full-attention layer: `[max_context][kv_heads][head_dim]`.
-    pub k_cache: Vec<DevBuf<bf16>>,
-    pub v_cache: Vec<DevBuf<bf16>>,
-    /// Per DeltaNet layer: `[conv_k][conv_dim]`, slot `position % conv_k` holds that position's input.
+    /// Per full-attention layer: the K and V pools, bf16 `[kv_pages][KV_PAGE][kv_heads][head_dim]`. A page id
+    /// indexes the same page in every layer's pools.
+    pub k_pool: Vec<DevBuf<bf16>>,
+    pub v_pool: Vec<DevBuf<bf16>>,
+    /// i32 `[max_seqs][pages_per_seq]`: entry j of slot s is the page holding its positions 64 j .. 64 j + 63.
+    pub page_table: DevBuf<i32>,
+    /// Per DeltaNet layer: `[max_seqs][conv_k][conv_dim]`; ring row `position % conv_k` holds that position's
+    /// input.
     pub conv_ring: Vec<DevBuf<f32>>,
-    /// Per DeltaNet layer: `[value_heads][key_dim][value_dim]`.
+    /// Per DeltaNet layer: `[max_seqs][value_heads][key_dim][value_dim]`.
     pub recurrent: Vec<DevBuf<f32>>,
+}
+
+impl DeviceState {
+    /// Floats of one slot's conv ring in a layer.
+    pub fn ring_len(&self, c: &Config) -> usize {
+        c.linear_conv_kernel_dim * c.linear_conv_dim()
+    }
+
+    /// Floats of one slot's recurrent state in a layer.
+    pub fn recurrent_len(&self, c: &Config) -> usize {
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    }
+
+    /// DeltaNet layer `layer` (its index among the DeltaNet layers): slot `seq`'s conv ring.
+    pub fn ring(&self, layer: usize, seq: usize) -> DevPtr<f32> {
+        let len = self.conv_ring[layer].len() / self.max_seqs;
+        self.conv_ring[layer].at(seq * len)
+    }
+
+    /// DeltaNet layer `layer`: slot `seq`'s recurrent state.
+    pub fn recurrent_state(&self, layer: usize, seq: usize) -> DevPtr<f32> {
+        let len = self.recurrent[layer].len() / self.max_seqs;
+        self.recurrent[layer].at(seq * len)
+    }
+
+    /// Slot `seq`'s page-table row.
+    pub fn page_row(&self, seq: usize) -> DevPtr<i32> {
+        self.page_table.at(seq * self.pages_per_seq)
+    }
 }
 
 /// Launch geometry fixed by the model and the GPU.
@@ -94,6 +137,8 @@ pub struct CudaModel {
     pub weights: GpuWeights,
     pub state: DeviceState,
     pub max_context: usize,
+    /// The KV pages each slot holds (mirrored in `state.page_table`) and the free ones.
+    pub pages: PageAllocator,
     grids: Grids,
     slot: Vec<usize>,
     pub prefill: PrefillScratch,
@@ -107,15 +152,39 @@ fn blocks(n: usize, per: usize) -> u32 {
 }
 
 impl CudaModel {
-    /// Compiles the kernels, loads the weights and allocates the state for `max_context` tokens.
-    pub fn new(
+    /// One sequence of up to `max_context` tokens: slot 0 holds pages for all of it, in order (the identity page
+    /// table), as [`CudaBackend`] needs.
+    pub fn single(
         gpu: Gpu,
         config: Config,
         source: &Source,
         max_context: usize,
         progress: &dyn Fn(usize, usize),
     ) -> Result<CudaModel> {
+        let capacity = Capacity::single(max_context);
+        let mut model = CudaModel::new(gpu, config, source, max_context, capacity, progress)?;
+        if !model.reserve(0, max_context)? {
+            return Err(GpuError::Other("no KV pages for the single sequence".into()));
+        }
+        Ok(model)
+    }
+
+    /// Compiles the kernels, loads the weights and allocates the state: `capacity.max_seqs` sequence slots of up to
+    /// `max_context` tokens each, and `capacity.kv_pages` KV pages shared by them (none reserved yet).
+    pub fn new(
+        gpu: Gpu,
+        config: Config,
+        source: &Source,
+        max_context: usize,
+        capacity: Capacity,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<CudaModel> {
         let c = &config;
+        if capacity.max_seqs == 0 || max_context == 0 {
+            return Err(GpuError::Other(
+                "the model needs at least one slot and a context of one token".into(),
+            ));
+        }
         if c.shared_expert_intermediate_size != c.moe_intermediate_size
             || c.head_dim != 256
             || c.num_attention_heads / c.num_key_value_heads != 8
@@ -165,9 +234,13 @@ impl CudaModel {
             down: blocks(c.hidden_size, kernels.constant("down_rows_per_block")),
             lm_head: mv_grid("lm_head", c.vocab_size, rpb_h)?,
         };
-        let kv_len = max_context * c.kv_dim();
+        let (max_seqs, pages_per_seq) = (capacity.max_seqs, pages_for(max_context));
+        let pool_len = capacity.kv_pages * KV_PAGE * c.kv_dim();
         let state = DeviceState {
+            max_seqs,
+            pages_per_seq,
             position: gpu.alloc_zeroed(1)?,
+            single_slot: gpu.alloc_zeroed(1)?,
             tokens: gpu.alloc_zeroed(max_context)?,
             next_token: gpu.host_cell()?,
             hidden: f32s(c.hidden_size)?,
@@ -189,17 +262,18 @@ impl CudaModel {
             block_arg: gpu.alloc_zeroed(grids.lm_head as usize)?,
             blocks_done: gpu.alloc_zeroed(1)?,
             inv_freq: gpu.upload_new(&c.rope_inv_freq())?,
-            k_cache: (0..c.num_full_layers())
-                .map(|_| gpu.alloc_zeroed(kv_len))
+            k_pool: (0..c.num_full_layers())
+                .map(|_| gpu.alloc_zeroed(pool_len))
                 .collect::<Result<_>>()?,
-            v_cache: (0..c.num_full_layers())
-                .map(|_| gpu.alloc_zeroed(kv_len))
+            v_pool: (0..c.num_full_layers())
+                .map(|_| gpu.alloc_zeroed(pool_len))
                 .collect::<Result<_>>()?,
+            page_table: gpu.alloc_zeroed(max_seqs * pages_per_seq)?,
             conv_ring: (0..c.num_linear_layers())
-                .map(|_| f32s(c.linear_conv_kernel_dim * c.linear_conv_dim()))
+                .map(|_| f32s(max_seqs * c.linear_conv_kernel_dim * c.linear_conv_dim()))
                 .collect::<Result<_>>()?,
             recurrent: (0..c.num_linear_layers())
-                .map(|_| f32s(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
+                .map(|_| f32s(max_seqs * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
                 .collect::<Result<_>>()?,
         };
         let slot = c.layer_slots();
@@ -213,6 +287,7 @@ impl CudaModel {
             weights,
             state,
             max_context,
+            pages: PageAllocator::new(max_seqs, capacity.kv_pages, pages_per_seq),
             grids,
             slot,
             prefill,
@@ -310,6 +385,7 @@ impl CudaModel {
                     l,
                     Dims::new((c.linear_num_value_heads as u32, 4, 1), 256),
                     s.position.ptr(),
+                    s.single_slot.ptr(),
                     s.proj.ptr(),
                     s.conv_ring[slot].ptr(),
                     g.conv1d.ptr(),
@@ -335,13 +411,16 @@ impl CudaModel {
                         c.head_dim as u32,
                     ),
                     s.position.ptr(),
+                    s.single_slot.ptr(),
                     s.proj.ptr(),
                     a.q_norm.ptr(),
                     a.k_norm.ptr(),
                     s.inv_freq.ptr(),
                     s.q.ptr(),
-                    s.k_cache[slot].ptr(),
-                    s.v_cache[slot].ptr(),
+                    s.k_pool[slot].ptr(),
+                    s.v_pool[slot].ptr(),
+                    s.page_table.ptr(),
+                    s.pages_per_seq as i32,
                 )
             }
             Op::AttnPartial(i) => {
@@ -350,9 +429,12 @@ impl CudaModel {
                     l,
                     Dims::new((c.num_key_value_heads as u32, ATTN_SPLITS as u32, 1), 256),
                     s.position.ptr(),
+                    s.single_slot.ptr(),
                     s.q.ptr(),
-                    s.k_cache[slot].ptr(),
-                    s.v_cache[slot].ptr(),
+                    s.k_pool[slot].ptr(),
+                    s.v_pool[slot].ptr(),
+                    s.page_table.ptr(),
+                    s.pages_per_seq as i32,
                     s.part_o.ptr(),
                     s.part_ml.ptr(),
                 )
@@ -365,6 +447,7 @@ impl CudaModel {
                 s.part_ml.ptr(),
                 s.proj.ptr(),
                 s.core.ptr(),
+                DevPtr::NULL,
             ),
             Op::AttnOutProj(i) => {
                 let a = attn(i)?;
@@ -437,9 +520,37 @@ impl CudaModel {
         )
     }
 
-    /// Prefills `tokens[start .. start + count]` (already in `state.tokens`) chunk by chunk; leaves the last token's
-    /// hidden state for the head and the position at `start + count`.
+    /// Prefills the single sequence's `tokens[start .. start + count]` (already in `state.tokens`) in slot 0,
+    /// chunk by chunk; leaves the last token's hidden state for the head and the position at `start + count`.
     pub fn enqueue_prefill(&self, start: usize, count: usize, profile: Option<&mut Profile>) -> Result<()> {
+        self.enqueue_prefill_from(0, start, count, self.state.tokens.at(start), profile)?;
+        self.gpu
+            .upload_async(self.state.position.ptr(), &[(start + count) as i32])
+    }
+
+    /// Prefills positions `start .. start + count` of the sequence in slot `slot`, chunk by chunk, with the
+    /// `count` token ids at `tokens` (device i32); leaves the last token's hidden state in `state.hidden`. The
+    /// slot's pages must hold `start + count` positions ([`CudaModel::reserve`]).
+    pub fn enqueue_prefill_slot(&self, slot: usize, start: usize, count: usize, tokens: DevPtr<i32>) -> Result<()> {
+        self.enqueue_prefill_from(slot, start, count, tokens, None)
+    }
+
+    fn enqueue_prefill_from(
+        &self,
+        slot: usize,
+        start: usize,
+        count: usize,
+        tokens: DevPtr<i32>,
+        profile: Option<&mut Profile>,
+    ) -> Result<()> {
+        if slot >= self.state.max_seqs || start + count > self.pages.capacity(slot) {
+            return Err(GpuError::Other(format!(
+                "prefill of positions {start} .. {} in slot {slot}: the slot holds {} (of {} slots)",
+                start + count,
+                self.pages.capacity(slot.min(self.state.max_seqs - 1)),
+                self.state.max_seqs
+            )));
+        }
         let mut launcher = self.launcher(profile);
         let mut done = 0;
         while done < count {
@@ -451,10 +562,52 @@ impl CudaModel {
                 &self.state,
                 &self.slot,
                 &self.prefill,
+                tokens.offset(done),
+                slot,
                 start + done,
                 t,
             )?;
             done += t;
+        }
+        Ok(())
+    }
+
+    /// Gives slot `slot` KV pages for positions 0 .. `tokens` and uploads its changed page-table entries. Returns
+    /// false, changing nothing, when the free pages are too few or `tokens` is past max_context.
+    pub fn reserve(&mut self, slot: usize, tokens: usize) -> Result<bool> {
+        if slot >= self.state.max_seqs {
+            return Err(GpuError::Other(format!("slot {slot} of {}", self.state.max_seqs)));
+        }
+        let held = self.pages.pages(slot).len();
+        if !self.pages.reserve(slot, tokens) {
+            return Ok(false);
+        }
+        let new = &self.pages.pages(slot)[held..];
+        self.gpu.upload(self.state.page_row(slot).offset(held), new)?;
+        Ok(true)
+    }
+
+    /// Returns slot `slot`'s KV pages to the free list (its page-table row is left as it was and not read again
+    /// until the next reservation overwrites it).
+    pub fn release(&mut self, slot: usize) {
+        if slot < self.state.max_seqs {
+            self.pages.release(slot);
+        }
+    }
+
+    /// KV pages no slot holds.
+    pub fn free_pages(&self) -> usize {
+        self.pages.free_pages()
+    }
+
+    /// Zeroes slot `slot`'s DeltaNet conv and recurrent state (a new sequence starts there).
+    pub fn reset_slot(&self, slot: usize) -> Result<()> {
+        let c = &self.config;
+        for l in 0..self.state.conv_ring.len() {
+            let s = &self.state;
+            self.gpu.memset_u8(s.ring(l, slot), 0, s.ring_len(c) * 4)?;
+            self.gpu
+                .memset_u8(s.recurrent_state(l, slot), 0, s.recurrent_len(c) * 4)?;
         }
         Ok(())
     }
@@ -468,19 +621,23 @@ impl CudaModel {
         Ok(profile)
     }
 
-    /// Forgets the sequence: position 0, DeltaNet conv and recurrent state zeroed (the KV cache is overwritten as
-    /// positions fill).
+    /// Forgets the single sequence: position 0, slot 0's DeltaNet conv and recurrent state zeroed (its KV pages are
+    /// overwritten as positions fill).
     pub fn reset(&self) -> Result<()> {
         self.gpu.memset_u8(self.state.position.ptr(), 0, 4)?;
-        for b in self.state.conv_ring.iter().chain(&self.state.recurrent) {
-            self.gpu.memset_u8(b.ptr(), 0, b.bytes())?;
-        }
-        Ok(())
+        self.reset_slot(0)
     }
 
-    /// Sets the context to `depth` tokens of random state (benchmarks): random keys and values in the KV cache
-    /// below `depth`, random conv inputs and recurrent state, position `depth`.
+    /// Sets the single sequence's context to `depth` tokens of random state (benchmarks): random keys and values
+    /// in the first pages of the pools (slot 0's, in the identity table), random conv inputs and recurrent state,
+    /// position `depth`.
     pub fn fill_random_state(&self, depth: usize, seed: u64) -> Result<()> {
+        if depth > self.pages.capacity(0) {
+            return Err(GpuError::Other(format!(
+                "a context of {depth} tokens: slot 0 holds {}",
+                self.pages.capacity(0)
+            )));
+        }
         let c = &self.config;
         let dims = |n: usize| Dims::linear(n.div_ceil(256).min(65536) as u32, 256);
         let l = &mut self.launcher(None);
@@ -489,7 +646,7 @@ impl CudaModel {
             stream += 1;
             stream
         };
-        for (k, v) in self.state.k_cache.iter().zip(&self.state.v_cache) {
+        for (k, v) in self.state.k_pool.iter().zip(&self.state.v_pool) {
             for buf in [k, v] {
                 let (n, stream) = (depth * c.kv_dim(), next_stream());
                 if n > 0 {
@@ -581,11 +738,9 @@ impl CudaBackend {
             return Err(ForwardError::BadToken(bad));
         }
         let needed = self.position + tokens.len();
-        if needed > self.model.max_context {
-            return Err(ForwardError::ContextFull {
-                needed,
-                max_context: self.model.max_context,
-            });
+        let max_context = self.model.max_context.min(self.model.pages.capacity(0));
+        if needed > max_context {
+            return Err(ForwardError::ContextFull { needed, max_context });
         }
         Ok(())
     }

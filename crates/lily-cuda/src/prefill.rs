@@ -4,8 +4,9 @@
 //! the glue (embedding, norms, routing and sort, MoE combine) in kernels/prefill.cu.
 //!
 //! Activations: the residual stream stays f32; each product's input is rounded to bf16 once (after its RMSNorm
-//! or gated norm). The KV cache, conv ring and recurrent state are the decode step's own buffers, so decode (or
-//! the next chunk) continues where a chunk stops.
+//! or gated norm). The KV pools, conv ring and recurrent state are the decode step's own buffers (a chunk belongs
+//! to one sequence slot and uses its state and page-table row), so decode (or the next chunk) continues where a
+//! chunk stops.
 
 use half::bf16;
 use lily_model::Config;
@@ -105,9 +106,9 @@ impl PrefillScratch {
     }
 }
 
-/// Runs tokens `state.tokens[start .. start + t]` (t <= chunk) through every layer, leaving the last token's
-/// hidden state in `state.hidden` and `start + t` in `state.position`, ready for the head or a decode step.
-/// `slot[l]` is layer l's index among the layers of its kind (its KV cache or DeltaNet state).
+/// Runs the `t` (<= chunk) token ids at `tokens` (device i32), positions `start .. start + t` of the sequence in
+/// slot `seq`, through every layer, leaving the last token's hidden state in `state.hidden`, ready for the head.
+/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state).
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue_chunk(
     l: &mut Launcher,
@@ -116,42 +117,28 @@ pub fn enqueue_chunk(
     state: &DeviceState,
     slot: &[usize],
     s: &PrefillScratch,
+    tokens: DevPtr<i32>,
+    seq: usize,
     start: usize,
     t: usize,
 ) -> Result<()> {
     assert!(t >= 1 && t <= s.chunk, "a chunk takes 1 ..= {} tokens", s.chunk);
     let rows = Dims::linear(t as u32, ROW_THREADS);
-    prefill::embed_rows(
-        l,
-        rows,
-        state.tokens.ptr(),
-        start as i32,
-        w.embed_tokens.q4(),
-        s.hidden.ptr(),
-    )?;
+    prefill::embed_rows(l, rows, tokens, 0, w.embed_tokens.q4(), s.hidden.ptr())?;
     for (i, layer) in w.layers.iter().enumerate() {
         let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
         prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), layer.input_layernorm.ptr(), normed, no_lo)?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
-                let (ring, recurrent) = (&state.conv_ring[slot[i]], &state.recurrent[slot[i]]);
-                s.deltanet.run(
-                    l,
-                    c,
-                    t,
-                    start,
-                    s.proj.ptr(),
-                    ring.ptr(),
-                    recurrent.ptr(),
-                    g,
-                    s.mixed.ptr(),
-                )?;
+                let (ring, recurrent) = (state.ring(slot[i], seq), state.recurrent_state(slot[i], seq));
+                s.deltanet
+                    .run(l, c, t, start, s.proj.ptr(), ring, recurrent, g, s.mixed.ptr())?;
                 gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
             }
             GpuMixer::Full(a) => {
                 gemm::gemm(l, s.normed.ptr(), t, &a.qkv, s.proj.ptr(), false)?;
-                let (k_cache, v_cache) = (state.k_cache[slot[i]].ptr(), state.v_cache[slot[i]].ptr());
+                let (k_pool, v_pool) = (state.k_pool[slot[i]].ptr(), state.v_pool[slot[i]].ptr());
                 let inv_freq = state.inv_freq.ptr();
                 s.attn.run(
                     l,
@@ -161,8 +148,9 @@ pub fn enqueue_chunk(
                     s.proj.ptr(),
                     a,
                     inv_freq,
-                    k_cache,
-                    v_cache,
+                    k_pool,
+                    v_pool,
+                    state.page_row(seq),
                     s.mixed.ptr(),
                 )?;
                 gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
@@ -199,8 +187,7 @@ pub fn enqueue_chunk(
         prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out, shared_out, shared_w)?;
     }
     let h = c.hidden_size;
-    l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)?;
-    l.gpu.upload_async(state.position.ptr(), &[(start + t) as i32])
+    l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)
 }
 
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of

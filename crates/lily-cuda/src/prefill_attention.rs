@@ -14,8 +14,8 @@ use crate::weights::GpuAttention;
 
 /// Query tokens per block of `attn_prefill` (QUERY_TILE in the kernel file).
 const QUERY_TILE: usize = 16;
-/// Keys per pipelined K/V tile (KEY_TILE in the kernel file); key chunks are whole tiles.
-const KEY_TILE: usize = 64;
+/// Keys per pipelined K/V tile (KEY_TILE in the kernel file); key chunks are whole tiles, and a tile is one page.
+const KEY_TILE: usize = crate::pages::KV_PAGE;
 /// Fewest key tiles a chunk takes when the keys are split: each part costs a Q tile load and a 128-row f32 write.
 const MIN_CHUNK_TILES: usize = 8;
 /// Threads of the row kernels (prep, merge): one warp per (token, head).
@@ -84,10 +84,11 @@ impl AttentionScratch {
         })
     }
 
-    /// Queues the attention of `t` tokens at positions `start ..` over the KV cache (bf16 `[position][kv heads]
-    /// [head_dim]`, holding at least `start + t` positions; positions below `start` already filled): `proj` is f32
+    /// Queues the attention of `t` tokens at positions `start ..` of one sequence over the paged KV pools (bf16
+    /// `[page][KV_PAGE][kv heads][head_dim]`; `pages` is the sequence's page-table row, i32, whose pages hold at
+    /// least `start + t` positions; positions below `start` already filled): `proj` is f32
     /// `[t][2 q_dim + 2 kv_dim]` (per head [query | gate], then k, then v), `inv_freq` f32 `[rotary_dim / 2]`, `out`
-    /// bf16 `[t][q_dim]` (attention times sigmoid(gate)). Writes the new keys and values into the cache.
+    /// bf16 `[t][q_dim]` (attention times sigmoid(gate)). Writes the new keys and values into the pools.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -98,8 +99,9 @@ impl AttentionScratch {
         proj: DevPtr<f32>,
         weights: &GpuAttention,
         inv_freq: DevPtr<f32>,
-        k_cache: DevPtr<bf16>,
-        v_cache: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
         out: DevPtr<bf16>,
     ) -> Result<()> {
         let c = config;
@@ -122,8 +124,9 @@ impl AttentionScratch {
             t32,
             start32,
             self.q.ptr(),
-            k_cache,
-            v_cache,
+            k_pool,
+            v_pool,
+            pages,
         )?;
         let split = key_split(t, start, kv_heads, self.sm_count);
         let group = heads / kv_heads;
@@ -133,8 +136,9 @@ impl AttentionScratch {
             l,
             Dims::new(grid, (group * 32) as u32).shared(shared as u32),
             self.q.ptr(),
-            k_cache,
-            v_cache,
+            k_pool,
+            v_pool,
+            pages,
             proj,
             t32,
             start32,

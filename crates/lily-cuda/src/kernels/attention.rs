@@ -1,5 +1,6 @@
-//! The decode step's gated full attention (kernels/attention.cu): q/k norms, RoPE and the KV cache write; the
-//! context split into parts, each attended separately; the parts merged and gated.
+//! The decode step's gated full attention (kernels/attention.cu), for a batch of rows each in its own sequence
+//! slot: q/k norms, RoPE and the write into the paged KV pools; the context split into parts, each attended
+//! separately; the parts merged and gated.
 
 use half::bf16;
 
@@ -15,32 +16,42 @@ pub const FILE: KernelFile<'static> = KernelFile {
 };
 
 launchers! {
-    /// Normed, rotated queries into `q_out`; the position's key and value into the caches.
+    /// Normed, rotated queries into `q_out` (row b at b * q_dim); each row's key and value into the pools at its
+    /// position through its slot's page-table row. Grid (heads + kv heads, 1, rows).
     attn_prep(
-        position: DevPtr<i32>,
+        positions: DevPtr<i32>,
+        slots: DevPtr<i32>,
         proj: DevPtr<f32>,
         q_norm: DevPtr<f32>,
         k_norm: DevPtr<f32>,
         inv_freq: DevPtr<f32>,
         q_out: DevPtr<f32>,
-        k_cache: DevPtr<bf16>,
-        v_cache: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        page_table: DevPtr<i32>,
+        pages_per_seq: i32,
     );
-    /// One part of the context per block: its unnormalised output, row max and sum.
+    /// One part of a row's context per block: its unnormalised output, row max and sum. Grid (kv heads,
+    /// ATTN_SPLITS, rows).
     attn_partial(
-        position: DevPtr<i32>,
+        positions: DevPtr<i32>,
+        slots: DevPtr<i32>,
         q: DevPtr<f32>,
-        k_cache: DevPtr<bf16>,
-        v_cache: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        page_table: DevPtr<i32>,
+        pages_per_seq: i32,
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
     );
-    /// The parts merged, times sigmoid of the output gate (in `proj`), into `attn`.
+    /// The parts merged, times sigmoid of the output gate (in `proj`), into `attn` (f32) and `attn_bf16`, each
+    /// when not null. Grid (heads, head_dim / 32, rows).
     attn_merge(
-        position: DevPtr<i32>,
+        positions: DevPtr<i32>,
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
         proj: DevPtr<f32>,
         attn: DevPtr<f32>,
+        attn_bf16: DevPtr<bf16>,
     );
 }

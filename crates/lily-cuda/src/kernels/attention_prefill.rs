@@ -1,4 +1,4 @@
-//! The prefill's gated full attention (kernels/attention_prefill.cu): q/k norms, RoPE and the KV cache write;
+//! The prefill's gated full attention (kernels/attention_prefill.cu): q/k norms, RoPE and the paged KV write;
 //! causal flash attention on tensor cores; the merge of split key ranges with the output gate.
 
 use half::bf16;
@@ -15,7 +15,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
 };
 
 launchers! {
-    /// Normed, rotated, scaled queries into `q_out`; the tokens' keys and values into the caches.
+    /// Normed, rotated, scaled queries into `q_out`; the tokens' keys and values into the pools through `pages`
+    /// (one sequence's page-table row).
     attn_prefill_prep(
         proj: DevPtr<f32>,
         q_norm: DevPtr<f32>,
@@ -24,14 +25,16 @@ launchers! {
         tokens: i32,
         start: i32,
         q_out: DevPtr<bf16>,
-        k_cache: DevPtr<bf16>,
-        v_cache: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
     );
     /// Causal attention over key chunks of `chunk` keys: gated output into `out` (one chunk) or parts.
     attn_prefill(
         q: DevPtr<bf16>,
-        k_cache: DevPtr<bf16>,
-        v_cache: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
         proj: DevPtr<f32>,
         tokens: i32,
         start: i32,

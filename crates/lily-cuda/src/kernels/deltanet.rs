@@ -1,5 +1,8 @@
-//! The decode step's Gated DeltaNet (kernels/deltanet.cu): the causal conv over the ring of recent inputs, the
-//! gates and the delta-rule update of the recurrent state, for one token.
+//! The decode step's Gated DeltaNet (kernels/deltanet.cu), for a batch of rows each in its own sequence slot: the
+//! causal conv over the ring of recent inputs, the gates and the delta-rule update of the recurrent state; and the
+//! gated RMSNorm of the output rows.
+
+use half::bf16;
 
 use super::signature::launchers;
 use super::KernelFile;
@@ -13,9 +16,11 @@ pub const FILE: KernelFile<'static> = KernelFile {
 };
 
 launchers! {
-    /// One token through the mixer: `proj` (q k v z b a) in, `ring` and `state` updated, `core` out.
+    /// One token a row through the mixer: row b's `proj` (q k v z b a) in, the ring and state of slot `slots[b]`
+    /// updated, its `core` row out. Grid (value heads, 4, rows).
     deltanet_step(
-        position: DevPtr<i32>,
+        positions: DevPtr<i32>,
+        slots: DevPtr<i32>,
         proj: DevPtr<f32>,
         ring: DevPtr<f32>,
         conv1d: DevPtr<f32>,
@@ -23,5 +28,13 @@ launchers! {
         dt_bias: DevPtr<f32>,
         state: DevPtr<f32>,
         core: DevPtr<f32>,
+    );
+    /// The gated RMSNorm of each head of `rows` core rows (z from the proj rows) into bf16 `out`.
+    gated_norm_rows(
+        core: DevPtr<f32>,
+        proj: DevPtr<f32>,
+        norm_w: DevPtr<f32>,
+        rows: i32,
+        out: DevPtr<bf16>,
     );
 }

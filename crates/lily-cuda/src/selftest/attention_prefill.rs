@@ -7,10 +7,11 @@ use lily_model::cpu::linalg::{rmsnorm, sigmoid};
 use lily_model::rng::Rng;
 use lily_model::Config;
 
-use super::{normals, rel_err, Report};
+use super::{normals, rel_err, shuffled, Report};
 use crate::driver::{Gpu, Result};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
+use crate::pages::{pages_for, KV_PAGE};
 use crate::prefill_attention::{key_split, AttentionScratch};
 use crate::weights::{GpuAttention, GpuMatrix};
 
@@ -20,7 +21,9 @@ fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
 
 /// Selftest: prep and attention against the CPU twin (rmsnorm, RoPE, `attend` over the bf16 K/V the GPU reads,
 /// sigmoid gate), for prompts from the start (t = 1, 50, 300: one query tile, several, a ragged last tile) and after
-/// a random odd-length prefix of random keys and values (t = 130 and t = 1: the key range split into chunks).
+/// a random odd-length prefix of random keys and values (t = 130 and t = 1: the key range split into chunks). The
+/// keys and values live in pools of pages in a shuffled order (more pages than the sequence takes, the others
+/// NaN), reached through the sequence's page-table row.
 pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, report: &mut Report) -> Result<()> {
     let c = config;
     let mut rng = Rng::new(seed ^ 0xa77e);
@@ -57,8 +60,24 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     gpu.upload(weights.k_norm.ptr(), &k_norm)?;
     let inv_freq_buf = gpu.upload_new(&inv_freq)?;
     let proj_buf = gpu.alloc(max_tokens * row)?;
-    let k_cache = gpu.alloc(max_len * kv_dim)?;
-    let v_cache = gpu.alloc(max_len * kv_dim)?;
+    let pool_pages = pages_for(max_len) + 3;
+    let page_len = KV_PAGE * kv_dim;
+    let k_pool = gpu.alloc(pool_pages * page_len)?;
+    let v_pool = gpu.alloc(pool_pages * page_len)?;
+    let table: Vec<i32> = shuffled(&mut rng, pool_pages)[..pages_for(max_len)].to_vec();
+    let table_buf = gpu.upload_new(&table)?;
+    // Position p of the sequence at row p % KV_PAGE of page table[p / KV_PAGE].
+    let at = |p: usize| (table[p / KV_PAGE] as usize * KV_PAGE + p % KV_PAGE) * kv_dim;
+    let scatter = |cache: &[bf16]| -> Vec<bf16> {
+        let mut pool = vec![nan; pool_pages * page_len];
+        for (p, row) in cache.chunks_exact(kv_dim).enumerate() {
+            pool[at(p)..at(p) + kv_dim].copy_from_slice(row);
+        }
+        pool
+    };
+    let gather = |pool: &[bf16], len: usize| -> Vec<bf16> {
+        (0..len).flat_map(|p| pool[at(p)..at(p) + kv_dim].to_vec()).collect()
+    };
     let out_buf = gpu.alloc(max_tokens * q_dim)?;
     let mut launcher = Launcher::new(gpu, kernels);
 
@@ -73,8 +92,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         };
         let (k_in, v_in) = (cache_in(&mut rng), cache_in(&mut rng));
         gpu.upload(proj_buf.ptr(), &proj)?;
-        gpu.upload(k_cache.ptr(), &k_in)?;
-        gpu.upload(v_cache.ptr(), &v_in)?;
+        gpu.upload(k_pool.ptr(), &scatter(&k_in))?;
+        gpu.upload(v_pool.ptr(), &scatter(&v_in))?;
         gpu.upload(out_buf.ptr(), &vec![nan; t * q_dim])?;
         gpu.upload(scratch.q.ptr(), &vec![nan; t * q_dim])?;
         scratch.run(
@@ -85,20 +104,21 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             proj_buf.ptr(),
             &weights,
             inv_freq_buf.ptr(),
-            k_cache.ptr(),
-            v_cache.ptr(),
+            k_pool.ptr(),
+            v_pool.ptr(),
+            table_buf.ptr(),
             out_buf.ptr(),
         )?;
         gpu.sync()?;
         let mut q_gpu = vec![bf16::ZERO; t * q_dim];
-        let mut k_gpu = vec![bf16::ZERO; len * kv_dim];
-        let mut v_gpu = vec![bf16::ZERO; len * kv_dim];
+        let mut k_gpu = vec![bf16::ZERO; pool_pages * page_len];
+        let mut v_gpu = vec![bf16::ZERO; pool_pages * page_len];
         let mut out_gpu = vec![bf16::ZERO; t * q_dim];
         gpu.download(scratch.q.ptr(), &mut q_gpu)?;
-        gpu.download(k_cache.ptr(), &mut k_gpu)?;
-        gpu.download(v_cache.ptr(), &mut v_gpu)?;
+        gpu.download(k_pool.ptr(), &mut k_gpu)?;
+        gpu.download(v_pool.ptr(), &mut v_gpu)?;
         gpu.download(out_buf.ptr(), &mut out_gpu)?;
-        let (k_gpu, v_gpu) = (bf16_to_f32(&k_gpu), bf16_to_f32(&v_gpu));
+        let (k_gpu, v_gpu) = (bf16_to_f32(&gather(&k_gpu, len)), bf16_to_f32(&gather(&v_gpu, len)));
 
         // CPU twin of the prep: queries (unscaled: `attend` scales), and the whole cache as it should be after.
         let mut q = vec![0.0f32; t * q_dim];
@@ -131,7 +151,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             .max(rel_err(&k_gpu, &k_ref))
             .max(rel_err(&v_gpu, &v_ref));
         report.check(
-            &format!("attn_prefill_prep t={t} start={start}: q, k and v cache (bf16)"),
+            &format!("attn_prefill_prep t={t} start={start}: q, k and v into shuffled pages (bf16)"),
             prep_err,
             5e-3,
         );

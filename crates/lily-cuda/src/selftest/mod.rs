@@ -72,6 +72,15 @@ pub(crate) fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
     worst / scale
 }
 
+/// 0 .. n in a random order (Fisher-Yates), as i32 (page ids, slots).
+pub(crate) fn shuffled(rng: &mut Rng, n: usize) -> Vec<i32> {
+    let mut v: Vec<i32> = (0..n as i32).collect();
+    for i in (1..n).rev() {
+        v.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
 pub(crate) fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.normal() * scale).collect()
 }
@@ -120,7 +129,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
     let tiny = Config::from_json(&Config::tiny_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
     let ckpt = synth::checkpoint_in_memory(&tiny, seed).map_err(|e| GpuError::Other(e.to_string()))?;
     let cpu_weights = Weights::from_checkpoint(tiny.clone(), &ckpt).map_err(|e| GpuError::Other(e.to_string()))?;
-    let model = CudaModel::new(gpu, tiny.clone(), &Source::synthetic(&tiny, seed), 4096, &|_, _| {})?;
+    let model = CudaModel::single(gpu, tiny.clone(), &Source::synthetic(&tiny, seed), 4096, &|_, _| {})?;
     kernel_checks(&model, &cpu_weights, seed, &mut report)?;
 
     println!("-- end to end: synthetic tiny model (seed {seed}) --");
@@ -133,7 +142,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
     let dir = lily_model::default_model::locate().map_err(|e| GpuError::Other(e.to_string()))?;
     let cpu_weights = Weights::load(&dir).map_err(|e| GpuError::Other(e.to_string()))?;
     let config = cpu_weights.config.clone();
-    let gpu_model = CudaModel::new(Gpu::open()?, config, &Source::Cpu(&cpu_weights), 4096, &|_, _| {})?;
+    let gpu_model = CudaModel::single(Gpu::open()?, config, &Source::Cpu(&cpu_weights), 4096, &|_, _| {})?;
     let mut cpu = CpuBackend::new(CpuModel::new(cpu_weights), 4096);
     let mut gpu = CudaBackend::new(gpu_model);
     // Looser for the trained model on random prompts: where some token's top-8 routing is a near-tie, the prefill's
@@ -150,7 +159,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
     compare_models(cpu, gpu, seed, 64, 3e-2, true, &mut report)?;
 
     println!("-- end to end: synthetic tiny model, seed 1 --");
-    let mut gpu = CudaBackend::new(CudaModel::new(
+    let mut gpu = CudaBackend::new(CudaModel::single(
         Gpu::open()?,
         tiny.clone(),
         &Source::synthetic(&tiny, 1),
@@ -164,7 +173,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
         let full =
             Config::from_json(&Config::full_shape().to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
         let start = Instant::now();
-        let gpu_model = CudaModel::new(
+        let gpu_model = CudaModel::single(
             Gpu::open()?,
             full.clone(),
             &Source::synthetic(&full, 1),
@@ -208,7 +217,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
         four.num_hidden_layers = 4;
         four.layer_types.truncate(4);
         let four = Config::from_json(&four.to_mlx_json()).map_err(|e| GpuError::Other(e.to_string()))?;
-        let gpu_model = CudaModel::new(
+        let gpu_model = CudaModel::single(
             Gpu::open()?,
             four.clone(),
             &Source::synthetic(&four, 1),
@@ -757,8 +766,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let cache: Vec<bf16> = (0..2 * position * kv_dim)
             .map(|_| bf16::from_f32(rng.normal()))
             .collect();
-        g.upload(s.k_cache[0].ptr(), &cache[..position * kv_dim])?;
-        g.upload(s.v_cache[0].ptr(), &cache[position * kv_dim..])?;
+        g.upload(s.k_pool[0].ptr(), &cache[..position * kv_dim])?;
+        g.upload(s.v_pool[0].ptr(), &cache[position * kv_dim..])?;
         g.upload(s.position.ptr(), &[position as i32])?;
         g.upload(s.proj.ptr(), &proj)?;
         poison(g, &s.core)?;
@@ -781,8 +790,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         let to_f32 = |v: Vec<bf16>| v.into_iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
         let mut k_all = vec![bf16::ZERO; (position + 1) * kv_dim];
         let mut v_all = vec![bf16::ZERO; (position + 1) * kv_dim];
-        g.download(s.k_cache[0].ptr(), &mut k_all)?;
-        g.download(s.v_cache[0].ptr(), &mut v_all)?;
+        g.download(s.k_pool[0].ptr(), &mut k_all)?;
+        g.download(s.v_pool[0].ptr(), &mut v_all)?;
         let (k_all, v_all) = (to_f32(k_all), to_f32(v_all));
         report.check(
             "attn_prep: new key (k_norm, RoPE) in the bf16 cache",
