@@ -1,5 +1,5 @@
 // The lm_head with the greedy choice fused in (each block's best row, the last block to finish picks the
-// overall best), and the sampler for temperature / top-k / top-p / min-p.
+// overall best), and the sampler of a batch's rows (temperature / top-k / top-p / min-p and a token mask).
 
 // logits = lm_head . rmsnorm(hidden); next_token = argmax (lowest index among equals).
 extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float* hidden, const float* norm, Q4 w,
@@ -68,38 +68,116 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
     }
 }
 
-// Larger float, larger key.
+// Larger float, larger key: the order of f32::total_cmp (-0 before +0, NaNs outside the infinities).
 __device__ __forceinline__ u32 order_key(float f) {
     const u32 b = __float_as_uint(f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// One row's sampling parameters: the twin of lily_cuda::kernels::sampling::RowParams (#[repr(C)], 40 bytes).
+struct SampleRow {
+    // 0: greedy (the host sends 0 whenever SamplingParams::is_greedy holds).
+    float temperature;
+    int top_k;
+    float top_p;
+    float min_p;
+    u64 seed;
+    // The draw's index in the sequence's random stream: the uniform is hash3(seed, 0, counter).
+    u64 counter;
+    // The row of the mask buffer that allows this row's tokens, or -1 for no mask.
+    int mask_row;
+    int pad;
+};
+
 #define SAMPLE_THREADS 1024
-// One block. Candidates: the `candidates` (<= SAMPLE_MAX_CANDIDATES) highest logits, found by a radix select.
-// With top_k in 1..=SAMPLE_MAX_CANDIDATES the probabilities are the softmax over the top-k (as on the CPU);
-// otherwise over the whole vocabulary, and top-p / min-p act on the SAMPLE_MAX_CANDIDATES most likely tokens.
-// The uniform draw is hash3(seed, 0, counter), the CPU sampler's stream.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const float* logits, float temperature,
-                                                                    int top_k, float top_p, float min_p, u64 seed,
-                                                                    u64 counter, int* next_token) {
+// u32 words of one allowed-token bitmask: bit t % 32 of word t / 32 allows token t.
+#define MASK_WORDS ((VOCAB + 31) / 32)
+
+// Logit `i` of a row after its mask: a token the mask does not allow is negative infinity.
+__device__ __forceinline__ float allowed_logit(const float* row, const u32* mask, int i) {
+    const float l = row[i];
+    return (mask == nullptr || ((mask[i >> 5] >> (i & 31)) & 1u)) ? l : -INF_F;
+}
+
+// A candidate's key: the scaled logit's order key above, VOCAB - 1 - id below. A larger key ranks before (the
+// larger value, then the lower id, as the CPU sampler's sort), and no two tokens share a key.
+__device__ __forceinline__ u64 candidate_key(float scaled, int i) {
+    return ((u64)order_key(scaled) << 32) | (u32)(VOCAB - 1 - i);
+}
+
+// The largest allowed logit's id (the lowest id among equals), as lily_model::sampling::argmax over the masked row.
+__device__ int row_argmax(const float* row, const u32* mask, float* warp_best, int* warp_arg) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    float best = -INF_F;
+    int arg = 0x7fffffff;
+    for (int i = threadIdx.x; i < VOCAB; i += blockDim.x) {
+        const float v = allowed_logit(row, mask, i);
+        if (RANKS_BEFORE(v, i, best, arg)) best = v, arg = i;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+        if (RANKS_BEFORE(ob, oa, best, arg)) best = ob, arg = oa;
+    }
+    if (lane == 0) warp_best[warp] = best, warp_arg[warp] = arg;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)(blockDim.x / WARP); w++)
+            if (RANKS_BEFORE(warp_best[w], warp_arg[w], best, arg)) best = warp_best[w], arg = warp_arg[w];
+    return arg;
+}
+
+// One block per row of `logits` ([rows][VOCAB]): the row's next token, with its parameters `rows[row]` and its
+// allowed-token bitmask (row `mask_row` of `masks`, [*][MASK_WORDS]) applied before anything else, into `out[row]`.
+// The draw is the CPU sampler's (lily_model::sampling::Sampler) step by step: greedy is the argmax; otherwise the
+// logits are divided by the temperature, the top_k (1..=SAMPLE_MAX_CANDIDATES) largest are found by a radix select
+// over the candidate keys, sorted, turned into probabilities (exp in double rounded to float, a double total),
+// cut by top-p then min-p, and the uniform hash3(seed, 0, counter) picks among them with the CPU's f32 arithmetic.
+// A row with another top_k (no limit, or one beyond SAMPLE_MAX_CANDIDATES) is sampled on the host: its out is -1.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows(const float* logits, const SampleRow* rows, const u32* masks, int* out) {
     __shared__ u32 hist[256];
-    __shared__ u32 prefix, prefix_mask, remaining, taken_above, taken_equal;
-    __shared__ float cand_logit[SAMPLE_MAX_CANDIDATES];
-    __shared__ int cand_id[SAMPLE_MAX_CANDIDATES];
-    __shared__ float sorted_logit[SAMPLE_MAX_CANDIDATES];
+    __shared__ u64 prefix, prefix_mask;
+    __shared__ u32 remaining, taken;
+    __shared__ bool resolved;
+    __shared__ u64 cand_key[SAMPLE_MAX_CANDIDATES];
+    __shared__ float cand_scaled[SAMPLE_MAX_CANDIDATES];
+    __shared__ float sorted_scaled[SAMPLE_MAX_CANDIDATES];
     __shared__ int sorted_id[SAMPLE_MAX_CANDIDATES];
-    __shared__ float scratch[32];
-    const int t = threadIdx.x;
-    const bool limited = top_k > 0 && top_k <= SAMPLE_MAX_CANDIDATES;
-    const int want = limited ? top_k : SAMPLE_MAX_CANDIDATES;
-    if (t == 0) prefix = 0, prefix_mask = 0, remaining = want, taken_above = 0, taken_equal = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
+    __shared__ float warp_best[SAMPLE_THREADS / WARP];
+    __shared__ int warp_arg[SAMPLE_THREADS / WARP];
+    const int t = threadIdx.x, r = blockIdx.x;
+    const SampleRow p = rows[r];
+    const float* row = logits + (size_t)r * VOCAB;
+    const u32* mask = p.mask_row >= 0 ? masks + (size_t)p.mask_row * MASK_WORDS : nullptr;
+    if (p.temperature <= 0.f) {
+        const int arg = row_argmax(row, mask, warp_best, warp_arg);
+        if (t == 0) out[r] = arg;
+        return;
+    }
+    if (p.top_k < 1 || p.top_k > SAMPLE_MAX_CANDIDATES) {
+        if (t == 0) out[r] = -1;
+        return;
+    }
+    const float temperature = p.temperature;
+    const bool unit = temperature == 1.f;
+    // The CPU sampler's scaled logit, logit / temperature (IEEE division, as on the CPU).
+    auto scaled_at = [&](int i) {
+        const float l = allowed_logit(row, mask, i);
+        return unit ? l : l / temperature;
+    };
+    const int want = min(p.top_k, VOCAB);
+    // Radix select, 8 bits a pass from the top: `prefix` narrows to the bucket that holds the want-th largest key,
+    // and stops as soon as that bucket is taken whole (at the latest when one key remains).
+    if (t == 0) prefix = 0, prefix_mask = 0, remaining = want, taken = 0, resolved = false;
+    for (int shift = 56; shift >= 0; shift -= 8) {
         for (int i = t; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        const u32 pf = prefix, pm = prefix_mask;
+        const u64 pf = prefix, pm = prefix_mask;
         for (int i = t; i < VOCAB; i += blockDim.x) {
-            const u32 k = order_key(logits[i]);
-            if ((k & pm) == pf) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+            const u64 k = candidate_key(scaled_at(i), i);
+            if ((k & pm) == pf) atomicAdd(&hist[(u32)(k >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (t == 0) {
@@ -110,65 +188,77 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const float*
                 above += hist[digit];
             }
             remaining -= above;
-            prefix |= (u32)digit << shift;
-            prefix_mask |= 255u << shift;
+            prefix |= (u64)digit << shift;
+            prefix_mask |= 255ull << shift;
+            resolved = hist[digit] == remaining;
         }
         __syncthreads();
+        if (resolved) break;
     }
-    // `prefix` is the key of the want-th largest logit; `remaining` of the logits equal to it are taken.
-    const u32 threshold = prefix, equal_wanted = remaining;
-    const u32 above_count = want - equal_wanted;
+    // The want keys at or above the prefix, in any order, then sorted by rank.
+    const u64 pf = prefix, pm = prefix_mask;
     for (int i = t; i < VOCAB; i += blockDim.x) {
-        const u32 k = order_key(logits[i]);
-        if (k > threshold) {
-            const u32 at = atomicAdd(&taken_above, 1u);
-            cand_logit[at] = logits[i], cand_id[at] = i;
-        } else if (k == threshold) {
-            const u32 at = atomicAdd(&taken_equal, 1u);
-            if (at < equal_wanted) cand_logit[above_count + at] = logits[i], cand_id[above_count + at] = i;
+        const float s = scaled_at(i);
+        const u64 k = candidate_key(s, i);
+        if ((k & pm) >= pf) {
+            const u32 at = atomicAdd(&taken, 1u);
+            if (at < (u32)want) cand_key[at] = k, cand_scaled[at] = s;
         }
     }
     __syncthreads();
     if (t < want) {
-        const float l = cand_logit[t];
-        const int id = cand_id[t];
+        const u64 k = cand_key[t];
         int rank = 0;
-        for (int j = 0; j < want; j++)
-            rank += RANKS_BEFORE(cand_logit[j], cand_id[j], l, id);
-        sorted_logit[rank] = l, sorted_id[rank] = id;
+        for (int j = 0; j < want; j++) rank += cand_key[j] > k;
+        sorted_scaled[rank] = cand_scaled[t];
+        sorted_id[rank] = VOCAB - 1 - (int)(u32)k;
     }
     __syncthreads();
-    const float mx = sorted_logit[0];
-    float z = 0.f;
-    if (!limited)
-        for (int i = t; i < VOCAB; i += blockDim.x) z += expf((logits[i] - mx) / temperature);
-    z = block_sum(z, scratch);
+    const float mx = sorted_scaled[0];
+    // A temperature so small that the division overflows: the CPU sampler takes the argmax then.
+    if (mx == INF_F) {
+        const int arg = row_argmax(row, mask, warp_best, warp_arg);
+        if (t == 0) out[r] = arg;
+        return;
+    }
     if (t != 0) return;
     float probs[SAMPLE_MAX_CANDIDATES];
-    if (limited) {
-        z = 0.f;
-        for (int i = 0; i < want; i++) z += expf((sorted_logit[i] - mx) / temperature);
-    }
-    int keep = want;
-    float cumulative = 0.f;
+    int ids[SAMPLE_MAX_CANDIDATES];
+    double total = 0.0;
     for (int i = 0; i < want; i++) {
-        probs[i] = expf((sorted_logit[i] - mx) / temperature) / z;
-        cumulative += probs[i];
-        if (top_p < 1.f && cumulative >= top_p && i + 1 < keep) keep = i + 1;
+        probs[i] = (float)exp((double)__fsub_rn(sorted_scaled[i], mx));
+        ids[i] = sorted_id[i];
+        total += (double)probs[i];
     }
-    if (min_p > 0.f) {
-        const float floor_p = probs[0] * min_p;
+    for (int i = 0; i < want; i++) probs[i] = (float)((double)probs[i] / total);
+    int keep = want;
+    if (p.top_p < 1.f) {
+        float cumulative = 0.f;
+        for (int i = 0; i < want; i++) {
+            cumulative = __fadd_rn(cumulative, probs[i]);
+            if (cumulative >= p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if (p.min_p > 0.f) {
+        const float floor_p = __fmul_rn(probs[0], p.min_p);
         int k = 0;
-        while (k < keep && probs[k] >= floor_p) k++;
+        for (int i = 0; i < keep; i++)
+            if (probs[i] >= floor_p) probs[k] = probs[i], ids[k] = ids[i], k++;
         keep = k;
     }
     float kept = 0.f;
-    for (int i = 0; i < keep; i++) kept += probs[i];
-    float r = uniform_at(seed, 0, counter) * kept;
-    int chosen = sorted_id[keep - 1];
+    for (int i = 0; i < keep; i++) kept = __fadd_rn(kept, probs[i]);
+    float u = __fmul_rn(uniform_at(p.seed, 0, p.counter), kept);
+    int chosen = ids[keep - 1];
     for (int i = 0; i < keep; i++) {
-        if (r < probs[i]) { chosen = sorted_id[i]; break; }
-        r -= probs[i];
+        if (u < probs[i]) {
+            chosen = ids[i];
+            break;
+        }
+        u = __fsub_rn(u, probs[i]);
     }
-    *next_token = chosen;
+    out[r] = chosen;
 }

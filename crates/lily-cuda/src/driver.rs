@@ -179,6 +179,41 @@ impl Drop for HostCell {
     }
 }
 
+/// `len` i32 values in pinned host memory that kernels write through their device address: the host reads them
+/// after a synchronisation without a copy on the stream (the tokens a batched sampler chose).
+pub struct HostBuf {
+    host: *mut i32,
+    len: usize,
+    /// The address kernels write to.
+    pub ptr: DevPtr<i32>,
+}
+
+// Written by the GPU and read by the one thread that uses the backend, after a synchronisation.
+unsafe impl Send for HostBuf {}
+
+impl HostBuf {
+    /// Values the buffer holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Value `index` (call after the work that writes it has been waited for).
+    pub fn read(&self, index: usize) -> i32 {
+        assert!(index < self.len, "index {index} of a pinned buffer of {}", self.len);
+        unsafe { std::ptr::read_volatile(self.host.add(index)) }
+    }
+}
+
+impl Drop for HostBuf {
+    fn drop(&mut self) {
+        let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+    }
+}
+
 /// One GPU, its primary context and the stream all of lily's work goes to.
 pub struct Gpu {
     _ctx: Arc<CudaContext>,
@@ -287,6 +322,30 @@ impl Gpu {
         })?;
         cell.ptr = DevPtr::from_raw(addr);
         Ok(cell)
+    }
+
+    /// A [`HostBuf`] of `len` (at least one) values, zeroed.
+    pub fn host_buf(&self, len: usize) -> Result<HostBuf> {
+        let len = len.max(1);
+        let mut host: *mut c_void = std::ptr::null_mut();
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut host, len * 4, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        })?;
+        // As in `host_cell`: the buffer owns the allocation from here on and is completed in place.
+        let mut buf = HostBuf {
+            host: host as *mut i32,
+            len,
+            ptr: DevPtr::NULL,
+        };
+        for i in 0..len {
+            unsafe { std::ptr::write_volatile(buf.host.add(i), 0) };
+        }
+        let mut addr: sys::CUdeviceptr = 0;
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut addr, host, 0)
+        })?;
+        buf.ptr = DevPtr::from_raw(addr);
+        Ok(buf)
     }
 
     /// Queues a write of one 32-bit value to device memory, done by the stream itself (no copy, no host buffer).

@@ -6,6 +6,7 @@
 //! calls and the launch path; [`weights`] puts the 4-bit weights on the GPU (from a checkpoint, or generated in
 //! place). Apart from the forward pass: [`selftest`] checks every kernel and the whole model against the CPU
 //! backend, one file per kernel family; [`bench`] measures speed llama-bench's way.
+//! [`sample_rows`] is the host side of the sampler of a batch's rows.
 
 pub mod bench;
 pub mod driver;
@@ -17,6 +18,7 @@ pub mod pages;
 pub mod prefill;
 pub mod prefill_attention;
 pub mod prefill_deltanet;
+pub mod sample_rows;
 pub mod selftest;
 pub mod weights;
 

@@ -17,11 +17,13 @@ use lily_model::ForwardError;
 use half::bf16;
 
 use crate::driver::{check, DevBuf, DevPtr, Gpu, GpuError, Graph, HostCell, Result};
-use crate::kernels::{attention, deltanet, matvec, moe, sampling, synth, Kernels, ATTN_SPLITS};
+use crate::kernels::sampling::{self, RowParams};
+use crate::kernels::{attention, deltanet, matvec, moe, synth, Kernels, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher, Profile};
 pub use crate::pages::Capacity;
 use crate::pages::{pages_for, PageAllocator, KV_PAGE};
 use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
+use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
 /// Per-sequence state for `max_seqs` slots and the single-sequence step's activations, all allocated up front.
@@ -142,6 +144,8 @@ pub struct CudaModel {
     grids: Grids,
     slot: Vec<usize>,
     pub prefill: PrefillScratch,
+    /// The sampler's buffers for the one sequence's row (draws other than the fused greedy choice).
+    pub sampler: SampleRows,
     /// Tokens a prefill chunk takes (at most `prefill.chunk`; lowered by tests to force several chunks).
     pub prefill_chunk: usize,
     pub gpu: Gpu,
@@ -279,6 +283,7 @@ impl CudaModel {
         let slot = c.layer_slots();
         let chunk = PREFILL_CHUNK.min(max_context);
         let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
+        let sampler = SampleRows::new(&gpu, 1, c.vocab_size)?;
         gpu.sync()?;
         Ok(CudaModel {
             gpu,
@@ -291,6 +296,7 @@ impl CudaModel {
             grids,
             slot,
             prefill,
+            sampler,
             prefill_chunk: chunk,
         })
     }
@@ -503,21 +509,18 @@ impl CudaModel {
         }
     }
 
-    /// Queues the sampler: one token drawn from the logits with `params` (draw number `counter` of the sequence)
-    /// into `state.next_token`.
-    pub fn enqueue_sample(&self, params: &SamplingParams, counter: u64) -> Result<()> {
-        sampling::sample(
-            &mut self.launcher(None),
-            Dims::linear(1, 1024),
-            self.state.logits.ptr(),
-            params.temperature,
-            params.top_k.min(i32::MAX as usize) as i32,
-            params.top_p,
-            params.min_p,
-            params.seed,
-            counter,
-            self.state.next_token.ptr,
-        )
+    /// Queues the sampler over the logits of the last step: `row`'s draw among the tokens `allowed` lets through
+    /// (all when `None`), ready for [`CudaModel::sampled_token`] after a synchronisation.
+    pub fn enqueue_sample(&mut self, row: RowParams, allowed: Option<&[u32]>) -> Result<()> {
+        let launcher = &mut Launcher::new(&self.gpu, &self.kernels);
+        let logits = self.state.logits.ptr();
+        self.sampler.enqueue(launcher, logits, &[row], &[allowed])
+    }
+
+    /// The token the last `enqueue_sample` drew (waits for the GPU).
+    pub fn sampled_token(&self) -> Result<u32> {
+        self.gpu.sync()?;
+        Ok(self.sampler.read()[0])
     }
 
     /// Prefills the single sequence's `tokens[start .. start + count]` (already in `state.tokens`) in slot 0,
@@ -673,7 +676,6 @@ pub struct CudaBackend {
     position: usize,
     logits: Vec<f32>,
     logits_current: bool,
-    sample_counter: u64,
     /// Last, so the graphs are destroyed before the context.
     pub model: CudaModel,
 }
@@ -687,7 +689,6 @@ impl CudaBackend {
             position: 0,
             logits: vec![0.0; vocab],
             logits_current: false,
-            sample_counter: 0,
         }
     }
 
@@ -803,7 +804,6 @@ impl Backend for CudaBackend {
         self.position = 0;
         self.check(prompt)?;
         self.model.reset().map_err(device_err)?;
-        self.sample_counter = 0;
         self.append(prompt).map_err(device_err)
     }
     /// The prompt goes to the GPU one prefill chunk at a time; after each chunk the host waits for the GPU and asks
@@ -840,22 +840,38 @@ impl Backend for CudaBackend {
         }
         Ok(&self.logits)
     }
+    /// Greedy is the lm_head's fused choice; other draws `sample_rows` makes on the GPU when it can.
     fn sample(&mut self, sampler: &mut Sampler) -> std::result::Result<u32, ForwardError> {
-        let p = sampler.params().clone();
-        if !self.samples_on_device(&p) {
+        let p = sampler.params();
+        if !sample_rows::on_device(p) {
             return Ok(sampler.sample(self.logits()?));
         }
-        if !p.is_greedy() {
-            self.sample_counter += 1;
-            self.model.enqueue_sample(&p, self.sample_counter).map_err(device_err)?;
+        if p.is_greedy() {
+            return self.read_next_token().map_err(device_err);
         }
-        self.read_next_token().map_err(device_err)
+        let counter = sampler.next_draw();
+        let row = RowParams::new(sampler.params(), counter);
+        self.model.gpu.bind().map_err(device_err)?;
+        self.model.enqueue_sample(row, None).map_err(device_err)?;
+        self.model.sampled_token().map_err(device_err)
     }
-    /// The `sample` kernel draws as `Sampler` does for greedy and for top-k in 1..=SAMPLE_MAX_CANDIDATES; without
-    /// such a top-k it would draw from the SAMPLE_MAX_CANDIDATES most likely tokens only, so `sample` copies the
-    /// logits out for those parameters.
+    /// The mask goes to the GPU (vocab / 8 bytes) and `sample_rows` draws there, instead of the logits coming out.
+    fn sample_masked(&mut self, sampler: &mut Sampler, allowed: &[u32]) -> std::result::Result<u32, ForwardError> {
+        let p = sampler.params();
+        if !sample_rows::on_device(p) {
+            let mut logits = self.logits()?.to_vec();
+            return Ok(sampler.sample_masked(&mut logits, allowed));
+        }
+        let counter = if p.is_greedy() { 0 } else { sampler.next_draw() };
+        let row = RowParams::new(sampler.params(), counter);
+        self.model.gpu.bind().map_err(device_err)?;
+        self.model.enqueue_sample(row, Some(allowed)).map_err(device_err)?;
+        self.model.sampled_token().map_err(device_err)
+    }
+    /// `sample_rows` draws as `Sampler` does for greedy and for top-k in 1..=SAMPLE_MAX_CANDIDATES; other
+    /// parameters need every token's probability, so `sample` copies the logits out for them.
     fn samples_on_device(&self, params: &SamplingParams) -> bool {
-        params.is_greedy() || (1..=crate::kernels::SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+        sample_rows::on_device(params)
     }
     fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
         self.model.gpu.sync().map_err(device_err)

@@ -44,6 +44,13 @@ pub trait Backend: Send {
     fn sample(&mut self, sampler: &mut Sampler) -> Result<u32, ForwardError> {
         Ok(sampler.sample(self.logits()?))
     }
+    /// As [`Backend::sample`], among the tokens `allowed` lets through (bit `t % 32` of word `t / 32` set: token `t`
+    /// allowed; at least one is), exactly as `sampler.sample_masked` would on a copy of `logits()`. A GPU backend
+    /// sends the mask to the device instead of copying the logits out where it can; this default copies them.
+    fn sample_masked(&mut self, sampler: &mut Sampler, allowed: &[u32]) -> Result<u32, ForwardError> {
+        let mut logits = self.logits()?.to_vec();
+        Ok(sampler.sample_masked(&mut logits, allowed))
+    }
     /// Starts a new sequence with `prompt` as `prefill` does, and hands `each(i, logits)` the next-token logits
     /// after every prompt position `i` (for the prompt's logprobs); `each` returning false stops early, leaving the
     /// sequence part-way. The prompt goes through one `decode` step per token, so that every position's logits

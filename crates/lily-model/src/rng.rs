@@ -38,6 +38,13 @@ impl Rng {
         hash3(self.seed, 0, self.counter)
     }
 
+    /// Counts one draw without computing it and returns its index: a device that draws `hash3(seed, 0, index)`
+    /// itself then stays in step with this generator.
+    pub fn advance(&mut self) -> u64 {
+        self.counter += 1;
+        self.counter
+    }
+
     pub fn uniform(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
     }

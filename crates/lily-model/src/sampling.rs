@@ -122,6 +122,12 @@ impl Sampler {
         &self.params
     }
 
+    /// Takes the next draw of the sampler's random stream for a device to make (a GPU sampler draws
+    /// `uniform_at(seed, 0, index)` as `sample` would here) and returns its index. Greedy parameters draw nothing.
+    pub fn next_draw(&mut self) -> u64 {
+        self.rng.advance()
+    }
+
     /// Samples among the tokens the mask allows ([`apply_token_mask`], applied to `logits` in place). The mask
     /// must allow at least one token.
     pub fn sample_masked(&mut self, logits: &mut [f32], allowed: &[u32]) -> u32 {
@@ -281,6 +287,22 @@ mod tests {
         let mut short = logits.clone();
         apply_token_mask(&mut short, &[0b10]);
         assert!(short[33] == f32::NEG_INFINITY && short[1] == 0.0);
+    }
+
+    /// A draw taken by a device (`next_draw`) moves the host's stream on as one `sample` does: the draw after it
+    /// is the same either way.
+    #[test]
+    fn next_draw_keeps_the_stream_in_step() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let p = params(1.0, 0, 1.0, 0.0);
+        let (mut sampled, mut skipped) = (Sampler::new(p.clone()), Sampler::new(p));
+        for draw in 1..=20u64 {
+            sampled.sample(&logits);
+            assert_eq!(skipped.next_draw(), draw);
+        }
+        let after: Vec<u32> = (0..20).map(|_| sampled.sample(&logits)).collect();
+        let after_skip: Vec<u32> = (0..20).map(|_| skipped.sample(&logits)).collect();
+        assert_eq!(after, after_skip);
     }
 
     #[test]

@@ -418,8 +418,9 @@ impl Engine {
             OutputKind::Text => false,
         };
         let mut constraint = request.constraint.as_ref().map(|g| Constraint::new(g, in_reasoning));
-        // A constrained sequence copies its logits out and masks them on the CPU, on every backend.
-        let copy_logits = request.needs_host_logits() || constraint.is_some();
+        // Penalties and logprobs work on a copy of the logits (a constrained one masks that copy); otherwise the
+        // backend samples, with the constraint's mask where there is one.
+        let copy_logits = request.needs_host_logits();
         let mut last_token_at: Option<Instant> = None;
         loop {
             let (token, logprob) = if copy_logits {
@@ -448,7 +449,16 @@ impl Engine {
                     request.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
                 )
             } else {
-                (self.backend.sample(&mut sampler).map_err(forward_error)?, None)
+                // As above, the mask is computed while a GPU still runs the step queued last.
+                let mask = match constraint.as_mut() {
+                    Some(c) => c.mask().map_err(constraint_error)?,
+                    None => None,
+                };
+                let token = match mask {
+                    Some(mask) => self.backend.sample_masked(&mut sampler, mask),
+                    None => self.backend.sample(&mut sampler),
+                };
+                (token.map_err(forward_error)?, None)
             };
             let now = Instant::now();
             match last_token_at {

@@ -1,0 +1,115 @@
+//! The host side of the batched sampler (`sample_rows` in kernels/sampling.cu): the device arrays of per-row
+//! parameters and allowed-token masks, and the chosen tokens in pinned host memory.
+//!
+//! A row draws on the GPU exactly as `lily_model::sampling::Sampler` would on the host when [`on_device`] holds
+//! (greedy, or a top-k of at most `SAMPLE_MAX_CANDIDATES`); for other parameters the caller copies the row's logits
+//! out and samples it on the host.
+
+use lily_model::sampling::SamplingParams;
+
+use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, HostBuf, Result};
+use crate::kernels::sampling::{self, RowParams};
+use crate::kernels::SAMPLE_MAX_CANDIDATES;
+use crate::launch::{Dims, Launcher};
+
+/// Whether `sample_rows` draws a row with `params` as the host `Sampler` would.
+pub fn on_device(params: &SamplingParams) -> bool {
+    params.is_greedy() || (1..=SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+}
+
+/// The batched sampler's buffers for up to `max_rows` rows of `vocab` logits.
+pub struct SampleRows {
+    max_rows: usize,
+    vocab: usize,
+    params: DevBuf<RowParams>,
+    /// `[max_rows][vocab / 32 rounded up]` allowed-token bitmasks, one per masked row of the last `enqueue`.
+    masks: DevBuf<u32>,
+    out: HostBuf,
+    /// Rows of the last `enqueue`.
+    rows: usize,
+    staged_params: Vec<RowParams>,
+    staged_masks: Vec<u32>,
+}
+
+impl SampleRows {
+    pub fn new(gpu: &Gpu, max_rows: usize, vocab: usize) -> Result<SampleRows> {
+        let max_rows = max_rows.max(1);
+        let words = vocab.div_ceil(32);
+        Ok(SampleRows {
+            max_rows,
+            vocab,
+            params: gpu.alloc_zeroed(max_rows)?,
+            masks: gpu.alloc_zeroed(max_rows * words)?,
+            out: gpu.host_buf(max_rows)?,
+            rows: 0,
+            staged_params: Vec::with_capacity(max_rows),
+            staged_masks: Vec::with_capacity(max_rows * words),
+        })
+    }
+
+    /// The most rows one `enqueue` takes.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Queues the draw of one token for each of `rows` from the logits rows at `logits` (`[rows.len()][vocab]`),
+    /// row `i` among the tokens `masks[i]` allows when given (bit `t % 32` of word `t / 32`, the format of
+    /// `lily_model::backend::Pick::allowed`; tokens past a short mask's end are not allowed). `masks` is empty
+    /// (no masks) or has one entry per row; each row's `mask_row` is set here. The parameters and masks are copied
+    /// before this returns; the tokens are ready for [`SampleRows::read`] once the stream has been synchronised.
+    pub fn enqueue(
+        &mut self,
+        l: &mut Launcher,
+        logits: DevPtr<f32>,
+        rows: &[RowParams],
+        masks: &[Option<&[u32]>],
+    ) -> Result<()> {
+        if rows.is_empty() || rows.len() > self.max_rows {
+            return Err(GpuError::Other(format!(
+                "sample_rows takes 1 to {} rows, not {}",
+                self.max_rows,
+                rows.len()
+            )));
+        }
+        if !masks.is_empty() && masks.len() != rows.len() {
+            return Err(GpuError::Other(format!(
+                "sample_rows got {} masks for {} rows",
+                masks.len(),
+                rows.len()
+            )));
+        }
+        let words = self.vocab.div_ceil(32);
+        self.staged_params.clear();
+        self.staged_masks.clear();
+        for (i, row) in rows.iter().enumerate() {
+            let mut row = *row;
+            row.mask_row = -1;
+            if let Some(Some(mask)) = masks.get(i) {
+                row.mask_row = (self.staged_masks.len() / words) as i32;
+                let n = mask.len().min(words);
+                self.staged_masks.extend_from_slice(&mask[..n]);
+                self.staged_masks.resize(self.staged_masks.len() + words - n, 0);
+            }
+            self.staged_params.push(row);
+        }
+        l.gpu.upload_async(self.params.ptr(), &self.staged_params)?;
+        if !self.staged_masks.is_empty() {
+            l.gpu.upload_async(self.masks.ptr(), &self.staged_masks)?;
+        }
+        self.rows = rows.len();
+        sampling::sample_rows(
+            l,
+            Dims::linear(rows.len() as u32, 1024),
+            logits,
+            self.params.ptr(),
+            self.masks.ptr(),
+            self.out.ptr,
+        )
+    }
+
+    /// The token of each row of the last `enqueue` (call after synchronising the stream); `u32::MAX` for a row
+    /// whose parameters are not [`on_device`].
+    pub fn read(&self) -> Vec<u32> {
+        (0..self.rows).map(|i| self.out.read(i) as u32).collect()
+    }
+}
