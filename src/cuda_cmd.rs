@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use lily_model::{Config, Weights};
 
+use lily_cuda::batch::{fit_capacity, CudaBatchBackend};
 use lily_cuda::bench::{self, DepthFill, Plan};
 use lily_cuda::driver::{Gpu, GpuError};
+use lily_cuda::model::Capacity;
 use lily_cuda::weights::Source;
 use lily_cuda::{CudaBackend, CudaModel};
 
@@ -45,40 +47,86 @@ fn progress_bar(message: String) -> indicatif::ProgressBar {
     bar
 }
 
-fn load(gpu: Gpu, config: Config, source: &Source, max_context: usize, what: &str) -> Result<CudaModel> {
+/// Loads the model for one sequence, or with `capacity` (slots and KV pages) for the batched backend.
+fn load(
+    gpu: Gpu,
+    config: Config,
+    source: &Source,
+    max_context: usize,
+    capacity: Option<Capacity>,
+    what: &str,
+) -> Result<CudaModel> {
     let bar = progress_bar(format!("loading {what} onto {}", gpu.name));
-    let model = CudaModel::single(gpu, config, source, max_context, &|done, total| {
+    let progress = |done: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })?;
+    };
+    let model = match capacity {
+        None => CudaModel::single(gpu, config, source, max_context, &progress)?,
+        Some(capacity) => CudaModel::new(gpu, config, source, max_context, capacity, &progress)?,
+    };
     bar.finish_and_clear();
     Ok(model)
 }
 
-/// The CUDA backend for `generate` with the model in `dir`, or `None` where the CPU should run it (`--device cpu`,
-/// or `auto` with no usable GPU; the reason is logged).
-pub fn open_backend(device: Device, dir: &Path, max_context: usize) -> Result<Option<CudaBackend>> {
+/// The GPU `device` asks for, or `None` where the CPU should run (`--device cpu`, or `auto` with no usable GPU;
+/// the reason is logged).
+fn open_gpu(device: Device) -> Result<Option<Gpu>> {
     if device == Device::Cpu {
         return Ok(None);
     }
-    let gpu = match Gpu::open() {
-        Ok(gpu) => gpu,
+    match Gpu::open() {
+        Ok(gpu) => Ok(Some(gpu)),
         Err(e @ (GpuError::NoDriver | GpuError::NoDevice)) if device == Device::Auto => {
             tracing::info!("running on the CPU: {e}");
-            return Ok(None);
+            Ok(None)
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The CUDA backend for `generate` with the model in `dir`, or `None` where the CPU should run it.
+pub fn open_backend(device: Device, dir: &Path, max_context: usize) -> Result<Option<CudaBackend>> {
+    let Some(gpu) = open_gpu(device)? else {
+        return Ok(None);
     };
     let weights = Weights::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     let config = weights.config.clone();
-    let model = load(
-        gpu,
-        config,
-        &Source::Cpu(&weights),
-        max_context,
-        &dir.display().to_string(),
-    )?;
+    let what = dir.display().to_string();
+    let model = load(gpu, config, &Source::Cpu(&weights), max_context, None, &what)?;
     Ok(Some(CudaBackend::new(model)))
+}
+
+/// The batched CUDA backend for `serve` with the model in `dir`: `max_seqs` slots of up to `max_context` tokens,
+/// the KV pool sized to `kv_fraction` of the GPU memory left after the weights, the slots' state and the scratch.
+/// `None` where the CPU should run it.
+pub fn open_batch_backend(
+    device: Device,
+    dir: &Path,
+    max_context: usize,
+    max_seqs: usize,
+    kv_fraction: f64,
+) -> Result<Option<CudaBatchBackend>> {
+    let Some(gpu) = open_gpu(device)? else {
+        return Ok(None);
+    };
+    let weights = Weights::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let config = weights.config.clone();
+    let weight_bytes = lily_cuda::weights::device_bytes(&weights);
+    let capacity = fit_capacity(&gpu, &config, weight_bytes, max_seqs, max_context, kv_fraction)?;
+    let what = dir.display().to_string();
+    let model = load(gpu, config, &Source::Cpu(&weights), max_context, Some(capacity), &what)?;
+    tracing::info!(
+        "GPU memory: {} slots ({:.1} GB of DeltaNet state), {} KV pages of {} tokens ({} tokens, {:.1} GB); {:.1} GB free after loading",
+        capacity.max_seqs,
+        (model.state.recurrent.iter().chain(&model.state.conv_ring).map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
+        capacity.kv_pages,
+        lily_cuda::pages::KV_PAGE,
+        capacity.kv_pages * lily_cuda::pages::KV_PAGE,
+        (model.state.k_pool.iter().chain(&model.state.v_pool).map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
+        model.gpu.free_memory()? as f64 / 1e9
+    );
+    Ok(Some(CudaBatchBackend::new(model)?))
 }
 
 /// The backend `--device` asks for: CUDA (`cuda`, or `auto` where a GPU is usable), else the CPU model that
@@ -196,6 +244,10 @@ pub struct BenchArgs {
     pub timeline: bool,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Time the batched decode step of the server's engine instead, with this many sequences at once
+    /// (comma-separated): each depth's context is a real prefill in every slot, `-n` steps of all rows are timed.
+    #[arg(long, value_parser = parse_list)]
+    pub batch: Vec<List>,
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
@@ -204,11 +256,18 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if depths.is_empty() || args.repetitions == 0 {
         bail!("give at least one depth and one repetition");
     }
+    let batches: Vec<usize> = args.batch.into_iter().flat_map(|l| l.0).collect();
     let longest = prompts.iter().copied().max().unwrap_or(0).max(args.generate);
-    let max_context = depths.iter().max().copied().unwrap_or(0) + longest + 1;
+    let max_context = depths.iter().max().copied().unwrap_or(0).max(1)
+        + longest * (1 + if batches.is_empty() { 0 } else { args.repetitions })
+        + 1;
     if args.timeline {
         lily_cuda::kernels::enable_timeline();
     }
+    let capacity = batches.iter().max().map(|&max_seqs| Capacity {
+        max_seqs,
+        kv_pages: max_seqs * lily_cuda::pages::pages_for(max_context),
+    });
     let gpu = Gpu::open()?;
     let (model, model_name) = match args.synthetic {
         Some(shape) => {
@@ -220,6 +279,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                     config.clone(),
                     &Source::synthetic(&config, args.seed),
                     max_context,
+                    capacity,
                     &name,
                 )?,
                 name,
@@ -236,7 +296,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            (load(gpu, config, &Source::Cpu(&weights), max_context, &name)?, name)
+            (
+                load(gpu, config, &Source::Cpu(&weights), max_context, capacity, &name)?,
+                name,
+            )
         }
     };
     if max_context > model.config.max_position_embeddings {
@@ -246,6 +309,19 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         );
     }
     let device = model.gpu.name.clone();
+    if !batches.is_empty() {
+        println!("model: {model_name}; batched step");
+        let mut backend = lily_cuda::batch::CudaBatchBackend::new(model)?;
+        let (n, r) = (args.generate, args.repetitions);
+        return Ok(bench::batched::run(
+            &mut backend,
+            &batches,
+            &depths,
+            n,
+            r,
+            args.profile,
+        )?);
+    }
     let mut backend = CudaBackend::new(model);
     let plan = Plan {
         model_name,

@@ -267,6 +267,13 @@ impl Gpu {
         })
     }
 
+    /// Bytes of device memory free now (the context must be current on this thread).
+    pub fn free_memory(&self) -> Result<usize> {
+        let (mut free, mut total) = (0usize, 0usize);
+        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok(free)
+    }
+
     /// Makes this GPU's context current on the calling thread (needed once per thread).
     pub fn bind(&self) -> Result<()> {
         self._ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))

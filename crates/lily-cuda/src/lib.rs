@@ -8,6 +8,7 @@
 //! backend, one file per kernel family; [`bench`] measures speed llama-bench's way.
 //! [`sample_rows`] is the host side of the sampler of a batch's rows.
 
+pub mod batch;
 pub mod bench;
 pub mod driver;
 pub mod gemm;

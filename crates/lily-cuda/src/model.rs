@@ -142,7 +142,7 @@ pub struct CudaModel {
     /// The KV pages each slot holds (mirrored in `state.page_table`) and the free ones.
     pub pages: PageAllocator,
     grids: Grids,
-    slot: Vec<usize>,
+    pub(crate) slot: Vec<usize>,
     pub prefill: PrefillScratch,
     /// The sampler's buffers for the one sequence's row (draws other than the fused greedy choice).
     pub sampler: SampleRows,

@@ -18,7 +18,7 @@ use crate::launch::{Dims, Launcher};
 use crate::model::DeviceState;
 use crate::prefill_attention::AttentionScratch;
 use crate::prefill_deltanet::DeltaNetScratch;
-use crate::weights::{GpuMixer, GpuWeights};
+use crate::weights::{GpuLayer, GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
 pub const PREFILL_CHUNK: usize = 8192;
@@ -94,14 +94,15 @@ impl PrefillScratch {
         })
     }
 
-    /// The entries sorted by expert, as the grouped expert products take them.
-    fn sorted(&self) -> gemm::Sorted {
+    /// The entries of `t` rows sorted by expert, as the grouped expert products take them (their grids cover the
+    /// most tiles `t` rows can make, not the whole chunk's).
+    fn sorted(&self, kernels: &Kernels, c: &Config, t: usize) -> gemm::Sorted {
         gemm::Sorted {
             entries: self.entries.ptr(),
             tiles: self.tiles.ptr(),
             tile_count: self.tile_count.ptr(),
             offsets: self.offsets.ptr(),
-            max_tiles: self.max_tiles,
+            max_tiles: gemm::max_tiles(kernels, c, t).min(self.max_tiles),
         }
     }
 }
@@ -156,38 +157,46 @@ pub fn enqueue_chunk(
                 gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
             }
         }
-        // The sparse MoE: route, sort the (token, slot) entries by expert, grouped expert products, shared expert.
-        let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
-        prefill::rmsnorm_rows(
-            l,
-            rows,
-            s.hidden.ptr(),
-            layer.post_attention_layernorm.ptr(),
-            normed,
-            normed_lo,
-        )?;
-        // Routing follows small differences between logits: the router sees the normed input to about 16 bits.
-        gemm::gemm(l, normed, t, &layer.router, s.router_logits.ptr(), false)?;
-        gemm::gemm(l, normed_lo, t, &layer.router, s.router_logits.ptr(), true)?;
-        route_and_sort(l, c, s, t)?;
-        let sorted = s.sorted();
-        gemm::moe_gate_up(l, normed, &sorted, &layer.experts_gate, &layer.experts_up, s.act.ptr())?;
-        let route_w = s.route_w.ptr();
-        gemm::moe_down(
-            l,
-            s.act.ptr(),
-            &sorted,
-            route_w,
-            &layer.experts_down,
-            s.expert_out.ptr(),
-        )?;
-        gemm::gemm_swiglu(l, normed, t, &layer.shared_gate, &layer.shared_up, s.shared_act.ptr())?;
-        gemm::gemm(l, s.shared_act.ptr(), t, &layer.shared_down, s.shared_out.ptr(), false)?;
-        let (expert_out, shared_out, shared_w) = (s.expert_out.ptr(), s.shared_out.ptr(), s.shared_w.ptr());
-        prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out, shared_out, shared_w)?;
+        enqueue_moe(l, c, layer, s, t)?;
     }
     let h = c.hidden_size;
     l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)
+}
+
+/// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden` (added to them): the post-attention norm,
+/// the router, the sort of the (row, slot) entries by expert, the grouped expert products, the shared expert and
+/// the combination. A prefill chunk and a batched decode step both run it, one row a token.
+pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &PrefillScratch, t: usize) -> Result<()> {
+    let rows = Dims::linear(t as u32, ROW_THREADS);
+    let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        layer.post_attention_layernorm.ptr(),
+        normed,
+        normed_lo,
+    )?;
+    // Routing follows small differences between logits: the router sees the normed input to about 16 bits.
+    gemm::gemm(l, normed, t, &layer.router, s.router_logits.ptr(), false)?;
+    gemm::gemm(l, normed_lo, t, &layer.router, s.router_logits.ptr(), true)?;
+    route_and_sort(l, c, s, t)?;
+    let sorted = s.sorted(l.kernels, c, t);
+    gemm::moe_gate_up(l, normed, &sorted, &layer.experts_gate, &layer.experts_up, s.act.ptr())?;
+    let route_w = s.route_w.ptr();
+    gemm::moe_down(
+        l,
+        s.act.ptr(),
+        &sorted,
+        route_w,
+        &layer.experts_down,
+        s.expert_out.ptr(),
+    )?;
+    gemm::gemm_swiglu(l, normed, t, &layer.shared_gate, &layer.shared_up, s.shared_act.ptr())?;
+    gemm::gemm(l, s.shared_act.ptr(), t, &layer.shared_down, s.shared_out.ptr(), false)?;
+    let (expert_out, shared_out, shared_w) = (s.expert_out.ptr(), s.shared_out.ptr(), s.shared_w.ptr());
+    prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out, shared_out, shared_w)?;
+    Ok(())
 }
 
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of

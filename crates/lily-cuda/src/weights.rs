@@ -121,6 +121,36 @@ pub struct GpuWeights {
     pub lm_head: GpuMatrix,
 }
 
+/// Device bytes the quantized matrices of `w` take once uploaded (the float vectors are negligible beside them).
+pub fn device_bytes(w: &Weights) -> usize {
+    let m = |q: &QMatrix| q.rows * (words_per_row(q.cols, q.bits) + q.cols / GROUP_SIZE) * 4;
+    let mut bytes = m(&w.embed_tokens) + m(&w.lm_head);
+    for layer in &w.layers {
+        bytes += match &layer.mixer {
+            Mixer::Linear(g) => [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a, &g.out_proj]
+                .into_iter()
+                .map(m)
+                .sum::<usize>(),
+            Mixer::Full(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].into_iter().map(m).sum(),
+        };
+        let e = &layer.moe;
+        bytes += [
+            &e.router,
+            &e.shared_expert_gate,
+            &e.experts_gate,
+            &e.experts_up,
+            &e.experts_down,
+            &e.shared_gate,
+            &e.shared_up,
+            &e.shared_down,
+        ]
+        .into_iter()
+        .map(m)
+        .sum::<usize>();
+    }
+    bytes
+}
+
 /// A quantized matrix of the model, by its place.
 #[derive(Clone, Copy, Debug)]
 pub enum Mat {

@@ -6,6 +6,7 @@
 //! and written) and the bandwidth that implies, as a share of the card's measured 4.6 TB/s; every prompt figure with
 //! the FLOP/s it implies, as a share of the card's measured ~790 TFLOP/s (bf16 dense).
 
+pub mod batched;
 pub mod timeline;
 
 use std::time::Instant;
@@ -102,7 +103,7 @@ pub fn bytes_per_token(model: &CudaModel, depth: usize) -> f64 {
     bytes as f64
 }
 
-fn mean_std(samples: &[f64]) -> (f64, f64) {
+pub(crate) fn mean_std(samples: &[f64]) -> (f64, f64) {
     let n = samples.len() as f64;
     let mean = samples.iter().sum::<f64>() / n;
     let var = if samples.len() > 1 {

@@ -10,6 +10,7 @@
 //! through the layers and the decode steps after; a random 40-layer model amplifies it more).
 
 mod attention_prefill;
+mod batched;
 mod deltanet_prefill;
 mod gemm;
 mod prefill;
@@ -159,6 +160,24 @@ pub fn run_all(options: &Options) -> Result<usize> {
         &mut report,
     )?;
     compare_models(cpu, gpu, seed, 64, 3e-2, true, &mut report)?;
+
+    println!("-- batched backend: default model, 64 slots --");
+    let weights = Weights::load(&dir).map_err(|e| GpuError::Other(e.to_string()))?;
+    let capacity = crate::model::Capacity {
+        max_seqs: 64,
+        kv_pages: 64 * crate::pages::pages_for(8192),
+    };
+    let model = CudaModel::new(
+        Gpu::open()?,
+        weights.config.clone(),
+        &Source::Cpu(&weights),
+        8192,
+        capacity,
+        &|_, _| {},
+    )?;
+    let mut backend = crate::batch::CudaBatchBackend::new(model)?;
+    batched::check(&mut backend, weights, seed, 64, 8000, &mut report)?;
+    drop(backend);
 
     println!("-- end to end: synthetic tiny model, seed 1 --");
     let mut gpu = CudaBackend::new(CudaModel::single(

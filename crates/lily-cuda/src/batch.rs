@@ -1,0 +1,556 @@
+//! Continuous batching on the GPU: the batched decode step and the [`BatchBackend`] over it.
+//!
+//! Up to `max_step_rows` sequences, each in its own slot of the model's state (see [`crate::model::DeviceState`]:
+//! DeltaNet state per slot, attention KV in pages of one pool), advance one token together. The step is the
+//! prefill's token-parallel pass with one row a sequence: the products and the MoE take the rows as a prefill
+//! chunk takes its tokens (each chosen expert's weights read once for all the rows routed to it), while each
+//! mixer reads and writes its own row's sequence at its own position. The step for a given number of rows is
+//! captured as a CUDA graph the first time it runs and replayed after, so a step costs one launch.
+
+use std::collections::HashMap;
+
+use lily_model::backend::{BatchBackend, Pick, Slot, StepRow};
+use lily_model::{Config, ForwardError};
+
+use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Graph, Result};
+use crate::gemm;
+use crate::kernels::sampling::RowParams;
+use crate::kernels::{attention, deltanet, prefill, ATTN_SPLITS};
+use crate::launch::{Dims, Launcher};
+use crate::model::{Capacity, CudaModel, DeviceState};
+use crate::pages::KV_PAGE;
+use crate::prefill::{enqueue_moe, PrefillScratch, ROW_THREADS};
+use crate::sample_rows::{self, SampleRows};
+use crate::weights::{GpuMixer, GpuWeights};
+
+/// The step's own buffers. The rest (residual stream, normed rows, projections, the MoE's sort and products) is
+/// the prefill chunk's scratch, which the step shares: a step and a prefill never run at once.
+pub struct StepScratch {
+    pub max_rows: usize,
+    /// i32 `[3][max_rows]`: each row's token id, position and slot, uploaded together before a step.
+    pub rows: DevBuf<i32>,
+    /// f32 `[max_rows][linear value dim]`: the DeltaNet's output before its gated norm.
+    pub core: DevBuf<f32>,
+    /// f32 `[max_rows][q dim]`: the attention's normed, rotated queries.
+    pub q: DevBuf<f32>,
+    /// f32: the attention's parts per row (`[max_rows][heads][ATTN_SPLITS][head_dim]`) and their max and sum.
+    pub part_o: DevBuf<f32>,
+    pub part_ml: DevBuf<f32>,
+    /// f32 `[max_rows][vocab]`: each row's next-token logits.
+    pub logits: DevBuf<f32>,
+}
+
+impl StepScratch {
+    pub fn new(gpu: &Gpu, c: &Config, max_rows: usize) -> Result<StepScratch> {
+        let parts = max_rows * c.num_attention_heads * ATTN_SPLITS;
+        Ok(StepScratch {
+            max_rows,
+            rows: gpu.alloc_zeroed(3 * max_rows)?,
+            core: gpu.alloc(max_rows * c.linear_value_dim())?,
+            q: gpu.alloc(max_rows * c.q_dim())?,
+            part_o: gpu.alloc(parts * c.head_dim)?,
+            part_ml: gpu.alloc(parts * 2)?,
+            logits: gpu.alloc(max_rows * c.vocab_size)?,
+        })
+    }
+
+    fn tokens(&self) -> DevPtr<i32> {
+        self.rows.ptr()
+    }
+
+    fn positions(&self) -> DevPtr<i32> {
+        self.rows.at(self.max_rows)
+    }
+
+    fn slots(&self) -> DevPtr<i32> {
+        self.rows.at(2 * self.max_rows)
+    }
+
+    /// Device bytes for `max_rows` rows (to size the KV pool from what is left).
+    pub fn bytes(c: &Config, max_rows: usize) -> usize {
+        let parts = max_rows * c.num_attention_heads * ATTN_SPLITS;
+        4 * (3 * max_rows + max_rows * (c.linear_value_dim() + c.q_dim() + c.vocab_size) + parts * (c.head_dim + 2))
+    }
+}
+
+/// One decode step of `t` rows whose token ids, positions and slots are in `b.rows`: every layer over the rows,
+/// then the final norm and lm_head into `b.logits`. `slot[l]` is layer l's index among the layers of its kind.
+#[allow(clippy::too_many_arguments)]
+pub fn enqueue_step(
+    l: &mut Launcher,
+    c: &Config,
+    w: &GpuWeights,
+    state: &DeviceState,
+    slot: &[usize],
+    s: &PrefillScratch,
+    b: &StepScratch,
+    t: usize,
+) -> Result<()> {
+    assert!(t >= 1 && t <= b.max_rows, "a step takes 1 ..= {} rows", b.max_rows);
+    let rows = Dims::linear(t as u32, ROW_THREADS);
+    let (positions, slots, t32) = (b.positions(), b.slots(), t as u32);
+    let (heads, kv_heads, head_dim) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    prefill::embed_rows(l, rows, b.tokens(), 0, w.embed_tokens.q4(), s.hidden.ptr())?;
+    for (i, layer) in w.layers.iter().enumerate() {
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            layer.input_layernorm.ptr(),
+            s.normed.ptr(),
+            DevPtr::NULL,
+        )?;
+        match &layer.mixer {
+            GpuMixer::Linear(g) => {
+                gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
+                deltanet::deltanet_step(
+                    l,
+                    Dims::new((c.linear_num_value_heads as u32, 4, t32), 256),
+                    positions,
+                    slots,
+                    s.proj.ptr(),
+                    state.conv_ring[slot[i]].ptr(),
+                    g.conv1d.ptr(),
+                    g.a_log.ptr(),
+                    g.dt_bias.ptr(),
+                    state.recurrent[slot[i]].ptr(),
+                    b.core.ptr(),
+                )?;
+                let warps = t * c.linear_num_value_heads;
+                let dims = Dims::linear(warps.div_ceil(8) as u32, 256);
+                deltanet::gated_norm_rows(
+                    l,
+                    dims,
+                    b.core.ptr(),
+                    s.proj.ptr(),
+                    g.norm.ptr(),
+                    t as i32,
+                    s.mixed.ptr(),
+                )?;
+                gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
+            }
+            GpuMixer::Full(a) => {
+                gemm::gemm(l, s.normed.ptr(), t, &a.qkv, s.proj.ptr(), false)?;
+                let (k_pool, v_pool) = (state.k_pool[slot[i]].ptr(), state.v_pool[slot[i]].ptr());
+                let (table, per_seq) = (state.page_table.ptr(), state.pages_per_seq as i32);
+                attention::attn_prep(
+                    l,
+                    Dims::new(((heads + kv_heads) as u32, 1, t32), head_dim as u32),
+                    positions,
+                    slots,
+                    s.proj.ptr(),
+                    a.q_norm.ptr(),
+                    a.k_norm.ptr(),
+                    state.inv_freq.ptr(),
+                    b.q.ptr(),
+                    k_pool,
+                    v_pool,
+                    table,
+                    per_seq,
+                )?;
+                attention::attn_partial(
+                    l,
+                    Dims::new((kv_heads as u32, ATTN_SPLITS as u32, t32), 256),
+                    positions,
+                    slots,
+                    b.q.ptr(),
+                    k_pool,
+                    v_pool,
+                    table,
+                    per_seq,
+                    b.part_o.ptr(),
+                    b.part_ml.ptr(),
+                )?;
+                attention::attn_merge(
+                    l,
+                    Dims::new((heads as u32, (head_dim / 32) as u32, t32), 256),
+                    positions,
+                    b.part_o.ptr(),
+                    b.part_ml.ptr(),
+                    s.proj.ptr(),
+                    DevPtr::NULL,
+                    s.mixed.ptr(),
+                )?;
+                gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
+            }
+        }
+        enqueue_moe(l, c, layer, s, t)?;
+    }
+    enqueue_head(l, w, s.hidden.ptr(), s, b, t)
+}
+
+/// The final norm and lm_head of `t` hidden rows at `hidden` into `b.logits`.
+fn enqueue_head(
+    l: &mut Launcher,
+    w: &GpuWeights,
+    hidden: DevPtr<f32>,
+    s: &PrefillScratch,
+    b: &StepScratch,
+    t: usize,
+) -> Result<()> {
+    let rows = Dims::linear(t as u32, ROW_THREADS);
+    prefill::rmsnorm_rows(l, rows, hidden, w.final_norm.ptr(), s.normed.ptr(), DevPtr::NULL)?;
+    gemm::gemm(l, s.normed.ptr(), t, &w.lm_head, b.logits.ptr(), false)
+}
+
+/// Device bytes of the prefill chunk's scratch per token, rounded up (the full shape needs ~230 kB).
+const PREFILL_SCRATCH_PER_TOKEN: usize = 300 << 10;
+/// Device memory kept free beside the model's buffers: the context, the compiled kernels, captured graphs.
+const RESERVE_BYTES: usize = 1 << 30;
+
+/// Slots and KV pages for serving up to `max_seqs` sequences of up to `max_context` tokens on `gpu`, where the
+/// weights will take `weight_bytes`: the KV pool gets `fraction` of the memory left once the weights, every
+/// slot's DeltaNet state, the scratch buffers and a reserve are counted, and no more than all slots at full
+/// context could use. Fails when not even one page fits.
+pub fn fit_capacity(
+    gpu: &Gpu,
+    c: &Config,
+    weight_bytes: usize,
+    max_seqs: usize,
+    max_context: usize,
+    fraction: f64,
+) -> Result<Capacity> {
+    let free = gpu.free_memory()?;
+    let chunk = crate::prefill::PREFILL_CHUNK.min(max_context);
+    let state_per_slot = 4
+        * c.num_linear_layers()
+        * (c.linear_conv_kernel_dim * c.linear_conv_dim()
+            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+    let fixed = weight_bytes
+        + max_seqs * state_per_slot
+        + chunk * PREFILL_SCRATCH_PER_TOKEN
+        + StepScratch::bytes(c, max_seqs)
+        + RESERVE_BYTES;
+    let page_bytes = KV_PAGE * c.kv_dim() * 2 * 2 * c.num_full_layers();
+    let left = free.saturating_sub(fixed) as f64 * fraction.clamp(0.0, 1.0);
+    let kv_pages = ((left / page_bytes as f64) as usize).min(max_seqs * crate::pages::pages_for(max_context));
+    if kv_pages == 0 {
+        return Err(GpuError::Other(format!(
+            "{:.1} GB free on the GPU: the weights ({:.1} GB), {max_seqs} slots of state ({:.1} GB) and the \
+             scratch leave no room for the KV cache; lower --max-seqs or --context",
+            free as f64 / 1e9,
+            weight_bytes as f64 / 1e9,
+            (max_seqs * state_per_slot) as f64 / 1e9
+        )));
+    }
+    Ok(Capacity { max_seqs, kv_pages })
+}
+
+/// [`BatchBackend`] over a [`CudaModel`] with many slots.
+pub struct CudaBatchBackend {
+    /// Tokens in each slot's sequence.
+    lens: Vec<usize>,
+    /// The captured step for each row count that has run.
+    graphs: HashMap<usize, Graph>,
+    /// Rows of the last prefill (1) or step.
+    last_rows: usize,
+    /// A host copy of one row's logits: (row, values), current until the next prefill or step.
+    host_row: Option<usize>,
+    host_logits: Vec<f32>,
+    /// The step's rows as uploaded: token ids, positions, slots, each `max_rows` long.
+    staged_rows: Vec<i32>,
+    /// i32 `[max_prefill_tokens]`: a prefill chunk's token ids.
+    prefill_tokens: DevBuf<i32>,
+    sampler: SampleRows,
+    step: StepScratch,
+    /// Last, so the graphs and buffers go before the context.
+    pub model: CudaModel,
+}
+
+fn device_err(e: GpuError) -> ForwardError {
+    ForwardError::Device(e.to_string())
+}
+
+impl CudaBatchBackend {
+    /// A backend over `model`, whose slots and KV pages it manages from now on; a step takes up to one row a slot.
+    pub fn new(model: CudaModel) -> Result<CudaBatchBackend> {
+        let max_rows = model.state.max_seqs;
+        let c = &model.config;
+        let step = StepScratch::new(&model.gpu, c, max_rows)?;
+        let sampler = SampleRows::new(&model.gpu, max_rows, c.vocab_size)?;
+        let prefill_tokens = model.gpu.alloc_zeroed(model.prefill_chunk)?;
+        model.gpu.sync()?;
+        Ok(CudaBatchBackend {
+            lens: vec![0; max_rows],
+            graphs: HashMap::new(),
+            last_rows: 0,
+            host_row: None,
+            host_logits: vec![0.0; c.vocab_size],
+            staged_rows: vec![0; 3 * max_rows],
+            prefill_tokens,
+            sampler,
+            step,
+            model,
+        })
+    }
+
+    /// The step's buffers (for benchmarks and checks that queue a step themselves).
+    pub fn step_scratch(&self) -> &StepScratch {
+        &self.step
+    }
+
+    fn check_slot(&self, slot: Slot) -> std::result::Result<(), ForwardError> {
+        if slot >= self.lens.len() {
+            return Err(ForwardError::Device(format!("slot {slot} of {}", self.lens.len())));
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: impl IntoIterator<Item = u32>) -> std::result::Result<(), ForwardError> {
+        let vocab = self.model.config.vocab_size;
+        match tokens.into_iter().find(|&t| t as usize >= vocab) {
+            Some(bad) => Err(ForwardError::BadToken(bad)),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether slot `slot` has room for `needed` positions (its reservation, within the context).
+    fn check_room(&self, slot: Slot, needed: usize) -> std::result::Result<(), ForwardError> {
+        let max_context = self.model.max_context.min(self.model.pages.capacity(slot));
+        if needed > max_context {
+            return Err(ForwardError::ContextFull { needed, max_context });
+        }
+        Ok(())
+    }
+
+    fn run_step(&mut self, t: usize) -> Result<()> {
+        if !self.graphs.contains_key(&t) {
+            let m = &self.model;
+            let graph = m.gpu.capture(|| {
+                let l = &mut m.launcher(None);
+                enqueue_step(l, &m.config, &m.weights, &m.state, &m.slot, &m.prefill, &self.step, t)
+            })?;
+            self.graphs.insert(t, graph);
+        }
+        self.model.gpu.replay(&self.graphs[&t])
+    }
+}
+
+impl BatchBackend for CudaBatchBackend {
+    fn config(&self) -> &Config {
+        &self.model.config
+    }
+    fn max_context(&self) -> usize {
+        self.model.max_context
+    }
+    fn max_seqs(&self) -> usize {
+        self.lens.len()
+    }
+    fn max_step_rows(&self) -> usize {
+        self.step.max_rows
+    }
+    fn max_prefill_tokens(&self) -> usize {
+        self.model.prefill_chunk
+    }
+    fn free_tokens(&self) -> usize {
+        self.model.free_pages() * KV_PAGE
+    }
+    fn reserve(&mut self, slot: Slot, tokens: usize) -> std::result::Result<bool, ForwardError> {
+        self.check_slot(slot)?;
+        if tokens > self.model.max_context {
+            return Ok(false);
+        }
+        self.model.gpu.bind().map_err(device_err)?;
+        self.model.reserve(slot, tokens).map_err(device_err)
+    }
+    fn release(&mut self, slot: Slot) {
+        if slot < self.lens.len() {
+            self.model.release(slot);
+            self.lens[slot] = 0;
+        }
+    }
+    fn len(&self, slot: Slot) -> usize {
+        self.lens.get(slot).copied().unwrap_or(0)
+    }
+    fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
+        self.check_slot(slot)?;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        if tokens.len() > self.model.prefill_chunk {
+            return Err(ForwardError::Device(format!(
+                "a prefill call takes at most {} tokens, not {}",
+                self.model.prefill_chunk,
+                tokens.len()
+            )));
+        }
+        self.check_tokens(tokens.iter().copied())?;
+        let start = self.lens[slot];
+        self.check_room(slot, start + tokens.len())?;
+        self.model.gpu.bind().map_err(device_err)?;
+        let run = || -> Result<()> {
+            let m = &self.model;
+            if start == 0 {
+                m.reset_slot(slot)?;
+            }
+            // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
+            m.gpu.upload_async(self.prefill_tokens.ptr().cast::<u32>(), tokens)?;
+            m.enqueue_prefill_slot(slot, start, tokens.len(), self.prefill_tokens.ptr())?;
+            let l = &mut m.launcher(None);
+            enqueue_head(l, &m.weights, m.state.hidden.ptr(), &m.prefill, &self.step, 1)?;
+            // The upload above reads `tokens` before returning, but the stream must be done with the staging buffer
+            // before the next call writes it again.
+            m.gpu.sync()
+        };
+        run().map_err(device_err)?;
+        self.lens[slot] = start + tokens.len();
+        self.last_rows = 1;
+        self.host_row = None;
+        Ok(())
+    }
+    fn fork(&mut self, from: Slot, to: Slot) -> std::result::Result<(), ForwardError> {
+        self.check_slot(from)?;
+        self.check_slot(to)?;
+        let len = self.lens[from];
+        if from == to || self.lens[to] != 0 {
+            return Err(ForwardError::Device(format!(
+                "fork from slot {from} into slot {to}, which is not empty"
+            )));
+        }
+        self.check_room(to, len)?;
+        self.model.gpu.bind().map_err(device_err)?;
+        let m = &self.model;
+        let s = &m.state;
+        let c = &m.config;
+        let copy = || -> Result<()> {
+            for layer in 0..s.conv_ring.len() {
+                m.gpu.copy(s.ring(layer, to), s.ring(layer, from), s.ring_len(c))?;
+                m.gpu.copy(
+                    s.recurrent_state(layer, to),
+                    s.recurrent_state(layer, from),
+                    s.recurrent_len(c),
+                )?;
+            }
+            let page = KV_PAGE * c.kv_dim();
+            let pages = len.div_ceil(KV_PAGE);
+            for (&src, &dst) in m.pages.pages(from)[..pages].iter().zip(&m.pages.pages(to)[..pages]) {
+                for pool in s.k_pool.iter().chain(&s.v_pool) {
+                    m.gpu
+                        .copy(pool.at(dst as usize * page), pool.at(src as usize * page), page)?;
+                }
+            }
+            m.gpu.sync()
+        };
+        copy().map_err(device_err)?;
+        self.lens[to] = len;
+        Ok(())
+    }
+    fn step(&mut self, rows: &[StepRow]) -> std::result::Result<(), ForwardError> {
+        let max = self.step.max_rows;
+        if rows.is_empty() || rows.len() > max {
+            return Err(ForwardError::Device(format!(
+                "a step takes 1 ..= {max} rows, not {}",
+                rows.len()
+            )));
+        }
+        self.check_tokens(rows.iter().map(|r| r.token))?;
+        let mut seen = vec![false; self.lens.len()];
+        for r in rows {
+            self.check_slot(r.slot)?;
+            if std::mem::replace(&mut seen[r.slot], true) {
+                return Err(ForwardError::Device(format!(
+                    "slot {} appears twice in one step",
+                    r.slot
+                )));
+            }
+            self.check_room(r.slot, self.lens[r.slot] + 1)?;
+        }
+        for (i, r) in rows.iter().enumerate() {
+            self.staged_rows[i] = r.token as i32;
+            self.staged_rows[max + i] = self.lens[r.slot] as i32;
+            self.staged_rows[2 * max + i] = r.slot as i32;
+        }
+        self.model.gpu.bind().map_err(device_err)?;
+        self.model
+            .gpu
+            .upload_async(self.step.rows.ptr(), &self.staged_rows)
+            .map_err(device_err)?;
+        self.run_step(rows.len()).map_err(device_err)?;
+        for r in rows {
+            self.lens[r.slot] += 1;
+        }
+        self.last_rows = rows.len();
+        self.host_row = None;
+        Ok(())
+    }
+    fn logits(&mut self, row: usize) -> std::result::Result<&[f32], ForwardError> {
+        if row >= self.last_rows {
+            return Err(ForwardError::Device(format!("row {row} of {}", self.last_rows)));
+        }
+        if self.host_row != Some(row) {
+            let vocab = self.model.config.vocab_size;
+            let at = self.step.logits.at(row * vocab);
+            self.model.gpu.download(at, &mut self.host_logits).map_err(device_err)?;
+            self.host_row = Some(row);
+        }
+        Ok(&self.host_logits)
+    }
+    /// Rows whose parameters the GPU sampler draws as the host would are drawn there, with their masks, in one
+    /// launch over every row of the last call (rows nobody picked take a greedy draw that is thrown away); the rest
+    /// copy their row out and sample on the host.
+    fn sample(&mut self, picks: &mut [Pick<'_>]) -> std::result::Result<Vec<u32>, ForwardError> {
+        let rows = self.last_rows;
+        if let Some(bad) = picks.iter().find(|p| p.row >= rows) {
+            return Err(ForwardError::Device(format!("row {} of {rows}", bad.row)));
+        }
+        let greedy = RowParams::new(&Default::default(), 0);
+        let mut params = vec![
+            RowParams {
+                temperature: 0.0,
+                ..greedy
+            };
+            rows
+        ];
+        let mut masks: Vec<Option<&[u32]>> = vec![None; rows];
+        let mut any_on_device = false;
+        for pick in picks.iter_mut() {
+            let p = pick.sampler.params().clone();
+            if sample_rows::on_device(&p) {
+                let counter = if p.is_greedy() { 0 } else { pick.sampler.next_draw() };
+                params[pick.row] = RowParams::new(&p, counter);
+                masks[pick.row] = pick.allowed;
+                any_on_device = true;
+            }
+        }
+        let mut drawn = Vec::new();
+        if any_on_device {
+            let m = &self.model;
+            let l = &mut m.launcher(None);
+            self.sampler
+                .enqueue(l, self.step.logits.ptr(), &params, &masks)
+                .map_err(device_err)?;
+            m.gpu.sync().map_err(device_err)?;
+            drawn = self.sampler.read();
+        }
+        let mut tokens = Vec::with_capacity(picks.len());
+        let mut row_copy = Vec::new();
+        for pick in picks.iter_mut() {
+            if sample_rows::on_device(pick.sampler.params()) {
+                tokens.push(drawn[pick.row]);
+                continue;
+            }
+            let logits = self.logits(pick.row)?;
+            let token = match pick.allowed {
+                Some(allowed) => {
+                    row_copy.clear();
+                    row_copy.extend_from_slice(logits);
+                    pick.sampler.sample_masked(&mut row_copy, allowed)
+                }
+                None => pick.sampler.sample(logits),
+            };
+            tokens.push(token);
+        }
+        Ok(tokens)
+    }
+    fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
+        self.model.gpu.sync().map_err(device_err)
+    }
+    fn describe(&self) -> String {
+        format!(
+            "cuda: {} ({} slots, {} tokens of KV)",
+            self.model.gpu.name,
+            self.lens.len(),
+            self.model.pages.free_pages() * KV_PAGE
+        )
+    }
+}

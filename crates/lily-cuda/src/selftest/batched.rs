@@ -1,0 +1,187 @@
+//! The batched backend end to end: many sequences of mixed prompt lengths joining and leaving a batch at
+//! different steps give the same greedy tokens as each alone, and their logits stay within the end-to-end
+//! tolerance of the CPU backend's; `fork` continues a sequence as the original does.
+
+use lily_model::backend::{Backend, BatchBackend, CpuBackend, Pick, StepRow};
+use lily_model::cpu::CpuModel;
+use lily_model::rng::Rng;
+use lily_model::sampling::Sampler;
+use lily_model::weights::Weights;
+
+use super::{rel_err, Report};
+use crate::batch::CudaBatchBackend;
+use crate::driver::{GpuError, Result};
+
+/// One sequence of the test: its prompt, the step at which it joins, and the tokens it generated.
+struct Seq {
+    prompt: Vec<u32>,
+    joins: usize,
+    slot: usize,
+    tokens: Vec<u32>,
+}
+
+fn fe(e: lily_model::ForwardError) -> GpuError {
+    GpuError::Other(e.to_string())
+}
+
+/// Greedy picks for the output rows `rows` of the last call.
+fn greedy(backend: &mut CudaBatchBackend, rows: &[usize]) -> Result<Vec<u32>> {
+    let mut samplers: Vec<Sampler> = rows.iter().map(|_| Sampler::new(Default::default())).collect();
+    let mut picks: Vec<Pick> = rows
+        .iter()
+        .zip(&mut samplers)
+        .map(|(&row, sampler)| Pick {
+            row,
+            sampler,
+            allowed: None,
+        })
+        .collect();
+    backend.sample(&mut picks).map_err(fe)
+}
+
+/// Runs `seqs` through `backend`: sequence i is prefilled (in chunks of at most `max_prefill_tokens`) at step
+/// `joins`, then takes one greedy token per step until it has `generate` tokens, and leaves (its slot released).
+fn run(backend: &mut CudaBatchBackend, seqs: &mut [Seq], generate: usize) -> Result<()> {
+    let chunk = backend.max_prefill_tokens();
+    let mut step = 0;
+    while seqs.iter().any(|s| s.tokens.len() < generate) {
+        for s in seqs.iter_mut().filter(|s| s.joins == step) {
+            let needed = s.prompt.len() + generate;
+            if !backend.reserve(s.slot, needed).map_err(fe)? {
+                return Err(GpuError::Other(format!("no KV pages for {needed} tokens")));
+            }
+            for piece in s.prompt.chunks(chunk) {
+                backend.prefill(s.slot, piece).map_err(fe)?;
+            }
+            s.tokens.push(greedy(backend, &[0])?[0]);
+        }
+        let running: Vec<usize> = (0..seqs.len())
+            .filter(|&i| seqs[i].joins <= step && !seqs[i].tokens.is_empty() && seqs[i].tokens.len() < generate)
+            .collect();
+        if !running.is_empty() {
+            let rows: Vec<StepRow> = running
+                .iter()
+                .map(|&i| StepRow {
+                    slot: seqs[i].slot,
+                    token: *seqs[i].tokens.last().expect("has a token"),
+                })
+                .collect();
+            backend.step(&rows).map_err(fe)?;
+            let chosen = greedy(backend, &(0..rows.len()).collect::<Vec<_>>())?;
+            for (&i, token) in running.iter().zip(chosen) {
+                seqs[i].tokens.push(token);
+            }
+        }
+        for s in seqs.iter().filter(|s| s.tokens.len() == generate) {
+            if backend.len(s.slot) > 0 {
+                backend.release(s.slot);
+            }
+        }
+        step += 1;
+    }
+    Ok(())
+}
+
+/// `count` sequences with prompt lengths from 1 to `longest` (both included), joining over the first steps, in
+/// shuffled slots; then each again alone; then the first sequences' logits against the CPU.
+pub fn check(
+    backend: &mut CudaBatchBackend,
+    weights: Weights,
+    seed: u64,
+    count: usize,
+    longest: usize,
+    report: &mut Report,
+) -> Result<()> {
+    let generate = 12;
+    let vocab = backend.config().vocab_size as u64;
+    let mut rng = Rng::new(seed ^ 0xba7c);
+    let slots = super::shuffled(&mut rng, backend.max_seqs());
+    let mut seqs: Vec<Seq> = (0..count)
+        .map(|i| {
+            let len = match i {
+                0 => 1,
+                1 => longest,
+                _ => 1 + (rng.next_u64() % longest as u64) as usize,
+            };
+            Seq {
+                prompt: (0..len).map(|_| (rng.next_u64() % vocab) as u32).collect(),
+                joins: i % 7,
+                slot: slots[i] as usize,
+                tokens: Vec::new(),
+            }
+        })
+        .collect();
+    let free = backend.free_tokens();
+    run(backend, &mut seqs, generate)?;
+    report.check_eq(
+        "batched backend: every slot's KV pages returned",
+        backend.free_tokens() == free,
+        &format!("{} of {free} tokens free after the run", backend.free_tokens()),
+    );
+    let mut same = 0;
+    for s in &seqs {
+        let mut alone = [Seq {
+            prompt: s.prompt.clone(),
+            joins: 0,
+            slot: s.slot,
+            tokens: Vec::new(),
+        }];
+        run(backend, &mut alone, generate)?;
+        same += (alone[0].tokens == s.tokens) as usize;
+    }
+    report.check_eq(
+        &format!("batched backend: {count} sequences (prompts 1 ..= {longest}) vs each alone"),
+        same == count,
+        &format!("{same} of {count} gave identical greedy tokens"),
+    );
+
+    // Logits of a batch of three (prompts of 1, 40 and 300 tokens, then two steps) against the CPU backend.
+    let mut cpu = CpuBackend::new(CpuModel::new(weights), 4096);
+    let prompts: Vec<Vec<u32>> = [1usize, 40, 300]
+        .iter()
+        .map(|&n| (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect())
+        .collect();
+    let mut worst = 0.0f64;
+    let mut cpu_logits = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        backend.reserve(i, p.len() + 2).map_err(fe)?;
+        backend.prefill(i, p).map_err(fe)?;
+        cpu.prefill(p).map_err(fe)?;
+        worst = worst.max(rel_err(backend.logits(0).map_err(fe)?, cpu.logits().map_err(fe)?));
+        let mut row = Vec::new();
+        for token in [7u32, 11] {
+            cpu.decode(token).map_err(fe)?;
+            row.push(cpu.logits().map_err(fe)?.to_vec());
+        }
+        cpu_logits.push(row);
+    }
+    for (step, token) in [7u32, 11].into_iter().enumerate() {
+        let rows: Vec<StepRow> = (0..prompts.len()).rev().map(|slot| StepRow { slot, token }).collect();
+        backend.step(&rows).map_err(fe)?;
+        for (row, r) in rows.iter().enumerate() {
+            worst = worst.max(rel_err(backend.logits(row).map_err(fe)?, &cpu_logits[r.slot][step]));
+        }
+    }
+    report.check("batched backend: prefill and two steps of 3 rows vs CPU", worst, 6e-2);
+
+    // A fork continues as its original: both slots step the same token and give the same logits.
+    backend.reserve(5, prompts[2].len() + 2).map_err(fe)?;
+    backend.release(2);
+    backend.reserve(2, prompts[2].len() + 2).map_err(fe)?;
+    backend.prefill(2, &prompts[2]).map_err(fe)?;
+    backend.fork(2, 5).map_err(fe)?;
+    backend
+        .step(&[StepRow { slot: 2, token: 7 }, StepRow { slot: 5, token: 7 }])
+        .map_err(fe)?;
+    let original = backend.logits(0).map_err(fe)?.to_vec();
+    let forked = backend.logits(1).map_err(fe)?.to_vec();
+    report.check(
+        "batched backend: a forked slot's step vs its original's",
+        rel_err(&forked, &original),
+        0.0,
+    );
+    for slot in [0, 1, 2, 5] {
+        backend.release(slot);
+    }
+    Ok(())
+}
