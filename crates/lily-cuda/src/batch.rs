@@ -236,8 +236,16 @@ pub fn fit_capacity(
     Ok(Capacity { max_seqs, kv_pages })
 }
 
+/// Steps of fewer rows than this run each row through the single-sequence decode graph (matrix-vector products,
+/// ~1.6 ms a token at the full shape) instead of the batched step, whose products cost more at small row counts.
+pub const SEQUENTIAL_BELOW: usize = 12;
+
 /// [`BatchBackend`] over a [`CudaModel`] with many slots.
 pub struct CudaBatchBackend {
+    /// Steps of fewer rows run row by row through the single-sequence graphs (see [`SEQUENTIAL_BELOW`]).
+    pub sequential_below: usize,
+    /// The single-sequence decode step's graphs (layers, head), captured on first use.
+    single: Option<(Graph, Graph)>,
     /// Tokens in each slot's sequence.
     lens: Vec<usize>,
     /// The captured step for each row count that has run.
@@ -271,6 +279,8 @@ impl CudaBatchBackend {
         let prefill_tokens = model.gpu.alloc_zeroed(model.prefill_chunk)?;
         model.gpu.sync()?;
         Ok(CudaBatchBackend {
+            sequential_below: SEQUENTIAL_BELOW,
+            single: None,
             lens: vec![0; max_rows],
             graphs: HashMap::new(),
             last_rows: 0,
@@ -309,6 +319,32 @@ impl CudaBatchBackend {
         let max_context = self.model.max_context.min(self.model.pages.capacity(slot));
         if needed > max_context {
             return Err(ForwardError::ContextFull { needed, max_context });
+        }
+        Ok(())
+    }
+
+    /// Runs `rows` one at a time through the single-sequence decode graphs: each row's position, slot and token go
+    /// to the single step's device scalars (written by the stream), and its logits are copied to its row of
+    /// `step.logits`.
+    fn run_rows_singly(&mut self, rows: &[StepRow]) -> Result<()> {
+        if self.single.is_none() {
+            let m = &self.model;
+            let layers = m.gpu.capture(|| m.enqueue_layers(None))?;
+            let head = m.gpu.capture(|| m.enqueue_head(None))?;
+            self.single = Some((layers, head));
+        }
+        let (layers, head) = self.single.as_ref().expect("captured");
+        let m = &self.model;
+        let s = &m.state;
+        let vocab = m.config.vocab_size;
+        for (i, r) in rows.iter().enumerate() {
+            let position = self.lens[r.slot];
+            m.gpu.write_u32(s.position.ptr().cast(), position as u32)?;
+            m.gpu.write_u32(s.single_slot.ptr().cast(), r.slot as u32)?;
+            m.gpu.write_u32(s.tokens.at(position).cast(), r.token)?;
+            m.gpu.replay(layers)?;
+            m.gpu.replay(head)?;
+            m.gpu.copy(self.step.logits.at(i * vocab), s.logits.ptr(), vocab)?;
         }
         Ok(())
     }
@@ -461,11 +497,15 @@ impl BatchBackend for CudaBatchBackend {
             self.staged_rows[2 * max + i] = r.slot as i32;
         }
         self.model.gpu.bind().map_err(device_err)?;
-        self.model
-            .gpu
-            .upload_async(self.step.rows.ptr(), &self.staged_rows)
-            .map_err(device_err)?;
-        self.run_step(rows.len()).map_err(device_err)?;
+        if rows.len() < self.sequential_below {
+            self.run_rows_singly(rows).map_err(device_err)?;
+        } else {
+            self.model
+                .gpu
+                .upload_async(self.step.rows.ptr(), &self.staged_rows)
+                .map_err(device_err)?;
+            self.run_step(rows.len()).map_err(device_err)?;
+        }
         for r in rows {
             self.lens[r.slot] += 1;
         }

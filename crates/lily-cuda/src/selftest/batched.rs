@@ -111,6 +111,9 @@ pub fn check(
             }
         })
         .collect();
+    // Every step through the batched pass, whatever its row count, so that alone and in a batch a sequence takes
+    // the same arithmetic.
+    let sequential_below = std::mem::replace(&mut backend.sequential_below, 0);
     let free = backend.free_tokens();
     run(backend, &mut seqs, generate)?;
     report.check_eq(
@@ -134,9 +137,43 @@ pub fn check(
         same == count,
         &format!("{same} of {count} gave identical greedy tokens"),
     );
-
-    // Logits of a batch of three (prompts of 1, 40 and 300 tokens, then two steps) against the CPU backend.
     let mut cpu = CpuBackend::new(CpuModel::new(weights), 4096);
+    for (passes, below) in [("batched pass", 0), ("single-row graphs", usize::MAX)] {
+        backend.sequential_below = below;
+        logits_vs_cpu(backend, &mut cpu, &mut rng, passes, report)?;
+    }
+    backend.sequential_below = sequential_below;
+
+    // A fork continues as its original: both slots step the same token and give the same logits.
+    let prompt: Vec<u32> = (0..300).map(|_| (rng.next_u64() % vocab) as u32).collect();
+    backend.reserve(2, prompt.len() + 2).map_err(fe)?;
+    backend.reserve(5, prompt.len() + 2).map_err(fe)?;
+    backend.prefill(2, &prompt).map_err(fe)?;
+    backend.fork(2, 5).map_err(fe)?;
+    backend
+        .step(&[StepRow { slot: 2, token: 7 }, StepRow { slot: 5, token: 7 }])
+        .map_err(fe)?;
+    let original = backend.logits(0).map_err(fe)?.to_vec();
+    let forked = backend.logits(1).map_err(fe)?.to_vec();
+    report.check(
+        "batched backend: a forked slot's step vs its original's",
+        rel_err(&forked, &original),
+        0.0,
+    );
+    backend.release(2);
+    backend.release(5);
+    Ok(())
+}
+
+/// The logits of a batch of three (prompts of 1, 40 and 300 tokens, then two steps) against the CPU backend.
+fn logits_vs_cpu(
+    backend: &mut CudaBatchBackend,
+    cpu: &mut CpuBackend,
+    rng: &mut Rng,
+    passes: &str,
+    report: &mut Report,
+) -> Result<()> {
+    let vocab = backend.config().vocab_size as u64;
     let prompts: Vec<Vec<u32>> = [1usize, 40, 300]
         .iter()
         .map(|&n| (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect())
@@ -162,25 +199,13 @@ pub fn check(
             worst = worst.max(rel_err(backend.logits(row).map_err(fe)?, &cpu_logits[r.slot][step]));
         }
     }
-    report.check("batched backend: prefill and two steps of 3 rows vs CPU", worst, 6e-2);
-
-    // A fork continues as its original: both slots step the same token and give the same logits.
-    backend.reserve(5, prompts[2].len() + 2).map_err(fe)?;
-    backend.release(2);
-    backend.reserve(2, prompts[2].len() + 2).map_err(fe)?;
-    backend.prefill(2, &prompts[2]).map_err(fe)?;
-    backend.fork(2, 5).map_err(fe)?;
-    backend
-        .step(&[StepRow { slot: 2, token: 7 }, StepRow { slot: 5, token: 7 }])
-        .map_err(fe)?;
-    let original = backend.logits(0).map_err(fe)?.to_vec();
-    let forked = backend.logits(1).map_err(fe)?.to_vec();
     report.check(
-        "batched backend: a forked slot's step vs its original's",
-        rel_err(&forked, &original),
-        0.0,
+        &format!("batched backend, {passes}: prefill, 2 steps of 3 rows vs CPU"),
+        worst,
+        6e-2,
     );
-    for slot in [0, 1, 2, 5] {
+
+    for slot in 0..prompts.len() {
         backend.release(slot);
     }
     Ok(())
