@@ -156,7 +156,7 @@ mod tests {
         let mut rng = lily_model::rng::Rng::new(7);
         for _ in 0..10_000 {
             let slot = (rng.next_u64() % slots as u64) as usize;
-            if rng.next_u64() % 4 == 0 {
+            if rng.next_u64().is_multiple_of(4) {
                 a.release(slot);
             } else {
                 let tokens = (rng.next_u64() % (17 * 64)) as usize;
