@@ -37,9 +37,9 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
                                                                  const float* k_norm, const float* inv_freq,
                                                                  float* q_out, bf16* k_pool, bf16* v_pool,
                                                                  const int* page_table, int pages_per_seq) {
-    wait_previous();
     __shared__ float x[HEAD_DIM];
     __shared__ float scratch[32];
+    // The positions, slots and page table are not written by this step's kernels: read before the wait.
     const int row = blockIdx.z;
     const int position = positions[row];
     proj += (size_t)row * PROJ_ROW;
@@ -47,6 +47,9 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
     const int d = threadIdx.x;
     const bool is_query = blockIdx.x < N_HEADS;
     const int kv_head = blockIdx.x - N_HEADS;
+    const size_t at = is_query ? 0 : kv_offset(page_table + (size_t)slots[row] * pages_per_seq, position) +
+                                         kv_head * HEAD_DIM + d;
+    wait_previous();
     const float raw = is_query ? proj[blockIdx.x * 2 * HEAD_DIM + d] : proj[2 * Q_DIM + kv_head * HEAD_DIM + d];
     const float inv = 1.f / sqrtf(block_sum(raw * raw, scratch) / HEAD_DIM + RMS_EPS);
     x[d] = raw * inv * (is_query ? q_norm[d] : k_norm[d]);
@@ -62,8 +65,6 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) attn_prep(const int* posi
     if (is_query) {
         q_out[blockIdx.x * HEAD_DIM + d] = y * (1.f / sqrtf((float)HEAD_DIM));
     } else {
-        const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
-        const size_t at = kv_offset(pages, position) + kv_head * HEAD_DIM + d;
         k_pool[at] = float_to_bf16(y);
         v_pool[at] = float_to_bf16(proj[2 * Q_DIM + KV_DIM + kv_head * HEAD_DIM + d]);
     }
@@ -159,12 +160,13 @@ __device__ __forceinline__ void score_whole(const float* qs, const bf16* k_pool,
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     attn_partial(const int* positions, const int* slots, const float* q, const bf16* k_pool, const bf16* v_pool,
                  const int* page_table, int pages_per_seq, float* part_o, float* part_ml) {
-    wait_previous();
     __shared__ __align__(16) float qs[HEAD_DIM * GQA + HEAD_DIM / 2];  // see q_at
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
     __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
     __shared__ __align__(16) float red[ATTN_WARPS][HEAD_DIM];
     __shared__ int tile_pages[TILE_PAGES];
+    // The positions, slots and page table are not written by this step's kernels: the first tile's page ids are
+    // requested before the wait.
     const int row = blockIdx.z;
     const int len = positions[row] + 1;
     const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
@@ -174,8 +176,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     const int chunk = attn_chunk(len);
     const int kv_head = blockIdx.x, split = blockIdx.y;
     const int start = split * chunk, end = min(len, start + chunk);
-    if (start >= end) return;
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    // The pages of positions tile .. min(end, tile + ATTN_TILE) - 1 go to tile_pages[0 ..].
+    auto tile_page_count = [&](int tile) { return (min(end, tile + ATTN_TILE) - 1) / KV_PAGE - tile / KV_PAGE + 1; };
+    const bool loads_first_page = start < end && t < tile_page_count(start);
+    const int first_page = loads_first_page ? pages[start / KV_PAGE + t] : 0;
+    wait_previous();
+    if (start >= end) return;
+    if (loads_first_page) tile_pages[t] = first_page;
     {
         float qv[GQA];  // thread t loads dimension t of each head: all loads in flight at once
 #pragma unroll
@@ -192,11 +200,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     __syncthreads();
 
     for (int tile = start; tile < end; tile += ATTN_TILE) {
-        // The pages of positions tile .. min(end, tile + ATTN_TILE) - 1 (the previous tile's readers are past the
-        // loop's closing barrier).
-        const int page0 = tile / KV_PAGE, last_page = (min(end, tile + ATTN_TILE) - 1) / KV_PAGE;
-        if (t <= last_page - page0) tile_pages[t] = pages[page0 + t];
-        __syncthreads();
+        const int page0 = tile / KV_PAGE;
+        if (tile != start) {
+            // The previous tile's readers of tile_pages are past the loop's closing barrier.
+            if (t < tile_page_count(tile)) tile_pages[t] = pages[page0 + t];
+            __syncthreads();
+        }
         if (end - start <= SCORE_ROWS)
             score_quartered(qs, k_pool, tile_pages, kv_head, tile, end, p);
         else

@@ -4,7 +4,7 @@
 //! matrix products in [`gemm`], its mixers in [`prefill_attention`] and [`prefill_deltanet`]); [`kernels`] compiles the `.cu`
 //! files and holds one typed launcher per kernel, beside its family; [`driver`] and [`launch`] are the few CUDA
 //! calls and the launch path; [`weights`] puts the 4-bit weights on the GPU (from a checkpoint, or generated in
-//! place). Apart from the forward pass: [`selftest`] checks every kernel and the whole model against the CPU
+//! place); [`pages`] keeps the host's account of the paged KV pool shared by the sequence slots. Apart from the forward pass: [`selftest`] checks every kernel and the whole model against the CPU
 //! backend, one file per kernel family; [`bench`] measures speed llama-bench's way.
 //! [`sample_rows`] is the host side of the sampler of a batch's rows.
 

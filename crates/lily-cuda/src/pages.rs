@@ -2,6 +2,8 @@
 //! order (entry j of a slot's page-table row holds its positions KV_PAGE j .. KV_PAGE j + KV_PAGE - 1). The
 //! device page table mirrors the rows; [`crate::model::CudaModel::reserve`] uploads what a reservation changed.
 
+use lily_model::Config;
+
 /// Positions a page holds (KV_PAGE in common.cuh; equal to the prefill attention's key tile).
 pub const KV_PAGE: usize = 64;
 
@@ -21,6 +23,24 @@ impl Capacity {
             max_seqs: 1,
             kv_pages: pages_for(max_context),
         }
+    }
+
+    /// GPU bytes of one slot's DeltaNet state: f32 recurrent state and conv ring of every DeltaNet layer.
+    pub fn deltanet_bytes_per_seq(c: &Config) -> usize {
+        let recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+        let ring = c.linear_conv_kernel_dim * c.linear_conv_dim();
+        c.num_linear_layers() * (recurrent + ring) * 4
+    }
+
+    /// GPU bytes of one KV page: bf16 keys and values of KV_PAGE positions in every attention layer.
+    pub fn kv_bytes_per_page(c: &Config) -> usize {
+        c.num_full_layers() * 2 * KV_PAGE * c.kv_dim() * 2
+    }
+
+    /// GPU bytes of the sequence state this capacity allocates (slots' DeltaNet state, KV pools, page table).
+    pub fn state_bytes(&self, c: &Config, max_context: usize) -> usize {
+        self.max_seqs * (Self::deltanet_bytes_per_seq(c) + pages_for(max_context) * 4)
+            + self.kv_pages * Self::kv_bytes_per_page(c)
     }
 }
 
@@ -115,6 +135,24 @@ mod tests {
     }
 
     #[test]
+    fn state_sizes_at_the_full_shape() {
+        let c = Config::full_shape();
+        // 30 DeltaNet layers of 32 x 128 x 128 f32 state and a 4 x 8192 f32 ring: about 63 MB a sequence.
+        assert_eq!(
+            Capacity::deltanet_bytes_per_seq(&c),
+            30 * (32 * 128 * 128 + 4 * 8192) * 4
+        );
+        // 10 attention layers, K and V, 64 positions of 2 x 256 bf16: 1.25 MiB a page, 20 KiB a token.
+        assert_eq!(Capacity::kv_bytes_per_page(&c), 10 * 2 * 64 * 512 * 2);
+        let single = Capacity::single(4096);
+        assert_eq!(single.kv_pages, 64);
+        assert_eq!(
+            single.state_bytes(&c, 4096),
+            Capacity::deltanet_bytes_per_seq(&c) + 64 * 4 + 64 * Capacity::kv_bytes_per_page(&c)
+        );
+    }
+
+    #[test]
     fn a_single_sequence_gets_the_identity_table() {
         let mut a = PageAllocator::new(1, pages_for(4096), pages_for(4096));
         assert!(a.reserve(0, 4096));
@@ -156,7 +194,7 @@ mod tests {
         let mut rng = lily_model::rng::Rng::new(7);
         for _ in 0..10_000 {
             let slot = (rng.next_u64() % slots as u64) as usize;
-            if rng.next_u64() % 4 == 0 {
+            if rng.next_u64().is_multiple_of(4) {
                 a.release(slot);
             } else {
                 let tokens = (rng.next_u64() % (17 * 64)) as usize;

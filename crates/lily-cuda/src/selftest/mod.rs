@@ -10,6 +10,7 @@
 //! through the layers and the decode steps after; a random 40-layer model amplifies it more).
 
 mod attention_prefill;
+mod batch;
 mod batched;
 mod deltanet_prefill;
 mod gemm;
@@ -22,8 +23,7 @@ use half::bf16;
 use lily_model::backend::{Backend, CpuBackend};
 use lily_model::config::LayerKind;
 use lily_model::cpu::attention::{attend, rope};
-use lily_model::cpu::deltanet::{conv_step, l2norm, recurrent_step};
-use lily_model::cpu::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
+use lily_model::cpu::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu};
 use lily_model::cpu::moe::{moe_forward, route};
 use lily_model::cpu::CpuModel;
 use lily_model::rng::Rng;
@@ -689,12 +689,7 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         };
         let slot = 0;
         let (conv_dim, taps) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
-        let (nk, nv, dk, dv) = (
-            c.linear_num_key_heads,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
-        );
+        let (nv, dk, dv) = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         let position = (rng.next_u64() % 1000) as usize;
         let proj = normals(&mut rng, conv_dim + nv * dv + 2 * nv, 1.0);
         let ring = normals(&mut rng, taps * conv_dim, 1.0);
@@ -705,35 +700,9 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
         g.upload(s.recurrent[slot].ptr(), &state)?;
         poison(g, &s.core)?;
         run(model, Op::DeltaNetStep(l))?;
-        // CPU twin: the conv state oldest first, from the ring.
-        let mut conv_state: Vec<f32> = (0..taps - 1)
-            .flat_map(|j| ring[((position + 1 + j) % taps) * conv_dim..][..conv_dim].to_vec())
-            .collect();
-        let mut conv_out = vec![0.0; conv_dim];
-        conv_step(&proj[..conv_dim], &mut conv_state, &d.conv1d, taps, &mut conv_out);
-        let key_dim = nk * dk;
-        for head in conv_out[..2 * key_dim].chunks_exact_mut(dk) {
-            l2norm(head);
-        }
-        conv_out[..key_dim]
-            .iter_mut()
-            .for_each(|v| *v *= 1.0 / (dk as f32).sqrt());
         let mut expected_state = state.clone();
         let mut expected_core = vec![0.0; nv * dv];
-        for head in 0..nv {
-            let kh = head / (nv / nk);
-            let beta = sigmoid(proj[conv_dim + nv * dv + head]);
-            let decay = -d.a_log[head].exp() * softplus(proj[conv_dim + nv * dv + nv + head] + d.dt_bias[head]);
-            recurrent_step(
-                &conv_out[kh * dk..(kh + 1) * dk],
-                &conv_out[key_dim + kh * dk..key_dim + (kh + 1) * dk],
-                &conv_out[2 * key_dim + head * dv..2 * key_dim + (head + 1) * dv],
-                decay,
-                beta,
-                &mut expected_state[head * dk * dv..(head + 1) * dk * dv],
-                &mut expected_core[head * dv..(head + 1) * dv],
-            );
-        }
+        batch::deltanet_step_twin(c, d, position, &proj, &ring, &mut expected_state, &mut expected_core);
         report.check(
             "deltanet_step: output (conv, silu, l2norm, gates, delta rule)",
             rel_err(&download_f32(g, &s.core, nv * dv)?, &expected_core),
@@ -942,5 +911,5 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             );
         }
     }
-    Ok(())
+    batch::check(model, w, seed, report)
 }
