@@ -384,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 __device__ int gemm_split_blocks = SPLIT_BLOCKS;
 __device__ int gemm_split_tiles = SPLIT_TILES;
 __device__ int gemm_split_rows = SPLIT_ROWS;
-__device__ float gemm_partials[(size_t)SPLIT_BLOCKS * SPLIT_ROWS * WROWS];
+__device__ __align__(16) float gemm_partials[(size_t)SPLIT_BLOCKS * SPLIT_ROWS * WROWS];
 __device__ u32 gemm_arrivals[SPLIT_TILES];
 
 // This block's part of k: k steps [first, end) of k_tiles, every part at least one step (the host splits k_tiles
@@ -416,17 +416,38 @@ __device__ __forceinline__ bool arrive_last(int tile) {
     return true;
 }
 
-// Sums the parts of pair p (columns 2p, 2p + 1) of row r over every part, in order; read past L1 (other SMs
-// wrote them).
-__device__ __forceinline__ float2 sum_parts(int tile, int r, int col) {
-    float2 s = make_float2(0.f, 0.f);
-#pragma unroll 4
-    for (int z = 0; z < (int)gridDim.z; z++) {
-        const float2 v = __ldcg((const float2*)(partial_slot(tile, z) + r * WROWS + col));
-        if (z == 0) s = v;
-        else s.x += v.x, s.y += v.y;
+// The sums over the parts are read past L1 (other SMs wrote them) in items of 4 columns: a thread takes SUM_ITEMS
+// items at once and has their loads from SUM_PARTS parts in flight together, so the last part's block keeps enough
+// reads in flight to sum its tile at the rate L2 gives one SM.
+#define SUM_ITEMS 4
+#define SUM_PARTS 4
+
+// s[j] = the sum over every part, in order, of item i = base + j * GEMM_THREADS (if i < items): row i / per_row,
+// columns offset + 4 (i % per_row) .. + 3 of the tile's partials. Parts past the last and items past `items` add
+// zero, which leaves every sum as it was.
+__device__ __forceinline__ void sum_parts(int tile, int base, int items, int per_row, int offset,
+                                          float4 (&s)[SUM_ITEMS]) {
+    const int parts = gridDim.z;
+#pragma unroll
+    for (int j = 0; j < SUM_ITEMS; j++) s[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int z0 = 0; z0 < parts; z0 += SUM_PARTS) {
+        float4 v[SUM_PARTS][SUM_ITEMS];
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS; u++)
+#pragma unroll
+            for (int j = 0; j < SUM_ITEMS; j++) {
+                const int i = base + j * GEMM_THREADS;
+                const float* p = partial_slot(tile, z0 + u) + (i / per_row) * WROWS + offset + 4 * (i % per_row);
+                v[u][j] = z0 + u < parts && i < items ? __ldcg((const float4*)p) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS; u++)
+#pragma unroll
+            for (int j = 0; j < SUM_ITEMS; j++) {
+                s[j].x += v[u][j].x, s[j].y += v[u][j].y;
+                s[j].z += v[u][j].z, s[j].w += v[u][j].w;
+            }
     }
-    return s;
 }
 
 // The partial of this block's part of k: acc over its k steps, stored by (row, weight row of the tile).
@@ -463,21 +484,32 @@ __device__ __forceinline__ void dense_split(const bf16* a, int m, Q4 w, int n, i
         rows, k, [&](int r) { return a + (size_t)(m0 + r) * k; },
         [&](int, int c) { return weight_row(w, n0 + c, n0 + c < n, k, BITS); }, tile);
     if (!arrive_last(tile)) return;
-    for (int i = threadIdx.x; i < rows * (WROWS / 2); i += GEMM_THREADS) {
-        const int r = i / (WROWS / 2), c = 2 * (i % (WROWS / 2)), col = n0 + c;
-        if (col >= n) continue;
-        const float2 v = sum_parts(tile, r, c);
-        float* o = out + (size_t)(m0 + r) * n + col;
-        if (n % 2 == 0) {
-            float2 x = v;
-            if (accumulate) {
-                const float2 prev = *(const float2*)o;
-                x.x = prev.x + v.x, x.y = prev.y + v.y;
+    const int items = rows * (WROWS / 4);
+    for (int base = threadIdx.x; base < items; base += GEMM_THREADS * SUM_ITEMS) {
+        float4 s[SUM_ITEMS];
+        sum_parts(tile, base, items, WROWS / 4, 0, s);
+#pragma unroll
+        for (int j = 0; j < SUM_ITEMS; j++) {
+            const int i = base + j * GEMM_THREADS;
+            if (i >= items) break;
+            const int r = i / (WROWS / 4), col = n0 + 4 * (i % (WROWS / 4));
+            float* o = out + (size_t)(m0 + r) * n + col;
+            const float v[4] = {s[j].x, s[j].y, s[j].z, s[j].w};
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                if (col + e >= n) break;
+                if (n % 2 == 0) {  // col + e even: the pair is whole and 8-byte aligned
+                    float2 x = make_float2(v[e], v[e + 1]);
+                    if (accumulate) {
+                        const float2 prev = *(const float2*)(o + e);
+                        x.x += prev.x, x.y += prev.y;
+                    }
+                    *(float2*)(o + e) = x;
+                } else {
+                    o[e] = accumulate ? o[e] + v[e] : v[e];
+                    if (col + e + 1 < n) o[e + 1] = accumulate ? o[e + 1] + v[e + 1] : v[e + 1];
+                }
             }
-            *(float2*)o = x;
-        } else {
-            o[0] = accumulate ? o[0] + v.x : v.x;
-            if (col + 1 < n) o[1] = accumulate ? o[1] + v.y : v.y;
         }
     }
 }
@@ -503,17 +535,29 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
         rows, k, [&](int r) { return a + (size_t)(m0 + r) * k; },
         [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); }, tile);
     if (!arrive_last(tile)) return;
-    for (int i = threadIdx.x; i < rows * (T::BN / 2); i += GEMM_THREADS) {
-        const int r = i / (T::BN / 2), c = 2 * (i % (T::BN / 2)), col = n0 + c;
-        if (col >= n) continue;
-        const float2 g = sum_parts(tile, r, c), u = sum_parts(tile, r, WROWS / 2 + c);
-        const u32 pair = swiglu_pair(g.x, g.y, u.x, u.y);
-        bf16* o = out + (size_t)(m0 + r) * n + col;
-        if (n % 2 == 0) {
-            *(u32*)o = pair;
-        } else {
-            o[0] = (bf16)pair;
-            if (col + 1 < n) o[1] = (bf16)(pair >> 16);
+    const int items = rows * (T::BN / 4);
+    for (int base = threadIdx.x; base < items; base += GEMM_THREADS * SUM_ITEMS) {
+        float4 g[SUM_ITEMS], u[SUM_ITEMS];
+        sum_parts(tile, base, items, T::BN / 4, 0, g);
+        sum_parts(tile, base, items, T::BN / 4, WROWS / 2, u);
+#pragma unroll
+        for (int j = 0; j < SUM_ITEMS; j++) {
+            const int i = base + j * GEMM_THREADS;
+            if (i >= items) break;
+            const int r = i / (T::BN / 4), col = n0 + 4 * (i % (T::BN / 4));
+            bf16* o = out + (size_t)(m0 + r) * n + col;
+            const u32 pairs[2] = {swiglu_pair(g[j].x, g[j].y, u[j].x, u[j].y),
+                                  swiglu_pair(g[j].z, g[j].w, u[j].z, u[j].w)};
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                if (col + e >= n) break;
+                if (n % 2 == 0) {
+                    *(u32*)(o + e) = pairs[e / 2];
+                } else {
+                    o[e] = (bf16)pairs[e / 2];
+                    if (col + e + 1 < n) o[e + 1] = (bf16)(pairs[e / 2] >> 16);
+                }
+            }
         }
     }
 }

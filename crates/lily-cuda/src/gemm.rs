@@ -70,14 +70,18 @@ pub(crate) enum Plan {
 /// Inputs the last part of a tile reads at most when it sums the parts: parts x rows x 256 f32 (512 KiB).
 const SPLIT_SUM_FLOATS: usize = 512 * 256;
 
-/// The plan of a product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. While the 64-row
-/// tiles are fewer than the SMs, k is cut into as many parts as fill two blocks an SM, each part at least two k
-/// steps, the parts' partial tiles within what the last part sums quickly and the kernel's slots; otherwise (or
-/// where that leaves one part) whole-k tiles.
+/// Rows up to which a product may be split (a batched step's rows, a short prompt or a small chunk); longer
+/// products keep the whole-k tiles.
+const SPLIT_MAX_M: usize = 512;
+
+/// The plan of a product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
+/// `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill two
+/// blocks an SM, each part at least two k steps, the parts' partial tiles within what the last part sums quickly
+/// and the kernel's slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
-    if tiles < sms && tiles <= kernels.constant("gemm_split_tiles") {
+    if m <= SPLIT_MAX_M && tiles < sms && tiles <= kernels.constant("gemm_split_tiles") {
         let parts = (2 * sms / tiles)
             .min(k_steps / 2)
             .min(SPLIT_SUM_FLOATS / (256 * m.min(split_rows)))
@@ -192,9 +196,12 @@ pub(crate) fn gemm_swiglu_planned(
 }
 
 /// Tiles of the grouped expert products for `tokens` tokens at most: each expert's sorted entries in tiles of
-/// `moe_tile_rows`, so at most one partial tile per expert.
+/// `moe_tile_rows`, so at most one partial tile per expert, and never more tiles than entries. The grouped
+/// products launch this many tile rows of blocks (those past the routing's tile count return at once), so a launch
+/// for few tokens sizes it by those tokens, not by the scratch's capacity.
 pub fn max_tiles(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
-    (tokens * config.num_experts_per_tok).div_ceil(kernels.constant("moe_tile_rows")) + config.num_experts
+    let entries = tokens * config.num_experts_per_tok;
+    (entries.div_ceil(kernels.constant("moe_tile_rows")) + config.num_experts).min(entries)
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to

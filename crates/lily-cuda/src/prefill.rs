@@ -93,14 +93,20 @@ impl PrefillScratch {
         })
     }
 
-    /// The entries sorted by expert, as the grouped expert products take them.
-    fn sorted(&self) -> gemm::Sorted {
+    /// The entries sorted by expert, as the grouped expert products take them, launched for `max_tiles` tiles
+    /// (the most the chunk's tokens can fill: [`gemm::max_tiles`]).
+    fn sorted(&self, max_tiles: usize) -> gemm::Sorted {
+        assert!(
+            max_tiles <= self.max_tiles,
+            "{max_tiles} tiles, room for {}",
+            self.max_tiles
+        );
         gemm::Sorted {
             entries: self.entries.ptr(),
             tiles: self.tiles.ptr(),
             tile_count: self.tile_count.ptr(),
             offsets: self.offsets.ptr(),
-            max_tiles: self.max_tiles,
+            max_tiles,
         }
     }
 }
@@ -182,7 +188,7 @@ pub fn enqueue_chunk(
         gemm::gemm(l, normed, t, &layer.router, s.router_logits.ptr(), false)?;
         gemm::gemm(l, normed_lo, t, &layer.router, s.router_logits.ptr(), true)?;
         route_and_sort(l, c, s, t)?;
-        let sorted = s.sorted();
+        let sorted = s.sorted(gemm::max_tiles(l.kernels, c, t));
         gemm::moe_gate_up(l, normed, &sorted, &layer.experts_gate, &layer.experts_up, s.act.ptr())?;
         let route_w = s.route_w.ptr();
         gemm::moe_down(
