@@ -365,6 +365,203 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     else swiglu_tile<Tile<128, 2, 4>>(a, m, gate, up, n, k, out);
 }
 
+// ---- Split products: few rows (a short prompt, a batched decode step) ----
+// A product of few rows has few block tiles: out_proj (2048 rows) is 8 tiles of 256 weight rows, the router 2, so
+// most SMs idle while each block walks the whole k range alone. The split products cut k into gridDim.z parts,
+// one block per (tile, part), 64-row tiles and two blocks an SM. Each block writes its partial tile (f32, the
+// tile's valid rows by its 256 weight rows) to a slot of `gemm_partials`, then counts itself in at the tile's
+// `gemm_arrivals` counter; the block that arrives last sums the parts in the order of k (part 0 first, so the sum
+// does not depend on which block finished when) and applies the product's epilogue (accumulate, or SwiGLU), then
+// sets the counter back to zero for the next launch. Launches on one stream run one after another, so they share
+// the slots and counters; the host keeps (tiles x parts) within `gemm_split_blocks` and tiles within
+// `gemm_split_tiles`. A part of k is whole quantization groups (k steps), so each part loads and dequantizes as
+// the unsplit kernel does; only the order of the f32 sum over k changes (by parts, then within each part).
+
+#define SPLIT_ROWS 64
+#define SPLIT_BLOCKS 512
+#define SPLIT_TILES 512
+
+__device__ int gemm_split_blocks = SPLIT_BLOCKS;
+__device__ int gemm_split_tiles = SPLIT_TILES;
+__device__ int gemm_split_rows = SPLIT_ROWS;
+__device__ __align__(16) float gemm_partials[(size_t)SPLIT_BLOCKS * SPLIT_ROWS * WROWS];
+__device__ u32 gemm_arrivals[SPLIT_TILES];
+
+// This block's part of k: k steps [first, end) of k_tiles, every part at least one step (the host splits k_tiles
+// into at most k_tiles parts).
+__device__ __forceinline__ int2 split_steps(int k_tiles) {
+    const int z = blockIdx.z, parts = gridDim.z;
+    return make_int2(z * k_tiles / parts, (z + 1) * k_tiles / parts);
+}
+
+// The partial tile of (tile, part): rows by WROWS columns, columns numbered as the weight rows of the tile.
+__device__ __forceinline__ float* partial_slot(int tile, int part) {
+    return gemm_partials + (size_t)(part * (gridDim.x * gridDim.y) + tile) * SPLIT_ROWS * WROWS;
+}
+
+// Counts this block in at its tile's counter after its partial tile is written. Returns true in the block that
+// arrives last (every thread of it), once every part's partial tile is visible to it.
+__device__ __forceinline__ bool arrive_last(int tile) {
+    __shared__ u32 last;
+    __threadfence();  // this thread's partial stores, before the count
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 before = atomicAdd(&gemm_arrivals[tile], 1u);
+        last = before == gridDim.z - 1;
+        if (last) gemm_arrivals[tile] = 0;  // every part has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();  // the other parts' stores, before the reads below
+    return true;
+}
+
+// The sums over the parts are read past L1 (other SMs wrote them) in items of 4 columns: a thread takes SUM_ITEMS
+// items at once and has their loads from SUM_PARTS parts in flight together, so the last part's block keeps enough
+// reads in flight to sum its tile at the rate L2 gives one SM.
+#define SUM_ITEMS 4
+#define SUM_PARTS 4
+
+// s[j] = the sum over every part, in order, of item i = base + j * GEMM_THREADS (if i < items): row i / per_row,
+// columns offset + 4 (i % per_row) .. + 3 of the tile's partials. Parts past the last and items past `items` add
+// zero, which leaves every sum as it was.
+__device__ __forceinline__ void sum_parts(int tile, int base, int items, int per_row, int offset,
+                                          float4 (&s)[SUM_ITEMS]) {
+    const int parts = gridDim.z;
+#pragma unroll
+    for (int j = 0; j < SUM_ITEMS; j++) s[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int z0 = 0; z0 < parts; z0 += SUM_PARTS) {
+        float4 v[SUM_PARTS][SUM_ITEMS];
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS; u++)
+#pragma unroll
+            for (int j = 0; j < SUM_ITEMS; j++) {
+                const int i = base + j * GEMM_THREADS;
+                const float* p = partial_slot(tile, z0 + u) + (i / per_row) * WROWS + offset + 4 * (i % per_row);
+                v[u][j] = z0 + u < parts && i < items ? __ldcg((const float4*)p) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS; u++)
+#pragma unroll
+            for (int j = 0; j < SUM_ITEMS; j++) {
+                s[j].x += v[u][j].x, s[j].y += v[u][j].y;
+                s[j].z += v[u][j].z, s[j].w += v[u][j].w;
+            }
+    }
+}
+
+// The partial of this block's part of k: acc over its k steps, stored by (row, weight row of the tile).
+template <class T, class ARow, class WRow>
+__device__ __forceinline__ void split_partial(int rows, int k, ARow a_row, WRow w_row, int tile) {
+    const int2 steps = split_steps(k / KT);
+    float* slot = partial_slot(tile, blockIdx.z);
+    auto a_part = [&](int r) { return a_row(r) + steps.x * KT; };
+    auto w_part = [&](int mat, int c) {
+        WeightRow wr = w_row(mat, c);
+        wr.packed += (size_t)steps.x * 2 * T::BITS;
+        wr.scale_bias += steps.x;
+        return wr;
+    };
+    const int k_part = (steps.y - steps.x) * KT;
+    if constexpr (T::NMAT == 1) {
+        run_tile<T>(rows, k_part, a_part, w_part, [&](int r, int c, float v0, float v1) {
+            *(float2*)(slot + r * WROWS + c) = make_float2(v0, v1);
+        });
+    } else {
+        run_tile<T>(rows, k_part, a_part, w_part, [&](int r, int c, float g0, float g1, float u0, float u1) {
+            *(float2*)(slot + r * WROWS + c) = make_float2(g0, g1);
+            *(float2*)(slot + r * WROWS + WROWS / 2 + c) = make_float2(u0, u1);
+        });
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ void dense_split(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    typedef Tile<SPLIT_ROWS, 1, BITS> T;
+    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN, tile = blockIdx.x + gridDim.x * blockIdx.y;
+    const int rows = min(SPLIT_ROWS, m - m0);
+    split_partial<T>(
+        rows, k, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int, int c) { return weight_row(w, n0 + c, n0 + c < n, k, BITS); }, tile);
+    if (!arrive_last(tile)) return;
+    const int items = rows * (WROWS / 4);
+    for (int base = threadIdx.x; base < items; base += GEMM_THREADS * SUM_ITEMS) {
+        float4 s[SUM_ITEMS];
+        sum_parts(tile, base, items, WROWS / 4, 0, s);
+#pragma unroll
+        for (int j = 0; j < SUM_ITEMS; j++) {
+            const int i = base + j * GEMM_THREADS;
+            if (i >= items) break;
+            const int r = i / (WROWS / 4), col = n0 + 4 * (i % (WROWS / 4));
+            float* o = out + (size_t)(m0 + r) * n + col;
+            const float v[4] = {s[j].x, s[j].y, s[j].z, s[j].w};
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                if (col + e >= n) break;
+                if (n % 2 == 0) {  // col + e even: the pair is whole and 8-byte aligned
+                    float2 x = make_float2(v[e], v[e + 1]);
+                    if (accumulate) {
+                        const float2 prev = *(const float2*)(o + e);
+                        x.x += prev.x, x.y += prev.y;
+                    }
+                    *(float2*)(o + e) = x;
+                } else {
+                    o[e] = accumulate ? o[e] + v[e] : v[e];
+                    if (col + e + 1 < n) o[e + 1] = accumulate ? o[e + 1] + v[e + 1] : v[e + 1];
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q4_split(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    dense_split<4>(a, m, w, n, k, out, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q8_split(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    dense_split<8>(a, m, w, n, k, out, accumulate);
+}
+
+// The gate/up pair split along k: the partial tile holds the gate sums in columns 0..127 and the up sums in
+// 128..255; the last part applies SwiGLU to the whole sums.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q4_swiglu_split(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
+    typedef Tile<SPLIT_ROWS, 2, 4> T;
+    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN, tile = blockIdx.x + gridDim.x * blockIdx.y;
+    const int rows = min(SPLIT_ROWS, m - m0);
+    split_partial<T>(
+        rows, k, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); }, tile);
+    if (!arrive_last(tile)) return;
+    const int items = rows * (T::BN / 4);
+    for (int base = threadIdx.x; base < items; base += GEMM_THREADS * SUM_ITEMS) {
+        float4 g[SUM_ITEMS], u[SUM_ITEMS];
+        sum_parts(tile, base, items, T::BN / 4, 0, g);
+        sum_parts(tile, base, items, T::BN / 4, WROWS / 2, u);
+#pragma unroll
+        for (int j = 0; j < SUM_ITEMS; j++) {
+            const int i = base + j * GEMM_THREADS;
+            if (i >= items) break;
+            const int r = i / (T::BN / 4), col = n0 + 4 * (i % (T::BN / 4));
+            bf16* o = out + (size_t)(m0 + r) * n + col;
+            const u32 pairs[2] = {swiglu_pair(g[j].x, g[j].y, u[j].x, u[j].y),
+                                  swiglu_pair(g[j].z, g[j].w, u[j].z, u[j].w)};
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                if (col + e >= n) break;
+                if (n % 2 == 0) {
+                    *(u32*)(o + e) = pairs[e / 2];
+                } else {
+                    o[e] = (bf16)pairs[e / 2];
+                    if (col + e + 1 < n) o[e + 1] = (bf16)(pairs[e / 2] >> 16);
+                }
+            }
+        }
+    }
+}
+
 // Grouped expert products over the entries sorted by expert: block (column block, tile) takes one tile of
 // up to MOE_TILE_ROWS sorted entries of one expert.
 

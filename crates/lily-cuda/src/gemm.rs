@@ -7,12 +7,16 @@
 //! for the dense products and (column blocks, tiles) for the grouped ones; dynamic shared memory holds
 //! `gemm_stages` pipeline stages of an activation tile (rows x 64 bf16), the packed weight tile (256 rows x 64
 //! codes) and its 256 scale/bias pairs.
+//!
+//! Few rows (a short prompt, a batched decode step) give few block tiles; there the dense products cut k into
+//! parts, one block per (tile, part), two blocks an SM, and the last part of each tile to finish sums the parts in
+//! order (see the split products in gemm.cu and [`Plan`]).
 
 use half::bf16;
 use lily_model::Config;
 
 use crate::driver::{DevPtr, Result};
-use crate::kernels::{gemm, Kernels};
+use crate::kernels::{gemm, Kernels, Q4};
 use crate::launch::{Dims, Launcher};
 use crate::weights::GpuMatrix;
 
@@ -55,6 +59,40 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
     (col_blocks as u32, m.div_ceil(rows) as u32, 1)
 }
 
+/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, or 64-row tiles with k cut into
+/// `parts` parts (the split kernels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Plan {
+    Tiles(usize),
+    Split(usize),
+}
+
+/// Inputs the last part of a tile reads at most when it sums the parts: parts x rows x 256 f32 (512 KiB).
+const SPLIT_SUM_FLOATS: usize = 512 * 256;
+
+/// Rows up to which a product may be split (a batched step's rows, a short prompt or a small chunk); longer
+/// products keep the whole-k tiles.
+const SPLIT_MAX_M: usize = 512;
+
+/// The plan of a product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
+/// `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill two
+/// blocks an SM, each part at least two k steps, the parts' partial tiles within what the last part sums quickly
+/// and the kernel's slots; otherwise (or where that leaves one part) whole-k tiles.
+pub(crate) fn plan(kernels: &Kernels, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
+    let split_rows = kernels.constant("gemm_split_rows");
+    let tiles = m.div_ceil(split_rows) * col_blocks;
+    if m <= SPLIT_MAX_M && tiles < sms && tiles <= kernels.constant("gemm_split_tiles") {
+        let parts = (2 * sms / tiles)
+            .min(k_steps / 2)
+            .min(SPLIT_SUM_FLOATS / (256 * m.min(split_rows)))
+            .min(kernels.constant("gemm_split_blocks") / tiles);
+        if parts >= 2 {
+            return Plan::Split(parts);
+        }
+    }
+    Plan::Tiles(tile_rows(m, col_blocks, sms))
+}
+
 /// `out[m][n] = a[m][k] w[n][k]^T` (or `+=` with `accumulate`), `a` bf16 and `out` f32 row-major, n = w.rows,
 /// k = w.cols; 4-bit or 8-bit by `w.bits`.
 pub fn gemm(
@@ -65,28 +103,60 @@ pub fn gemm(
     out: DevPtr<f32>,
     accumulate: bool,
 ) -> Result<()> {
-    let rows = tile_rows(m, w.rows.div_ceil(WEIGHT_ROWS), l.gpu.sm_count);
-    gemm_tiles(l, a, m, w, out, accumulate, rows)
+    let plan = plan(
+        l.kernels,
+        m,
+        w.rows.div_ceil(WEIGHT_ROWS),
+        w.cols / K_STEP,
+        l.gpu.sm_count,
+    );
+    gemm_planned(l, a, m, w, out, accumulate, plan)
 }
 
-pub(crate) fn gemm_tiles(
+pub(crate) fn gemm_planned(
     l: &mut Launcher,
     a: DevPtr<bf16>,
     m: usize,
     w: &GpuMatrix,
     out: DevPtr<f32>,
     accumulate: bool,
-    rows: usize,
+    plan: Plan,
 ) -> Result<()> {
-    let launch = match w.bits {
-        4 => gemm::gemm_q4,
-        8 => gemm::gemm_q8,
-        bits => panic!("no {bits}-bit product"),
+    let launch: DenseLaunch = match (w.bits, plan) {
+        (4, Plan::Tiles(_)) => gemm::gemm_q4,
+        (8, Plan::Tiles(_)) => gemm::gemm_q8,
+        (4, Plan::Split(_)) => gemm::gemm_q4_split,
+        (8, Plan::Split(_)) => gemm::gemm_q8_split,
+        (bits, _) => panic!("no {bits}-bit product"),
     };
-    let grid = dense_grid(m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), rows);
-    let dims = Dims::new(grid, THREADS).shared(shared_bytes(l.kernels, rows, w.bits));
+    let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
     let (n, k) = (w.rows as i32, w.cols as i32);
     launch(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32)
+}
+
+/// The launchers of the dense products (one signature).
+type DenseLaunch = fn(&mut Launcher, Dims, DevPtr<bf16>, i32, Q4, i32, i32, DevPtr<f32>, i32) -> Result<()>;
+
+/// The geometry of a planned dense product: (column blocks, row blocks, parts of k) and its shared memory.
+fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, plan: Plan) -> Dims {
+    let (rows, parts) = match plan {
+        Plan::Tiles(rows) => (rows, 1),
+        Plan::Split(parts) => (l.kernels.constant("gemm_split_rows"), parts),
+    };
+    let (x, y, _) = dense_grid(m, k, col_blocks, rows);
+    if let Plan::Split(parts) = plan {
+        let tiles = (x * y) as usize;
+        assert!(
+            parts >= 2 && parts <= k / K_STEP,
+            "{parts} parts of {} k steps",
+            k / K_STEP
+        );
+        assert!(
+            tiles <= l.kernels.constant("gemm_split_tiles") && tiles * parts <= l.kernels.constant("gemm_split_blocks"),
+            "{tiles} tiles in {parts} parts exceed the split products' slots"
+        );
+    }
+    Dims::new((x, y, parts as u32), THREADS).shared(shared_bytes(l.kernels, rows, bits))
 }
 
 /// `out[m][n] = bf16(silu(a gate^T) * (a up^T))`, bf16 `a` and `out` row-major, n = gate.rows, k = gate.cols.
@@ -98,33 +168,40 @@ pub fn gemm_swiglu(
     up: &GpuMatrix,
     out: DevPtr<bf16>,
 ) -> Result<()> {
-    let rows = tile_rows(m, gate.rows.div_ceil(WEIGHT_ROWS / 2), l.gpu.sm_count);
-    gemm_swiglu_tiles(l, a, m, gate, up, out, rows)
+    let col_blocks = gate.rows.div_ceil(WEIGHT_ROWS / 2);
+    let plan = plan(l.kernels, m, col_blocks, gate.cols / K_STEP, l.gpu.sm_count);
+    gemm_swiglu_planned(l, a, m, gate, up, out, plan)
 }
 
-pub(crate) fn gemm_swiglu_tiles(
+pub(crate) fn gemm_swiglu_planned(
     l: &mut Launcher,
     a: DevPtr<bf16>,
     m: usize,
     gate: &GpuMatrix,
     up: &GpuMatrix,
     out: DevPtr<bf16>,
-    rows: usize,
+    plan: Plan,
 ) -> Result<()> {
     assert!(
         gate.bits == 4 && up.bits == 4 && gate.rows == up.rows && gate.cols == up.cols,
         "gate and up: 4-bit, one shape"
     );
-    let grid = dense_grid(m, gate.cols, gate.rows.div_ceil(WEIGHT_ROWS / 2), rows);
-    let dims = Dims::new(grid, THREADS).shared(shared_bytes(l.kernels, rows, 4));
+    let dims = planned_dims(l, m, gate.cols, gate.rows.div_ceil(WEIGHT_ROWS / 2), 4, plan);
     let (n, k) = (gate.rows as i32, gate.cols as i32);
-    gemm::gemm_q4_swiglu(l, dims, a, m as i32, gate.q4(), up.q4(), n, k, out)
+    let launch = match plan {
+        Plan::Tiles(_) => gemm::gemm_q4_swiglu,
+        Plan::Split(_) => gemm::gemm_q4_swiglu_split,
+    };
+    launch(l, dims, a, m as i32, gate.q4(), up.q4(), n, k, out)
 }
 
 /// Tiles of the grouped expert products for `tokens` tokens at most: each expert's sorted entries in tiles of
-/// `moe_tile_rows`, so at most one partial tile per expert.
+/// `moe_tile_rows`, so at most one partial tile per expert, and never more tiles than entries. The grouped
+/// products launch this many tile rows of blocks (those past the routing's tile count return at once), so a launch
+/// for few tokens sizes it by those tokens, not by the scratch's capacity.
 pub fn max_tiles(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
-    (tokens * config.num_experts_per_tok).div_ceil(kernels.constant("moe_tile_rows")) + config.num_experts
+    let entries = tokens * config.num_experts_per_tok;
+    (entries.div_ceil(kernels.constant("moe_tile_rows")) + config.num_experts).min(entries)
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to

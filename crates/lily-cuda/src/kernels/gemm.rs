@@ -16,6 +16,9 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_stages",
         "moe_gate_up_col_blocks",
         "moe_down_col_blocks",
+        "gemm_split_blocks",
+        "gemm_split_tiles",
+        "gemm_split_rows",
     ],
 };
 
@@ -26,6 +29,12 @@ launchers! {
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `out = bf16(silu(a gate^T) * (a up^T))`.
     gemm_q4_swiglu(a: DevPtr<bf16>, m: i32, gate: Q4, up: Q4, n: i32, k: i32, out: DevPtr<bf16>);
+    /// `gemm_q4` with k cut into `gridDim.z` parts summed in order by the last part to finish (few rows).
+    gemm_q4_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// The same with 8-bit weights.
+    gemm_q8_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `gemm_q4_swiglu` with k cut into parts, SwiGLU applied to the whole sums.
+    gemm_q4_swiglu_split(a: DevPtr<bf16>, m: i32, gate: Q4, up: Q4, n: i32, k: i32, out: DevPtr<bf16>);
     /// The routed experts' gate/up products with SwiGLU, one tile of sorted entries per block row.
     moe_gate_up(
         x: DevPtr<bf16>,

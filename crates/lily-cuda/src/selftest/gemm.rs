@@ -9,10 +9,10 @@ use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, Gpu, Result};
-use crate::gemm::{gemm_swiglu_tiles, gemm_tiles, max_tiles, moe_down, moe_gate_up, Sorted, K_STEP};
+use crate::gemm::{gemm_planned, gemm_swiglu_planned, max_tiles, moe_down, moe_gate_up, plan, Plan, Sorted, K_STEP};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
-use crate::weights::upload;
+use crate::weights::{upload, GpuMatrix};
 
 // ---- `lily selftest`: the products against lily_model's qmatmul on the same bf16-rounded inputs ----
 //
@@ -64,97 +64,180 @@ fn random_q4(rng: &mut Rng, rows: usize, cols: usize) -> QMatrix {
     }
 }
 
-/// The tile heights a product of m rows can be launched with.
-fn tile_heights(m: usize) -> &'static [usize] {
-    if m <= 64 {
-        &[64]
-    } else {
-        &[64, 128]
+/// The real model's hidden width and shared expert width.
+const FULL_HIDDEN: usize = 2048;
+const FULL_SHARED_INTER: usize = 512;
+
+/// Row counts of the short products: one row, a few, around the 16-row fragment and the 64-row tile, and the
+/// batched step's larger sizes.
+const SHORT_ROWS: [usize; 8] = [1, 3, 8, 16, 17, 64, 100, 256];
+
+/// Every plan a product of m rows (`col_blocks` weight-row blocks, `k_steps` steps of k) can be launched with:
+/// whole-k tiles of each height m allows; k in 2 and 3 parts (uneven where the steps are not a multiple of 3) and
+/// in one part a step, where the split kernels' slots hold them; and the plan `gemm` picks on this GPU.
+fn plans(kernels: &Kernels, sms: usize, m: usize, col_blocks: usize, k_steps: usize) -> Vec<Plan> {
+    let mut plans = vec![Plan::Tiles(64)];
+    if m > 64 {
+        plans.push(Plan::Tiles(128));
+    }
+    let tiles = m.div_ceil(kernels.constant("gemm_split_rows")) * col_blocks;
+    for parts in [2, 3, k_steps] {
+        let fits =
+            tiles <= kernels.constant("gemm_split_tiles") && tiles * parts <= kernels.constant("gemm_split_blocks");
+        if parts >= 2 && parts <= k_steps && fits && !plans.contains(&Plan::Split(parts)) {
+            plans.push(Plan::Split(parts));
+        }
+    }
+    let chosen = plan(kernels, m, col_blocks, k_steps, sms);
+    if !plans.contains(&chosen) {
+        plans.push(chosen);
+    }
+    plans
+}
+
+fn plan_name(p: Plan) -> String {
+    match p {
+        Plan::Tiles(rows) => format!("{rows}-row tiles"),
+        Plan::Split(parts) => format!("k in {parts} parts"),
     }
 }
 
-/// `lily selftest`'s checks of every product kernel (both tile heights where m allows) against qmatmul.
+/// `lily selftest`'s checks of every product kernel (each plan the row count allows) against qmatmul.
 pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, report: &mut Report) -> Result<()> {
     let mut rng = Rng::new(seed ^ 0x9e33);
     let mut l = Launcher::new(gpu, kernels);
     let (h, inter, experts) = (config.hidden_size, config.moe_intermediate_size, config.num_experts);
+    let sms = gpu.sm_count;
 
     // Dense products: odd and even n, partial tiles in m and n, k steps fewer than the pipeline's stages and not
-    // a multiple of them, both tile heights, with and without accumulate.
-    let dense: [(usize, usize, usize, u32, bool); 8] = [
-        (1, h, 517, 4, false),
-        (7, 2 * h, 300, 4, true),
-        (300, h, 517, 4, false),
-        (300, inter, 258, 4, true),
-        (1000, 2 * h, 263, 4, true),
-        (1000, h + 3 * K_STEP, 640, 4, false),
-        (1, h, experts + 1, 8, false),
-        (300, h, experts + 1, 8, true),
+    // a multiple of them or of the parts, every plan, with and without accumulate. Each matrix is checked at
+    // several row counts: the first m rows of one input.
+    let short = SHORT_ROWS.to_vec();
+    // The dense kernels take k at run time, so the real model's widths (hidden 2048, attention output 4096, the
+    // shared expert's 512) are checked whatever shape the kernels were compiled for.
+    let dense: [(Vec<usize>, usize, usize, u32, bool); 10] = [
+        (short.clone(), h, 517, 4, false),
+        (vec![7, 300], 2 * h, 300, 4, true),
+        (vec![1, 17, 300], inter, 258, 4, true),
+        (vec![64, 1000], 2 * h, 263, 4, true),
+        (vec![1000], h + 3 * K_STEP, 640, 4, false),
+        (vec![1, 16, 300], h, experts + 1, 8, true),
+        (short.clone(), FULL_HIDDEN, 517, 4, false),
+        (short.clone(), 2 * FULL_HIDDEN, 300, 4, true),
+        (short.clone(), FULL_SHARED_INTER, 258, 4, true),
+        (short.clone(), FULL_HIDDEN, 257, 8, false),
     ];
-    for (m, k, n, bits, accumulate) in dense {
-        let (a_bits, a) = bf16_normals(&mut rng, m * k);
+    for (ms, k, n, bits, accumulate) in dense {
+        let max_m = *ms.iter().max().unwrap();
+        let (a_bits, a) = bf16_normals(&mut rng, max_m * k);
         let w = QMatrix::quantize(&normals(&mut rng, n * k, 1.0), n, k, bits);
         let gw = upload(gpu, &w)?;
         let a_buf = gpu.upload_new(&a_bits)?;
-        let mut expected = vec![0.0; m * n];
+        let mut expected = vec![0.0; max_m * n];
         qmatmul(w.view(), &a, &mut expected);
         let init = if accumulate {
-            normals(&mut rng, m * n, 1.0)
+            normals(&mut rng, max_m * n, 1.0)
         } else {
-            vec![0.0; m * n]
+            vec![0.0; max_m * n]
         };
         expected.iter_mut().zip(&init).for_each(|(e, i)| *e += i);
-        let out = gpu.alloc(m * n)?;
-        for &rows in tile_heights(m) {
-            if accumulate {
-                gpu.upload(out.ptr(), &init)?;
-            } else {
-                poison(gpu, &out)?;
+        let out = gpu.alloc(max_m * n)?;
+        for m in ms {
+            for p in plans(kernels, sms, m, n.div_ceil(256), k / K_STEP) {
+                if accumulate {
+                    gpu.upload(out.ptr(), &init[..m * n])?;
+                } else {
+                    poison(gpu, &out)?;
+                }
+                gemm_planned(&mut l, a_buf.ptr(), m, &gw, out.ptr(), accumulate, p)?;
+                let name = format!(
+                    "gemm_q{bits} m {m} k {k} n {n}, {}{}",
+                    plan_name(p),
+                    if accumulate { ", accumulate" } else { "" }
+                );
+                report.check(
+                    &name,
+                    rel_err(&download_f32(gpu, &out, m * n)?, &expected[..m * n]),
+                    if bits == 8 { TOL_Q8 } else { TOL_Q4 },
+                );
             }
-            gemm_tiles(&mut l, a_buf.ptr(), m, &gw, out.ptr(), accumulate, rows)?;
-            let name = format!(
-                "gemm_q{bits} m {m} k {k} n {n}, {rows}-row tiles{}",
-                if accumulate { ", accumulate" } else { "" }
-            );
-            report.check(
-                &name,
-                rel_err(&download_f32(gpu, &out, m * n)?, &expected),
-                if bits == 8 { TOL_Q8 } else { TOL_Q4 },
-            );
         }
     }
 
     // The shared expert's gate/up with SwiGLU, bf16 out.
-    for (m, n) in [(7, 131), (300, config.shared_expert_intermediate_size), (1000, 130)] {
-        let (a_bits, a) = bf16_normals(&mut rng, m * h);
-        let gate = QMatrix::quantize(&normals(&mut rng, n * h, 1.0), n, h, 4);
-        let up = QMatrix::quantize(&normals(&mut rng, n * h, 1.0), n, h, 4);
+    let swiglu: [(Vec<usize>, usize, usize); 4] = [
+        (short.iter().copied().chain([7]).collect(), h, 131),
+        (vec![1, 16, 300], h, config.shared_expert_intermediate_size),
+        (vec![1000], h, 130),
+        (short.clone(), FULL_HIDDEN, FULL_SHARED_INTER),
+    ];
+    for (ms, k, n) in swiglu {
+        let max_m = *ms.iter().max().unwrap();
+        let (a_bits, a) = bf16_normals(&mut rng, max_m * k);
+        let gate = QMatrix::quantize(&normals(&mut rng, n * k, 1.0), n, k, 4);
+        let up = QMatrix::quantize(&normals(&mut rng, n * k, 1.0), n, k, 4);
         let (g_gate, g_up) = (upload(gpu, &gate)?, upload(gpu, &up)?);
         let a_buf = gpu.upload_new(&a_bits)?;
-        let (mut g, mut u) = (vec![0.0; m * n], vec![0.0; m * n]);
+        let (mut g, mut u) = (vec![0.0; max_m * n], vec![0.0; max_m * n]);
         qmatmul(gate.view(), &a, &mut g);
         qmatmul(up.view(), &a, &mut u);
         let expected: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
-        let out = gpu.alloc::<bf16>((m * n).div_ceil(2) * 2)?;
-        for &rows in tile_heights(m) {
-            gpu.memset_u32(out.ptr(), NAN_BF16X2, out.bytes() / 4)?;
-            gemm_swiglu_tiles(&mut l, a_buf.ptr(), m, &g_gate, &g_up, out.ptr(), rows)?;
-            let name = format!("gemm_q4_swiglu m {m} k {h} n {n}, {rows}-row tiles");
-            report.check(
-                &name,
-                rel_err(&download_bf16(gpu, &out, m * n)?, &expected),
-                TOL_Q4_BF16_OUT,
-            );
+        let out = gpu.alloc::<bf16>((max_m * n).div_ceil(2) * 2)?;
+        for m in ms {
+            for p in plans(kernels, sms, m, n.div_ceil(128), k / K_STEP) {
+                gpu.memset_u32(out.ptr(), NAN_BF16X2, out.bytes() / 4)?;
+                gemm_swiglu_planned(&mut l, a_buf.ptr(), m, &g_gate, &g_up, out.ptr(), p)?;
+                let name = format!("gemm_q4_swiglu m {m} k {k} n {n}, {}", plan_name(p));
+                report.check(
+                    &name,
+                    rel_err(&download_bf16(gpu, &out, m * n)?, &expected[..m * n]),
+                    TOL_Q4_BF16_OUT,
+                );
+            }
         }
     }
 
-    check_moe(&mut l, config, &mut rng, report)?;
+    // The grouped expert products: one set of expert matrices, routings of few tokens (most experts empty, the
+    // others one or two rows) and of many.
+    let (gate, up) = (
+        random_q4(&mut rng, experts * inter, h),
+        random_q4(&mut rng, experts * inter, h),
+    );
+    let down = random_q4(&mut rng, experts * h, inter);
+    let experts_q4 = MoeMatrices {
+        g_gate: upload(gpu, &gate)?,
+        g_up: upload(gpu, &up)?,
+        g_down: upload(gpu, &down)?,
+        gate,
+        up,
+        down,
+    };
+    for tokens in [1, 3, 16, 300] {
+        check_moe(&mut l, config, &experts_q4, tokens, &mut rng, report)?;
+    }
     gpu.sync()
+}
+
+/// The stacked expert matrices on the CPU and the GPU.
+struct MoeMatrices {
+    gate: QMatrix,
+    up: QMatrix,
+    down: QMatrix,
+    g_gate: GpuMatrix,
+    g_up: GpuMatrix,
+    g_down: GpuMatrix,
 }
 
 /// The grouped expert products on a routing built here: every token picks TOP_K distinct experts, half the
 /// tokens three "hot" ones among them (so some experts fill several whole tiles while most have a partial one).
-fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Report) -> Result<()> {
+fn check_moe(
+    l: &mut Launcher,
+    config: &Config,
+    m: &MoeMatrices,
+    tokens: usize,
+    rng: &mut Rng,
+    report: &mut Report,
+) -> Result<()> {
     let gpu = l.gpu;
     let (h, inter, experts, top_k) = (
         config.hidden_size,
@@ -162,7 +245,6 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
         config.num_experts,
         config.num_experts_per_tok,
     );
-    let tokens = 300;
     let tile_rows = l.kernels.constant("moe_tile_rows");
     let hot = [1, experts / 2, experts - 1];
     let mut expert_of = Vec::with_capacity(tokens * top_k);
@@ -220,13 +302,12 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
     };
 
     // Gate/up: act by sorted index.
-    let (gate, up) = (random_q4(rng, experts * inter, h), random_q4(rng, experts * inter, h));
-    let (g_gate, g_up) = (upload(gpu, &gate)?, upload(gpu, &up)?);
+    let (gate, up, g_gate, g_up) = (&m.gate, &m.up, &m.g_gate, &m.g_up);
     let (x_bits, x) = bf16_normals(rng, tokens * h);
     let x_buf = gpu.upload_new(&x_bits)?;
     let act = gpu.alloc::<bf16>(tokens * top_k * inter)?;
     gpu.memset_u32(act.ptr(), NAN_BF16X2, act.bytes() / 4)?;
-    moe_gate_up(l, x_buf.ptr(), &sorted, &g_gate, &g_up, act.ptr())?;
+    moe_gate_up(l, x_buf.ptr(), &sorted, g_gate, g_up, act.ptr())?;
     let mut expected = vec![0.0; tokens * top_k * inter];
     for e in 0..experts {
         let xs: Vec<f32> = rows_of(e)
@@ -252,15 +333,14 @@ fn check_moe(l: &mut Launcher, config: &Config, rng: &mut Rng, report: &mut Repo
     );
 
     // Down: an independent bf16 input, out by entry with its routing weight.
-    let down = random_q4(rng, experts * h, inter);
-    let g_down = upload(gpu, &down)?;
+    let (down, g_down) = (&m.down, &m.g_down);
     let (act_bits, act_in) = bf16_normals(rng, tokens * top_k * inter);
     gpu.upload(act.ptr(), &act_bits)?;
     let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform()).collect();
     let route_buf = gpu.upload_new(&route_w)?;
     let out = gpu.alloc(tokens * top_k * h)?;
     poison(gpu, &out)?;
-    moe_down(l, act.ptr(), &sorted, route_buf.ptr(), &g_down, out.ptr())?;
+    moe_down(l, act.ptr(), &sorted, route_buf.ptr(), g_down, out.ptr())?;
     let mut expected = vec![0.0; tokens * top_k * h];
     for e in 0..experts {
         let first = offsets[e] as usize;
