@@ -22,9 +22,11 @@ static_assert(GQA == 8, "the score loop holds the 8 query heads of a KV head");
 // Pages a tile of ATTN_TILE positions starting anywhere touches at most.
 #define TILE_PAGES (ATTN_TILE / KV_PAGE + 1)
 
-// Positions per part for a context of `len`; the same in the partial and the merge kernels.
-__device__ __forceinline__ int attn_chunk(int len) {
-    int c = (len + ATTN_SPLITS - 1) / ATTN_SPLITS;
+// Positions per part for a context of `len` split in at most `splits` (<= ATTN_SPLITS) parts; the same in the
+// partial and the merge kernels. A batched step with many rows uses fewer parts than one sequence alone: its rows
+// already fill the GPU, and every part costs a block.
+__device__ __forceinline__ int attn_chunk(int len, int splits) {
+    int c = (len + splits - 1) / splits;
     c = (c + 31) / 32 * 32;
     return c < ATTN_MIN_CHUNK ? ATTN_MIN_CHUNK : c;
 }
@@ -154,12 +156,12 @@ __device__ __forceinline__ void score_whole(const float* qs, const bf16* k_pool,
     store_scores(p[threadIdx.x], s, pos < end);
 }
 
-// Grid (N_KV_HEADS, ATTN_SPLITS, rows). Part `split` of the row's context [0, position] for the GQA query heads of
+// Grid (N_KV_HEADS, splits, rows). Part `split` of the row's context [0, position] for the GQA query heads of
 // a KV head: writes the unnormalised output, the running max and the sum of exponentials per query head. Each tile
 // of positions first takes the ids of the pages it touches into shared memory.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     attn_partial(const int* positions, const int* slots, const float* q, const bf16* k_pool, const bf16* v_pool,
-                 const int* page_table, int pages_per_seq, float* part_o, float* part_ml) {
+                 const int* page_table, int pages_per_seq, int splits, float* part_o, float* part_ml) {
     __shared__ __align__(16) float qs[HEAD_DIM * GQA + HEAD_DIM / 2];  // see q_at
     __shared__ __align__(16) float p[ATTN_TILE][GQA];
     __shared__ float run_max[GQA], run_sum[GQA], rescale[GQA];
@@ -173,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     q += (size_t)row * Q_DIM;
     part_o += row * PART_O_ROW;
     part_ml += row * PART_ML_ROW;
-    const int chunk = attn_chunk(len);
+    const int chunk = attn_chunk(len, splits);
     const int kv_head = blockIdx.x, split = blockIdx.y;
     const int start = split * chunk, end = min(len, start + chunk);
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -288,8 +290,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 // `attn_bf16` (the batched step's o_proj input), each when not null.
 #define MERGE_WARPS 8
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
-    attn_merge(const int* positions, const float* part_o, const float* part_ml, const float* proj, float* attn,
-               bf16* attn_bf16) {
+    attn_merge(const int* positions, int splits, const float* part_o, const float* part_ml, const float* proj,
+               float* attn, bf16* attn_bf16) {
     wait_previous();
     __shared__ float warp_max_s[MERGE_WARPS];
     __shared__ float num_s[MERGE_WARPS][WARP];
@@ -299,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
     part_o += row * PART_O_ROW;
     part_ml += row * PART_ML_ROW;
     proj += (size_t)row * PROJ_ROW;
-    const int parts = (len + attn_chunk(len) - 1) / attn_chunk(len);
+    const int parts = (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
     const int qh = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int d = blockIdx.y * WARP + lane;
     const float* ml = part_ml + (size_t)qh * ATTN_SPLITS * 2;

@@ -73,6 +73,12 @@ impl StepScratch {
     }
 }
 
+/// Parts the attention splits each row's context into in a step of `rows` rows: enough blocks for about four per
+/// SM over all rows and KV heads, at most ATTN_SPLITS (one row alone takes them all, as the single-sequence step).
+pub fn attention_splits(rows: usize, kv_heads: usize, sm_count: usize) -> usize {
+    (4 * sm_count).div_ceil(rows * kv_heads).clamp(1, ATTN_SPLITS)
+}
+
 /// One decode step of `t` rows whose token ids, positions and slots are in `b.rows`: every layer over the rows,
 /// then the final norm and lm_head into `b.logits`. `slot[l]` is layer l's index among the layers of its kind.
 #[allow(clippy::too_many_arguments)]
@@ -90,6 +96,7 @@ pub fn enqueue_step(
     let rows = Dims::linear(t as u32, ROW_THREADS);
     let (positions, slots, t32) = (b.positions(), b.slots(), t as u32);
     let (heads, kv_heads, head_dim) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let splits = attention_splits(t, kv_heads, l.gpu.sm_count) as i32;
     prefill::embed_rows(l, rows, b.tokens(), 0, w.embed_tokens.q4(), s.hidden.ptr())?;
     for (i, layer) in w.layers.iter().enumerate() {
         prefill::rmsnorm_rows(
@@ -150,7 +157,7 @@ pub fn enqueue_step(
                 )?;
                 attention::attn_partial(
                     l,
-                    Dims::new((kv_heads as u32, ATTN_SPLITS as u32, t32), 256),
+                    Dims::new((kv_heads as u32, splits as u32, t32), 256),
                     positions,
                     slots,
                     b.q.ptr(),
@@ -158,6 +165,7 @@ pub fn enqueue_step(
                     v_pool,
                     table,
                     per_seq,
+                    splits,
                     b.part_o.ptr(),
                     b.part_ml.ptr(),
                 )?;
@@ -165,6 +173,7 @@ pub fn enqueue_step(
                     l,
                     Dims::new((heads as u32, (head_dim / 32) as u32, t32), 256),
                     positions,
+                    splits,
                     b.part_o.ptr(),
                     b.part_ml.ptr(),
                     s.proj.ptr(),

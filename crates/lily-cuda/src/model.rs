@@ -441,6 +441,7 @@ impl CudaModel {
                     s.v_pool[slot].ptr(),
                     s.page_table.ptr(),
                     s.pages_per_seq as i32,
+                    ATTN_SPLITS as i32,
                     s.part_o.ptr(),
                     s.part_ml.ptr(),
                 )
@@ -449,6 +450,7 @@ impl CudaModel {
                 l,
                 Dims::new((c.num_attention_heads as u32, (c.head_dim / 32) as u32, 1), 256),
                 s.position.ptr(),
+                ATTN_SPLITS as i32,
                 s.part_o.ptr(),
                 s.part_ml.ptr(),
                 s.proj.ptr(),

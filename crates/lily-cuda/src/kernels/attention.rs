@@ -31,8 +31,8 @@ launchers! {
         page_table: DevPtr<i32>,
         pages_per_seq: i32,
     );
-    /// One part of a row's context per block: its unnormalised output, row max and sum. Grid (kv heads,
-    /// ATTN_SPLITS, rows).
+    /// One part of a row's context per block: its unnormalised output, row max and sum. Grid (kv heads, splits,
+    /// rows), splits <= ATTN_SPLITS.
     attn_partial(
         positions: DevPtr<i32>,
         slots: DevPtr<i32>,
@@ -41,13 +41,15 @@ launchers! {
         v_pool: DevPtr<bf16>,
         page_table: DevPtr<i32>,
         pages_per_seq: i32,
+        splits: i32,
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
     );
-    /// The parts merged, times sigmoid of the output gate (in `proj`), into `attn` (f32) and `attn_bf16`, each
-    /// when not null. Grid (heads, head_dim / 32, rows).
+    /// The `splits` parts merged, times sigmoid of the output gate (in `proj`), into `attn` (f32) and
+    /// `attn_bf16`, each when not null. Grid (heads, head_dim / 32, rows).
     attn_merge(
         positions: DevPtr<i32>,
+        splits: i32,
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
         proj: DevPtr<f32>,

@@ -14,6 +14,10 @@ use lily_model::Config;
 use super::{download_f32, normals, poison, rel_err, shuffled, Report};
 use crate::driver::Result;
 use crate::kernels::{attention, deltanet, ATTN_SPLITS};
+
+/// Parts the batched attention check splits each row's context into (fewer than ATTN_SPLITS, as a batched step
+/// of many rows does).
+const SPLITS: usize = 5;
 use crate::launch::{Dims, Launcher};
 use crate::model::CudaModel;
 use crate::pages::{pages_for, KV_PAGE};
@@ -263,7 +267,7 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         )?;
         attention::attn_partial(
             &mut l,
-            Dims::new((kv_heads as u32, ATTN_SPLITS as u32, rows), 256),
+            Dims::new((kv_heads as u32, SPLITS as u32, rows), 256),
             positions_buf.ptr(),
             slots_buf.ptr(),
             q_buf.ptr(),
@@ -271,6 +275,7 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             v_buf.ptr(),
             table_buf.ptr(),
             pps,
+            SPLITS as i32,
             part_o.ptr(),
             part_ml.ptr(),
         )?;
@@ -278,6 +283,7 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             &mut l,
             Dims::new((heads as u32, (hd / 32) as u32, rows), 256),
             positions_buf.ptr(),
+            SPLITS as i32,
             part_o.ptr(),
             part_ml.ptr(),
             proj_buf.ptr(),
