@@ -64,6 +64,13 @@ impl SampleRows {
         rows: &[RowParams],
         masks: &[Option<&[u32]>],
     ) -> Result<()> {
+        self.stage(l.gpu, rows, masks)?;
+        self.launch(l, logits, rows.len())
+    }
+
+    /// The first half of [`SampleRows::enqueue`]: queues the copies of the rows' parameters and masks to the
+    /// device (from host memory that may be reused once this returns). Not for stream capture.
+    pub fn stage(&mut self, gpu: &Gpu, rows: &[RowParams], masks: &[Option<&[u32]>]) -> Result<()> {
         if rows.is_empty() || rows.len() > self.max_rows {
             return Err(GpuError::Other(format!(
                 "sample_rows takes 1 to {} rows, not {}",
@@ -92,19 +99,35 @@ impl SampleRows {
             }
             self.staged_params.push(row);
         }
-        l.gpu.upload_async(self.params.ptr(), &self.staged_params)?;
+        gpu.upload_async(self.params.ptr(), &self.staged_params)?;
         if !self.staged_masks.is_empty() {
-            l.gpu.upload_async(self.masks.ptr(), &self.staged_masks)?;
+            gpu.upload_async(self.masks.ptr(), &self.staged_masks)?;
         }
-        self.rows = rows.len();
-        sampling::sample_rows(
+        Ok(())
+    }
+
+    /// The second half of [`SampleRows::enqueue`]: queues the kernel over the first `rows` staged rows (a fixed
+    /// launch, which a CUDA graph may capture). The kernel does not wait for its predecessor as the decode step's
+    /// kernels do, so it is never launched as a programmatic dependent launch.
+    pub fn launch(&mut self, l: &mut Launcher, logits: DevPtr<f32>, rows: usize) -> Result<()> {
+        if rows == 0 || rows > self.max_rows {
+            return Err(GpuError::Other(format!(
+                "sample_rows takes 1 to {} rows, not {rows}",
+                self.max_rows
+            )));
+        }
+        self.rows = rows;
+        let dependent = std::mem::replace(&mut l.dependent, false);
+        let launched = sampling::sample_rows(
             l,
-            Dims::linear(rows.len() as u32, 1024),
+            Dims::linear(rows as u32, 1024),
             logits,
             self.params.ptr(),
             self.masks.ptr(),
             self.out.ptr,
-        )
+        );
+        l.dependent = dependent;
+        launched
     }
 
     /// The token of each row of the last `enqueue` (call after synchronising the stream); `u32::MAX` for a row

@@ -87,8 +87,9 @@ fn row_mask(rng: &mut Rng, vocab: usize, i: usize) -> Option<Vec<u32>> {
         }
         _ => return None,
     }
-    if mask.iter().all(|&w| w == 0) {
-        mask[0] = 1;
+    // Bits past the vocabulary allow nothing: every mask lets at least one token through, as `Pick` promises.
+    if !(0..vocab).any(|t| mask.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0)) {
+        mask[0] |= 1;
     }
     Some(mask)
 }
