@@ -52,8 +52,8 @@ impl SampleRows {
         self.max_rows
     }
 
-    /// Queues the draw of one token for each of `rows` from the logits rows at `logits` (`[rows.len()][vocab]`),
-    /// row `i` among the tokens `masks[i]` allows when given (bit `t % 32` of word `t / 32`, the format of
+    /// Queues the draw of one token for each of `rows`, row `i` from logits row `rows[i].logits_row` of `logits`
+    /// (`[*][vocab]`; rows may share one, as the choices of a request do) among the tokens `masks[i]` allows when given (bit `t % 32` of word `t / 32`, the format of
     /// `lily_model::backend::Pick::allowed`; tokens past a short mask's end are not allowed). `masks` is empty
     /// (no masks) or has one entry per row; each row's `mask_row` is set here. The parameters and masks are copied
     /// before this returns; the tokens are ready for [`SampleRows::read`] once the stream has been synchronised.
@@ -89,6 +89,12 @@ impl SampleRows {
         self.staged_params.clear();
         self.staged_masks.clear();
         for (i, row) in rows.iter().enumerate() {
+            if row.logits_row < 0 {
+                return Err(GpuError::Other(format!(
+                    "sample_rows: row {i} names logits row {}",
+                    row.logits_row
+                )));
+            }
             let mut row = *row;
             row.mask_row = -1;
             if let Some(Some(mask)) = masks.get(i) {
