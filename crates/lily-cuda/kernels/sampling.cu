@@ -86,7 +86,8 @@ struct SampleRow {
     u64 counter;
     // The row of the mask buffer that allows this row's tokens, or -1 for no mask.
     int mask_row;
-    int pad;
+    // The row of `logits` this row draws from.
+    int logits_row;
 };
 
 #define SAMPLE_THREADS 1024
@@ -128,8 +129,9 @@ __device__ int row_argmax(const float* row, const u32* mask, float* warp_best, i
     return arg;
 }
 
-// One block per row of `logits` ([rows][VOCAB]): the row's next token, with its parameters `rows[row]` and its
-// allowed-token bitmask (row `mask_row` of `masks`, [*][MASK_WORDS]) applied before anything else, into `out[row]`.
+// One block per row r of `rows`: the next token drawn from logits row `rows[r].logits_row` (`logits` is
+// [*][VOCAB]) with the row's parameters and its allowed-token bitmask (row `mask_row` of `masks`, [*][MASK_WORDS])
+// applied before anything else, into `out[r]`.
 // The draw is the CPU sampler's (lily_model::sampling::Sampler) step by step: greedy is the argmax; otherwise the
 // logits are divided by the temperature, the top_k (1..=SAMPLE_MAX_CANDIDATES) largest are found by a radix select
 // over the candidate keys, sorted, turned into probabilities (exp in double rounded to float, a double total),
@@ -149,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ int warp_arg[SAMPLE_THREADS / WARP];
     const int t = threadIdx.x, r = blockIdx.x;
     const SampleRow p = rows[r];
-    const float* row = logits + (size_t)r * VOCAB;
+    const float* row = logits + (size_t)p.logits_row * VOCAB;
     const u32* mask = p.mask_row >= 0 ? masks + (size_t)p.mask_row * MASK_WORDS : nullptr;
     if (p.temperature <= 0.f) {
         const int arg = row_argmax(row, mask, warp_best, warp_arg);

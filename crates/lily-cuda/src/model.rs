@@ -38,7 +38,7 @@ pub struct DeviceState {
     pub single_slot: DevBuf<i32>,
     /// i32 `[max_context]`: the single sequence's token ids.
     pub tokens: DevBuf<i32>,
-    /// i32 in host memory: the token the last step chose greedily (or the sampler chose), read without a copy.
+    /// i32 in host memory: the token the last step chose greedily, read without a copy.
     pub next_token: HostCell,
     pub hidden: DevBuf<f32>,
     /// Input projections of the current mixer.

@@ -52,8 +52,8 @@ impl SampleRows {
         self.max_rows
     }
 
-    /// Queues the draw of one token for each of `rows` from the logits rows at `logits` (`[rows.len()][vocab]`),
-    /// row `i` among the tokens `masks[i]` allows when given (bit `t % 32` of word `t / 32`, the format of
+    /// Queues the draw of one token for each of `rows`, row `i` from logits row `rows[i].logits_row` of `logits`
+    /// (`[*][vocab]`; rows may share one, as the choices of a request do) among the tokens `masks[i]` allows when given (bit `t % 32` of word `t / 32`, the format of
     /// `lily_model::backend::Pick::allowed`; tokens past a short mask's end are not allowed). `masks` is empty
     /// (no masks) or has one entry per row; each row's `mask_row` is set here. The parameters and masks are copied
     /// before this returns; the tokens are ready for [`SampleRows::read`] once the stream has been synchronised.
@@ -64,6 +64,13 @@ impl SampleRows {
         rows: &[RowParams],
         masks: &[Option<&[u32]>],
     ) -> Result<()> {
+        self.stage(l.gpu, rows, masks)?;
+        self.launch(l, logits, rows.len())
+    }
+
+    /// The first half of [`SampleRows::enqueue`]: queues the copies of the rows' parameters and masks to the
+    /// device (from host memory that may be reused once this returns). Not for stream capture.
+    pub fn stage(&mut self, gpu: &Gpu, rows: &[RowParams], masks: &[Option<&[u32]>]) -> Result<()> {
         if rows.is_empty() || rows.len() > self.max_rows {
             return Err(GpuError::Other(format!(
                 "sample_rows takes 1 to {} rows, not {}",
@@ -82,6 +89,12 @@ impl SampleRows {
         self.staged_params.clear();
         self.staged_masks.clear();
         for (i, row) in rows.iter().enumerate() {
+            if row.logits_row < 0 {
+                return Err(GpuError::Other(format!(
+                    "sample_rows: row {i} names logits row {}",
+                    row.logits_row
+                )));
+            }
             let mut row = *row;
             row.mask_row = -1;
             if let Some(Some(mask)) = masks.get(i) {
@@ -92,19 +105,35 @@ impl SampleRows {
             }
             self.staged_params.push(row);
         }
-        l.gpu.upload_async(self.params.ptr(), &self.staged_params)?;
+        gpu.upload_async(self.params.ptr(), &self.staged_params)?;
         if !self.staged_masks.is_empty() {
-            l.gpu.upload_async(self.masks.ptr(), &self.staged_masks)?;
+            gpu.upload_async(self.masks.ptr(), &self.staged_masks)?;
         }
-        self.rows = rows.len();
-        sampling::sample_rows(
+        Ok(())
+    }
+
+    /// The second half of [`SampleRows::enqueue`]: queues the kernel over the first `rows` staged rows (a fixed
+    /// launch, which a CUDA graph may capture). The kernel does not wait for its predecessor as the decode step's
+    /// kernels do, so it is never launched as a programmatic dependent launch.
+    pub fn launch(&mut self, l: &mut Launcher, logits: DevPtr<f32>, rows: usize) -> Result<()> {
+        if rows == 0 || rows > self.max_rows {
+            return Err(GpuError::Other(format!(
+                "sample_rows takes 1 to {} rows, not {rows}",
+                self.max_rows
+            )));
+        }
+        self.rows = rows;
+        let dependent = std::mem::replace(&mut l.dependent, false);
+        let launched = sampling::sample_rows(
             l,
-            Dims::linear(rows.len() as u32, 1024),
+            Dims::linear(rows as u32, 1024),
             logits,
             self.params.ptr(),
             self.masks.ptr(),
             self.out.ptr,
-        )
+        );
+        l.dependent = dependent;
+        launched
     }
 
     /// The token of each row of the last `enqueue` (call after synchronising the stream); `u32::MAX` for a row

@@ -246,6 +246,43 @@ mod tests {
         CpuBackend::new(CpuModel::new(weights), 4 * PREFILL_SLICE)
     }
 
+    /// The default `sample_masked` draws among the allowed tokens only: greedy takes the best allowed logit, and
+    /// a sampled draw never leaves the mask.
+    #[test]
+    fn sample_masked_keeps_to_the_mask() {
+        let mut backend = tiny_backend();
+        backend.prefill(&[1, 2, 3]).unwrap();
+        let logits = backend.logits().unwrap().to_vec();
+        let best = crate::sampling::argmax(&logits) as usize;
+        // Every third token, the unmasked best excluded.
+        let allowed_token = |t: usize| t.is_multiple_of(3) && t != best;
+        let mut mask = vec![0u32; logits.len().div_ceil(32)];
+        (0..logits.len())
+            .filter(|&t| allowed_token(t))
+            .for_each(|t| mask[t / 32] |= 1 << (t % 32));
+        let best_allowed = (0..logits.len())
+            .filter(|&t| allowed_token(t))
+            .fold(None, |b: Option<usize>, t| match b {
+                Some(b) if logits[b] >= logits[t] => Some(b),
+                _ => Some(t),
+            })
+            .unwrap();
+        let mut greedy = Sampler::new(SamplingParams::default());
+        assert_eq!(
+            backend.sample_masked(&mut greedy, &mask).unwrap() as usize,
+            best_allowed
+        );
+        let mut sampled = Sampler::new(SamplingParams {
+            temperature: 1.5,
+            seed: 5,
+            ..Default::default()
+        });
+        for _ in 0..200 {
+            let token = backend.sample_masked(&mut sampled, &mask).unwrap() as usize;
+            assert!(allowed_token(token), "token {token} is masked out");
+        }
+    }
+
     #[test]
     fn a_prefill_in_slices_matches_one_prefill_and_stops_when_cancelled() {
         let mut backend = tiny_backend();

@@ -30,8 +30,8 @@ pub struct RowParams {
     pub counter: u64,
     /// The row of the mask buffer that allows this row's tokens, or -1 for none.
     pub mask_row: i32,
-    /// Keeps the size a multiple of the 8-byte alignment with every byte a field's.
-    pub pad: i32,
+    /// The row of the logits this row draws from.
+    pub logits_row: i32,
 }
 
 // Plain old data: only integers and floats, and no padding (see the layout test).
@@ -43,7 +43,8 @@ impl DeviceType for RowParams {
 }
 
 impl RowParams {
-    /// The row for `params`, drawing the sequence's draw number `counter` (unused when greedy), without a mask.
+    /// The row for `params`, drawing the sequence's draw number `counter` (unused when greedy) from logits row 0,
+    /// without a mask.
     pub fn new(params: &SamplingParams, counter: u64) -> RowParams {
         RowParams {
             temperature: if params.is_greedy() { 0.0 } else { params.temperature },
@@ -53,7 +54,7 @@ impl RowParams {
             seed: params.seed,
             counter,
             mask_row: -1,
-            pad: 0,
+            logits_row: 0,
         }
     }
 }
@@ -70,8 +71,9 @@ launchers! {
         blocks_done: DevPtr<u32>,
         next_token: DevPtr<i32>,
     );
-    /// One block per row of `logits` (`[rows][vocab]`): the token drawn with `rows[row]` among the tokens its mask
-    /// row of `masks` allows, into `out[row]` (-1 for a row the host samples; see `sample_rows::on_device`).
+    /// One block per row `r` of `rows`: the token drawn from logits row `rows[r].logits_row` (`logits` is
+    /// `[*][vocab]`) among the tokens its mask row of `masks` allows, into `out[r]` (-1 for a row the host samples;
+    /// see `sample_rows::on_device`).
     sample_rows(
         logits: DevPtr<f32>,
         rows: DevPtr<RowParams>,
@@ -100,7 +102,7 @@ mod tests {
             offset_of!(RowParams, seed),
             offset_of!(RowParams, counter),
             offset_of!(RowParams, mask_row),
-            offset_of!(RowParams, pad),
+            offset_of!(RowParams, logits_row),
         ];
         assert_eq!(offsets, [0, 4, 8, 12, 16, 24, 32, 36]);
         // The struct's field list in the kernel source is the one these offsets describe.
@@ -123,7 +125,7 @@ mod tests {
                 "u64 seed;",
                 "u64 counter;",
                 "int mask_row;",
-                "int pad;"
+                "int logits_row;"
             ]
         );
     }

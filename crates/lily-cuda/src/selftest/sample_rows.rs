@@ -87,8 +87,9 @@ fn row_mask(rng: &mut Rng, vocab: usize, i: usize) -> Option<Vec<u32>> {
         }
         _ => return None,
     }
-    if mask.iter().all(|&w| w == 0) {
-        mask[0] = 1;
+    // Bits past the vocabulary allow nothing: every mask lets at least one token through, as `Pick` promises.
+    if !(0..vocab).any(|t| mask.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0)) {
+        mask[0] |= 1;
     }
     Some(mask)
 }
@@ -138,14 +139,19 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
         // draws in, as a sequence part-way through its output.
         let mut hosts = Vec::with_capacity(ROWS);
         let mut rows = Vec::with_capacity(ROWS);
-        for p in &params {
+        // The last row draws from the first row's logits (as the choices of one request share theirs).
+        let source = |i: usize| if i == ROWS - 1 { 0 } else { i };
+        for (i, p) in params.iter().enumerate() {
             let (mut host, mut device) = (Sampler::new(p.clone()), Sampler::new(p.clone()));
             for _ in 0..rng.next_u64() % 5 {
                 host.next_draw();
                 device.next_draw();
             }
             let counter = if p.is_greedy() { 0 } else { device.next_draw() };
-            rows.push(RowParams::new(p, counter));
+            rows.push(RowParams {
+                logits_row: source(i) as i32,
+                ..RowParams::new(p, counter)
+            });
             hosts.push(host);
         }
         let mask_refs: Vec<Option<&[u32]>> = masks.iter().map(|m| m.as_deref()).collect();
@@ -154,7 +160,7 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
         let got = sampler_rows.read();
         for (i, host) in hosts.iter_mut().enumerate() {
             let p = &params[i];
-            let mut row = logits[i].clone();
+            let mut row = logits[source(i)].clone();
             let want = match &masks[i] {
                 Some(mask) => host.sample_masked(&mut row, mask),
                 None => host.sample(&row),
