@@ -534,48 +534,44 @@ impl BatchBackend for CudaBatchBackend {
         }
         Ok(&self.host_logits)
     }
-    /// Rows whose parameters the GPU sampler draws as the host would are drawn there, with their masks, in one
-    /// launch over every row of the last call (rows nobody picked take a greedy draw that is thrown away); the rest
-    /// copy their row out and sample on the host.
+    /// Picks whose parameters the GPU sampler draws as the host would are drawn there, with their masks, in one
+    /// launch; the rest copy their row out and sample on the host.
     fn sample(&mut self, picks: &mut [Pick<'_>]) -> std::result::Result<Vec<u32>, ForwardError> {
         let rows = self.last_rows;
         if let Some(bad) = picks.iter().find(|p| p.row >= rows) {
             return Err(ForwardError::Device(format!("row {} of {rows}", bad.row)));
         }
-        let greedy = RowParams::new(&Default::default(), 0);
-        let mut params = vec![
-            RowParams {
-                temperature: 0.0,
-                ..greedy
-            };
-            rows
-        ];
-        let mut masks: Vec<Option<&[u32]>> = vec![None; rows];
-        let mut any_on_device = false;
+        let mut params = Vec::with_capacity(picks.len());
+        let mut masks: Vec<Option<&[u32]>> = Vec::with_capacity(picks.len());
+        let mut on_device = Vec::with_capacity(picks.len());
         for pick in picks.iter_mut() {
             let p = pick.sampler.params().clone();
-            if sample_rows::on_device(&p) {
+            let here = sample_rows::on_device(&p);
+            on_device.push(here);
+            if here {
                 let counter = if p.is_greedy() { 0 } else { pick.sampler.next_draw() };
-                params[pick.row] = RowParams::new(&p, counter);
-                masks[pick.row] = pick.allowed;
-                any_on_device = true;
+                params.push(RowParams {
+                    logits_row: pick.row as i32,
+                    ..RowParams::new(&p, counter)
+                });
+                masks.push(pick.allowed);
             }
         }
-        let mut drawn = Vec::new();
-        if any_on_device {
+        let mut drawn = Vec::new().into_iter();
+        if !params.is_empty() {
             let m = &self.model;
             let l = &mut m.launcher(None);
             self.sampler
                 .enqueue(l, self.step.logits.ptr(), &params, &masks)
                 .map_err(device_err)?;
             m.gpu.sync().map_err(device_err)?;
-            drawn = self.sampler.read();
+            drawn = self.sampler.read().into_iter();
         }
         let mut tokens = Vec::with_capacity(picks.len());
         let mut row_copy = Vec::new();
-        for pick in picks.iter_mut() {
-            if sample_rows::on_device(pick.sampler.params()) {
-                tokens.push(drawn[pick.row]);
+        for (pick, here) in picks.iter_mut().zip(on_device) {
+            if here {
+                tokens.push(drawn.next().expect("one draw per row on the device"));
                 continue;
             }
             let logits = self.logits(pick.row)?;
