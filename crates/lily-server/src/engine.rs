@@ -978,7 +978,7 @@ impl Engine {
 
     /// Ends job `id` with `Done` when all its sequences have finished.
     fn finish_job_if_done(&mut self, id: u64) {
-        if !self.jobs.get(&id).is_some_and(|a| a.unfinished == 0) {
+        if self.jobs.get(&id).is_none_or(|a| a.unfinished != 0) {
             return;
         }
         let active = self.jobs.remove(&id).expect("looked up above");

@@ -168,7 +168,7 @@ impl BatchBackend for FakeBatch {
     fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError> {
         let h = self.rows[row];
         self.logits.fill(-30.0);
-        let first = if h % 23 == 0 { EOS } else { 1000 + (h % 300) as u32 };
+        let first = if h.is_multiple_of(23) { EOS } else { 1000 + (h % 300) as u32 };
         self.logits[1000 + ((h >> 20) % 300) as usize] = 9.0;
         self.logits[first as usize] = 10.0;
         Ok(&self.logits)
@@ -263,7 +263,7 @@ fn client(handle: &EngineHandle, request: &Request) -> Answer {
         if request.cancel_after.is_some_and(|k| token_events >= k) {
             cancel.store(true, Ordering::SeqCst);
             // Sometimes the client reads the engine's answer to the cancel, sometimes it is simply gone.
-            if request.seed % 2 == 0 {
+            if request.seed.is_multiple_of(2) {
                 return Answer::Cancelled;
             }
         }
