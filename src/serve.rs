@@ -24,17 +24,31 @@ pub fn run(args: ServeCmd) -> Result<()> {
 }
 
 /// The backend `--device` asks for, built on the engine thread: CUDA (`cuda`, or `auto` where a GPU is usable),
-/// else the CPU.
+/// else the CPU's batch backend.
 fn backend_factory(device: Device, dir: PathBuf) -> BackendFactory {
-    Box::new(
-        move |context| match crate::cuda_cmd::open_backend(device, &dir, context)? {
-            Some(cuda) => Ok(Box::new(cuda) as Box<dyn lily_model::Backend>),
+    Box::new(move |context, pool: &lily_server::PoolOptions| {
+        match crate::cuda_cmd::open_backend(device, &dir, context)? {
+            Some(cuda) => cuda_batch_backend(cuda, pool),
             None => {
                 if device == Device::Auto {
                     eprintln!("lily serve: no usable GPU (see LILY_LOG=info for why): running on the CPU");
                 }
-                lily_server::cpu_backend_factory(dir)(context)
+                lily_server::cpu_backend_factory(dir)(context, pool)
             }
-        },
-    )
+        }
+    })
+}
+
+/// The GPU's batch backend. The single-sequence `CudaBackend` serves through a one-slot adapter; a batched CUDA
+/// backend, sized by `pool` (`--max-seqs`, `--kv-tokens`), is built here instead once it exists.
+fn cuda_batch_backend(
+    cuda: lily_cuda::CudaBackend,
+    pool: &lily_server::PoolOptions,
+) -> Result<Box<dyn lily_model::BatchBackend>> {
+    if pool.max_seqs.is_some_and(|n| n > 1) || pool.kv_tokens.is_some() {
+        eprintln!(
+            "lily serve: the GPU backend runs one sequence at a time for now: --max-seqs and --kv-tokens are ignored"
+        );
+    }
+    Ok(Box::new(lily_model::SingleSlot::new(Box::new(cuda))))
 }

@@ -7,6 +7,7 @@ constraint makes it call one."""
 import json
 import re
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal, Optional
 
 import jsonschema
@@ -341,3 +342,47 @@ def test_tokenize_detokenize_and_metrics(base_url, api_key):
                  "lily_time_to_first_token_seconds_bucket", "lily_time_per_output_token_seconds_bucket",
                  "lily_queue_depth", "lily_requests_running"):
         assert name in metrics, name
+
+
+def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
+    # Several requests at once run together in the engine's batch; each must get the text it gets alone.
+    with urllib.request.urlopen(base_url + "/health", timeout=10) as response:
+        health = json.load(response)
+    assert health["max_seqs"] >= 2, health
+    prompts = [
+        "ROMEO:",
+        "First Citizen:\nBefore we proceed any further, hear me speak.",
+        "KING RICHARD III:\nNow is the winter of our discontent",
+        "To be",
+        "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name;",
+        "MENENIUS:",
+    ]
+    lengths = [24, 40, 16, 32, 28, 20]
+
+    def complete(i):
+        r = client.completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0)
+        return r.choices[0].text, r.usage.completion_tokens
+
+    alone = [complete(i) for i in range(len(prompts))]
+    # Twice over, in an order that differs from the one above, so that sequences join a running batch.
+    order = list(reversed(range(len(prompts)))) * 2
+    with ThreadPoolExecutor(max_workers=len(order)) as pool:
+        together = list(pool.map(complete, order))
+    for i, got in zip(order, together):
+        assert got == alone[i], (prompts[i], got, alone[i])
+    # Seeded sampling too: the same seed draws the same tokens whatever runs beside it.
+    def sampled(seed):
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Speak, friend."}],
+            max_tokens=24,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+        return r.choices[0].message.content
+
+    seeds = [11, 12, 13, 14]
+    one_by_one = [sampled(s) for s in seeds]
+    with ThreadPoolExecutor(max_workers=len(seeds)) as pool:
+        assert list(pool.map(sampled, seeds)) == one_by_one

@@ -834,6 +834,9 @@ impl Backend for CudaBackend {
         self.check(&[token])?;
         self.append(&[token]).map_err(device_err)
     }
+    fn extend(&mut self, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
+        CudaBackend::extend(self, tokens)
+    }
     fn logits(&mut self) -> std::result::Result<&[f32], ForwardError> {
         if !self.logits_current {
             let logits = self.model.state.logits.ptr();

@@ -35,6 +35,14 @@ pub trait Backend: Send {
     }
     /// Appends `token` to the sequence and computes the next-token logits.
     fn decode(&mut self, token: u32) -> Result<(), ForwardError>;
+    /// Continues the sequence with `tokens` (non-empty), a prefill after the context so far, and computes the
+    /// next-token logits. This default decodes them one at a time; a backend with a continuing prefill uses it.
+    fn extend(&mut self, tokens: &[u32]) -> Result<(), ForwardError> {
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        tokens.iter().try_for_each(|&token| self.decode(token))
+    }
     /// The next-token logits after the last `prefill` or `decode` (may copy them from a device, which may fail).
     fn logits(&mut self) -> Result<&[f32], ForwardError>;
     /// Chooses the next token exactly as `sampler` would from `logits()` on the host. A backend samples where the
@@ -222,6 +230,9 @@ impl Backend for CpuBackend {
     }
     fn decode(&mut self, token: u32) -> Result<(), ForwardError> {
         self.model.decode(&mut self.state, token, &mut self.logits)
+    }
+    fn extend(&mut self, tokens: &[u32]) -> Result<(), ForwardError> {
+        self.model.prefill(&mut self.state, tokens, &mut self.logits)
     }
     fn logits(&mut self) -> Result<&[f32], ForwardError> {
         Ok(&self.logits)

@@ -1,6 +1,7 @@
 //! lily's model: configuration, checkpoint loading, synthetic weights, and the CPU backend.
 
 pub mod backend;
+pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
@@ -13,5 +14,6 @@ pub mod synth;
 pub mod weights;
 
 pub use backend::{Backend, BatchBackend, CpuBackend, ForwardError, Pick, Slot, StepRow};
+pub use batch::{CpuBatchBackend, SingleSlot};
 pub use config::Config;
 pub use weights::Weights;

@@ -37,7 +37,7 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
     #[arg(long, env = "LILY_API_KEY")]
     pub api_key: Option<String>,
-    /// Requests that may wait behind the running one; more are answered 429 with Retry-After.
+    /// Requests that may wait behind the running ones; more are answered 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// Tokens of context per request (prompt + completion). Default: min(max_position_embeddings, 32768).
@@ -78,6 +78,18 @@ pub struct ServeArgs {
     /// `https://app.example.com,http://localhost:3000`; `*` for any. Default: none.
     #[arg(long, value_delimiter = ',')]
     pub allowed_origins: Vec<String>,
+    /// Sequences generated at once (the backend's slots); more wait in the queue. Default: 4 on the CPU; 1 on a
+    /// GPU until its batched backend is in.
+    #[arg(long)]
+    pub max_seqs: Option<usize>,
+    /// Tokens of context all running sequences share (each is granted its prompt plus `max_tokens` when it
+    /// starts, and waits until that much is free). Default: a full `--context` for every sequence.
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
+    /// Prompt tokens prefilled per engine iteration at most: a long prompt enters in chunks of this size between
+    /// the running sequences' steps.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_MAX_PREFILL_TOKENS)]
+    pub max_prefill_tokens: usize,
     /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,

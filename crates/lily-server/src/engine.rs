@@ -1,13 +1,17 @@
-//! The engine: one OS thread that owns the backend, takes jobs first-in first-out from a bounded queue and runs
-//! their sequences one at a time, streaming per-token events back through a tokio channel.
+//! The engine: one OS thread that owns the batch backend and runs many sequences at once (continuous batching).
+//! Jobs come first-in first-out from a bounded queue; each iteration admits sequences into free slots, prefills
+//! one chunk of a prompt, advances every running sequence by one token in one batched step, and streams
+//! per-token events back through a tokio channel. See [`Engine`] for the order of an iteration.
 //!
-//! Cancellation: before each decode step, and between the slices of a prompt's prefill where the backend can
-//! split it, the engine checks the job's cancel flag (set when the client's response is dropped, i.e. it
-//! disconnected), whether the event receiver is gone, and the server-wide cancel flag (set at shutdown once the
-//! grace period is over). A cancelled job stops within one decode step or prefill slice; a job whose client hangs
-//! up while it waits leaves the queue at once.
+//! Cancellation: every iteration checks each job's cancel flag (set when the client's response is dropped, i.e.
+//! it disconnected), whether its event receiver is gone, and the server-wide cancel flag (set at shutdown once
+//! the grace period is over). A cancelled job's slots are freed within one iteration, which is one prefill chunk
+//! and one step; a job whose client hangs up while it waits leaves the queue at once.
+//!
+//! A sequence's tokens do not depend on the batch around it: its sampler (and the seeded counter in it) is its
+//! own, and each row of a step is computed from its own slot's state.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -15,7 +19,7 @@ use std::time::Instant;
 
 use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
 use lily_model::sampling::{Sampler, SamplingParams};
-use lily_model::Backend;
+use lily_model::{BatchBackend, Pick, Slot, StepRow};
 use lily_structured::{Constraint, Grammar};
 use serde_json::Value as Json;
 use tokio::sync::mpsc::UnboundedSender;
@@ -51,8 +55,8 @@ pub struct RequestSpec {
 
 impl RequestSpec {
     /// Whether the engine needs the logits on the host for this request: penalties, logit bias and logprobs work
-    /// on a copy of the logits. Otherwise the backend samples (on a GPU without copying the logits out, where its
-    /// sampler can: see `Backend::samples_on_device`).
+    /// on a copy of the logits. Otherwise the backend samples (`BatchBackend::sample`, on a GPU without copying
+    /// the logits out where its sampler can), a constraint's mask going with the pick.
     pub fn needs_host_logits(&self) -> bool {
         self.penalties.is_active() || self.logprobs.is_some()
     }
@@ -136,6 +140,12 @@ struct QueueState {
     closed: bool,
 }
 
+enum Popped {
+    Job(Box<Job>),
+    Empty,
+    Closed,
+}
+
 pub enum SubmitError {
     QueueFull,
     EngineGone,
@@ -208,16 +218,20 @@ impl JobQueue {
         true
     }
 
-    /// Waits for the next job; `None` once the queue is closed and empty.
-    fn pop(&self) -> Option<Job> {
+    /// The next job: waits for one when `wait` is set, else answers `Empty` at once when none waits; `Closed`
+    /// once the queue is closed and empty.
+    fn pop(&self, wait: bool) -> Popped {
         let mut state = self.lock();
         loop {
             if let Some((_, job)) = state.jobs.pop_front() {
                 self.metrics.queue_depth.set(state.jobs.len() as f64);
-                return Some(job);
+                return Popped::Job(Box::new(job));
             }
             if state.closed {
-                return None;
+                return Popped::Closed;
+            }
+            if !wait {
+                return Popped::Empty;
             }
             state = self
                 .available
@@ -254,22 +268,97 @@ impl Drop for EngineHandle {
     }
 }
 
+/// How the engine schedules work on its backend.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineOptions {
+    /// Prompt tokens one iteration may prefill (one chunk of one prompt), so that a long prompt arriving delays the
+    /// running sequences' next tokens by one chunk's time at most.
+    pub max_prefill_tokens: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
+        }
+    }
+}
+
+/// The default of `--max-prefill-tokens`.
+pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 2048;
+
+/// The continuous-batching scheduler: it owns the backend and its slots, and loops over iterations, each of which
+///
+/// 1. drops cancelled jobs (freeing their slots),
+/// 2. admits sequences first come first served: the head job's next sequence enters when a slot is free and the
+///    backend reserves its whole length (prompt plus `max_tokens`), so a running sequence never runs out of
+///    context; sequences of one job that share a prompt enter together, the first prefills it and the others are
+///    forked from it,
+/// 3. prefills one chunk (at most `max_prefill_tokens`) of the earliest admitted prompt,
+/// 4. runs one `step` over every sequence that has a token to append,
+/// 5. samples each sequence whose next-token logits are ready and sends its events.
 pub struct Engine {
-    backend: Box<dyn Backend>,
+    backend: Box<dyn BatchBackend>,
     tokenizer: Arc<Tokenizer>,
     eos: Vec<u32>,
     call_ids: ToolCallIds,
     shared: Arc<EngineShared>,
-    /// A copy of the logits for penalties, logprobs and constrained decoding.
+    options: EngineOptions,
+    /// Context a single sequence may need at most: the backend's context, and what the pool holds when empty.
+    fits: usize,
+    /// The jobs with sequences admitted or waiting to be, by id.
+    jobs: HashMap<u64, Active>,
+    next_job: u64,
+    /// The job at the head of the line, whose sequences are being admitted.
+    admitting: Option<u64>,
+    /// The sequence in each slot.
+    slots: Vec<Option<Seq>>,
+    /// Admission order of sequences (the earliest admitted prompt is prefilled first).
+    next_order: u64,
+    /// Where the next step's rows start when more sequences are ready than a step takes.
+    step_start: usize,
+    /// A copy of the logits for penalties and logprobs.
     scratch: Vec<f32>,
-    /// The copy that a constrained step masks, when `scratch` must stay whole for logprobs.
+    /// The copy that a constrained sequence masks, when `scratch` must stay whole for logprobs.
     masked: Vec<f32>,
 }
 
-/// Whether the client hung up, the job was cancelled, or the server cancels everything.
-enum Outcome {
-    Finished(FinalOutput),
-    Cancelled,
+/// A job the engine works on.
+struct Active {
+    job: Job,
+    /// Its sequences not admitted yet, in order.
+    waiting: VecDeque<SequenceSpec>,
+    /// Its sequences not finished yet (waiting ones included).
+    unfinished: usize,
+    /// No token of the job has been sent yet (for the time-to-first-token metric).
+    first_token: bool,
+}
+
+/// Where a sequence stands.
+enum Phase {
+    /// Its prompt's first `done` tokens are in the slot.
+    Prefill { done: usize },
+    /// Its prompt goes through steps one token at a time, for the prompt's logprobs: `next` is the index of the
+    /// prompt token the next step appends; `entries` the logprobs of the prompt's tokens 1..=next so far.
+    Echo { next: usize, entries: Vec<TokenLogprob> },
+    /// It shares the prompt of the sequence in slot `leader`, and is forked from it once that prompt is in.
+    Follow { leader: Slot },
+    /// Its next token is chosen in this iteration.
+    Ready,
+    /// `token` was chosen and goes into the next step.
+    Decode { token: u32 },
+}
+
+struct Seq {
+    job: u64,
+    spec: SequenceSpec,
+    order: u64,
+    phase: Phase,
+    output: OutputStream,
+    sampler: Sampler,
+    history: History,
+    constraint: Option<Constraint>,
+    last_token_at: Option<Instant>,
 }
 
 /// Whether the job should stop: its client hung up (the response was dropped or the event receiver is gone), or
@@ -278,68 +367,687 @@ fn is_cancelled(shared: &EngineShared, job: &Job) -> bool {
     job.cancel.load(Ordering::Relaxed) || job.events.is_closed() || shared.cancel_all.load(Ordering::Relaxed)
 }
 
+fn forward_error(e: lily_model::ForwardError) -> ApiError {
+    ApiError::internal(format!("forward pass failed: {e}"))
+}
+
 impl Engine {
     pub fn new(
-        backend: Box<dyn Backend>,
+        backend: Box<dyn BatchBackend>,
         tokenizer: Arc<Tokenizer>,
         call_ids: ToolCallIds,
         shared: Arc<EngineShared>,
+        options: EngineOptions,
     ) -> Engine {
         let eos = backend.config().eos_token_ids.clone();
+        // Built with every slot empty, so the pool's free tokens are all it holds.
+        let fits = backend.max_context().min(backend.free_tokens());
+        let slots = (0..backend.max_seqs()).map(|_| None).collect();
         Engine {
             backend,
             tokenizer,
             eos,
             call_ids,
             shared,
+            options: EngineOptions {
+                max_prefill_tokens: options.max_prefill_tokens.max(1),
+            },
+            fits,
+            jobs: HashMap::new(),
+            next_job: 0,
+            admitting: None,
+            slots,
+            next_order: 0,
+            step_start: 0,
             scratch: Vec::new(),
             masked: Vec::new(),
         }
     }
 
-    /// Serves jobs until the queue is closed and empty.
+    /// Serves jobs until the queue is closed and every job is done.
     pub fn run(mut self) {
-        while let Some(job) = self.shared.queue.pop() {
-            let events = job.events.clone();
-            self.shared.metrics.running.set(1.0);
-            let last = std::panic::catch_unwind(AssertUnwindSafe(|| self.process(job))).unwrap_or_else(|_| {
-                tracing::error!("the engine panicked while serving a request; it goes on with the next one");
-                Event::Error(ApiError::internal("the engine failed while generating"))
-            });
-            // The gauge drops before the client hears the end, so that what it reads next is up to date.
-            self.shared.metrics.running.set(0.0);
-            let _ = events.send(last);
+        loop {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| self.iteration())) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(_) => {
+                    tracing::error!("the engine panicked while serving requests; it fails them and goes on");
+                    self.fail_all(ApiError::internal("the engine failed while generating"));
+                }
+            }
         }
         tracing::debug!("engine: queue closed, exiting");
     }
 
-    fn cancelled(&self, job: &Job) -> bool {
-        is_cancelled(&self.shared, job)
+    /// One iteration; false once the queue is closed and no job is left.
+    fn iteration(&mut self) -> bool {
+        self.drop_cancelled();
+        if !self.admit() {
+            return false;
+        }
+        let prefilled = self.prefill_chunk();
+        let stepped = self.decode_step();
+        self.set_running();
+        if !prefilled && !stepped && self.admitting.is_none() && !self.jobs.is_empty() {
+            // Every admitted sequence has work each iteration, so this cannot happen; should it, failing the jobs
+            // beats spinning on them forever.
+            tracing::error!("engine: jobs left that no iteration advances");
+            self.fail_all(ApiError::internal("the engine could not schedule the request"));
+        }
+        true
     }
 
-    /// Runs a job's sequences; returns its last event (`Done`, or an `Error`).
-    fn process(&mut self, job: Job) -> Event {
-        if self.cancelled(&job) {
-            return self.cancel_event();
-        }
-        let mut first_token = true;
-        for seq in &job.sequences {
-            match self.generate(&job, seq, &mut first_token) {
-                Ok(Outcome::Finished(output)) => {
-                    let _ = job.events.send(Event::Finished {
-                        index: seq.index,
-                        output,
-                    });
+    fn set_running(&self) {
+        let running = self.slots.iter().filter(|s| s.is_some()).count();
+        self.shared.metrics.running.set(running as f64);
+    }
+
+    fn free_slot(&self) -> Option<Slot> {
+        self.slots.iter().position(|s| s.is_none())
+    }
+
+    /// Admits sequences first come first served while slots and context last. False once the queue is closed
+    /// and no job is left.
+    fn admit(&mut self) -> bool {
+        loop {
+            let id = match self.admitting {
+                Some(id) => id,
+                None => {
+                    if self.free_slot().is_none() {
+                        return true;
+                    }
+                    let idle = self.jobs.is_empty();
+                    let job = match self.shared.queue.pop(idle) {
+                        Popped::Job(job) => *job,
+                        Popped::Empty => return true,
+                        Popped::Closed => return !idle,
+                    };
+                    if is_cancelled(&self.shared, &job) {
+                        let _ = job.events.send(self.cancel_event());
+                        continue;
+                    }
+                    if let Some(error) = self.never_fits(&job) {
+                        let _ = job.events.send(Event::Error(error));
+                        continue;
+                    }
+                    let id = self.next_job;
+                    self.next_job += 1;
+                    let active = Active {
+                        waiting: job.sequences.iter().cloned().collect(),
+                        unfinished: job.sequences.len(),
+                        first_token: true,
+                        job,
+                    };
+                    self.jobs.insert(id, active);
+                    self.admitting = Some(id);
+                    id
                 }
-                Ok(Outcome::Cancelled) => return self.cancel_event(),
-                Err(error) => {
-                    tracing::error!("generation failed: {error}");
-                    return Event::Error(error);
+            };
+            if !self.admit_from(id) {
+                return true;
+            }
+            if self.admitting == Some(id) {
+                self.admitting = None;
+            }
+            self.finish_job_if_done(id);
+        }
+    }
+
+    /// The refusal of a job one of whose sequences could never be admitted, however long it waited.
+    fn never_fits(&self, job: &Job) -> Option<ApiError> {
+        let seq = job.sequences.iter().find(|s| s.work() > self.fits)?;
+        Some(
+            ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "The request needs {} tokens of context for one sequence (prompt plus `max_tokens`), but this \
+                     server holds at most {} tokens for a sequence; lower `max_tokens` or shorten the prompt.",
+                    seq.work(),
+                    self.fits
+                ),
+            )
+            .with_code("context_length_exceeded"),
+        )
+    }
+
+    /// Admits the waiting sequences of job `id` in order; true when none is left waiting (or the job is gone),
+    /// false when a slot or the pool's context is lacking.
+    fn admit_from(&mut self, id: u64) -> bool {
+        // The sequence admitted last in this pass still has its prompt ahead: the next one with the same prompt
+        // follows it instead of prefilling the prompt again.
+        let mut leader: Option<Slot> = None;
+        loop {
+            let Some(active) = self.jobs.get(&id) else {
+                return true;
+            };
+            let Some(spec) = active.waiting.front() else {
+                return true;
+            };
+            let Some(slot) = self.free_slot() else {
+                return false;
+            };
+            let follows = leader.filter(|&l| {
+                self.slots[l].as_ref().is_some_and(|lead| {
+                    Arc::ptr_eq(&lead.spec.prompt, &spec.prompt)
+                        && lead.spec.request.prompt_logprobs == spec.request.prompt_logprobs
+                })
+            });
+            match self.backend.reserve(slot, spec.work()) {
+                Ok(true) => {}
+                Ok(false) => return false,
+                Err(e) => {
+                    self.fail_job(id, forward_error(e));
+                    return true;
+                }
+            }
+            let spec = self
+                .jobs
+                .get_mut(&id)
+                .and_then(|a| a.waiting.pop_front())
+                .expect("the sequence just looked at");
+            let phase = match follows {
+                Some(leader) => Phase::Follow { leader },
+                None => Phase::Prefill { done: 0 },
+            };
+            let seq = self.new_seq(id, spec, phase);
+            self.slots[slot] = Some(seq);
+            if follows.is_none() {
+                leader = Some(slot);
+            }
+        }
+    }
+
+    fn new_seq(&mut self, job: u64, spec: SequenceSpec, phase: Phase) -> Seq {
+        let request = spec.request.clone();
+        let options = OutputOptions {
+            eos_token_ids: if request.ignore_eos {
+                Vec::new()
+            } else {
+                self.eos.clone()
+            },
+            stop_strings: request.stop.clone(),
+            max_tokens: Some(spec.max_tokens),
+            tools: match &request.kind {
+                OutputKind::Chat { tools } => tools.clone(),
+                OutputKind::Text => Vec::new(),
+            },
+            call_ids: self.call_ids,
+        };
+        let output = match request.kind {
+            OutputKind::Chat { .. } => OutputStream::new(self.tokenizer.clone(), &spec.prompt_text, options),
+            OutputKind::Text => OutputStream::raw(self.tokenizer.clone(), options),
+        };
+        // A chat output that starts inside the prompt's think block is constrained only after `</think>`.
+        let in_reasoning = match request.kind {
+            OutputKind::Chat { .. } => lily_chat::ReasoningParser::for_prompt(&spec.prompt_text).in_reasoning(),
+            OutputKind::Text => false,
+        };
+        let order = self.next_order;
+        self.next_order += 1;
+        Seq {
+            job,
+            order,
+            phase,
+            output,
+            sampler: Sampler::new(spec.sampling.clone()),
+            history: History::new(&spec.prompt, &request.penalties),
+            constraint: request.constraint.as_ref().map(|g| Constraint::new(g, in_reasoning)),
+            last_token_at: None,
+            spec,
+        }
+    }
+
+    /// Prefills one chunk of the earliest admitted prompt; true when there was one.
+    fn prefill_chunk(&mut self) -> bool {
+        let Some(slot) = (0..self.slots.len())
+            .filter(|&s| {
+                matches!(
+                    self.slots[s],
+                    Some(Seq {
+                        phase: Phase::Prefill { .. },
+                        ..
+                    })
+                )
+            })
+            .min_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))
+        else {
+            return false;
+        };
+        let seq = self.slots[slot].as_ref().expect("chosen above");
+        let Phase::Prefill { done } = seq.phase else {
+            unreachable!("chosen for its phase")
+        };
+        let prompt = seq.spec.prompt.clone();
+        let echo = seq.spec.request.prompt_logprobs;
+        let job = seq.job;
+        // A prompt whose logprobs are asked for enters one token at a time (its first token here, the others in
+        // steps), so that every position's logits come out of the forward pass that generation uses.
+        let end = match echo {
+            Some(_) => 1,
+            None => prompt
+                .len()
+                .min(done + self.options.max_prefill_tokens)
+                .min(done + self.backend.max_prefill_tokens().max(1)),
+        };
+        if let Err(e) = self.backend.prefill(slot, &prompt[done..end]) {
+            self.fail_job(job, forward_error(e));
+            return true;
+        }
+        match echo {
+            Some(top) if prompt.len() > 1 => {
+                let entry = match self.backend.logits(0) {
+                    Ok(logits) => logits::logprobs(logits, prompt[1], top),
+                    Err(e) => {
+                        self.fail_job(job, forward_error(e));
+                        return true;
+                    }
+                };
+                let seq = self.slots[slot].as_mut().expect("chosen above");
+                seq.phase = Phase::Echo {
+                    next: 1,
+                    entries: vec![entry],
+                };
+            }
+            None if end < prompt.len() => {
+                let seq = self.slots[slot].as_mut().expect("chosen above");
+                seq.phase = Phase::Prefill { done: end };
+            }
+            _ => {
+                let ready = self.prompt_done(slot, Vec::new(), 0);
+                self.sample_and_emit(&ready);
+            }
+        }
+        true
+    }
+
+    /// The prompt of the sequence in `slot` is in, its next-token logits in output `row`: counts it, sends its
+    /// prompt logprobs (`entries`) where asked, and forks it into its followers' slots. Returns the sequences to
+    /// sample from `row`: it and its followers (none when the job failed).
+    fn prompt_done(&mut self, slot: Slot, entries: Vec<TokenLogprob>, row: usize) -> Vec<(Slot, usize)> {
+        let seq = self.slots[slot].as_mut().expect("a sequence whose prompt is in");
+        seq.phase = Phase::Ready;
+        let job = seq.job;
+        let followers: Vec<Slot> = (0..self.slots.len())
+            .filter(|&f| matches!(self.slots[f], Some(Seq { phase: Phase::Follow { leader }, .. }) if leader == slot))
+            .collect();
+        for &f in &followers {
+            if let Err(e) = self.backend.fork(slot, f) {
+                self.fail_job(job, forward_error(e));
+                return Vec::new();
+            }
+            self.slots[f].as_mut().expect("a follower").phase = Phase::Ready;
+        }
+        let mut ready = Vec::with_capacity(followers.len() + 1);
+        for s in std::iter::once(slot).chain(followers) {
+            let seq = self.slots[s].as_ref().expect("a sequence whose prompt is in");
+            self.shared
+                .metrics
+                .prompt_tokens
+                .increment(seq.spec.prompt.len() as u64);
+            if seq.spec.request.prompt_logprobs.is_some() {
+                let event = Event::PromptLogprobs {
+                    index: seq.spec.index,
+                    first_token: seq.spec.prompt[0],
+                    logprobs: entries.clone(),
+                };
+                if self.send(job, event).is_err() {
+                    return Vec::new();
+                }
+            }
+            ready.push((s, row));
+        }
+        ready
+    }
+
+    /// Sends an event to job `id`'s client; a client that is gone cancels the job.
+    fn send(&mut self, id: u64, event: Event) -> Result<(), ()> {
+        let Some(active) = self.jobs.get(&id) else {
+            return Err(());
+        };
+        if active.job.events.send(event).is_err() {
+            self.cancel_job(id);
+            return Err(());
+        }
+        Ok(())
+    }
+
+    /// One step over the sequences with a token to append (at most `max_step_rows` of them, taking turns when
+    /// there are more); true when there was one.
+    fn decode_step(&mut self) -> bool {
+        let ready: Vec<Slot> = (0..self.slots.len())
+            .filter(|&s| {
+                matches!(
+                    self.slots[s],
+                    Some(Seq {
+                        phase: Phase::Decode { .. } | Phase::Echo { .. },
+                        ..
+                    })
+                )
+            })
+            .collect();
+        if ready.is_empty() {
+            return false;
+        }
+        let take = ready.len().min(self.backend.max_step_rows().max(1));
+        let start = self.step_start % ready.len();
+        let chosen: Vec<Slot> = ready.iter().cycle().skip(start).take(take).copied().collect();
+        self.step_start = self.step_start.wrapping_add(take);
+        let rows: Vec<StepRow> = chosen
+            .iter()
+            .map(|&slot| {
+                let seq = self.slots[slot].as_ref().expect("chosen above");
+                let token = match seq.phase {
+                    Phase::Decode { token } => token,
+                    Phase::Echo { next, .. } => seq.spec.prompt[next],
+                    _ => unreachable!("chosen for its phase"),
+                };
+                StepRow { slot, token }
+            })
+            .collect();
+        if let Err(e) = self.backend.step(&rows) {
+            let error = forward_error(e);
+            let jobs: Vec<u64> = chosen
+                .iter()
+                .filter_map(|&s| self.slots[s].as_ref().map(|q| q.job))
+                .collect();
+            for job in jobs {
+                self.fail_job(job, error.clone());
+            }
+            return true;
+        }
+        let mut to_sample = Vec::with_capacity(chosen.len());
+        for (row, &slot) in chosen.iter().enumerate() {
+            let Some(seq) = self.slots[slot].as_mut() else {
+                continue;
+            };
+            match &mut seq.phase {
+                Phase::Decode { .. } => to_sample.push((slot, row)),
+                Phase::Echo { next, entries } => {
+                    // The step appended prompt token `next`; its logits give the next prompt token's logprob, or,
+                    // after the prompt's last token, the first generated token.
+                    let appended = *next;
+                    if appended + 1 >= seq.spec.prompt.len() {
+                        let entries = std::mem::take(entries);
+                        to_sample.extend(self.prompt_done(slot, entries, row));
+                        continue;
+                    }
+                    let following = seq.spec.prompt[appended + 1];
+                    let top = seq.spec.request.prompt_logprobs.unwrap_or(0);
+                    let job = seq.job;
+                    match self.backend.logits(row) {
+                        Ok(logits) => {
+                            let entry = logits::logprobs(logits, following, top);
+                            if let Some(Seq {
+                                phase: Phase::Echo { next, entries },
+                                ..
+                            }) = self.slots[slot].as_mut()
+                            {
+                                entries.push(entry);
+                                *next = appended + 1;
+                            }
+                        }
+                        Err(e) => self.fail_job(job, forward_error(e)),
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.sample_and_emit(&to_sample);
+        true
+    }
+
+    /// Chooses the next token of each listed sequence from its output row, and sends what it released.
+    fn sample_and_emit(&mut self, ready: &[(Slot, usize)]) {
+        if ready.is_empty() {
+            return;
+        }
+        let mut chosen: Vec<(Slot, u32, Option<TokenLogprob>)> = Vec::with_capacity(ready.len());
+        let mut failed: Vec<(u64, ApiError)> = Vec::new();
+        // Sequences with penalties, logit bias or logprobs work on a copy of their logits on the host.
+        for &(slot, row) in ready {
+            let Some(seq) = self.slots[slot].as_mut() else {
+                continue;
+            };
+            let request = seq.spec.request.clone();
+            if !request.needs_host_logits() {
+                continue;
+            }
+            // The constraint's mask depends only on the tokens so far, so it is computed first, while a GPU
+            // still runs the step queued last; reading the logits then waits for that step.
+            let mask = match seq.constraint.as_mut().map(|c| c.mask()).transpose() {
+                Ok(mask) => mask.flatten(),
+                Err(e) => {
+                    failed.push((seq.job, ApiError::internal(e.to_string())));
+                    continue;
+                }
+            };
+            let logits = match self.backend.logits(row) {
+                Ok(logits) => logits,
+                Err(e) => {
+                    failed.push((seq.job, forward_error(e)));
+                    continue;
+                }
+            };
+            self.scratch.clear();
+            self.scratch.extend_from_slice(logits);
+            logits::apply(&mut self.scratch, &request.penalties, &seq.history);
+            // Logprobs are the model's, before the mask: the masked copy is a second buffer then.
+            let token = match mask {
+                Some(mask) if request.logprobs.is_some() => {
+                    self.masked.clear();
+                    self.masked.extend_from_slice(&self.scratch);
+                    seq.sampler.sample_masked(&mut self.masked, mask)
+                }
+                Some(mask) => seq.sampler.sample_masked(&mut self.scratch, mask),
+                None => seq.sampler.sample(&self.scratch),
+            };
+            let logprob = request.logprobs.map(|top| logits::logprobs(&self.scratch, token, top));
+            chosen.push((slot, token, logprob));
+        }
+        // The others are sampled by the backend, where the logits are, constrained ones through their mask.
+        let mut pick_slots = Vec::new();
+        let result = {
+            let mut picks = Vec::new();
+            for (slot, entry) in self.slots.iter_mut().enumerate() {
+                let Some(seq) = entry.as_mut() else {
+                    continue;
+                };
+                let Some(&(_, row)) = ready.iter().find(|(s, _)| *s == slot) else {
+                    continue;
+                };
+                if seq.spec.request.needs_host_logits() {
+                    continue;
+                }
+                let allowed = match seq.constraint.as_mut().map(|c| c.mask()).transpose() {
+                    Ok(mask) => mask.flatten(),
+                    Err(e) => {
+                        failed.push((seq.job, ApiError::internal(e.to_string())));
+                        continue;
+                    }
+                };
+                picks.push(Pick {
+                    row,
+                    sampler: &mut seq.sampler,
+                    allowed,
+                });
+                pick_slots.push(slot);
+            }
+            if picks.is_empty() {
+                Ok(Vec::new())
+            } else {
+                self.backend.sample(&mut picks)
+            }
+        };
+        match result {
+            Ok(tokens) => chosen.extend(pick_slots.iter().zip(tokens).map(|(&slot, token)| (slot, token, None))),
+            Err(e) => {
+                let error = forward_error(e);
+                for &slot in &pick_slots {
+                    if let Some(seq) = &self.slots[slot] {
+                        failed.push((seq.job, error.clone()));
+                    }
                 }
             }
         }
-        self.shared.metrics.e2e.record(job.arrived.elapsed().as_secs_f64());
-        Event::Done
+        for (job, error) in failed {
+            self.fail_job(job, error);
+        }
+        for (slot, token, logprob) in chosen {
+            self.emit_token(slot, token, logprob);
+        }
+    }
+
+    /// Takes `token` as the next token of the sequence in `slot`: metrics, constraint, history, output and events;
+    /// the sequence finishes or goes on to the next step with it.
+    fn emit_token(&mut self, slot: Slot, token: u32, logprob: Option<TokenLogprob>) {
+        let Some(seq) = self.slots[slot].as_mut() else {
+            // Its job failed after the token was chosen.
+            return;
+        };
+        let job = seq.job;
+        let now = Instant::now();
+        let Some(active) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        match seq.last_token_at {
+            None if active.first_token => {
+                self.shared
+                    .metrics
+                    .ttft
+                    .record((now - active.job.arrived).as_secs_f64());
+                active.first_token = false;
+            }
+            None => {}
+            Some(last) => self.shared.metrics.tpot.record((now - last).as_secs_f64()),
+        }
+        seq.last_token_at = Some(now);
+        self.shared.metrics.generation_tokens.increment(1);
+        if let Some(c) = seq.constraint.as_mut() {
+            if let Err(e) = c.consume(token) {
+                self.fail_job(job, ApiError::internal(e.to_string()));
+                return;
+            }
+        }
+        seq.history.push(token);
+        let deltas = match seq.output.push_token(token) {
+            Ok(deltas) => deltas,
+            Err(e) => {
+                self.fail_job(job, ApiError::internal(format!("detokenizing failed: {e}")));
+                return;
+            }
+        };
+        let request = &seq.spec.request;
+        let is_eos = !request.ignore_eos && self.eos.contains(&token);
+        let logprob = if is_eos { None } else { logprob };
+        let index = seq.spec.index;
+        let finished = seq.output.is_finished();
+        seq.phase = Phase::Decode { token };
+        if self.send(job, Event::Token { index, deltas, logprob }).is_err() {
+            return;
+        }
+        if finished {
+            self.finish_seq(slot);
+        }
+    }
+
+    /// The sequence in `slot` is done: its last text goes out, its slot is freed, and its job ends with it when it
+    /// was the job's last.
+    fn finish_seq(&mut self, slot: Slot) {
+        let Some(seq) = self.slots[slot].take() else {
+            return;
+        };
+        self.backend.release(slot);
+        let job = seq.job;
+        let index = seq.spec.index;
+        match seq.output.finish() {
+            Ok(output) => {
+                if self.send(job, Event::Finished { index, output }).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                self.fail_job(job, ApiError::internal(format!("detokenizing failed: {e}")));
+                return;
+            }
+        }
+        if let Some(active) = self.jobs.get_mut(&job) {
+            active.unfinished -= 1;
+        }
+        self.finish_job_if_done(job);
+    }
+
+    /// Ends job `id` with `Done` when all its sequences have finished.
+    fn finish_job_if_done(&mut self, id: u64) {
+        if self.jobs.get(&id).is_none_or(|a| a.unfinished != 0) {
+            return;
+        }
+        let active = self.jobs.remove(&id).expect("looked up above");
+        if self.admitting == Some(id) {
+            self.admitting = None;
+        }
+        self.set_running();
+        self.shared
+            .metrics
+            .e2e
+            .record(active.job.arrived.elapsed().as_secs_f64());
+        let _ = active.job.events.send(Event::Done);
+    }
+
+    /// Takes job `id` out: its slots are freed and its waiting sequences dropped. Returns it.
+    fn remove_job(&mut self, id: u64) -> Option<Active> {
+        let active = self.jobs.remove(&id)?;
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].as_ref().is_some_and(|q| q.job == id) {
+                self.slots[slot] = None;
+                self.backend.release(slot);
+            }
+        }
+        if self.admitting == Some(id) {
+            self.admitting = None;
+        }
+        // The gauge drops before the client hears the end, so that what it reads next is up to date.
+        self.set_running();
+        Some(active)
+    }
+
+    fn cancel_job(&mut self, id: u64) {
+        if let Some(active) = self.remove_job(id) {
+            let _ = active.job.events.send(self.cancel_event());
+        }
+    }
+
+    fn fail_job(&mut self, id: u64, error: ApiError) {
+        if let Some(active) = self.remove_job(id) {
+            tracing::error!("generation failed: {error}");
+            let _ = active.job.events.send(Event::Error(error));
+        }
+    }
+
+    fn fail_all(&mut self, error: ApiError) {
+        let ids: Vec<u64> = self.jobs.keys().copied().collect();
+        for id in ids {
+            self.fail_job(id, error.clone());
+        }
+        // A slot whose job is unknown (should a panic have left one) is freed too.
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].take().is_some() {
+                self.backend.release(slot);
+            }
+        }
+        self.set_running();
+    }
+
+    /// Cancels the jobs whose client hung up, or all when the server cancels everything.
+    fn drop_cancelled(&mut self) {
+        let cancelled: Vec<u64> = self
+            .jobs
+            .iter()
+            .filter(|(_, a)| is_cancelled(&self.shared, &a.job))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in cancelled {
+            self.cancel_job(id);
+        }
     }
 
     fn cancel_event(&self) -> Event {
@@ -350,153 +1058,5 @@ impl Engine {
             ApiError::bad_request("the request was cancelled").with_code("cancelled")
         };
         Event::Error(error)
-    }
-
-    fn generate(&mut self, job: &Job, seq: &SequenceSpec, first_token: &mut bool) -> Result<Outcome, ApiError> {
-        let forward_error = |e: lily_model::ForwardError| ApiError::internal(format!("forward pass failed: {e}"));
-        let tokenizer_error = |e: lily_chat::TokenizerError| ApiError::internal(format!("detokenizing failed: {e}"));
-        let constraint_error = |e: lily_structured::ConstraintError| ApiError::internal(e.to_string());
-        let shared = self.shared.clone();
-        match seq.request.prompt_logprobs {
-            None => {
-                let prefilled = self
-                    .backend
-                    .prefill_cancellable(&seq.prompt, &|| is_cancelled(&shared, job))
-                    .map_err(forward_error)?;
-                if !prefilled {
-                    return Ok(Outcome::Cancelled);
-                }
-            }
-            Some(top) => {
-                let prompt = &seq.prompt;
-                let mut entries = Vec::with_capacity(prompt.len().saturating_sub(1));
-                let mut cancelled = false;
-                self.backend
-                    .prefill_each(prompt, &mut |i, logits| {
-                        if let Some(&next) = prompt.get(i + 1) {
-                            entries.push(logits::logprobs(logits, next, top));
-                        }
-                        cancelled = is_cancelled(&shared, job);
-                        !cancelled
-                    })
-                    .map_err(forward_error)?;
-                let event = Event::PromptLogprobs {
-                    index: seq.index,
-                    first_token: prompt[0],
-                    logprobs: entries,
-                };
-                if cancelled || job.events.send(event).is_err() {
-                    return Ok(Outcome::Cancelled);
-                }
-            }
-        }
-        self.shared.metrics.prompt_tokens.increment(seq.prompt.len() as u64);
-        let request = &*seq.request;
-        let options = OutputOptions {
-            eos_token_ids: if request.ignore_eos {
-                Vec::new()
-            } else {
-                self.eos.clone()
-            },
-            stop_strings: request.stop.clone(),
-            max_tokens: Some(seq.max_tokens),
-            tools: match &request.kind {
-                OutputKind::Chat { tools } => tools.clone(),
-                OutputKind::Text => Vec::new(),
-            },
-            call_ids: self.call_ids,
-        };
-        let mut output = match request.kind {
-            OutputKind::Chat { .. } => OutputStream::new(self.tokenizer.clone(), &seq.prompt_text, options),
-            OutputKind::Text => OutputStream::raw(self.tokenizer.clone(), options),
-        };
-        let mut sampler = Sampler::new(seq.sampling.clone());
-        let mut history = History::new(&seq.prompt, &request.penalties);
-        // A chat output that starts inside the prompt's think block is constrained only after `</think>`.
-        let in_reasoning = match request.kind {
-            OutputKind::Chat { .. } => lily_chat::ReasoningParser::for_prompt(&seq.prompt_text).in_reasoning(),
-            OutputKind::Text => false,
-        };
-        let mut constraint = request.constraint.as_ref().map(|g| Constraint::new(g, in_reasoning));
-        // Penalties and logprobs work on a copy of the logits (a constrained one masks that copy); otherwise the
-        // backend samples, with the constraint's mask where there is one.
-        let copy_logits = request.needs_host_logits();
-        let mut last_token_at: Option<Instant> = None;
-        loop {
-            let (token, logprob) = if copy_logits {
-                // The constraint's mask depends only on the tokens so far, so it is computed first, while a GPU
-                // still runs the step queued last; reading the logits then waits for that step.
-                let mask = match constraint.as_mut() {
-                    Some(c) => c.mask().map_err(constraint_error)?,
-                    None => None,
-                };
-                self.scratch.clear();
-                self.scratch
-                    .extend_from_slice(self.backend.logits().map_err(forward_error)?);
-                logits::apply(&mut self.scratch, &request.penalties, &history);
-                // Logprobs are the model's, before the mask: the masked copy is a second buffer then.
-                let token = match mask {
-                    Some(mask) if request.logprobs.is_some() => {
-                        self.masked.clear();
-                        self.masked.extend_from_slice(&self.scratch);
-                        sampler.sample_masked(&mut self.masked, mask)
-                    }
-                    Some(mask) => sampler.sample_masked(&mut self.scratch, mask),
-                    None => sampler.sample(&self.scratch),
-                };
-                (
-                    token,
-                    request.logprobs.map(|top| logits::logprobs(&self.scratch, token, top)),
-                )
-            } else {
-                // As above, the mask is computed while a GPU still runs the step queued last.
-                let mask = match constraint.as_mut() {
-                    Some(c) => c.mask().map_err(constraint_error)?,
-                    None => None,
-                };
-                let token = match mask {
-                    Some(mask) => self.backend.sample_masked(&mut sampler, mask),
-                    None => self.backend.sample(&mut sampler),
-                };
-                (token.map_err(forward_error)?, None)
-            };
-            let now = Instant::now();
-            match last_token_at {
-                None if *first_token => {
-                    self.shared.metrics.ttft.record((now - job.arrived).as_secs_f64());
-                    *first_token = false;
-                }
-                None => {}
-                Some(last) => self.shared.metrics.tpot.record((now - last).as_secs_f64()),
-            }
-            last_token_at = Some(now);
-            self.shared.metrics.generation_tokens.increment(1);
-            if let Some(c) = constraint.as_mut() {
-                c.consume(token).map_err(constraint_error)?;
-            }
-            history.push(token);
-            let deltas = output.push_token(token).map_err(tokenizer_error)?;
-            let is_eos = !request.ignore_eos && self.eos.contains(&token);
-            let logprob = if is_eos { None } else { logprob };
-            if job
-                .events
-                .send(Event::Token {
-                    index: seq.index,
-                    deltas,
-                    logprob,
-                })
-                .is_err()
-            {
-                return Ok(Outcome::Cancelled);
-            }
-            if output.is_finished() {
-                break;
-            }
-            if self.cancelled(job) {
-                return Ok(Outcome::Cancelled);
-            }
-            self.backend.decode(token).map_err(forward_error)?;
-        }
-        Ok(Outcome::Finished(output.finish().map_err(tokenizer_error)?))
     }
 }

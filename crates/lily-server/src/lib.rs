@@ -1,8 +1,8 @@
 //! lily's OpenAI-compatible HTTP server (`lily serve`).
 //!
 //! Layout (after mistral.rs's server core): [`types`] holds the request and response bodies in OpenAI's shapes,
-//! [`routes`] the thin HTTP handlers, [`engine`] the engine thread that owns the backend and serves a FIFO queue
-//! one sequence at a time, [`chat`] and [`completions`] the translation between the two, and [`server`] the
+//! [`routes`] the thin HTTP handlers, [`engine`] the engine thread that owns the batch backend and runs the FIFO
+//! queue's sequences together (continuous batching), [`chat`] and [`completions`] the translation between the two, and [`server`] the
 //! lifecycle (bind, background load, graceful shutdown).
 
 pub mod args;
@@ -21,4 +21,6 @@ pub mod token_bytes;
 pub mod types;
 
 pub use args::{ReasoningField, ServeArgs};
-pub use server::{cpu_backend_factory, run, start, BackendFactory, RunningServer, ServerConfig, Status, StopHandle};
+pub use server::{
+    cpu_backend_factory, run, start, BackendFactory, PoolOptions, RunningServer, ServerConfig, Status, StopHandle,
+};

@@ -143,7 +143,14 @@ async fn health(State(state): State<AppStateRef>) -> Response {
     match state.ready.get() {
         Some(ready) => (
             StatusCode::OK,
-            Json(json!({"status": "ok", "device": ready.backend_name})),
+            Json(json!({
+                "status": "ok",
+                "device": ready.backend_name,
+                "max_seqs": ready.max_seqs,
+                "kv_tokens": ready.kv_tokens,
+                "context": ready.context,
+                "max_prefill_tokens": ready.max_prefill_tokens,
+            })),
         )
             .into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),

@@ -9,18 +9,31 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use lily_chat::{ChatTemplate, Tokenizer, ToolCallIds};
-use lily_model::Backend;
+use lily_model::BatchBackend;
 use lily_structured::StructuredEnv;
 use tokio::sync::watch;
 
 use crate::args::{ReasoningField, ServeArgs};
-use crate::engine::{Engine, EngineHandle, EngineShared, JobQueue};
+use crate::engine::{Engine, EngineHandle, EngineOptions, EngineShared, JobQueue};
 use crate::limits::{RequestLimits, DEFAULT_REQUEST_CONTEXTS};
 use crate::metrics::Metrics;
 use crate::params::GenerationDefaults;
 
-/// Builds the backend, on the engine thread, for a context of the given number of tokens.
-pub type BackendFactory = Box<dyn FnOnce(usize) -> Result<Box<dyn Backend>> + Send + 'static>;
+/// Builds the batch backend, on the engine thread, for a context of the given number of tokens per sequence and
+/// the pool the server was asked for.
+pub type BackendFactory = Box<dyn FnOnce(usize, &PoolOptions) -> Result<Box<dyn BatchBackend>> + Send + 'static>;
+
+/// How many sequences the backend holds at once and how much context they share (`--max-seqs`, `--kv-tokens`).
+#[derive(Debug, Clone, Default)]
+pub struct PoolOptions {
+    /// Slots (sequences resident at once); `None`: the backend's default.
+    pub max_seqs: Option<usize>,
+    /// Context tokens the slots share; `None`: the backend's default.
+    pub kv_tokens: Option<usize>,
+}
+
+/// The CPU backend's default number of slots.
+pub const DEFAULT_CPU_MAX_SEQS: usize = 4;
 
 /// The default context on CPU when `--context` is not given (capped by the model's `max_position_embeddings`).
 pub const DEFAULT_CONTEXT: usize = 32768;
@@ -34,7 +47,7 @@ pub struct ServerConfig {
     /// The id clients see in `/v1/models` and send as `model`.
     pub model_id: String,
     pub api_key: Option<String>,
-    /// Requests that may wait behind the running one; more are refused with 429.
+    /// Requests that may wait behind the running ones; more are refused with 429.
     pub max_queue: usize,
     /// Tokens of context (prompt + completion); default: min(max_position_embeddings, 32768).
     pub context: Option<usize>,
@@ -59,6 +72,10 @@ pub struct ServerConfig {
     pub max_choices: usize,
     /// Most tokens (prompt plus `max_tokens` over all choices) per request; default: 16 contexts.
     pub max_request_tokens: Option<usize>,
+    /// Slots and context pool of the backend.
+    pub pool: PoolOptions,
+    /// How the engine schedules (prompt tokens per iteration).
+    pub engine: EngineOptions,
 }
 
 impl ServerConfig {
@@ -82,6 +99,8 @@ impl ServerConfig {
             allowed_origins: Vec::new(),
             max_choices: crate::limits::DEFAULT_MAX_CHOICES,
             max_request_tokens: None,
+            pool: PoolOptions::default(),
+            engine: EngineOptions::default(),
         }
     }
 }
@@ -97,6 +116,12 @@ pub struct Ready {
     pub vocab_size: usize,
     pub defaults: GenerationDefaults,
     pub backend_name: String,
+    /// Sequences the backend runs at once.
+    pub max_seqs: usize,
+    /// Context tokens the sequences share (the pool, with every slot empty).
+    pub kv_tokens: usize,
+    /// Prompt tokens one engine iteration prefills at most.
+    pub max_prefill_tokens: usize,
     pub limits: RequestLimits,
     /// See [`ServerConfig::special_tokens_in_content`].
     pub special_tokens_in_content: bool,
@@ -483,7 +508,7 @@ fn load(
         model_config.max_position_embeddings
     );
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
-    let backend = factory(context).context("loading the weights")?;
+    let backend = factory(context, &config.pool).context("loading the weights")?;
     let context = backend.max_context();
     let structured = LazyStructured {
         tokenizer: tokenizer.clone(),
@@ -497,6 +522,9 @@ fn load(
         vocab_size: tokenizer.vocab_size().min(backend.config().vocab_size),
         defaults: GenerationDefaults::from_dir(dir),
         backend_name: backend.describe(),
+        max_seqs: backend.max_seqs(),
+        kv_tokens: backend.free_tokens(),
+        max_prefill_tokens: config.engine.max_prefill_tokens,
         limits: RequestLimits {
             max_choices: config.max_choices,
             max_request_tokens: config
@@ -507,11 +535,15 @@ fn load(
         structured,
     };
     eprintln!(
-        "lily serve: model `{}` ready on {} in {:.1} s (context {} tokens)",
+        "lily serve: model `{}` ready on {} in {:.1} s (context {} tokens a sequence; {} sequences at once sharing \
+         {} tokens of context; {} prompt tokens an iteration)",
         config.model_id,
         ready.backend_name,
         start.elapsed().as_secs_f64(),
-        context
+        context,
+        ready.max_seqs,
+        ready.kv_tokens,
+        ready.max_prefill_tokens,
     );
     match state.upgrade() {
         Some(state) => {
@@ -519,17 +551,32 @@ fn load(
         }
         None => return Ok(None),
     }
-    Ok(Some(Engine::new(backend, tokenizer, config.tool_call_ids, shared)))
+    Ok(Some(Engine::new(
+        backend,
+        tokenizer,
+        config.tool_call_ids,
+        shared,
+        config.engine,
+    )))
 }
 
-/// The CPU backend: `Weights::load(dir)` then `CpuModel::new`.
+/// The CPU backend: `Weights::load(dir)` then `CpuModel::new`, batched over `--max-seqs` slots (default
+/// [`DEFAULT_CPU_MAX_SEQS`]) sharing `--kv-tokens` tokens of context (default: a full context for each slot).
 pub fn cpu_backend_factory(dir: PathBuf) -> BackendFactory {
-    Box::new(move |context| {
+    Box::new(move |context, pool| {
         let start = Instant::now();
         let weights = lily_model::Weights::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
         eprintln!("lily serve: weights loaded in {:.1} s", start.elapsed().as_secs_f64());
         let model = lily_model::cpu::CpuModel::new(weights);
-        Ok(Box::new(lily_model::CpuBackend::new(model, context)) as Box<dyn Backend>)
+        let max_seqs = pool.max_seqs.unwrap_or(DEFAULT_CPU_MAX_SEQS);
+        anyhow::ensure!(max_seqs >= 1, "--max-seqs must be at least 1");
+        let kv_tokens = pool.kv_tokens.unwrap_or(max_seqs.saturating_mul(context));
+        anyhow::ensure!(
+            kv_tokens >= lily_model::batch::CPU_POOL_UNIT,
+            "--kv-tokens must be at least {}",
+            lily_model::batch::CPU_POOL_UNIT
+        );
+        Ok(Box::new(lily_model::CpuBatchBackend::new(model, context, max_seqs, kv_tokens)) as Box<dyn BatchBackend>)
     })
 }
 
@@ -576,6 +623,14 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
     config.allowed_origins = args.allowed_origins.clone();
     config.special_tokens_in_content = args.allow_special_tokens_in_content;
     config.max_request_tokens = args.max_request_tokens;
+    config.pool = PoolOptions {
+        max_seqs: args.max_seqs,
+        kv_tokens: args.kv_tokens,
+    };
+    anyhow::ensure!(args.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1");
+    config.engine = EngineOptions {
+        max_prefill_tokens: args.max_prefill_tokens,
+    };
     let server = start(config, backend(model_dir)).await?;
     eprintln!(
         "lily serve: listening on http://{} (GET /health answers 503 until the model is loaded)",

@@ -336,7 +336,7 @@ async fn health_is_503_while_loading() {
 
 #[tokio::test]
 async fn a_model_that_fails_to_load_stops_the_server_with_its_error() {
-    let factory: lily_server::BackendFactory = Box::new(|_| Err(anyhow::anyhow!("no weights here")));
+    let factory: lily_server::BackendFactory = Box::new(|_, _| Err(anyhow::anyhow!("no weights here")));
     let s = TestServer::start(config(), factory).await;
     let server = s.server.unwrap();
     let error = server.wait_ready().await.unwrap_err();

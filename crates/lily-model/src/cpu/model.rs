@@ -19,6 +19,8 @@ use crate::weights::{Attention, GatedDeltaNet, Mixer, Weights};
 pub const PREFILL_SLICE: usize = 256;
 
 /// One sequence's state: KV cache of the full-attention layers, conv and recurrent state of the DeltaNet layers.
+/// A clone is an independent copy of the sequence (the batching backend forks a prompt's state this way).
+#[derive(Clone)]
 pub struct State {
     /// Tokens already processed (the next token's position).
     pub position: usize,
@@ -37,6 +39,7 @@ pub struct State {
 }
 
 /// Activation buffers for up to `PREFILL_SLICE` tokens.
+#[derive(Clone)]
 struct Activations {
     hidden: Vec<f32>,
     normed: Vec<f32>,
@@ -90,6 +93,18 @@ impl State {
                 queries: zeros(n * c.q_dim()),
             },
         }
+    }
+
+    /// Makes the KV cache hold `max_context` positions (growing or shrinking it, never below the tokens already
+    /// held), keeping the sequence.
+    pub fn set_max_context(&mut self, max_context: usize) {
+        let max_context = max_context.max(self.position);
+        for cache in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+            let per_token = cache.len() / self.max_context.max(1);
+            cache.resize(max_context * per_token, 0.0);
+            cache.shrink_to_fit();
+        }
+        self.max_context = max_context;
     }
 
     /// Forgets the sequence (the buffers are kept).

@@ -217,19 +217,20 @@ impl Script {
 
     pub fn factory(&self) -> BackendFactory {
         let script = self.clone();
-        Box::new(move |context| {
+        Box::new(move |context, _pool| {
             if let Some(gate) = &script.load_gate {
                 let _ = gate.lock().unwrap().recv();
             }
             let config = Config::tiny_shape();
             let logits = vec![0.0; config.vocab_size];
-            Ok(Box::new(ScriptedBackend {
+            let backend = ScriptedBackend {
                 config,
                 script,
                 pos: 0,
                 logits,
                 context,
-            }) as Box<dyn Backend>)
+            };
+            Ok(Box::new(lily_model::SingleSlot::new(Box::new(backend))) as Box<dyn lily_model::BatchBackend>)
         })
     }
 }
@@ -292,6 +293,14 @@ impl Backend for ScriptedBackend {
         self.pos = 0;
         self.set_logits();
         Ok(true)
+    }
+    /// The rest of a prompt that the engine prefills in chunks.
+    fn extend(&mut self, tokens: &[u32]) -> Result<(), ForwardError> {
+        for _ in tokens.chunks(PREFILL_SLICE) {
+            self.prefill_slice();
+        }
+        self.set_logits();
+        Ok(())
     }
     fn decode(&mut self, _token: u32) -> Result<(), ForwardError> {
         if !self.script.decode_delay.is_zero() {

@@ -1,0 +1,500 @@
+//! [`BatchBackend`]s built on the single-sequence pieces: [`CpuBatchBackend`] keeps one CPU [`State`] per slot and
+//! runs a step's rows one after another; [`SingleSlot`] serves any [`Backend`] as a batch backend of one slot.
+
+use crate::backend::{Backend, BatchBackend, ForwardError, Pick, Slot, StepRow};
+use crate::config::Config;
+use crate::cpu::model::PREFILL_SLICE;
+use crate::cpu::{CpuModel, State};
+
+/// The unit in which the CPU batch backend grants context: a slot's reservation is a multiple of it, as a GPU pool
+/// grants whole pages.
+pub const CPU_POOL_UNIT: usize = 64;
+
+/// The CPU model serving several sequences: each slot has its own [`State`], created when the slot is first
+/// reserved and dropped when it is released, with a KV cache as long as its reservation. The pool is a budget of
+/// context tokens shared by the slots; a step runs its rows one after another through `CpuModel::decode`, each
+/// row's logits kept for sampling.
+pub struct CpuBatchBackend {
+    model: CpuModel,
+    max_context: usize,
+    pool_tokens: usize,
+    slots: Vec<CpuSlot>,
+    /// Output rows of the last `prefill` (row 0) or `step`, `[rows][vocab]`.
+    logits: Vec<f32>,
+    rows: usize,
+}
+
+/// The state of `slot`, checked to have room for `tokens` more positions within its reservation.
+fn state_for(slots: &mut [CpuSlot], max_context: usize, slot: Slot, tokens: usize) -> Result<&mut State, ForwardError> {
+    let count = slots.len();
+    let entry = slots
+        .get_mut(slot)
+        .ok_or_else(|| ForwardError::Device(format!("slot {slot} is outside the {count} slots")))?;
+    let room = entry.reserved.min(max_context);
+    let state = entry.state.as_mut().ok_or(ForwardError::ContextFull {
+        needed: tokens,
+        max_context: 0,
+    })?;
+    let needed = state.position + tokens;
+    if needed > room {
+        return Err(ForwardError::ContextFull {
+            needed,
+            max_context: room,
+        });
+    }
+    Ok(state)
+}
+
+#[derive(Default)]
+struct CpuSlot {
+    state: Option<State>,
+    /// Context tokens granted from the pool (a multiple of `CPU_POOL_UNIT`).
+    reserved: usize,
+}
+
+impl CpuBatchBackend {
+    /// `max_seqs` slots sharing `pool_tokens` tokens of context, at most `max_context` per sequence (capped by the
+    /// pool, since a sequence cannot hold more than the pool grants). The pool is rounded down to whole units.
+    pub fn new(model: CpuModel, max_context: usize, max_seqs: usize, pool_tokens: usize) -> CpuBatchBackend {
+        let pool_tokens = pool_tokens / CPU_POOL_UNIT * CPU_POOL_UNIT;
+        let max_seqs = max_seqs.max(1);
+        CpuBatchBackend {
+            max_context: max_context.min(pool_tokens),
+            pool_tokens,
+            slots: (0..max_seqs).map(|_| CpuSlot::default()).collect(),
+            logits: Vec::new(),
+            rows: 0,
+            model,
+        }
+    }
+
+    pub fn model(&self) -> &CpuModel {
+        &self.model
+    }
+
+    /// Context tokens the pool holds in all.
+    pub fn pool_tokens(&self) -> usize {
+        self.pool_tokens
+    }
+
+    fn reserved(&self) -> usize {
+        self.slots.iter().map(|s| s.reserved).sum()
+    }
+
+    fn slot(&mut self, slot: Slot) -> Result<&mut CpuSlot, ForwardError> {
+        let count = self.slots.len();
+        self.slots
+            .get_mut(slot)
+            .ok_or_else(|| ForwardError::Device(format!("slot {slot} is outside the {count} slots")))
+    }
+
+    fn output_rows(&mut self, rows: usize) {
+        let vocab = self.model.config().vocab_size;
+        if self.logits.len() < rows * vocab {
+            self.logits.resize(rows * vocab, 0.0);
+        }
+        self.rows = rows;
+    }
+}
+
+impl BatchBackend for CpuBatchBackend {
+    fn config(&self) -> &Config {
+        self.model.config()
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn max_seqs(&self) -> usize {
+        self.slots.len()
+    }
+    fn max_step_rows(&self) -> usize {
+        self.slots.len()
+    }
+    fn max_prefill_tokens(&self) -> usize {
+        // Any length works; the model runs it in slices of PREFILL_SLICE tokens itself.
+        self.max_context.max(PREFILL_SLICE)
+    }
+    fn free_tokens(&self) -> usize {
+        self.pool_tokens - self.reserved()
+    }
+    fn reserve(&mut self, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
+        if tokens > self.max_context {
+            return Err(ForwardError::ContextFull {
+                needed: tokens,
+                max_context: self.max_context,
+            });
+        }
+        let want = tokens.div_ceil(CPU_POOL_UNIT) * CPU_POOL_UNIT;
+        let free = self.free_tokens();
+        let config = self.model.config().clone();
+        let entry = self.slot(slot)?;
+        if want <= entry.reserved {
+            return Ok(true);
+        }
+        if want - entry.reserved > free {
+            return Ok(false);
+        }
+        entry.reserved = want;
+        match entry.state.as_mut() {
+            Some(state) => state.set_max_context(want),
+            None => entry.state = Some(State::new(&config, want)),
+        }
+        Ok(true)
+    }
+    fn release(&mut self, slot: Slot) {
+        if let Some(entry) = self.slots.get_mut(slot) {
+            *entry = CpuSlot::default();
+        }
+    }
+    fn len(&self, slot: Slot) -> usize {
+        self.slots
+            .get(slot)
+            .and_then(|s| s.state.as_ref())
+            .map_or(0, |s| s.position)
+    }
+    fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> Result<(), ForwardError> {
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        self.output_rows(1);
+        let vocab = self.model.config().vocab_size;
+        let mut logits = std::mem::take(&mut self.logits);
+        let result = state_for(&mut self.slots, self.max_context, slot, tokens.len())
+            .and_then(|state| self.model.prefill(state, tokens, &mut logits[..vocab]));
+        self.logits = logits;
+        result
+    }
+    fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError> {
+        let source = self
+            .slot(from)?
+            .state
+            .clone()
+            .ok_or_else(|| ForwardError::Device(format!("fork from the empty slot {from}")))?;
+        let target = self.slot(to)?;
+        if target.reserved < source.position {
+            return Err(ForwardError::ContextFull {
+                needed: source.position,
+                max_context: target.reserved,
+            });
+        }
+        let mut state = source;
+        state.set_max_context(target.reserved);
+        target.state = Some(state);
+        Ok(())
+    }
+    fn step(&mut self, rows: &[StepRow]) -> Result<(), ForwardError> {
+        if rows.is_empty() || rows.len() > self.slots.len() {
+            return Err(ForwardError::Device(format!(
+                "a step takes 1 to {} rows, not {}",
+                self.slots.len(),
+                rows.len()
+            )));
+        }
+        self.output_rows(rows.len());
+        let vocab = self.model.config().vocab_size;
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut result = Ok(());
+        for (i, row) in rows.iter().enumerate() {
+            result = state_for(&mut self.slots, self.max_context, row.slot, 1).and_then(|state| {
+                self.model
+                    .decode(state, row.token, &mut logits[i * vocab..(i + 1) * vocab])
+            });
+            if result.is_err() {
+                break;
+            }
+        }
+        self.logits = logits;
+        result
+    }
+    fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError> {
+        if row >= self.rows {
+            return Err(ForwardError::Device(format!(
+                "output row {row} of a call with {} rows",
+                self.rows
+            )));
+        }
+        let vocab = self.model.config().vocab_size;
+        Ok(&self.logits[row * vocab..(row + 1) * vocab])
+    }
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+}
+
+/// Any single-sequence [`Backend`] as a [`BatchBackend`] of one slot, its context the whole pool: a step is one
+/// `decode`, a prefill continuing the slot is `Backend::extend`, and a pick without a mask is the backend's own
+/// `sample` (on a GPU, where the logits are).
+pub struct SingleSlot {
+    backend: Box<dyn Backend>,
+    reserved: usize,
+    len: usize,
+}
+
+impl SingleSlot {
+    pub fn new(backend: Box<dyn Backend>) -> SingleSlot {
+        SingleSlot {
+            backend,
+            reserved: 0,
+            len: 0,
+        }
+    }
+
+    fn check_slot(slot: Slot) -> Result<(), ForwardError> {
+        match slot {
+            0 => Ok(()),
+            _ => Err(ForwardError::Device(format!("slot {slot} of a backend with one slot"))),
+        }
+    }
+}
+
+impl BatchBackend for SingleSlot {
+    fn config(&self) -> &Config {
+        self.backend.config()
+    }
+    fn max_context(&self) -> usize {
+        self.backend.max_context()
+    }
+    fn max_seqs(&self) -> usize {
+        1
+    }
+    fn max_step_rows(&self) -> usize {
+        1
+    }
+    fn max_prefill_tokens(&self) -> usize {
+        self.backend.max_context()
+    }
+    fn free_tokens(&self) -> usize {
+        self.backend.max_context() - self.reserved
+    }
+    fn reserve(&mut self, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
+        Self::check_slot(slot)?;
+        if tokens > self.backend.max_context() {
+            return Ok(false);
+        }
+        self.reserved = self.reserved.max(tokens);
+        Ok(true)
+    }
+    fn release(&mut self, slot: Slot) {
+        if slot == 0 {
+            self.reserved = 0;
+            self.len = 0;
+        }
+    }
+    fn len(&self, slot: Slot) -> usize {
+        if slot == 0 {
+            self.len
+        } else {
+            0
+        }
+    }
+    fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> Result<(), ForwardError> {
+        Self::check_slot(slot)?;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        let needed = self.len + tokens.len();
+        if needed > self.reserved {
+            return Err(ForwardError::ContextFull {
+                needed,
+                max_context: self.reserved,
+            });
+        }
+        if self.len == 0 {
+            self.backend.prefill(tokens)?;
+        } else {
+            self.backend.extend(tokens)?;
+        }
+        self.len = needed;
+        Ok(())
+    }
+    fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError> {
+        Err(ForwardError::Device(format!(
+            "a backend with one slot cannot fork slot {from} into {to}"
+        )))
+    }
+    fn step(&mut self, rows: &[StepRow]) -> Result<(), ForwardError> {
+        let [row] = rows else {
+            return Err(ForwardError::Device(format!("a step takes 1 row, not {}", rows.len())));
+        };
+        Self::check_slot(row.slot)?;
+        if self.len + 1 > self.reserved {
+            return Err(ForwardError::ContextFull {
+                needed: self.len + 1,
+                max_context: self.reserved,
+            });
+        }
+        self.backend.decode(row.token)?;
+        self.len += 1;
+        Ok(())
+    }
+    fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError> {
+        if row != 0 {
+            return Err(ForwardError::Device(format!("output row {row} of a one-row call")));
+        }
+        self.backend.logits()
+    }
+    fn sample(&mut self, picks: &mut [Pick<'_>]) -> Result<Vec<u32>, ForwardError> {
+        let mut tokens = Vec::with_capacity(picks.len());
+        for pick in picks.iter_mut() {
+            if pick.row != 0 {
+                return Err(ForwardError::Device(format!(
+                    "output row {} of a one-row call",
+                    pick.row
+                )));
+            }
+            let token = match pick.allowed {
+                Some(allowed) => {
+                    let mut row = self.backend.logits()?.to_vec();
+                    pick.sampler.sample_masked(&mut row, allowed)
+                }
+                None => self.backend.sample(pick.sampler)?,
+            };
+            tokens.push(token);
+        }
+        Ok(tokens)
+    }
+    fn synchronize(&mut self) -> Result<(), ForwardError> {
+        self.backend.synchronize()
+    }
+    fn describe(&self) -> String {
+        self.backend.describe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+    use crate::sampling::{Sampler, SamplingParams};
+
+    fn tiny_model() -> CpuModel {
+        let mut config = Config::tiny_shape();
+        config.quantization = Config::from_json(&config.to_mlx_json()).unwrap().quantization;
+        let checkpoint = crate::synth::checkpoint_in_memory(&config, 7).unwrap();
+        CpuModel::new(crate::Weights::from_checkpoint(config, &checkpoint).unwrap())
+    }
+
+    fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+        (0..len as u32).map(|i| (i * 7919 + salt * 104_729) % vocab).collect()
+    }
+
+    /// Greedy tokens of `prompt` alone through the single-sequence backend.
+    fn alone(prompt: &[u32], steps: usize) -> Vec<u32> {
+        let mut backend = CpuBackend::new(tiny_model(), 1024);
+        backend.prefill(prompt).unwrap();
+        let mut sampler = Sampler::new(SamplingParams::default());
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let token = backend.sample(&mut sampler).unwrap();
+            out.push(token);
+            backend.decode(token).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn rows_of_a_batch_match_each_sequence_alone_and_the_pool_is_accounted() {
+        let model = tiny_model();
+        let vocab = model.config().vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = [1, 70, 300]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| prompt(n, i as u32, vocab))
+            .collect();
+        let steps = 6;
+        let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(p, steps)).collect();
+        let mut batch = CpuBatchBackend::new(model, 1024, 4, 1024);
+        assert_eq!(batch.free_tokens(), 1024);
+        for (slot, p) in prompts.iter().enumerate() {
+            assert!(batch.reserve(slot, p.len() + steps).unwrap());
+        }
+        let reserved: usize = prompts
+            .iter()
+            .map(|p| (p.len() + steps).div_ceil(CPU_POOL_UNIT) * CPU_POOL_UNIT)
+            .sum();
+        assert_eq!(reserved, 64 + 128 + 320);
+        assert_eq!(batch.free_tokens(), 1024 - reserved);
+        // More than the pool has left: refused, nothing changed.
+        assert!(!batch.reserve(3, 600).unwrap());
+        assert_eq!(batch.free_tokens(), 1024 - reserved);
+        let mut sampler = Sampler::new(SamplingParams::default());
+        let mut next = Vec::new();
+        for (slot, p) in prompts.iter().enumerate() {
+            // The prompt enters in two chunks where it can.
+            let half = p.len() / 2;
+            if half > 0 {
+                batch.prefill(slot, &p[..half]).unwrap();
+            }
+            batch.prefill(slot, &p[half..]).unwrap();
+            next.push(sampler.sample(batch.logits(0).unwrap()));
+        }
+        let mut got: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        for _ in 1..steps {
+            let rows: Vec<StepRow> = next
+                .iter()
+                .enumerate()
+                .map(|(slot, &token)| StepRow { slot, token })
+                .collect();
+            batch.step(&rows).unwrap();
+            for (i, out) in got.iter_mut().enumerate() {
+                next[i] = sampler.sample(batch.logits(i).unwrap());
+                out.push(next[i]);
+            }
+        }
+        assert_eq!(got, expected);
+        // A fork continues as its source does.
+        assert!(batch.reserve(3, batch.len(1) + 4).unwrap());
+        batch.fork(1, 3).unwrap();
+        assert_eq!(batch.len(3), batch.len(1));
+        let rows = [StepRow { slot: 1, token: 5 }, StepRow { slot: 3, token: 5 }];
+        batch.step(&rows).unwrap();
+        let first = batch.logits(0).unwrap().to_vec();
+        assert_eq!(first, batch.logits(1).unwrap());
+        // Past its reservation a slot refuses to grow.
+        let room = batch.slots[3].reserved - batch.len(3);
+        let err = batch.prefill(3, &vec![1; room + 1]).unwrap_err();
+        assert!(matches!(err, ForwardError::ContextFull { .. }), "{err}");
+        for slot in 0..4 {
+            batch.release(slot);
+            assert_eq!(batch.len(slot), 0);
+        }
+        assert_eq!(batch.free_tokens(), 1024);
+    }
+
+    #[test]
+    fn single_slot_serves_a_backend_with_chunked_prefill() {
+        let model = tiny_model();
+        let vocab = model.config().vocab_size as u32;
+        let p = prompt(300, 3, vocab);
+        let expected = alone(&p, 5);
+        let mut single = SingleSlot::new(Box::new(CpuBackend::new(model, 1024)));
+        assert_eq!(single.max_seqs(), 1);
+        assert!(!single.reserve(0, 1025).unwrap());
+        assert!(single.reserve(0, 310).unwrap());
+        assert_eq!(single.free_tokens(), 1024 - 310);
+        single.prefill(0, &p[..100]).unwrap();
+        single.prefill(0, &p[100..]).unwrap();
+        let mut sampler = Sampler::new(SamplingParams::default());
+        let mut got = Vec::new();
+        for i in 0..5 {
+            if i > 0 {
+                single
+                    .step(&[StepRow {
+                        slot: 0,
+                        token: got[i - 1],
+                    }])
+                    .unwrap();
+            }
+            let mut picks = [Pick {
+                row: 0,
+                sampler: &mut sampler,
+                allowed: None,
+            }];
+            got.push(single.sample(&mut picks).unwrap()[0]);
+        }
+        assert_eq!(got, expected);
+        assert!(single.fork(0, 0).is_err());
+        single.release(0);
+        assert_eq!(single.free_tokens(), 1024);
+    }
+}

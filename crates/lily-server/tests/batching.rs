@@ -1,0 +1,502 @@
+//! The continuous-batching engine driven directly, over a fake batch backend whose logits are a function of each
+//! slot's tokens: random arrivals, prompt lengths, `max_tokens`, `n`, prompt logprobs, seeds, cancellations, a
+//! pool too small for everyone and fewer slots than sequences. Every request must be answered or refused, no slot
+//! or reserved token may leak, and every output must equal the one the request gets alone.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lily_chat::{Delta, FinishReason, ToolCallIds};
+use lily_model::sampling::SamplingParams;
+use lily_model::{BatchBackend, Config, ForwardError, Slot, StepRow};
+use lily_server::engine::{
+    Engine, EngineHandle, EngineOptions, EngineShared, Event, Job, JobQueue, OutputKind, RequestSpec, SequenceSpec,
+    SubmitError,
+};
+use lily_server::logits::Penalties;
+use lily_server::metrics::Metrics;
+
+use common::{tokenizer, EOS};
+
+/// Tokens the fake grants context in.
+const UNIT: usize = 16;
+
+/// What the fake backend holds, shared with the test to check for leaks afterwards.
+#[derive(Default)]
+struct FakeSlots {
+    tokens: Vec<Vec<u32>>,
+    reserved: Vec<usize>,
+    /// Broken promises of the engine (reserve before use, distinct rows, forks into empty slots ...).
+    violations: Vec<String>,
+    /// The most rows a step had.
+    widest_step: usize,
+}
+
+struct FakeBatch {
+    config: Config,
+    max_context: usize,
+    pool: usize,
+    max_step_rows: usize,
+    max_prefill: usize,
+    slots: Arc<Mutex<FakeSlots>>,
+    /// The slot contents' hashes behind each output row of the last call.
+    rows: Vec<u64>,
+    logits: Vec<f32>,
+}
+
+impl FakeBatch {
+    fn new(max_seqs: usize, pool: usize, max_step_rows: usize, max_prefill: usize) -> FakeBatch {
+        let slots = FakeSlots {
+            tokens: vec![Vec::new(); max_seqs],
+            reserved: vec![0; max_seqs],
+            ..Default::default()
+        };
+        let config = Config::tiny_shape();
+        let logits = vec![0.0; config.vocab_size];
+        FakeBatch {
+            config,
+            max_context: 4096,
+            pool,
+            max_step_rows,
+            max_prefill,
+            slots: Arc::new(Mutex::new(slots)),
+            rows: Vec::new(),
+            logits,
+        }
+    }
+
+    fn fail(&self, slots: &mut FakeSlots, what: String) -> ForwardError {
+        slots.violations.push(what.clone());
+        ForwardError::Device(what)
+    }
+}
+
+/// A hash of a sequence's tokens (FNV-1a): the fake's logits depend on nothing else.
+fn hash(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(0xcbf29ce484222325u64, |h, &t| {
+        (h ^ t as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+impl BatchBackend for FakeBatch {
+    fn config(&self) -> &Config {
+        &self.config
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn max_seqs(&self) -> usize {
+        self.slots.lock().unwrap().tokens.len()
+    }
+    fn max_step_rows(&self) -> usize {
+        self.max_step_rows
+    }
+    fn max_prefill_tokens(&self) -> usize {
+        self.max_prefill
+    }
+    fn free_tokens(&self) -> usize {
+        self.pool - self.slots.lock().unwrap().reserved.iter().sum::<usize>()
+    }
+    fn reserve(&mut self, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
+        let free = self.free_tokens();
+        let mut s = self.slots.lock().unwrap();
+        let want = tokens.div_ceil(UNIT) * UNIT;
+        if want <= s.reserved[slot] {
+            return Ok(true);
+        }
+        if want - s.reserved[slot] > free {
+            return Ok(false);
+        }
+        s.reserved[slot] = want;
+        Ok(true)
+    }
+    fn release(&mut self, slot: Slot) {
+        let mut s = self.slots.lock().unwrap();
+        s.tokens[slot].clear();
+        s.reserved[slot] = 0;
+    }
+    fn len(&self, slot: Slot) -> usize {
+        self.slots.lock().unwrap().tokens[slot].len()
+    }
+    fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> Result<(), ForwardError> {
+        let mut s = self.slots.lock().unwrap();
+        if tokens.is_empty() || tokens.len() > self.max_prefill {
+            return Err(self.fail(&mut s, format!("prefill of {} tokens", tokens.len())));
+        }
+        if s.tokens[slot].len() + tokens.len() > s.reserved[slot] {
+            return Err(self.fail(&mut s, format!("prefill past the reservation of slot {slot}")));
+        }
+        s.tokens[slot].extend_from_slice(tokens);
+        self.rows = vec![hash(&s.tokens[slot])];
+        Ok(())
+    }
+    fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError> {
+        let mut s = self.slots.lock().unwrap();
+        if !s.tokens[to].is_empty() || s.reserved[to] < s.tokens[from].len() || from == to {
+            return Err(self.fail(&mut s, format!("fork {from} -> {to}")));
+        }
+        s.tokens[to] = s.tokens[from].clone();
+        Ok(())
+    }
+    fn step(&mut self, rows: &[StepRow]) -> Result<(), ForwardError> {
+        let mut s = self.slots.lock().unwrap();
+        let mut seen: Vec<Slot> = rows.iter().map(|r| r.slot).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        if rows.is_empty() || rows.len() > self.max_step_rows || seen.len() != rows.len() {
+            return Err(self.fail(&mut s, format!("a step of rows {rows:?}")));
+        }
+        s.widest_step = s.widest_step.max(rows.len());
+        self.rows.clear();
+        for row in rows {
+            if s.tokens[row.slot].is_empty() || s.tokens[row.slot].len() + 1 > s.reserved[row.slot] {
+                return Err(self.fail(&mut s, format!("a step on slot {} past its reservation", row.slot)));
+            }
+            s.tokens[row.slot].push(row.token);
+            let h = hash(&s.tokens[row.slot]);
+            self.rows.push(h);
+        }
+        Ok(())
+    }
+    /// The next token is `1000 + h % 300` (logit 10), the runner-up `1000 + (h >> 20) % 300` (logit 9), every
+    /// 23rd sequence state prefers end-of-sequence; the other tokens are all but impossible (logit -30), so that
+    /// sampling draws ordinary text.
+    fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError> {
+        let h = self.rows[row];
+        self.logits.fill(-30.0);
+        let first = if h.is_multiple_of(23) {
+            EOS
+        } else {
+            1000 + (h % 300) as u32
+        };
+        self.logits[1000 + ((h >> 20) % 300) as usize] = 9.0;
+        self.logits[first as usize] = 10.0;
+        Ok(&self.logits)
+    }
+    fn describe(&self) -> String {
+        "fake batch".into()
+    }
+}
+
+/// One request of the random workload.
+#[derive(Clone, Debug)]
+struct Request {
+    prompt: Arc<Vec<u32>>,
+    n: usize,
+    max_tokens: usize,
+    temperature: f32,
+    seed: u64,
+    logprobs: Option<usize>,
+    prompt_logprobs: Option<usize>,
+    /// Start after this long.
+    arrival: Duration,
+    /// The client hangs up after this many token events (and sets the job's cancel flag).
+    cancel_after: Option<usize>,
+}
+
+/// What a client saw of one choice.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Choice {
+    text: String,
+    finish: Option<FinishReason>,
+    tokens: usize,
+    logprobs: Vec<(u32, f32)>,
+    prompt_logprobs: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, PartialEq)]
+enum Answer {
+    Done(BTreeMap<usize, Choice>),
+    Error(u16),
+    Cancelled,
+    QueueFull,
+}
+
+fn job(request: &Request) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>, Arc<AtomicBool>) {
+    let spec = Arc::new(RequestSpec {
+        kind: OutputKind::Text,
+        penalties: Penalties::none(),
+        stop: Vec::new(),
+        ignore_eos: false,
+        logprobs: request.logprobs,
+        prompt_logprobs: request.prompt_logprobs,
+        constraint: None,
+    });
+    let sequences = (0..request.n)
+        .map(|index| SequenceSpec {
+            index,
+            prompt: request.prompt.clone(),
+            prompt_text: Arc::from(""),
+            sampling: SamplingParams {
+                temperature: request.temperature,
+                // A top-k keeps the host sampler from sorting the whole vocabulary for every token.
+                top_k: 50,
+                seed: request.seed + index as u64,
+                ..SamplingParams::default()
+            },
+            max_tokens: request.max_tokens,
+            request: spec.clone(),
+        })
+        .collect();
+    let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        sequences,
+        events,
+        cancel: cancel.clone(),
+        arrived: Instant::now(),
+    };
+    (job, receiver, cancel)
+}
+
+/// Sends `request` and reads its events to the end (or hangs up as the request says).
+fn client(handle: &EngineHandle, request: &Request) -> Answer {
+    let (job, mut receiver, cancel) = job(request);
+    match handle.submit(job) {
+        Ok(_) => {}
+        Err(SubmitError::QueueFull) => return Answer::QueueFull,
+        Err(SubmitError::EngineGone) => panic!("the engine is gone"),
+    }
+    let mut choices: BTreeMap<usize, Choice> = BTreeMap::new();
+    let mut token_events = 0;
+    loop {
+        if request.cancel_after.is_some_and(|k| token_events >= k) {
+            cancel.store(true, Ordering::SeqCst);
+            // Sometimes the client reads the engine's answer to the cancel, sometimes it is simply gone.
+            if request.seed.is_multiple_of(2) {
+                return Answer::Cancelled;
+            }
+        }
+        let Some(event) = receiver.blocking_recv() else {
+            panic!("the engine dropped a job without a last event");
+        };
+        match event {
+            Event::Token { index, deltas, logprob } => {
+                token_events += 1;
+                let choice = choices.entry(index).or_default();
+                for delta in deltas {
+                    if let Delta::Content(text) = delta {
+                        choice.text.push_str(&text);
+                    }
+                }
+                if let Some(lp) = logprob {
+                    choice.logprobs.push((lp.token, lp.logprob));
+                }
+            }
+            Event::PromptLogprobs { index, logprobs, .. } => {
+                let choice = choices.entry(index).or_default();
+                choice.prompt_logprobs = logprobs.iter().map(|lp| (lp.token, lp.logprob)).collect();
+            }
+            Event::Finished { index, output } => {
+                let choice = choices.entry(index).or_default();
+                for delta in output.deltas {
+                    if let Delta::Content(text) = delta {
+                        choice.text.push_str(&text);
+                    }
+                }
+                choice.finish = Some(output.finish_reason);
+                choice.tokens = output.completion_tokens;
+            }
+            Event::Error(error) => {
+                return match error.code {
+                    Some("cancelled") => Answer::Cancelled,
+                    _ => Answer::Error(error.status.as_u16()),
+                }
+            }
+            Event::Done => return Answer::Done(choices),
+        }
+    }
+}
+
+struct Running {
+    handle: EngineHandle,
+    thread: std::thread::JoinHandle<()>,
+    slots: Arc<Mutex<FakeSlots>>,
+    pool: usize,
+}
+
+fn start(backend: FakeBatch, max_queue: usize, max_prefill_tokens: usize) -> Running {
+    let metrics = Arc::new(Metrics::new());
+    let shared = Arc::new(EngineShared {
+        metrics: metrics.clone(),
+        cancel_all: AtomicBool::new(false),
+        queue: JobQueue::new(max_queue, metrics),
+        in_flight: AtomicUsize::new(0),
+    });
+    let slots = backend.slots.clone();
+    let pool = backend.pool;
+    let engine = Engine::new(
+        Box::new(backend),
+        tokenizer(),
+        ToolCallIds::Sequential,
+        shared.clone(),
+        EngineOptions { max_prefill_tokens },
+    );
+    let thread = std::thread::spawn(move || engine.run());
+    Running {
+        handle: EngineHandle::new(shared),
+        thread,
+        slots,
+        pool,
+    }
+}
+
+impl Running {
+    /// Closes the queue, waits for the engine to stop, and checks that nothing leaked.
+    fn stop(self) {
+        drop(self.handle);
+        self.thread.join().expect("the engine thread ends");
+        let s = self.slots.lock().unwrap();
+        assert_eq!(
+            s.violations,
+            Vec::<String>::new(),
+            "the engine broke the backend's contract"
+        );
+        assert!(
+            s.reserved.iter().all(|&r| r == 0),
+            "reserved tokens leaked: {:?}",
+            s.reserved
+        );
+        assert!(s.tokens.iter().all(|t| t.is_empty()), "a slot was never released");
+        assert_eq!(self.pool - s.reserved.iter().sum::<usize>(), self.pool);
+    }
+}
+
+/// A small deterministic generator (xorshift), so that a failing seed can be replayed.
+struct Rand(u64);
+
+impl Rand {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn workload(seed: u64, count: usize) -> Vec<Request> {
+    let mut r = Rand(seed | 1);
+    (0..count)
+        .map(|i| {
+            let len = match r.below(4) {
+                0 => 1 + r.below(4) as usize,
+                1 | 2 => 1 + r.below(60) as usize,
+                _ => 100 + r.below(400) as usize,
+            };
+            let prompt: Vec<u32> = (0..len).map(|_| 1000 + r.below(300) as u32).collect();
+            let max_tokens = match r.below(10) {
+                // Prompt plus max_tokens past the pool: refused at once.
+                0 => 1200,
+                _ => 1 + r.below(40) as usize,
+            };
+            Request {
+                prompt: Arc::new(prompt),
+                n: if r.below(4) == 0 { 2 + r.below(3) as usize } else { 1 },
+                max_tokens,
+                temperature: if r.below(2) == 0 { 0.0 } else { 1.0 },
+                seed: r.next() % 1000,
+                logprobs: (r.below(5) == 0).then_some(2),
+                prompt_logprobs: (r.below(8) == 0).then_some(1),
+                arrival: Duration::from_millis(r.below(200) + i as u64 * 3),
+                cancel_after: (r.below(6) == 0).then(|| r.below(8) as usize),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
+    for seed in [1, 2, 3] {
+        let requests = workload(seed, 40);
+        // Four slots, a pool of 1024 tokens (a long prompt with its max_tokens takes half), steps of at most three
+        // rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration.
+        let running = start(FakeBatch::new(4, 1024, 3, 50), 32, 32);
+        let answers: Vec<Answer> = std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|request| {
+                    let handle = &running.handle;
+                    scope.spawn(move || {
+                        std::thread::sleep(request.arrival);
+                        client(handle, request)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let widest = running.slots.lock().unwrap().widest_step;
+        running.stop();
+        assert!(widest > 1, "seed {seed}: the steps batched sequences (widest {widest})");
+
+        let mut done = 0;
+        for (request, answer) in requests.iter().zip(&answers) {
+            match answer {
+                Answer::Done(choices) => {
+                    done += 1;
+                    assert!(request.prompt.len() + request.max_tokens <= 1024);
+                    assert_eq!(choices.len(), request.n, "seed {seed}: every choice finished");
+                    // The same request alone, on an engine of one slot, read to its end.
+                    let alone = start(FakeBatch::new(1, 1024, 1, 1024), 4, 4096);
+                    let whole = Request {
+                        cancel_after: None,
+                        ..request.clone()
+                    };
+                    let expected = client(&alone.handle, &whole);
+                    alone.stop();
+                    assert_eq!(answer, &expected, "seed {seed}: {request:?}");
+                }
+                Answer::Error(status) => {
+                    assert_eq!(*status, 400, "seed {seed}: {request:?}");
+                    assert!(request.prompt.len() + request.max_tokens > 1024, "{request:?}");
+                }
+                Answer::Cancelled => assert!(request.cancel_after.is_some(), "seed {seed}: {request:?}"),
+                Answer::QueueFull => {}
+            }
+        }
+        assert!(done >= requests.len() / 2, "seed {seed}: only {done} requests ran");
+    }
+}
+
+#[test]
+fn a_greedy_sequence_is_the_same_whatever_runs_beside_it() {
+    // Slot shortage: eight requests for two slots, one of them with n = 3 (more choices than slots).
+    let running = start(FakeBatch::new(2, 4096, 2, 4096), 16, 7);
+    let requests: Vec<Request> = (0..8)
+        .map(|i| Request {
+            prompt: Arc::new((0..(1 + i * 13)).map(|t| 1000 + (t * 7 + i) as u32 % 300).collect()),
+            n: if i == 3 { 3 } else { 1 },
+            max_tokens: 30,
+            temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+            seed: i as u64,
+            logprobs: None,
+            prompt_logprobs: (i == 5).then_some(0),
+            arrival: Duration::ZERO,
+            cancel_after: None,
+        })
+        .collect();
+    let answers: Vec<Answer> = std::thread::scope(|scope| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|request| {
+                let handle = &running.handle;
+                scope.spawn(move || client(handle, request))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    running.stop();
+    for (request, answer) in requests.iter().zip(&answers) {
+        let alone = start(FakeBatch::new(1, 4096, 1, 4096), 4, 4096);
+        let expected = client(&alone.handle, request);
+        alone.stop();
+        assert!(matches!(answer, Answer::Done(_)), "{answer:?}");
+        assert_eq!(answer, &expected, "{request:?}");
+    }
+}
