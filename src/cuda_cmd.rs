@@ -97,15 +97,19 @@ pub fn open_backend(device: Device, dir: &Path, max_context: usize) -> Result<Op
     Ok(Some(CudaBackend::new(model)))
 }
 
+/// Share of the GPU memory left after the weights, the slots' state and the scratch that the KV pool takes when
+/// `--kv-tokens` does not size it.
+const KV_FRACTION: f64 = 0.9;
+
 /// The batched CUDA backend for `serve` with the model in `dir`: `max_seqs` slots of up to `max_context` tokens,
-/// the KV pool sized to `kv_fraction` of the GPU memory left after the weights, the slots' state and the scratch.
-/// `None` where the CPU should run it.
+/// a KV pool of `kv_tokens` positions (rounded up to whole pages) or else of [`KV_FRACTION`] of the GPU memory
+/// left. `None` where the CPU should run it.
 pub fn open_batch_backend(
     device: Device,
     dir: &Path,
     max_context: usize,
     max_seqs: usize,
-    kv_fraction: f64,
+    kv_tokens: Option<usize>,
 ) -> Result<Option<CudaBatchBackend>> {
     let Some(gpu) = open_gpu(device)? else {
         return Ok(None);
@@ -113,7 +117,13 @@ pub fn open_batch_backend(
     let weights = Weights::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     let config = weights.config.clone();
     let weight_bytes = lily_cuda::weights::device_bytes(&weights);
-    let capacity = fit_capacity(&gpu, &config, weight_bytes, max_seqs, max_context, kv_fraction)?;
+    let capacity = match kv_tokens {
+        Some(tokens) => Capacity {
+            max_seqs,
+            kv_pages: lily_cuda::pages::pages_for(tokens.max(1)),
+        },
+        None => fit_capacity(&gpu, &config, weight_bytes, max_seqs, max_context, KV_FRACTION)?,
+    };
     let what = dir.display().to_string();
     let model = load(gpu, config, &Source::Cpu(&weights), max_context, Some(capacity), &what)?;
     tracing::info!(
