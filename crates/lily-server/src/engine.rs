@@ -124,12 +124,15 @@ pub struct EngineShared {
     pub in_flight: AtomicUsize,
 }
 
-/// The jobs waiting for the engine, first in first out, at most `max` of them. A job whose client hangs up while
-/// it waits is taken out at once ([`JobQueue::withdraw`]), so that it neither holds a place nor keeps its memory.
+/// The jobs waiting for the engine, first in first out: at most `max` beyond those the engine has free slots for
+/// (`room`, which the engine sets each iteration), since those only wait for the engine's next iteration to start
+/// them. A job whose client hangs up while it waits is taken out at once ([`JobQueue::withdraw`]), so that it
+/// neither holds a place nor keeps its memory.
 pub struct JobQueue {
     state: Mutex<QueueState>,
     available: Condvar,
     max: usize,
+    room: AtomicUsize,
     metrics: Arc<Metrics>,
 }
 
@@ -161,8 +164,19 @@ impl JobQueue {
             }),
             available: Condvar::new(),
             max,
+            room: AtomicUsize::new(0),
             metrics,
         }
+    }
+
+    /// Sets how many more jobs than `max` may wait: the engine's free slots.
+    fn set_room(&self, free_slots: usize) {
+        self.room.store(free_slots, Ordering::Relaxed);
+    }
+
+    /// Whether a job submitted now would be refused.
+    pub fn is_full(&self) -> bool {
+        self.len() >= self.max + self.room.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, QueueState> {
@@ -190,7 +204,7 @@ impl JobQueue {
         if state.closed {
             return Err(SubmitError::EngineGone);
         }
-        if state.jobs.len() >= self.max {
+        if state.jobs.len() >= self.max + self.room.load(Ordering::Relaxed) {
             self.metrics.rejected.increment(1);
             return Err(SubmitError::QueueFull);
         }
@@ -383,6 +397,7 @@ impl Engine {
         // Built with every slot empty, so the pool's free tokens are all it holds.
         let fits = backend.max_context().min(backend.free_tokens());
         let slots = (0..backend.max_seqs()).map(|_| None).collect();
+        shared.queue.set_room(backend.max_seqs());
         Engine {
             backend,
             tokenizer,
@@ -440,6 +455,7 @@ impl Engine {
     fn set_running(&self) {
         let running = self.slots.iter().filter(|s| s.is_some()).count();
         self.shared.metrics.running.set(running as f64);
+        self.shared.queue.set_room(self.slots.len() - running);
     }
 
     fn free_slot(&self) -> Option<Slot> {

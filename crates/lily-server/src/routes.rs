@@ -233,7 +233,7 @@ fn ready(state: &AppState) -> Result<&Ready, ApiError> {
 /// the queue is the check that counts; this one keeps an overloaded server cheap to refuse).
 fn check_queue(state: &AppState) -> Result<(), ApiError> {
     let shared = state.shared();
-    if shared.queue.len() >= shared.queue.max() {
+    if shared.queue.is_full() {
         shared.metrics.rejected.increment(1);
         return Err(ApiError::queue_full(state.config.max_queue));
     }
