@@ -255,6 +255,9 @@ pub struct CudaBatchBackend {
     pub sequential_below: usize,
     /// The single-sequence decode step's graphs (layers, head), captured on first use.
     single: Option<(Graph, Graph)>,
+    /// The last call was one row through the single-sequence graphs, whose head also chose the greedy token (read
+    /// from pinned memory after a sync, without the sampler's launch).
+    single_greedy: bool,
     /// Tokens in each slot's sequence.
     lens: Vec<usize>,
     /// The captured step for each row count that has run.
@@ -290,6 +293,7 @@ impl CudaBatchBackend {
         Ok(CudaBatchBackend {
             sequential_below: SEQUENTIAL_BELOW,
             single: None,
+            single_greedy: false,
             lens: vec![0; max_rows],
             graphs: HashMap::new(),
             last_rows: 0,
@@ -355,6 +359,7 @@ impl CudaBatchBackend {
             m.gpu.replay(head)?;
             m.gpu.copy(self.step.logits.at(i * vocab), s.logits.ptr(), vocab)?;
         }
+        self.single_greedy = rows.len() == 1;
         Ok(())
     }
 
@@ -440,6 +445,7 @@ impl BatchBackend for CudaBatchBackend {
         run().map_err(device_err)?;
         self.lens[slot] = start + tokens.len();
         self.last_rows = 1;
+        self.single_greedy = false;
         self.host_row = None;
         Ok(())
     }
@@ -514,6 +520,7 @@ impl BatchBackend for CudaBatchBackend {
                 .upload_async(self.step.rows.ptr(), &self.staged_rows)
                 .map_err(device_err)?;
             self.run_step(rows.len()).map_err(device_err)?;
+            self.single_greedy = false;
         }
         for r in rows {
             self.lens[r.slot] += 1;
@@ -540,6 +547,12 @@ impl BatchBackend for CudaBatchBackend {
         let rows = self.last_rows;
         if let Some(bad) = picks.iter().find(|p| p.row >= rows) {
             return Err(ForwardError::Device(format!("row {} of {rows}", bad.row)));
+        }
+        if let [pick] = picks {
+            if self.single_greedy && pick.allowed.is_none() && pick.sampler.params().is_greedy() {
+                self.model.gpu.sync().map_err(device_err)?;
+                return Ok(vec![self.model.state.next_token.read() as u32]);
+            }
         }
         let mut params = Vec::with_capacity(picks.len());
         let mut masks: Vec<Option<&[u32]>> = Vec::with_capacity(picks.len());
