@@ -168,7 +168,11 @@ impl BatchBackend for FakeBatch {
     fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError> {
         let h = self.rows[row];
         self.logits.fill(-30.0);
-        let first = if h.is_multiple_of(23) { EOS } else { 1000 + (h % 300) as u32 };
+        let first = if h.is_multiple_of(23) {
+            EOS
+        } else {
+            1000 + (h % 300) as u32
+        };
         self.logits[1000 + ((h >> 20) % 300) as usize] = 9.0;
         self.logits[first as usize] = 10.0;
         Ok(&self.logits)
