@@ -36,6 +36,7 @@
 #define GEMM_STAGES 4
 #define WROWS (GEMM_WARPS * 32)         // weight rows per block tile
 #define MOE_TILE_ROWS 64
+#define MOE_SMALL_TILE_ROWS 32
 
 static_assert(HIDDEN % KT == 0 && MOE_INTER % KT == 0, "products run over whole quantization groups");
 static_assert(MOE_INTER % (WROWS / 2) == 0, "a gate/up block takes 128 columns of gate and of up");
@@ -46,21 +47,30 @@ __device__ int gemm_stages = GEMM_STAGES;
 __device__ int moe_gate_up_col_blocks = MOE_INTER / (WROWS / 2);
 __device__ int moe_down_col_blocks = (HIDDEN + WROWS - 1) / WROWS;
 
-// BM activation rows x WROWS weight rows of NMAT matrices (gate/up: NMAT = 2, each warp 16 columns of each).
-template <int BM_, int NMAT_, int BITS_>
+// BM activation rows x WROWS weight rows of NMAT matrices (gate/up: NMAT = 2, each warp 16 columns of each),
+// GROUPS quantization groups (k steps of KT inputs) per pipeline stage, STAGES stages. A stage holds GROUPS
+// sub-stages of A (BM x 64 bf16 each) and of B (256 rows x 64 codes each), then the 256 rows' GROUPS scale/bias
+// pairs row by row; with GROUPS = 1 that is one k step's A tile, B tile and scale/bias pairs.
+template <int BM_, int NMAT_, int BITS_, int GROUPS_ = 1, int STAGES_ = GEMM_STAGES>
 struct Tile {
-    static constexpr int BM = BM_, NMAT = NMAT_, BITS = BITS_;
+    static constexpr int BM = BM_, NMAT = NMAT_, BITS = BITS_, GROUPS = GROUPS_, STAGES = STAGES_;
     static constexpr int MF = BM / 16;                      // m16 fragments, all in every warp
     static constexpr int WCOLS = 32 / NMAT;                 // output columns per warp
     static constexpr int BN = GEMM_WARPS * WCOLS;           // output columns per block
     static constexpr int B_CHUNKS = BITS / 2;               // 16-byte chunks of a row's 64 codes
     static constexpr int STEPS_PER_CHUNK = 4 / B_CHUNKS;    // k16 steps one chunk covers
-    static constexpr int A_BYTES = BM * KT * 2;
-    static constexpr int B_BYTES = WROWS * 16 * B_CHUNKS;
-    static constexpr int STAGE = A_BYTES + B_BYTES + WROWS * 4;
-    static constexpr int SMEM = GEMM_STAGES * STAGE;        // the host's shared_bytes() mirrors this
-    static constexpr int A_COPIES = BM * 8 / GEMM_THREADS;  // 16-byte A chunks a thread copies per stage
+    static constexpr int A_SUB = BM * KT * 2;
+    static constexpr int B_SUB = WROWS * 16 * B_CHUNKS;
+    static constexpr int A_BYTES = GROUPS * A_SUB;
+    static constexpr int B_BYTES = GROUPS * B_SUB;
+    static constexpr int STAGE = A_BYTES + B_BYTES + WROWS * 4 * GROUPS;
+    static constexpr int SMEM = STAGES * STAGE;             // the host's shared_bytes() mirrors this
+    static constexpr int A_COPIES = BM * 8 / GEMM_THREADS;  // 16-byte A chunks a thread copies per group
+    static constexpr int B_ROW_CHUNKS = GROUPS * B_CHUNKS;  // 16-byte chunks of a weight row per stage
+    static constexpr int B_COPIES = WROWS * B_ROW_CHUNKS / GEMM_THREADS;  // (GROUPS > 1) chunks a thread copies
     static_assert(BM % 16 == 0 && A_COPIES >= 1, "whole m16 fragments, every thread copies A");
+    static_assert(STAGES >= 2 && (GROUPS == 1 || GROUPS == 2 || GROUPS == 4), "a pipeline; 4, 8 or 16-byte copies");
+    static_assert(WROWS == GEMM_THREADS && GEMM_THREADS % B_ROW_CHUNKS == 0, "thread i copies row i's pairs");
 };
 
 // One weight row's source: its first packed word and scale/bias pair; `bytes` 16 to copy, 0 to zero-fill (a
@@ -90,6 +100,12 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes)
 }
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, u32 bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+// Copies `bytes` (SIZE or 0) of the SIZE (4, 8 or 16) at `src`, zero-filling the rest.
+template <int SIZE>
+__device__ __forceinline__ void cp_async_ca(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(SIZE), "r"(bytes)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int PENDING>
@@ -141,7 +157,7 @@ __device__ __forceinline__ float code_q8(u32 word, u32 sel) {
 }
 
 // The block's main loop: acc[mf][nf] += A rows 16 mf.. times the warp's weight rows 32 warp + 8 nf.., over
-// k_tiles steps whose stages `load` fills. FULL: every m16 fragment holds valid rows.
+// k_tiles stages (of GROUPS k steps each) that `load` fills. FULL: every m16 fragment holds valid rows.
 template <class T, bool FULL, class Load>
 __device__ __forceinline__ void k_loop(float (&acc)[T::MF][4][4], const unsigned char* smem, int k_tiles,
                                        int mf_active, Load load) {
@@ -159,59 +175,64 @@ __device__ __forceinline__ void k_loop(float (&acc)[T::MF][4][4], const unsigned
 
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; kt++) {
-        cp_async_wait<GEMM_STAGES - 2>();
-        __syncthreads();  // step kt has landed for every thread; step kt - 1's stage is free again
-        if (kt + GEMM_STAGES - 1 < k_tiles) load(kt + GEMM_STAGES - 1);
+        cp_async_wait<T::STAGES - 2>();
+        __syncthreads();  // stage kt has landed for every thread; stage kt - 1's buffer is free again
+        if (kt + T::STAGES - 1 < k_tiles) load(kt + T::STAGES - 1);
         cp_async_commit();
 
-        const int stage = kt % GEMM_STAGES;
-        const u32 a_stage = smem0 + stage * T::STAGE;
-        const unsigned char* b_stage = smem + stage * T::STAGE + T::A_BYTES;
-        const u32* sb_stage = (const u32*)(b_stage + T::B_BYTES);
-        u32 sb[4];
+        const int stage = kt % T::STAGES;
+        const u32* sb_stage = (const u32*)(smem + stage * T::STAGE + T::A_BYTES + T::B_BYTES);
 #pragma unroll
-        for (int nf = 0; nf < 4; nf++) sb[nf] = sb_stage[warp * 32 + nf * 8 + g];
+        for (int gi = 0; gi < T::GROUPS; gi++) {
+            const u32 a_stage = smem0 + stage * T::STAGE + gi * T::A_SUB;
+            const unsigned char* b_stage = smem + stage * T::STAGE + T::A_BYTES + gi * T::B_SUB;
+            u32 sb[4];
+#pragma unroll
+            for (int nf = 0; nf < 4; nf++) sb[nf] = sb_stage[(warp * 32 + nf * 8 + g) * T::GROUPS + gi];
 
 #pragma unroll
-        for (int c = 0; c < T::B_CHUNKS; c++) {
-            uint4 wv[4];
+            for (int c = 0; c < T::B_CHUNKS; c++) {
+                uint4 wv[4];
 #pragma unroll
-            for (int nf = 0; nf < 4; nf++)
-                wv[nf] = *(const uint4*)(b_stage + (warp * 32 + nf * 8 + g) * 16 * T::B_CHUNKS +
-                                         ((c ^ b_swizzle) << 4));
+                for (int nf = 0; nf < 4; nf++)
+                    wv[nf] = *(const uint4*)(b_stage + (warp * 32 + nf * 8 + g) * 16 * T::B_CHUNKS +
+                                             ((c ^ b_swizzle) << 4));
 #pragma unroll
-            for (int ss = 0; ss < T::STEPS_PER_CHUNK; ss++) {
-                const int s = c * T::STEPS_PER_CHUNK + ss;
-                // b[nf][0..1]: the fragment (k 2t, 2t+1 | k 2t+8, 2t+9); 8-bit adds the lo parts b[nf][2..3].
-                u32 b[4][T::BITS == 8 ? 4 : 2];
+                for (int ss = 0; ss < T::STEPS_PER_CHUNK; ss++) {
+                    const int s = c * T::STEPS_PER_CHUNK + ss;
+                    // b[nf][0..1]: the fragment (k 2t, 2t+1 | k 2t+8, 2t+9); 8-bit adds the lo parts b[nf][2..3].
+                    u32 b[4][T::BITS == 8 ? 4 : 2];
 #pragma unroll
-                for (int nf = 0; nf < 4; nf++) {
-                    if constexpr (T::BITS == 4) {
-                        const u32 scale2 = __byte_perm(sb[nf], sb[nf], 0x1010), bias2 = __byte_perm(sb[nf], sb[nf], 0x3232);
+                    for (int nf = 0; nf < 4; nf++) {
+                        if constexpr (T::BITS == 4) {
+                            const u32 scale2 = __byte_perm(sb[nf], sb[nf], 0x1010);
+                            const u32 bias2 = __byte_perm(sb[nf], sb[nf], 0x3232);
 #pragma unroll
-                        for (int h = 0; h < 2; h++) b[nf][h] = dequant_q4(word_of(wv[nf], 2 * ss + h), sel_q4, scale2, bias2);
-                    } else {
-                        const float2 f = pair_to_float2(sb[nf]);
+                            for (int h = 0; h < 2; h++)
+                                b[nf][h] = dequant_q4(word_of(wv[nf], 2 * ss + h), sel_q4, scale2, bias2);
+                        } else {
+                            const float2 f = pair_to_float2(sb[nf]);
 #pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u32 word = (t & 2) ? word_of(wv[nf], 2 * h + 1) : word_of(wv[nf], 2 * h);
-                            const float w0 = fmaf(code_q8(word, sel_q8), f.x, f.y);
-                            const float w1 = fmaf(code_q8(word, sel_q8 + 1), f.x, f.y);
-                            const u32 hi = pack_bf16x2(w0, w1);
-                            b[nf][h] = hi;
-                            b[nf][2 + h] = pack_bf16x2(w0 - __uint_as_float(hi << 16), w1 - __uint_as_float(hi & 0xffff0000u));
+                            for (int h = 0; h < 2; h++) {
+                                const u32 word = (t & 2) ? word_of(wv[nf], 2 * h + 1) : word_of(wv[nf], 2 * h);
+                                const float w0 = fmaf(code_q8(word, sel_q8), f.x, f.y);
+                                const float w1 = fmaf(code_q8(word, sel_q8 + 1), f.x, f.y);
+                                const u32 hi = pack_bf16x2(w0, w1);
+                                b[nf][h] = hi;
+                                b[nf][2 + h] = pack_bf16x2(w0 - __uint_as_float(hi << 16), w1 - __uint_as_float(hi & 0xffff0000u));
+                            }
                         }
                     }
-                }
 #pragma unroll
-                for (int mf = 0; mf < T::MF; mf++) {
-                    if (FULL || mf < mf_active) {
-                        u32 a[4];
-                        ldmatrix_x4(a, a_stage + (a_lane ^ (s << 5)) + mf * 16 * 128);
+                    for (int mf = 0; mf < T::MF; mf++) {
+                        if (FULL || mf < mf_active) {
+                            u32 a[4];
+                            ldmatrix_x4(a, a_stage + (a_lane ^ (s << 5)) + mf * 16 * 128);
 #pragma unroll
-                        for (int nf = 0; nf < 4; nf++) {
-                            mma_bf16(acc[mf][nf], a, b[nf][0], b[nf][1]);
-                            if constexpr (T::BITS == 8) mma_bf16(acc[mf][nf], a, b[nf][2], b[nf][3]);
+                            for (int nf = 0; nf < 4; nf++) {
+                                mma_bf16(acc[mf][nf], a, b[nf][0], b[nf][1]);
+                                if constexpr (T::BITS == 8) mma_bf16(acc[mf][nf], a, b[nf][2], b[nf][3]);
+                            }
                         }
                     }
                 }
@@ -241,24 +262,55 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
         a_bytes[i] = r < rows ? 16 : 0;
     }
     const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);
-    const WeightRow wr = w_row(lane / T::WCOLS, warp * T::WCOLS + lane % T::WCOLS);
+    // The weight row numbered 32 w + i in shared memory is warp w's row i: column w WCOLS + i % WCOLS of matrix
+    // i / WCOLS of the tile.
+    auto row_of = [&](int row) { return w_row((row % 32) / T::WCOLS, (row / 32) * T::WCOLS + (row % 32) % T::WCOLS); };
+    const WeightRow wr = row_of(tid);
     const u32 b_dst = T::A_BYTES + tid * 16 * T::B_CHUNKS;
     const int b_swizzle = (tid / (8 / T::B_CHUNKS)) % T::B_CHUNKS;
-    const u32 sb_dst = T::A_BYTES + T::B_BYTES + tid * 4;
+    const u32 sb_dst = T::A_BYTES + T::B_BYTES + tid * 4 * T::GROUPS;
+    // GROUPS > 1: a row's B_ROW_CHUNKS chunks of a stage lie together in memory, and consecutive threads copy
+    // consecutive chunks of a row (a warp copies 32 / B_ROW_CHUNKS whole row segments), chunk q of row r going
+    // to sub-stage q / B_CHUNKS, row r, chunk q % B_CHUNKS swizzled as above.
+    const int b_q = tid % T::B_ROW_CHUNKS;
+    const u32* b_src[T::GROUPS > 1 ? T::B_COPIES : 1];
+    u32 b_bytes[T::GROUPS > 1 ? T::B_COPIES : 1], b_to[T::GROUPS > 1 ? T::B_COPIES : 1];
+    if constexpr (T::GROUPS > 1) {
+#pragma unroll
+        for (int j = 0; j < T::B_COPIES; j++) {
+            const int row = tid / T::B_ROW_CHUNKS + j * (GEMM_THREADS / T::B_ROW_CHUNKS);
+            const WeightRow r = row_of(row);
+            const int sub = b_q / T::B_CHUNKS, c = b_q % T::B_CHUNKS;
+            const int swizzle = (row / (8 / T::B_CHUNKS)) % T::B_CHUNKS;
+            b_src[j] = r.packed + 4 * b_q;
+            b_bytes[j] = r.bytes;
+            b_to[j] = T::A_BYTES + sub * T::B_SUB + row * 16 * T::B_CHUNKS + ((c ^ swizzle) << 4);
+        }
+    }
     auto load = [&](int kt) {
-        const u32 stage = smem0 + (kt % GEMM_STAGES) * T::STAGE;
+        const u32 stage = smem0 + (kt % T::STAGES) * T::STAGE;
 #pragma unroll
-        for (int i = 0; i < T::A_COPIES; i++)
-            cp_async_16(stage + a_dst + i * (GEMM_THREADS / 8) * 128, a_src[i] + kt * KT, a_bytes[i]);
+        for (int gi = 0; gi < T::GROUPS; gi++)
 #pragma unroll
-        for (int c = 0; c < T::B_CHUNKS; c++)
-            cp_async_16(stage + b_dst + ((c ^ b_swizzle) << 4), wr.packed + kt * 2 * T::BITS + 4 * c, wr.bytes);
-        cp_async_4(stage + sb_dst, wr.scale_bias + kt, wr.bytes / 4);
+            for (int i = 0; i < T::A_COPIES; i++)
+                cp_async_16(stage + gi * T::A_SUB + a_dst + i * (GEMM_THREADS / 8) * 128,
+                            a_src[i] + (kt * T::GROUPS + gi) * KT, a_bytes[i]);
+        if constexpr (T::GROUPS == 1) {
+#pragma unroll
+            for (int c = 0; c < T::B_CHUNKS; c++)
+                cp_async_16(stage + b_dst + ((c ^ b_swizzle) << 4), wr.packed + kt * 2 * T::BITS + 4 * c, wr.bytes);
+            cp_async_4(stage + sb_dst, wr.scale_bias + kt, wr.bytes / 4);
+        } else {
+#pragma unroll
+            for (int j = 0; j < T::B_COPIES; j++)
+                cp_async_16(stage + b_to[j], b_src[j] + kt * T::GROUPS * 2 * T::BITS, b_bytes[j]);
+            cp_async_ca<4 * T::GROUPS>(stage + sb_dst, wr.scale_bias + kt * T::GROUPS, wr.bytes / 16 * 4 * T::GROUPS);
+        }
     };
 
-    const int k_tiles = k / KT;
+    const int k_tiles = k / (KT * T::GROUPS);
 #pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; s++) {
+    for (int s = 0; s < T::STAGES - 1; s++) {
         if (s < k_tiles) load(s);
         cp_async_commit();
     }
@@ -563,19 +615,41 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 }
 
 // Grouped expert products over the entries sorted by expert: block (column block, tile) takes one tile of
-// up to MOE_TILE_ROWS sorted entries of one expert.
+// up to T::BM sorted entries of one expert (the tile height the host sorted with).
+//
+// Two tilings. A long prompt has many entries per expert: 64-row tiles, one k step a stage, four stages (the
+// dense kernels' pipeline). A batched decode step or a short prompt has a few entries per expert (t tokens give
+// 8t / 256 on average), so the time goes into streaming each chosen expert's weights once: 32-row tiles (their
+// A tiles are small) and several quantization groups per stage, so a stage brings 64 or 128 contiguous bytes
+// of each weight row in coalesced copies and more bytes are in flight per block. The gate/up product (k = 2048)
+// takes 4 groups a stage in 2 stages, the down product (k = 512, 8 groups) 2 groups a stage in 4 stages; both
+// 104 KB of shared memory, two blocks an SM.
+typedef Tile<MOE_TILE_ROWS, 2, 4> MoeGateUp;
+typedef Tile<MOE_TILE_ROWS, 1, 4> MoeDown;
+// (Shapes whose k is not a whole number of such stages take 2 groups, or 1.)
+#define MOE_SMALL_GATE_UP_GROUPS (HIDDEN % (4 * KT) == 0 ? 4 : HIDDEN % (2 * KT) == 0 ? 2 : 1)
+#define MOE_SMALL_DOWN_GROUPS (MOE_INTER % (2 * KT) == 0 ? 2 : 1)
+typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, 8 / MOE_SMALL_GATE_UP_GROUPS> MoeGateUpSmall;
+typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, 4> MoeDownSmall;
+static_assert(HIDDEN % (KT * MoeGateUpSmall::GROUPS) == 0 && MOE_INTER % (KT * MoeDownSmall::GROUPS) == 0,
+              "whole stages");
+
+// Read by the host (src/kernels/gemm.rs): the small tiling's height and the shared memory of its two kernels.
+__device__ int moe_small_tile_rows = MOE_SMALL_TILE_ROWS;
+__device__ int moe_gate_up_small_smem = MoeGateUpSmall::SMEM;
+__device__ int moe_down_small_smem = MoeDownSmall::SMEM;
 
 // act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for sorted index i, token = entries[i] / TOP_K.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-                Q4 gate, Q4 up, bf16* act) {
-    typedef Tile<MOE_TILE_ROWS, 2, 4> T;
+template <class T>
+__device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entries, const int* tiles,
+                                                 const int* tile_count, const int* offsets, Q4 gate, Q4 up,
+                                                 bf16* act) {
     const int tile = blockIdx.y;
     if (tile >= *tile_count) return;
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int n0 = blockIdx.x * T::BN;
     run_tile<T>(
-        min(MOE_TILE_ROWS, offsets[expert + 1] - first), HIDDEN,
+        min(T::BM, offsets[expert + 1] - first), HIDDEN,
         [&](int r) { return x + (size_t)(entries[first + r] / TOP_K) * HIDDEN; },
         [&](int mat, int c) { return weight_row(mat ? up : gate, expert * MOE_INTER + n0 + c, true, HIDDEN, 4); },
         [&](int r, int c, float g0, float g1, float u0, float u1) {
@@ -583,17 +657,29 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
         });
 }
 
-// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of each tile.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-             const float* route_w, Q4 down, float* out) {
-    typedef Tile<MOE_TILE_ROWS, 1, 4> T;
+    moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                Q4 gate, Q4 up, bf16* act) {
+    moe_gate_up_tile<MoeGateUp>(x, entries, tiles, tile_count, offsets, gate, up, act);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_gate_up_small(const bf16* x, const int* entries, const int* tiles, const int* tile_count,
+                      const int* offsets, Q4 gate, Q4 up, bf16* act) {
+    moe_gate_up_tile<MoeGateUpSmall>(x, entries, tiles, tile_count, offsets, gate, up, act);
+}
+
+// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of each tile.
+template <class T>
+__device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entries, const int* tiles,
+                                              const int* tile_count, const int* offsets, const float* route_w,
+                                              Q4 down, float* out) {
     const int tile = blockIdx.y;
     if (tile >= *tile_count) return;
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int n0 = blockIdx.x * T::BN;
     run_tile<T>(
-        min(MOE_TILE_ROWS, offsets[expert + 1] - first), MOE_INTER,
+        min(T::BM, offsets[expert + 1] - first), MOE_INTER,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
         [&](int, int c) { return weight_row(down, expert * HIDDEN + n0 + c, n0 + c < HIDDEN, MOE_INTER, 4); },
         [&](int r, int c, float v0, float v1) {
@@ -603,4 +689,16 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
             const float weight = route_w[entry];
             *(float2*)(out + (size_t)entry * HIDDEN + col) = make_float2(weight * v0, weight * v1);
         });
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+             const float* route_w, Q4 down, float* out) {
+    moe_down_tile<MoeDown>(act, entries, tiles, tile_count, offsets, route_w, down, out);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_down_small(const bf16* act, const int* entries, const int* tiles, const int* tile_count,
+                   const int* offsets, const float* route_w, Q4 down, float* out) {
+    moe_down_tile<MoeDownSmall>(act, entries, tiles, tile_count, offsets, route_w, down, out);
 }

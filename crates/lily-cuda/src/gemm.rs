@@ -10,7 +10,9 @@
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles; there the dense products cut k into
 //! parts, one block per (tile, part), two blocks an SM, and the last part of each tile to finish sums the parts in
-//! order (see the split products in gemm.cu and [`Plan`]).
+//! order (see the split products in gemm.cu and [`Plan`]). The grouped products of up to 512 tokens (a few entries per expert) take
+//! 32-row tiles whose pipeline stages each hold several quantization groups (`moe_gate_up_small`,
+//! `moe_down_small`, their shared memory read from the kernels' constants); longer prompts take 64-row tiles.
 
 use half::bf16;
 use lily_model::Config;
@@ -195,31 +197,74 @@ pub(crate) fn gemm_swiglu_planned(
     launch(l, dims, a, m as i32, gate.q4(), up.q4(), n, k, out)
 }
 
-/// Tiles of the grouped expert products for `tokens` tokens at most: each expert's sorted entries in tiles of
-/// `moe_tile_rows`, so at most one partial tile per expert, and never more tiles than entries. The grouped
-/// products launch this many tile rows of blocks (those past the routing's tile count return at once), so a launch
-/// for few tokens sizes it by those tokens, not by the scratch's capacity.
-pub fn max_tiles(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
+/// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile,
+/// several quantization groups a pipeline stage): up to 16 entries per expert on average, so few experts fill
+/// more than one 32-row tile. Longer prompts take 64-row tiles.
+const MOE_SMALL_MAX_TOKENS: usize = 512;
+
+/// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`).
+pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
+    match tokens <= MOE_SMALL_MAX_TOKENS {
+        true => kernels.constant("moe_small_tile_rows"),
+        false => kernels.constant("moe_tile_rows"),
+    }
+}
+
+/// Tiles of the grouped expert products for a routing of `tokens` tokens in tiles of `tile_rows`: each expert's
+/// sorted entries in tiles of `tile_rows`, so at most one partial tile per expert, and never more tiles than
+/// entries. The grouped products launch this many tile rows of blocks (those past the routing's tile count return
+/// at once), so a launch for few tokens sizes it by those tokens, not by the scratch's capacity.
+pub fn max_tiles(config: &Config, tokens: usize, tile_rows: usize) -> usize {
     let entries = tokens * config.num_experts_per_tok;
-    (entries.div_ceil(kernels.constant("moe_tile_rows")) + config.num_experts).min(entries)
+    (entries.div_ceil(tile_rows) + config.num_experts).min(entries)
+}
+
+/// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (the
+/// small tiling at `MOE_SMALL_MAX_TOKENS` tokens can make more tiles than the large one just past it).
+pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
+    let small = tokens.min(MOE_SMALL_MAX_TOKENS);
+    let at = |t: usize| max_tiles(config, t, moe_tile_rows(kernels, t));
+    at(small).max(at(tokens))
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
 /// entry), `offsets` (i32 `[experts + 1]`, each expert's first sorted index), `tiles` (i32 `[max_tiles][2]`: an
-/// expert and its tile's first sorted index) and `tile_count` (i32: tiles in use).
+/// expert and its tile's first sorted index), `tile_count` (i32: tiles in use) and the tile height the sort used
+/// (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels.
 pub struct Sorted {
     pub entries: DevPtr<i32>,
     pub tiles: DevPtr<i32>,
     pub tile_count: DevPtr<i32>,
     pub offsets: DevPtr<i32>,
     pub max_tiles: usize,
+    pub tile_rows: usize,
 }
 
-/// Each grouped product's geometry: (column blocks, every possible tile), `gemm_stages` stages of `moe_tile_rows`
-/// rows.
-fn grouped_dims(l: &Launcher, col_blocks: &'static str, max_tiles: usize) -> Dims {
-    let grid = (l.kernels.constant(col_blocks) as u32, max_tiles as u32, 1);
-    Dims::new(grid, THREADS).shared(shared_bytes(l.kernels, l.kernels.constant("moe_tile_rows"), 4))
+impl Sorted {
+    /// Whether the tiles are the small tiling's.
+    fn small(&self, kernels: &Kernels) -> bool {
+        let (small, large) = (
+            kernels.constant("moe_small_tile_rows"),
+            kernels.constant("moe_tile_rows"),
+        );
+        assert!(
+            self.tile_rows == small || self.tile_rows == large,
+            "no grouped product takes {}-row tiles",
+            self.tile_rows
+        );
+        self.tile_rows == small
+    }
+}
+
+/// Each grouped product's geometry: (column blocks, every possible tile); the large tiling's blocks hold
+/// `gemm_stages` stages of `moe_tile_rows` rows, the small tiling's the shared memory its kernel states.
+fn grouped_dims(l: &Launcher, col_blocks: &'static str, s: &Sorted, small_smem: &'static str) -> Dims {
+    let grid = (l.kernels.constant(col_blocks) as u32, s.max_tiles as u32, 1);
+    let shared = match s.small(l.kernels) {
+        true => l.kernels.constant(small_smem) as u32,
+        false => shared_bytes(l.kernels, s.tile_rows, 4),
+    };
+    Dims::new(grid, THREADS).shared(shared)
 }
 
 /// `act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token]))` for every sorted entry i (token = entries[i] /
@@ -233,8 +278,12 @@ pub fn moe_gate_up(
     up: &GpuMatrix,
     act: DevPtr<bf16>,
 ) -> Result<()> {
-    let dims = grouped_dims(l, "moe_gate_up_col_blocks", s.max_tiles);
-    gemm::moe_gate_up(
+    let dims = grouped_dims(l, "moe_gate_up_col_blocks", s, "moe_gate_up_small_smem");
+    let launch = match s.small(l.kernels) {
+        true => gemm::moe_gate_up_small,
+        false => gemm::moe_gate_up,
+    };
+    launch(
         l,
         dims,
         x,
@@ -258,8 +307,12 @@ pub fn moe_down(
     down: &GpuMatrix,
     out: DevPtr<f32>,
 ) -> Result<()> {
-    let dims = grouped_dims(l, "moe_down_col_blocks", s.max_tiles);
-    gemm::moe_down(
+    let dims = grouped_dims(l, "moe_down_col_blocks", s, "moe_down_small_smem");
+    let launch = match s.small(l.kernels) {
+        true => gemm::moe_down_small,
+        false => gemm::moe_down,
+    };
+    launch(
         l,
         dims,
         act,

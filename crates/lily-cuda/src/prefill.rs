@@ -67,7 +67,7 @@ impl PrefillScratch {
         let (h, k) = (c.hidden_size, c.num_experts_per_tok);
         let proj_rows = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(2 * c.q_dim() + 2 * c.kv_dim());
-        let max_tiles = gemm::max_tiles(kernels, c, chunk);
+        let max_tiles = gemm::max_tiles_up_to(kernels, c, chunk);
         Ok(PrefillScratch {
             chunk,
             hidden: gpu.alloc(chunk * h)?,
@@ -97,12 +97,14 @@ impl PrefillScratch {
     /// The entries of `t` rows sorted by expert, as the grouped expert products take them (their grids cover the
     /// most tiles `t` rows can make, not the whole chunk's).
     fn sorted(&self, kernels: &Kernels, c: &Config, t: usize) -> gemm::Sorted {
+        let tile_rows = gemm::moe_tile_rows(kernels, t);
         gemm::Sorted {
             entries: self.entries.ptr(),
             tiles: self.tiles.ptr(),
             tile_count: self.tile_count.ptr(),
             offsets: self.offsets.ptr(),
-            max_tiles: gemm::max_tiles(kernels, c, t).min(self.max_tiles),
+            max_tiles: gemm::max_tiles(c, t, tile_rows).min(self.max_tiles),
+            tile_rows,
         }
     }
 }
@@ -214,7 +216,7 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.shared_w.ptr(),
         s.counts.ptr(),
     )?;
-    let tile_rows = l.kernels.constant("moe_tile_rows") as i32;
+    let tile_rows = gemm::moe_tile_rows(l.kernels, t) as i32;
     prefill::moe_sort(
         l,
         Dims::linear(c.num_experts as u32, 256),

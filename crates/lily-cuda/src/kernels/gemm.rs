@@ -19,6 +19,9 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_split_blocks",
         "gemm_split_tiles",
         "gemm_split_rows",
+        "moe_small_tile_rows",
+        "moe_gate_up_small_smem",
+        "moe_down_small_smem",
     ],
 };
 
@@ -46,8 +49,30 @@ launchers! {
         up: Q4,
         act: DevPtr<bf16>,
     );
+    /// `moe_gate_up` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
+    moe_gate_up_small(
+        x: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        gate: Q4,
+        up: Q4,
+        act: DevPtr<bf16>,
+    );
     /// The routed experts' down products, scaled by the routing weights, by entry.
     moe_down(
+        act: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        down: Q4,
+        out: DevPtr<f32>,
+    );
+    /// `moe_down` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
+    moe_down_small(
         act: DevPtr<bf16>,
         entries: DevPtr<i32>,
         tiles: DevPtr<i32>,

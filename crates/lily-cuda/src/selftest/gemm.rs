@@ -212,8 +212,15 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         up,
         down,
     };
+    // Both tilings at every token count: the small one (what up to 512 tokens take) and the large one.
+    let tilings = [
+        kernels.constant("moe_small_tile_rows"),
+        kernels.constant("moe_tile_rows"),
+    ];
     for tokens in [1, 3, 16, 300] {
-        check_moe(&mut l, config, &experts_q4, tokens, &mut rng, report)?;
+        for tile_rows in tilings {
+            check_moe(&mut l, config, &experts_q4, tokens, tile_rows, &mut rng, report)?;
+        }
     }
     gpu.sync()
 }
@@ -235,6 +242,7 @@ fn check_moe(
     config: &Config,
     m: &MoeMatrices,
     tokens: usize,
+    tile_rows: usize,
     rng: &mut Rng,
     report: &mut Report,
 ) -> Result<()> {
@@ -245,7 +253,6 @@ fn check_moe(
         config.num_experts,
         config.num_experts_per_tok,
     );
-    let tile_rows = l.kernels.constant("moe_tile_rows");
     let hot = [1, experts / 2, experts - 1];
     let mut expert_of = Vec::with_capacity(tokens * top_k);
     for _ in 0..tokens {
@@ -278,7 +285,7 @@ fn check_moe(
         );
     }
     let tile_count = tiles.len() / 2;
-    let max_tiles = max_tiles(l.kernels, config, tokens);
+    let max_tiles = max_tiles(config, tokens, tile_rows);
     // Slots past the count hold a tile that would overwrite rows of other experts, were it run.
     tiles.resize(max_tiles * 2, 0);
     for slot in tile_count..max_tiles {
@@ -294,6 +301,7 @@ fn check_moe(
         tile_count: count_buf.ptr(),
         offsets: offsets_buf.ptr(),
         max_tiles,
+        tile_rows,
     };
     let rows_of = |e: usize| {
         entries[offsets[e] as usize..offsets[e + 1] as usize]
@@ -325,7 +333,7 @@ fn check_moe(
             *d = silu(*g) * u;
         }
     }
-    let name = format!("moe_gate_up ({tokens} tokens, {tile_count} tiles, bf16 out)");
+    let name = format!("moe_gate_up ({tokens} tokens, {tile_count} tiles of {tile_rows}, bf16 out)");
     report.check(
         &name,
         rel_err(&download_bf16(gpu, &act, tokens * top_k * inter)?, &expected),
@@ -360,7 +368,7 @@ fn check_moe(
             }
         }
     }
-    let name = format!("moe_down ({tokens} tokens, {tile_count} tiles, weighted, by entry)");
+    let name = format!("moe_down ({tokens} tokens, {tile_count} tiles of {tile_rows}, weighted, by entry)");
     report.check(
         &name,
         rel_err(&download_f32(gpu, &out, tokens * top_k * h)?, &expected),

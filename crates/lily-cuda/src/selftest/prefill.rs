@@ -81,7 +81,7 @@ pub(crate) fn check(
     gpu.upload(s.router_logits.ptr(), &logits)?;
     poison(gpu, &s.route_w)?;
     poison(gpu, &s.entries)?;
-    let tile_rows = kernels.constant("moe_tile_rows");
+    let tile_rows = crate::gemm::moe_tile_rows(kernels, t);
     route_and_sort(l, c, &s, t)?;
     let (mut ids, mut weights) = (vec![0usize; t * k], vec![0.0f32; t * k]);
     for r in 0..t {
