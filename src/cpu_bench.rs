@@ -127,7 +127,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         threads
     };
-    let device = "cpu";
+    let device = format!("cpu ({})", lily_model::cpu::linalg::simd_path().name());
     for &n_threads in &threads {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(n_threads)

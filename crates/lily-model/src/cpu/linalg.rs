@@ -149,29 +149,39 @@ pub fn matvecs_of(x: &[f32], products: &mut [(QView, &mut [f32])]) {
     INPUTS.with(|inputs| *inputs.borrow_mut() = [x4, x8]);
 }
 
+/// [`qmatmul`] of one input with several matrices of the same width: for one token in one parallel region
+/// ([`matvecs_of`]), for several one product after another.
+pub fn qmatmuls(x: &[f32], products: &mut [(QView, &mut [f32])]) {
+    match products.first() {
+        Some((w, _)) if x.len() == w.cols => matvecs_of(x, products),
+        _ => products.iter_mut().for_each(|(w, out)| qmatmul(*w, x, out)),
+    }
+}
+
 /// `out[t][r] = sum_c w[r][c] * x[t][c]` for `t` in `0..x.len() / w.cols`.
 pub fn qmatmul(w: QView, x: &[f32], out: &mut [f32]) {
     if x.len() == w.cols {
         return matvecs_of(x, &mut [(w, out)]);
     }
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2, the only feature `qmatmul_avx2` is compiled for.
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA, the features `qmatmul_avx2` is compiled for.
         return unsafe { qmatmul_avx2(w, x, out) };
     }
-    qmatmul_portable(w, x, out)
+    qmatmul_portable::<false>(w, x, out)
 }
 
-/// The same code compiled for AVX2: the 4-bit unpacking (a word's 8 nibbles against 8 inputs) becomes one
-/// 8-lane shift, mask, convert and multiply-add.
+/// The same code compiled for AVX2 and FMA: the dot products become 8-lane fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn qmatmul_avx2(w: QView, x: &[f32], out: &mut [f32]) {
-    qmatmul_portable(w, x, out)
+    qmatmul_portable::<true>(w, x, out)
 }
 
+/// Several tokens: blocks of rows across threads, each row dequantized once into f32 and multiplied with every
+/// token, four tokens at a time (the row's values loaded once for the four).
 #[inline(always)]
-fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
+fn qmatmul_portable<const FMA: bool>(w: QView, x: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     assert!(x.len().is_multiple_of(cols));
     let tokens = x.len() / cols;
@@ -183,15 +193,76 @@ fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
         #[allow(clippy::redundant_locals)]
         let out_ptr = out_ptr;
         let mut row = vec![0.0f32; cols];
+        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
         for r in block * BLOCK..((block + 1) * BLOCK).min(rows) {
             w.dequantize_row(r, &mut row);
-            for t in 0..tokens {
-                let v = dot(&row, &x[t * cols..(t + 1) * cols]);
-                // SAFETY: each (t, r) is written by exactly one task; `out` outlives the parallel loop.
-                unsafe { *out_ptr.0.add(t * rows + r) = v };
+            let mut t = 0;
+            while t < tokens {
+                let n = if tokens - t >= 4 { 4 } else { 1 };
+                let v = if n == 4 {
+                    dot4::<FMA>(&row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)])
+                } else {
+                    [dot_with::<FMA>(&row, x_of(t)), 0.0, 0.0, 0.0]
+                };
+                for (k, value) in v[..n].iter().enumerate() {
+                    // SAFETY: each (t, r) is written by exactly one task; `out` outlives the parallel loop.
+                    unsafe { *out_ptr.0.add((t + k) * rows + r) = *value };
+                }
+                t += n;
             }
         }
     });
+}
+
+/// `acc + a * b`, fused where `FMA` (only inside functions compiled for FMA: elsewhere `mul_add` is a library
+/// call).
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, acc: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
+}
+
+/// Four dot products of `row` with four inputs of its length, in 8 lanes each.
+#[inline(always)]
+fn dot4<const FMA: bool>(row: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    let mut acc = [[0.0f32; 8]; 4];
+    let chunks = row.len() / 8;
+    for i in 0..chunks {
+        let r = &row[i * 8..i * 8 + 8];
+        for k in 0..4 {
+            let xk = &x[k][i * 8..i * 8 + 8];
+            for j in 0..8 {
+                acc[k][j] = madd::<FMA>(r[j], xk[j], acc[k][j]);
+            }
+        }
+    }
+    let mut total = [0.0f32; 4];
+    for k in 0..4 {
+        total[k] = acc[k].iter().sum();
+        for i in chunks * 8..row.len() {
+            total[k] = madd::<FMA>(row[i], x[k][i], total[k]);
+        }
+    }
+    total
+}
+
+#[inline(always)]
+fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for j in 0..8 {
+            acc[j] = madd::<FMA>(a[i * 8 + j], b[i * 8 + j], acc[j]);
+        }
+    }
+    let mut total: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        total = madd::<FMA>(a[i], b[i], total);
+    }
+    total
 }
 
 #[inline(always)]
