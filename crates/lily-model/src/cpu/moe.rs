@@ -329,7 +329,8 @@ mod tests {
                     assert!((a - b).abs() <= 1e-5 * scale, "token {t}: {a} vs {b}");
                 }
             }
-            assert_eq!(smallest, margin);
+            // The router's logits differ by f32 rounding between the two paths, and so may the margin.
+            assert!((smallest - margin).abs() <= 1e-5, "margin {smallest} vs {margin}");
         }
     }
 
