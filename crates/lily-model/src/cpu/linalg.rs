@@ -171,11 +171,12 @@ pub fn qmatmul(w: QView, x: &[f32], out: &mut [f32]) {
     qmatmul_portable::<false>(w, x, out)
 }
 
-/// The same code compiled for AVX2 and FMA: the dot products become 8-lane fused multiply-adds.
+/// The same code compiled for AVX2: the dot products become 8-lane multiplies and adds. (Fused multiply-adds need
+/// the feature inside rayon's closure too, where `mul_add` would otherwise be a library call: not yet.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn qmatmul_avx2(w: QView, x: &[f32], out: &mut [f32]) {
-    qmatmul_portable::<true>(w, x, out)
+    qmatmul_portable::<false>(w, x, out)
 }
 
 /// Several tokens: blocks of rows across threads, each row dequantized once into f32 and multiplied with every
