@@ -35,6 +35,19 @@ impl Shape {
             Shape::Full => Config::full_shape(),
         }
     }
+
+    /// The shape's configuration, cut to its first `layers` layers when given (`lily bench --layers`).
+    pub fn config_with_layers(self, layers: Option<usize>) -> Result<Config> {
+        let mut config = self.config();
+        if let Some(layers) = layers {
+            if layers == 0 || layers > config.num_hidden_layers {
+                bail!("--layers must be 1..={}", config.num_hidden_layers);
+            }
+            config.num_hidden_layers = layers;
+            config.layer_types.truncate(layers);
+        }
+        Ok(config)
+    }
 }
 
 fn progress_bar(message: String) -> indicatif::ProgressBar {
@@ -221,9 +234,18 @@ fn parse_list(s: &str) -> std::result::Result<List, String> {
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Weights generated on the GPU at this shape (no checkpoint needed).
+    /// Where to run: the GPU (`cuda`, the default) or the CPU backend (`cpu`: depths are filled by prefill).
+    #[arg(long, value_enum, default_value = "cuda")]
+    pub device: Device,
+    /// CPU only: thread counts to time (comma-separated; default: one thread per core).
+    #[arg(short = 't', long = "threads", value_parser = parse_list, default_value = "")]
+    pub threads: Vec<List>,
+    /// Weights generated at this shape (on the GPU, or in memory for the CPU; no checkpoint needed).
     #[arg(long, value_enum, conflicts_with = "model")]
     pub synthetic: Option<Shape>,
+    /// With --synthetic: keep only the first N layers of the shape (every matrix keeps its size).
+    #[arg(long, requires = "synthetic")]
+    pub layers: Option<usize>,
     /// Model directory (MLX 4-bit or HF bf16). Default: the bundled lily-tiny-shakespeare.
     #[arg(long, env = "LILY_MODEL")]
     pub model: Option<PathBuf>,
@@ -261,6 +283,11 @@ pub struct BenchArgs {
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
+    match args.device {
+        Device::Cpu => return crate::cpu_bench::run(args),
+        Device::Auto => bail!("lily bench needs --device cuda or --device cpu"),
+        Device::Cuda => {}
+    }
     let prompts: Vec<usize> = args.prompts.into_iter().flat_map(|l| l.0).collect();
     let depths: Vec<usize> = args.depths.into_iter().flat_map(|l| l.0).collect();
     if depths.is_empty() || args.repetitions == 0 {
@@ -281,8 +308,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let gpu = Gpu::open()?;
     let (model, model_name) = match args.synthetic {
         Some(shape) => {
-            let config = shape.config();
-            let name = format!("synthetic {shape:?} (4-bit, seed {})", args.seed).to_lowercase();
+            let config = shape.config_with_layers(args.layers)?;
+            let name = format!(
+                "synthetic {shape:?}, {} layers (4-bit, seed {})",
+                config.num_hidden_layers, args.seed
+            )
+            .to_lowercase();
             (
                 load(
                     gpu,

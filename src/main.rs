@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod chat;
+mod cpu_bench;
 mod cuda_cmd;
 mod generate;
 mod inspect;
@@ -33,7 +34,7 @@ enum Command {
     /// Check every CUDA kernel and the whole GPU model against the CPU backend (needs a GPU, except
     /// --compile-only).
     Selftest(cuda_cmd::SelftestArgs),
-    /// Measure GPU decode and prompt speed, llama-bench style.
+    /// Measure decode and prompt speed on the GPU or the CPU, llama-bench style.
     Bench(cuda_cmd::BenchArgs),
     /// Serve the OpenAI-compatible HTTP API (chat, completions, models, tokenize, metrics).
     Serve(serve::ServeCmd),

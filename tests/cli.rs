@@ -264,3 +264,18 @@ fn generate_defaults_to_the_shakespeare_model() {
     let text = ok(&["generate", "--max-tokens", "8", "--temperature", "0"]);
     assert!(text.starts_with("And in your city"), "{text:?}");
 }
+
+#[test]
+fn bench_on_the_cpu_prints_a_row_per_thread_count_and_test() {
+    let out = ok(&["bench", "--device", "cpu", "-p", "8", "-n", "4", "-r", "1", "-t", "1,2"]);
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("lily-tiny-shakespeare")).collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    for (row, (threads, test)) in rows.iter().zip([(1, "pp8"), (1, "tg4"), (2, "pp8"), (2, "tg4")]) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert_eq!((cells[3], cells[4]), (threads.to_string().as_str(), test), "{row}");
+        let speed: f64 = cells[6].split_whitespace().next().unwrap().parse().unwrap();
+        assert!(speed > 0.0, "{row}");
+    }
+    let err = fails(&["bench", "--device", "cpu", "-n", "4", "-r", "0"], "");
+    assert!(err.contains("repetition"), "{err}");
+}

@@ -1,9 +1,12 @@
 //! The CPU backend against Hugging Face transformers (`scripts/golden.py`): logits at every prompt position and
 //! greedy continuations, on the trained default model and on a synthetic tiny model; and decode against prefill.
+//! All of it on every SIMD path of the quantized products that the CPU has.
 
 use std::path::Path;
 use std::sync::OnceLock;
 
+use lily_model::cpu::linalg::{simd_path, SIMD_ENV};
+use lily_model::cpu::simd::Path as SimdPath;
 use lily_model::cpu::CpuModel;
 use lily_model::sampling::argmax;
 use lily_model::{default_model, synth, Config, Weights};
@@ -177,4 +180,55 @@ fn context_limit_is_an_error_not_a_panic() {
     assert!(model
         .prefill(&mut model.new_state(8), &[u32::MAX], &mut logits)
         .is_err());
+}
+
+/// The tests this file runs again under each SIMD path.
+const PER_PATH: [&str; 4] = [
+    "default_model_matches_transformers",
+    "synthetic_tiny_model_matches_transformers",
+    "decode_continues_prefill_exactly",
+    "the_simd_path_is_the_one_asked_for",
+];
+
+/// The path is chosen once per process, so each other path this CPU has runs the golden tests in a child process
+/// of this test binary with the path forced by the environment (the tests above run the fastest path here).
+#[test]
+fn golden_tests_pass_on_every_simd_path() {
+    if std::env::var_os(SIMD_ENV).is_some() {
+        // A child (or a run with the path forced by hand) checks its one path through the tests above.
+        return;
+    }
+    let others: Vec<SimdPath> = SimdPath::available()
+        .into_iter()
+        .filter(|&p| p != SimdPath::best())
+        .collect();
+    eprintln!(
+        "this process ran {}; children run {:?}",
+        SimdPath::best().name(),
+        others.iter().map(|p| p.name()).collect::<Vec<_>>()
+    );
+    for path in others {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(PER_PATH)
+            .args(["--exact", "--nocapture"])
+            .env(SIMD_ENV, path.name())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{} path:\n{text}", path.name());
+        assert!(
+            text.contains(&format!("{} passed", PER_PATH.len())),
+            "{} path ran other tests than expected:\n{text}",
+            path.name()
+        );
+        eprintln!("{} path: {} tests passed", path.name(), PER_PATH.len());
+    }
+}
+
+#[test]
+fn the_simd_path_is_the_one_asked_for() {
+    match std::env::var(SIMD_ENV) {
+        Ok(name) => assert_eq!(simd_path().name(), name, "{SIMD_ENV}={name}"),
+        Err(_) => assert_eq!(simd_path(), SimdPath::best()),
+    }
 }

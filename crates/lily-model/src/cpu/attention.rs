@@ -1,7 +1,15 @@
 //! Gated full attention on the CPU: partial NeoX RoPE and causal softmax attention of GQA query heads over the
 //! KV cache.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
+
+thread_local! {
+    /// Per thread, the scores of the query head it last attended with: reused so that a decode step allocates
+    /// nothing once a thread has seen the longest context.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Rotates the first `2 * inv_freq.len()` dims of one head in place: pairs (i, i + half).
 pub fn rope(head: &mut [f32], position: usize, inv_freq: &[f32]) {
@@ -35,7 +43,9 @@ pub fn attend(
         let kvh = h / group;
         let qh = &q[(t * heads + h) * head_dim..(t * heads + h + 1) * head_dim];
         let visible = start + t + 1;
-        let mut scores = Vec::with_capacity(visible);
+        // Taken out of the thread-local for the head (a nested use would start an empty one, not find it borrowed).
+        let mut scores = SCORES.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        scores.clear();
         let mut max = f32::NEG_INFINITY;
         for p in 0..visible {
             let k = &k_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
@@ -56,6 +66,7 @@ pub fn attend(
                 o[j] += w * v[j];
             }
         }
+        SCORES.with(|s| *s.borrow_mut() = scores);
     });
 }
 

@@ -3,11 +3,38 @@
 
 use rayon::prelude::*;
 
-use crate::config::GROUP_SIZE;
-use crate::quant::{group_sums, QView};
+use crate::quant::QView;
 
-/// Largest input width a matrix may have (bounds the stack buffer of group sums).
-const MAX_COLS: usize = 16384;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use super::simd::{self, Path, QInput, Rows};
+
+/// The environment variable that forces a SIMD path (`scalar`, `avx2`, `avx512`, `neon`) instead of the fastest one
+/// this CPU has.
+pub const SIMD_ENV: &str = "LILY_CPU_SIMD";
+
+/// The SIMD path of this process's quantized matrix-vector products: the one [`SIMD_ENV`] names when this CPU can
+/// run it, else the fastest available (a name this CPU cannot run is logged and ignored).
+pub fn simd_path() -> Path {
+    static PATH: OnceLock<Path> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        let Ok(name) = std::env::var(SIMD_ENV) else {
+            return Path::best();
+        };
+        match Path::from_name(name.trim()) {
+            Some(path) if path.is_available() => path,
+            Some(path) => {
+                tracing::warn!("{SIMD_ENV}={name}: this CPU cannot run the {} path", path.name());
+                Path::best()
+            }
+            None => {
+                tracing::warn!("{SIMD_ENV}={name}: not one of scalar, avx2, avx512, neon");
+                Path::best()
+            }
+        }
+    })
+}
 
 /// A raw output pointer shared by threads that write disjoint elements.
 #[derive(Clone, Copy)]
@@ -15,41 +42,151 @@ struct SharedOut(*mut f32);
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
+/// The packed bytes and bf16 bits of a view, as the SIMD kernels read them.
+fn rows_of<'a>(w: &QView<'a>) -> Rows<'a> {
+    Rows {
+        bits: w.bits,
+        cols: w.cols,
+        packed: bytemuck::cast_slice(w.packed),
+        scales: bytemuck::cast_slice(w.scales),
+        biases: bytemuck::cast_slice(w.biases),
+    }
+}
+
+/// One matrix-vector product of a batch run by [`matvecs`]: `out = w . x`, `x` quantized for `w`'s bits.
+pub struct MatVec<'a> {
+    pub w: QView<'a>,
+    pub x: &'a QInput,
+    pub out: &'a mut [f32],
+}
+
+impl MatVec<'_> {
+    /// A placeholder for unused entries of a fixed-size batch.
+    pub fn empty() -> MatVec<'static> {
+        static NONE: QInput = QInput::new();
+        MatVec {
+            w: QView {
+                rows: 0,
+                cols: 0,
+                bits: 4,
+                packed: &[],
+                scales: &[],
+                biases: &[],
+            },
+            x: &NONE,
+            out: &mut [],
+        }
+    }
+}
+
+/// Most products one parallel region takes; [`matvecs`] runs longer batches in parts.
+const MAX_BATCH: usize = 24;
+
+/// Runs every product of the batch in one parallel region, rows split into tasks across all threads (a batch's
+/// products are independent: e.g. the projections of one input, or the experts of one token).
+pub fn matvecs(products: &mut [MatVec]) {
+    if products.len() > MAX_BATCH {
+        let (head, tail) = products.split_at_mut(MAX_BATCH);
+        matvecs(head);
+        return matvecs(tail);
+    }
+    let path = simd_path();
+    let n = products.len();
+    let mut outs = [SharedOut(std::ptr::null_mut()); MAX_BATCH];
+    // Task boundaries: product p owns tasks first_task[p]..first_task[p + 1].
+    let mut first_task = [0usize; MAX_BATCH + 1];
+    let total_rows: usize = products.iter().map(|p| p.w.rows).sum();
+    let rows_per_task = total_rows.div_ceil(16 * rayon::current_num_threads()).clamp(8, 1024);
+    for (p, product) in products.iter_mut().enumerate() {
+        assert_eq!(product.out.len(), product.w.rows);
+        assert_eq!(product.x.bits(), product.w.bits);
+        assert_eq!(product.x.cols(), product.w.cols);
+        outs[p] = SharedOut(product.out.as_mut_ptr());
+        first_task[p + 1] = first_task[p] + product.w.rows.div_ceil(rows_per_task);
+    }
+    let products = &*products;
+    (0..first_task[n]).into_par_iter().for_each(|task| {
+        let p = (0..n).find(|&p| task < first_task[p + 1]).expect("task in range");
+        let product = &products[p];
+        let start = (task - first_task[p]) * rows_per_task;
+        let rows = rows_per_task.min(product.w.rows - start);
+        // SAFETY: tasks cover disjoint row ranges of each output, which outlives the parallel loop; the pointer
+        // is read through the whole array (which is Send) rather than captured as a bare pointer field.
+        let out = unsafe { std::slice::from_raw_parts_mut(outs[p].0.add(start), rows) };
+        simd::dot_rows(path, rows_of(&product.w.rows_view(start, rows)), product.x, out);
+    });
+}
+
+thread_local! {
+    /// Per thread, the last input quantized for 4-bit and for 8-bit matrices by [`matvecs_of`]: reused so that a
+    /// decode step allocates nothing.
+    static INPUTS: RefCell<[QInput; 2]> = const { RefCell::new([QInput::new(), QInput::new()]) };
+}
+
+/// `out_i = w_i . x` for several matrices of the same width, `x` quantized once per bit width, all in one parallel
+/// region.
+pub fn matvecs_of(x: &[f32], products: &mut [(QView, &mut [f32])]) {
+    // Taken out of the thread-local for the call, so that a nested call (none today) would quantize into fresh
+    // buffers rather than find these borrowed.
+    let [mut x4, mut x8] = INPUTS.with(|inputs| std::mem::take(&mut *inputs.borrow_mut()));
+    if products.iter().any(|(w, _)| w.bits == 4) {
+        x4.quantize(x, 4);
+    }
+    if products.iter().any(|(w, _)| w.bits == 8) {
+        x8.quantize(x, 8);
+    }
+    {
+        let mut batch: [MatVec; MAX_BATCH] = std::array::from_fn(|_| MatVec::empty());
+        for chunk in products.chunks_mut(MAX_BATCH) {
+            let n = chunk.len();
+            for (slot, (w, out)) in batch.iter_mut().zip(chunk.iter_mut()) {
+                let x = if w.bits == 4 { &x4 } else { &x8 };
+                *slot = MatVec { w: *w, x, out };
+            }
+            matvecs(&mut batch[..n]);
+        }
+    }
+    INPUTS.with(|inputs| *inputs.borrow_mut() = [x4, x8]);
+}
+
+/// [`qmatmul`] of one input with several matrices of the same width: for one token in one parallel region
+/// ([`matvecs_of`]), for several one product after another.
+pub fn qmatmuls(x: &[f32], products: &mut [(QView, &mut [f32])]) {
+    match products.first() {
+        Some((w, _)) if x.len() == w.cols => matvecs_of(x, products),
+        _ => products.iter_mut().for_each(|(w, out)| qmatmul(*w, x, out)),
+    }
+}
+
 /// `out[t][r] = sum_c w[r][c] * x[t][c]` for `t` in `0..x.len() / w.cols`.
 pub fn qmatmul(w: QView, x: &[f32], out: &mut [f32]) {
+    if x.len() == w.cols {
+        return matvecs_of(x, &mut [(w, out)]);
+    }
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2, the only feature `qmatmul_avx2` is compiled for.
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA, the features `qmatmul_avx2` is compiled for.
         return unsafe { qmatmul_avx2(w, x, out) };
     }
-    qmatmul_portable(w, x, out)
+    qmatmul_portable::<false>(w, x, out)
 }
 
-/// The same code compiled for AVX2: the 4-bit unpacking (a word's 8 nibbles against 8 inputs) becomes one
-/// 8-lane shift, mask, convert and multiply-add.
+/// The same code compiled for AVX2: the dot products become 8-lane multiplies and adds. (Fused multiply-adds need
+/// the feature inside rayon's closure too, where `mul_add` would otherwise be a library call: not yet.)
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn qmatmul_avx2(w: QView, x: &[f32], out: &mut [f32]) {
-    qmatmul_portable(w, x, out)
+    qmatmul_portable::<false>(w, x, out)
 }
 
+/// Several tokens: blocks of rows across threads, each row dequantized once into f32 and multiplied with every
+/// token, four tokens at a time (the row's values loaded once for the four).
 #[inline(always)]
-fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
+fn qmatmul_portable<const FMA: bool>(w: QView, x: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
-    assert!(cols <= MAX_COLS && x.len().is_multiple_of(cols));
+    assert!(x.len().is_multiple_of(cols));
     let tokens = x.len() / cols;
     assert_eq!(out.len(), tokens * rows);
-    let groups = cols / GROUP_SIZE;
-    if tokens == 1 {
-        let mut sums = [0.0f32; MAX_COLS / GROUP_SIZE];
-        group_sums(x, &mut sums[..groups]);
-        let sums = &sums[..groups];
-        out.par_iter_mut()
-            .enumerate()
-            .with_min_len(16)
-            .for_each(|(r, o)| *o = w.dot_row(r, x, sums));
-        return;
-    }
     const BLOCK: usize = 8;
     let out_ptr = SharedOut(out.as_mut_ptr());
     (0..rows.div_ceil(BLOCK)).into_par_iter().for_each(|block| {
@@ -57,15 +194,76 @@ fn qmatmul_portable(w: QView, x: &[f32], out: &mut [f32]) {
         #[allow(clippy::redundant_locals)]
         let out_ptr = out_ptr;
         let mut row = vec![0.0f32; cols];
+        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
         for r in block * BLOCK..((block + 1) * BLOCK).min(rows) {
             w.dequantize_row(r, &mut row);
-            for t in 0..tokens {
-                let v = dot(&row, &x[t * cols..(t + 1) * cols]);
-                // SAFETY: each (t, r) is written by exactly one task; `out` outlives the parallel loop.
-                unsafe { *out_ptr.0.add(t * rows + r) = v };
+            let mut t = 0;
+            while t < tokens {
+                let n = if tokens - t >= 4 { 4 } else { 1 };
+                let v = if n == 4 {
+                    dot4::<FMA>(&row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)])
+                } else {
+                    [dot_with::<FMA>(&row, x_of(t)), 0.0, 0.0, 0.0]
+                };
+                for (k, value) in v[..n].iter().enumerate() {
+                    // SAFETY: each (t, r) is written by exactly one task; `out` outlives the parallel loop.
+                    unsafe { *out_ptr.0.add((t + k) * rows + r) = *value };
+                }
+                t += n;
             }
         }
     });
+}
+
+/// `acc + a * b`, fused where `FMA` (only inside functions compiled for FMA: elsewhere `mul_add` is a library
+/// call).
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, acc: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
+}
+
+/// Four dot products of `row` with four inputs of its length, in 8 lanes each.
+#[inline(always)]
+fn dot4<const FMA: bool>(row: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    let mut acc = [[0.0f32; 8]; 4];
+    let chunks = row.len() / 8;
+    for i in 0..chunks {
+        let r = &row[i * 8..i * 8 + 8];
+        for k in 0..4 {
+            let xk = &x[k][i * 8..i * 8 + 8];
+            for j in 0..8 {
+                acc[k][j] = madd::<FMA>(r[j], xk[j], acc[k][j]);
+            }
+        }
+    }
+    let mut total = [0.0f32; 4];
+    for k in 0..4 {
+        total[k] = acc[k].iter().sum();
+        for i in chunks * 8..row.len() {
+            total[k] = madd::<FMA>(row[i], x[k][i], total[k]);
+        }
+    }
+    total
+}
+
+#[inline(always)]
+fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for j in 0..8 {
+            acc[j] = madd::<FMA>(a[i * 8 + j], b[i * 8 + j], acc[j]);
+        }
+    }
+    let mut total: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        total = madd::<FMA>(a[i], b[i], total);
+    }
+    total
 }
 
 #[inline(always)]
@@ -130,6 +328,7 @@ pub fn softplus(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::simd::{self, Path, QInput};
     use crate::quant::QMatrix;
     use crate::rng::Rng;
 
@@ -155,6 +354,56 @@ mod tests {
                             "{got} {reference}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// Every SIMD path this CPU has, on 4- and 8-bit rows, against the f64 product of the dequantized rows with the
+    /// unquantized input, within the bound the three-byte activations allow (a remainder of at most 1/131072 of a
+    /// group's step per input) plus f32 rounding; and against the scalar path, which computes the same integers.
+    #[test]
+    fn every_simd_path_matches_the_dequantized_product_within_the_activation_bound() {
+        let mut rng = Rng::new(11);
+        let (rows, cols) = (37, 320);
+        let paths = Path::available();
+        eprintln!("paths: {:?}", paths);
+        for bits in [4, 8] {
+            let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal()).collect();
+            let m = QMatrix::quantize(&w, rows, cols, bits);
+            let mut x: Vec<f32> = (0..cols).map(|_| rng.normal()).collect();
+            x[64..128].fill(0.0);
+            x[130] = 40.0;
+            x[200] = -1e-3;
+            let mut q = QInput::new();
+            q.quantize(&x, bits);
+            let mut reference = vec![0.0f32; rows];
+            simd::dot_rows(Path::Scalar, rows_of(&m.view()), &q, &mut reference);
+            let mut row = vec![0.0; cols];
+            for path in &paths {
+                let mut out = vec![f32::NAN; rows];
+                simd::dot_rows(*path, rows_of(&m.view()), &q, &mut out);
+                for r in 0..rows {
+                    m.view().dequantize_row(r, &mut row);
+                    let exact: f64 = (0..cols).map(|c| row[c] as f64 * x[c] as f64).sum();
+                    let magnitude: f64 = (0..cols).map(|c| (row[c] as f64 * x[c] as f64).abs()).sum();
+                    let bound: f64 = (0..cols)
+                        .map(|c| {
+                            let group = &x[c / 64 * 64..c / 64 * 64 + 64];
+                            let step = group.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                            row[c].abs() as f64 * step / 131072.0
+                        })
+                        .sum();
+                    let got = out[r] as f64;
+                    assert!(
+                        (got - exact).abs() <= bound + 1e-6 * magnitude,
+                        "{path:?} bits {bits} row {r}: {got} vs {exact} (bound {bound})"
+                    );
+                    let scalar = reference[r] as f64;
+                    assert!(
+                        (got - scalar).abs() <= 1e-6 * magnitude,
+                        "{path:?} bits {bits} row {r}: {got} vs scalar {scalar}"
+                    );
                 }
             }
         }

@@ -6,5 +6,6 @@ pub mod deltanet;
 pub mod linalg;
 pub mod model;
 pub mod moe;
+pub mod simd;
 
 pub use model::{CpuModel, State};

@@ -8,8 +8,8 @@ use rayon::prelude::*;
 
 use super::attention::{attend, rope};
 use super::deltanet::{self, conv_sequence, l2norm};
-use super::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
-use super::moe::moe_forward;
+use super::linalg::{qmatmul, qmatmuls, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
+use super::moe::{moe_decode, moe_forward, MoeScratch};
 pub use crate::backend::ForwardError;
 use crate::config::Config;
 use crate::weights::{Attention, GatedDeltaNet, Mixer, Weights};
@@ -54,6 +54,7 @@ struct Activations {
     keys: Vec<f32>,
     values: Vec<f32>,
     queries: Vec<f32>,
+    moe: MoeScratch,
 }
 
 impl State {
@@ -91,6 +92,7 @@ impl State {
                 keys: zeros(n * c.kv_dim()),
                 values: zeros(n * c.kv_dim()),
                 queries: zeros(n * c.q_dim()),
+                moe: MoeScratch::new(c),
             },
         }
     }
@@ -248,13 +250,12 @@ impl CpuModel {
                 c.rms_norm_eps,
                 &mut state.act.normed[..n * h],
             );
-            let margin = moe_forward(
-                &layer.moe,
-                c.num_experts,
-                c.num_experts_per_tok,
-                &state.act.normed[..n * h],
-                &mut state.act.moe_out[..n * h],
-            );
+            let act = &mut state.act;
+            let (x, out) = (&act.normed[..n * h], &mut act.moe_out[..n * h]);
+            let margin = match n {
+                1 => moe_decode(&layer.moe, c.num_experts, c.num_experts_per_tok, x, out, &mut act.moe),
+                _ => moe_forward(&layer.moe, c.num_experts, c.num_experts_per_tok, x, out),
+            };
             state.route_margin = state.route_margin.min(margin);
             add(&mut state.act.hidden[..n * h], &state.act.moe_out[..n * h]);
         }
@@ -279,10 +280,15 @@ impl CpuModel {
         let key_dim = c.linear_key_dim();
         let act = &mut state.act;
         let x = &act.normed[..n * h];
-        qmatmul(deltanet.in_proj_qkv.view(), x, &mut act.projected[..n * conv_dim]);
-        qmatmul(deltanet.in_proj_z.view(), x, &mut act.z[..n * nv * dv]);
-        qmatmul(deltanet.in_proj_b.view(), x, &mut act.beta[..n * nv]);
-        qmatmul(deltanet.in_proj_a.view(), x, &mut act.decay[..n * nv]);
+        qmatmuls(
+            x,
+            &mut [
+                (deltanet.in_proj_qkv.view(), &mut act.projected[..n * conv_dim]),
+                (deltanet.in_proj_z.view(), &mut act.z[..n * nv * dv]),
+                (deltanet.in_proj_b.view(), &mut act.beta[..n * nv]),
+                (deltanet.in_proj_a.view(), &mut act.decay[..n * nv]),
+            ],
+        );
         conv_sequence(
             &act.projected[..n * conv_dim],
             &mut state.conv[slot],
@@ -309,50 +315,56 @@ impl CpuModel {
         let heads_per_key = nv / nk;
         let core = &mut act.core[..n * nv * dv];
         let recurrent = &mut state.recurrent[slot];
+        let q_of = |t: usize, kh: usize| &conv_out[t * conv_dim + kh * dk..t * conv_dim + (kh + 1) * dk];
+        let k_of =
+            |t: usize, kh: usize| &conv_out[t * conv_dim + key_dim + kh * dk..t * conv_dim + key_dim + (kh + 1) * dk];
+        let v_of = |t: usize, head: usize| {
+            &conv_out[t * conv_dim + 2 * key_dim + head * dv..t * conv_dim + 2 * key_dim + (head + 1) * dv]
+        };
         // Each value head is independent: its own state block and its own column block of `core`.
-        let head_outputs: Vec<Vec<f32>> = recurrent
-            .par_chunks_mut(dk * dv)
-            .enumerate()
-            .map(|(head, s)| {
-                let kh = head / heads_per_key;
-                let q_of = |t: usize| &conv_out[t * conv_dim + kh * dk..t * conv_dim + (kh + 1) * dk];
-                let k_of =
-                    |t: usize| &conv_out[t * conv_dim + key_dim + kh * dk..t * conv_dim + key_dim + (kh + 1) * dk];
-                let v_of = |t: usize| {
-                    &conv_out[t * conv_dim + 2 * key_dim + head * dv..t * conv_dim + 2 * key_dim + (head + 1) * dv]
-                };
-                let mut out = vec![0.0; n * dv];
-                match pass {
-                    Pass::Decode => {
-                        for t in 0..n {
-                            let i = t * nv + head;
-                            deltanet::recurrent_step(
-                                q_of(t),
-                                k_of(t),
-                                v_of(t),
-                                decay[i],
-                                beta[i],
-                                s,
-                                &mut out[t * dv..(t + 1) * dv],
-                            );
-                        }
-                    }
-                    Pass::Prefill => {
-                        let q: Vec<f32> = (0..n).flat_map(|t| q_of(t).iter().copied()).collect();
-                        let k: Vec<f32> = (0..n).flat_map(|t| k_of(t).iter().copied()).collect();
-                        let v: Vec<f32> = (0..n).flat_map(|t| v_of(t).iter().copied()).collect();
+        match pass {
+            Pass::Decode => {
+                assert_eq!(n, 1, "a decode step runs one token");
+                // One token: each head writes its block of `core` in place.
+                recurrent
+                    .par_chunks_mut(dk * dv)
+                    .zip(core.par_chunks_mut(dv))
+                    .enumerate()
+                    .for_each(|(head, (s, out))| {
+                        let kh = head / heads_per_key;
+                        deltanet::recurrent_step(
+                            q_of(0, kh),
+                            k_of(0, kh),
+                            v_of(0, head),
+                            decay[head],
+                            beta[head],
+                            s,
+                            out,
+                        );
+                    });
+            }
+            Pass::Prefill => {
+                let head_outputs: Vec<Vec<f32>> = recurrent
+                    .par_chunks_mut(dk * dv)
+                    .enumerate()
+                    .map(|(head, s)| {
+                        let kh = head / heads_per_key;
+                        let q: Vec<f32> = (0..n).flat_map(|t| q_of(t, kh).iter().copied()).collect();
+                        let k: Vec<f32> = (0..n).flat_map(|t| k_of(t, kh).iter().copied()).collect();
+                        let v: Vec<f32> = (0..n).flat_map(|t| v_of(t, head).iter().copied()).collect();
                         let g: Vec<f32> = (0..n).map(|t| decay[t * nv + head]).collect();
                         let b: Vec<f32> = (0..n).map(|t| beta[t * nv + head]).collect();
+                        let mut out = vec![0.0; n * dv];
                         deltanet::chunked(&q, &k, &v, &g, &b, s, &mut out);
+                        out
+                    })
+                    .collect();
+                for (head, out) in head_outputs.iter().enumerate() {
+                    for t in 0..n {
+                        core[t * nv * dv + head * dv..t * nv * dv + (head + 1) * dv]
+                            .copy_from_slice(&out[t * dv..(t + 1) * dv]);
                     }
                 }
-                out
-            })
-            .collect();
-        for (head, out) in head_outputs.iter().enumerate() {
-            for t in 0..n {
-                core[t * nv * dv + head * dv..t * nv * dv + (head + 1) * dv]
-                    .copy_from_slice(&out[t * dv..(t + 1) * dv]);
             }
         }
         // Gated RMSNorm per value head: w * rmsnorm(o) * silu(z).
@@ -370,9 +382,14 @@ impl CpuModel {
         let start = state.position;
         let act = &mut state.act;
         let x = &act.normed[..n * h];
-        qmatmul(attn.q_proj.view(), x, &mut act.projected[..n * 2 * q_dim]);
-        qmatmul(attn.k_proj.view(), x, &mut act.keys[..n * kv_dim]);
-        qmatmul(attn.v_proj.view(), x, &mut act.values[..n * kv_dim]);
+        qmatmuls(
+            x,
+            &mut [
+                (attn.q_proj.view(), &mut act.projected[..n * 2 * q_dim]),
+                (attn.k_proj.view(), &mut act.keys[..n * kv_dim]),
+                (attn.v_proj.view(), &mut act.values[..n * kv_dim]),
+            ],
+        );
         for t in 0..n {
             let position = start + t;
             for head in 0..heads {
