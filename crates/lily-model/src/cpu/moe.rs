@@ -129,6 +129,7 @@ pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: 
 }
 
 /// Buffers of the one-token MoE ([`moe_decode`]), allocated once with the sequence state.
+#[derive(Clone)]
 pub struct MoeScratch {
     logits: Vec<f32>,
     chosen: Vec<usize>,

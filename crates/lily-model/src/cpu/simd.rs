@@ -79,7 +79,7 @@ impl Path {
 
 /// One activation vector quantized for the dot products (see the module comment), reused from product to product
 /// so that quantizing allocates nothing once it has held the widest vector.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct QInput {
     /// Bits of the matrices this layout is for: the order of the values inside a group follows the packing.
     bits: u32,
