@@ -360,8 +360,10 @@ def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
     lengths = [24, 40, 16, 32, 28, 20]
 
     def complete(i):
-        r = client.completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0)
-        return r.choices[0].text, r.usage.completion_tokens
+        r = client.completions.create(
+            model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0, logprobs=5
+        )
+        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].logprobs
 
     alone = [complete(i) for i in range(len(prompts))]
     # Twice over, in an order that differs from the one above, so that sequences join a running batch.
@@ -370,16 +372,23 @@ def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
         together = list(pool.map(complete, order))
     if health["device"].startswith("cpu"):
         for i, got in zip(order, together):
-            assert got == alone[i], (prompts[i], got, alone[i])
+            assert got[:2] == alone[i][:2], (prompts[i], got[:2], alone[i][:2])
     else:
         # On a GPU a sequence in a batch of many rows takes other (equally exact) arithmetic than alone: the
         # products sum in another order and round differently, so where two candidates' logits are within that
-        # rounding a later token may differ. Another sequence's tokens leaking in would change the text from its
-        # first tokens on, and most answers must still match whole.
+        # rounding the greedy choice may differ (on a random-weights model, often). Where an answer first differs
+        # from the one alone, the token chosen alone must be a near-tie of the one chosen in the batch; another
+        # sequence's state leaking in would give other candidates altogether.
         for i, got in zip(order, together):
-            assert got[0][:12] == alone[i][0][:12], (prompts[i], got, alone[i])
-        identical = sum(got == alone[i] for i, got in zip(order, together))
-        assert identical >= len(order) // 2, (identical, together, alone)
+            ours, theirs = got[2], alone[i][2]
+            at = next((j for j, (a, b) in enumerate(zip(ours.tokens, theirs.tokens)) if a != b), None)
+            if at is None:
+                assert got[:2] == alone[i][:2], (prompts[i], got[:2], alone[i][:2])
+                continue
+            top = ours.top_logprobs[at]
+            assert theirs.tokens[at] in top, (prompts[i], at, top, theirs.tokens[at])
+            gap = ours.token_logprobs[at] - top[theirs.tokens[at]]
+            assert gap < 0.05, (prompts[i], at, gap)
     # Seeded sampling too: the same seed draws the same tokens whatever runs beside it.
     def sampled(seed):
         r = client.chat.completions.create(
