@@ -374,11 +374,12 @@ def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
         for i, got in zip(order, together):
             assert got[:2] == alone[i][:2], (prompts[i], got[:2], alone[i][:2])
     else:
-        # On a GPU a sequence in a batch of many rows takes other (equally exact) arithmetic than alone: the
-        # products sum in another order and round differently, so where two candidates' logits are within that
-        # rounding the greedy choice may differ (on a random-weights model, often). Where an answer first differs
-        # from the one alone, the token chosen alone must be a near-tie of the one chosen in the batch; another
-        # sequence's state leaking in would give other candidates altogether.
+        # On a GPU a sequence alone runs the single-sequence step (f32 activations into the products) and in a
+        # batch of many rows the batched one (bf16 activations, sums split by the row count): logits agree within
+        # the end-to-end tolerance of `lily selftest` (5e-2 of the largest at the full shape, whose random 40
+        # layers amplify rounding), so the greedy choice may differ where two candidates are that close. Where an
+        # answer first differs from the one alone, the token chosen alone must be among the batched row's top five
+        # and within 1 nat of its choice; another sequence's state leaking in would give other candidates.
         for i, got in zip(order, together):
             ours, theirs = got[2], alone[i][2]
             at = next((j for j, (a, b) in enumerate(zip(ours.tokens, theirs.tokens)) if a != b), None)
@@ -388,7 +389,7 @@ def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
             top = ours.top_logprobs[at]
             assert theirs.tokens[at] in top, (prompts[i], at, top, theirs.tokens[at])
             gap = ours.token_logprobs[at] - top[theirs.tokens[at]]
-            assert gap < 0.05, (prompts[i], at, gap)
+            assert gap < 1.0, (prompts[i], at, gap)
     # Seeded sampling too: the same seed draws the same tokens whatever runs beside it.
     def sampled(seed):
         r = client.chat.completions.create(
