@@ -216,17 +216,33 @@ fn logits_vs_cpu(
         .iter()
         .map(|&n| (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect())
         .collect();
-    let mut worst = 0.0f64;
+    // Where the CPU's routing had a near-tie (its top-8 margin under ROUTING_NEAR_TIE), the GPU's bf16 activations
+    // may choose another expert and the logits part for a reason that is not an error: that sequence is compared
+    // up to there, as `compare_models` does.
+    let tol = 6e-2;
+    let (mut worst, mut stopped) = (0.0f64, vec![None; prompts.len()]);
+    let mut compare = |seq: usize, at: &str, err: f64, margin: f32, stopped: &mut Vec<Option<String>>| {
+        if stopped[seq].is_some() {
+            return;
+        }
+        if err > tol && margin < super::ROUTING_NEAR_TIE {
+            println!("     sequence {seq}: compared up to {at}: the CPU's routing had a near-tie (margin {margin:.1e}) and the logits were {err:.2e} apart");
+            stopped[seq] = Some(at.to_string());
+        } else {
+            worst = worst.max(err);
+        }
+    };
     let mut cpu_logits = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         backend.reserve(i, p.len() + 2).map_err(fe)?;
         backend.prefill(i, p).map_err(fe)?;
         cpu.prefill(p).map_err(fe)?;
-        worst = worst.max(rel_err(backend.logits(0).map_err(fe)?, cpu.logits().map_err(fe)?));
+        let err = rel_err(backend.logits(0).map_err(fe)?, cpu.logits().map_err(fe)?);
+        compare(i, "the prompt", err, cpu.route_margin(), &mut stopped);
         let mut row = Vec::new();
         for token in [7u32, 11] {
             cpu.decode(token).map_err(fe)?;
-            row.push(cpu.logits().map_err(fe)?.to_vec());
+            row.push((cpu.logits().map_err(fe)?.to_vec(), cpu.route_margin()));
         }
         cpu_logits.push(row);
     }
@@ -234,13 +250,15 @@ fn logits_vs_cpu(
         let rows: Vec<StepRow> = (0..prompts.len()).rev().map(|slot| StepRow { slot, token }).collect();
         backend.step(&rows).map_err(fe)?;
         for (row, r) in rows.iter().enumerate() {
-            worst = worst.max(rel_err(backend.logits(row).map_err(fe)?, &cpu_logits[r.slot][step]));
+            let (want, margin) = &cpu_logits[r.slot][step];
+            let err = rel_err(backend.logits(row).map_err(fe)?, want);
+            compare(r.slot, &format!("step {}", step + 1), err, *margin, &mut stopped);
         }
     }
     report.check(
         &format!("batched backend, {passes}: prefill, 2 steps of 3 rows vs CPU"),
         worst,
-        6e-2,
+        tol,
     );
 
     for slot in 0..prompts.len() {

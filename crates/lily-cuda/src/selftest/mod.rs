@@ -375,7 +375,7 @@ fn compare_golden(
 
 /// Where the CPU's routing came closer than this to choosing other experts (relative to the largest logit), the
 /// GPU, whose activations differ from the CPU's by about as much, may choose differently.
-const ROUTING_NEAR_TIE: f32 = 1e-3;
+pub(crate) const ROUTING_NEAR_TIE: f32 = 1e-3;
 
 /// The GPU prefill against the CPU on prompts that cross DeltaNet chunks (64) and prefill chunks: the logits after
 /// the prompt and after decode steps that continue from the prefill's state; the same prompt in chunks of 100
