@@ -14,6 +14,7 @@ use lily_model::weights::Mixer;
 use lily_model::{synth, Config, Weights};
 
 use crate::cuda_cmd::BenchArgs;
+use lily_cuda::bench::mean_std;
 
 /// Bytes of one quantized matrix (packed values, scales, biases).
 fn matrix_bytes(m: &QMatrix) -> usize {
@@ -57,17 +58,6 @@ fn bytes_per_token(model: &CpuModel, depth: usize) -> f64 {
     let state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
     bytes += c.num_linear_layers() * 2 * state;
     bytes as f64
-}
-
-fn mean_std(samples: &[f64]) -> (f64, f64) {
-    let n = samples.len() as f64;
-    let mean = samples.iter().sum::<f64>() / n;
-    let var = if samples.len() > 1 {
-        samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0)
-    } else {
-        0.0
-    };
-    (mean, var.sqrt())
 }
 
 fn random_tokens(rng: &mut Rng, vocab: usize, count: usize) -> Vec<u32> {

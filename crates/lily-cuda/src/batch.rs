@@ -588,15 +588,7 @@ impl BatchBackend for CudaBatchBackend {
                 continue;
             }
             let logits = self.logits(pick.row)?;
-            let token = match pick.allowed {
-                Some(allowed) => {
-                    row_copy.clear();
-                    row_copy.extend_from_slice(logits);
-                    pick.sampler.sample_masked(&mut row_copy, allowed)
-                }
-                None => pick.sampler.sample(logits),
-            };
-            tokens.push(token);
+            tokens.push(pick.sample_on_host(logits, &mut row_copy));
         }
         Ok(tokens)
     }

@@ -116,6 +116,20 @@ pub struct Pick<'a> {
     pub allowed: Option<&'a [u32]>,
 }
 
+impl Pick<'_> {
+    /// The pick's token drawn on the host from its row's `logits`; a mask is applied to a copy in `row_copy`.
+    pub fn sample_on_host(&mut self, logits: &[f32], row_copy: &mut Vec<f32>) -> u32 {
+        match self.allowed {
+            Some(allowed) => {
+                row_copy.clear();
+                row_copy.extend_from_slice(logits);
+                self.sampler.sample_masked(row_copy, allowed)
+            }
+            None => self.sampler.sample(logits),
+        }
+    }
+}
+
 /// The seam between the batching engine and a compute backend: many sequences resident at once, each in its own
 /// slot, advanced together one token per `step`, with prompts entering in chunks through `prefill`.
 ///
@@ -159,15 +173,7 @@ pub trait BatchBackend: Send {
         let mut row_copy = Vec::new();
         for pick in picks.iter_mut() {
             let logits = self.logits(pick.row)?;
-            let token = match pick.allowed {
-                Some(allowed) => {
-                    row_copy.clear();
-                    row_copy.extend_from_slice(logits);
-                    pick.sampler.sample_masked(&mut row_copy, allowed)
-                }
-                None => pick.sampler.sample(logits),
-            };
-            tokens.push(token);
+            tokens.push(pick.sample_on_host(logits, &mut row_copy));
         }
         Ok(tokens)
     }

@@ -222,8 +222,8 @@ impl BatchBackend for CpuBatchBackend {
 }
 
 /// Any single-sequence [`Backend`] as a [`BatchBackend`] of one slot, its context the whole pool: a step is one
-/// `decode`, a prefill continuing the slot is `Backend::extend`, and a pick without a mask is the backend's own
-/// `sample` (on a GPU, where the logits are).
+/// `decode`, a prefill continuing the slot is `Backend::extend`, and a pick is the backend's own `sample` or, with
+/// a mask, `sample_masked` (on a GPU, where the logits are).
 pub struct SingleSlot {
     backend: Box<dyn Backend>,
     reserved: usize,
@@ -343,10 +343,7 @@ impl BatchBackend for SingleSlot {
                 )));
             }
             let token = match pick.allowed {
-                Some(allowed) => {
-                    let mut row = self.backend.logits()?.to_vec();
-                    pick.sampler.sample_masked(&mut row, allowed)
-                }
+                Some(allowed) => self.backend.sample_masked(pick.sampler, allowed)?,
                 None => self.backend.sample(pick.sampler)?,
             };
             tokens.push(token);

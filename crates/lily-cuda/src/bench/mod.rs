@@ -103,7 +103,8 @@ pub fn bytes_per_token(model: &CudaModel, depth: usize) -> f64 {
     bytes as f64
 }
 
-pub(crate) fn mean_std(samples: &[f64]) -> (f64, f64) {
+/// The mean and the sample standard deviation of `samples` (0 for one sample).
+pub fn mean_std(samples: &[f64]) -> (f64, f64) {
     let n = samples.len() as f64;
     let mean = samples.iter().sum::<f64>() / n;
     let var = if samples.len() > 1 {
