@@ -183,7 +183,37 @@ pub trait BatchBackend: Send {
     }
     /// A short name for logs ("cpu", "cuda: NVIDIA H200").
     fn describe(&self) -> String;
+
+    /// Saves the state of the sequence in `slot` (all `len(slot)` tokens of it: the recurrent state as it is now
+    /// and the context of every position) as a snapshot that `restore` can start other sequences from; the
+    /// sequence in `slot` goes on unchanged. `Ok(None)` when the backend has no room for another snapshot (the
+    /// caller may drop one and try again) or keeps none, as this default.
+    fn snapshot(&mut self, slot: Slot) -> Result<Option<SnapshotId>, ForwardError> {
+        let _ = slot;
+        Ok(None)
+    }
+    /// Starts the empty `slot` as a copy of snapshot `id` (its `len(slot)` is the snapshot's length) and reserves
+    /// `tokens` positions for it, as `reserve` would. `Ok(false)`, with the slot still empty, when the pool lacks
+    /// the memory. Context that the snapshot and the slot share is shared, not copied, where the backend can.
+    fn restore(&mut self, id: SnapshotId, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
+        let _ = (slot, tokens);
+        Err(ForwardError::Device(format!(
+            "no snapshot {id}: this backend keeps none"
+        )))
+    }
+    /// Frees snapshot `id`: its recurrent state, and the context no sequence or other snapshot shares.
+    fn drop_snapshot(&mut self, id: SnapshotId) {
+        let _ = id;
+    }
+    /// Memory, in bytes, that the snapshots hold now and that no running sequence shares (what dropping every
+    /// snapshot would free).
+    fn snapshot_bytes(&self) -> usize {
+        0
+    }
 }
+
+/// A snapshot of one sequence's state held by a [`BatchBackend`] (see `BatchBackend::snapshot`).
+pub type SnapshotId = usize;
 
 /// The CPU backend with its preallocated state.
 pub struct CpuBackend {
