@@ -1,9 +1,11 @@
 //! [`BatchBackend`]s built on the single-sequence pieces: [`CpuBatchBackend`] keeps one CPU [`State`] per slot and
 //! runs a step's rows one after another; [`SingleSlot`] serves any [`Backend`] as a batch backend of one slot.
 
-use crate::backend::{Backend, BatchBackend, ForwardError, Pick, Slot, StepRow};
+use std::collections::HashMap;
+
+use crate::backend::{Backend, BatchBackend, ForwardError, Pick, Slot, SnapshotId, StepRow};
 use crate::config::Config;
-use crate::cpu::model::PREFILL_SLICE;
+use crate::cpu::model::{SavedState, PREFILL_SLICE};
 use crate::cpu::{CpuModel, State};
 
 /// The unit in which the CPU batch backend grants context: a slot's reservation is a multiple of it, as a GPU pool
@@ -14,11 +16,18 @@ pub const CPU_POOL_UNIT: usize = 64;
 /// reserved and dropped when it is released, with a KV cache as long as its reservation. The pool is a budget of
 /// context tokens shared by the slots; a step runs its rows one after another through `CpuModel::decode`, each
 /// row's logits kept for sampling.
+///
+/// Snapshots (for the prefix cache) are copies of a slot's state, held in host memory up to a budget of bytes set
+/// by [`CpuBatchBackend::with_snapshot_budget`] (none by default); they do not count against the pool.
 pub struct CpuBatchBackend {
     model: CpuModel,
     max_context: usize,
     pool_tokens: usize,
     slots: Vec<CpuSlot>,
+    snapshots: HashMap<SnapshotId, SavedState>,
+    next_snapshot: SnapshotId,
+    snapshot_budget: usize,
+    snapshot_used: usize,
     /// Output rows of the last `prefill` (row 0) or `step`, `[rows][vocab]`.
     logits: Vec<f32>,
     rows: usize,
@@ -62,10 +71,20 @@ impl CpuBatchBackend {
             max_context: max_context.min(pool_tokens),
             pool_tokens,
             slots: (0..max_seqs).map(|_| CpuSlot::default()).collect(),
+            snapshots: HashMap::new(),
+            next_snapshot: 0,
+            snapshot_budget: 0,
+            snapshot_used: 0,
             logits: Vec::new(),
             rows: 0,
             model,
         }
+    }
+
+    /// Lets snapshots hold up to `bytes` of host memory in all.
+    pub fn with_snapshot_budget(mut self, bytes: usize) -> CpuBatchBackend {
+        self.snapshot_budget = bytes;
+        self
     }
 
     pub fn model(&self) -> &CpuModel {
@@ -218,6 +237,47 @@ impl BatchBackend for CpuBatchBackend {
     }
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+    fn snapshot(&mut self, slot: Slot) -> Result<Option<SnapshotId>, ForwardError> {
+        let saved = match self.slot(slot)?.state.as_ref() {
+            Some(state) if state.position > 0 => state.save(),
+            _ => return Err(ForwardError::Device(format!("snapshot of the empty slot {slot}"))),
+        };
+        if self.snapshot_used + saved.bytes() > self.snapshot_budget {
+            return Ok(None);
+        }
+        let id = self.next_snapshot;
+        self.next_snapshot += 1;
+        self.snapshot_used += saved.bytes();
+        self.snapshots.insert(id, saved);
+        Ok(Some(id))
+    }
+    fn restore(&mut self, id: SnapshotId, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
+        let position = self
+            .snapshots
+            .get(&id)
+            .ok_or_else(|| ForwardError::Device(format!("no snapshot {id}")))?
+            .position;
+        if self.len(slot) != 0 {
+            return Err(ForwardError::Device(format!(
+                "restore into slot {slot}, which is not empty"
+            )));
+        }
+        if !self.reserve(slot, tokens.max(position))? {
+            return Ok(false);
+        }
+        let saved = &self.snapshots[&id];
+        let state = self.slots[slot].state.as_mut().expect("reserved above");
+        state.load(saved);
+        Ok(true)
+    }
+    fn drop_snapshot(&mut self, id: SnapshotId) {
+        if let Some(saved) = self.snapshots.remove(&id) {
+            self.snapshot_used -= saved.bytes();
+        }
+    }
+    fn snapshot_bytes(&self) -> usize {
+        self.snapshot_used
     }
 }
 
@@ -493,5 +553,50 @@ mod tests {
         assert!(single.fork(0, 0).is_err());
         single.release(0);
         assert_eq!(single.free_tokens(), 1024);
+    }
+
+    /// A sequence restored from a snapshot and continued gives the logits of one that prefilled everything, and
+    /// the snapshot survives its source going on, being released, and other sequences reusing the pool.
+    #[test]
+    fn a_restored_snapshot_continues_as_a_full_prefill() {
+        let model = tiny_model();
+        let vocab = model.config().vocab_size as u32;
+        let whole = prompt(230, 5, vocab);
+        let (shared, rest) = whole.split_at(150);
+        let mut batch = CpuBatchBackend::new(model, 1024, 3, 1024);
+        // No budget: no snapshot.
+        assert!(batch.reserve(0, 400).unwrap());
+        batch.prefill(0, shared).unwrap();
+        assert!(batch.snapshot(0).unwrap().is_none());
+        let mut batch = batch.with_snapshot_budget(1 << 30);
+        let id = batch.snapshot(0).unwrap().expect("room for one");
+        assert!(batch.snapshot_bytes() > 0);
+        // The source goes on with other tokens and is released: the snapshot is its own copy.
+        batch.prefill(0, &prompt(40, 9, vocab)).unwrap();
+        batch.release(0);
+        assert!(batch.restore(id, 1, whole.len() + 4).unwrap());
+        assert_eq!(batch.len(1), shared.len());
+        assert!(
+            batch.restore(id, 1, 8).is_err(),
+            "a slot in use cannot be restored into"
+        );
+        batch.prefill(1, rest).unwrap();
+        let restored = batch.logits(0).unwrap().to_vec();
+        assert!(batch.reserve(2, whole.len()).unwrap());
+        batch.prefill(2, &whole).unwrap();
+        let full = batch.logits(0).unwrap().to_vec();
+        let worst = full
+            .iter()
+            .zip(&restored)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "restored prefix differs from a full prefill by {worst}");
+        assert_eq!(crate::sampling::argmax(&full), crate::sampling::argmax(&restored));
+        // A restore the pool cannot hold is refused with the slot left empty.
+        assert!(!batch.restore(id, 0, 1024).unwrap());
+        assert_eq!(batch.len(0), 0);
+        batch.drop_snapshot(id);
+        assert_eq!(batch.snapshot_bytes(), 0);
+        assert!(batch.restore(id, 0, 200).is_err());
     }
 }

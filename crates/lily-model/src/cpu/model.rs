@@ -38,6 +38,28 @@ pub struct State {
     act: Activations,
 }
 
+/// A sequence's state without its buffers for the next step ([`State::save`]): what a prefix-cache snapshot keeps.
+#[derive(Clone)]
+pub struct SavedState {
+    pub position: usize,
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    conv: Vec<Vec<f32>>,
+    recurrent: Vec<Vec<f32>>,
+}
+
+impl SavedState {
+    /// Bytes of state it holds.
+    pub fn bytes(&self) -> usize {
+        let floats: usize = [&self.k_cache, &self.v_cache, &self.conv, &self.recurrent]
+            .iter()
+            .flat_map(|parts| parts.iter())
+            .map(Vec::len)
+            .sum();
+        floats * 4
+    }
+}
+
 /// Activation buffers for up to `PREFILL_SLICE` tokens.
 #[derive(Clone)]
 struct Activations {
@@ -107,6 +129,50 @@ impl State {
             cache.shrink_to_fit();
         }
         self.max_context = max_context;
+    }
+
+    /// A copy of the sequence: its keys and values up to `position` and its DeltaNet state (no activations).
+    pub fn save(&self) -> SavedState {
+        let kv = |caches: &[Vec<f32>]| -> Vec<Vec<f32>> {
+            caches
+                .iter()
+                .map(|cache| {
+                    let per_token = cache.len() / self.max_context.max(1);
+                    cache[..self.position * per_token].to_vec()
+                })
+                .collect()
+        };
+        SavedState {
+            position: self.position,
+            k_cache: kv(&self.k_cache),
+            v_cache: kv(&self.v_cache),
+            conv: self.conv.clone(),
+            recurrent: self.recurrent.clone(),
+        }
+    }
+
+    /// Replaces the sequence with `saved`, growing the KV cache to hold it if needed.
+    pub fn load(&mut self, saved: &SavedState) {
+        if self.max_context < saved.position {
+            self.set_max_context(saved.position);
+        }
+        for (cache, from) in self
+            .k_cache
+            .iter_mut()
+            .zip(&saved.k_cache)
+            .chain(self.v_cache.iter_mut().zip(&saved.v_cache))
+        {
+            cache[..from.len()].copy_from_slice(from);
+        }
+        for (state, from) in self
+            .conv
+            .iter_mut()
+            .zip(&saved.conv)
+            .chain(self.recurrent.iter_mut().zip(&saved.recurrent))
+        {
+            state.copy_from_slice(from);
+        }
+        self.position = saved.position;
     }
 
     /// Forgets the sequence (the buffers are kept).
