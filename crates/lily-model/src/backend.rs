@@ -210,6 +210,11 @@ pub trait BatchBackend: Send {
     fn snapshot_bytes(&self) -> usize {
         0
     }
+    /// Context, in tokens of the pool, that dropping every snapshot would return to it (what snapshots hold of the
+    /// pool that no running sequence shares).
+    fn snapshot_tokens(&self) -> usize {
+        0
+    }
 }
 
 /// A snapshot of one sequence's state held by a [`BatchBackend`] (see `BatchBackend::snapshot`).

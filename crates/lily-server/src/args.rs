@@ -90,6 +90,17 @@ pub struct ServeArgs {
     /// the running sequences' steps.
     #[arg(long, default_value_t = crate::engine::DEFAULT_MAX_PREFILL_TOKENS)]
     pub max_prefill_tokens: usize,
+    /// Turn the prefix cache off: every prompt is prefilled in full.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+    /// GiB of memory the prefix cache's snapshots may take. Default: on a GPU a tenth of the memory free after the
+    /// weights (the snapshots' context comes from the KV pool, taken back when new sequences need it); on the CPU 4.
+    #[arg(long)]
+    pub prefix_cache_gib: Option<f64>,
+    /// Tokens between the snapshots a long prompt's prefill takes for the prefix cache (0: only where messages end
+    /// and before the prompt's last token).
+    #[arg(long, default_value_t = crate::engine::DEFAULT_SNAPSHOT_INTERVAL)]
+    pub prefix_cache_interval: usize,
     /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,

@@ -517,6 +517,8 @@ pub struct ChatResponder {
     pub parallel_tool_calls: bool,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens taken from the prefix cache, over the choices finished so far.
+    pub cached_tokens: usize,
     /// Per choice: role sent, and logprobs not yet attached to a chunk.
     started: Vec<bool>,
     pending: Vec<Vec<ChatLogprobEntry>>,
@@ -539,6 +541,7 @@ impl ChatResponder {
             parallel_tool_calls: plan.parallel_tool_calls,
             prompt_tokens: plan.prompt_tokens,
             completion_tokens: 0,
+            cached_tokens: 0,
             started: vec![false; n],
             pending: vec![Vec::new(); n],
             all_logprobs: vec![Vec::new(); n],
@@ -620,7 +623,12 @@ impl ChatResponder {
                     }
                 }
             }
-            Event::Finished { index, output } => {
+            Event::Finished {
+                index,
+                output,
+                cached_tokens,
+            } => {
+                self.cached_tokens += cached_tokens;
                 self.start(index, &mut out);
                 for delta in output.deltas {
                     if let Some(d) = self.to_delta(delta) {
@@ -633,7 +641,7 @@ impl ChatResponder {
             Event::Done => {
                 let mut data: Vec<String> = out.iter().map(to_json).collect();
                 if self.include_usage {
-                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
                     data.push(to_json(&self.chunk(Vec::new(), Some(usage))));
                 }
                 data.push("[DONE]".into());
@@ -675,7 +683,12 @@ impl ChatResponder {
                 }
                 None
             }
-            Event::Finished { index, output } => {
+            Event::Finished {
+                index,
+                output,
+                cached_tokens,
+            } => {
+                self.cached_tokens += cached_tokens;
                 self.completion_tokens += output.completion_tokens;
                 self.outputs[index] = Some(output);
                 None
@@ -733,7 +746,7 @@ impl ChatResponder {
             created: self.created,
             model: self.model.clone(),
             choices,
-            usage: Usage::new(self.prompt_tokens, self.completion_tokens),
+            usage: Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
             system_fingerprint: None,
         }
     }

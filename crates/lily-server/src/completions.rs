@@ -202,6 +202,8 @@ pub struct CompletionResponder {
     logprobs: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Prompt tokens taken from the prefix cache, over the choices finished so far.
+    cached_tokens: usize,
     echo: Vec<Option<Arc<str>>>,
     started: Vec<bool>,
     /// Per choice: logprobs not yet sent (streaming) or all of them (not streaming), and the text length so far
@@ -224,6 +226,7 @@ impl CompletionResponder {
             logprobs: plan.logprobs,
             prompt_tokens: plan.prompt_tokens,
             completion_tokens: 0,
+            cached_tokens: 0,
             echo: plan.echo.clone(),
             started: vec![false; n],
             pending: vec![CompletionLogprobs::default(); n],
@@ -333,7 +336,12 @@ impl CompletionResponder {
                 let text = self.start_text(index);
                 out.push(self.text_chunk(index, text, None));
             }
-            Event::Finished { index, output } => {
+            Event::Finished {
+                index,
+                output,
+                cached_tokens,
+            } => {
+                self.cached_tokens += cached_tokens;
                 let mut text = self.start_text(index);
                 text.push_str(&content_of(output.deltas));
                 self.completion_tokens += output.completion_tokens;
@@ -342,7 +350,7 @@ impl CompletionResponder {
             Event::Done => {
                 let mut data: Vec<String> = out.iter().map(crate::chat::to_json).collect();
                 if self.include_usage {
-                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
                     data.push(crate::chat::to_json(&self.chunk(Vec::new(), Some(usage))));
                 }
                 data.push("[DONE]".into());
@@ -369,7 +377,12 @@ impl CompletionResponder {
                 self.add_prompt_logprobs(index, first_token, &logprobs);
                 None
             }
-            Event::Finished { index, output } => {
+            Event::Finished {
+                index,
+                output,
+                cached_tokens,
+            } => {
+                self.cached_tokens += cached_tokens;
                 self.completion_tokens += output.completion_tokens;
                 self.texts[index] = format!("{}{}", self.echo[index].as_deref().unwrap_or(""), output.content);
                 self.finish[index] = Some(output.finish_reason.as_str());
@@ -386,7 +399,11 @@ impl CompletionResponder {
                     })
                     .collect();
                 let mut completion = self.chunk(choices, None);
-                completion.usage = Some(Some(Usage::new(self.prompt_tokens, self.completion_tokens)));
+                completion.usage = Some(Some(Usage::new(
+                    self.prompt_tokens,
+                    self.completion_tokens,
+                    self.cached_tokens,
+                )));
                 Some(Ok(completion))
             }
         }

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
 use lily_model::sampling::{Sampler, SamplingParams};
-use lily_model::{BatchBackend, Pick, Slot, StepRow};
+use lily_model::{BatchBackend, ForwardError, Pick, Slot, SnapshotId, StepRow};
 use lily_structured::{Constraint, Grammar};
 use serde_json::Value as Json;
 use tokio::sync::mpsc::UnboundedSender;
@@ -27,6 +27,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::ApiError;
 use crate::logits::{self, History, Penalties, TokenLogprob};
 use crate::metrics::Metrics;
+use crate::prefix_cache::PrefixCache;
 
 /// How generated tokens become text.
 #[derive(Debug, Clone)]
@@ -106,8 +107,13 @@ pub enum Event {
         first_token: u32,
         logprobs: Vec<TokenLogprob>,
     },
-    /// A sequence ended; `output.deltas` is text held back until the end.
-    Finished { index: usize, output: FinalOutput },
+    /// A sequence ended; `output.deltas` is text held back until the end. `cached_tokens`: the prompt tokens it
+    /// took from the prefix cache instead of prefilling them (0 for a choice forked from another's prompt).
+    Finished {
+        index: usize,
+        output: FinalOutput,
+        cached_tokens: usize,
+    },
     /// The job failed or was cancelled by the server; no more events follow.
     Error(ApiError),
     /// All sequences finished.
@@ -288,18 +294,33 @@ pub struct EngineOptions {
     /// Prompt tokens one iteration may prefill (one chunk of one prompt), so that a long prompt arriving delays the
     /// running sequences' next tokens by one chunk's time at most.
     pub max_prefill_tokens: usize,
+    /// Reuse the state of prompts seen before (the prefix cache): snapshots of sequences are kept in the backend
+    /// and a new prompt starts from the longest one that begins it.
+    pub prefix_cache: bool,
+    /// A prompt is snapshotted every this many tokens (0: only where messages end and at the prompt's end).
+    pub snapshot_interval: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
+            prefix_cache: true,
+            snapshot_interval: DEFAULT_SNAPSHOT_INTERVAL,
         }
     }
 }
 
 /// The default of `--max-prefill-tokens`.
 pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 2048;
+
+/// The default of `--prefix-cache-interval`: the default prefill chunk, so that these snapshots cost no extra
+/// prefill call.
+pub const DEFAULT_SNAPSHOT_INTERVAL: usize = 2048;
+
+/// Snapshots one prompt's prefill takes at most (a snapshot of the full model's recurrent state is ~63 MB): the
+/// first message boundary (a shared system prompt and tools) and the longest points below the prompt's end.
+const MAX_SNAPSHOTS_PER_PROMPT: usize = 12;
 
 /// The continuous-batching scheduler: it owns the backend and its slots, and loops over iterations, each of which
 ///
@@ -311,6 +332,15 @@ pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 2048;
 /// 3. prefills one chunk (at most `max_prefill_tokens`) of the earliest admitted prompt,
 /// 4. runs one `step` over every sequence that has a token to append,
 /// 5. samples each sequence whose next-token logits are ready and sends its events.
+///
+/// The prefix cache: a sequence starts from the backend's snapshot of the longest prefix of its prompt that the
+/// cache holds (looked up at admission and again before each chunk, since a sequence admitted earlier may have
+/// cached a shared prefix meanwhile), and prefills only the rest. Its prefill stops to snapshot where a message
+/// of a rendered chat ends (before each `<|im_start|>`), every `snapshot_interval` tokens, and one token before
+/// the prompt's end (so that the same prompt again reuses all of it but the token whose logits it needs); a
+/// finished sequence is snapshotted as it ends (prompt and reply, for an agent's next turn that extends it). When
+/// the backend lacks memory for a sequence or a snapshot, the least recently used snapshots are dropped; a running
+/// sequence never depends on one (the backend shares or copies what it restored).
 pub struct Engine {
     backend: Box<dyn BatchBackend>,
     tokenizer: Arc<Tokenizer>,
@@ -335,6 +365,10 @@ pub struct Engine {
     scratch: Vec<f32>,
     /// The copy that a constrained sequence masks, when `scratch` must stay whole for logprobs.
     masked: Vec<f32>,
+    /// The snapshots the backend holds for reuse (none when the prefix cache is off).
+    cache: PrefixCache,
+    /// `<|im_start|>`, which begins every message of a rendered chat.
+    message_start: Option<u32>,
 }
 
 /// A job the engine works on.
@@ -368,6 +402,14 @@ struct Seq {
     spec: SequenceSpec,
     order: u64,
     phase: Phase,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
+    /// Prompt lengths, ascending, at which the prefill stops to snapshot the sequence for the prefix cache.
+    snapshot_at: Vec<usize>,
+    /// Whether it is snapshotted when it finishes (a sequence that prefilled its prompt itself, with the cache on).
+    snapshot_end: bool,
+    /// The tokens it generated (the last one is not in the slot yet).
+    generated: Vec<u32>,
     output: OutputStream,
     sampler: Sampler,
     history: History,
@@ -394,6 +436,7 @@ impl Engine {
         options: EngineOptions,
     ) -> Engine {
         let eos = backend.config().eos_token_ids.clone();
+        let message_start = tokenizer.token_to_id("<|im_start|>");
         // Built with every slot empty, so the pool's free tokens are all it holds.
         let fits = backend.max_context().min(backend.free_tokens());
         let slots = (0..backend.max_seqs()).map(|_| None).collect();
@@ -406,6 +449,7 @@ impl Engine {
             shared,
             options: EngineOptions {
                 max_prefill_tokens: options.max_prefill_tokens.max(1),
+                ..options
             },
             fits,
             jobs: HashMap::new(),
@@ -416,6 +460,8 @@ impl Engine {
             step_start: 0,
             scratch: Vec::new(),
             masked: Vec::new(),
+            cache: PrefixCache::new(),
+            message_start,
         }
     }
 
@@ -548,14 +594,19 @@ impl Engine {
                         && lead.spec.request.prompt_logprobs == spec.request.prompt_logprobs
                 })
             });
-            match self.backend.reserve(slot, spec.work()) {
-                Ok(true) => {}
-                Ok(false) => return false,
+            let (prompt, work, caches) = (spec.prompt.clone(), spec.work(), self.caches(spec));
+            let cached = match follows {
+                None if caches => self.cache.lookup(&prompt, prompt.len() - 1),
+                _ => None,
+            };
+            let restored = match self.take_room(slot, work, cached) {
+                Ok(Some(restored)) => restored,
+                Ok(None) => return false,
                 Err(e) => {
                     self.fail_job(id, forward_error(e));
                     return true;
                 }
-            }
+            };
             let spec = self
                 .jobs
                 .get_mut(&id)
@@ -563,14 +614,124 @@ impl Engine {
                 .expect("the sequence just looked at");
             let phase = match follows {
                 Some(leader) => Phase::Follow { leader },
-                None => Phase::Prefill { done: 0 },
+                None => Phase::Prefill { done: restored },
             };
-            let seq = self.new_seq(id, spec, phase);
+            let mut seq = self.new_seq(id, spec, phase);
+            seq.cached = restored;
+            if follows.is_none() && self.caches(&seq.spec) {
+                seq.snapshot_at = self.snapshot_points(&seq.spec.prompt);
+                seq.snapshot_end = true;
+            }
             self.slots[slot] = Some(seq);
             if follows.is_none() {
                 leader = Some(slot);
             }
         }
+    }
+
+    /// Whether the sequence uses the prefix cache: not when it asks for its prompt's logprobs, which need every
+    /// position's logits.
+    fn caches(&self, spec: &SequenceSpec) -> bool {
+        self.options.prefix_cache && spec.request.prompt_logprobs.is_none() && !spec.prompt.is_empty()
+    }
+
+    /// Where a prefill of `prompt` stops to snapshot: before each message of a rendered chat (the first such
+    /// boundary and the latest ones), every `snapshot_interval` tokens, and one token before its end; at most
+    /// `MAX_SNAPSHOTS_PER_PROMPT`, ascending.
+    fn snapshot_points(&self, prompt: &[u32]) -> Vec<usize> {
+        let n = prompt.len();
+        if n < 2 {
+            return Vec::new();
+        }
+        let boundaries: Vec<usize> = match self.message_start {
+            Some(start) => (1..n).filter(|&i| prompt[i] == start).collect(),
+            None => Vec::new(),
+        };
+        let first = boundaries.first().copied();
+        let mut points = boundaries;
+        if self.options.snapshot_interval > 0 {
+            points.extend((1..n).filter(|i| i % self.options.snapshot_interval == 0));
+        }
+        points.push(n - 1);
+        points.sort_unstable();
+        points.dedup();
+        if points.len() > MAX_SNAPSHOTS_PER_PROMPT {
+            let latest = points.split_off(points.len() - (MAX_SNAPSHOTS_PER_PROMPT - 1));
+            points = first.into_iter().chain(latest).collect();
+            points.dedup();
+        }
+        points
+    }
+
+    /// Gives the empty `slot` room for `tokens` positions, starting it from snapshot `from` (its id and length)
+    /// when given. Returns the tokens the slot holds then (the snapshot's length, or 0), or `None` when the pool
+    /// lacks the room. When dropping cached snapshots can make the room, the least recently used go first.
+    fn take_room(
+        &mut self,
+        slot: Slot,
+        tokens: usize,
+        from: Option<(SnapshotId, usize)>,
+    ) -> Result<Option<usize>, ForwardError> {
+        let mut from = from;
+        let mut evicting = false;
+        loop {
+            let done = match from {
+                Some((id, len)) => self.backend.restore(id, slot, tokens)?.then_some(len),
+                None => self.backend.reserve(slot, tokens)?.then_some(0),
+            };
+            if done.is_some() {
+                return Ok(done);
+            }
+            // Dropping snapshots only helps when what they hold, with what is free, covers the request; otherwise
+            // the sequence waits for running ones to finish, and the cache stays.
+            if !evicting && self.backend.free_tokens() + self.backend.snapshot_tokens() < tokens {
+                return Ok(None);
+            }
+            evicting = true;
+            let Some(victim) = self.cache.evict() else {
+                return Ok(None);
+            };
+            if from.is_some_and(|(id, _)| id == victim) {
+                from = None;
+            }
+            self.backend.drop_snapshot(victim);
+            self.shared.metrics.prefix_cache_evictions.increment(1);
+            self.cache_gauges();
+        }
+    }
+
+    /// Snapshots the sequence in `slot`, whose tokens so far are `tokens`, into the prefix cache unless an equal
+    /// one is there; drops the least recently used snapshots while the backend has no room for it.
+    fn save_snapshot(&mut self, slot: Slot, tokens: &[u32]) {
+        if tokens.is_empty() || self.cache.contains(tokens) {
+            return;
+        }
+        loop {
+            match self.backend.snapshot(slot) {
+                Ok(Some(id)) => {
+                    self.cache.insert(id, tokens);
+                    break;
+                }
+                Ok(None) => {
+                    let Some(victim) = self.cache.evict() else {
+                        break;
+                    };
+                    self.backend.drop_snapshot(victim);
+                    self.shared.metrics.prefix_cache_evictions.increment(1);
+                }
+                Err(e) => {
+                    tracing::warn!("prefix cache: snapshot failed: {e}");
+                    break;
+                }
+            }
+        }
+        self.cache_gauges();
+    }
+
+    fn cache_gauges(&self) {
+        let m = &self.shared.metrics;
+        m.prefix_cache_snapshots.set(self.cache.len() as f64);
+        m.prefix_cache_bytes.set(self.backend.snapshot_bytes() as f64);
     }
 
     fn new_seq(&mut self, job: u64, spec: SequenceSpec, phase: Phase) -> Seq {
@@ -604,6 +765,10 @@ impl Engine {
             job,
             order,
             phase,
+            cached: 0,
+            snapshot_at: Vec::new(),
+            snapshot_end: false,
+            generated: Vec::new(),
             output,
             sampler: Sampler::new(spec.sampling.clone()),
             history: History::new(&spec.prompt, &request.penalties),
@@ -630,12 +795,24 @@ impl Engine {
             return false;
         };
         let seq = self.slots[slot].as_ref().expect("chosen above");
-        let Phase::Prefill { done } = seq.phase else {
+        let Phase::Prefill { mut done } = seq.phase else {
             unreachable!("chosen for its phase")
         };
         let prompt = seq.spec.prompt.clone();
         let echo = seq.spec.request.prompt_logprobs;
         let job = seq.job;
+        if seq.snapshot_end {
+            // A sequence admitted earlier may have cached more of this prompt since: start from there instead.
+            match self.catch_up(slot, done) {
+                Ok(restored) => done = restored,
+                Err(e) => {
+                    self.fail_job(job, forward_error(e));
+                    return true;
+                }
+            }
+        }
+        let seq = self.slots[slot].as_ref().expect("chosen above");
+        let next_snapshot = seq.snapshot_at.iter().copied().find(|&p| p > done);
         // A prompt whose logprobs are asked for enters one token at a time (its first token here, the others in
         // steps), so that every position's logits come out of the forward pass that generation uses.
         let end = match echo {
@@ -643,11 +820,15 @@ impl Engine {
             None => prompt
                 .len()
                 .min(done + self.options.max_prefill_tokens)
-                .min(done + self.backend.max_prefill_tokens().max(1)),
+                .min(done + self.backend.max_prefill_tokens().max(1))
+                .min(next_snapshot.unwrap_or(usize::MAX)),
         };
         if let Err(e) = self.backend.prefill(slot, &prompt[done..end]) {
             self.fail_job(job, forward_error(e));
             return true;
+        }
+        if next_snapshot == Some(end) {
+            self.save_snapshot(slot, &prompt[..end]);
         }
         match echo {
             Some(top) if prompt.len() > 1 => {
@@ -676,6 +857,35 @@ impl Engine {
         true
     }
 
+    /// Restarts the sequence in `slot`, whose first `done` prompt tokens are in, from the prefix cache's snapshot of
+    /// a longer prefix of its prompt when there is one. Returns the prompt tokens in the slot then.
+    fn catch_up(&mut self, slot: Slot, done: usize) -> Result<usize, ForwardError> {
+        let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
+        let prompt = seq.spec.prompt.clone();
+        let work = seq.spec.work();
+        let Some((id, len)) = self
+            .cache
+            .lookup(&prompt, prompt.len() - 1)
+            .filter(|&(_, len)| len > done)
+        else {
+            return Ok(done);
+        };
+        // Its reservation covers the whole sequence, more than a restore needs, so giving it back first makes room.
+        self.backend.release(slot);
+        let restored = match self.take_room(slot, work, Some((id, len)))? {
+            Some(restored) => restored,
+            None => {
+                return Err(ForwardError::Device(
+                    "the pool could not hold a sequence it held before".into(),
+                ))
+            }
+        };
+        let seq = self.slots[slot].as_mut().expect("a sequence in prefill");
+        seq.cached = restored;
+        seq.phase = Phase::Prefill { done: restored };
+        Ok(restored)
+    }
+
     /// The prompt of the sequence in `slot` is in, its next-token logits in output `row`: counts it, sends its
     /// prompt logprobs (`entries`) where asked, and forks it into its followers' slots. Returns the sequences to
     /// sample from `row`: it and its followers (none when the job failed).
@@ -696,10 +906,18 @@ impl Engine {
         let mut ready = Vec::with_capacity(followers.len() + 1);
         for s in std::iter::once(slot).chain(followers) {
             let seq = self.slots[s].as_ref().expect("a sequence whose prompt is in");
-            self.shared
-                .metrics
-                .prompt_tokens
-                .increment(seq.spec.prompt.len() as u64);
+            let metrics = &self.shared.metrics;
+            metrics.prompt_tokens.increment(seq.spec.prompt.len() as u64);
+            if seq.snapshot_end {
+                metrics.prefix_cache_queries.increment(1);
+                metrics
+                    .prefix_cache_query_tokens
+                    .increment(seq.spec.prompt.len() as u64);
+                if seq.cached > 0 {
+                    metrics.prefix_cache_hits.increment(1);
+                    metrics.prefix_cache_hit_tokens.increment(seq.cached as u64);
+                }
+            }
             if seq.spec.request.prompt_logprobs.is_some() {
                 let event = Event::PromptLogprobs {
                     index: seq.spec.index,
@@ -945,6 +1163,9 @@ impl Engine {
             }
         }
         seq.history.push(token);
+        if seq.snapshot_end {
+            seq.generated.push(token);
+        }
         let deltas = match seq.output.push_token(token) {
             Ok(deltas) => deltas,
             Err(e) => {
@@ -972,12 +1193,33 @@ impl Engine {
         let Some(seq) = self.slots[slot].take() else {
             return;
         };
+        if seq.snapshot_end {
+            // The slot holds the prompt and every generated token but the last.
+            let held = self.backend.len(slot);
+            let tokens: Vec<u32> = seq
+                .spec
+                .prompt
+                .iter()
+                .chain(&seq.generated)
+                .copied()
+                .take(held)
+                .collect();
+            if tokens.len() == held {
+                self.save_snapshot(slot, &tokens);
+            }
+        }
         self.backend.release(slot);
         let job = seq.job;
         let index = seq.spec.index;
+        let cached_tokens = seq.cached;
         match seq.output.finish() {
             Ok(output) => {
-                if self.send(job, Event::Finished { index, output }).is_err() {
+                let event = Event::Finished {
+                    index,
+                    output,
+                    cached_tokens,
+                };
+                if self.send(job, event).is_err() {
                     return;
                 }
             }

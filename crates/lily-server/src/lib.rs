@@ -14,6 +14,7 @@ pub mod limits;
 pub mod logits;
 pub mod metrics;
 pub mod params;
+pub mod prefix_cache;
 pub mod routes;
 pub mod server;
 pub mod structured;

@@ -14,6 +14,13 @@ pub const QUEUE_DEPTH: &str = "lily_queue_depth";
 pub const RUNNING: &str = "lily_requests_running";
 pub const REJECTED: &str = "lily_requests_rejected_total";
 pub const CANCELLED: &str = "lily_requests_cancelled_total";
+pub const PREFIX_QUERIES: &str = "lily_prefix_cache_queries_total";
+pub const PREFIX_QUERY_TOKENS: &str = "lily_prefix_cache_query_tokens_total";
+pub const PREFIX_HITS: &str = "lily_prefix_cache_hits_total";
+pub const PREFIX_HIT_TOKENS: &str = "lily_prefix_cache_hit_tokens_total";
+pub const PREFIX_EVICTIONS: &str = "lily_prefix_cache_evictions_total";
+pub const PREFIX_SNAPSHOTS: &str = "lily_prefix_cache_snapshots";
+pub const PREFIX_BYTES: &str = "lily_prefix_cache_bytes";
 
 const METADATA: Metadata<'static> = Metadata::new("lily_server", Level::INFO, Some("lily_server::metrics"));
 
@@ -29,6 +36,13 @@ pub struct Metrics {
     pub running: Gauge,
     pub rejected: Counter,
     pub cancelled: Counter,
+    pub prefix_cache_queries: Counter,
+    pub prefix_cache_query_tokens: Counter,
+    pub prefix_cache_hits: Counter,
+    pub prefix_cache_hit_tokens: Counter,
+    pub prefix_cache_evictions: Counter,
+    pub prefix_cache_snapshots: Gauge,
+    pub prefix_cache_bytes: Gauge,
 }
 
 impl Metrics {
@@ -65,6 +79,23 @@ impl Metrics {
                 None,
                 "Generations cancelled (client disconnect or shutdown).",
             ),
+            describe(
+                PREFIX_QUERIES,
+                None,
+                "Prompts looked up in the prefix cache (one per sequence that prefilled its prompt).",
+            ),
+            describe(PREFIX_QUERY_TOKENS, None, "Prompt tokens of the prompts looked up."),
+            describe(PREFIX_HITS, None, "Prompts that started from a cached prefix."),
+            describe(
+                PREFIX_HIT_TOKENS,
+                None,
+                "Prompt tokens taken from the prefix cache instead of being prefilled.",
+            ),
+            describe(
+                PREFIX_EVICTIONS,
+                None,
+                "Snapshots dropped from the prefix cache to make room.",
+            ),
         ];
         for (name, unit, help) in counters {
             recorder.describe_counter(KeyName::from_const_str(name), unit, help);
@@ -94,6 +125,16 @@ impl Metrics {
             None,
             SharedString::const_str("Requests being generated."),
         );
+        recorder.describe_gauge(
+            KeyName::from_const_str(PREFIX_SNAPSHOTS),
+            None,
+            SharedString::const_str("Snapshots in the prefix cache."),
+        );
+        recorder.describe_gauge(
+            KeyName::from_const_str(PREFIX_BYTES),
+            Some(Unit::Bytes),
+            SharedString::const_str("Memory the prefix cache's snapshots hold that no running sequence shares."),
+        );
         let key = |name: &'static str| Key::from_static_name(name);
         Metrics {
             prompt_tokens: recorder.register_counter(&key(PROMPT_TOKENS), &METADATA),
@@ -105,6 +146,13 @@ impl Metrics {
             running: recorder.register_gauge(&key(RUNNING), &METADATA),
             rejected: recorder.register_counter(&key(REJECTED), &METADATA),
             cancelled: recorder.register_counter(&key(CANCELLED), &METADATA),
+            prefix_cache_queries: recorder.register_counter(&key(PREFIX_QUERIES), &METADATA),
+            prefix_cache_query_tokens: recorder.register_counter(&key(PREFIX_QUERY_TOKENS), &METADATA),
+            prefix_cache_hits: recorder.register_counter(&key(PREFIX_HITS), &METADATA),
+            prefix_cache_hit_tokens: recorder.register_counter(&key(PREFIX_HIT_TOKENS), &METADATA),
+            prefix_cache_evictions: recorder.register_counter(&key(PREFIX_EVICTIONS), &METADATA),
+            prefix_cache_snapshots: recorder.register_gauge(&key(PREFIX_SNAPSHOTS), &METADATA),
+            prefix_cache_bytes: recorder.register_gauge(&key(PREFIX_BYTES), &METADATA),
             recorder,
             handle,
         }

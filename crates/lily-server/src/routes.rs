@@ -150,6 +150,7 @@ async fn health(State(state): State<AppStateRef>) -> Response {
                 "kv_tokens": ready.kv_tokens,
                 "context": ready.context,
                 "max_prefill_tokens": ready.max_prefill_tokens,
+                "prefix_cache": ready.prefix_cache,
             })),
         )
             .into_response(),

@@ -30,7 +30,12 @@ pub struct PoolOptions {
     pub max_seqs: Option<usize>,
     /// Context tokens the slots share; `None`: the backend's default.
     pub kv_tokens: Option<usize>,
+    /// Bytes the prefix cache's snapshots may take; `None`: the backend's default; 0 with the cache off.
+    pub prefix_cache_bytes: Option<usize>,
 }
+
+/// The CPU backend's default memory for prefix-cache snapshots.
+pub const DEFAULT_CPU_PREFIX_CACHE_BYTES: usize = 4 << 30;
 
 /// The CPU backend's default number of slots.
 pub const DEFAULT_CPU_MAX_SEQS: usize = 4;
@@ -122,6 +127,8 @@ pub struct Ready {
     pub kv_tokens: usize,
     /// Prompt tokens one engine iteration prefills at most.
     pub max_prefill_tokens: usize,
+    /// Whether prompts reuse cached prefixes.
+    pub prefix_cache: bool,
     pub limits: RequestLimits,
     /// See [`ServerConfig::special_tokens_in_content`].
     pub special_tokens_in_content: bool,
@@ -525,6 +532,7 @@ fn load(
         max_seqs: backend.max_seqs(),
         kv_tokens: backend.free_tokens(),
         max_prefill_tokens: config.engine.max_prefill_tokens,
+        prefix_cache: config.engine.prefix_cache,
         limits: RequestLimits {
             max_choices: config.max_choices,
             max_request_tokens: config
@@ -536,7 +544,7 @@ fn load(
     };
     eprintln!(
         "lily serve: model `{}` ready on {} in {:.1} s (context {} tokens a sequence; {} sequences at once sharing \
-         {} tokens of context; {} prompt tokens an iteration)",
+         {} tokens of context; {} prompt tokens an iteration; prefix cache {})",
         config.model_id,
         ready.backend_name,
         start.elapsed().as_secs_f64(),
@@ -544,6 +552,7 @@ fn load(
         ready.max_seqs,
         ready.kv_tokens,
         ready.max_prefill_tokens,
+        if ready.prefix_cache { "on" } else { "off" },
     );
     match state.upgrade() {
         Some(state) => {
@@ -576,7 +585,10 @@ pub fn cpu_backend_factory(dir: PathBuf) -> BackendFactory {
             "--kv-tokens must be at least {}",
             lily_model::batch::CPU_POOL_UNIT
         );
-        Ok(Box::new(lily_model::CpuBatchBackend::new(model, context, max_seqs, kv_tokens)) as Box<dyn BatchBackend>)
+        let snapshots = pool.prefix_cache_bytes.unwrap_or(DEFAULT_CPU_PREFIX_CACHE_BYTES);
+        let backend =
+            lily_model::CpuBatchBackend::new(model, context, max_seqs, kv_tokens).with_snapshot_budget(snapshots);
+        Ok(Box::new(backend) as Box<dyn BatchBackend>)
     })
 }
 
@@ -623,13 +635,22 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
     config.allowed_origins = args.allowed_origins.clone();
     config.special_tokens_in_content = args.allow_special_tokens_in_content;
     config.max_request_tokens = args.max_request_tokens;
+    let prefix_cache_bytes = match args.prefix_cache_gib {
+        _ if args.no_prefix_cache => Some(0),
+        Some(gib) if gib.is_finite() && gib >= 0.0 => Some((gib * (1u64 << 30) as f64) as usize),
+        Some(gib) => anyhow::bail!("--prefix-cache-gib must be a number of GiB >= 0, not {gib}"),
+        None => None,
+    };
     config.pool = PoolOptions {
         max_seqs: args.max_seqs,
         kv_tokens: args.kv_tokens,
+        prefix_cache_bytes,
     };
     anyhow::ensure!(args.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1");
     config.engine = EngineOptions {
         max_prefill_tokens: args.max_prefill_tokens,
+        prefix_cache: prefix_cache_bytes != Some(0),
+        snapshot_interval: args.prefix_cache_interval,
     };
     let server = start(config, backend(model_dir)).await?;
     eprintln!(

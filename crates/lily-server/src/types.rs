@@ -175,12 +175,13 @@ pub struct Usage {
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
+    /// Usage of a response whose prompts took `cached_tokens` of their tokens from the prefix cache.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Usage {
         Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens: 0 },
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
 }

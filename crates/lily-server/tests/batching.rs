@@ -1,7 +1,9 @@
 //! The continuous-batching engine driven directly, over a fake batch backend whose logits are a function of each
 //! slot's tokens: random arrivals, prompt lengths, `max_tokens`, `n`, prompt logprobs, seeds, cancellations, a
 //! pool too small for everyone and fewer slots than sequences. Every request must be answered or refused, no slot
-//! or reserved token may leak, and every output must equal the one the request gets alone.
+//! or reserved token may leak, and every output must equal the one the request gets alone. The fake also keeps
+//! snapshots for the prefix cache, holding context from the pool as a GPU's pages do, so that prompts sharing
+//! prefixes under memory pressure (evictions while sequences run) must still give the outputs they get alone.
 
 mod common;
 
@@ -12,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use lily_chat::{Delta, FinishReason, ToolCallIds};
 use lily_model::sampling::SamplingParams;
-use lily_model::{BatchBackend, Config, ForwardError, Slot, StepRow};
+use lily_model::{BatchBackend, Config, ForwardError, Slot, SnapshotId, StepRow};
 use lily_server::engine::{
     Engine, EngineHandle, EngineOptions, EngineShared, Event, Job, JobQueue, OutputKind, RequestSpec, SequenceSpec,
     SubmitError,
@@ -34,6 +36,26 @@ struct FakeSlots {
     violations: Vec<String>,
     /// The most rows a step had.
     widest_step: usize,
+    /// Snapshots: the tokens of the sequence each saved.
+    snapshots: BTreeMap<SnapshotId, Vec<u32>>,
+    next_snapshot: SnapshotId,
+    restores: usize,
+}
+
+impl FakeSlots {
+    /// Pool tokens a snapshot of `len` tokens holds.
+    fn snapshot_cost(len: usize) -> usize {
+        len.div_ceil(UNIT) * UNIT
+    }
+
+    fn held(&self) -> usize {
+        self.reserved.iter().sum::<usize>()
+            + self
+                .snapshots
+                .values()
+                .map(|t| FakeSlots::snapshot_cost(t.len()))
+                .sum::<usize>()
+    }
 }
 
 struct FakeBatch {
@@ -42,6 +64,8 @@ struct FakeBatch {
     pool: usize,
     max_step_rows: usize,
     max_prefill: usize,
+    /// Snapshots held at once at most (0: none).
+    max_snapshots: usize,
     slots: Arc<Mutex<FakeSlots>>,
     /// The slot contents' hashes behind each output row of the last call.
     rows: Vec<u64>,
@@ -63,6 +87,7 @@ impl FakeBatch {
             pool,
             max_step_rows,
             max_prefill,
+            max_snapshots: 0,
             slots: Arc::new(Mutex::new(slots)),
             rows: Vec::new(),
             logits,
@@ -99,7 +124,7 @@ impl BatchBackend for FakeBatch {
         self.max_prefill
     }
     fn free_tokens(&self) -> usize {
-        self.pool - self.slots.lock().unwrap().reserved.iter().sum::<usize>()
+        self.pool - self.slots.lock().unwrap().held()
     }
     fn reserve(&mut self, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
         let free = self.free_tokens();
@@ -180,6 +205,47 @@ impl BatchBackend for FakeBatch {
     fn describe(&self) -> String {
         "fake batch".into()
     }
+    fn snapshot(&mut self, slot: Slot) -> Result<Option<SnapshotId>, ForwardError> {
+        let free = self.free_tokens();
+        let mut s = self.slots.lock().unwrap();
+        if s.tokens[slot].is_empty() {
+            return Err(self.fail(&mut s, format!("snapshot of the empty slot {slot}")));
+        }
+        let cost = FakeSlots::snapshot_cost(s.tokens[slot].len());
+        if s.snapshots.len() >= self.max_snapshots || cost > free {
+            return Ok(None);
+        }
+        let id = s.next_snapshot;
+        s.next_snapshot += 1;
+        let tokens = s.tokens[slot].clone();
+        s.snapshots.insert(id, tokens);
+        Ok(Some(id))
+    }
+    fn restore(&mut self, id: SnapshotId, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
+        {
+            let mut s = self.slots.lock().unwrap();
+            if !s.tokens[slot].is_empty() || s.reserved[slot] != 0 || !s.snapshots.contains_key(&id) {
+                return Err(self.fail(&mut s, format!("restore of snapshot {id} into slot {slot}")));
+            }
+        }
+        if !self.reserve(slot, tokens)? {
+            return Ok(false);
+        }
+        let mut s = self.slots.lock().unwrap();
+        s.tokens[slot] = s.snapshots[&id].clone();
+        s.restores += 1;
+        Ok(true)
+    }
+    fn drop_snapshot(&mut self, id: SnapshotId) {
+        let mut s = self.slots.lock().unwrap();
+        if s.snapshots.remove(&id).is_none() {
+            s.violations.push(format!("drop of the unknown snapshot {id}"));
+        }
+    }
+    fn snapshot_tokens(&self) -> usize {
+        let s = self.slots.lock().unwrap();
+        s.snapshots.values().map(|t| FakeSlots::snapshot_cost(t.len())).sum()
+    }
 }
 
 /// One request of the random workload.
@@ -255,6 +321,17 @@ fn job(request: &Request) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>, 
 
 /// Sends `request` and reads its events to the end (or hangs up as the request says).
 fn client(handle: &EngineHandle, request: &Request) -> Answer {
+    client_cached(handle, request).0
+}
+
+/// As [`client`], also returning the prompt tokens the choices took from the prefix cache.
+fn client_cached(handle: &EngineHandle, request: &Request) -> (Answer, usize) {
+    let mut cached = 0;
+    let answer = read_answer(handle, request, &mut cached);
+    (answer, cached)
+}
+
+fn read_answer(handle: &EngineHandle, request: &Request, cached: &mut usize) -> Answer {
     let (job, mut receiver, cancel) = job(request);
     match handle.submit(job) {
         Ok(_) => {}
@@ -291,7 +368,12 @@ fn client(handle: &EngineHandle, request: &Request) -> Answer {
                 let choice = choices.entry(index).or_default();
                 choice.prompt_logprobs = logprobs.iter().map(|lp| (lp.token, lp.logprob)).collect();
             }
-            Event::Finished { index, output } => {
+            Event::Finished {
+                index,
+                output,
+                cached_tokens,
+            } => {
+                *cached += cached_tokens;
                 let choice = choices.entry(index).or_default();
                 for delta in output.deltas {
                     if let Delta::Content(text) = delta {
@@ -319,7 +401,17 @@ struct Running {
     pool: usize,
 }
 
+/// An engine without the prefix cache taking `max_prefill_tokens` an iteration.
 fn start(backend: FakeBatch, max_queue: usize, max_prefill_tokens: usize) -> Running {
+    let options = EngineOptions {
+        max_prefill_tokens,
+        prefix_cache: false,
+        ..EngineOptions::default()
+    };
+    start_with(backend, max_queue, options)
+}
+
+fn start_with(backend: FakeBatch, max_queue: usize, options: EngineOptions) -> Running {
     let metrics = Arc::new(Metrics::new());
     let shared = Arc::new(EngineShared {
         metrics: metrics.clone(),
@@ -334,7 +426,7 @@ fn start(backend: FakeBatch, max_queue: usize, max_prefill_tokens: usize) -> Run
         tokenizer(),
         ToolCallIds::Sequential,
         shared.clone(),
-        EngineOptions { max_prefill_tokens },
+        options,
     );
     let thread = std::thread::spawn(move || engine.run());
     Running {
@@ -362,7 +454,7 @@ impl Running {
             s.reserved
         );
         assert!(s.tokens.iter().all(|t| t.is_empty()), "a slot was never released");
-        assert_eq!(self.pool - s.reserved.iter().sum::<usize>(), self.pool);
+        assert!(s.held() <= self.pool, "snapshots hold more than the pool");
     }
 }
 
@@ -498,5 +590,142 @@ fn a_greedy_sequence_is_the_same_whatever_runs_beside_it() {
         alone.stop();
         assert!(matches!(answer, Answer::Done(_)), "{answer:?}");
         assert_eq!(answer, &expected, "{request:?}");
+    }
+}
+
+/// Requests sharing prefixes (a few "system prompts", some requests repeating an earlier conversation and
+/// extending it) on an engine with the prefix cache, a pool and a snapshot store both too small for everything:
+/// snapshots are evicted while sequences that were restored from them still run. Every answer must equal the
+/// request's answer alone on an engine without the cache, nothing may leak, and the cache must have been used.
+#[test]
+fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
+    for seed in [5, 6, 7] {
+        let mut r = Rand(seed);
+        let systems: Vec<Vec<u32>> = (0..3)
+            .map(|_| (0..20 + r.below(120)).map(|_| 1000 + r.below(300) as u32).collect())
+            .collect();
+        let mut requests: Vec<Request> = Vec::new();
+        for i in 0..36 {
+            let mut prompt = systems[r.below(3) as usize].clone();
+            // A third extend an earlier request's prompt (the next turn of its conversation).
+            if i > 3 && r.below(3) == 0 {
+                prompt = (*requests[r.below(i as u64) as usize].prompt).clone();
+            }
+            prompt.extend((0..1 + r.below(40)).map(|_| 1000 + r.below(300) as u32));
+            requests.push(Request {
+                prompt: Arc::new(prompt),
+                n: if r.below(6) == 0 { 2 } else { 1 },
+                max_tokens: 1 + r.below(30) as usize,
+                temperature: if r.below(2) == 0 { 0.0 } else { 1.0 },
+                seed: r.next() % 1000,
+                logprobs: (r.below(5) == 0).then_some(2),
+                prompt_logprobs: (r.below(10) == 0).then_some(1),
+                arrival: Duration::from_millis(r.below(150) + i as u64 * 4),
+                cancel_after: (r.below(8) == 0).then(|| r.below(6) as usize),
+            });
+        }
+        let mut backend = FakeBatch::new(4, 1024, 3, 50);
+        backend.max_snapshots = 12;
+        let options = EngineOptions {
+            max_prefill_tokens: 32,
+            prefix_cache: true,
+            snapshot_interval: 48,
+        };
+        let running = start_with(backend, 64, options);
+        let answers: Vec<(Answer, usize)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|request| {
+                    let handle = &running.handle;
+                    scope.spawn(move || {
+                        std::thread::sleep(request.arrival);
+                        client_cached(handle, request)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let restores = running.slots.lock().unwrap().restores;
+        running.stop();
+        let mut cached_total = 0;
+        for (request, (answer, cached)) in requests.iter().zip(&answers) {
+            match answer {
+                Answer::Done(_) => {
+                    assert!(*cached < request.prompt.len() * request.n, "{request:?}");
+                    if request.prompt_logprobs.is_some() {
+                        assert_eq!(*cached, 0, "prompt logprobs need the whole prompt: {request:?}");
+                    }
+                    cached_total += cached;
+                    let alone = start(FakeBatch::new(1, 1024, 1, 1024), 4, 4096);
+                    let whole = Request {
+                        cancel_after: None,
+                        ..request.clone()
+                    };
+                    let expected = client(&alone.handle, &whole);
+                    alone.stop();
+                    assert_eq!(answer, &expected, "seed {seed}: {request:?}");
+                }
+                Answer::Cancelled => assert!(request.cancel_after.is_some(), "seed {seed}: {request:?}"),
+                other => panic!("seed {seed}: {other:?} for {request:?}"),
+            }
+        }
+        assert!(restores > 5, "seed {seed}: only {restores} restores");
+        assert!(cached_total > 0, "seed {seed}: no request reported cached tokens");
+    }
+}
+
+/// One long shared prompt sent by many clients at once is prefilled once: the first admitted prefills it, the
+/// others restore it before their first chunk.
+#[test]
+fn concurrent_requests_with_one_prompt_prefill_it_once() {
+    let mut backend = FakeBatch::new(8, 8192, 8, 64);
+    backend.max_snapshots = 32;
+    let prefills = backend.slots.clone();
+    let options = EngineOptions {
+        max_prefill_tokens: 64,
+        prefix_cache: true,
+        snapshot_interval: 0,
+    };
+    let running = start_with(backend, 64, options);
+    let system: Vec<u32> = (0..600).map(|t| 1000 + (t * 31 % 300) as u32).collect();
+    let im_start = tokenizer().token_to_id("<|im_start|>").expect("the chat tokenizer");
+    let requests: Vec<Request> = (0..8)
+        .map(|i| {
+            // A new message starts after the shared part: the engine snapshots there.
+            let mut prompt = system.clone();
+            prompt.push(im_start);
+            prompt.extend((0..10).map(|t| 1000 + ((t + i) * 17 % 300) as u32));
+            Request {
+                prompt: Arc::new(prompt),
+                n: 1,
+                max_tokens: 5,
+                temperature: 0.0,
+                seed: i as u64,
+                logprobs: None,
+                prompt_logprobs: None,
+                arrival: Duration::ZERO,
+                cancel_after: None,
+            }
+        })
+        .collect();
+    let answers: Vec<(Answer, usize)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|request| {
+                let handle = &running.handle;
+                scope.spawn(move || client_cached(handle, request))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let restores = prefills.lock().unwrap().restores;
+    running.stop();
+    let cached: Vec<usize> = answers.iter().map(|(_, c)| *c).collect();
+    // All but the first take the shared part from the cache.
+    let hits = cached.iter().filter(|&&c| c >= 600).count();
+    assert!(hits >= 7, "cached tokens per request: {cached:?}");
+    assert!(restores >= 7);
+    for (answer, _) in &answers {
+        assert!(matches!(answer, Answer::Done(_)), "{answer:?}");
     }
 }

@@ -1,0 +1,229 @@
+//! The prefix cache's index: which token sequences the backend holds a snapshot of (see
+//! `BatchBackend::snapshot`), found by the longest one that starts a new prompt.
+//!
+//! Entries are keyed by their length and a hash of their tokens; a lookup hashes the prompt's prefixes once and
+//! tries the cached lengths from the longest down, comparing the tokens of a candidate before it answers, so a hash
+//! collision can never restore the wrong state. The least recently used entry is the first to go when the engine
+//! needs memory; the snapshots themselves belong to the backend, which the engine tells to drop them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use lily_model::SnapshotId;
+
+/// The index of the snapshots the backend holds for reuse.
+#[derive(Default)]
+pub struct PrefixCache {
+    entries: HashMap<SnapshotId, Entry>,
+    /// Entries by (length, hash of their tokens).
+    by_key: HashMap<(usize, u64), Vec<SnapshotId>>,
+    /// How many entries have each length.
+    lengths: BTreeMap<usize, usize>,
+    /// Bumped at every use, so that `last_used` orders the entries.
+    clock: u64,
+}
+
+struct Entry {
+    tokens: Arc<[u32]>,
+    hash: u64,
+    last_used: u64,
+}
+
+/// The hash of a token sequence extended by one token (FNV-1a over the token's bytes).
+fn hash_step(hash: u64, token: u32) -> u64 {
+    token
+        .to_le_bytes()
+        .iter()
+        .fold(hash, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+const HASH_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn hash_of(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(HASH_START, |h, &t| hash_step(h, t))
+}
+
+impl PrefixCache {
+    pub fn new() -> PrefixCache {
+        PrefixCache::default()
+    }
+
+    /// Snapshots indexed.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn find(&self, tokens: &[u32], hash: u64) -> Option<SnapshotId> {
+        self.by_key
+            .get(&(tokens.len(), hash))?
+            .iter()
+            .copied()
+            .find(|id| *self.entries[id].tokens == *tokens)
+    }
+
+    /// Whether a snapshot of exactly `tokens` is indexed.
+    pub fn contains(&self, tokens: &[u32]) -> bool {
+        self.find(tokens, hash_of(tokens)).is_some()
+    }
+
+    /// The snapshot of the longest prefix of `tokens` no longer than `max_len` tokens, with its length; counts as a
+    /// use of it.
+    pub fn lookup(&mut self, tokens: &[u32], max_len: usize) -> Option<(SnapshotId, usize)> {
+        let max_len = max_len.min(tokens.len());
+        let shortest = *self.lengths.keys().next()?;
+        if shortest > max_len {
+            return None;
+        }
+        let mut prefix_hash = Vec::with_capacity(max_len + 1);
+        prefix_hash.push(HASH_START);
+        for &t in &tokens[..max_len] {
+            prefix_hash.push(hash_step(*prefix_hash.last().expect("starts non-empty"), t));
+        }
+        let found = self
+            .lengths
+            .range(..=max_len)
+            .rev()
+            .find_map(|(&len, _)| self.find(&tokens[..len], prefix_hash[len]).map(|id| (id, len)));
+        if let Some((id, _)) = found {
+            self.clock += 1;
+            self.entries.get_mut(&id).expect("found above").last_used = self.clock;
+        }
+        found
+    }
+
+    /// Indexes snapshot `id` of `tokens`. The caller checks `contains` first: a sequence is indexed once.
+    pub fn insert(&mut self, id: SnapshotId, tokens: &[u32]) {
+        let hash = hash_of(tokens);
+        self.clock += 1;
+        self.by_key.entry((tokens.len(), hash)).or_default().push(id);
+        *self.lengths.entry(tokens.len()).or_default() += 1;
+        self.entries.insert(
+            id,
+            Entry {
+                tokens: tokens.into(),
+                hash,
+                last_used: self.clock,
+            },
+        );
+    }
+
+    /// Takes snapshot `id` out of the index; false when it was not in it.
+    pub fn remove(&mut self, id: SnapshotId) -> bool {
+        let Some(entry) = self.entries.remove(&id) else {
+            return false;
+        };
+        let len = entry.tokens.len();
+        let key = (len, entry.hash);
+        if let Some(ids) = self.by_key.get_mut(&key) {
+            ids.retain(|&other| other != id);
+            if ids.is_empty() {
+                self.by_key.remove(&key);
+            }
+        }
+        if let Some(count) = self.lengths.get_mut(&len) {
+            *count -= 1;
+            if *count == 0 {
+                self.lengths.remove(&len);
+            }
+        }
+        true
+    }
+
+    /// Takes the least recently used snapshot out of the index and returns it, for the caller to drop.
+    pub fn evict(&mut self) -> Option<SnapshotId> {
+        let id = self
+            .entries
+            .iter()
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(&id, _)| id)?;
+        self.remove(id);
+        Some(id)
+    }
+
+    /// Takes every snapshot out of the index and returns them.
+    pub fn clear(&mut self) -> Vec<SnapshotId> {
+        let ids: Vec<SnapshotId> = self.entries.keys().copied().collect();
+        *self = PrefixCache::default();
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_longest_cached_prefix_within_the_limit() {
+        let mut cache = PrefixCache::new();
+        let prompt: Vec<u32> = (0..100).collect();
+        assert_eq!(cache.lookup(&prompt, 99), None);
+        cache.insert(1, &prompt[..10]);
+        cache.insert(2, &prompt[..50]);
+        cache.insert(3, &prompt[..100]);
+        let mut other = prompt.clone();
+        other[30] = 7;
+        cache.insert(4, &other[..40]);
+        assert!(cache.contains(&prompt[..50]));
+        assert!(!cache.contains(&prompt[..51]));
+        assert_eq!(cache.lookup(&prompt, 99), Some((2, 50)));
+        assert_eq!(cache.lookup(&prompt, 100), Some((3, 100)));
+        assert_eq!(cache.lookup(&prompt, 49), Some((1, 10)));
+        // Shares 30 tokens with entry 4, whose tokens differ after that: entry 1 is the longest real prefix.
+        assert_eq!(cache.lookup(&other, 45), Some((4, 40)));
+        assert_eq!(cache.lookup(&other[..35], 35), Some((1, 10)));
+        assert_eq!(cache.lookup(&[5, 6], 2), None);
+    }
+
+    #[test]
+    fn evicts_the_least_recently_used_and_removes_cleanly() {
+        let mut cache = PrefixCache::new();
+        let tokens: Vec<u32> = (0..20).collect();
+        for (id, len) in [(0, 5), (1, 10), (2, 15)] {
+            cache.insert(id, &tokens[..len]);
+        }
+        // Using entry 0 makes entry 1 the least recently used.
+        assert_eq!(cache.lookup(&tokens, 7), Some((0, 5)));
+        assert_eq!(cache.evict(), Some(1));
+        assert_eq!(cache.lookup(&tokens, 12), Some((0, 5)));
+        assert!(cache.remove(2));
+        assert!(!cache.remove(2));
+        assert_eq!(cache.len(), 1);
+        assert_eq!(cache.clear(), vec![0]);
+        assert!(cache.is_empty());
+        assert_eq!(cache.evict(), None);
+        assert_eq!(cache.lookup(&tokens, 20), None);
+    }
+
+    /// Many random entries: a lookup answers exactly the longest indexed prefix that a scan finds.
+    #[test]
+    fn lookups_agree_with_a_scan() {
+        let mut rng = lily_model::rng::Rng::new(3);
+        let mut cache = PrefixCache::new();
+        let mut indexed: Vec<(SnapshotId, Vec<u32>)> = Vec::new();
+        for id in 0..300 {
+            let len = 1 + (rng.next_u64() % 12) as usize;
+            let tokens: Vec<u32> = (0..len).map(|_| (rng.next_u64() % 3) as u32).collect();
+            if !cache.contains(&tokens) {
+                cache.insert(id, &tokens);
+                indexed.push((id, tokens));
+            }
+            if rng.next_u64().is_multiple_of(5) {
+                if let Some(gone) = cache.evict() {
+                    indexed.retain(|(i, _)| *i != gone);
+                }
+            }
+            let query: Vec<u32> = (0..12).map(|_| (rng.next_u64() % 3) as u32).collect();
+            let limit = (rng.next_u64() % 13) as usize;
+            let expected = indexed
+                .iter()
+                .filter(|(_, t)| t.len() <= limit && query.starts_with(t))
+                .max_by_key(|(_, t)| t.len())
+                .map(|(i, t)| (*i, t.len()));
+            assert_eq!(cache.lookup(&query, limit), expected);
+        }
+    }
+}
