@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use lily_model::{Config, Weights};
 
-use lily_cuda::batch::{fit_capacity, CudaBatchBackend};
+use lily_cuda::batch::{fit_capacity, fit_snapshots, CudaBatchBackend};
 use lily_cuda::bench::{self, DepthFill, Plan};
 use lily_cuda::driver::{Gpu, GpuError};
 use lily_cuda::model::Capacity;
@@ -115,14 +115,16 @@ pub fn open_backend(device: Device, dir: &Path, max_context: usize) -> Result<Op
 const KV_FRACTION: f64 = 0.9;
 
 /// The batched CUDA backend for `serve` with the model in `dir`: `max_seqs` slots of up to `max_context` tokens,
-/// a KV pool of `kv_tokens` positions (rounded up to whole pages) or else of [`KV_FRACTION`] of the GPU memory
-/// left. `None` where the CPU should run it.
+/// snapshot buffers for `prefix_cache_bytes` (`None`: the share [`fit_snapshots`] gives them), a KV pool of
+/// `kv_tokens` positions (rounded up to whole pages) or else of [`KV_FRACTION`] of the GPU memory left. `None`
+/// where the CPU should run it.
 pub fn open_batch_backend(
     device: Device,
     dir: &Path,
     max_context: usize,
     max_seqs: usize,
     kv_tokens: Option<usize>,
+    prefix_cache_bytes: Option<usize>,
 ) -> Result<Option<CudaBatchBackend>> {
     let Some(gpu) = open_gpu(device)? else {
         return Ok(None);
@@ -134,15 +136,26 @@ pub fn open_batch_backend(
         Some(tokens) => Capacity {
             max_seqs,
             kv_pages: lily_cuda::pages::pages_for(tokens.max(1)),
+            snapshots: fit_snapshots(&gpu, &config, weight_bytes, prefix_cache_bytes)?,
         },
-        None => fit_capacity(&gpu, &config, weight_bytes, max_seqs, max_context, KV_FRACTION)?,
+        None => fit_capacity(
+            &gpu,
+            &config,
+            weight_bytes,
+            max_seqs,
+            max_context,
+            KV_FRACTION,
+            prefix_cache_bytes,
+        )?,
     };
     let what = dir.display().to_string();
     let model = load(gpu, config, &Source::Cpu(&weights), max_context, Some(capacity), &what)?;
     tracing::info!(
-        "GPU memory: {} slots ({:.1} GB of DeltaNet state), {} KV pages of {} tokens ({} tokens, {:.1} GB); {:.1} GB free after loading",
+        "GPU memory: {} slots ({:.1} GB of DeltaNet state), {} snapshot buffers ({:.1} GB), {} KV pages of {} tokens ({} tokens, {:.1} GB); {:.1} GB free after loading",
         capacity.max_seqs,
         (model.state.recurrent.iter().chain(&model.state.conv_ring).map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
+        capacity.snapshots,
+        (model.state.snapshot_recurrent.iter().chain(&model.state.snapshot_ring).map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
         capacity.kv_pages,
         lily_cuda::pages::KV_PAGE,
         capacity.kv_pages * lily_cuda::pages::KV_PAGE,
@@ -304,6 +317,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let capacity = batches.iter().max().map(|&max_seqs| Capacity {
         max_seqs,
         kv_pages: max_seqs * lily_cuda::pages::pages_for(max_context),
+        snapshots: 0,
     });
     let gpu = Gpu::open()?;
     let (model, model_name) = match args.synthetic {

@@ -6,10 +6,14 @@
 //! chunk takes its tokens (each chosen expert's weights read once for all the rows routed to it), while each
 //! mixer reads and writes its own row's sequence at its own position. The step for a given number of rows is
 //! captured as a CUDA graph the first time it runs and replayed after, so a step costs one launch.
+//!
+//! Snapshots (the prefix cache's saved sequences) keep a sequence's DeltaNet state in a buffer of their own and
+//! share its KV pages by reference (see [`crate::pages::PageAllocator`]); a sequence restored from one shares its
+//! full pages and copies only the partial last page, the one it goes on writing.
 
 use std::collections::HashMap;
 
-use lily_model::backend::{BatchBackend, Pick, Slot, StepRow};
+use lily_model::backend::{BatchBackend, Pick, Slot, SnapshotId, StepRow};
 use lily_model::{Config, ForwardError};
 
 use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Graph, Result};
@@ -17,7 +21,7 @@ use crate::gemm;
 use crate::kernels::sampling::RowParams;
 use crate::kernels::{attention, deltanet, prefill, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher};
-use crate::model::{Capacity, CudaModel, DeviceState};
+use crate::model::{Capacity, CudaModel, DeviceState, StateAt};
 use crate::pages::KV_PAGE;
 use crate::prefill::{enqueue_moe, PrefillScratch, ROW_THREADS};
 use crate::sample_rows::{self, SampleRows};
@@ -207,10 +211,28 @@ const PREFILL_SCRATCH_PER_TOKEN: usize = 300 << 10;
 /// Device memory kept free beside the model's buffers: the context, the compiled kernels, captured graphs.
 const RESERVE_BYTES: usize = 1 << 30;
 
-/// Slots and KV pages for serving up to `max_seqs` sequences of up to `max_context` tokens on `gpu`, where the
-/// weights will take `weight_bytes`: the KV pool gets `fraction` of the memory left once the weights, every
-/// slot's DeltaNet state, the scratch buffers and a reserve are counted, and no more than all slots at full
-/// context could use. Fails when not even one page fits.
+/// Share of the GPU memory free once the weights are loaded that snapshot buffers take when the caller names no
+/// budget for them.
+pub const SNAPSHOT_SHARE: f64 = 0.1;
+
+/// Snapshot buffers (one sequence's DeltaNet state each) that `budget` bytes hold; where `budget` is `None`,
+/// [`SNAPSHOT_SHARE`] of the memory free on `gpu` once the weights (`weight_bytes`) are loaded. A snapshot's
+/// attention context is not counted here: it stays in the KV pages it shares with the sequence it was taken from,
+/// which come from the pool.
+pub fn fit_snapshots(gpu: &Gpu, c: &Config, weight_bytes: usize, budget: Option<usize>) -> Result<usize> {
+    let bytes = match budget {
+        Some(bytes) => bytes,
+        None => (gpu.free_memory()?.saturating_sub(weight_bytes) as f64 * SNAPSHOT_SHARE) as usize,
+    };
+    Ok(bytes / Capacity::deltanet_bytes_per_seq(c).max(1))
+}
+
+/// Slots, KV pages and snapshot buffers for serving up to `max_seqs` sequences of up to `max_context` tokens on
+/// `gpu`, where the weights will take `weight_bytes`: the snapshots get `snapshot_bytes` (see [`fit_snapshots`]:
+/// `None` gives them [`SNAPSHOT_SHARE`] of the memory free after the weights), and the KV pool gets `fraction` of
+/// the memory left once the weights, every slot's and snapshot's DeltaNet state, the scratch buffers and a reserve
+/// are counted, and no more than all slots and snapshots at full context could use. Fails when not even one page
+/// fits.
 pub fn fit_capacity(
     gpu: &Gpu,
     c: &Config,
@@ -218,36 +240,48 @@ pub fn fit_capacity(
     max_seqs: usize,
     max_context: usize,
     fraction: f64,
+    snapshot_bytes: Option<usize>,
 ) -> Result<Capacity> {
     let free = gpu.free_memory()?;
+    let snapshots = fit_snapshots(gpu, c, weight_bytes, snapshot_bytes)?;
     let chunk = crate::prefill::PREFILL_CHUNK.min(max_context);
-    let state_per_slot = 4
-        * c.num_linear_layers()
-        * (c.linear_conv_kernel_dim * c.linear_conv_dim()
-            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+    let state_per_seq = Capacity::deltanet_bytes_per_seq(c);
     let fixed = weight_bytes
-        + max_seqs * state_per_slot
+        + (max_seqs + snapshots) * state_per_seq
         + chunk * PREFILL_SCRATCH_PER_TOKEN
         + StepScratch::bytes(c, max_seqs)
         + RESERVE_BYTES;
-    let page_bytes = KV_PAGE * c.kv_dim() * 2 * 2 * c.num_full_layers();
+    let page_bytes = Capacity::kv_bytes_per_page(c);
     let left = free.saturating_sub(fixed) as f64 * fraction.clamp(0.0, 1.0);
-    let kv_pages = ((left / page_bytes as f64) as usize).min(max_seqs * crate::pages::pages_for(max_context));
+    let most = (max_seqs + snapshots) * crate::pages::pages_for(max_context);
+    let kv_pages = ((left / page_bytes as f64) as usize).min(most);
     if kv_pages == 0 {
         return Err(GpuError::Other(format!(
-            "{:.1} GB free on the GPU: the weights ({:.1} GB), {max_seqs} slots of state ({:.1} GB) and the \
-             scratch leave no room for the KV cache; lower --max-seqs or --context",
+            "{:.1} GB free on the GPU: the weights ({:.1} GB), {max_seqs} slots and {snapshots} snapshots of state \
+             ({:.1} GB) and the scratch leave no room for the KV cache; lower --max-seqs or --context",
             free as f64 / 1e9,
             weight_bytes as f64 / 1e9,
-            (max_seqs * state_per_slot) as f64 / 1e9
+            ((max_seqs + snapshots) * state_per_seq) as f64 / 1e9
         )));
     }
-    Ok(Capacity { max_seqs, kv_pages })
+    Ok(Capacity {
+        max_seqs,
+        kv_pages,
+        snapshots,
+    })
 }
 
 /// Steps of fewer rows than this run each row through the single-sequence decode graph (matrix-vector products,
 /// ~1.6 ms a token at the full shape) instead of the batched step, whose products cost more at small row counts.
 pub const SEQUENTIAL_BELOW: usize = 12;
+
+/// A snapshot the backend holds: its DeltaNet state in snapshot buffer `buffer`, its context in the KV pages the
+/// page allocator lists for that buffer.
+#[derive(Clone, Copy, Debug)]
+struct Snapshot {
+    buffer: usize,
+    len: usize,
+}
 
 /// [`BatchBackend`] over a [`CudaModel`] with many slots.
 pub struct CudaBatchBackend {
@@ -269,6 +303,12 @@ pub struct CudaBatchBackend {
     host_logits: Vec<f32>,
     /// The step's rows as uploaded: token ids, positions, slots, each `max_rows` long.
     staged_rows: Vec<i32>,
+    /// The snapshots held, by id: each one's buffer and length.
+    snapshots: HashMap<SnapshotId, Snapshot>,
+    /// Snapshot buffers no snapshot holds.
+    free_snapshot_buffers: Vec<usize>,
+    /// The id the next snapshot gets (ids are never reused, so a dropped one stays unknown).
+    next_snapshot: SnapshotId,
     /// i32 `[max_prefill_tokens]`: a prefill chunk's token ids.
     prefill_tokens: DevBuf<i32>,
     sampler: SampleRows,
@@ -300,6 +340,9 @@ impl CudaBatchBackend {
             host_row: None,
             host_logits: vec![0.0; c.vocab_size],
             staged_rows: vec![0; 3 * max_rows],
+            snapshots: HashMap::new(),
+            free_snapshot_buffers: (0..model.state.snapshots).rev().collect(),
+            next_snapshot: 0,
             prefill_tokens,
             sampler,
             step,
@@ -460,26 +503,15 @@ impl BatchBackend for CudaBatchBackend {
         }
         self.check_room(to, len)?;
         self.model.gpu.bind().map_err(device_err)?;
+        // `to` shares the full pages of `from`'s context; the partial last one, which both go on writing, is copied.
+        let partial = self.model.pages.share_prefix(from, to, len);
         let m = &self.model;
-        let s = &m.state;
-        let c = &m.config;
         let copy = || -> Result<()> {
-            for layer in 0..s.conv_ring.len() {
-                m.gpu.copy(s.ring(layer, to), s.ring(layer, from), s.ring_len(c))?;
-                m.gpu.copy(
-                    s.recurrent_state(layer, to),
-                    s.recurrent_state(layer, from),
-                    s.recurrent_len(c),
-                )?;
+            m.copy_deltanet_state(StateAt::Slot(from), StateAt::Slot(to))?;
+            if let Some(page) = partial {
+                m.copy_page(page)?;
             }
-            let page = KV_PAGE * c.kv_dim();
-            let pages = len.div_ceil(KV_PAGE);
-            for (&src, &dst) in m.pages.pages(from)[..pages].iter().zip(&m.pages.pages(to)[..pages]) {
-                for pool in s.k_pool.iter().chain(&s.v_pool) {
-                    m.gpu
-                        .copy(pool.at(dst as usize * page), pool.at(src as usize * page), page)?;
-                }
-            }
+            m.upload_page_row(to)?;
             m.gpu.sync()
         };
         copy().map_err(device_err)?;
@@ -602,5 +634,73 @@ impl BatchBackend for CudaBatchBackend {
             self.lens.len(),
             self.model.pages.free_pages() * KV_PAGE
         )
+    }
+    /// Copies the slot's DeltaNet state into a free snapshot buffer and takes a reference on the KV pages of its
+    /// context (the last one may be partial: the slot goes on writing the positions after the snapshot's length
+    /// into it, which the snapshot never reads).
+    fn snapshot(&mut self, slot: Slot) -> std::result::Result<Option<SnapshotId>, ForwardError> {
+        self.check_slot(slot)?;
+        let Some(&buffer) = self.free_snapshot_buffers.last() else {
+            return Ok(None);
+        };
+        let len = self.lens[slot];
+        self.model.gpu.bind().map_err(device_err)?;
+        self.model
+            .copy_deltanet_state(StateAt::Slot(slot), StateAt::Snapshot(buffer))
+            .map_err(device_err)?;
+        self.free_snapshot_buffers.pop();
+        self.model.pages.snapshot(slot, len, buffer);
+        let id = self.next_snapshot;
+        self.next_snapshot += 1;
+        self.snapshots.insert(id, Snapshot { buffer, len });
+        Ok(Some(id))
+    }
+    /// The slot shares the snapshot's full KV pages, gets its own copy of the partial last one (so that it never
+    /// writes into a page another sequence or snapshot reads) and fresh pages for the rest of `tokens`, and a copy
+    /// of the DeltaNet state. A slot of length 0 that holds a reservation gives it back first.
+    fn restore(&mut self, id: SnapshotId, slot: Slot, tokens: usize) -> std::result::Result<bool, ForwardError> {
+        self.check_slot(slot)?;
+        let Some(&Snapshot { buffer, len }) = self.snapshots.get(&id) else {
+            return Err(ForwardError::Device(format!("no snapshot {id}")));
+        };
+        if self.lens[slot] != 0 {
+            return Err(ForwardError::Device(format!(
+                "restore into slot {slot}, which holds a sequence"
+            )));
+        }
+        self.model.release(slot);
+        if tokens.max(len) > self.model.max_context {
+            return Ok(false);
+        }
+        let Some(partial) = self.model.pages.restore(buffer, slot, len, tokens) else {
+            return Ok(false);
+        };
+        self.model.gpu.bind().map_err(device_err)?;
+        let m = &self.model;
+        let copy = || -> Result<()> {
+            if let Some(page) = partial {
+                m.copy_page(page)?;
+            }
+            m.copy_deltanet_state(StateAt::Snapshot(buffer), StateAt::Slot(slot))?;
+            m.upload_page_row(slot)
+        };
+        if let Err(e) = copy() {
+            self.model.release(slot);
+            return Err(device_err(e));
+        }
+        self.lens[slot] = len;
+        Ok(true)
+    }
+    fn drop_snapshot(&mut self, id: SnapshotId) {
+        if let Some(snapshot) = self.snapshots.remove(&id) {
+            self.model.pages.drop_snapshot(snapshot.buffer);
+            self.free_snapshot_buffers.push(snapshot.buffer);
+        }
+    }
+    /// The snapshot buffers in use, and the KV pages that snapshots hold and no slot shares.
+    fn snapshot_bytes(&self) -> usize {
+        let c = &self.model.config;
+        self.snapshots.len() * Capacity::deltanet_bytes_per_seq(c)
+            + self.model.pages.snapshot_only_pages() * Capacity::kv_bytes_per_page(c)
     }
 }

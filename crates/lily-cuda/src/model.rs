@@ -21,7 +21,7 @@ use crate::kernels::sampling::{self, RowParams};
 use crate::kernels::{attention, deltanet, matvec, moe, synth, Kernels, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher, Profile};
 pub use crate::pages::Capacity;
-use crate::pages::{pages_for, PageAllocator, KV_PAGE};
+use crate::pages::{pages_for, PageAllocator, PageCopy, KV_PAGE};
 use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
 use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights, Source};
@@ -71,6 +71,19 @@ pub struct DeviceState {
     pub conv_ring: Vec<DevBuf<f32>>,
     /// Per DeltaNet layer: `[max_seqs][value_heads][key_dim][value_dim]`.
     pub recurrent: Vec<DevBuf<f32>>,
+    /// Snapshot buffers: the DeltaNet state of a sequence saved at some length, to start others from.
+    pub snapshots: usize,
+    /// Per DeltaNet layer: `[snapshots][conv_k][conv_dim]` and `[snapshots][value_heads][key_dim][value_dim]`,
+    /// laid out as the slots' `conv_ring` and `recurrent`.
+    pub snapshot_ring: Vec<DevBuf<f32>>,
+    pub snapshot_recurrent: Vec<DevBuf<f32>>,
+}
+
+/// Where a sequence's DeltaNet state is: in a slot, or in a snapshot buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateAt {
+    Slot(usize),
+    Snapshot(usize),
 }
 
 impl DeviceState {
@@ -94,6 +107,22 @@ impl DeviceState {
     pub fn recurrent_state(&self, layer: usize, seq: usize) -> DevPtr<f32> {
         let len = self.recurrent[layer].len() / self.max_seqs;
         self.recurrent[layer].at(seq * len)
+    }
+
+    /// DeltaNet layer `layer`: the conv ring and the recurrent state at `at`.
+    pub fn deltanet_state(&self, layer: usize, at: StateAt) -> (DevPtr<f32>, DevPtr<f32>) {
+        match at {
+            StateAt::Slot(seq) => (self.ring(layer, seq), self.recurrent_state(layer, seq)),
+            StateAt::Snapshot(n) => {
+                assert!(n < self.snapshots, "snapshot buffer {n} of {}", self.snapshots);
+                let ring = &self.snapshot_ring[layer];
+                let recurrent = &self.snapshot_recurrent[layer];
+                (
+                    ring.at(n * (ring.len() / self.snapshots)),
+                    recurrent.at(n * (recurrent.len() / self.snapshots)),
+                )
+            }
+        }
     }
 
     /// Slot `seq`'s page-table row.
@@ -279,6 +308,17 @@ impl CudaModel {
             recurrent: (0..c.num_linear_layers())
                 .map(|_| f32s(max_seqs * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
                 .collect::<Result<_>>()?,
+            snapshots: capacity.snapshots,
+            snapshot_ring: (0..c.num_linear_layers())
+                .map(|_| gpu.alloc(capacity.snapshots * c.linear_conv_kernel_dim * c.linear_conv_dim()))
+                .collect::<Result<_>>()?,
+            snapshot_recurrent: (0..c.num_linear_layers())
+                .map(|_| {
+                    gpu.alloc(
+                        capacity.snapshots * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+                    )
+                })
+                .collect::<Result<_>>()?,
         };
         let slot = c.layer_slots();
         let chunk = PREFILL_CHUNK.min(max_context);
@@ -292,7 +332,7 @@ impl CudaModel {
             weights,
             state,
             max_context,
-            pages: PageAllocator::new(max_seqs, capacity.kv_pages, pages_per_seq),
+            pages: PageAllocator::new(max_seqs, capacity.kv_pages, pages_per_seq, capacity.snapshots),
             grids,
             slot,
             prefill,
@@ -592,12 +632,40 @@ impl CudaModel {
         Ok(true)
     }
 
-    /// Returns slot `slot`'s KV pages to the free list (its page-table row is left as it was and not read again
-    /// until the next reservation overwrites it).
+    /// Slot `slot` lets go of its KV pages, which return to the free list unless a snapshot or another slot holds
+    /// them (its page-table row is left as it was and not read again until the next reservation overwrites it).
     pub fn release(&mut self, slot: usize) {
         if slot < self.state.max_seqs {
             self.pages.release(slot);
         }
+    }
+
+    /// Uploads slot `slot`'s whole page-table row as the allocator holds it.
+    pub fn upload_page_row(&self, slot: usize) -> Result<()> {
+        self.gpu.upload(self.state.page_row(slot), self.pages.pages(slot))
+    }
+
+    /// Queues a copy of KV page `copy.from` into page `copy.to` in every attention layer's K and V pools.
+    pub fn copy_page(&self, copy: PageCopy) -> Result<()> {
+        let page = KV_PAGE * self.config.kv_dim();
+        let (from, to) = (copy.from as usize * page, copy.to as usize * page);
+        for pool in self.state.k_pool.iter().chain(&self.state.v_pool) {
+            self.gpu.copy(pool.at(to), pool.at(from), page)?;
+        }
+        Ok(())
+    }
+
+    /// Queues a copy of the DeltaNet conv and recurrent state of every layer from `from` to `to`.
+    pub fn copy_deltanet_state(&self, from: StateAt, to: StateAt) -> Result<()> {
+        let s = &self.state;
+        let (ring_len, recurrent_len) = (s.ring_len(&self.config), s.recurrent_len(&self.config));
+        for layer in 0..s.conv_ring.len() {
+            let ((ring_from, recurrent_from), (ring_to, recurrent_to)) =
+                (s.deltanet_state(layer, from), s.deltanet_state(layer, to));
+            self.gpu.copy(ring_to, ring_from, ring_len)?;
+            self.gpu.copy(recurrent_to, recurrent_from, recurrent_len)?;
+        }
+        Ok(())
     }
 
     /// KV pages no slot holds.

@@ -15,6 +15,7 @@ mod batched;
 mod deltanet_prefill;
 mod gemm;
 mod prefill;
+mod prefix;
 mod sample_rows;
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -166,6 +167,7 @@ pub fn run_all(options: &Options) -> Result<usize> {
     let capacity = crate::model::Capacity {
         max_seqs: 64,
         kv_pages: 64 * crate::pages::pages_for(8192),
+        snapshots: 4,
     };
     let model = CudaModel::new(
         Gpu::open()?,
@@ -177,6 +179,8 @@ pub fn run_all(options: &Options) -> Result<usize> {
     )?;
     let mut backend = crate::batch::CudaBatchBackend::new(model)?;
     batched::check(&mut backend, weights, seed, 64, 8000, &mut report)?;
+    println!("-- prefix snapshots in the batched backend --");
+    prefix::check(&mut backend, seed, &mut report)?;
     drop(backend);
 
     println!("-- end to end: synthetic tiny model, seed 1 --");
