@@ -29,7 +29,14 @@ fn backend_factory(device: Device, dir: PathBuf) -> BackendFactory {
     Box::new(move |context, pool: &lily_server::PoolOptions| {
         let max_seqs = pool.max_seqs.unwrap_or(DEFAULT_CUDA_MAX_SEQS);
         anyhow::ensure!(max_seqs >= 1, "--max-seqs must be at least 1");
-        match crate::cuda_cmd::open_batch_backend(device, &dir, context, max_seqs, pool.kv_tokens, None)? {
+        match crate::cuda_cmd::open_batch_backend(
+            device,
+            &dir,
+            context,
+            max_seqs,
+            pool.kv_tokens,
+            pool.prefix_cache_bytes,
+        )? {
             Some(cuda) => Ok(Box::new(cuda) as Box<dyn lily_model::BatchBackend>),
             None => {
                 if device == Device::Auto {

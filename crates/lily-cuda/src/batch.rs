@@ -703,4 +703,7 @@ impl BatchBackend for CudaBatchBackend {
         self.snapshots.len() * Capacity::deltanet_bytes_per_seq(c)
             + self.model.pages.snapshot_only_pages() * Capacity::kv_bytes_per_page(c)
     }
+    fn snapshot_tokens(&self) -> usize {
+        self.model.pages.snapshot_only_pages() * KV_PAGE
+    }
 }
