@@ -6,7 +6,8 @@
 # Builds nothing. Needs python3 with `openai` and `pytest` (scripts/test.sh runs it in the virtual environment that
 # scripts/python_env.sh makes). Starts
 # `lily serve` (default model, an API key, any free port) from the repository root, waits for /health, runs
-# pytest, then stops the server with SIGTERM and checks that it exits cleanly (graceful shutdown).
+# pytest, then stops the server with SIGTERM and checks that it exits cleanly (graceful shutdown). Tests that start
+# servers of their own (test_replicas.py) run the same lily binary, which they find in LILY_BIN.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
@@ -68,7 +69,7 @@ if [ -z "$ready" ]; then
     exit 1
 fi
 
-PYTHONDONTWRITEBYTECODE=1 LILY_BASE_URL="$base" LILY_API_KEY="$key" python3 -m pytest -q -p no:cacheprovider "$here" "$@"
+PYTHONDONTWRITEBYTECODE=1 LILY_BASE_URL="$base" LILY_API_KEY="$key" LILY_BIN="$lily" python3 -m pytest -q -p no:cacheprovider "$here" "$@"
 status=$?
 
 if [ "$status" -ne 0 ]; then
