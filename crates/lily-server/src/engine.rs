@@ -318,9 +318,12 @@ pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 2048;
 /// prefill call.
 pub const DEFAULT_SNAPSHOT_INTERVAL: usize = 2048;
 
-/// Snapshots one prompt's prefill takes at most (a snapshot of the full model's recurrent state is ~63 MB): the
-/// first message boundary (a shared system prompt and tools) and the longest points below the prompt's end.
+/// Snapshots one prompt's prefill stops for at most (a snapshot of the full model's recurrent state is ~63 MB).
 const MAX_SNAPSHOTS_PER_PROMPT: usize = 12;
+
+/// Prefill calls one iteration makes at most: a call of a few tokens costs a good part of a long one's time, so an
+/// iteration's prompt-token budget is charged at least this share of itself per call.
+const PREFILL_CALLS_PER_ITERATION: usize = 4;
 
 /// The continuous-batching scheduler: it owns the backend and its slots, and loops over iterations, each of which
 ///
@@ -329,16 +332,17 @@ const MAX_SNAPSHOTS_PER_PROMPT: usize = 12;
 ///    backend reserves its whole length (prompt plus `max_tokens`), so a running sequence never runs out of
 ///    context; sequences of one job that share a prompt enter together, the first prefills it and the others are
 ///    forked from it,
-/// 3. prefills one chunk (at most `max_prefill_tokens`) of the earliest admitted prompt,
+/// 3. prefills chunks of the earliest admitted prompts, `max_prefill_tokens` in all (each call charged at least a
+///    `PREFILL_CALLS_PER_ITERATION`th of it),
 /// 4. runs one `step` over every sequence that has a token to append,
 /// 5. samples each sequence whose next-token logits are ready and sends its events.
 ///
 /// The prefix cache: a sequence starts from the backend's snapshot of the longest prefix of its prompt that the
 /// cache holds (looked up at admission and again before each chunk, since a sequence admitted earlier may have
-/// cached a shared prefix meanwhile), and prefills only the rest. Its prefill stops to snapshot where a message
-/// of a rendered chat ends (before each `<|im_start|>`), every `snapshot_interval` tokens, and one token before
-/// the prompt's end (so that the same prompt again reuses all of it but the token whose logits it needs); a
-/// finished sequence is snapshotted as it ends (prompt and reply, for an agent's next turn that extends it). When
+/// cached a shared prefix meanwhile), and prefills only the rest. Its prefill stops to snapshot where the first
+/// and the last message of a rendered chat begin (before `<|im_start|>`) and every `snapshot_interval` tokens,
+/// and snapshots its prompt's end; a finished sequence is snapshotted as it ends (prompt and reply, for an agent's
+/// next turn that extends it). A lookup leaves at least the prompt's last token to prefill, for its logits. When
 /// the backend lacks memory for a sequence or a snapshot, the least recently used snapshots are dropped; a running
 /// sequence never depends on one (the backend shares or copies what it restored).
 pub struct Engine {
@@ -486,7 +490,7 @@ impl Engine {
         if !self.admit() {
             return false;
         }
-        let prefilled = self.prefill_chunk();
+        let prefilled = self.prefill_chunks();
         let stepped = self.decode_step();
         self.set_running();
         if !prefilled && !stepped && self.admitting.is_none() && !self.jobs.is_empty() {
@@ -635,9 +639,11 @@ impl Engine {
         self.options.prefix_cache && spec.request.prompt_logprobs.is_none() && !spec.prompt.is_empty()
     }
 
-    /// Where a prefill of `prompt` stops to snapshot: before each message of a rendered chat (the first such
-    /// boundary and the latest ones), every `snapshot_interval` tokens, and one token before its end; at most
-    /// `MAX_SNAPSHOTS_PER_PROMPT`, ascending.
+    /// Where a prefill of `prompt` stops to snapshot, ascending: before the first and the last message of a
+    /// rendered chat (the end of a shared system prompt, and the end of the conversation before the reply the
+    /// prompt asks for, which is where the next turn's prompt starts to differ) and every `snapshot_interval`
+    /// tokens; at most `MAX_SNAPSHOTS_PER_PROMPT`, the first and the latest kept. The prompt's end is snapshotted
+    /// as well, after its last chunk.
     fn snapshot_points(&self, prompt: &[u32]) -> Vec<usize> {
         let n = prompt.len();
         if n < 2 {
@@ -647,17 +653,23 @@ impl Engine {
             Some(start) => (1..n).filter(|&i| prompt[i] == start).collect(),
             None => Vec::new(),
         };
-        let first = boundaries.first().copied();
-        let mut points = boundaries;
+        // The boundaries between, where earlier turns of a conversation already left snapshots, would each cost a
+        // prefill call of their own for little use.
+        let mut points: Vec<usize> = boundaries
+            .first()
+            .into_iter()
+            .chain(boundaries.last())
+            .copied()
+            .collect();
         if self.options.snapshot_interval > 0 {
             points.extend((1..n).filter(|i| i % self.options.snapshot_interval == 0));
         }
-        points.push(n - 1);
         points.sort_unstable();
         points.dedup();
         if points.len() > MAX_SNAPSHOTS_PER_PROMPT {
+            let first = points[0];
             let latest = points.split_off(points.len() - (MAX_SNAPSHOTS_PER_PROMPT - 1));
-            points = first.into_iter().chain(latest).collect();
+            points = std::iter::once(first).chain(latest).collect();
             points.dedup();
         }
         points
@@ -778,8 +790,25 @@ impl Engine {
         }
     }
 
-    /// Prefills one chunk of the earliest admitted prompt; true when there was one.
-    fn prefill_chunk(&mut self) -> bool {
+    /// Prefills chunks of the earliest admitted prompts within the iteration's budget; true when there was one.
+    fn prefill_chunks(&mut self) -> bool {
+        let budget = self.options.max_prefill_tokens;
+        let least = budget.div_ceil(PREFILL_CALLS_PER_ITERATION);
+        let mut left = budget;
+        let mut any = false;
+        while left > 0 {
+            let Some(tokens) = self.prefill_chunk(left) else {
+                break;
+            };
+            any = true;
+            left = left.saturating_sub(tokens.max(least));
+        }
+        any
+    }
+
+    /// Prefills one chunk, of at most `limit` tokens, of the earliest admitted prompt; returns its tokens, `None`
+    /// when no prompt waits.
+    fn prefill_chunk(&mut self, limit: usize) -> Option<usize> {
         let Some(slot) = (0..self.slots.len())
             .filter(|&s| {
                 matches!(
@@ -792,7 +821,7 @@ impl Engine {
             })
             .min_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))
         else {
-            return false;
+            return None;
         };
         let seq = self.slots[slot].as_ref().expect("chosen above");
         let Phase::Prefill { mut done } = seq.phase else {
@@ -807,7 +836,7 @@ impl Engine {
                 Ok(restored) => done = restored,
                 Err(e) => {
                     self.fail_job(job, forward_error(e));
-                    return true;
+                    return Some(0);
                 }
             }
         }
@@ -819,15 +848,16 @@ impl Engine {
             Some(_) => 1,
             None => prompt
                 .len()
-                .min(done + self.options.max_prefill_tokens)
+                .min(done + limit.max(1))
                 .min(done + self.backend.max_prefill_tokens().max(1))
                 .min(next_snapshot.unwrap_or(usize::MAX)),
         };
         if let Err(e) = self.backend.prefill(slot, &prompt[done..end]) {
             self.fail_job(job, forward_error(e));
-            return true;
+            return Some(0);
         }
-        if next_snapshot == Some(end) {
+        let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_end);
+        if next_snapshot == Some(end) || (snapshots && end == prompt.len()) {
             self.save_snapshot(slot, &prompt[..end]);
         }
         match echo {
@@ -836,7 +866,7 @@ impl Engine {
                     Ok(logits) => logits::logprobs(logits, prompt[1], top),
                     Err(e) => {
                         self.fail_job(job, forward_error(e));
-                        return true;
+                        return Some(0);
                     }
                 };
                 let seq = self.slots[slot].as_mut().expect("chosen above");
@@ -854,7 +884,7 @@ impl Engine {
                 self.sample_and_emit(&ready);
             }
         }
-        true
+        Some(end - done)
     }
 
     /// Restarts the sequence in `slot`, whose first `done` prompt tokens are in, from the prefix cache's snapshot of

@@ -130,10 +130,11 @@ async fn requests_sharing_a_system_prompt_prefill_it_once() {
         assert_eq!(hit, shared, "{hits:?}");
         assert!(prompt - hit < 30, "{hits:?}");
     }
-    // The same request again reuses all of its prompt but the last token.
+    // The same request again reuses all of its prompt up to the reply's header (the prompt's end is cached too,
+    // but a prompt must leave its last token to prefill, for the logits).
     let messages = [system.clone(), json!({"role": "user", "content": questions[3]})];
     let (_, prompt, hit) = chat(&cached, &messages).await;
-    assert_eq!(hit, prompt - 1);
+    assert!(hit > shared && prompt - hit < 12, "{hit} of {prompt}");
     cached.shutdown().await;
     plain.shutdown().await;
 }
