@@ -321,8 +321,8 @@ pub const DEFAULT_SNAPSHOT_INTERVAL: usize = 2048;
 /// Snapshots one prompt's prefill stops for at most (a snapshot of the full model's recurrent state is ~63 MB).
 const MAX_SNAPSHOTS_PER_PROMPT: usize = 12;
 
-/// Prefill calls one iteration makes at most: a call of a few tokens costs a good part of a long one's time, so an
-/// iteration's prompt-token budget is charged at least this share of itself per call.
+/// Prefill calls one iteration makes at most (a call of a few tokens costs a good part of a long one's time): a
+/// prompt that stops early to snapshot goes on in the same iteration, and several short prompts enter together.
 const PREFILL_CALLS_PER_ITERATION: usize = 4;
 
 /// The continuous-batching scheduler: it owns the backend and its slots, and loops over iterations, each of which
@@ -332,8 +332,8 @@ const PREFILL_CALLS_PER_ITERATION: usize = 4;
 ///    backend reserves its whole length (prompt plus `max_tokens`), so a running sequence never runs out of
 ///    context; sequences of one job that share a prompt enter together, the first prefills it and the others are
 ///    forked from it,
-/// 3. prefills chunks of the earliest admitted prompts, `max_prefill_tokens` in all (each call charged at least a
-///    `PREFILL_CALLS_PER_ITERATION`th of it),
+/// 3. prefills chunks of the earliest admitted prompts, `max_prefill_tokens` in all and in at most
+///    `PREFILL_CALLS_PER_ITERATION` calls,
 /// 4. runs one `step` over every sequence that has a token to append,
 /// 5. samples each sequence whose next-token logits are ready and sends its events.
 ///
@@ -792,18 +792,16 @@ impl Engine {
 
     /// Prefills chunks of the earliest admitted prompts within the iteration's budget; true when there was one.
     fn prefill_chunks(&mut self) -> bool {
-        let budget = self.options.max_prefill_tokens;
-        let least = budget.div_ceil(PREFILL_CALLS_PER_ITERATION);
-        let mut left = budget;
-        let mut any = false;
-        while left > 0 {
+        let mut left = self.options.max_prefill_tokens;
+        let mut calls = 0;
+        while left > 0 && calls < PREFILL_CALLS_PER_ITERATION {
             let Some(tokens) = self.prefill_chunk(left) else {
                 break;
             };
-            any = true;
-            left = left.saturating_sub(tokens.max(least));
+            calls += 1;
+            left = left.saturating_sub(tokens);
         }
-        any
+        calls > 0
     }
 
     /// Prefills one chunk, of at most `limit` tokens, of the earliest admitted prompt; returns its tokens, `None`
