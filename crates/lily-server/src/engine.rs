@@ -807,7 +807,7 @@ impl Engine {
     /// Prefills one chunk, of at most `limit` tokens, of the earliest admitted prompt; returns its tokens, `None`
     /// when no prompt waits.
     fn prefill_chunk(&mut self, limit: usize) -> Option<usize> {
-        let Some(slot) = (0..self.slots.len())
+        let slot = (0..self.slots.len())
             .filter(|&s| {
                 matches!(
                     self.slots[s],
@@ -817,10 +817,7 @@ impl Engine {
                     })
                 )
             })
-            .min_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))
-        else {
-            return None;
-        };
+            .min_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))?;
         let seq = self.slots[slot].as_ref().expect("chosen above");
         let Phase::Prefill { mut done } = seq.phase else {
             unreachable!("chosen for its phase")
