@@ -116,6 +116,15 @@ pub fn render_prompt(template: &ChatTemplate, messages: Vec<Json>, enable_thinki
     Ok(template.render(&request)?)
 }
 
+/// Starts a new sequence with `prompt` and returns the seconds its prefill took. A GPU backend queues the prefill
+/// and returns before the device has run it, so the clock is read after waiting for the backend to finish.
+pub fn timed_prefill(backend: &mut dyn Backend, prompt: &[u32]) -> Result<f64> {
+    let start = Instant::now();
+    backend.prefill(prompt)?;
+    backend.synchronize()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
 /// Generates one assistant turn for a rendered prompt: prefill, then sample and decode until an end-of-sequence
 /// token, `options.max_tokens`, the end of the context or `interrupt`, handing each delta to `on_delta` as it comes.
 /// The deltas held back until the end are left to the caller, in the turn's `output.deltas`.
@@ -143,11 +152,7 @@ pub fn generate_turn(
     let room = max_context - prompt.len();
     let budget = options.max_tokens.map_or(room, |max_tokens| max_tokens.min(room));
 
-    let prefill_start = Instant::now();
-    backend.prefill(&prompt)?;
-    // A GPU backend queues the prefill and returns: the time counts once the device has finished it.
-    backend.synchronize()?;
-    let prefill_secs = prefill_start.elapsed().as_secs_f64();
+    let prefill_secs = timed_prefill(backend, &prompt)?;
 
     let options = OutputOptions {
         max_tokens: Some(budget),
@@ -504,5 +509,106 @@ pub fn run(args: ChatArgs) -> Result<()> {
             message["reasoning_content"] = Json::String(reasoning.to_string());
         }
         history.push(message);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use lily_model::sampling::SamplingParams;
+    use lily_model::{Config, ForwardError};
+
+    use super::*;
+
+    /// Runs like a GPU: `prefill` only queues `PREFILL_WORK` of device time and returns; `synchronize` and reading
+    /// the logits wait for the queued work to finish. Its logits always pick `<|im_end|>`.
+    struct QueuedBackend {
+        config: Config,
+        logits: Vec<f32>,
+        busy_until: Option<Instant>,
+    }
+
+    const PREFILL_WORK: Duration = Duration::from_millis(300);
+
+    impl QueuedBackend {
+        fn wait(&mut self) {
+            if let Some(until) = self.busy_until.take() {
+                std::thread::sleep(until.saturating_duration_since(Instant::now()));
+            }
+        }
+    }
+
+    impl Backend for QueuedBackend {
+        fn config(&self) -> &Config {
+            &self.config
+        }
+        fn max_context(&self) -> usize {
+            4096
+        }
+        fn prefill(&mut self, _prompt: &[u32]) -> Result<(), ForwardError> {
+            self.busy_until = Some(Instant::now() + PREFILL_WORK);
+            Ok(())
+        }
+        fn decode(&mut self, _token: u32) -> Result<(), ForwardError> {
+            Ok(())
+        }
+        fn logits(&mut self) -> Result<&[f32], ForwardError> {
+            self.wait();
+            Ok(&self.logits)
+        }
+        fn synchronize(&mut self) -> Result<(), ForwardError> {
+            self.wait();
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "queued".into()
+        }
+    }
+
+    #[test]
+    fn the_prefill_is_timed_once_the_device_has_run_it() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/lily-tiny-shakespeare");
+        let tokenizer = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+        let im_end = tokenizer.special().im_end;
+        let config = Config::tiny_shape();
+        let mut logits = vec![0.0; config.vocab_size];
+        logits[im_end as usize] = 10.0;
+        let mut backend = QueuedBackend {
+            config,
+            logits,
+            busy_until: None,
+        };
+        let mut sampler = Sampler::new(SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        });
+        let options = OutputOptions {
+            eos_token_ids: vec![im_end],
+            max_tokens: Some(4),
+            ..Default::default()
+        };
+        let turn = generate_turn(
+            &mut backend,
+            &mut sampler,
+            &tokenizer,
+            "ROMEO.\n",
+            options,
+            None,
+            |_| Ok(()),
+        )
+        .unwrap();
+        assert_eq!(turn.output.completion_tokens, 1);
+        // The device's prefill time is the prefill's, not the first decode step's.
+        assert!(
+            turn.prefill_secs >= PREFILL_WORK.as_secs_f64(),
+            "prefill timed at {:.3} s, before the device finished it",
+            turn.prefill_secs
+        );
+        assert!(
+            turn.decode_secs < PREFILL_WORK.as_secs_f64(),
+            "the decode time ({:.3} s) holds the prefill's",
+            turn.decode_secs
+        );
     }
 }

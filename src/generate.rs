@@ -145,11 +145,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut sampler = Sampler::new(params);
     let eos = backend.config().eos_token_ids.clone();
 
-    let prefill_start = Instant::now();
-    backend.prefill(&prompt)?;
-    // A GPU backend queues the prefill and returns: the time counts once the device has finished it.
-    backend.synchronize()?;
-    let prefill_secs = prefill_start.elapsed().as_secs_f64();
+    let prefill_secs = crate::chat::timed_prefill(backend.as_mut(), &prompt)?;
 
     let mut stdout = std::io::stdout().lock();
     let mut decoder = lily_chat::StreamDecoder::new(tokenizer.clone(), false);

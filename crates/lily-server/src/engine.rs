@@ -131,8 +131,8 @@ pub struct EngineShared {
 }
 
 /// The jobs waiting for the engine, first in first out: at most `max` beyond those the engine has free slots for
-/// (`room`, which the engine sets each iteration), since those only wait for the engine's next iteration to start
-/// them. A job whose client hangs up while it waits is taken out at once ([`JobQueue::withdraw`]), so that it
+/// (`room`, which the engine sets each iteration and each job it takes lowers at once), since those only wait for
+/// the engine's next iteration to start them. A job whose client hangs up while it waits is taken out at once ([`JobQueue::withdraw`]), so that it
 /// neither holds a place nor keeps its memory.
 pub struct JobQueue {
     state: Mutex<QueueState>,
@@ -244,6 +244,11 @@ impl JobQueue {
         let mut state = self.lock();
         loop {
             if let Some((_, job)) = state.jobs.pop_front() {
+                // The engine takes this job into free slots now, and sets the room again only at the end of its
+                // iteration: until then the slots it takes must not let more jobs in.
+                let taken = job.sequences.len().max(1);
+                let room = self.room.load(Ordering::Relaxed);
+                self.room.store(room.saturating_sub(taken), Ordering::Relaxed);
                 self.metrics.queue_depth.set(state.jobs.len() as f64);
                 return Popped::Job(Box::new(job));
             }
@@ -1341,5 +1346,34 @@ impl Engine {
             ApiError::bad_request("the request was cancelled").with_code("cancelled")
         };
         Event::Error(error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            sequences: Vec::new(),
+            events: tokio::sync::mpsc::unbounded_channel().0,
+            cancel: Arc::new(AtomicBool::new(false)),
+            arrived: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn a_job_the_engine_takes_uses_up_a_free_slot_at_once() {
+        // One place to wait, and an idle engine with one free slot.
+        let queue = JobQueue::new(1, Arc::new(Metrics::new()));
+        queue.set_room(1);
+        assert!(queue.submit(job()).is_ok());
+        // The engine takes that job into its slot; its iteration has not yet set the room again.
+        assert!(matches!(queue.pop(false), Popped::Job(_)));
+        assert!(queue.submit(job()).is_ok(), "the next job waits in the one place");
+        assert!(
+            matches!(queue.submit(job()), Err(SubmitError::QueueFull)),
+            "a third job found room in a slot the first had taken"
+        );
     }
 }
