@@ -1,21 +1,25 @@
 //! f32 products of quantized weight rows with several tokens' activations (the products of a prompt), on the
-//! vector width of the SIMD path the CPU supports: AVX-512, AVX2 with FMA, Arm NEON, or portable code.
+//! SIMD path the CPU supports: AVX-512, AVX2 with FMA, Arm NEON, or portable code.
 //!
-//! [`ROWS`] weight rows at a time are dequantized into f32 (exactly: a bf16 scale times an integer below 256 is
-//! exact in f32, and a fused multiply-add with the bf16 bias rounds once, as the unfused sum does), then multiplied
-//! with every token in register tiles of [`ROWS`] rows by up to four tokens: each vector of weights loaded is used
-//! for every token of the tile and each vector of activations for every row. So the weights are read from memory
-//! once for all the tokens, and the dequantization is paid once per row rather than once per token. Each dot
-//! product is an f32 sum of the products of the dequantized weights with the f32 activations, in the lanes of one
-//! vector, then across them: the same numbers transformers computes, up to the order of the sums. (The one-token
-//! products of a decode step quantize the activations instead, which is faster there but loses precision next
-//! to outliers of a group: see [`super::simd`].)
+//! The weights are dequantized exactly (a bf16 scale times an integer below 256 is exact in f32, and a fused
+//! multiply-add with the bf16 bias rounds once, as the unfused sum does) and multiplied with the f32 activations,
+//! each dot product summed in the lanes of vectors and then across them: the numbers transformers computes on the
+//! dequantized weights, up to the order of the sums. (The one-token products of a decode step quantize the
+//! activations instead, which is faster there but loses precision next to outliers of a group: see
+//! [`super::simd`].) Every path works in register tiles of [`ROWS`] rows by a few tokens, each vector of weights
+//! used for every token of the tile and each vector of activations for every row, so that the weights are read
+//! from memory once for all the tokens.
+//!
+//! AVX-512 dequantizes in registers, inside the tile: per 16 columns of a 4-bit row, one table lookup (`vpermps`)
+//! in the group's 16 possible weights. The tokens of a tile stay in the core's first-level cache while the rows
+//! pass over them. The other paths, with fewer or narrower registers, dequantize [`ROWS`] rows into a buffer once,
+//! then multiply them with every token, tile after tile.
 //!
 //! This file depends on `std` and [`super::simd`] alone.
 
 use super::simd::{Path, Rows, GROUP};
 
-/// Weight rows dequantized and multiplied at a time (the rows of the register tile).
+/// Weight rows of a register tile.
 pub const ROWS: usize = 4;
 
 #[inline(always)]
@@ -24,7 +28,8 @@ fn bf16_to_f32(bits: u16) -> f32 {
 }
 
 /// `out[t * rows + r] = w[r] . xs[t]` for every row of `w` and every input (each `w.cols` long), on `path` (which
-/// must be available: see [`Path::is_available`]). `scratch` holds the dequantized rows (grown as needed).
+/// must be available: see [`Path::is_available`]). `scratch` holds the rows that the paths other than AVX-512
+/// dequantize into a buffer (grown as needed).
 pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &mut Vec<f32>) {
     let groups = w.cols / GROUP;
     assert!(matches!(w.bits, 4 | 8) && w.cols.is_multiple_of(GROUP));
@@ -52,7 +57,7 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => unsafe { x86::gemm_avx2(w, rows, xs, out, scratch) },
         #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => unsafe { x86::gemm_avx512(w, rows, xs, out, scratch) },
+        Path::Avx512 => gemm_tiles::<x86::Avx512>(w, rows, xs, out, scratch),
         #[cfg(target_arch = "aarch64")]
         Path::Neon => unsafe { arm::gemm_neon(w, rows, xs, out, scratch) },
         #[allow(unreachable_patterns)]
@@ -60,7 +65,60 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
     }
 }
 
-/// The vector operations of one SIMD path. The functions are unsafe because they need the path's CPU features
+/// Rows of the register tile of a path that dequantizes in registers: with 4 tokens, 12 accumulators, which with
+/// the loads and constants stay within the 22 vector registers that the compiler allocates for code built for any
+/// x86-64 CPU.
+#[cfg(target_arch = "x86_64")]
+const TILE_ROWS: usize = 3;
+
+/// The register tile of a SIMD path that dequantizes in registers ([`gemm_tiles`]).
+#[cfg(target_arch = "x86_64")]
+trait Tile {
+    /// Most tokens of a tile (as many as the vector registers hold with [`TILE_ROWS`] rows).
+    const TOKENS: usize;
+    /// The dot products of rows `rows` of `w` with the first `T` inputs of `xs`, `[row][token]` (the first `T`
+    /// tokens of each row filled). `scratch` (`TILE_ROWS * w.cols` values) holds the rows' constants per group.
+    ///
+    /// # Safety
+    /// The CPU has the path's features; `w`'s slices hold the rows, each input `w.cols` values (as
+    /// [`gemm_rows`] checks).
+    unsafe fn tile<const T: usize>(
+        w: Rows,
+        rows: [usize; TILE_ROWS],
+        xs: &[&[f32]],
+        scratch: &mut [f32],
+    ) -> [[f32; 4]; TILE_ROWS];
+}
+
+/// The tiles of one SIMD path: tokens [`Tile::TOKENS`] at a time, and in each the rows [`TILE_ROWS`] at a time (the
+/// last rows of a partial group repeat the last row; their results are dropped).
+#[cfg(target_arch = "x86_64")]
+fn gemm_tiles<K: Tile>(w: Rows, rows: usize, xs: &[&[f32]], out: &mut [f32], scratch: &mut [f32]) {
+    let mut t = 0;
+    while t < xs.len() {
+        let tokens = K::TOKENS.min(xs.len() - t);
+        for first in (0..rows).step_by(TILE_ROWS) {
+            let group = std::array::from_fn(|i| (first + i).min(rows - 1));
+            // SAFETY: the caller checked the CPU's features and the slices' lengths.
+            let dots = unsafe {
+                match tokens {
+                    1 => K::tile::<1>(w, group, &xs[t..], scratch),
+                    2 => K::tile::<2>(w, group, &xs[t..], scratch),
+                    3 => K::tile::<3>(w, group, &xs[t..], scratch),
+                    _ => K::tile::<4>(w, group, &xs[t..], scratch),
+                }
+            };
+            for (i, row) in dots.iter().enumerate().take(rows - first) {
+                for (k, &v) in row.iter().enumerate().take(tokens) {
+                    out[(t + k) * rows + first + i] = v;
+                }
+            }
+        }
+        t += tokens;
+    }
+}
+
+/// The vector operations of one SIMD path that dequantizes rows into a buffer ([`gemm`]). The functions are unsafe because they need the path's CPU features
 /// and read `LANES` values behind their pointers.
 trait Lanes {
     type V: Copy;
@@ -77,7 +135,8 @@ trait Lanes {
     unsafe fn dequantize(w: Rows, r: usize, out: &mut [f32]);
 }
 
-/// The row-by-token loop shared by every path (inlined into each, so compiled with its features).
+/// The row-by-token loop of the paths that dequantize rows into a buffer (inlined into each, so compiled with its
+/// features).
 #[inline(always)]
 unsafe fn gemm<L: Lanes>(w: Rows, rows: usize, xs: &[&[f32]], out: &mut [f32], scratch: &mut [f32]) {
     let cols = w.cols;
@@ -193,9 +252,9 @@ fn dequantize_portable(w: Rows, r: usize, out: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{bf16_to_f32, gemm, Lanes, Rows, GROUP};
+    use super::{bf16_to_f32, gemm, Lanes, Rows, Tile, GROUP, ROWS, TILE_ROWS};
 
-    /// AVX2 and FMA: 8 lanes; 16 vector registers hold `ROWS` x 2 accumulators and the loads.
+    /// AVX2 and FMA: 8 lanes; 16 vector registers hold [`ROWS`] x 2 accumulators and the loads.
     pub(super) struct Avx2;
 
     impl Lanes for Avx2 {
@@ -229,8 +288,12 @@ mod x86 {
             let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
             let mask = _mm256_set1_epi32(0xF);
             let row = w.packed.as_ptr().add(r * groups * group_bytes);
+            // The row `ROWS` ahead (the next buffer's), asked for as this one is read: the hardware's prefetchers
+            // alone leave the core waiting on memory. (A prefetch past the weights never faults.)
+            let ahead = row.wrapping_add(ROWS * groups * group_bytes);
             let o = out.as_mut_ptr();
             for g in 0..groups {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(g * group_bytes) as *const i8);
                 let scale = _mm256_set1_ps(bf16_to_f32(w.scales[r * groups + g]));
                 let bias = _mm256_set1_ps(bf16_to_f32(w.biases[r * groups + g]));
                 let bytes = row.add(g * group_bytes);
@@ -248,66 +311,157 @@ mod x86 {
         }
     }
 
-    /// AVX-512: 16 lanes; 32 vector registers hold `ROWS` x 4 accumulators and the loads.
+    /// AVX-512: 16 lanes; the 32 vector registers hold [`TILE_ROWS`] x 4 accumulators.
     pub(super) struct Avx512;
 
-    impl Lanes for Avx512 {
-        type V = __m512;
-        const LANES: usize = 16;
+    impl Tile for Avx512 {
         const TOKENS: usize = 4;
         #[inline(always)]
-        unsafe fn zero() -> __m512 {
-            _mm512_setzero_ps()
+        unsafe fn tile<const T: usize>(
+            w: Rows,
+            rows: [usize; TILE_ROWS],
+            xs: &[&[f32]],
+            scratch: &mut [f32],
+        ) -> [[f32; 4]; TILE_ROWS] {
+            if w.bits == 4 {
+                tile_avx512_4bit::<T>(w, rows, xs, scratch)
+            } else {
+                tile_avx512_8bit::<T>(w, rows, xs, scratch)
+            }
         }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> __m512 {
-            _mm512_loadu_ps(p)
+    }
+
+    /// The sums of the accumulators' lanes.
+    #[inline(always)]
+    unsafe fn sums<const T: usize>(acc: &[[__m512; T]; TILE_ROWS]) -> [[f32; 4]; TILE_ROWS] {
+        let mut dots = [[0.0; 4]; TILE_ROWS];
+        for i in 0..TILE_ROWS {
+            for t in 0..T {
+                dots[i][t] = _mm512_reduce_add_ps(acc[i][t]);
+            }
         }
-        #[inline(always)]
-        unsafe fn fma(a: __m512, b: __m512, acc: __m512) -> __m512 {
-            _mm512_fmadd_ps(a, b, acc)
+        dots
+    }
+
+    /// Asks for the cache line at `p` (which may lie past the weights: a prefetch never faults). A tile prefetches
+    /// the rows of the next tile, which follow its own in memory, as it goes: the hardware's prefetchers alone leave
+    /// the core waiting on memory.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+    }
+
+    /// The row pointers of a tile and the token pointers.
+    #[inline(always)]
+    unsafe fn pointers<const T: usize>(
+        w: Rows,
+        rows: [usize; TILE_ROWS],
+        xs: &[&[f32]],
+    ) -> ([*const u8; TILE_ROWS], [*const f32; T]) {
+        let row_bytes = w.cols * w.bits as usize / 8;
+        let mut packed = [w.packed.as_ptr(); TILE_ROWS];
+        for i in 0..TILE_ROWS {
+            packed[i] = packed[i].add(rows[i] * row_bytes);
         }
-        #[inline(always)]
-        unsafe fn sum(v: __m512) -> f32 {
-            _mm512_reduce_add_ps(v)
+        let mut x = [xs[0].as_ptr(); T];
+        for t in 0..T {
+            x[t] = xs[t].as_ptr();
         }
-        /// 16 values at a time: two u32 words of 4-bit values, each spread over 8 lanes and shifted per lane, or
-        /// 16 bytes widened.
-        #[inline(always)]
-        unsafe fn dequantize(w: Rows, r: usize, out: &mut [f32]) {
-            let groups = w.cols / GROUP;
-            let group_bytes = GROUP * w.bits as usize / 8;
-            let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-            let words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-            let mask = _mm512_set1_epi32(0xF);
-            let row = w.packed.as_ptr().add(r * groups * group_bytes);
-            let o = out.as_mut_ptr();
+        (packed, x)
+    }
+
+    /// 16 columns of 4-bit weights at a time: per row and group, the group's 16 possible weights (`scale * q +
+    /// bias` for `q` below 16) as a table in `scratch`, and two u32 words spread over 8 lanes each and shifted per
+    /// lane, so that the low 4 bits of lane `i` are weight `i`, which picks its entry of the table. (The tables are
+    /// made before the loop, and the loop runs 16 columns per iteration rather than four times that per group, so
+    /// that its live vectors fit the 32 registers.)
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn tile_avx512_4bit<const T: usize>(
+        w: Rows,
+        rows: [usize; TILE_ROWS],
+        xs: &[&[f32]],
+        scratch: &mut [f32],
+    ) -> [[f32; 4]; TILE_ROWS] {
+        let groups = w.cols / GROUP;
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        let tables = scratch[..TILE_ROWS * groups * 16].as_mut_ptr();
+        for (i, &r) in rows.iter().enumerate() {
             for g in 0..groups {
                 let scale = _mm512_set1_ps(bf16_to_f32(w.scales[r * groups + g]));
                 let bias = _mm512_set1_ps(bf16_to_f32(w.biases[r * groups + g]));
-                let bytes = row.add(g * group_bytes);
-                for k in 0..GROUP / 16 {
-                    let q = if w.bits == 4 {
-                        let pair = _mm512_castsi128_si512(_mm_loadl_epi64(bytes.add(8 * k) as *const __m128i));
-                        _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(words, pair), shifts), mask)
-                    } else {
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.add(16 * k) as *const __m128i))
-                    };
-                    let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, bias);
-                    _mm512_storeu_ps(o.add(g * GROUP + 16 * k), v);
+                _mm512_storeu_ps(tables.add((i * groups + g) * 16), _mm512_fmadd_ps(iota, scale, bias));
+            }
+        }
+        let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        let words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let (packed, x) = pointers::<T>(w, rows, xs);
+        let mut acc = [[_mm512_setzero_ps(); T]; TILE_ROWS];
+        let next = packed[0].wrapping_add(TILE_ROWS * w.cols / 2);
+        for c in (0..w.cols).step_by(16) {
+            let g = c / GROUP;
+            prefetch(next.wrapping_add(c * TILE_ROWS / 2));
+            let mut xv = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                xv[t] = _mm512_loadu_ps(x[t].add(c));
+            }
+            for i in 0..TILE_ROWS {
+                let pair = _mm_loadl_epi64(packed[i].add(c / 2) as *const __m128i);
+                let spread = _mm512_permutexvar_epi32(words, _mm512_castsi128_si512(pair));
+                let table = _mm512_loadu_ps(tables.add((i * groups + g) * 16));
+                let wv = _mm512_permutexvar_ps(_mm512_srlv_epi32(spread, shifts), table);
+                for t in 0..T {
+                    acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
                 }
             }
         }
+        sums(&acc)
+    }
+
+    /// 16 columns of 8-bit weights at a time: 16 bytes widened, times the scale plus the bias (per row and group,
+    /// in `scratch`).
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn tile_avx512_8bit<const T: usize>(
+        w: Rows,
+        rows: [usize; TILE_ROWS],
+        xs: &[&[f32]],
+        scratch: &mut [f32],
+    ) -> [[f32; 4]; TILE_ROWS] {
+        let groups = w.cols / GROUP;
+        let (scales, biases) = scratch[..2 * TILE_ROWS * groups].split_at_mut(TILE_ROWS * groups);
+        for (i, &r) in rows.iter().enumerate() {
+            for g in 0..groups {
+                scales[i * groups + g] = bf16_to_f32(w.scales[r * groups + g]);
+                biases[i * groups + g] = bf16_to_f32(w.biases[r * groups + g]);
+            }
+        }
+        let (packed, x) = pointers::<T>(w, rows, xs);
+        let mut acc = [[_mm512_setzero_ps(); T]; TILE_ROWS];
+        let next = packed[0].wrapping_add(TILE_ROWS * w.cols);
+        for c in (0..w.cols).step_by(16) {
+            let g = c / GROUP;
+            prefetch(next.wrapping_add(c * TILE_ROWS));
+            let mut xv = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                xv[t] = _mm512_loadu_ps(x[t].add(c));
+            }
+            for i in 0..TILE_ROWS {
+                let bytes = _mm_loadu_si128(packed[i].add(c) as *const __m128i);
+                let q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                let (scale, bias) = (scales[i * groups + g], biases[i * groups + g]);
+                let wv = _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+                for t in 0..T {
+                    acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+                }
+            }
+        }
+        sums(&acc)
     }
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gemm_avx2(w: Rows, rows: usize, xs: &[&[f32]], out: &mut [f32], scratch: &mut [f32]) {
         gemm::<Avx2>(w, rows, xs, out, scratch)
-    }
-
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    pub(super) unsafe fn gemm_avx512(w: Rows, rows: usize, xs: &[&[f32]], out: &mut [f32], scratch: &mut [f32]) {
-        gemm::<Avx512>(w, rows, xs, out, scratch)
     }
 }
 
@@ -397,32 +551,28 @@ mod tests {
         }
     }
 
-    /// Every path's dequantization gives exactly the values of [`QView::dequantize_row`].
+    /// Every path dequantizes exactly: the products with the unit vectors (one per column) are the weights of
+    /// [`QView::dequantize_row`].
     #[test]
     fn every_path_dequantizes_exactly() {
         let mut rng = Rng::new(29);
-        let (rows, cols) = (5, 192);
+        let (rows, cols) = (6, 128);
+        let units: Vec<f32> = (0..cols * cols)
+            .map(|i| if i % (cols + 1) == 0 { 1.0 } else { 0.0 })
+            .collect();
+        let xs: Vec<&[f32]> = units.chunks_exact(cols).collect();
         for bits in [4, 8] {
             let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal() * 3.0).collect();
             let m = QMatrix::quantize(&w, rows, cols, bits);
             let mut expected = vec![0.0; cols];
             for path in Path::available() {
+                let mut out = vec![f32::NAN; cols * rows];
+                gemm_rows(path, rows_of(&m.view()), &xs, &mut out, &mut Vec::new());
                 for r in 0..rows {
                     m.view().dequantize_row(r, &mut expected);
-                    let mut got = vec![f32::NAN; cols];
-                    // SAFETY: the path is available; `got` holds a row.
-                    unsafe {
-                        match path {
-                            #[cfg(target_arch = "x86_64")]
-                            Path::Avx2 => x86::Avx2::dequantize(rows_of(&m.view()), r, &mut got),
-                            #[cfg(target_arch = "x86_64")]
-                            Path::Avx512 => x86::Avx512::dequantize(rows_of(&m.view()), r, &mut got),
-                            #[cfg(target_arch = "aarch64")]
-                            Path::Neon => arm::Neon::dequantize(rows_of(&m.view()), r, &mut got),
-                            _ => Portable::dequantize(rows_of(&m.view()), r, &mut got),
-                        }
+                    for (c, &want) in expected.iter().enumerate() {
+                        assert_eq!(out[c * rows + r], want, "{path:?} bits {bits} row {r} column {c}");
                     }
-                    assert_eq!(got, expected, "{path:?} bits {bits} row {r}");
                 }
             }
         }
