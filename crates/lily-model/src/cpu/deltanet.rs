@@ -1,6 +1,8 @@
 //! Gated DeltaNet on the CPU: the causal depthwise conv, the per-token recurrence (decode) and the chunked WY form
 //! (prefill, chunk 64), which computes the same function with matrix products.
 
+use super::simd::Path;
+
 /// Tokens per chunk in the chunked form.
 pub const CHUNK: usize = 64;
 
@@ -61,15 +63,71 @@ pub fn recurrent_step(q: &[f32], k: &[f32], v: &[f32], g: f32, beta: f32, state:
 }
 
 /// A sequence of one value head in chunks of [`CHUNK`]: the same result as [`recurrent_step`] for each token.
-/// `q`, `k` are `[tokens][dk]`, `v` and `out` `[tokens][dv]`; `g`, `beta` per token.
+/// `q`, `k` are `[tokens][dk]`, `v` and `out` `[tokens][dv]`; `g`, `beta` per token. The matrix products run on
+/// the vector width of the SIMD path ([`super::linalg::simd_path`]).
 pub fn chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
+    chunked_on(super::linalg::simd_path(), q, k, v, g, beta, state, out)
+}
+
+/// [`chunked`] on `path`, which must be available (see [`Path::is_available`]).
+#[allow(clippy::too_many_arguments)]
+fn chunked_on(
+    path: Path,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    assert!(
+        path.is_available(),
+        "the {} path needs CPU features this CPU lacks",
+        path.name()
+    );
+    match path {
+        // SAFETY (each arm): the path is available on this CPU, so it has the features the function is compiled
+        // for.
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512 => unsafe { chunked_avx512(q, k, v, g, beta, state, out) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2 => unsafe { chunked_avx2(q, k, v, g, beta, state, out) },
+        // Fused multiply-adds are part of every aarch64 CPU; elsewhere `mul_add` would be a library call.
+        _ => chunked_with::<{ cfg!(target_arch = "aarch64") }>(q, k, v, g, beta, state, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn chunked_avx512(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
+    chunked_with::<true>(q, k, v, g, beta, state, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn chunked_avx2(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
+    chunked_with::<true>(q, k, v, g, beta, state, out)
+}
+
+/// [`chunked`] with fused multiply-adds where `FMA` (inlined into each caller, so compiled with its features).
+#[inline(always)]
+fn chunked_with<const FMA: bool>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
     let tokens = g.len();
     let dk = k.len() / tokens;
     let dv = v.len() / tokens;
     let mut start = 0;
     while start < tokens {
         let n = CHUNK.min(tokens - start);
-        chunk(
+        chunk::<FMA>(
             &q[start * dk..(start + n) * dk],
             &k[start * dk..(start + n) * dk],
             &v[start * dv..(start + n) * dv],
@@ -82,11 +140,106 @@ pub fn chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: 
     }
 }
 
+/// `acc + a * b`, fused where `FMA` (only inside functions compiled for FMA: elsewhere `mul_add` is a library
+/// call).
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, acc: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
+}
+
+/// Columns of the register blocks of [`matmul_add`].
+const LANES: usize = 16;
+
+/// `c[i][j] += sum_p a[i][p] * b[p][j]` for `i < m`, `j < n`, `p < k`, summed in order of `p`: `a` is `[m][k]`,
+/// `b` `[k][n]`, `c` `[m][n]`, each row-major with rows `lda`, `ldb`, `ldc` values apart. Blocks of up to 4 rows
+/// by [`LANES`] columns are accumulated in registers over the whole sum.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn matmul_add<const FMA: bool>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    (m, n, k): (usize, usize, usize),
+) {
+    let mut i = 0;
+    while i < m {
+        let rows = (m - i).min(4);
+        let (c, a) = (&mut c[i * ldc..], &a[i * lda..]);
+        match rows {
+            1 => matmul_block::<FMA, 1>(c, ldc, a, lda, b, ldb, n, k),
+            2 => matmul_block::<FMA, 2>(c, ldc, a, lda, b, ldb, n, k),
+            3 => matmul_block::<FMA, 3>(c, ldc, a, lda, b, ldb, n, k),
+            _ => matmul_block::<FMA, 4>(c, ldc, a, lda, b, ldb, n, k),
+        }
+        i += rows;
+    }
+}
+
+/// [`matmul_add`] for the first `R` rows of `a` and `c`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn matmul_block<const FMA: bool, const R: usize>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    n: usize,
+    k: usize,
+) {
+    let a: [&[f32]; R] = std::array::from_fn(|r| &a[r * lda..r * lda + k]);
+    let mut j = 0;
+    while j + LANES <= n {
+        let mut acc: [[f32; LANES]; R] =
+            std::array::from_fn(|r| c[r * ldc + j..r * ldc + j + LANES].try_into().expect("LANES values"));
+        for p in 0..k {
+            let bp: &[f32; LANES] = b[p * ldb + j..p * ldb + j + LANES].try_into().expect("LANES values");
+            for r in 0..R {
+                let ap = a[r][p];
+                for l in 0..LANES {
+                    acc[r][l] = madd::<FMA>(ap, bp[l], acc[r][l]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            c[r * ldc + j..r * ldc + j + LANES].copy_from_slice(acc);
+        }
+        j += LANES;
+    }
+    for j in j..n {
+        for r in 0..R {
+            let mut acc = c[r * ldc + j];
+            for p in 0..k {
+                acc = madd::<FMA>(a[r][p], b[p * ldb + j], acc);
+            }
+            c[r * ldc + j] = acc;
+        }
+    }
+}
+
 /// One chunk of `n <= CHUNK` tokens in the WY form. With `c_t` the cumulative log decay within the chunk:
 ///   A[t][s] = beta_t (k_t . k_s) exp(c_t - c_s) for s < t;  (I + A) U = beta*v;  (I + A) W = beta*k*exp(c)
 ///   V' = U - W S;  o_t = exp(c_t) q_t S + sum_{s<=t} (q_t . k_s) exp(c_t - c_s) V'_s
 ///   S <- exp(c_last) S + sum_s exp(c_last - c_s) k_s V'_s^T
-fn chunk(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
+/// Every step is a matrix product ([`matmul_add`]); the forward substitutions one row at a time.
+#[inline(always)]
+fn chunk<const FMA: bool>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
     let n = g.len();
     let dk = k.len() / n;
     let dv = v.len() / n;
@@ -96,74 +249,78 @@ fn chunk(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [
         acc += g[t];
         cum[t] = acc;
     }
-    // Strictly lower-triangular A, then forward substitution for U (n x dv) and W (n x dk).
-    let mut a = vec![0.0f32; n * n];
+    // K transposed, `[dk][n]`, for the products with K^T.
+    let mut kt = vec![0.0f32; dk * n];
     for t in 0..n {
-        for s in 0..t {
-            let kk = super::linalg::dot(&k[t * dk..(t + 1) * dk], &k[s * dk..(s + 1) * dk]);
-            a[t * n + s] = beta[t] * kk * (cum[t] - cum[s]).exp();
+        for i in 0..dk {
+            kt[i * n + t] = k[t * dk + i];
         }
     }
+    // -A (strictly lower triangular) from K K^T.
+    let mut minus_a = vec![0.0f32; n * n];
+    matmul_add::<FMA>(&mut minus_a, n, k, dk, &kt, n, (n, n, dk));
+    for t in 0..n {
+        for s in 0..n {
+            let e = &mut minus_a[t * n + s];
+            *e = if s < t {
+                -(beta[t] * *e * (cum[t] - cum[s]).exp())
+            } else {
+                0.0
+            };
+        }
+    }
+    // Forward substitution for U (n x dv) and -W (n x dk), row t from the rows before it.
     let mut u = vec![0.0f32; n * dv];
-    let mut w = vec![0.0f32; n * dk];
+    let mut minus_w = vec![0.0f32; n * dk];
     for t in 0..n {
         for j in 0..dv {
             u[t * dv + j] = beta[t] * v[t * dv + j];
         }
         let e = beta[t] * cum[t].exp();
         for i in 0..dk {
-            w[t * dk + i] = e * k[t * dk + i];
+            minus_w[t * dk + i] = -(e * k[t * dk + i]);
         }
-        for s in 0..t {
-            let coef = a[t * n + s];
-            if coef != 0.0 {
-                for j in 0..dv {
-                    u[t * dv + j] -= coef * u[s * dv + j];
-                }
-                for i in 0..dk {
-                    w[t * dk + i] -= coef * w[s * dk + i];
-                }
-            }
-        }
+    }
+    for t in 1..n {
+        let coefs = &minus_a[t * n..t * n + t];
+        let (done, row) = u.split_at_mut(t * dv);
+        matmul_add::<FMA>(&mut row[..dv], dv, coefs, t, done, dv, (1, dv, t));
+        let (done, row) = minus_w.split_at_mut(t * dk);
+        matmul_add::<FMA>(&mut row[..dk], dk, coefs, t, done, dk, (1, dk, t));
     }
     // V' = U - W S, and the read of the incoming state by the decayed queries.
     let mut v_new = u;
+    matmul_add::<FMA>(&mut v_new, dv, &minus_w, dk, state, dv, (n, dv, dk));
+    let mut decayed_q = vec![0.0f32; n * dk];
     for t in 0..n {
-        let qe = cum[t].exp();
-        let o = &mut out[t * dv..(t + 1) * dv];
-        o.fill(0.0);
+        let e = cum[t].exp();
         for i in 0..dk {
-            let srow = &state[i * dv..(i + 1) * dv];
-            let wi = w[t * dk + i];
-            let qi = q[t * dk + i] * qe;
-            for j in 0..dv {
-                v_new[t * dv + j] -= wi * srow[j];
-                o[j] += qi * srow[j];
-            }
+            decayed_q[t * dk + i] = q[t * dk + i] * e;
         }
     }
-    // Intra-chunk attention, causal including the diagonal.
+    out.fill(0.0);
+    matmul_add::<FMA>(out, dv, &decayed_q, dk, state, dv, (n, dv, dk));
+    // Intra-chunk attention, causal including the diagonal: P = (Q K^T) masked and decayed, then out += P V'.
+    let mut p = vec![0.0f32; n * n];
+    matmul_add::<FMA>(&mut p, n, q, dk, &kt, n, (n, n, dk));
     for t in 0..n {
-        for s in 0..=t {
-            let coef = super::linalg::dot(&q[t * dk..(t + 1) * dk], &k[s * dk..(s + 1) * dk]) * (cum[t] - cum[s]).exp();
-            for j in 0..dv {
-                out[t * dv + j] += coef * v_new[s * dv + j];
-            }
+        for s in 0..n {
+            let e = &mut p[t * n + s];
+            *e = if s <= t { *e * (cum[t] - cum[s]).exp() } else { 0.0 };
         }
     }
+    matmul_add::<FMA>(out, dv, &p, n, &v_new, dv, (n, dv, n));
+    // The state after the chunk: decayed, plus (K decayed to the chunk's end)^T V'.
     let last = cum[n - 1];
     let chunk_decay = last.exp();
     state.iter_mut().for_each(|x| *x *= chunk_decay);
-    for s in 0..n {
-        let e = (last - cum[s]).exp();
+    for t in 0..n {
+        let e = (last - cum[t]).exp();
         for i in 0..dk {
-            let ki = k[s * dk + i] * e;
-            let srow = &mut state[i * dv..(i + 1) * dv];
-            for j in 0..dv {
-                srow[j] += ki * v_new[s * dv + j];
-            }
+            kt[i * n + t] *= e;
         }
     }
+    matmul_add::<FMA>(state, dv, &kt, n, &v_new, dv, (dk, dv, n));
 }
 
 #[cfg(test)]
@@ -172,7 +329,7 @@ mod tests {
     use crate::rng::Rng;
 
     #[test]
-    fn chunked_form_equals_the_recurrence() {
+    fn chunked_form_equals_the_recurrence_on_every_path() {
         let mut rng = Rng::new(11);
         let (dk, dv) = (32, 48);
         for tokens in [1, 5, 64, 65, 150] {
@@ -200,15 +357,17 @@ mod tests {
                     &mut o_ref[t * dv..(t + 1) * dv],
                 );
             }
-            let mut s = initial.clone();
-            let mut o = vec![f32::NAN; tokens * dv];
-            chunked(&q, &k, &v, &g, &beta, &mut s, &mut o);
-            let max_o = o.iter().zip(&o_ref).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            let max_s = s.iter().zip(&s_ref).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-            assert!(
-                max_o < 1e-4 && max_s < 1e-4,
-                "tokens {tokens}: out {max_o} state {max_s}"
-            );
+            for path in Path::available() {
+                let mut s = initial.clone();
+                let mut o = vec![f32::NAN; tokens * dv];
+                chunked_on(path, &q, &k, &v, &g, &beta, &mut s, &mut o);
+                let max_o = o.iter().zip(&o_ref).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                let max_s = s.iter().zip(&s_ref).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                assert!(
+                    max_o < 1e-4 && max_s < 1e-4,
+                    "{path:?} tokens {tokens}: out {max_o} state {max_s}"
+                );
+            }
         }
     }
 

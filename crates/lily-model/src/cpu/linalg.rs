@@ -8,6 +8,7 @@ use crate::quant::QView;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use super::gemm;
 use super::simd::{self, Path, QInput, Rows};
 
 /// The environment variable that forces a SIMD path (`scalar`, `avx2`, `avx512`, `neon`) instead of the fastest one
@@ -149,121 +150,92 @@ pub fn matvecs_of(x: &[f32], products: &mut [(QView, &mut [f32])]) {
     INPUTS.with(|inputs| *inputs.borrow_mut() = [x4, x8]);
 }
 
-/// [`qmatmul`] of one input with several matrices of the same width: for one token in one parallel region
-/// ([`matvecs_of`]), for several one product after another.
-pub fn qmatmuls(x: &[f32], products: &mut [(QView, &mut [f32])]) {
-    match products.first() {
-        Some((w, _)) if x.len() == w.cols => matvecs_of(x, products),
-        _ => products.iter_mut().for_each(|(w, out)| qmatmul(*w, x, out)),
+/// One product of a batch run by [`gemms`]: `out[t][r] = w[r] . xs[t]` for each token's activations in `xs`
+/// (each `w.cols` long), in f32.
+pub struct Gemm<'a> {
+    pub w: QView<'a>,
+    pub xs: &'a [&'a [f32]],
+    pub out: &'a mut [f32],
+}
+
+thread_local! {
+    /// Per thread, the rows [`gemms`] last dequantized and the outputs of its last task: reused from task to task.
+    static GEMM_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs every product of the batch in one parallel region (e.g. the projections of a slice of tokens, or the
+/// experts of a slice with the tokens routed to each), rows split into tasks of about the same number of dot
+/// products across all threads. A task runs its rows for every token of its product ([`gemm::gemm_rows`]), so
+/// that each row is read from memory and dequantized once.
+pub fn gemms(batch: &mut [Gemm]) {
+    let path = simd_path();
+    let n = batch.len();
+    let work: usize = batch.iter().map(|p| p.w.rows * p.xs.len()).sum();
+    let work_per_task = work.div_ceil(8 * rayon::current_num_threads()).max(1);
+    let rows_per_task = |p: &Gemm| {
+        (work_per_task / p.xs.len().max(1))
+            .clamp(gemm::ROWS, 1024)
+            .next_multiple_of(gemm::ROWS)
+    };
+    let mut outs = Vec::with_capacity(n);
+    // Product p owns tasks first_task[p]..first_task[p + 1], of rows_per_task(p) rows each (the last fewer).
+    let mut first_task = vec![0usize; n + 1];
+    for (p, product) in batch.iter_mut().enumerate() {
+        assert_eq!(product.out.len(), product.w.rows * product.xs.len());
+        assert!(product.xs.iter().all(|x| x.len() == product.w.cols));
+        outs.push(SharedOut(product.out.as_mut_ptr()));
+        let tasks = if product.xs.is_empty() {
+            0
+        } else {
+            product.w.rows.div_ceil(rows_per_task(product))
+        };
+        first_task[p + 1] = first_task[p] + tasks;
     }
+    let (batch, outs, first_task) = (&*batch, &outs, &first_task);
+    (0..first_task[n]).into_par_iter().for_each(|task| {
+        let p = first_task.partition_point(|&first| first <= task) - 1;
+        let product = &batch[p];
+        let block = rows_per_task(product);
+        let start = (task - first_task[p]) * block;
+        let rows = block.min(product.w.rows - start);
+        let tokens = product.xs.len();
+        // Taken out of the thread-local for the task (which runs no other task inside it).
+        let (mut dequantized, mut values) = GEMM_SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        values.resize(tokens * rows, 0.0);
+        let w = rows_of(&product.w.rows_view(start, rows));
+        gemm::gemm_rows(path, w, product.xs, &mut values, &mut dequantized);
+        for (t, values) in values.chunks_exact(rows).enumerate() {
+            // SAFETY: tasks cover disjoint row ranges of each token's output, which outlives the parallel loop;
+            // the pointer is read through the whole list (which is Send) rather than captured as a bare pointer.
+            let out = unsafe { std::slice::from_raw_parts_mut(outs[p].0.add(t * product.w.rows + start), rows) };
+            out.copy_from_slice(values);
+        }
+        GEMM_SCRATCH.with(|s| *s.borrow_mut() = (dequantized, values));
+    });
+}
+
+/// [`qmatmul`] of one input with several matrices of the same width, in one parallel region: for one token with
+/// the input quantized ([`matvecs_of`]), for several in f32 ([`gemms`]).
+pub fn qmatmuls(x: &[f32], products: &mut [(QView, &mut [f32])]) {
+    let Some((first, _)) = products.first() else {
+        return;
+    };
+    let cols = first.cols;
+    if x.len() == cols {
+        return matvecs_of(x, products);
+    }
+    assert!(x.len().is_multiple_of(cols));
+    let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
+    let mut batch: Vec<Gemm> = products
+        .iter_mut()
+        .map(|(w, out)| Gemm { w: *w, xs: &xs, out })
+        .collect();
+    gemms(&mut batch);
 }
 
 /// `out[t][r] = sum_c w[r][c] * x[t][c]` for `t` in `0..x.len() / w.cols`.
 pub fn qmatmul(w: QView, x: &[f32], out: &mut [f32]) {
-    if x.len() == w.cols {
-        return matvecs_of(x, &mut [(w, out)]);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA, the features `qmatmul_avx2` is compiled for.
-        return unsafe { qmatmul_avx2(w, x, out) };
-    }
-    qmatmul_portable::<false>(w, x, out)
-}
-
-/// The same code compiled for AVX2: the dot products become 8-lane multiplies and adds. (Fused multiply-adds need
-/// the feature inside rayon's closure too, where `mul_add` would otherwise be a library call: not yet.)
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn qmatmul_avx2(w: QView, x: &[f32], out: &mut [f32]) {
-    qmatmul_portable::<false>(w, x, out)
-}
-
-/// Several tokens: blocks of rows across threads, each row dequantized once into f32 and multiplied with every
-/// token, four tokens at a time (the row's values loaded once for the four).
-#[inline(always)]
-fn qmatmul_portable<const FMA: bool>(w: QView, x: &[f32], out: &mut [f32]) {
-    let (rows, cols) = (w.rows, w.cols);
-    assert!(x.len().is_multiple_of(cols));
-    let tokens = x.len() / cols;
-    assert_eq!(out.len(), tokens * rows);
-    const BLOCK: usize = 8;
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    (0..rows.div_ceil(BLOCK)).into_par_iter().for_each(|block| {
-        // Rebinding moves the whole wrapper (which is Send) into the closure rather than its raw pointer field.
-        #[allow(clippy::redundant_locals)]
-        let out_ptr = out_ptr;
-        let mut row = vec![0.0f32; cols];
-        let x_of = |t: usize| &x[t * cols..(t + 1) * cols];
-        for r in block * BLOCK..((block + 1) * BLOCK).min(rows) {
-            w.dequantize_row(r, &mut row);
-            let mut t = 0;
-            while t < tokens {
-                let n = if tokens - t >= 4 { 4 } else { 1 };
-                let v = if n == 4 {
-                    dot4::<FMA>(&row, [x_of(t), x_of(t + 1), x_of(t + 2), x_of(t + 3)])
-                } else {
-                    [dot_with::<FMA>(&row, x_of(t)), 0.0, 0.0, 0.0]
-                };
-                for (k, value) in v[..n].iter().enumerate() {
-                    // SAFETY: each (t, r) is written by exactly one task; `out` outlives the parallel loop.
-                    unsafe { *out_ptr.0.add((t + k) * rows + r) = *value };
-                }
-                t += n;
-            }
-        }
-    });
-}
-
-/// `acc + a * b`, fused where `FMA` (only inside functions compiled for FMA: elsewhere `mul_add` is a library
-/// call).
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, acc: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, acc)
-    } else {
-        acc + a * b
-    }
-}
-
-/// Four dot products of `row` with four inputs of its length, in 8 lanes each.
-#[inline(always)]
-fn dot4<const FMA: bool>(row: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
-    let mut acc = [[0.0f32; 8]; 4];
-    let chunks = row.len() / 8;
-    for i in 0..chunks {
-        let r = &row[i * 8..i * 8 + 8];
-        for k in 0..4 {
-            let xk = &x[k][i * 8..i * 8 + 8];
-            for j in 0..8 {
-                acc[k][j] = madd::<FMA>(r[j], xk[j], acc[k][j]);
-            }
-        }
-    }
-    let mut total = [0.0f32; 4];
-    for k in 0..4 {
-        total[k] = acc[k].iter().sum();
-        for i in chunks * 8..row.len() {
-            total[k] = madd::<FMA>(row[i], x[k][i], total[k]);
-        }
-    }
-    total
-}
-
-#[inline(always)]
-fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
-        for j in 0..8 {
-            acc[j] = madd::<FMA>(a[i * 8 + j], b[i * 8 + j], acc[j]);
-        }
-    }
-    let mut total: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        total = madd::<FMA>(a[i], b[i], total);
-    }
-    total
+    qmatmuls(x, &mut [(w, out)])
 }
 
 #[inline(always)]

@@ -242,17 +242,27 @@ impl CpuModel {
             return Err(ForwardError::EmptyPrompt);
         }
         self.check(state, tokens)?;
-        let vocab = self.config().vocab_size;
-        let mut row = vec![0.0; vocab];
+        let (vocab, h) = (self.config().vocab_size, self.config().hidden_size);
+        // The logits of up to LOGIT_TOKENS positions at a time (one product for all of them).
+        const LOGIT_TOKENS: usize = 16;
+        let mut rows = vec![0.0; vocab * if every_position { LOGIT_TOKENS } else { 1 }];
         state.route_margin = f32::INFINITY;
         for (slice_index, slice) in tokens.chunks(PREFILL_SLICE).enumerate() {
             let base = slice_index * PREFILL_SLICE;
             self.forward(state, slice, Pass::Prefill);
-            let h = self.config().hidden_size;
-            for t in 0..slice.len() {
-                if every_position || base + t + 1 == tokens.len() {
-                    self.lm_head(&state.act.normed[t * h..(t + 1) * h], &mut row);
-                    emit(base + t, &row);
+            let wanted = if every_position {
+                0..slice.len()
+            } else if base + slice.len() == tokens.len() {
+                slice.len() - 1..slice.len()
+            } else {
+                0..0
+            };
+            for first in wanted.clone().step_by(LOGIT_TOKENS) {
+                let n = LOGIT_TOKENS.min(wanted.end - first);
+                let logits = &mut rows[..n * vocab];
+                self.lm_head(&state.act.normed[first * h..(first + n) * h], logits);
+                for (t, row) in logits.chunks_exact(vocab).enumerate() {
+                    emit(base + first + t, row);
                 }
             }
         }

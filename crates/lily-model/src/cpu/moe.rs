@@ -1,7 +1,11 @@
 //! The sparse MoE block on the CPU: softmax router, top-k renormalised, SwiGLU experts read in place from the
 //! stacked tensors, plus the sigmoid-gated shared expert.
 
-use super::linalg::{matvecs, qmatmul, sigmoid, silu, MatVec};
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::linalg::{gemms, matvecs, sigmoid, silu, Gemm, MatVec};
 use super::simd::QInput;
 use crate::config::Config;
 use crate::weights::Moe;
@@ -25,26 +29,6 @@ pub fn route(logits: &[f32], k: usize, experts: &mut [usize], weights: &mut [f32
     weights[..k].iter_mut().for_each(|w| *w /= chosen_sum);
 }
 
-/// SwiGLU of `tokens` rows of `x` through one expert given as row views; writes `[tokens][hidden]` to `out`.
-fn expert_forward(
-    gate: crate::quant::QView,
-    up: crate::quant::QView,
-    down: crate::quant::QView,
-    x: &[f32],
-    out: &mut [f32],
-) {
-    let tokens = x.len() / gate.cols;
-    let inter = gate.rows;
-    let mut g = vec![0.0; tokens * inter];
-    let mut u = vec![0.0; tokens * inter];
-    qmatmul(gate, x, &mut g);
-    qmatmul(up, x, &mut u);
-    for (gi, ui) in g.iter_mut().zip(&u) {
-        *gi = silu(*gi) * ui;
-    }
-    qmatmul(down, &g, out);
-}
-
 /// How close the routing (`chosen`, from [`route`]) came to choosing otherwise: the gap between the smallest
 /// chosen logit and the largest one not chosen, relative to the largest magnitude (infinite when every expert is
 /// chosen).
@@ -60,71 +44,194 @@ pub fn route_margin(logits: &[f32], chosen: &[usize]) -> f32 {
     (last_chosen - first_left) / scale
 }
 
-/// `out = moe(x)` for `[tokens][hidden]` inputs; returns the smallest routing margin of its tokens.
+/// Buffers of the prompt MoE ([`moe_forward`]), kept per thread from call to call.
+#[derive(Default)]
+struct PromptScratch {
+    /// Per token: the router's logits `[tokens][experts]`, the chosen experts and their weights `[tokens][k]`, the
+    /// shared expert's gate logit.
+    logits: Vec<f32>,
+    chosen: Vec<usize>,
+    weights: Vec<f32>,
+    shared_gate: Vec<f32>,
+    /// The routing slot (`t * k + slot`) of each assignment of a token to an expert, sorted by expert (then
+    /// token), and the place in that order of each routing slot.
+    assigned: Vec<usize>,
+    place: Vec<usize>,
+    /// Per expert: its first assignment in that order (`experts + 1` entries).
+    first: Vec<usize>,
+    /// Per assignment, in that order: the gate projection (then the SwiGLU activation) and the up projection,
+    /// `[tokens * k][inter]`, and the down projection, `[tokens * k][hidden]`.
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    /// The same for the shared expert, per token.
+    shared_g: Vec<f32>,
+    shared_u: Vec<f32>,
+    shared_down: Vec<f32>,
+}
+
+thread_local! {
+    static PROMPT_SCRATCH: RefCell<PromptScratch> = RefCell::new(PromptScratch::default());
+}
+
+/// Splits `buf` into consecutive pieces of `len * count` values, one per count.
+fn split_by(mut buf: &mut [f32], len: usize, counts: impl Iterator<Item = usize>) -> Vec<&mut [f32]> {
+    counts
+        .map(|count| {
+            let (piece, rest) = std::mem::take(&mut buf).split_at_mut(count * len);
+            buf = rest;
+            piece
+        })
+        .collect()
+}
+
+/// `out = moe(x)` for `[tokens][hidden]` inputs, in three parallel regions of f32 products ([`gemms`]): the
+/// router, the shared expert's gate and up projections and its sigmoid gate, for every token; each chosen expert's
+/// gate and up projections over the tokens routed to it; each expert's down projection. So each expert's rows are
+/// read once for all of its tokens. Returns the smallest routing margin of the tokens.
 pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: &mut [f32]) -> f32 {
     let hidden = moe.router.cols;
     let tokens = x.len() / hidden;
     let inter = moe.experts_gate.rows / num_experts;
+    let shared_inter = moe.shared_gate.rows;
+    assert!(x.len() == tokens * hidden && out.len() == x.len());
+    // Taken out of the thread-local for the call (a nested call would start from empty buffers).
+    let mut s = PROMPT_SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let xs: Vec<&[f32]> = x.chunks_exact(hidden).collect();
 
-    let mut logits = vec![0.0; tokens * num_experts];
-    qmatmul(moe.router.view(), x, &mut logits);
-    let mut chosen = vec![0usize; tokens * top_k];
-    let mut weights = vec![0.0f32; tokens * top_k];
+    s.logits.resize(tokens * num_experts, 0.0);
+    s.shared_gate.resize(tokens, 0.0);
+    s.shared_g.resize(tokens * shared_inter, 0.0);
+    s.shared_u.resize(tokens * shared_inter, 0.0);
+    gemms(&mut [
+        Gemm {
+            w: moe.router.view(),
+            xs: &xs,
+            out: &mut s.logits,
+        },
+        Gemm {
+            w: moe.shared_expert_gate.view(),
+            xs: &xs,
+            out: &mut s.shared_gate,
+        },
+        Gemm {
+            w: moe.shared_gate.view(),
+            xs: &xs,
+            out: &mut s.shared_g,
+        },
+        Gemm {
+            w: moe.shared_up.view(),
+            xs: &xs,
+            out: &mut s.shared_u,
+        },
+    ]);
+
+    let slots = tokens * top_k;
+    s.chosen.resize(slots, 0);
+    s.weights.resize(slots, 0.0);
     let mut margin = f32::INFINITY;
     for t in 0..tokens {
-        let token_logits = &logits[t * num_experts..(t + 1) * num_experts];
-        let token_chosen = &mut chosen[t * top_k..(t + 1) * top_k];
-        route(
-            token_logits,
-            top_k,
-            token_chosen,
-            &mut weights[t * top_k..(t + 1) * top_k],
-        );
-        margin = margin.min(route_margin(token_logits, token_chosen));
+        let logits = &s.logits[t * num_experts..(t + 1) * num_experts];
+        let chosen = &mut s.chosen[t * top_k..(t + 1) * top_k];
+        route(logits, top_k, chosen, &mut s.weights[t * top_k..(t + 1) * top_k]);
+        margin = margin.min(route_margin(logits, chosen));
     }
-
-    // Shared expert, gated per token.
-    expert_forward(
-        moe.shared_gate.view(),
-        moe.shared_up.view(),
-        moe.shared_down.view(),
-        x,
-        out,
-    );
-    let mut shared_gate = vec![0.0; tokens];
-    qmatmul(moe.shared_expert_gate.view(), x, &mut shared_gate);
-    for t in 0..tokens {
-        let s = sigmoid(shared_gate[t]);
-        out[t * hidden..(t + 1) * hidden].iter_mut().for_each(|v| *v *= s);
+    // Assignments sorted by expert: count each expert's, then place each routing slot after its expert's earlier
+    // ones.
+    s.first.clear();
+    s.first.resize(num_experts + 1, 0);
+    for &e in &s.chosen {
+        s.first[e + 1] += 1;
     }
-
-    // Routed experts: each expert runs once over the tokens that chose it.
     for e in 0..num_experts {
-        let users: Vec<(usize, f32)> = (0..tokens * top_k)
-            .filter(|&i| chosen[i] == e)
-            .map(|i| (i / top_k, weights[i]))
-            .collect();
-        if users.is_empty() {
-            continue;
-        }
-        let mut xe = Vec::with_capacity(users.len() * hidden);
-        for (t, _) in &users {
-            xe.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
-        }
-        let mut ye = vec![0.0; users.len() * hidden];
-        expert_forward(
-            moe.experts_gate.rows_view(e * inter, inter),
-            moe.experts_up.rows_view(e * inter, inter),
-            moe.experts_down.rows_view(e * hidden, hidden),
-            &xe,
-            &mut ye,
-        );
-        for (i, (t, w)) in users.iter().enumerate() {
-            for j in 0..hidden {
-                out[t * hidden + j] += w * ye[i * hidden + j];
+        s.first[e + 1] += s.first[e];
+    }
+    s.assigned.resize(slots, 0);
+    s.place.resize(slots, 0);
+    let mut next = s.first[..num_experts].to_vec();
+    for (slot, &e) in s.chosen.iter().enumerate() {
+        s.assigned[next[e]] = slot;
+        s.place[slot] = next[e];
+        next[e] += 1;
+    }
+    let counts = || s.first.windows(2).map(|w| w[1] - w[0]);
+
+    let routed: Vec<&[f32]> = s.assigned.iter().map(|&slot| xs[slot / top_k]).collect();
+    s.gate.resize(slots * inter, 0.0);
+    s.up.resize(slots * inter, 0.0);
+    {
+        let gates = split_by(&mut s.gate, inter, counts());
+        let ups = split_by(&mut s.up, inter, counts());
+        let mut batch = Vec::with_capacity(2 * num_experts);
+        for (e, (g, u)) in gates.into_iter().zip(ups).enumerate() {
+            let xs = &routed[s.first[e]..s.first[e + 1]];
+            if !xs.is_empty() {
+                batch.push(Gemm {
+                    w: moe.experts_gate.rows_view(e * inter, inter),
+                    xs,
+                    out: g,
+                });
+                batch.push(Gemm {
+                    w: moe.experts_up.rows_view(e * inter, inter),
+                    xs,
+                    out: u,
+                });
             }
         }
+        gemms(&mut batch);
     }
+
+    let swiglu = |(g, u): (&mut [f32], &[f32])| {
+        for (gi, ui) in g.iter_mut().zip(u) {
+            *gi = silu(*gi) * ui;
+        }
+    };
+    s.gate
+        .par_chunks_mut(inter)
+        .zip(s.up.par_chunks(inter))
+        .for_each(swiglu);
+    s.shared_g
+        .par_chunks_mut(shared_inter)
+        .zip(s.shared_u.par_chunks(shared_inter))
+        .for_each(swiglu);
+
+    s.down.resize(slots * hidden, 0.0);
+    s.shared_down.resize(tokens * hidden, 0.0);
+    {
+        let acts: Vec<&[f32]> = s.gate.chunks_exact(inter).collect();
+        let shared_acts: Vec<&[f32]> = s.shared_g.chunks_exact(shared_inter).collect();
+        let mut batch = Vec::with_capacity(num_experts + 1);
+        batch.push(Gemm {
+            w: moe.shared_down.view(),
+            xs: &shared_acts,
+            out: &mut s.shared_down,
+        });
+        for (e, y) in split_by(&mut s.down, hidden, counts()).into_iter().enumerate() {
+            let xs = &acts[s.first[e]..s.first[e + 1]];
+            if !xs.is_empty() {
+                batch.push(Gemm {
+                    w: moe.experts_down.rows_view(e * hidden, hidden),
+                    xs,
+                    out: y,
+                });
+            }
+        }
+        gemms(&mut batch);
+    }
+
+    // Per token: the gated shared expert, then the routed experts in routing order (as `moe_decode` sums them).
+    let s_ref = &s;
+    out.par_chunks_mut(hidden).enumerate().for_each(|(t, out)| {
+        let shared = sigmoid(s_ref.shared_gate[t]);
+        let y = &s_ref.shared_down[t * hidden..(t + 1) * hidden];
+        out.iter_mut().zip(y).for_each(|(o, v)| *o = v * shared);
+        for slot in t * top_k..(t + 1) * top_k {
+            let (w, place) = (s_ref.weights[slot], s_ref.place[slot]);
+            let y = &s_ref.down[place * hidden..(place + 1) * hidden];
+            out.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
+        }
+    });
+    PROMPT_SCRATCH.with(|scratch| *scratch.borrow_mut() = s);
     margin
 }
 
