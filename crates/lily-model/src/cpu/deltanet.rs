@@ -1,6 +1,8 @@
 //! Gated DeltaNet on the CPU: the causal depthwise conv, the per-token recurrence (decode) and the chunked WY form
 //! (prefill, chunk 64), which computes the same function with matrix products.
 
+use rayon::prelude::*;
+
 use super::simd::Path;
 
 /// Tokens per chunk in the chunked form.
@@ -23,9 +25,42 @@ pub fn conv_step(x: &[f32], state: &mut [f32], weights: &[f32], taps: usize, out
 }
 
 /// `tokens` inputs (`[tokens][channels]`) through the conv, continuing from `state` and leaving it after the last.
+/// Each output depends on inputs alone, so the tokens run in parallel, each summed in the order of [`conv_step`].
 pub fn conv_sequence(x: &[f32], state: &mut [f32], weights: &[f32], taps: usize, channels: usize, out: &mut [f32]) {
-    for (xt, ot) in x.chunks_exact(channels).zip(out.chunks_exact_mut(channels)) {
-        conv_step(xt, state, weights, taps, ot);
+    let history = taps - 1;
+    let tokens = x.len() / channels;
+    {
+        let state = &*state;
+        // Row `i` of the inputs that the state's rows begin.
+        let input = |i: usize| {
+            if i < history {
+                &state[i * channels..(i + 1) * channels]
+            } else {
+                &x[(i - history) * channels..(i - history + 1) * channels]
+            }
+        };
+        out[..tokens * channels]
+            .par_chunks_mut(channels)
+            .enumerate()
+            .for_each(|(t, o)| {
+                let newest = input(t + history);
+                let older: Vec<&[f32]> = (t..t + history).map(input).collect();
+                for c in 0..channels {
+                    let w = &weights[c * taps..(c + 1) * taps];
+                    let mut acc = w[taps - 1] * newest[c];
+                    for (j, older) in older.iter().enumerate() {
+                        acc += w[j] * older[c];
+                    }
+                    o[c] = super::linalg::silu(acc);
+                }
+            });
+    }
+    // The state becomes the last `taps - 1` inputs.
+    if tokens >= history {
+        state.copy_from_slice(&x[(tokens - history) * channels..tokens * channels]);
+    } else {
+        state.copy_within(tokens * channels.., 0);
+        state[(history - tokens) * channels..].copy_from_slice(x);
     }
 }
 
@@ -380,24 +415,22 @@ mod tests {
         let mut state_all = vec![0.0; (taps - 1) * channels];
         let mut out_all = vec![0.0; tokens * channels];
         conv_sequence(&x, &mut state_all, &w, taps, channels, &mut out_all);
+        // In pieces longer and shorter than the state, and token by token with the decode step.
         let mut state = vec![0.0; (taps - 1) * channels];
         let mut out = vec![0.0; tokens * channels];
-        conv_sequence(
-            &x[..4 * channels],
-            &mut state,
-            &w,
-            taps,
-            channels,
-            &mut out[..4 * channels],
-        );
-        conv_sequence(
-            &x[4 * channels..],
-            &mut state,
-            &w,
-            taps,
-            channels,
-            &mut out[4 * channels..],
-        );
+        for (start, end) in [(0, 4), (4, 5), (5, 7), (7, 9)] {
+            let (x, out) = (
+                &x[start * channels..end * channels],
+                &mut out[start * channels..end * channels],
+            );
+            conv_sequence(x, &mut state, &w, taps, channels, out);
+        }
+        assert_eq!(out, out_all);
+        assert_eq!(state, state_all);
+        let mut state = vec![0.0; (taps - 1) * channels];
+        for (x, out) in x.chunks_exact(channels).zip(out.chunks_exact_mut(channels)) {
+            conv_step(x, &mut state, &w, taps, out);
+        }
         assert_eq!(out, out_all);
         assert_eq!(state, state_all);
         // Direct definition for the last token of channel 2.

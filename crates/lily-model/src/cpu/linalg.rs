@@ -254,27 +254,37 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     total
 }
 
-/// Zero-centred RMSNorm with the scale stored as `1 + w`, applied to each `scale.len()`-wide row of `x`.
+/// Rows of `width` values per task of the row-wise steps run in parallel: about 16K values, so that a decode
+/// step's one row is one task, run in place.
+fn rows_per_task(width: usize) -> usize {
+    (16 * 1024 / width.max(1)).max(1)
+}
+
+/// Zero-centred RMSNorm with the scale stored as `1 + w`, applied to each `scale.len()`-wide row of `x` (rows in
+/// parallel).
 pub fn rmsnorm(x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
     let n = scale.len();
-    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-        let inv = 1.0 / (mean_sq + eps).sqrt();
-        for i in 0..n {
-            or[i] = xr[i] * inv * scale[i];
-        }
-    }
+    x.par_chunks_exact(n)
+        .zip(out.par_chunks_exact_mut(n))
+        .with_min_len(rows_per_task(n))
+        .for_each(|(xr, or)| {
+            let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for i in 0..n {
+                or[i] = xr[i] * inv * scale[i];
+            }
+        });
 }
 
 pub fn rmsnorm_in_place(x: &mut [f32], scale: &[f32], eps: f32) {
     let n = scale.len();
-    for xr in x.chunks_exact_mut(n) {
+    x.par_chunks_exact_mut(n).with_min_len(rows_per_task(n)).for_each(|xr| {
         let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
         let inv = 1.0 / (mean_sq + eps).sqrt();
         for i in 0..n {
             xr[i] *= inv * scale[i];
         }
-    }
+    });
 }
 
 #[inline]
