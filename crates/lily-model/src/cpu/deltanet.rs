@@ -134,7 +134,7 @@ fn chunked_on(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
 unsafe fn chunked_avx512(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
     chunked_with::<true>(q, k, v, g, beta, state, out)
 }
