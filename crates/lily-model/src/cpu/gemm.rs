@@ -47,13 +47,30 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
         path.name()
     );
     #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx512 && xs.len() >= x86::PANEL_MIN_TOKENS {
-        let needed = x86::panel_scratch(xs.len());
-        if scratch.len() < needed {
-            scratch.resize(needed, 0.0);
+    if path == Path::Avx512 {
+        if xs.len() >= x86::PANEL_MIN_TOKENS {
+            let needed = x86::panel_scratch(xs.len());
+            if scratch.len() < needed {
+                scratch.resize(needed, 0.0);
+            }
+            // SAFETY: the CPU has the path's features and the slice lengths were checked above.
+            return unsafe { x86::gemm_panels(w, rows, xs, out, &mut scratch[..needed]) };
         }
-        // SAFETY: the CPU has the path's features and the slice lengths were checked above.
-        return unsafe { x86::gemm_panels(w, rows, xs, out, &mut scratch[..needed]) };
+        if scratch.len() < (TILE_ROWS + xs.len()) * w.cols {
+            scratch.resize((TILE_ROWS + xs.len()) * w.cols, 0.0);
+        }
+        let (tables, interleaved) = scratch.split_at_mut(TILE_ROWS * w.cols);
+        if w.bits == 4 {
+            // The 4-bit tiles take each 16 activations interleaved (see `x86::tile_avx512_4bit`).
+            let mut refs = [&[][..]; x86::PANEL_MIN_TOKENS];
+            for ((x, dst), r) in xs.iter().zip(interleaved.chunks_exact_mut(w.cols)).zip(&mut refs) {
+                // SAFETY: the CPU has the path's features; `x` and `dst` are `w.cols` long.
+                unsafe { x86::interleave(x, dst) };
+                *r = dst;
+            }
+            return gemm_tiles::<x86::Avx512>(w, rows, &refs[..xs.len()], out, tables);
+        }
+        return gemm_tiles::<x86::Avx512>(w, rows, xs, out, tables);
     }
     if scratch.len() < ROWS * w.cols {
         scratch.resize(ROWS * w.cols, 0.0);
@@ -65,8 +82,6 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
         Path::Scalar => unsafe { gemm::<Portable>(w, rows, xs, out, scratch) },
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => unsafe { x86::gemm_avx2(w, rows, xs, out, scratch) },
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => gemm_tiles::<x86::Avx512>(w, rows, xs, out, scratch),
         #[cfg(target_arch = "aarch64")]
         Path::Neon => unsafe { arm::gemm_neon(w, rows, xs, out, scratch) },
         #[allow(unreachable_patterns)]
@@ -493,6 +508,19 @@ mod x86 {
         }
     }
 
+    /// Copies `x` to `out` with each 16 values interleaved as the 4-bit tiles' weights are: `out[16b + 2i] =
+    /// x[16b + i]`, `out[16b + 2i + 1] = x[16b + 8 + i]`.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    pub(super) unsafe fn interleave(x: &[f32], out: &mut [f32]) {
+        let order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        for (x, out) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+            _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                _mm512_permutexvar_ps(order, _mm512_loadu_ps(x.as_ptr())),
+            );
+        }
+    }
+
     /// Asks for the cache line at `p` (which may lie past the weights: a prefetch never faults). A tile prefetches
     /// the rows of the next tile, which follow its own in memory, as it goes: the hardware's prefetchers alone leave
     /// the core waiting on memory.
@@ -521,10 +549,11 @@ mod x86 {
     }
 
     /// 16 columns of 4-bit weights at a time: per row and group, the group's 16 possible weights (`scale * q +
-    /// bias` for `q` below 16) as a table in `scratch`, and two u32 words spread over 8 lanes each and shifted per
-    /// lane, so that the low 4 bits of lane `i` are weight `i`, which picks its entry of the table. (The tables are
-    /// made before the loop, and the loop runs 16 columns per iteration rather than four times that per group, so
-    /// that its live vectors fit the 32 registers.)
+    /// bias` for `q` below 16) as a table in `scratch`, and the 8 bytes of the 16 weights broadcast to every 64-bit
+    /// lane and shifted per 32-bit lane, so that the low 4 bits of lane `2i` are weight `i` and those of lane `2i +
+    /// 1` weight `8 + i`, which pick their entries of the table. The activations come interleaved the same way
+    /// ([`interleave`]). (The tables are made before the loop, and the loop runs 16 columns per iteration rather
+    /// than four times that per group, so that its live vectors fit the registers.)
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
     unsafe fn tile_avx512_4bit<const T: usize>(
         w: Rows,
@@ -544,8 +573,7 @@ mod x86 {
                 _mm512_storeu_ps(tables.add((i * groups + g) * 16), _mm512_fmadd_ps(iota, scale, bias));
             }
         }
-        let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-        let words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
         let (packed, x) = pointers::<T>(w, rows, xs);
         let mut acc = [[_mm512_setzero_ps(); T]; TILE_ROWS];
         let next = packed[0].wrapping_add(TILE_ROWS * w.cols / 2);
@@ -557,10 +585,9 @@ mod x86 {
                 xv[t] = _mm512_loadu_ps(x[t].add(c));
             }
             for i in 0..TILE_ROWS {
-                let pair = _mm_loadl_epi64(packed[i].add(c / 2) as *const __m128i);
-                let spread = _mm512_permutexvar_epi32(words, _mm512_castsi128_si512(pair));
+                let pair = _mm512_set1_epi64((packed[i].add(c / 2) as *const i64).read_unaligned());
                 let table = _mm512_loadu_ps(tables.add((i * groups + g) * 16));
-                let wv = _mm512_permutexvar_ps(_mm512_srlv_epi32(spread, shifts), table);
+                let wv = _mm512_permutexvar_ps(_mm512_srlv_epi32(pair, shifts), table);
                 for t in 0..T {
                     acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
                 }
