@@ -19,8 +19,12 @@
 
 use super::simd::{Path, Rows, GROUP};
 
-/// Weight rows of a register tile.
+/// Weight rows of a register tile of the paths that dequantize rows into a buffer.
 pub const ROWS: usize = 4;
+
+/// Callers that split a product's rows into tasks make each task's rows a multiple of this (but for the last):
+/// whole tiles and AVX-512 panels, so that no task computes rows past its own to fill them.
+pub const TASK_ROWS: usize = 32;
 
 #[inline(always)]
 fn bf16_to_f32(bits: u16) -> f32 {

@@ -174,8 +174,8 @@ pub fn gemms(batch: &mut [Gemm]) {
     let work_per_task = work.div_ceil(8 * rayon::current_num_threads()).max(1);
     let rows_per_task = |p: &Gemm| {
         (work_per_task / p.xs.len().max(1))
-            .clamp(gemm::ROWS, 1024)
-            .next_multiple_of(gemm::ROWS)
+            .clamp(gemm::TASK_ROWS, 1024)
+            .next_multiple_of(gemm::TASK_ROWS)
     };
     let mut outs = Vec::with_capacity(n);
     // Product p owns tasks first_task[p]..first_task[p + 1], of rows_per_task(p) rows each (the last fewer).
