@@ -1,5 +1,6 @@
-//! Dense building blocks on the CPU: quantized matrix products (on the packed 4/8-bit data, one row dequantized
-//! at a time, never a whole matrix), RMSNorm, activations.
+//! Dense building blocks on the CPU: quantized matrix products on the packed 4/8-bit data (one token's with integer
+//! SIMD on its quantized activations, [`matvecs`]; several tokens' in f32 on the weights dequantized a few rows at a
+//! time, never a whole matrix, [`gemms`]), RMSNorm, activations.
 
 use rayon::prelude::*;
 
@@ -159,7 +160,8 @@ pub struct Gemm<'a> {
 }
 
 thread_local! {
-    /// Per thread, the rows [`gemms`] last dequantized and the outputs of its last task: reused from task to task.
+    /// Per thread, the buffers of [`gemm::gemm_rows`] and the outputs of the last task of [`gemms`]: reused from
+    /// task to task.
     static GEMM_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
