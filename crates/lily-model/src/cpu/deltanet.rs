@@ -1,6 +1,8 @@
 //! Gated DeltaNet on the CPU: the causal depthwise conv, the per-token recurrence (decode) and the chunked WY form
 //! (prefill, chunk 64), which computes the same function with matrix products.
 
+use rayon::prelude::*;
+
 use super::simd::Path;
 
 /// Tokens per chunk in the chunked form.
@@ -23,9 +25,42 @@ pub fn conv_step(x: &[f32], state: &mut [f32], weights: &[f32], taps: usize, out
 }
 
 /// `tokens` inputs (`[tokens][channels]`) through the conv, continuing from `state` and leaving it after the last.
+/// Each output depends on inputs alone, so the tokens run in parallel, each summed in the order of [`conv_step`].
 pub fn conv_sequence(x: &[f32], state: &mut [f32], weights: &[f32], taps: usize, channels: usize, out: &mut [f32]) {
-    for (xt, ot) in x.chunks_exact(channels).zip(out.chunks_exact_mut(channels)) {
-        conv_step(xt, state, weights, taps, ot);
+    let history = taps - 1;
+    let tokens = x.len() / channels;
+    {
+        let state = &*state;
+        // Row `i` of the inputs that the state's rows begin.
+        let input = |i: usize| {
+            if i < history {
+                &state[i * channels..(i + 1) * channels]
+            } else {
+                &x[(i - history) * channels..(i - history + 1) * channels]
+            }
+        };
+        out[..tokens * channels]
+            .par_chunks_mut(channels)
+            .enumerate()
+            .for_each(|(t, o)| {
+                let newest = input(t + history);
+                let older: Vec<&[f32]> = (t..t + history).map(input).collect();
+                for c in 0..channels {
+                    let w = &weights[c * taps..(c + 1) * taps];
+                    let mut acc = w[taps - 1] * newest[c];
+                    for (j, older) in older.iter().enumerate() {
+                        acc += w[j] * older[c];
+                    }
+                    o[c] = super::linalg::silu(acc);
+                }
+            });
+    }
+    // The state becomes the last `taps - 1` inputs.
+    if tokens >= history {
+        state.copy_from_slice(&x[(tokens - history) * channels..tokens * channels]);
+    } else {
+        state.copy_within(tokens * channels.., 0);
+        state[(history - tokens) * channels..].copy_from_slice(x);
     }
 }
 
@@ -93,26 +128,25 @@ fn chunked_on(
         Path::Avx512 => unsafe { chunked_avx512(q, k, v, g, beta, state, out) },
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => unsafe { chunked_avx2(q, k, v, g, beta, state, out) },
-        // Fused multiply-adds are part of every aarch64 CPU; elsewhere `mul_add` would be a library call.
-        _ => chunked_with::<{ cfg!(target_arch = "aarch64") }>(q, k, v, g, beta, state, out),
+        _ => chunked_with::<Portable>(q, k, v, g, beta, state, out),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
 unsafe fn chunked_avx512(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
-    chunked_with::<true>(q, k, v, g, beta, state, out)
+    chunked_with::<x86::Avx512>(q, k, v, g, beta, state, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn chunked_avx2(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
-    chunked_with::<true>(q, k, v, g, beta, state, out)
+    chunked_with::<x86::Avx2>(q, k, v, g, beta, state, out)
 }
 
-/// [`chunked`] with fused multiply-adds where `FMA` (inlined into each caller, so compiled with its features).
+/// [`chunked`] on the vectors of `S` (inlined into each caller, so compiled with its features).
 #[inline(always)]
-fn chunked_with<const FMA: bool>(
+fn chunked_with<S: Vector>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -127,7 +161,7 @@ fn chunked_with<const FMA: bool>(
     let mut start = 0;
     while start < tokens {
         let n = CHUNK.min(tokens - start);
-        chunk::<FMA>(
+        chunk::<S>(
             &q[start * dk..(start + n) * dk],
             &k[start * dk..(start + n) * dk],
             &v[start * dv..(start + n) * dv],
@@ -140,26 +174,134 @@ fn chunked_with<const FMA: bool>(
     }
 }
 
-/// `acc + a * b`, fused where `FMA` (only inside functions compiled for FMA: elsewhere `mul_add` is a library
-/// call).
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, acc: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, acc)
-    } else {
-        acc + a * b
+/// The f32 vectors of one SIMD path, for [`matmul_add`]. The functions are unsafe because they need the path's
+/// CPU features and read or write `LANES` values behind their pointers.
+trait Vector {
+    type V: Copy;
+    const LANES: usize;
+    unsafe fn zero() -> Self::V;
+    unsafe fn splat(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// `acc + a * b`.
+    unsafe fn fma(a: Self::V, b: Self::V, acc: Self::V) -> Self::V;
+    /// `acc + a * b` on single values, fused where the path's vectors are.
+    fn madd(a: f32, b: f32, acc: f32) -> f32;
+}
+
+/// Portable code on arrays of 8 lanes, which the compiler vectorizes for the target's baseline; fused
+/// multiply-adds on aarch64, where every CPU has them (elsewhere `mul_add` would be a library call).
+struct Portable;
+
+impl Vector for Portable {
+    type V = [f32; 8];
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> [f32; 8] {
+        [0.0; 8]
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> [f32; 8] {
+        [x; 8]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> [f32; 8] {
+        std::ptr::read_unaligned(p as *const [f32; 8])
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: [f32; 8]) {
+        std::ptr::write_unaligned(p as *mut [f32; 8], v)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: [f32; 8], b: [f32; 8], acc: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| Self::madd(a[l], b[l], acc[l]))
+    }
+    #[inline(always)]
+    fn madd(a: f32, b: f32, acc: f32) -> f32 {
+        if cfg!(target_arch = "aarch64") {
+            a.mul_add(b, acc)
+        } else {
+            acc + a * b
+        }
     }
 }
 
-/// Columns of the register blocks of [`matmul_add`].
-const LANES: usize = 16;
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::Vector;
+
+    pub(super) struct Avx2;
+
+    impl Vector for Avx2 {
+        type V = __m256;
+        const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, acc: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, acc)
+        }
+        #[inline(always)]
+        fn madd(a: f32, b: f32, acc: f32) -> f32 {
+            a.mul_add(b, acc)
+        }
+    }
+
+    pub(super) struct Avx512;
+
+    impl Vector for Avx512 {
+        type V = __m512;
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, acc: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, acc)
+        }
+        #[inline(always)]
+        fn madd(a: f32, b: f32, acc: f32) -> f32 {
+            a.mul_add(b, acc)
+        }
+    }
+}
 
 /// `c[i][j] += sum_p a[i][p] * b[p][j]` for `i < m`, `j < n`, `p < k`, summed in order of `p`: `a` is `[m][k]`,
 /// `b` `[k][n]`, `c` `[m][n]`, each row-major with rows `lda`, `ldb`, `ldc` values apart. Blocks of up to 4 rows
-/// by [`LANES`] columns are accumulated in registers over the whole sum.
+/// by 8 vectors in all (8 vectors of one row, 4 of two, 2 of three or four) are accumulated in registers over the
+/// whole sum: enough independent sums to hide the latency of the multiply-adds.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn matmul_add<const FMA: bool>(
+fn matmul_add<S: Vector>(
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
@@ -168,24 +310,33 @@ fn matmul_add<const FMA: bool>(
     ldb: usize,
     (m, n, k): (usize, usize, usize),
 ) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(c.len() >= (m - 1) * ldc + n && b.len() >= k.saturating_sub(1) * ldb + n);
+    assert!(k == 0 || a.len() >= (m - 1) * lda + k);
     let mut i = 0;
     while i < m {
         let rows = (m - i).min(4);
         let (c, a) = (&mut c[i * ldc..], &a[i * lda..]);
-        match rows {
-            1 => matmul_block::<FMA, 1>(c, ldc, a, lda, b, ldb, n, k),
-            2 => matmul_block::<FMA, 2>(c, ldc, a, lda, b, ldb, n, k),
-            3 => matmul_block::<FMA, 3>(c, ldc, a, lda, b, ldb, n, k),
-            _ => matmul_block::<FMA, 4>(c, ldc, a, lda, b, ldb, n, k),
+        // SAFETY (each arm): the lengths were checked above; the path's features are those of the caller.
+        unsafe {
+            match rows {
+                1 => matmul_rows::<S, 1, 8>(c, ldc, a, lda, b, ldb, n, k),
+                2 => matmul_rows::<S, 2, 4>(c, ldc, a, lda, b, ldb, n, k),
+                3 => matmul_rows::<S, 3, 2>(c, ldc, a, lda, b, ldb, n, k),
+                _ => matmul_rows::<S, 4, 2>(c, ldc, a, lda, b, ldb, n, k),
+            }
         }
         i += rows;
     }
 }
 
-/// [`matmul_add`] for the first `R` rows of `a` and `c`.
+/// [`matmul_add`] for the first `R` rows of `a` and `c`: blocks of `NB` vectors, then of one, then single
+/// columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn matmul_block<const FMA: bool, const R: usize>(
+unsafe fn matmul_rows<S: Vector, const R: usize, const NB: usize>(
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
@@ -195,34 +346,61 @@ fn matmul_block<const FMA: bool, const R: usize>(
     n: usize,
     k: usize,
 ) {
-    let a: [&[f32]; R] = std::array::from_fn(|r| &a[r * lda..r * lda + k]);
-    let mut j = 0;
-    while j + LANES <= n {
-        let mut acc: [[f32; LANES]; R] =
-            std::array::from_fn(|r| c[r * ldc + j..r * ldc + j + LANES].try_into().expect("LANES values"));
-        for p in 0..k {
-            let bp: &[f32; LANES] = b[p * ldb + j..p * ldb + j + LANES].try_into().expect("LANES values");
-            for r in 0..R {
-                let ap = a[r][p];
-                for l in 0..LANES {
-                    acc[r][l] = madd::<FMA>(ap, bp[l], acc[r][l]);
-                }
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            c[r * ldc + j..r * ldc + j + LANES].copy_from_slice(acc);
-        }
-        j += LANES;
-    }
+    let mut j = matmul_columns::<S, R, NB>(c, ldc, a, lda, b, ldb, 0, n, k);
+    j = matmul_columns::<S, R, 1>(c, ldc, a, lda, b, ldb, j, n, k);
     for j in j..n {
         for r in 0..R {
             let mut acc = c[r * ldc + j];
             for p in 0..k {
-                acc = madd::<FMA>(a[r][p], b[p * ldb + j], acc);
+                acc = S::madd(a[r * lda + p], b[p * ldb + j], acc);
             }
             c[r * ldc + j] = acc;
         }
     }
+}
+
+/// The blocks of `NB` vectors of columns from column `j` on that fit before `n`; returns the first column left.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn matmul_columns<S: Vector, const R: usize, const NB: usize>(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    mut j: usize,
+    n: usize,
+    k: usize,
+) -> usize {
+    let (cp, ap, bp) = (c.as_mut_ptr(), a.as_ptr(), b.as_ptr());
+    while j + NB * S::LANES <= n {
+        let mut acc = [[S::zero(); NB]; R];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (v, acc) in acc.iter_mut().enumerate() {
+                *acc = S::load(cp.add(r * ldc + j + v * S::LANES));
+            }
+        }
+        for p in 0..k {
+            let mut bv = [S::zero(); NB];
+            for (v, bv) in bv.iter_mut().enumerate() {
+                *bv = S::load(bp.add(p * ldb + j + v * S::LANES));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = S::splat(*ap.add(r * lda + p));
+                for (acc, bv) in acc.iter_mut().zip(&bv) {
+                    *acc = S::fma(x, *bv, *acc);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, acc) in acc.iter().enumerate() {
+                S::store(cp.add(r * ldc + j + v * S::LANES), *acc);
+            }
+        }
+        j += NB * S::LANES;
+    }
+    j
 }
 
 /// One chunk of `n <= CHUNK` tokens in the WY form. With `c_t` the cumulative log decay within the chunk:
@@ -231,15 +409,7 @@ fn matmul_block<const FMA: bool, const R: usize>(
 ///   S <- exp(c_last) S + sum_s exp(c_last - c_s) k_s V'_s^T
 /// Every step is a matrix product ([`matmul_add`]); the forward substitutions one row at a time.
 #[inline(always)]
-fn chunk<const FMA: bool>(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) {
+fn chunk<S: Vector>(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], out: &mut [f32]) {
     let n = g.len();
     let dk = k.len() / n;
     let dv = v.len() / n;
@@ -258,7 +428,7 @@ fn chunk<const FMA: bool>(
     }
     // -A (strictly lower triangular) from K K^T.
     let mut minus_a = vec![0.0f32; n * n];
-    matmul_add::<FMA>(&mut minus_a, n, k, dk, &kt, n, (n, n, dk));
+    matmul_add::<S>(&mut minus_a, n, k, dk, &kt, n, (n, n, dk));
     for t in 0..n {
         for s in 0..n {
             let e = &mut minus_a[t * n + s];
@@ -284,13 +454,13 @@ fn chunk<const FMA: bool>(
     for t in 1..n {
         let coefs = &minus_a[t * n..t * n + t];
         let (done, row) = u.split_at_mut(t * dv);
-        matmul_add::<FMA>(&mut row[..dv], dv, coefs, t, done, dv, (1, dv, t));
+        matmul_add::<S>(&mut row[..dv], dv, coefs, t, done, dv, (1, dv, t));
         let (done, row) = minus_w.split_at_mut(t * dk);
-        matmul_add::<FMA>(&mut row[..dk], dk, coefs, t, done, dk, (1, dk, t));
+        matmul_add::<S>(&mut row[..dk], dk, coefs, t, done, dk, (1, dk, t));
     }
     // V' = U - W S, and the read of the incoming state by the decayed queries.
     let mut v_new = u;
-    matmul_add::<FMA>(&mut v_new, dv, &minus_w, dk, state, dv, (n, dv, dk));
+    matmul_add::<S>(&mut v_new, dv, &minus_w, dk, state, dv, (n, dv, dk));
     let mut decayed_q = vec![0.0f32; n * dk];
     for t in 0..n {
         let e = cum[t].exp();
@@ -299,17 +469,17 @@ fn chunk<const FMA: bool>(
         }
     }
     out.fill(0.0);
-    matmul_add::<FMA>(out, dv, &decayed_q, dk, state, dv, (n, dv, dk));
+    matmul_add::<S>(out, dv, &decayed_q, dk, state, dv, (n, dv, dk));
     // Intra-chunk attention, causal including the diagonal: P = (Q K^T) masked and decayed, then out += P V'.
     let mut p = vec![0.0f32; n * n];
-    matmul_add::<FMA>(&mut p, n, q, dk, &kt, n, (n, n, dk));
+    matmul_add::<S>(&mut p, n, q, dk, &kt, n, (n, n, dk));
     for t in 0..n {
         for s in 0..n {
             let e = &mut p[t * n + s];
             *e = if s <= t { *e * (cum[t] - cum[s]).exp() } else { 0.0 };
         }
     }
-    matmul_add::<FMA>(out, dv, &p, n, &v_new, dv, (n, dv, n));
+    matmul_add::<S>(out, dv, &p, n, &v_new, dv, (n, dv, n));
     // The state after the chunk: decayed, plus (K decayed to the chunk's end)^T V'.
     let last = cum[n - 1];
     let chunk_decay = last.exp();
@@ -320,7 +490,7 @@ fn chunk<const FMA: bool>(
             kt[i * n + t] *= e;
         }
     }
-    matmul_add::<FMA>(state, dv, &kt, n, &v_new, dv, (dk, dv, n));
+    matmul_add::<S>(state, dv, &kt, n, &v_new, dv, (dk, dv, n));
 }
 
 #[cfg(test)]
@@ -380,24 +550,22 @@ mod tests {
         let mut state_all = vec![0.0; (taps - 1) * channels];
         let mut out_all = vec![0.0; tokens * channels];
         conv_sequence(&x, &mut state_all, &w, taps, channels, &mut out_all);
+        // In pieces longer and shorter than the state, and token by token with the decode step.
         let mut state = vec![0.0; (taps - 1) * channels];
         let mut out = vec![0.0; tokens * channels];
-        conv_sequence(
-            &x[..4 * channels],
-            &mut state,
-            &w,
-            taps,
-            channels,
-            &mut out[..4 * channels],
-        );
-        conv_sequence(
-            &x[4 * channels..],
-            &mut state,
-            &w,
-            taps,
-            channels,
-            &mut out[4 * channels..],
-        );
+        for (start, end) in [(0, 4), (4, 5), (5, 7), (7, 9)] {
+            let (x, out) = (
+                &x[start * channels..end * channels],
+                &mut out[start * channels..end * channels],
+            );
+            conv_sequence(x, &mut state, &w, taps, channels, out);
+        }
+        assert_eq!(out, out_all);
+        assert_eq!(state, state_all);
+        let mut state = vec![0.0; (taps - 1) * channels];
+        for (x, out) in x.chunks_exact(channels).zip(out.chunks_exact_mut(channels)) {
+            conv_step(x, &mut state, &w, taps, out);
+        }
         assert_eq!(out, out_all);
         assert_eq!(state, state_all);
         // Direct definition for the last token of channel 2.

@@ -19,8 +19,12 @@
 
 use super::simd::{Path, Rows, GROUP};
 
-/// Weight rows of a register tile.
+/// Weight rows of a register tile of the paths that dequantize rows into a buffer.
 pub const ROWS: usize = 4;
+
+/// Callers that split a product's rows into tasks make each task's rows a multiple of this (but for the last):
+/// whole tiles and AVX-512 panels, so that no task computes rows past its own to fill them.
+pub const TASK_ROWS: usize = 32;
 
 #[inline(always)]
 fn bf16_to_f32(bits: u16) -> f32 {
@@ -28,8 +32,8 @@ fn bf16_to_f32(bits: u16) -> f32 {
 }
 
 /// `out[t * rows + r] = w[r] . xs[t]` for every row of `w` and every input (each `w.cols` long), on `path` (which
-/// must be available: see [`Path::is_available`]). `scratch` holds the rows that the paths other than AVX-512
-/// dequantize into a buffer (grown as needed).
+/// must be available: see [`Path::is_available`]). `scratch` holds the paths' dequantized rows and other
+/// per-call buffers (grown as needed).
 pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &mut Vec<f32>) {
     let groups = w.cols / GROUP;
     assert!(matches!(w.bits, 4 | 8) && w.cols.is_multiple_of(GROUP));
@@ -46,6 +50,32 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
         "the {} path needs CPU features this CPU lacks",
         path.name()
     );
+    #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx512 {
+        if xs.len() >= x86::PANEL_MIN_TOKENS {
+            let needed = x86::panel_scratch(xs.len());
+            if scratch.len() < needed {
+                scratch.resize(needed, 0.0);
+            }
+            // SAFETY: the CPU has the path's features and the slice lengths were checked above.
+            return unsafe { x86::gemm_panels(w, rows, xs, out, &mut scratch[..needed]) };
+        }
+        if scratch.len() < (TILE_ROWS + xs.len()) * w.cols {
+            scratch.resize((TILE_ROWS + xs.len()) * w.cols, 0.0);
+        }
+        let (tables, interleaved) = scratch.split_at_mut(TILE_ROWS * w.cols);
+        if w.bits == 4 {
+            // The 4-bit tiles take each 16 activations interleaved (see `x86::tile_avx512_4bit`).
+            let mut refs = [&[][..]; x86::PANEL_MIN_TOKENS];
+            for ((x, dst), r) in xs.iter().zip(interleaved.chunks_exact_mut(w.cols)).zip(&mut refs) {
+                // SAFETY: the CPU has the path's features; `x` and `dst` are `w.cols` long.
+                unsafe { x86::interleave(x, dst) };
+                *r = dst;
+            }
+            return gemm_tiles::<x86::Avx512>(w, rows, &refs[..xs.len()], out, tables);
+        }
+        return gemm_tiles::<x86::Avx512>(w, rows, xs, out, tables);
+    }
     if scratch.len() < ROWS * w.cols {
         scratch.resize(ROWS * w.cols, 0.0);
     }
@@ -56,8 +86,6 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
         Path::Scalar => unsafe { gemm::<Portable>(w, rows, xs, out, scratch) },
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => unsafe { x86::gemm_avx2(w, rows, xs, out, scratch) },
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 => gemm_tiles::<x86::Avx512>(w, rows, xs, out, scratch),
         #[cfg(target_arch = "aarch64")]
         Path::Neon => unsafe { arm::gemm_neon(w, rows, xs, out, scratch) },
         #[allow(unreachable_patterns)]
@@ -65,11 +93,10 @@ pub fn gemm_rows(path: Path, w: Rows, xs: &[&[f32]], out: &mut [f32], scratch: &
     }
 }
 
-/// Rows of the register tile of a path that dequantizes in registers: with 4 tokens, 12 accumulators, which with
-/// the loads and constants stay within the 22 vector registers that the compiler allocates for code built for any
-/// x86-64 CPU.
+/// Rows of the register tile of a path that dequantizes in registers: with 4 tokens, 16 accumulators, which with
+/// the loads and constants stay within the 32 vector registers.
 #[cfg(target_arch = "x86_64")]
-const TILE_ROWS: usize = 3;
+const TILE_ROWS: usize = 4;
 
 /// The register tile of a SIMD path that dequantizes in registers ([`gemm_tiles`]).
 #[cfg(target_arch = "x86_64")]
@@ -343,6 +370,161 @@ mod x86 {
         dots
     }
 
+    /// Fewest tokens for which a product runs in panels ([`gemm_panels`]) rather than in tiles.
+    pub(super) const PANEL_MIN_TOKENS: usize = 16;
+    /// Rows of a panel: the 16 lanes of two vectors.
+    const PANEL: usize = 32;
+    /// Columns of a panel's block (a multiple of the group), 32 KB of dequantized weights.
+    const BLOCK_COLS: usize = 256;
+    /// Tokens of a panel's register tile: 8 tokens by 2 vectors of rows, 16 accumulators.
+    const PANEL_TOKENS: usize = 8;
+
+    /// The values of `scratch` that [`gemm_panels`] needs for `tokens` tokens.
+    pub(super) fn panel_scratch(tokens: usize) -> usize {
+        BLOCK_COLS * PANEL + tokens.next_multiple_of(PANEL_TOKENS) * PANEL
+    }
+
+    /// The products of many tokens, with the rows in the vectors' lanes: panels of [`PANEL`] rows, each
+    /// dequantized [`BLOCK_COLS`] columns at a time into `scratch`, transposed (column-major, `[column][row]`), then
+    /// multiplied with every token in register tiles of [`PANEL_TOKENS`] tokens by the panel's rows, one column at a
+    /// time: two vectors of weights, each token's activation broadcast to both, and no sums across lanes. The block
+    /// stays in the first-level cache for all the tokens, which are read once per block; the outputs of a token
+    /// accumulate in `scratch` from block to block, each summed over the columns in order.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    pub(super) unsafe fn gemm_panels(w: Rows, rows: usize, xs: &[&[f32]], out: &mut [f32], scratch: &mut [f32]) {
+        let tokens = xs.len();
+        let (block, sums) = scratch.split_at_mut(BLOCK_COLS * PANEL);
+        let sums = &mut sums[..tokens.next_multiple_of(PANEL_TOKENS) * PANEL];
+        for first in (0..rows).step_by(PANEL) {
+            let n = PANEL.min(rows - first);
+            sums.fill(0.0);
+            for start in (0..w.cols).step_by(BLOCK_COLS) {
+                let cols = BLOCK_COLS.min(w.cols - start);
+                pack_block(w, first, n, start, cols, block);
+                for t in (0..tokens).step_by(PANEL_TOKENS) {
+                    // The last tile repeats the last token; its extra sums are dropped.
+                    let x: [*const f32; PANEL_TOKENS] =
+                        std::array::from_fn(|k| xs[(t + k).min(tokens - 1)].as_ptr().add(start));
+                    panel_tile(block.as_ptr(), cols, x, sums.as_mut_ptr().add(t * PANEL));
+                }
+            }
+            for (t, sums) in sums.chunks_exact(PANEL).take(tokens).enumerate() {
+                out[t * rows + first..t * rows + first + n].copy_from_slice(&sums[..n]);
+            }
+        }
+    }
+
+    /// Dequantizes columns `start..start + cols` of rows `first..first + n` into `block`, transposed: `[column][row]`
+    /// with [`PANEL`] rows (those past `n` zero).
+    #[inline(always)]
+    unsafe fn pack_block(w: Rows, first: usize, n: usize, start: usize, cols: usize, block: &mut [f32]) {
+        let groups = w.cols / GROUP;
+        let row_bytes = w.cols * w.bits as usize / 8;
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        let words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let out = block.as_mut_ptr();
+        for c in (0..cols).step_by(16) {
+            let (col, g) = (start + c, (start + c) / GROUP);
+            for half in 0..PANEL / 16 {
+                let mut v = [_mm512_setzero_ps(); 16];
+                for (i, v) in v.iter_mut().enumerate() {
+                    let r = half * 16 + i;
+                    if r >= n {
+                        break;
+                    }
+                    let r = first + r;
+                    let scale = _mm512_set1_ps(bf16_to_f32(w.scales[r * groups + g]));
+                    let bias = _mm512_set1_ps(bf16_to_f32(w.biases[r * groups + g]));
+                    let row = w.packed.as_ptr().add(r * row_bytes);
+                    *v = if w.bits == 4 {
+                        let pair = _mm_loadl_epi64(row.add(col / 2) as *const __m128i);
+                        let spread = _mm512_permutexvar_epi32(words, _mm512_castsi128_si512(pair));
+                        _mm512_permutexvar_ps(_mm512_srlv_epi32(spread, shifts), _mm512_fmadd_ps(iota, scale, bias))
+                    } else {
+                        let bytes = _mm_loadu_si128(row.add(col) as *const __m128i);
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), scale, bias)
+                    };
+                }
+                transpose16(&mut v);
+                for (j, v) in v.iter().enumerate() {
+                    _mm512_storeu_ps(out.add((c + j) * PANEL + half * 16), *v);
+                }
+            }
+        }
+    }
+
+    /// Transposes 16 vectors of 16 values: afterwards `v[j]` holds lane `j` of every vector, in order.
+    #[inline(always)]
+    unsafe fn transpose16(v: &mut [__m512; 16]) {
+        // Pairs of rows interleaved by 32 bits within each 128-bit lane, then pairs of those by 64 bits: vector
+        // 4q + k then holds, in lane l, column 4l + k of rows 4q..4q + 4.
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+        }
+        let pd = _mm512_castps_pd;
+        for q in 0..4 {
+            let (a, b, c, d) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
+            v[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a), pd(c)));
+            v[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a), pd(c)));
+            v[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(b), pd(d)));
+            v[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b), pd(d)));
+        }
+        // Then the 128-bit lanes: column 4l + k gathers lane l of vectors k, 4 + k, 8 + k and 12 + k.
+        for k in 0..4 {
+            let low = _mm512_shuffle_f32x4::<0x44>(v[k], v[4 + k]);
+            let high = _mm512_shuffle_f32x4::<0xEE>(v[k], v[4 + k]);
+            let low2 = _mm512_shuffle_f32x4::<0x44>(v[8 + k], v[12 + k]);
+            let high2 = _mm512_shuffle_f32x4::<0xEE>(v[8 + k], v[12 + k]);
+            t[k] = _mm512_shuffle_f32x4::<0x88>(low, low2);
+            t[4 + k] = _mm512_shuffle_f32x4::<0xDD>(low, low2);
+            t[8 + k] = _mm512_shuffle_f32x4::<0x88>(high, high2);
+            t[12 + k] = _mm512_shuffle_f32x4::<0xDD>(high, high2);
+        }
+        *v = t;
+    }
+
+    /// `sums[t][r] += sum over columns c of block[c][r] * x[t][c]` for the [`PANEL_TOKENS`] tokens and the
+    /// [`PANEL`] rows, column after column.
+    #[inline(always)]
+    unsafe fn panel_tile(block: *const f32, cols: usize, x: [*const f32; PANEL_TOKENS], sums: *mut f32) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; PANEL_TOKENS];
+        for (t, acc) in acc.iter_mut().enumerate() {
+            acc[0] = _mm512_loadu_ps(sums.add(t * PANEL));
+            acc[1] = _mm512_loadu_ps(sums.add(t * PANEL + 16));
+        }
+        for c in 0..cols {
+            let w0 = _mm512_loadu_ps(block.add(c * PANEL));
+            let w1 = _mm512_loadu_ps(block.add(c * PANEL + 16));
+            for (acc, x) in acc.iter_mut().zip(&x) {
+                let xb = _mm512_set1_ps(*x.add(c));
+                acc[0] = _mm512_fmadd_ps(w0, xb, acc[0]);
+                acc[1] = _mm512_fmadd_ps(w1, xb, acc[1]);
+            }
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(sums.add(t * PANEL), acc[0]);
+            _mm512_storeu_ps(sums.add(t * PANEL + 16), acc[1]);
+        }
+    }
+
+    /// Copies `x` to `out` with each 16 values interleaved as the 4-bit tiles' weights are: `out[16b + 2i] =
+    /// x[16b + i]`, `out[16b + 2i + 1] = x[16b + 8 + i]`.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    pub(super) unsafe fn interleave(x: &[f32], out: &mut [f32]) {
+        let order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        for (x, out) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+            _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                _mm512_permutexvar_ps(order, _mm512_loadu_ps(x.as_ptr())),
+            );
+        }
+    }
+
     /// Asks for the cache line at `p` (which may lie past the weights: a prefetch never faults). A tile prefetches
     /// the rows of the next tile, which follow its own in memory, as it goes: the hardware's prefetchers alone leave
     /// the core waiting on memory.
@@ -371,11 +553,12 @@ mod x86 {
     }
 
     /// 16 columns of 4-bit weights at a time: per row and group, the group's 16 possible weights (`scale * q +
-    /// bias` for `q` below 16) as a table in `scratch`, and two u32 words spread over 8 lanes each and shifted per
-    /// lane, so that the low 4 bits of lane `i` are weight `i`, which picks its entry of the table. (The tables are
-    /// made before the loop, and the loop runs 16 columns per iteration rather than four times that per group, so
-    /// that its live vectors fit the 32 registers.)
-    #[target_feature(enable = "avx2,fma,avx512f")]
+    /// bias` for `q` below 16) as a table in `scratch`, and the 8 bytes of the 16 weights broadcast to every 64-bit
+    /// lane and shifted per 32-bit lane, so that the low 4 bits of lane `2i` are weight `i` and those of lane `2i +
+    /// 1` weight `8 + i`, which pick their entries of the table. The activations come interleaved the same way
+    /// ([`interleave`]). (The tables are made before the loop, and the loop runs 16 columns per iteration rather
+    /// than four times that per group, so that its live vectors fit the registers.)
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
     unsafe fn tile_avx512_4bit<const T: usize>(
         w: Rows,
         rows: [usize; TILE_ROWS],
@@ -394,8 +577,7 @@ mod x86 {
                 _mm512_storeu_ps(tables.add((i * groups + g) * 16), _mm512_fmadd_ps(iota, scale, bias));
             }
         }
-        let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-        let words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
         let (packed, x) = pointers::<T>(w, rows, xs);
         let mut acc = [[_mm512_setzero_ps(); T]; TILE_ROWS];
         let next = packed[0].wrapping_add(TILE_ROWS * w.cols / 2);
@@ -407,10 +589,9 @@ mod x86 {
                 xv[t] = _mm512_loadu_ps(x[t].add(c));
             }
             for i in 0..TILE_ROWS {
-                let pair = _mm_loadl_epi64(packed[i].add(c / 2) as *const __m128i);
-                let spread = _mm512_permutexvar_epi32(words, _mm512_castsi128_si512(pair));
+                let pair = _mm512_set1_epi64((packed[i].add(c / 2) as *const i64).read_unaligned());
                 let table = _mm512_loadu_ps(tables.add((i * groups + g) * 16));
-                let wv = _mm512_permutexvar_ps(_mm512_srlv_epi32(spread, shifts), table);
+                let wv = _mm512_permutexvar_ps(_mm512_srlv_epi32(pair, shifts), table);
                 for t in 0..T {
                     acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
                 }
@@ -421,7 +602,7 @@ mod x86 {
 
     /// 16 columns of 8-bit weights at a time: 16 bytes widened, times the scale plus the bias (per row and group,
     /// in `scratch`).
-    #[target_feature(enable = "avx2,fma,avx512f")]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
     unsafe fn tile_avx512_8bit<const T: usize>(
         w: Rows,
         rows: [usize; TILE_ROWS],
@@ -552,7 +733,8 @@ mod tests {
     }
 
     /// Every path dequantizes exactly: the products with the unit vectors (one per column) are the weights of
-    /// [`QView::dequantize_row`].
+    /// [`QView::dequantize_row`], whether the unit vectors come a few at a time or all at once (the two ways of
+    /// the AVX-512 path).
     #[test]
     fn every_path_dequantizes_exactly() {
         let mut rng = Rng::new(29);
@@ -566,47 +748,59 @@ mod tests {
             let m = QMatrix::quantize(&w, rows, cols, bits);
             let mut expected = vec![0.0; cols];
             for path in Path::available() {
-                let mut out = vec![f32::NAN; cols * rows];
-                gemm_rows(path, rows_of(&m.view()), &xs, &mut out, &mut Vec::new());
-                for r in 0..rows {
-                    m.view().dequantize_row(r, &mut expected);
-                    for (c, &want) in expected.iter().enumerate() {
-                        assert_eq!(out[c * rows + r], want, "{path:?} bits {bits} row {r} column {c}");
+                for per_call in [5, cols] {
+                    for (call, xs) in xs.chunks(per_call).enumerate() {
+                        let mut out = vec![f32::NAN; xs.len() * rows];
+                        gemm_rows(path, rows_of(&m.view()), xs, &mut out, &mut Vec::new());
+                        for r in 0..rows {
+                            m.view().dequantize_row(r, &mut expected);
+                            for t in 0..xs.len() {
+                                let c = call * per_call + t;
+                                assert_eq!(
+                                    out[t * rows + r],
+                                    expected[c],
+                                    "{path:?} bits {bits} row {r} column {c}"
+                                );
+                            }
+                        }
                     }
                 }
             }
         }
     }
 
-    /// Every path, on 4- and 8-bit rows, row counts that do and do not fill the register tile and token counts
-    /// that do and do not fill it, against the f64 product of the dequantized rows with the inputs, within f32
+    /// Every path, on 4- and 8-bit rows, row counts that do and do not fill the register tiles and panels, token
+    /// counts that do and do not fill them (and that take either way of the AVX-512 path) and widths that do and do
+    /// not fill a panel's block, against the f64 product of the dequantized rows with the inputs, within f32
     /// rounding of the sum of the products' magnitudes.
     #[test]
     fn every_path_matches_the_dequantized_product() {
         let mut rng = Rng::new(31);
-        let cols = 256;
-        for bits in [4, 8] {
-            for rows in [1, 4, 7] {
-                let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal()).collect();
-                let m = QMatrix::quantize(&w, rows, cols, bits);
-                for tokens in [1, 2, 3, 4, 5, 9] {
-                    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.normal()).collect();
-                    let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
-                    let mut row = vec![0.0; cols];
-                    for path in Path::available() {
-                        let mut out = vec![f32::NAN; tokens * rows];
-                        gemm_rows(path, rows_of(&m.view()), &xs, &mut out, &mut Vec::new());
-                        for r in 0..rows {
-                            m.view().dequantize_row(r, &mut row);
-                            for (t, x) in xs.iter().enumerate() {
-                                let exact: f64 = row.iter().zip(*x).map(|(&a, &b)| a as f64 * b as f64).sum();
-                                let magnitude: f64 =
-                                    row.iter().zip(*x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
-                                let got = out[t * rows + r] as f64;
-                                assert!(
-                                    (got - exact).abs() <= 1e-6 * magnitude,
-                                    "{path:?} bits {bits} rows {rows} tokens {tokens} ({r}, {t}): {got} vs {exact}"
-                                );
+        for cols in [256, 384] {
+            for bits in [4, 8] {
+                for rows in [1, 4, 7, 33] {
+                    let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal()).collect();
+                    let m = QMatrix::quantize(&w, rows, cols, bits);
+                    for tokens in [1, 2, 3, 4, 5, 9, 17, 40] {
+                        let x: Vec<f32> = (0..tokens * cols).map(|_| rng.normal()).collect();
+                        let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
+                        let mut row = vec![0.0; cols];
+                        for path in Path::available() {
+                            let mut out = vec![f32::NAN; tokens * rows];
+                            gemm_rows(path, rows_of(&m.view()), &xs, &mut out, &mut Vec::new());
+                            for r in 0..rows {
+                                m.view().dequantize_row(r, &mut row);
+                                for (t, x) in xs.iter().enumerate() {
+                                    let products = row.iter().zip(*x).map(|(&a, &b)| a as f64 * b as f64);
+                                    let exact: f64 = products.clone().sum();
+                                    let magnitude: f64 = products.map(f64::abs).sum();
+                                    let got = out[t * rows + r] as f64;
+                                    assert!(
+                                        (got - exact).abs() <= 1e-6 * magnitude,
+                                        "{path:?} cols {cols} bits {bits} rows {rows} tokens {tokens} ({r}, {t}): \
+                                         {got} vs {exact}"
+                                    );
+                                }
                             }
                         }
                     }

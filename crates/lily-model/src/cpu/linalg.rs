@@ -1,5 +1,6 @@
-//! Dense building blocks on the CPU: quantized matrix products (on the packed 4/8-bit data, one row dequantized
-//! at a time, never a whole matrix), RMSNorm, activations.
+//! Dense building blocks on the CPU: quantized matrix products on the packed 4/8-bit data (one token's with integer
+//! SIMD on its quantized activations, [`matvecs`]; several tokens' in f32 on the weights dequantized a few rows at a
+//! time, never a whole matrix, [`gemms`]), RMSNorm, activations.
 
 use rayon::prelude::*;
 
@@ -159,7 +160,8 @@ pub struct Gemm<'a> {
 }
 
 thread_local! {
-    /// Per thread, the rows [`gemms`] last dequantized and the outputs of its last task: reused from task to task.
+    /// Per thread, the buffers of [`gemm::gemm_rows`] and the outputs of the last task of [`gemms`]: reused from
+    /// task to task.
     static GEMM_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -174,8 +176,8 @@ pub fn gemms(batch: &mut [Gemm]) {
     let work_per_task = work.div_ceil(8 * rayon::current_num_threads()).max(1);
     let rows_per_task = |p: &Gemm| {
         (work_per_task / p.xs.len().max(1))
-            .clamp(gemm::ROWS, 1024)
-            .next_multiple_of(gemm::ROWS)
+            .clamp(gemm::TASK_ROWS, 1024)
+            .next_multiple_of(gemm::TASK_ROWS)
     };
     let mut outs = Vec::with_capacity(n);
     // Product p owns tasks first_task[p]..first_task[p + 1], of rows_per_task(p) rows each (the last fewer).
@@ -254,27 +256,37 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     total
 }
 
-/// Zero-centred RMSNorm with the scale stored as `1 + w`, applied to each `scale.len()`-wide row of `x`.
+/// Rows of `width` values per task of the row-wise steps run in parallel: about 16K values, so that a decode
+/// step's one row is one task, run in place.
+fn rows_per_task(width: usize) -> usize {
+    (16 * 1024 / width.max(1)).max(1)
+}
+
+/// Zero-centred RMSNorm with the scale stored as `1 + w`, applied to each `scale.len()`-wide row of `x` (rows in
+/// parallel).
 pub fn rmsnorm(x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
     let n = scale.len();
-    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-        let inv = 1.0 / (mean_sq + eps).sqrt();
-        for i in 0..n {
-            or[i] = xr[i] * inv * scale[i];
-        }
-    }
+    x.par_chunks_exact(n)
+        .zip(out.par_chunks_exact_mut(n))
+        .with_min_len(rows_per_task(n))
+        .for_each(|(xr, or)| {
+            let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for i in 0..n {
+                or[i] = xr[i] * inv * scale[i];
+            }
+        });
 }
 
 pub fn rmsnorm_in_place(x: &mut [f32], scale: &[f32], eps: f32) {
     let n = scale.len();
-    for xr in x.chunks_exact_mut(n) {
+    x.par_chunks_exact_mut(n).with_min_len(rows_per_task(n)).for_each(|xr| {
         let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
         let inv = 1.0 / (mean_sq + eps).sqrt();
         for i in 0..n {
             xr[i] *= inv * scale[i];
         }
-    }
+    });
 }
 
 #[inline]

@@ -303,11 +303,11 @@ impl CpuModel {
         let c = self.config();
         let (h, n) = (c.hidden_size, tokens.len());
         let w = &self.weights;
-        for (t, &token) in tokens.iter().enumerate() {
-            w.embed_tokens
-                .view()
-                .dequantize_row(token as usize, &mut state.act.hidden[t * h..(t + 1) * h]);
-        }
+        let embed = w.embed_tokens.view();
+        state.act.hidden[..n * h]
+            .par_chunks_mut(h)
+            .zip(tokens)
+            .for_each(|(row, &token)| embed.dequantize_row(token as usize, row));
         for (l, layer) in w.layers.iter().enumerate() {
             rmsnorm(
                 &state.act.hidden[..n * h],
@@ -374,18 +374,20 @@ impl CpuModel {
             &mut act.conv_out[..n * conv_dim],
         );
         let q_scale = 1.0 / (dk as f32).sqrt();
-        for t in 0..n {
-            let row = &mut act.conv_out[t * conv_dim..(t + 1) * conv_dim];
-            for head in row[..2 * key_dim].chunks_exact_mut(dk) {
-                l2norm(head);
-            }
-            row[..key_dim].iter_mut().for_each(|v| *v *= q_scale);
-            for j in 0..nv {
-                let i = t * nv + j;
-                act.beta[i] = sigmoid(act.beta[i]);
-                act.decay[i] = -deltanet.a_log[j].exp() * softplus(act.decay[i] + deltanet.dt_bias[j]);
-            }
-        }
+        act.conv_out[..n * conv_dim]
+            .par_chunks_mut(conv_dim)
+            .zip(act.beta[..n * nv].par_chunks_mut(nv))
+            .zip(act.decay[..n * nv].par_chunks_mut(nv))
+            .for_each(|((row, beta), decay)| {
+                for head in row[..2 * key_dim].chunks_exact_mut(dk) {
+                    l2norm(head);
+                }
+                row[..key_dim].iter_mut().for_each(|v| *v *= q_scale);
+                for j in 0..nv {
+                    beta[j] = sigmoid(beta[j]);
+                    decay[j] = -deltanet.a_log[j].exp() * softplus(decay[j] + deltanet.dt_bias[j]);
+                }
+            });
         let conv_out = &act.conv_out[..n * conv_dim];
         let (beta, decay) = (&act.beta[..n * nv], &act.decay[..n * nv]);
         let heads_per_key = nv / nk;
@@ -435,19 +437,22 @@ impl CpuModel {
                         out
                     })
                     .collect();
-                for (head, out) in head_outputs.iter().enumerate() {
-                    for t in 0..n {
-                        core[t * nv * dv + head * dv..t * nv * dv + (head + 1) * dv]
-                            .copy_from_slice(&out[t * dv..(t + 1) * dv]);
+                core.par_chunks_mut(nv * dv).enumerate().for_each(|(t, row)| {
+                    for (out, head) in head_outputs.iter().zip(row.chunks_exact_mut(dv)) {
+                        head.copy_from_slice(&out[t * dv..(t + 1) * dv]);
                     }
-                }
+                });
             }
         }
         // Gated RMSNorm per value head: w * rmsnorm(o) * silu(z).
-        rmsnorm_in_place(core, &deltanet.norm, c.rms_norm_eps);
-        for (o, z) in core.iter_mut().zip(&act.z[..n * nv * dv]) {
-            *o *= silu(*z);
-        }
+        core.par_chunks_mut(nv * dv)
+            .zip(act.z[..n * nv * dv].par_chunks(nv * dv))
+            .for_each(|(row, z)| {
+                rmsnorm_in_place(row, &deltanet.norm, c.rms_norm_eps);
+                for (o, z) in row.iter_mut().zip(z) {
+                    *o *= silu(*z);
+                }
+            });
         qmatmul(deltanet.out_proj.view(), core, &mut act.mixer_out[..n * h]);
     }
 
@@ -466,19 +471,23 @@ impl CpuModel {
                 (attn.v_proj.view(), &mut act.values[..n * kv_dim]),
             ],
         );
-        for t in 0..n {
-            let position = start + t;
-            for head in 0..heads {
-                let src = &act.projected[t * 2 * q_dim + head * 2 * hd..t * 2 * q_dim + head * 2 * hd + hd];
-                let q = &mut act.queries[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
-                rmsnorm(src, &attn.q_norm, c.rms_norm_eps, q);
-                rope(q, position, &self.inv_freq);
-            }
-            for head in act.keys[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
-                rmsnorm_in_place(head, &attn.k_norm, c.rms_norm_eps);
-                rope(head, position, &self.inv_freq);
-            }
-        }
+        let projected = &act.projected[..n * 2 * q_dim];
+        act.queries[..n * q_dim]
+            .par_chunks_mut(q_dim)
+            .zip(act.keys[..n * kv_dim].par_chunks_mut(kv_dim))
+            .enumerate()
+            .for_each(|(t, (queries, keys))| {
+                let position = start + t;
+                for (head, q) in queries.chunks_exact_mut(hd).enumerate() {
+                    let src = &projected[t * 2 * q_dim + head * 2 * hd..t * 2 * q_dim + head * 2 * hd + hd];
+                    rmsnorm(src, &attn.q_norm, c.rms_norm_eps, q);
+                    rope(q, position, &self.inv_freq);
+                }
+                for head in keys.chunks_exact_mut(hd) {
+                    rmsnorm_in_place(head, &attn.k_norm, c.rms_norm_eps);
+                    rope(head, position, &self.inv_freq);
+                }
+            });
         let (k_cache, v_cache) = (&mut state.k_cache[slot], &mut state.v_cache[slot]);
         k_cache[start * kv_dim..(start + n) * kv_dim].copy_from_slice(&act.keys[..n * kv_dim]);
         v_cache[start * kv_dim..(start + n) * kv_dim].copy_from_slice(&act.values[..n * kv_dim]);
@@ -493,19 +502,26 @@ impl CpuModel {
             hd,
             core,
         );
-        for t in 0..n {
-            for head in 0..heads {
-                let gate = &act.projected[t * 2 * q_dim + head * 2 * hd + hd..t * 2 * q_dim + (head + 1) * 2 * hd];
-                let o = &mut core[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
-                for (v, g) in o.iter_mut().zip(gate) {
-                    *v *= sigmoid(*g);
+        core.par_chunks_mut(q_dim)
+            .zip(act.projected[..n * 2 * q_dim].par_chunks(2 * q_dim))
+            .for_each(|(row, projected)| {
+                for (head, o) in row.chunks_exact_mut(hd).enumerate() {
+                    let gate = &projected[head * 2 * hd + hd..(head + 1) * 2 * hd];
+                    for (v, g) in o.iter_mut().zip(gate) {
+                        *v *= sigmoid(*g);
+                    }
                 }
-            }
-        }
+            });
         qmatmul(attn.o_proj.view(), core, &mut act.mixer_out[..n * h]);
     }
 }
 
+/// `acc += x`, in parallel blocks for a prompt's rows.
 fn add(acc: &mut [f32], x: &[f32]) {
-    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+    acc.par_chunks_mut(ELEMENTWISE_BLOCK)
+        .zip(x.par_chunks(ELEMENTWISE_BLOCK))
+        .for_each(|(acc, x)| acc.iter_mut().zip(x).for_each(|(a, b)| *a += b));
 }
+
+/// Values per task of the elementwise steps run in parallel (a decode step's one row is one task, run in place).
+const ELEMENTWISE_BLOCK: usize = 16 * 1024;

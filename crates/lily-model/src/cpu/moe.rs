@@ -129,13 +129,16 @@ pub fn moe_forward(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: 
     let slots = tokens * top_k;
     s.chosen.resize(slots, 0);
     s.weights.resize(slots, 0.0);
-    let mut margin = f32::INFINITY;
-    for t in 0..tokens {
-        let logits = &s.logits[t * num_experts..(t + 1) * num_experts];
-        let chosen = &mut s.chosen[t * top_k..(t + 1) * top_k];
-        route(logits, top_k, chosen, &mut s.weights[t * top_k..(t + 1) * top_k]);
-        margin = margin.min(route_margin(logits, chosen));
-    }
+    let margin = s
+        .logits
+        .par_chunks(num_experts)
+        .zip(s.chosen.par_chunks_mut(top_k))
+        .zip(s.weights.par_chunks_mut(top_k))
+        .map(|((logits, chosen), weights)| {
+            route(logits, top_k, chosen, weights);
+            route_margin(logits, chosen)
+        })
+        .reduce(|| f32::INFINITY, f32::min);
     // Assignments sorted by expert: count each expert's, then place each routing slot after its expert's earlier
     // ones.
     s.first.clear();
