@@ -23,7 +23,7 @@ use crate::kernels::{attention, deltanet, prefill, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher};
 use crate::model::{Capacity, CudaModel, DeviceState, StateAt};
 use crate::pages::KV_PAGE;
-use crate::prefill::{enqueue_moe, PrefillScratch, ROW_THREADS};
+use crate::prefill::{enqueue_moe, Cut, PrefillScratch, ROW_THREADS};
 use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights};
 
@@ -406,6 +406,45 @@ impl CudaBatchBackend {
         Ok(())
     }
 
+    /// `BatchBackend::prefill`, with the DeltaNet state at `cut` copied out inside the pass where given.
+    fn prefill_cut(&mut self, slot: Slot, tokens: &[u32], cut: Option<Cut>) -> std::result::Result<(), ForwardError> {
+        self.check_slot(slot)?;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyPrompt);
+        }
+        if tokens.len() > self.model.prefill_chunk {
+            return Err(ForwardError::Device(format!(
+                "a prefill call takes at most {} tokens, not {}",
+                self.model.prefill_chunk,
+                tokens.len()
+            )));
+        }
+        self.check_tokens(tokens.iter().copied())?;
+        let start = self.lens[slot];
+        self.check_room(slot, start + tokens.len())?;
+        self.model.gpu.bind().map_err(device_err)?;
+        let run = || -> Result<()> {
+            let m = &self.model;
+            if start == 0 {
+                m.reset_slot(slot)?;
+            }
+            // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
+            m.gpu.upload_async(self.prefill_tokens.ptr().cast::<u32>(), tokens)?;
+            m.enqueue_prefill_slot(slot, start, tokens.len(), self.prefill_tokens.ptr(), cut)?;
+            let l = &mut m.launcher(None);
+            enqueue_head(l, &m.weights, m.state.hidden.ptr(), &m.prefill, &self.step, 1)?;
+            // The upload above reads `tokens` before returning, but the stream must be done with the staging buffer
+            // before the next call writes it again.
+            m.gpu.sync()
+        };
+        run().map_err(device_err)?;
+        self.lens[slot] = start + tokens.len();
+        self.last_rows = 1;
+        self.single_greedy = false;
+        self.host_row = None;
+        Ok(())
+    }
+
     fn run_step(&mut self, t: usize) -> Result<()> {
         if !self.graphs.contains_key(&t) {
             let m = &self.model;
@@ -456,41 +495,47 @@ impl BatchBackend for CudaBatchBackend {
         self.lens.get(slot).copied().unwrap_or(0)
     }
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
-        self.check_slot(slot)?;
-        if tokens.is_empty() {
-            return Err(ForwardError::EmptyPrompt);
-        }
-        if tokens.len() > self.model.prefill_chunk {
+        self.prefill_cut(slot, tokens, None)
+    }
+    fn snapshots_in_prefill(&self) -> bool {
+        true
+    }
+    fn snapshot_room(&self) -> bool {
+        !self.free_snapshot_buffers.is_empty()
+    }
+    /// One pass: each DeltaNet mixer copies its state at the cut into a free snapshot buffer, and the snapshot
+    /// takes a reference on the KV pages of the positions before the cut.
+    fn prefill_snapshot(
+        &mut self,
+        slot: Slot,
+        tokens: &[u32],
+        cut: usize,
+    ) -> std::result::Result<Option<SnapshotId>, ForwardError> {
+        if cut == 0 || cut >= tokens.len() {
             return Err(ForwardError::Device(format!(
-                "a prefill call takes at most {} tokens, not {}",
-                self.model.prefill_chunk,
+                "a snapshot inside a prefill of {} tokens cannot be after {cut}",
                 tokens.len()
             )));
         }
-        self.check_tokens(tokens.iter().copied())?;
-        let start = self.lens[slot];
-        self.check_room(slot, start + tokens.len())?;
-        self.model.gpu.bind().map_err(device_err)?;
-        let run = || -> Result<()> {
-            let m = &self.model;
-            if start == 0 {
-                m.reset_slot(slot)?;
-            }
-            // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
-            m.gpu.upload_async(self.prefill_tokens.ptr().cast::<u32>(), tokens)?;
-            m.enqueue_prefill_slot(slot, start, tokens.len(), self.prefill_tokens.ptr())?;
-            let l = &mut m.launcher(None);
-            enqueue_head(l, &m.weights, m.state.hidden.ptr(), &m.prefill, &self.step, 1)?;
-            // The upload above reads `tokens` before returning, but the stream must be done with the staging buffer
-            // before the next call writes it again.
-            m.gpu.sync()
+        let Some(&buffer) = self.free_snapshot_buffers.last() else {
+            self.prefill(slot, tokens)?;
+            return Ok(None);
         };
-        run().map_err(device_err)?;
-        self.lens[slot] = start + tokens.len();
-        self.last_rows = 1;
-        self.single_greedy = false;
-        self.host_row = None;
-        Ok(())
+        let len = self.len(slot) + cut;
+        self.prefill_cut(
+            slot,
+            tokens,
+            Some(Cut {
+                tokens: cut,
+                to: StateAt::Snapshot(buffer),
+            }),
+        )?;
+        self.free_snapshot_buffers.pop();
+        self.model.pages.snapshot(slot, len, buffer);
+        let id = self.next_snapshot;
+        self.next_snapshot += 1;
+        self.snapshots.insert(id, Snapshot { buffer, len });
+        Ok(Some(id))
     }
     fn fork(&mut self, from: Slot, to: Slot) -> std::result::Result<(), ForwardError> {
         self.check_slot(from)?;

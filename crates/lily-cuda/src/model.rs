@@ -22,7 +22,7 @@ use crate::kernels::{attention, deltanet, matvec, moe, synth, Kernels, ATTN_SPLI
 use crate::launch::{Dims, Launcher, Profile};
 pub use crate::pages::Capacity;
 use crate::pages::{pages_for, PageAllocator, PageCopy, KV_PAGE};
-use crate::prefill::{enqueue_chunk, PrefillScratch, PREFILL_CHUNK};
+use crate::prefill::{enqueue_chunk, Cut, PrefillScratch, PREFILL_CHUNK};
 use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
@@ -568,7 +568,7 @@ impl CudaModel {
     /// Prefills the single sequence's `tokens[start .. start + count]` (already in `state.tokens`) in slot 0,
     /// chunk by chunk; leaves the last token's hidden state for the head and the position at `start + count`.
     pub fn enqueue_prefill(&self, start: usize, count: usize, profile: Option<&mut Profile>) -> Result<()> {
-        self.enqueue_prefill_from(0, start, count, self.state.tokens.at(start), profile)?;
+        self.enqueue_prefill_from(0, start, count, self.state.tokens.at(start), None, profile)?;
         self.gpu
             .upload_async(self.state.position.ptr(), &[(start + count) as i32])
     }
@@ -576,8 +576,17 @@ impl CudaModel {
     /// Prefills positions `start .. start + count` of the sequence in slot `slot`, chunk by chunk, with the
     /// `count` token ids at `tokens` (device i32); leaves the last token's hidden state in `state.hidden`. The
     /// slot's pages must hold `start + count` positions ([`CudaModel::reserve`]).
-    pub fn enqueue_prefill_slot(&self, slot: usize, start: usize, count: usize, tokens: DevPtr<i32>) -> Result<()> {
-        self.enqueue_prefill_from(slot, start, count, tokens, None)
+    /// With a `cut`, the DeltaNet state as it stands after the first `cut.tokens` of the `count` tokens is also
+    /// copied to `cut.to` (0 < cut.tokens < count), inside the pass.
+    pub fn enqueue_prefill_slot(
+        &self,
+        slot: usize,
+        start: usize,
+        count: usize,
+        tokens: DevPtr<i32>,
+        cut: Option<Cut>,
+    ) -> Result<()> {
+        self.enqueue_prefill_from(slot, start, count, tokens, cut, None)
     }
 
     fn enqueue_prefill_from(
@@ -586,6 +595,7 @@ impl CudaModel {
         start: usize,
         count: usize,
         tokens: DevPtr<i32>,
+        cut: Option<Cut>,
         profile: Option<&mut Profile>,
     ) -> Result<()> {
         if slot >= self.state.max_seqs || start + count > self.pages.capacity(slot) {
@@ -600,6 +610,13 @@ impl CudaModel {
         let mut done = 0;
         while done < count {
             let t = (count - done).min(self.prefill_chunk);
+            // A cut inside this chunk is taken in its pass; one at its end is a copy of the state after it.
+            let inside = cut
+                .filter(|cut| cut.tokens > done && cut.tokens < done + t)
+                .map(|cut| Cut {
+                    tokens: cut.tokens - done,
+                    to: cut.to,
+                });
             enqueue_chunk(
                 &mut launcher,
                 &self.config,
@@ -611,8 +628,12 @@ impl CudaModel {
                 slot,
                 start + done,
                 t,
+                inside,
             )?;
             done += t;
+            if let Some(cut) = cut.filter(|cut| cut.tokens == done) {
+                self.copy_deltanet_state(StateAt::Slot(slot), cut.to)?;
+            }
         }
         Ok(())
     }

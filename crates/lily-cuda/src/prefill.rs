@@ -15,10 +15,10 @@ use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm;
 use crate::kernels::{prefill, Kernels};
 use crate::launch::{Dims, Launcher};
-use crate::model::DeviceState;
+use crate::model::{DeviceState, StateAt};
 use crate::prefill_attention::AttentionScratch;
-use crate::prefill_deltanet::DeltaNetScratch;
-use crate::weights::{GpuLayer, GpuMixer, GpuWeights};
+use crate::prefill_deltanet::{proj_dim, DeltaNetScratch};
+use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
 pub const PREFILL_CHUNK: usize = 8192;
@@ -109,9 +109,18 @@ impl PrefillScratch {
     }
 }
 
+/// Where a chunk leaves a copy of the sequence's DeltaNet state as it stands after the chunk's first `tokens`
+/// tokens (a snapshot taken inside the pass; the KV of those positions is in the pages already).
+#[derive(Clone, Copy, Debug)]
+pub struct Cut {
+    pub tokens: usize,
+    pub to: StateAt,
+}
+
 /// Runs the `t` (<= chunk) token ids at `tokens` (device i32), positions `start .. start + t` of the sequence in
 /// slot `seq`, through every layer, leaving the last token's hidden state in `state.hidden`, ready for the head.
-/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state).
+/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state). With a `cut`, each
+/// DeltaNet mixer runs in two parts and copies its state at the cut.
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue_chunk(
     l: &mut Launcher,
@@ -124,8 +133,13 @@ pub fn enqueue_chunk(
     seq: usize,
     start: usize,
     t: usize,
+    cut: Option<Cut>,
 ) -> Result<()> {
     assert!(t >= 1 && t <= s.chunk, "a chunk takes 1 ..= {} tokens", s.chunk);
+    assert!(
+        cut.is_none_or(|cut| cut.tokens >= 1 && cut.tokens < t),
+        "a cut inside a chunk of {t} tokens"
+    );
     let rows = Dims::linear(t as u32, ROW_THREADS);
     prefill::embed_rows(l, rows, tokens, 0, w.embed_tokens.q4(), s.hidden.ptr())?;
     for (i, layer) in w.layers.iter().enumerate() {
@@ -134,9 +148,7 @@ pub fn enqueue_chunk(
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
-                let (ring, recurrent) = (state.ring(slot[i], seq), state.recurrent_state(slot[i], seq));
-                s.deltanet
-                    .run(l, c, t, start, s.proj.ptr(), ring, recurrent, g, s.mixed.ptr())?;
+                deltanet_mixer(l, c, state, slot[i], s, g, seq, start, t, cut)?;
                 gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
             }
             GpuMixer::Full(a) => {
@@ -163,6 +175,38 @@ pub fn enqueue_chunk(
     }
     let h = c.hidden_size;
     l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)
+}
+
+/// The DeltaNet mixer of one layer over the chunk's `t` projected rows, in two parts where the chunk is cut: the
+/// state the first part leaves is copied to the cut's snapshot buffer before the second part goes on from it.
+#[allow(clippy::too_many_arguments)]
+fn deltanet_mixer(
+    l: &mut Launcher,
+    c: &Config,
+    state: &DeviceState,
+    layer: usize,
+    s: &PrefillScratch,
+    g: &GpuGatedDeltaNet,
+    seq: usize,
+    start: usize,
+    t: usize,
+    cut: Option<Cut>,
+) -> Result<()> {
+    let (ring, recurrent) = (state.ring(layer, seq), state.recurrent_state(layer, seq));
+    let Some(cut) = cut else {
+        return s
+            .deltanet
+            .run(l, c, t, start, s.proj.ptr(), ring, recurrent, g, s.mixed.ptr());
+    };
+    let first = cut.tokens;
+    s.deltanet
+        .run(l, c, first, start, s.proj.ptr(), ring, recurrent, g, s.mixed.ptr())?;
+    let (ring_to, recurrent_to) = state.deltanet_state(layer, cut.to);
+    l.gpu.copy(ring_to, ring, state.ring_len(c))?;
+    l.gpu.copy(recurrent_to, recurrent, state.recurrent_len(c))?;
+    let (proj, mixed) = (s.proj.at(first * proj_dim(c)), s.mixed.at(first * c.linear_value_dim()));
+    s.deltanet
+        .run(l, c, t - first, start + first, proj, ring, recurrent, g, mixed)
 }
 
 /// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden` (added to them): the post-attention norm,

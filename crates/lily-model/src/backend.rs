@@ -192,6 +192,32 @@ pub trait BatchBackend: Send {
         let _ = slot;
         Ok(None)
     }
+    /// Whether [`BatchBackend::prefill_snapshot`] takes its snapshot inside one prefill pass. This default
+    /// (snapshots only between calls) says no, so a caller stops its prefill at the point instead.
+    fn snapshots_in_prefill(&self) -> bool {
+        false
+    }
+    /// Whether another snapshot fits now (a backend with a fixed number of snapshot buffers: one is free). This
+    /// default says yes, leaving the answer to `snapshot`.
+    fn snapshot_room(&self) -> bool {
+        true
+    }
+    /// Appends `tokens` to the sequence in `slot` as `prefill` does, and snapshots the sequence as it stands after
+    /// the first `cut` of them (0 < cut < tokens.len()), as `snapshot` between two `prefill` calls would. Returns
+    /// the snapshot, `None` when the backend had no room for it (the prefill is done either way). This default is
+    /// those three calls; a backend that can cut its pass in the middle does it in one (see `snapshots_in_prefill`).
+    fn prefill_snapshot(&mut self, slot: Slot, tokens: &[u32], cut: usize) -> Result<Option<SnapshotId>, ForwardError> {
+        if cut == 0 || cut >= tokens.len() {
+            return Err(ForwardError::Device(format!(
+                "a snapshot inside a prefill of {} tokens cannot be after {cut}",
+                tokens.len()
+            )));
+        }
+        self.prefill(slot, &tokens[..cut])?;
+        let id = self.snapshot(slot)?;
+        self.prefill(slot, &tokens[cut..])?;
+        Ok(id)
+    }
     /// Starts the empty `slot` as a copy of snapshot `id` (its `len(slot)` is the snapshot's length) and reserves
     /// `tokens` positions for it, as `reserve` would. `Ok(false)`, with the slot still empty, when the pool lacks
     /// the memory. Context that the snapshot and the slot share is shared, not copied, where the backend can.

@@ -745,6 +745,19 @@ impl Engine {
         self.cache_gauges();
     }
 
+    /// Makes room for one more snapshot, dropping the least recently used while the backend has none; false when
+    /// the cache has nothing left to drop.
+    fn make_snapshot_room(&mut self) -> bool {
+        while !self.backend.snapshot_room() {
+            let Some(victim) = self.cache.evict() else {
+                return false;
+            };
+            self.backend.drop_snapshot(victim);
+            self.shared.metrics.prefix_cache_evictions.increment(1);
+        }
+        true
+    }
+
     fn cache_gauges(&self) {
         let m = &self.shared.metrics;
         m.prefix_cache_snapshots.set(self.cache.len() as f64);
@@ -841,23 +854,53 @@ impl Engine {
             }
         }
         let seq = self.slots[slot].as_ref().expect("chosen above");
-        let next_snapshot = seq.snapshot_at.iter().copied().find(|&p| p > done);
+        let reach = prompt
+            .len()
+            .min(done + limit.max(1))
+            .min(done + self.backend.max_prefill_tokens().max(1));
+        // The snapshot points this call reaches whose prefix the cache lacks: the call stops at the first, or, where
+        // the backend snapshots inside a pass and has room, takes the first in its pass and stops at the second.
+        let points: Vec<usize> = seq
+            .snapshot_at
+            .iter()
+            .copied()
+            .filter(|&p| p > done && p <= reach && !self.cache.contains(&prompt[..p]))
+            .collect();
+        let mut points = points.into_iter();
+        let (mut cut, mut end) = (None, reach);
+        if let Some(first) = points.next() {
+            end = first;
+            if first < reach && self.backend.snapshots_in_prefill() && self.make_snapshot_room() {
+                cut = Some(first);
+                end = points.next().unwrap_or(reach);
+            }
+        }
         // A prompt whose logprobs are asked for enters one token at a time (its first token here, the others in
         // steps), so that every position's logits come out of the forward pass that generation uses.
-        let end = match echo {
-            Some(_) => 1,
-            None => prompt
-                .len()
-                .min(done + limit.max(1))
-                .min(done + self.backend.max_prefill_tokens().max(1))
-                .min(next_snapshot.unwrap_or(usize::MAX)),
+        if echo.is_some() {
+            (cut, end) = (None, 1);
+        }
+        let result = match cut {
+            Some(cut) => self
+                .backend
+                .prefill_snapshot(slot, &prompt[done..end], cut - done)
+                .map(|id| id.map(|id| (id, cut))),
+            None => self.backend.prefill(slot, &prompt[done..end]).map(|()| None),
         };
-        if let Err(e) = self.backend.prefill(slot, &prompt[done..end]) {
-            self.fail_job(job, forward_error(e));
-            return Some(0);
+        match result {
+            Ok(Some((id, cut))) => {
+                self.cache.insert(id, &prompt[..cut]);
+                self.cache_gauges();
+            }
+            Ok(None) => {}
+            Err(e) => {
+                self.fail_job(job, forward_error(e));
+                return Some(0);
+            }
         }
         let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_end);
-        if next_snapshot == Some(end) || (snapshots && end == prompt.len()) {
+        let at_point = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_at.contains(&end));
+        if echo.is_none() && (at_point || (snapshots && end == prompt.len())) {
             self.save_snapshot(slot, &prompt[..end]);
         }
         match echo {

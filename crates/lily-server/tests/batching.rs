@@ -66,6 +66,9 @@ struct FakeBatch {
     max_prefill: usize,
     /// Snapshots held at once at most (0: none).
     max_snapshots: usize,
+    /// Whether it says it snapshots inside a prefill pass (it does so in the trait's default three calls), so
+    /// that the engine cuts its calls at snapshot points instead of stopping there.
+    in_pass: bool,
     slots: Arc<Mutex<FakeSlots>>,
     /// The slot contents' hashes behind each output row of the last call.
     rows: Vec<u64>,
@@ -88,6 +91,7 @@ impl FakeBatch {
             max_step_rows,
             max_prefill,
             max_snapshots: 0,
+            in_pass: false,
             slots: Arc::new(Mutex::new(slots)),
             rows: Vec::new(),
             logits,
@@ -241,6 +245,12 @@ impl BatchBackend for FakeBatch {
         if s.snapshots.remove(&id).is_none() {
             s.violations.push(format!("drop of the unknown snapshot {id}"));
         }
+    }
+    fn snapshots_in_prefill(&self) -> bool {
+        self.in_pass
+    }
+    fn snapshot_room(&self) -> bool {
+        self.slots.lock().unwrap().snapshots.len() < self.max_snapshots
     }
     fn snapshot_tokens(&self) -> usize {
         let s = self.slots.lock().unwrap();
@@ -597,9 +607,11 @@ fn a_greedy_sequence_is_the_same_whatever_runs_beside_it() {
 /// extending it) on an engine with the prefix cache, a pool and a snapshot store both too small for everything:
 /// snapshots are evicted while sequences that were restored from them still run. Every answer must equal the
 /// request's answer alone on an engine without the cache, nothing may leak, and the cache must have been used.
+/// Some runs take a backend that snapshots inside its prefill calls.
 #[test]
 fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
-    for seed in [5, 6, 7] {
+    let mut restores_total = 0;
+    for (seed, in_pass) in [(5, false), (6, false), (7, false), (7, true), (8, true)] {
         let mut r = Rand(seed);
         let systems: Vec<Vec<u32>> = (0..3)
             .map(|_| (0..20 + r.below(120)).map(|_| 1000 + r.below(300) as u32).collect())
@@ -626,6 +638,7 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
         }
         let mut backend = FakeBatch::new(4, 1024, 3, 50);
         backend.max_snapshots = 12;
+        backend.in_pass = in_pass;
         let options = EngineOptions {
             max_prefill_tokens: 32,
             prefix_cache: true,
@@ -669,9 +682,12 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
                 other => panic!("seed {seed}: {other:?} for {request:?}"),
             }
         }
-        assert!(restores > 5, "seed {seed}: only {restores} restores");
+        // How many requests find a snapshot depends on their timing; every run must find some.
+        assert!(restores > 0, "seed {seed}: no restores");
         assert!(cached_total > 0, "seed {seed}: no request reported cached tokens");
+        restores_total += restores;
     }
+    assert!(restores_total > 20, "only {restores_total} restores in all");
 }
 
 /// One long shared prompt sent by many clients at once is prefilled once: the first admitted prefills it, the

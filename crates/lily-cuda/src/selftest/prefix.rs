@@ -3,6 +3,8 @@
 //! the snapshot and handing its freed pages to another sequence leaves a restored sequence unchanged; the pool's
 //! and the snapshots' accounting adds up, and a restore the pool cannot hold changes nothing.
 //!
+//! A snapshot taken inside a prefill pass is checked against one taken between two calls.
+//!
 //! Tolerances: a restored sequence against a fresh one that prefilled the same tokens in the same calls is held to
 //! 0 (the same arithmetic on the same values: the backend's products and sums are deterministic, which the fork
 //! check relies on too); against a fresh one that prefilled the whole sequence in one call, to the default model's
@@ -67,7 +69,70 @@ pub fn check(backend: &mut CudaBatchBackend, seed: u64, report: &mut Report) -> 
         continued(backend, &mut rng, n, report)?;
     }
     backend.sequential_below = sequential_below;
+    in_pass(backend, &mut rng, report)?;
     limits(backend, &mut rng, report)
+}
+
+/// A snapshot taken inside one prefill pass (`prefill_snapshot`) against one taken between two calls: the
+/// sequence that was cut goes on as the one prefilled in two calls, and sequences restored from the two snapshots
+/// continue alike. The two ways run their products over different row counts, so they agree to the one-pass
+/// tolerance, not exactly; a snapshot of the wrong position would be off by far more.
+fn in_pass(backend: &mut CudaBatchBackend, rng: &mut Rng, report: &mut Report) -> Result<()> {
+    let c = backend.config().clone();
+    let vocab = c.vocab_size as u64;
+    let (n, cut) = (300, 173);
+    let prompt = random_tokens(rng, vocab, n);
+    let continuation = random_tokens(rng, vocab, 77);
+    let room = n + 128;
+    let (cut_slot, twin, from_cut, from_twin) = (0, 1, 2, 3);
+    let free_before = backend.free_tokens();
+    reserve(backend, cut_slot, room)?;
+    reserve(backend, twin, room)?;
+    let in_pass = backend.prefill_snapshot(cut_slot, &prompt, cut).map_err(fe)?;
+    let cut_logits = backend.logits(0).map_err(fe)?.to_vec();
+    prefill(backend, twin, &prompt[..cut])?;
+    let between = backend.snapshot(twin).map_err(fe)?;
+    let twin_logits = prefill(backend, twin, &prompt[cut..])?;
+    let (Some(in_pass), Some(between)) = (in_pass, between) else {
+        return Err(GpuError::Other("no snapshot buffer".into()));
+    };
+    let restored = backend.restore(in_pass, from_cut, room).map_err(fe)?
+        && backend.restore(between, from_twin, room).map_err(fe)?
+        && backend.len(from_cut) == cut
+        && backend.len(from_twin) == cut;
+    report.check_eq(
+        "prefix snapshot inside a pass: its length, restored",
+        restored && backend.len(cut_slot) == n,
+        &format!(
+            "restored at {} and {} tokens (cut at {cut}); the cut sequence holds {} of {n}",
+            backend.len(from_cut),
+            backend.len(from_twin),
+            backend.len(cut_slot)
+        ),
+    );
+    let got = prefill(backend, from_cut, &continuation)?;
+    let want = prefill(backend, from_twin, &continuation)?;
+    report.check(
+        "prefix snapshot inside a pass: restored, continued vs between calls",
+        rel_err(&got, &want),
+        ONE_PASS_TOL,
+    );
+    report.check(
+        "prefix snapshot inside a pass: the cut sequence vs two calls",
+        rel_err(&cut_logits, &twin_logits),
+        ONE_PASS_TOL,
+    );
+    for slot in [cut_slot, twin, from_cut, from_twin] {
+        backend.release(slot);
+    }
+    backend.drop_snapshot(in_pass);
+    backend.drop_snapshot(between);
+    report.check_eq(
+        "prefix snapshot inside a pass: every page back",
+        backend.free_tokens() == free_before && backend.snapshot_bytes() == 0,
+        &format!("{} of {free_before} tokens free", backend.free_tokens()),
+    );
+    Ok(())
 }
 
 /// A prompt of `n` tokens in slot A, a snapshot, restores into B and C; B, C and A go on differently, each against
