@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use lily_model::backend::{BatchBackend, Pick, Slot, SnapshotId, StepRow};
+use lily_model::backend::{check_cuts, BatchBackend, Pick, Slot, SnapshotId, StepRow};
 use lily_model::{Config, ForwardError};
 
 use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Graph, Result};
@@ -406,8 +406,8 @@ impl CudaBatchBackend {
         Ok(())
     }
 
-    /// `BatchBackend::prefill`, with the DeltaNet state at `cut` copied out inside the pass where given.
-    fn prefill_cut(&mut self, slot: Slot, tokens: &[u32], cut: Option<Cut>) -> std::result::Result<(), ForwardError> {
+    /// `BatchBackend::prefill`, with the DeltaNet state at each cut copied out inside the pass.
+    fn prefill_cut(&mut self, slot: Slot, tokens: &[u32], cuts: &[Cut]) -> std::result::Result<(), ForwardError> {
         self.check_slot(slot)?;
         if tokens.is_empty() {
             return Err(ForwardError::EmptyPrompt);
@@ -430,7 +430,7 @@ impl CudaBatchBackend {
             }
             // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
             m.gpu.upload_async(self.prefill_tokens.ptr().cast::<u32>(), tokens)?;
-            m.enqueue_prefill_slot(slot, start, tokens.len(), self.prefill_tokens.ptr(), cut)?;
+            m.enqueue_prefill_slot(slot, start, tokens.len(), self.prefill_tokens.ptr(), cuts)?;
             let l = &mut m.launcher(None);
             enqueue_head(l, &m.weights, m.state.hidden.ptr(), &m.prefill, &self.step, 1)?;
             // The upload above reads `tokens` before returning, but the stream must be done with the staging buffer
@@ -495,47 +495,50 @@ impl BatchBackend for CudaBatchBackend {
         self.lens.get(slot).copied().unwrap_or(0)
     }
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
-        self.prefill_cut(slot, tokens, None)
+        self.prefill_cut(slot, tokens, &[])
     }
     fn snapshots_in_prefill(&self) -> bool {
         true
     }
-    fn snapshot_room(&self) -> bool {
-        !self.free_snapshot_buffers.is_empty()
+    fn snapshot_room(&self) -> usize {
+        self.free_snapshot_buffers.len()
     }
-    /// One pass: each DeltaNet mixer copies its state at the cut into a free snapshot buffer, and the snapshot
-    /// takes a reference on the KV pages of the positions before the cut.
+    /// One pass: each DeltaNet mixer copies its state at each cut into a free snapshot buffer, and each snapshot
+    /// takes a reference on the KV pages of the positions before its cut. Cuts past the free buffers get none.
     fn prefill_snapshot(
         &mut self,
         slot: Slot,
         tokens: &[u32],
-        cut: usize,
-    ) -> std::result::Result<Option<SnapshotId>, ForwardError> {
-        if cut == 0 || cut >= tokens.len() {
-            return Err(ForwardError::Device(format!(
-                "a snapshot inside a prefill of {} tokens cannot be after {cut}",
-                tokens.len()
-            )));
-        }
-        let Some(&buffer) = self.free_snapshot_buffers.last() else {
-            self.prefill(slot, tokens)?;
-            return Ok(None);
-        };
-        let len = self.len(slot) + cut;
-        self.prefill_cut(
-            slot,
-            tokens,
-            Some(Cut {
-                tokens: cut,
+        cuts: &[usize],
+    ) -> std::result::Result<Vec<Option<SnapshotId>>, ForwardError> {
+        check_cuts(tokens.len(), cuts)?;
+        let taken = cuts.len().min(self.free_snapshot_buffers.len());
+        let buffers = self.free_snapshot_buffers[self.free_snapshot_buffers.len() - taken..].to_vec();
+        let passes: Vec<Cut> = cuts
+            .iter()
+            .zip(&buffers)
+            .map(|(&tokens, &buffer)| Cut {
+                tokens,
                 to: StateAt::Snapshot(buffer),
-            }),
-        )?;
-        self.free_snapshot_buffers.pop();
-        self.model.pages.snapshot(slot, len, buffer);
-        let id = self.next_snapshot;
-        self.next_snapshot += 1;
-        self.snapshots.insert(id, Snapshot { buffer, len });
-        Ok(Some(id))
+            })
+            .collect();
+        let start = self.len(slot);
+        self.prefill_cut(slot, tokens, &passes)?;
+        let mut ids = vec![None; cuts.len()];
+        for (id, (&cut, &buffer)) in ids.iter_mut().zip(cuts.iter().zip(&buffers)) {
+            self.free_snapshot_buffers.retain(|&b| b != buffer);
+            self.model.pages.snapshot(slot, start + cut, buffer);
+            *id = Some(self.next_snapshot);
+            self.snapshots.insert(
+                self.next_snapshot,
+                Snapshot {
+                    buffer,
+                    len: start + cut,
+                },
+            );
+            self.next_snapshot += 1;
+        }
+        Ok(ids)
     }
     fn fork(&mut self, from: Slot, to: Slot) -> std::result::Result<(), ForwardError> {
         self.check_slot(from)?;

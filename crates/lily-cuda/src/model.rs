@@ -568,7 +568,7 @@ impl CudaModel {
     /// Prefills the single sequence's `tokens[start .. start + count]` (already in `state.tokens`) in slot 0,
     /// chunk by chunk; leaves the last token's hidden state for the head and the position at `start + count`.
     pub fn enqueue_prefill(&self, start: usize, count: usize, profile: Option<&mut Profile>) -> Result<()> {
-        self.enqueue_prefill_from(0, start, count, self.state.tokens.at(start), None, profile)?;
+        self.enqueue_prefill_from(0, start, count, self.state.tokens.at(start), &[], profile)?;
         self.gpu
             .upload_async(self.state.position.ptr(), &[(start + count) as i32])
     }
@@ -576,17 +576,17 @@ impl CudaModel {
     /// Prefills positions `start .. start + count` of the sequence in slot `slot`, chunk by chunk, with the
     /// `count` token ids at `tokens` (device i32); leaves the last token's hidden state in `state.hidden`. The
     /// slot's pages must hold `start + count` positions ([`CudaModel::reserve`]).
-    /// With a `cut`, the DeltaNet state as it stands after the first `cut.tokens` of the `count` tokens is also
-    /// copied to `cut.to` (0 < cut.tokens < count), inside the pass.
+    /// At each of `cuts` (ascending, inside 0 .. count), the DeltaNet state as it stands after that many of the
+    /// `count` tokens is also copied to the cut's buffer, inside the pass.
     pub fn enqueue_prefill_slot(
         &self,
         slot: usize,
         start: usize,
         count: usize,
         tokens: DevPtr<i32>,
-        cut: Option<Cut>,
+        cuts: &[Cut],
     ) -> Result<()> {
-        self.enqueue_prefill_from(slot, start, count, tokens, cut, None)
+        self.enqueue_prefill_from(slot, start, count, tokens, cuts, None)
     }
 
     fn enqueue_prefill_from(
@@ -595,7 +595,7 @@ impl CudaModel {
         start: usize,
         count: usize,
         tokens: DevPtr<i32>,
-        cut: Option<Cut>,
+        cuts: &[Cut],
         profile: Option<&mut Profile>,
     ) -> Result<()> {
         if slot >= self.state.max_seqs || start + count > self.pages.capacity(slot) {
@@ -610,13 +610,15 @@ impl CudaModel {
         let mut done = 0;
         while done < count {
             let t = (count - done).min(self.prefill_chunk);
-            // A cut inside this chunk is taken in its pass; one at its end is a copy of the state after it.
-            let inside = cut
+            // Cuts inside this chunk are taken in its pass; one at its end is a copy of the state after it.
+            let inside: Vec<Cut> = cuts
+                .iter()
                 .filter(|cut| cut.tokens > done && cut.tokens < done + t)
                 .map(|cut| Cut {
                     tokens: cut.tokens - done,
                     to: cut.to,
-                });
+                })
+                .collect();
             enqueue_chunk(
                 &mut launcher,
                 &self.config,
@@ -628,10 +630,10 @@ impl CudaModel {
                 slot,
                 start + done,
                 t,
-                inside,
+                &inside,
             )?;
             done += t;
-            if let Some(cut) = cut.filter(|cut| cut.tokens == done) {
+            if let Some(cut) = cuts.iter().find(|cut| cut.tokens == done) {
                 self.copy_deltanet_state(StateAt::Slot(slot), cut.to)?;
             }
         }

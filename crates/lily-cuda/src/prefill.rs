@@ -119,8 +119,8 @@ pub struct Cut {
 
 /// Runs the `t` (<= chunk) token ids at `tokens` (device i32), positions `start .. start + t` of the sequence in
 /// slot `seq`, through every layer, leaving the last token's hidden state in `state.hidden`, ready for the head.
-/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state). With a `cut`, each
-/// DeltaNet mixer runs in two parts and copies its state at the cut.
+/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state). At `cuts`
+/// (ascending, inside the chunk) each DeltaNet mixer stops to copy its state out and goes on.
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue_chunk(
     l: &mut Launcher,
@@ -133,12 +133,12 @@ pub fn enqueue_chunk(
     seq: usize,
     start: usize,
     t: usize,
-    cut: Option<Cut>,
+    cuts: &[Cut],
 ) -> Result<()> {
     assert!(t >= 1 && t <= s.chunk, "a chunk takes 1 ..= {} tokens", s.chunk);
     assert!(
-        cut.is_none_or(|cut| cut.tokens >= 1 && cut.tokens < t),
-        "a cut inside a chunk of {t} tokens"
+        cuts.iter().all(|cut| cut.tokens >= 1 && cut.tokens < t) && cuts.windows(2).all(|w| w[0].tokens < w[1].tokens),
+        "cuts inside a chunk of {t} tokens, ascending"
     );
     let rows = Dims::linear(t as u32, ROW_THREADS);
     prefill::embed_rows(l, rows, tokens, 0, w.embed_tokens.q4(), s.hidden.ptr())?;
@@ -148,7 +148,7 @@ pub fn enqueue_chunk(
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
-                deltanet_mixer(l, c, state, slot[i], s, g, seq, start, t, cut)?;
+                deltanet_mixer(l, c, state, slot[i], s, g, seq, start, t, cuts)?;
                 gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
             }
             GpuMixer::Full(a) => {
@@ -177,8 +177,8 @@ pub fn enqueue_chunk(
     l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)
 }
 
-/// The DeltaNet mixer of one layer over the chunk's `t` projected rows, in two parts where the chunk is cut: the
-/// state the first part leaves is copied to the cut's snapshot buffer before the second part goes on from it.
+/// The DeltaNet mixer of one layer over the chunk's `t` projected rows, in parts between the cuts: the state each
+/// part leaves is copied to its cut's snapshot buffer before the next part goes on from it.
 #[allow(clippy::too_many_arguments)]
 fn deltanet_mixer(
     l: &mut Launcher,
@@ -190,23 +190,22 @@ fn deltanet_mixer(
     seq: usize,
     start: usize,
     t: usize,
-    cut: Option<Cut>,
+    cuts: &[Cut],
 ) -> Result<()> {
     let (ring, recurrent) = (state.ring(layer, seq), state.recurrent_state(layer, seq));
-    let Some(cut) = cut else {
-        return s
-            .deltanet
-            .run(l, c, t, start, s.proj.ptr(), ring, recurrent, g, s.mixed.ptr());
-    };
-    let first = cut.tokens;
-    s.deltanet
-        .run(l, c, first, start, s.proj.ptr(), ring, recurrent, g, s.mixed.ptr())?;
-    let (ring_to, recurrent_to) = state.deltanet_state(layer, cut.to);
-    l.gpu.copy(ring_to, ring, state.ring_len(c))?;
-    l.gpu.copy(recurrent_to, recurrent, state.recurrent_len(c))?;
-    let (proj, mixed) = (s.proj.at(first * proj_dim(c)), s.mixed.at(first * c.linear_value_dim()));
-    s.deltanet
-        .run(l, c, t - first, start + first, proj, ring, recurrent, g, mixed)
+    let mut done = 0;
+    for end in cuts.iter().map(|cut| cut.tokens).chain([t]) {
+        let (proj, mixed) = (s.proj.at(done * proj_dim(c)), s.mixed.at(done * c.linear_value_dim()));
+        s.deltanet
+            .run(l, c, end - done, start + done, proj, ring, recurrent, g, mixed)?;
+        if let Some(cut) = cuts.iter().find(|cut| cut.tokens == end) {
+            let (ring_to, recurrent_to) = state.deltanet_state(layer, cut.to);
+            l.gpu.copy(ring_to, ring, state.ring_len(c))?;
+            l.gpu.copy(recurrent_to, recurrent, state.recurrent_len(c))?;
+        }
+        done = end;
+    }
+    Ok(())
 }
 
 /// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden` (added to them): the post-attention norm,

@@ -192,31 +192,37 @@ pub trait BatchBackend: Send {
         let _ = slot;
         Ok(None)
     }
-    /// Whether [`BatchBackend::prefill_snapshot`] takes its snapshot inside one prefill pass. This default
-    /// (snapshots only between calls) says no, so a caller stops its prefill at the point instead.
+    /// Whether [`BatchBackend::prefill_snapshot`] takes its snapshots inside one prefill pass. This default
+    /// (snapshots only between calls) says no, so a caller stops its prefill at each point instead.
     fn snapshots_in_prefill(&self) -> bool {
         false
     }
-    /// Whether another snapshot fits now (a backend with a fixed number of snapshot buffers: one is free). This
-    /// default says yes, leaving the answer to `snapshot`.
-    fn snapshot_room(&self) -> bool {
-        true
+    /// How many more snapshots fit now, for a backend with a fixed number of snapshot buffers (its free ones). This
+    /// default says there is no fixed number, leaving the answer to `snapshot`.
+    fn snapshot_room(&self) -> usize {
+        usize::MAX
     }
     /// Appends `tokens` to the sequence in `slot` as `prefill` does, and snapshots the sequence as it stands after
-    /// the first `cut` of them (0 < cut < tokens.len()), as `snapshot` between two `prefill` calls would. Returns
-    /// the snapshot, `None` when the backend had no room for it (the prefill is done either way). This default is
-    /// those three calls; a backend that can cut its pass in the middle does it in one (see `snapshots_in_prefill`).
-    fn prefill_snapshot(&mut self, slot: Slot, tokens: &[u32], cut: usize) -> Result<Option<SnapshotId>, ForwardError> {
-        if cut == 0 || cut >= tokens.len() {
-            return Err(ForwardError::Device(format!(
-                "a snapshot inside a prefill of {} tokens cannot be after {cut}",
-                tokens.len()
-            )));
+    /// the first `cut` of them for each of `cuts` (ascending, each in 1 .. tokens.len()), as `snapshot` between
+    /// `prefill` calls would. Returns a snapshot per cut, `None` where the backend had no room for it (the prefill
+    /// is done either way). This default makes those calls; a backend that can cut its pass does it in one (see
+    /// `snapshots_in_prefill`).
+    fn prefill_snapshot(
+        &mut self,
+        slot: Slot,
+        tokens: &[u32],
+        cuts: &[usize],
+    ) -> Result<Vec<Option<SnapshotId>>, ForwardError> {
+        check_cuts(tokens.len(), cuts)?;
+        let mut ids = Vec::with_capacity(cuts.len());
+        let mut done = 0;
+        for &cut in cuts {
+            self.prefill(slot, &tokens[done..cut])?;
+            ids.push(self.snapshot(slot)?);
+            done = cut;
         }
-        self.prefill(slot, &tokens[..cut])?;
-        let id = self.snapshot(slot)?;
-        self.prefill(slot, &tokens[cut..])?;
-        Ok(id)
+        self.prefill(slot, &tokens[done..])?;
+        Ok(ids)
     }
     /// Starts the empty `slot` as a copy of snapshot `id` (its `len(slot)` is the snapshot's length) and reserves
     /// `tokens` positions for it, as `reserve` would. `Ok(false)`, with the slot still empty, when the pool lacks
@@ -241,6 +247,18 @@ pub trait BatchBackend: Send {
     fn snapshot_tokens(&self) -> usize {
         0
     }
+}
+
+/// Checks that `cuts` are ascending positions inside a prefill of `tokens` tokens (see
+/// `BatchBackend::prefill_snapshot`).
+pub fn check_cuts(tokens: usize, cuts: &[usize]) -> Result<(), ForwardError> {
+    let inside = cuts.iter().all(|&c| c >= 1 && c < tokens);
+    if !inside || cuts.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(ForwardError::Device(format!(
+            "snapshots inside a prefill of {tokens} tokens cannot be after {cuts:?}"
+        )));
+    }
+    Ok(())
 }
 
 /// A snapshot of one sequence's state held by a [`BatchBackend`] (see `BatchBackend::snapshot`).

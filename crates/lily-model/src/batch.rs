@@ -599,4 +599,42 @@ mod tests {
         assert_eq!(batch.snapshot_bytes(), 0);
         assert!(batch.restore(id, 0, 200).is_err());
     }
+
+    /// Snapshots taken at cuts inside a prefill hold the sequence as it stood at each cut, and the prefill itself
+    /// ends as one without cuts; cuts outside the prompt or out of order are refused before anything runs.
+    #[test]
+    fn prefill_snapshots_at_cuts_hold_each_prefix() {
+        let model = tiny_model();
+        let vocab = model.config().vocab_size as u32;
+        let whole = prompt(120, 3, vocab);
+        let mut batch = CpuBatchBackend::new(model, 1024, 4, 1024).with_snapshot_budget(1 << 30);
+        assert!(batch.reserve(0, 200).unwrap());
+        for bad in [&[0][..], &[120], &[50, 50], &[60, 40]] {
+            assert!(batch.prefill_snapshot(0, &whole, bad).is_err(), "cuts {bad:?}");
+            assert_eq!(batch.len(0), 0, "cuts {bad:?}");
+        }
+        let ids = batch.prefill_snapshot(0, &whole, &[17, 64]).unwrap();
+        let cut_logits = batch.logits(0).unwrap().to_vec();
+        assert_eq!(batch.len(0), 120);
+        assert!(batch.reserve(1, 200).unwrap());
+        batch.prefill(1, &whole).unwrap();
+        assert_eq!(
+            crate::sampling::argmax(&cut_logits),
+            crate::sampling::argmax(batch.logits(0).unwrap())
+        );
+        for (id, cut) in ids.into_iter().zip([17, 64]) {
+            let id = id.expect("room for the snapshot");
+            batch.release(2);
+            assert!(batch.restore(id, 2, 200).unwrap());
+            assert_eq!(batch.len(2), cut);
+            batch.prefill(2, &whole[cut..]).unwrap();
+            let restored = batch.logits(0).unwrap().to_vec();
+            let worst = cut_logits
+                .iter()
+                .zip(&restored)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-4, "the snapshot at {cut} continued differs by {worst}");
+        }
+    }
 }

@@ -745,17 +745,17 @@ impl Engine {
         self.cache_gauges();
     }
 
-    /// Makes room for one more snapshot, dropping the least recently used while the backend has none; false when
-    /// the cache has nothing left to drop.
-    fn make_snapshot_room(&mut self) -> bool {
-        while !self.backend.snapshot_room() {
+    /// Makes room for up to `wanted` more snapshots, dropping the least recently used while the backend has too
+    /// few; returns how many fit (fewer once the cache has nothing left to drop).
+    fn make_snapshot_room(&mut self, wanted: usize) -> usize {
+        while self.backend.snapshot_room() < wanted {
             let Some(victim) = self.cache.evict() else {
-                return false;
+                break;
             };
             self.backend.drop_snapshot(victim);
             self.shared.metrics.prefix_cache_evictions.increment(1);
         }
-        true
+        wanted.min(self.backend.snapshot_room())
     }
 
     fn cache_gauges(&self) {
@@ -858,48 +858,47 @@ impl Engine {
             .len()
             .min(done + limit.max(1))
             .min(done + self.backend.max_prefill_tokens().max(1));
-        // The snapshot points this call reaches whose prefix the cache lacks: the call stops at the first, or, where
-        // the backend snapshots inside a pass and has room, takes the first in its pass and stops at the second.
+        // The snapshot points this call reaches whose prefix the cache lacks. Where the backend snapshots inside a
+        // pass, those before the call's reach are taken in it (as many as it has room for); otherwise, or past
+        // them, the call stops at the next point.
         let points: Vec<usize> = seq
             .snapshot_at
             .iter()
             .copied()
             .filter(|&p| p > done && p <= reach && !self.cache.contains(&prompt[..p]))
             .collect();
-        let mut points = points.into_iter();
-        let (mut cut, mut end) = (None, reach);
-        if let Some(first) = points.next() {
-            end = first;
-            if first < reach && self.backend.snapshots_in_prefill() && self.make_snapshot_room() {
-                cut = Some(first);
-                end = points.next().unwrap_or(reach);
-            }
-        }
+        let inside = points.iter().filter(|&&p| p < reach).count();
+        let cuts = match self.backend.snapshots_in_prefill() {
+            true => self.make_snapshot_room(inside),
+            false => 0,
+        };
+        let mut end = points.get(cuts).copied().unwrap_or(reach);
+        let mut cuts: Vec<usize> = points[..cuts].iter().map(|&p| p - done).collect();
         // A prompt whose logprobs are asked for enters one token at a time (its first token here, the others in
         // steps), so that every position's logits come out of the forward pass that generation uses.
         if echo.is_some() {
-            (cut, end) = (None, 1);
+            (cuts, end) = (Vec::new(), 1);
         }
         let started = Instant::now();
-        let result = match cut {
-            Some(cut) => self
-                .backend
-                .prefill_snapshot(slot, &prompt[done..end], cut - done)
-                .map(|id| id.map(|id| (id, cut))),
-            None => self.backend.prefill(slot, &prompt[done..end]).map(|()| None),
+        let result = match cuts.is_empty() {
+            true => self.backend.prefill(slot, &prompt[done..end]).map(|()| Vec::new()),
+            false => self.backend.prefill_snapshot(slot, &prompt[done..end], &cuts),
         };
         tracing::debug!(
             tokens = end - done,
-            cut,
+            cuts = ?cuts,
             ms = started.elapsed().as_secs_f64() * 1e3,
             "prefill call"
         );
         match result {
-            Ok(Some((id, cut))) => {
-                self.cache.insert(id, &prompt[..cut]);
+            Ok(ids) => {
+                for (id, cut) in ids.into_iter().zip(&cuts) {
+                    if let Some(id) = id {
+                        self.cache.insert(id, &prompt[..done + cut]);
+                    }
+                }
                 self.cache_gauges();
             }
-            Ok(None) => {}
             Err(e) => {
                 self.fail_job(job, forward_error(e));
                 return Some(0);

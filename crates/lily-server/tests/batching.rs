@@ -249,8 +249,9 @@ impl BatchBackend for FakeBatch {
     fn snapshots_in_prefill(&self) -> bool {
         self.in_pass
     }
-    fn snapshot_room(&self) -> bool {
-        self.slots.lock().unwrap().snapshots.len() < self.max_snapshots
+    fn snapshot_room(&self) -> usize {
+        self.max_snapshots
+            .saturating_sub(self.slots.lock().unwrap().snapshots.len())
     }
     fn snapshot_tokens(&self) -> usize {
         let s = self.slots.lock().unwrap();

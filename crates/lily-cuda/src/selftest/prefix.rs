@@ -73,62 +73,78 @@ pub fn check(backend: &mut CudaBatchBackend, seed: u64, report: &mut Report) -> 
     limits(backend, &mut rng, report)
 }
 
-/// A snapshot taken inside one prefill pass (`prefill_snapshot`) against one taken between two calls: the
-/// sequence that was cut goes on as the one prefilled in two calls, and sequences restored from the two snapshots
-/// continue alike. The two ways run their products over different row counts, so they agree to the one-pass
-/// tolerance, not exactly; a snapshot of the wrong position would be off by far more.
+/// Snapshots taken inside one prefill pass (`prefill_snapshot`, two cuts) against ones taken between calls: the
+/// sequence that was cut goes on as the one prefilled in three calls, and sequences restored from each pair of
+/// snapshots continue alike. The two ways may run their products over different row counts, so they are held to
+/// the one-pass tolerance, not exactly; a snapshot of the wrong position would be off by far more.
 fn in_pass(backend: &mut CudaBatchBackend, rng: &mut Rng, report: &mut Report) -> Result<()> {
     let c = backend.config().clone();
     let vocab = c.vocab_size as u64;
-    let (n, cut) = (300, 173);
+    let (n, cuts) = (300, [101, 173]);
     let prompt = random_tokens(rng, vocab, n);
     let continuation = random_tokens(rng, vocab, 77);
     let room = n + 128;
-    let (cut_slot, twin, from_cut, from_twin) = (0, 1, 2, 3);
+    let (cut_slot, twin, restored) = (0, 1, [2, 3, 4, 5]);
     let free_before = backend.free_tokens();
     reserve(backend, cut_slot, room)?;
     reserve(backend, twin, room)?;
-    let in_pass = backend.prefill_snapshot(cut_slot, &prompt, cut).map_err(fe)?;
+    let in_pass = backend.prefill_snapshot(cut_slot, &prompt, &cuts).map_err(fe)?;
     let cut_logits = backend.logits(0).map_err(fe)?.to_vec();
-    prefill(backend, twin, &prompt[..cut])?;
-    let between = backend.snapshot(twin).map_err(fe)?;
-    let twin_logits = prefill(backend, twin, &prompt[cut..])?;
-    let (Some(in_pass), Some(between)) = (in_pass, between) else {
+    let mut between = Vec::new();
+    let mut done = 0;
+    for cut in cuts {
+        prefill(backend, twin, &prompt[done..cut])?;
+        between.push(backend.snapshot(twin).map_err(fe)?);
+        done = cut;
+    }
+    let twin_logits = prefill(backend, twin, &prompt[done..])?;
+    let ids: Option<Vec<usize>> = in_pass.iter().chain(&between).copied().collect();
+    let Some(ids) = ids else {
         return Err(GpuError::Other("no snapshot buffer".into()));
     };
-    let restored = backend.restore(in_pass, from_cut, room).map_err(fe)?
-        && backend.restore(between, from_twin, room).map_err(fe)?
-        && backend.len(from_cut) == cut
-        && backend.len(from_twin) == cut;
+    // Restored: the in-pass snapshots into restored[0..2], the between-calls ones into restored[2..4].
+    let mut lengths = Vec::new();
+    for (&id, &slot) in ids.iter().zip(&restored) {
+        if !backend.restore(id, slot, room).map_err(fe)? {
+            return Err(GpuError::Other(
+                "a restore was refused with the pool nearly empty".into(),
+            ));
+        }
+        lengths.push(backend.len(slot));
+    }
+    let expected: Vec<usize> = cuts.iter().chain(&cuts).copied().collect();
     report.check_eq(
-        "prefix snapshot inside a pass: its length, restored",
-        restored && backend.len(cut_slot) == n,
+        "prefix snapshots inside a pass: their lengths, restored",
+        lengths == expected && backend.len(cut_slot) == n,
         &format!(
-            "restored at {} and {} tokens (cut at {cut}); the cut sequence holds {} of {n}",
-            backend.len(from_cut),
-            backend.len(from_twin),
+            "restored at {lengths:?} tokens (cuts at {cuts:?}); the cut sequence holds {} of {n}",
             backend.len(cut_slot)
         ),
     );
-    let got = prefill(backend, from_cut, &continuation)?;
-    let want = prefill(backend, from_twin, &continuation)?;
+    let mut worst = 0.0f64;
+    for i in 0..cuts.len() {
+        let got = prefill(backend, restored[i], &continuation)?;
+        let want = prefill(backend, restored[i + cuts.len()], &continuation)?;
+        worst = worst.max(rel_err(&got, &want));
+    }
     report.check(
-        "prefix snapshot inside a pass: restored, continued vs between calls",
-        rel_err(&got, &want),
+        "prefix snapshots inside a pass: restored, continued vs between calls",
+        worst,
         ONE_PASS_TOL,
     );
     report.check(
-        "prefix snapshot inside a pass: the cut sequence vs two calls",
+        "prefix snapshots inside a pass: the cut sequence vs three calls",
         rel_err(&cut_logits, &twin_logits),
         ONE_PASS_TOL,
     );
-    for slot in [cut_slot, twin, from_cut, from_twin] {
+    for slot in [cut_slot, twin].into_iter().chain(restored) {
         backend.release(slot);
     }
-    backend.drop_snapshot(in_pass);
-    backend.drop_snapshot(between);
+    for id in ids {
+        backend.drop_snapshot(id);
+    }
     report.check_eq(
-        "prefix snapshot inside a pass: every page back",
+        "prefix snapshots inside a pass: every page back",
         backend.free_tokens() == free_before && backend.snapshot_bytes() == 0,
         &format!("{} of {free_before} tokens free", backend.free_tokens()),
     );
