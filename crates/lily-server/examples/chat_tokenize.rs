@@ -2,7 +2,8 @@
 //! long document (the shapes of `scripts/bench_prefix.py chat`: a document of common words, ~200-word questions and
 //! replies), rendered with the bundled model's chat template and tokenized with its tokenizer by `render_tokens`,
 //! as every chat request is. For each turn it prints the time of `render_tokens` and of its two parts: rendering
-//! the conversation with the template, and tokenizing the rendered text.
+//! the conversation with the template, and tokenizing the rendered text, the latter both without the tokenizer's
+//! segment cache and with the cache holding what the turn before left there (as in a server that served it).
 //!
 //!     cargo run --release -p lily-server --example chat_tokenize -- [--doc-words N] [--turns N] [--thinking] [--tools]
 
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use lily_chat::tokenizer::DEFAULT_SEGMENT_CACHE_BYTES;
 use lily_chat::{ChatTemplate, PlainMarker, Tokenizer};
 use lily_server::chat::{render, render_tokens};
 use lily_server::limits::{prompt_limit, RequestLimits};
@@ -162,7 +164,10 @@ fn main() -> Result<()> {
         if o.thinking { "on" } else { "off" },
         if o.tools { "on" } else { "off" },
     );
-    println!("turn  tokens  render_tokens ms  (first call)  render ms  tokenize ms");
+    println!("                render_tokens ms       tokenize ms");
+    println!("turn  tokens  new turn  no cache  render ms  new turn  no cache");
+    let limit = prompt_limit(context);
+    let mut previous: Option<String> = None;
     for turn in 0..o.turns {
         let question = words.take(o.user_words);
         let content = if turn == 0 {
@@ -171,22 +176,47 @@ fn main() -> Result<()> {
             question
         };
         messages.push(json!({"role": "user", "content": content}));
-        let call = || render_tokens(&ready, messages.clone(), &tools, kwargs.clone(), true);
-        let start = Instant::now();
-        let (_, tokens) = call().map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let first = start.elapsed().as_secs_f64() * 1e3;
-        let total = time(call);
+        let render_tokens = || render_tokens(&ready, messages.clone(), &tools, kwargs.clone(), true);
         let text =
             render(&ready, messages.clone(), &tools, kwargs.clone(), true).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let rendering = time(|| render(&ready, messages.clone(), &tools, kwargs.clone(), true));
         let marker = PlainMarker::choose([text.as_str()]).context("no free marker")?;
-        let limit = prompt_limit(context);
-        let tokenizing = time(|| tokenizer.encode_marked(&text, marker, limit));
+        // The segment cache as the turn before left it: emptied, then filled by the previous turn's prompt.
+        let after_previous_turn = || {
+            tokenizer.set_segment_cache_bytes(0);
+            tokenizer.set_segment_cache_bytes(DEFAULT_SEGMENT_CACHE_BYTES);
+            if let Some(previous) = &previous {
+                tokenizer.encode_marked(previous, marker, limit).unwrap();
+            }
+        };
+        let timed_after_previous_turn = |f: &mut dyn FnMut()| {
+            median(
+                (0..REPEATS)
+                    .map(|_| {
+                        after_previous_turn();
+                        let start = Instant::now();
+                        f();
+                        start.elapsed()
+                    })
+                    .collect(),
+            )
+        };
+        let total_new = timed_after_previous_turn(&mut || {
+            std::hint::black_box(render_tokens().unwrap());
+        });
+        let tokenize_new = timed_after_previous_turn(&mut || {
+            std::hint::black_box(tokenizer.encode_marked(&text, marker, limit).unwrap());
+        });
+        tokenizer.set_segment_cache_bytes(0);
+        let (_, tokens) = render_tokens().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let total_cold = time(render_tokens);
+        let tokenize_cold = time(|| tokenizer.encode_marked(&text, marker, limit));
+        let rendering = time(|| render(&ready, messages.clone(), &tools, kwargs.clone(), true));
         println!(
-            "{:>4}  {:>6}  {total:>16.2}  {first:>12.2}  {rendering:>9.2}  {tokenizing:>11.2}",
+            "{:>4}  {:>6}  {total_new:>8.2}  {total_cold:>8.2}  {rendering:>9.2}  {tokenize_new:>8.2}  {tokenize_cold:>8.2}",
             turn + 1,
             tokens.len()
         );
+        previous = Some(text);
         messages.push(json!({"role": "assistant", "content": words.take(o.reply_words)}));
     }
     Ok(())
