@@ -145,6 +145,15 @@ pub struct LazyStructured {
 }
 
 impl LazyStructured {
+    /// The trie for `tokenizer` over a model of `vocab_size` logits, built on first use.
+    pub fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize) -> Self {
+        LazyStructured {
+            tokenizer,
+            vocab_size,
+            env: OnceLock::new(),
+        }
+    }
+
     /// The trie, or `None` when the tokenizer does not fit the model's vocabulary (constrained requests are then
     /// refused).
     pub fn get(&self) -> Option<&StructuredEnv> {
@@ -517,11 +526,7 @@ fn load(
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
     let backend = factory(context, &config.pool).context("loading the weights")?;
     let context = backend.max_context();
-    let structured = LazyStructured {
-        tokenizer: tokenizer.clone(),
-        vocab_size: backend.config().vocab_size,
-        env: OnceLock::new(),
-    };
+    let structured = LazyStructured::new(tokenizer.clone(), backend.config().vocab_size);
     let ready = Ready {
         tokenizer: tokenizer.clone(),
         template,
