@@ -569,11 +569,14 @@ mod x86 {
         let iota = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
-        let tables = scratch[..TILE_ROWS * groups * 16].as_mut_ptr();
+        let (tables, constants) = scratch.split_at_mut(TILE_ROWS * groups * 16);
+        let (scales, biases) = constants[..2 * groups].split_at_mut(groups);
+        let tables = tables.as_mut_ptr();
         for (i, &r) in rows.iter().enumerate() {
+            widen_bf16(&w.scales[r * groups..(r + 1) * groups], scales);
+            widen_bf16(&w.biases[r * groups..(r + 1) * groups], biases);
             for g in 0..groups {
-                let scale = _mm512_set1_ps(bf16_to_f32(w.scales[r * groups + g]));
-                let bias = _mm512_set1_ps(bf16_to_f32(w.biases[r * groups + g]));
+                let (scale, bias) = (_mm512_set1_ps(scales[g]), _mm512_set1_ps(biases[g]));
                 _mm512_storeu_ps(tables.add((i * groups + g) * 16), _mm512_fmadd_ps(iota, scale, bias));
             }
         }
@@ -598,6 +601,25 @@ mod x86 {
             }
         }
         sums(&acc)
+    }
+
+    /// `out[i] = src[i]` as f32 (`src` holding bf16 bits), 16 values at a time.
+    #[inline(always)]
+    unsafe fn widen_bf16(src: &[u16], out: &mut [f32]) {
+        let n = src.len();
+        assert!(out.len() >= n);
+        let mut i = 0;
+        while i + 16 <= n {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i));
+            _mm512_storeu_ps(
+                out.as_mut_ptr().add(i),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)),
+            );
+            i += 16;
+        }
+        for i in i..n {
+            out[i] = bf16_to_f32(src[i]);
+        }
     }
 
     /// 16 columns of 8-bit weights at a time: 16 bytes widened, times the scale plus the bias (per row and group,
@@ -781,7 +803,7 @@ mod tests {
                 for rows in [1, 4, 7, 33] {
                     let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal()).collect();
                     let m = QMatrix::quantize(&w, rows, cols, bits);
-                    for tokens in [1, 2, 3, 4, 5, 9, 17, 40] {
+                    for tokens in [1, 2, 3, 4, 5, 8, 9, 17, 40] {
                         let x: Vec<f32> = (0..tokens * cols).map(|_| rng.normal()).collect();
                         let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
                         let mut row = vec![0.0; cols];
