@@ -426,7 +426,19 @@ mod x86 {
         let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
         let words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         let out = block.as_mut_ptr();
-        for c in (0..cols).step_by(16) {
+        let wide = if w.bits == 4 { cols / WIDE_COLS * WIDE_COLS } else { 0 };
+        for c in (0..wide).step_by(WIDE_COLS) {
+            for half in 0..PANEL / 16 {
+                pack_4bit_wide(
+                    w,
+                    first + half * 16,
+                    n.saturating_sub(half * 16).min(16),
+                    start + c,
+                    out.add(c * PANEL + half * 16),
+                );
+            }
+        }
+        for c in (wide..cols).step_by(16) {
             let (col, g) = (start + c, (start + c) / GROUP);
             for half in 0..PANEL / 16 {
                 let mut v = [_mm512_setzero_ps(); 16];
@@ -451,6 +463,43 @@ mod x86 {
                 transpose16(&mut v);
                 for (j, v) in v.iter().enumerate() {
                     _mm512_storeu_ps(out.add((c + j) * PANEL + half * 16), *v);
+                }
+            }
+        }
+    }
+
+    /// Columns of 4-bit rows that [`pack_4bit_wide`] dequantizes at a time: the 16 words of 8 weights in 64 bytes.
+    const WIDE_COLS: usize = 128;
+
+    /// Dequantizes columns `col..col + WIDE_COLS` of the `n` (at most 16) rows from `first` into `out`, transposed:
+    /// `out[c * PANEL + i]` is column `col + c` of row `first + i` (zero for `i >= n`). The rows' 64 bytes are
+    /// transposed as 16 words, so that vector `j` holds word `j` of every row, the weights of 8 columns; then each
+    /// column is a shift, a mask, a conversion and a multiply-add with the rows' scales and biases in the lanes.
+    /// (So the transposition moves 8 columns per word rather than one per value, and no table is made per row.)
+    #[inline(always)]
+    unsafe fn pack_4bit_wide(w: Rows, first: usize, n: usize, col: usize, out: *mut f32) {
+        let groups = w.cols / GROUP;
+        let row_bytes = w.cols / 2;
+        let mut v = [_mm512_setzero_ps(); 16];
+        for (i, v) in v.iter_mut().enumerate().take(n) {
+            *v = _mm512_loadu_ps(w.packed.as_ptr().add((first + i) * row_bytes + col / 2) as *const f32);
+        }
+        transpose16(&mut v);
+        let mask = _mm512_set1_epi32(0xF);
+        for g in 0..WIDE_COLS / GROUP {
+            let (mut scales, mut biases) = ([0.0f32; 16], [0.0f32; 16]);
+            for i in 0..n {
+                let index = (first + i) * groups + col / GROUP + g;
+                scales[i] = bf16_to_f32(w.scales[index]);
+                biases[i] = bf16_to_f32(w.biases[index]);
+            }
+            let (scale, bias) = (_mm512_loadu_ps(scales.as_ptr()), _mm512_loadu_ps(biases.as_ptr()));
+            for j in 0..GROUP / 8 {
+                let word = _mm512_castps_si512(v[g * GROUP / 8 + j]);
+                for k in 0..8 {
+                    let q = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_set1_epi32(4 * k as i32)), mask);
+                    let c = g * GROUP + 8 * j + k;
+                    _mm512_storeu_ps(out.add(c * PANEL), _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, bias));
                 }
             }
         }
@@ -569,11 +618,14 @@ mod x86 {
         let iota = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
-        let tables = scratch[..TILE_ROWS * groups * 16].as_mut_ptr();
+        let (tables, constants) = scratch.split_at_mut(TILE_ROWS * groups * 16);
+        let (scales, biases) = constants[..2 * groups].split_at_mut(groups);
+        let tables = tables.as_mut_ptr();
         for (i, &r) in rows.iter().enumerate() {
+            widen_bf16(&w.scales[r * groups..(r + 1) * groups], scales);
+            widen_bf16(&w.biases[r * groups..(r + 1) * groups], biases);
             for g in 0..groups {
-                let scale = _mm512_set1_ps(bf16_to_f32(w.scales[r * groups + g]));
-                let bias = _mm512_set1_ps(bf16_to_f32(w.biases[r * groups + g]));
+                let (scale, bias) = (_mm512_set1_ps(scales[g]), _mm512_set1_ps(biases[g]));
                 _mm512_storeu_ps(tables.add((i * groups + g) * 16), _mm512_fmadd_ps(iota, scale, bias));
             }
         }
@@ -598,6 +650,25 @@ mod x86 {
             }
         }
         sums(&acc)
+    }
+
+    /// `out[i] = src[i]` as f32 (`src` holding bf16 bits), 16 values at a time.
+    #[inline(always)]
+    unsafe fn widen_bf16(src: &[u16], out: &mut [f32]) {
+        let n = src.len();
+        assert!(out.len() >= n);
+        let mut i = 0;
+        while i + 16 <= n {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i));
+            _mm512_storeu_ps(
+                out.as_mut_ptr().add(i),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)),
+            );
+            i += 16;
+        }
+        for i in i..n {
+            out[i] = bf16_to_f32(src[i]);
+        }
     }
 
     /// 16 columns of 8-bit weights at a time: 16 bytes widened, times the scale plus the bias (per row and group,
@@ -781,7 +852,7 @@ mod tests {
                 for rows in [1, 4, 7, 33] {
                     let w: Vec<f32> = (0..rows * cols).map(|_| rng.normal()).collect();
                     let m = QMatrix::quantize(&w, rows, cols, bits);
-                    for tokens in [1, 2, 3, 4, 5, 9, 17, 40] {
+                    for tokens in [1, 2, 3, 4, 5, 8, 9, 17, 40] {
                         let x: Vec<f32> = (0..tokens * cols).map(|_| rng.normal()).collect();
                         let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
                         let mut row = vec![0.0; cols];
