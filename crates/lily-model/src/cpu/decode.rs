@@ -97,7 +97,8 @@ fn add(acc: &mut [f32], x: &[f32]) {
 
 impl CpuModel {
     /// One decode step (see the module comment): appends `token` to the sequence and writes the next-token logits.
-    pub(super) fn decode_step(&self, state: &mut State, token: u32, logits: &mut [f32]) {
+    /// Returns false, changing nothing, when another team is running (see [`team::try_run`]).
+    pub(super) fn decode_step(&self, state: &mut State, token: u32, logits: &mut [f32]) -> bool {
         let c = self.config();
         let w = &self.weights;
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
@@ -106,7 +107,7 @@ impl CpuModel {
         // SAFETY (every access to `b` below): the team's steps follow the rules of `Shared`: a step of one thread
         // (`single`) writes while the others wait, a parallel step writes disjoint parts, and barriers separate
         // writes from later reads.
-        team::run(|team| unsafe {
+        let ran = team::try_run(|team| unsafe {
             let mut margin = f32::INFINITY;
             for (l, layer) in w.layers.iter().enumerate() {
                 team.single(|| {
@@ -166,7 +167,10 @@ impl CpuModel {
             };
             team_matvecs(team, &[product]);
         });
-        state.position += 1;
+        if ran {
+            state.position += 1;
+        }
+        ran
     }
 
     /// The Gated DeltaNet of one token: its projections, the heads in tasks of key heads ([`decode_key_head`]),

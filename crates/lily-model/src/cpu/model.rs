@@ -278,8 +278,10 @@ impl CpuModel {
     /// One decode step: appends `token` to the sequence and writes the next-token logits.
     pub fn decode(&self, state: &mut State, token: u32, logits: &mut [f32]) -> Result<(), ForwardError> {
         self.check(state, &[token])?;
-        self.decode_step(state, token, logits);
-        Ok(())
+        if self.decode_step(state, token, logits) {
+            return Ok(());
+        }
+        self.decode_in_regions(state, token, logits)
     }
 
     /// [`CpuModel::decode`] as a sequence of the pool's fork-join regions, one per step of the layers (the same

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Spins before a waiting thread starts yielding its core (so that the team does not starve other work when the
 /// pool has more threads than idle cores).
-const SPINS_BEFORE_YIELD: u32 = 20_000;
+const SPINS_BEFORE_YIELD: u32 = 2_000;
 
 #[derive(Default)]
 struct TeamState {
@@ -35,9 +35,27 @@ pub struct Team<'a> {
     generation: Cell<usize>,
 }
 
-/// Runs `step` on every thread of the current pool at once, each with its [`Team`] handle; returns when all are
-/// done. A panic in one thread is re-raised after every thread has stopped.
-pub fn run(step: impl Fn(&Team) + Sync) {
+/// Whether a team is running in this process. Teams run one at a time: two teams on one pool, each holding
+/// threads that wait at its barrier for threads the other holds, would wait forever.
+static RUNNING: AtomicBool = AtomicBool::new(false);
+
+/// Runs `step` on every thread of the current pool at once, each with its [`Team`] handle, and returns true when
+/// all are done; returns false at once, running nothing, when another team is running (the caller then computes
+/// its step another way). A panic in one thread is re-raised after every thread has stopped.
+pub fn try_run(step: impl Fn(&Team) + Sync) -> bool {
+    if RUNNING
+        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        return false;
+    }
+    struct Done;
+    impl Drop for Done {
+        fn drop(&mut self) {
+            RUNNING.store(false, Ordering::Release);
+        }
+    }
+    let _done = Done;
     let shared = TeamState::default();
     rayon::broadcast(|context| {
         let team = Team {
@@ -53,6 +71,7 @@ pub fn run(step: impl Fn(&Team) + Sync) {
             std::panic::resume_unwind(panic);
         }
     });
+    true
 }
 
 impl Team<'_> {
@@ -199,7 +218,7 @@ mod tests {
             let shared = Shared::new(&mut values[..]);
             let sum = AtomicUsize::new(0);
             pool.install(|| {
-                run(|team| {
+                let ran = try_run(|team| {
                     for step in 1..=20usize {
                         team.tasks(37 + step, |i| {
                             if i < 38 {
@@ -213,9 +232,12 @@ mod tests {
                             // SAFETY: the others wait at the barrier.
                             let all = unsafe { shared.read() };
                             sum.fetch_add(all.iter().sum::<usize>(), Ordering::Relaxed);
+                            // A second team cannot start while this one runs.
+                            assert!(!try_run(|_| unreachable!()));
                         });
                     }
-                })
+                });
+                assert!(ran);
             });
             let expected: usize = (1..=20usize).map(|s| s * s * 38).sum();
             assert_eq!(sum.load(Ordering::Relaxed), expected, "{threads} threads");
