@@ -40,34 +40,49 @@ pub fn attend(
     let kv_dim = kv_heads * head_dim;
     out.par_chunks_mut(head_dim).enumerate().for_each(|(index, o)| {
         let (t, h) = (index / heads, index % heads);
-        let kvh = h / group;
         let qh = &q[(t * heads + h) * head_dim..(t * heads + h + 1) * head_dim];
-        let visible = start + t + 1;
-        // Taken out of the thread-local for the head (a nested use would start an empty one, not find it borrowed).
-        let mut scores = SCORES.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        scores.clear();
-        let mut max = f32::NEG_INFINITY;
-        for p in 0..visible {
-            let k = &k_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
-            let s = super::linalg::dot(qh, k) * scale;
-            max = max.max(s);
-            scores.push(s);
-        }
-        let mut denom = 0.0;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            denom += *s;
-        }
-        o.fill(0.0);
-        for (p, s) in scores.iter().enumerate() {
-            let v = &v_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
-            let w = s / denom;
-            for j in 0..head_dim {
-                o[j] += w * v[j];
-            }
-        }
-        SCORES.with(|s| *s.borrow_mut() = scores);
+        attend_head(qh, k_cache, v_cache, start + t + 1, h / group, kv_dim, scale, o);
     });
+}
+
+/// One query head's attention over the first `visible` positions of the cache, with the keys and values of KV head
+/// `kvh`; `scale` multiplies the scores.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_head(
+    qh: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    visible: usize,
+    kvh: usize,
+    kv_dim: usize,
+    scale: f32,
+    o: &mut [f32],
+) {
+    let head_dim = qh.len();
+    // Taken out of the thread-local for the head (a nested use would start an empty one, not find it borrowed).
+    let mut scores = SCORES.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for p in 0..visible {
+        let k = &k_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
+        let s = super::linalg::dot(qh, k) * scale;
+        max = max.max(s);
+        scores.push(s);
+    }
+    let mut denom = 0.0;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        denom += *s;
+    }
+    o.fill(0.0);
+    for (p, s) in scores.iter().enumerate() {
+        let v = &v_cache[p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim];
+        let w = s / denom;
+        for j in 0..head_dim {
+            o[j] += w * v[j];
+        }
+    }
+    SCORES.with(|s| *s.borrow_mut() = scores);
 }
 
 #[cfg(test)]

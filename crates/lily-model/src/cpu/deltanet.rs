@@ -4,6 +4,11 @@
 use rayon::prelude::*;
 
 use super::simd::Path;
+use super::team::Shared;
+use crate::weights::GatedDeltaNet;
+
+/// Most conv taps [`decode_key_head`] takes (the model has 4).
+const MAX_TAPS: usize = 8;
 
 /// Tokens per chunk in the chunked form.
 pub const CHUNK: usize = 64;
@@ -61,6 +66,107 @@ pub fn conv_sequence(x: &[f32], state: &mut [f32], weights: &[f32], taps: usize,
     } else {
         state.copy_within(tokens * channels.., 0);
         state[(history - tokens) * channels..].copy_from_slice(x);
+    }
+}
+
+/// The inputs of one token's DeltaNet heads in a decode step ([`decode_key_head`]): the projections of the token
+/// (`qkv`: `[conv_dim]` before the conv; `z`: `[value heads][dv]`; `b`, `a`: per value head, before their
+/// activations) and the layer's weights.
+pub struct DecodeInputs<'a> {
+    pub weights: &'a GatedDeltaNet,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub taps: usize,
+    pub eps: f32,
+    pub qkv: &'a [f32],
+    pub z: &'a [f32],
+    pub b: &'a [f32],
+    pub a: &'a [f32],
+}
+
+/// One token through the value heads that read key head `kh`: the conv and SiLU of the key head's q and k channels
+/// and of these value heads' v channels (each channel's conv state shifted), q and k l2-normalised (q scaled by
+/// `1 / sqrt(dk)`), the gates `beta = sigmoid(b)` and `g = -exp(a_log) * softplus(a + dt_bias)`, the recurrence
+/// ([`recurrent_step`]) and the gated RMSNorm `norm * rmsnorm(o) * silu(z)` into `core` (`[value heads][dv]`).
+/// The operations and their order are those of the whole-layer steps of a prompt of one token. Touches only the
+/// channels of `conv_state` and `conv_out`, the blocks of `recurrent` and the heads of `core` of these heads.
+pub fn decode_key_head(
+    inputs: &DecodeInputs,
+    kh: usize,
+    conv_state: Shared<[f32]>,
+    conv_out: Shared<[f32]>,
+    recurrent: Shared<[f32]>,
+    core: Shared<[f32]>,
+) {
+    let DecodeInputs {
+        weights,
+        key_heads,
+        value_heads,
+        dk,
+        dv,
+        taps,
+        ..
+    } = *inputs;
+    let key_dim = key_heads * dk;
+    let channels = inputs.qkv.len();
+    let heads_per_key = value_heads / key_heads;
+    let heads = kh * heads_per_key..(kh + 1) * heads_per_key;
+    let history = taps - 1;
+    assert!((2..=MAX_TAPS).contains(&taps), "{taps} conv taps");
+    // SAFETY (every `part` below): the channels of key head `kh` and of its value heads, and those value heads'
+    // state blocks and outputs, belong to this call alone.
+    let conv = |start: usize, len: usize| {
+        let out = unsafe { conv_out.part(start, len) };
+        let rows: [&mut [f32]; MAX_TAPS - 1] = std::array::from_fn(|j| {
+            if j < history {
+                unsafe { conv_state.part(j * channels + start, len) }
+            } else {
+                &mut []
+            }
+        });
+        for (i, o) in out.iter_mut().enumerate() {
+            let c = start + i;
+            let w = &weights.conv1d[c * taps..(c + 1) * taps];
+            let x = inputs.qkv[c];
+            let mut acc = w[taps - 1] * x;
+            for j in 0..history {
+                acc += w[j] * rows[j][i];
+            }
+            *o = super::linalg::silu(acc);
+        }
+        let mut rows = rows;
+        for j in 0..history - 1 {
+            let (older, newer) = rows.split_at_mut(j + 1);
+            older[j].copy_from_slice(newer[0]);
+        }
+        rows[history - 1].copy_from_slice(&inputs.qkv[start..start + len]);
+        out
+    };
+    let q = conv(kh * dk, dk);
+    let k = conv(key_dim + kh * dk, dk);
+    let v = conv(2 * key_dim + heads.start * dv, heads.len() * dv);
+    l2norm(q);
+    l2norm(k);
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    q.iter_mut().for_each(|v| *v *= q_scale);
+    let states = unsafe { recurrent.part(heads.start * dk * dv, heads.len() * dk * dv) };
+    let outs = unsafe { core.part(heads.start * dv, heads.len() * dv) };
+    for (i, ((s, out), v)) in states
+        .chunks_exact_mut(dk * dv)
+        .zip(outs.chunks_exact_mut(dv))
+        .zip(v.chunks_exact(dv))
+        .enumerate()
+    {
+        let head = heads.start + i;
+        let beta = super::linalg::sigmoid(inputs.b[head]);
+        let decay = -weights.a_log[head].exp() * super::linalg::softplus(inputs.a[head] + weights.dt_bias[head]);
+        recurrent_step(q, k, v, decay, beta, s, out);
+        super::linalg::rmsnorm_row_in_place(out, &weights.norm, inputs.eps);
+        for (o, z) in out.iter_mut().zip(&inputs.z[head * dv..(head + 1) * dv]) {
+            *o *= super::linalg::silu(*z);
+        }
     }
 }
 

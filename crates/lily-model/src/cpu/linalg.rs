@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 use super::gemm;
 use super::simd::{self, Path, QInput, Rows};
+use super::team::{Shared, Team};
 
 /// The environment variable that forces a SIMD path (`scalar`, `avx2`, `avx512`, `neon`) instead of the fastest one
 /// this CPU has.
@@ -115,6 +116,41 @@ pub fn matvecs(products: &mut [MatVec]) {
         // SAFETY: tasks cover disjoint row ranges of each output, which outlives the parallel loop; the pointer
         // is read through the whole array (which is Send) rather than captured as a bare pointer field.
         let out = unsafe { std::slice::from_raw_parts_mut(outs[p].0.add(start), rows) };
+        simd::dot_rows(path, rows_of(&product.w.rows_view(start, rows)), product.x, out);
+    });
+}
+
+/// One product of a batch run by [`team_matvecs`]: `out = w . x`, `x` quantized for `w`'s bits.
+pub struct TeamMatVec<'a> {
+    pub w: QView<'a>,
+    pub x: &'a QInput,
+    pub out: Shared<'a, [f32]>,
+}
+
+/// Runs every product of the batch as one parallel step of the team, rows split into tasks across its threads,
+/// then waits for all of them. Every thread of the team calls it with the same batch.
+pub fn team_matvecs(team: &Team, products: &[TeamMatVec]) {
+    assert!(products.len() <= MAX_BATCH, "{} products in one step", products.len());
+    let path = simd_path();
+    let n = products.len();
+    // Product p owns tasks first_task[p]..first_task[p + 1].
+    let mut first_task = [0usize; MAX_BATCH + 1];
+    let total_rows: usize = products.iter().map(|p| p.w.rows).sum();
+    let rows_per_task = total_rows.div_ceil(16 * team.count()).clamp(8, 1024);
+    for (p, product) in products.iter().enumerate() {
+        assert_eq!(product.out.len(), product.w.rows);
+        assert_eq!(product.x.bits(), product.w.bits);
+        assert_eq!(product.x.cols(), product.w.cols);
+        first_task[p + 1] = first_task[p] + product.w.rows.div_ceil(rows_per_task);
+    }
+    let first_task = &first_task[..=n];
+    team.tasks(first_task[n], |task| {
+        let p = first_task.partition_point(|&first| first <= task) - 1;
+        let product = &products[p];
+        let start = (task - first_task[p]) * rows_per_task;
+        let rows = rows_per_task.min(product.w.rows - start);
+        // SAFETY: the tasks of the step cover disjoint row ranges of each output.
+        let out = unsafe { product.out.part(start, rows) };
         simd::dot_rows(path, rows_of(&product.w.rows_view(start, rows)), product.x, out);
     });
 }
@@ -269,24 +305,34 @@ pub fn rmsnorm(x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
     x.par_chunks_exact(n)
         .zip(out.par_chunks_exact_mut(n))
         .with_min_len(rows_per_task(n))
-        .for_each(|(xr, or)| {
-            let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-            let inv = 1.0 / (mean_sq + eps).sqrt();
-            for i in 0..n {
-                or[i] = xr[i] * inv * scale[i];
-            }
-        });
+        .for_each(|(xr, or)| rmsnorm_row(xr, scale, eps, or));
 }
 
 pub fn rmsnorm_in_place(x: &mut [f32], scale: &[f32], eps: f32) {
     let n = scale.len();
-    x.par_chunks_exact_mut(n).with_min_len(rows_per_task(n)).for_each(|xr| {
-        let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-        let inv = 1.0 / (mean_sq + eps).sqrt();
-        for i in 0..n {
-            xr[i] *= inv * scale[i];
-        }
-    });
+    x.par_chunks_exact_mut(n)
+        .with_min_len(rows_per_task(n))
+        .for_each(|xr| rmsnorm_row_in_place(xr, scale, eps));
+}
+
+/// [`rmsnorm`] of one row, on the calling thread.
+pub fn rmsnorm_row(x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
+    let n = scale.len();
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / n as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for i in 0..n {
+        out[i] = x[i] * inv * scale[i];
+    }
+}
+
+/// [`rmsnorm_in_place`] of one row, on the calling thread.
+pub fn rmsnorm_row_in_place(x: &mut [f32], scale: &[f32], eps: f32) {
+    let n = scale.len();
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / n as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for i in 0..n {
+        x[i] *= inv * scale[i];
+    }
 }
 
 #[inline]

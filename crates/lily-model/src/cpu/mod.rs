@@ -2,11 +2,13 @@
 //! The whole forward pass, in order, is in [`model`].
 
 pub mod attention;
+mod decode;
 pub mod deltanet;
 pub mod gemm;
 pub mod linalg;
 pub mod model;
 pub mod moe;
 pub mod simd;
+pub mod team;
 
 pub use model::{CpuModel, State};

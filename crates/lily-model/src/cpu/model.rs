@@ -10,6 +10,7 @@ use super::attention::{attend, rope};
 use super::deltanet::{self, conv_sequence, l2norm};
 use super::linalg::{qmatmul, qmatmuls, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
 use super::moe::{moe_decode, moe_forward, MoeScratch};
+use super::simd::QInput;
 pub use crate::backend::ForwardError;
 use crate::config::Config;
 use crate::weights::{Attention, GatedDeltaNet, Mixer, Weights};
@@ -29,13 +30,13 @@ pub struct State {
     /// layers: below the precision another implementation reaches, it may choose other experts.
     pub route_margin: f32,
     /// Per full-attention layer: keys and values, `[max_context][kv_heads * head_dim]`.
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    pub(super) k_cache: Vec<Vec<f32>>,
+    pub(super) v_cache: Vec<Vec<f32>>,
     /// Per DeltaNet layer: the last `taps - 1` conv inputs, `[taps - 1][conv_dim]`.
-    conv: Vec<Vec<f32>>,
+    pub(super) conv: Vec<Vec<f32>>,
     /// Per DeltaNet layer: `[value_heads][key_dim][value_dim]`.
-    recurrent: Vec<Vec<f32>>,
-    act: Activations,
+    pub(super) recurrent: Vec<Vec<f32>>,
+    pub(super) act: Activations,
 }
 
 /// A sequence's state without its buffers for the next step ([`State::save`]): what a prefix-cache snapshot keeps.
@@ -62,21 +63,24 @@ impl SavedState {
 
 /// Activation buffers for up to `PREFILL_SLICE` tokens.
 #[derive(Clone)]
-struct Activations {
-    hidden: Vec<f32>,
-    normed: Vec<f32>,
-    mixer_out: Vec<f32>,
-    moe_out: Vec<f32>,
-    projected: Vec<f32>,
-    conv_out: Vec<f32>,
-    z: Vec<f32>,
-    beta: Vec<f32>,
-    decay: Vec<f32>,
-    core: Vec<f32>,
-    keys: Vec<f32>,
-    values: Vec<f32>,
-    queries: Vec<f32>,
-    moe: MoeScratch,
+pub(super) struct Activations {
+    pub(super) hidden: Vec<f32>,
+    pub(super) normed: Vec<f32>,
+    pub(super) mixer_out: Vec<f32>,
+    pub(super) moe_out: Vec<f32>,
+    pub(super) projected: Vec<f32>,
+    pub(super) conv_out: Vec<f32>,
+    pub(super) z: Vec<f32>,
+    pub(super) beta: Vec<f32>,
+    pub(super) decay: Vec<f32>,
+    pub(super) core: Vec<f32>,
+    pub(super) keys: Vec<f32>,
+    pub(super) values: Vec<f32>,
+    pub(super) queries: Vec<f32>,
+    pub(super) moe: MoeScratch,
+    /// The input of a decode step's products, quantized for 4-bit and for 8-bit matrices.
+    pub(super) x4: QInput,
+    pub(super) x8: QInput,
 }
 
 impl State {
@@ -115,6 +119,8 @@ impl State {
                 values: zeros(n * c.kv_dim()),
                 queries: zeros(n * c.q_dim()),
                 moe: MoeScratch::new(c),
+                x4: QInput::new(),
+                x8: QInput::new(),
             },
         }
     }
@@ -191,9 +197,9 @@ enum Pass {
 
 pub struct CpuModel {
     pub weights: Weights,
-    inv_freq: Vec<f32>,
+    pub(super) inv_freq: Vec<f32>,
     /// For each layer, its index among the layers of its kind (into the KV cache or the DeltaNet state).
-    slot: Vec<usize>,
+    pub(super) slot: Vec<usize>,
 }
 
 impl CpuModel {
@@ -271,6 +277,16 @@ impl CpuModel {
 
     /// One decode step: appends `token` to the sequence and writes the next-token logits.
     pub fn decode(&self, state: &mut State, token: u32, logits: &mut [f32]) -> Result<(), ForwardError> {
+        self.check(state, &[token])?;
+        if self.decode_step(state, token, logits) {
+            return Ok(());
+        }
+        self.decode_in_regions(state, token, logits)
+    }
+
+    /// [`CpuModel::decode`] as a sequence of the pool's fork-join regions, one per step of the layers (the same
+    /// results: a check of the decode step's team of threads).
+    pub fn decode_in_regions(&self, state: &mut State, token: u32, logits: &mut [f32]) -> Result<(), ForwardError> {
         self.check(state, &[token])?;
         state.route_margin = f32::INFINITY;
         self.forward(state, &[token], Pass::Decode);

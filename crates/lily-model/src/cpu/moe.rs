@@ -5,8 +5,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::linalg::{gemms, matvecs, sigmoid, silu, Gemm, MatVec};
+use super::linalg::{gemms, matvecs, sigmoid, silu, team_matvecs, Gemm, MatVec, TeamMatVec};
 use super::simd::QInput;
+use super::team::{Shared, Team};
 use crate::config::Config;
 use crate::weights::Moe;
 
@@ -397,6 +398,162 @@ pub fn moe_decode(moe: &Moe, num_experts: usize, top_k: usize, x: &[f32], out: &
         out.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
     }
     margin
+}
+
+/// The buffers of a [`MoeScratch`] as the threads of a team share them ([`team_moe_decode`]).
+pub struct MoeParts<'a> {
+    logits: Shared<'a, [f32]>,
+    chosen: Shared<'a, [usize]>,
+    weights: Shared<'a, [f32]>,
+    gate: Shared<'a, [f32]>,
+    up: Shared<'a, [f32]>,
+    acts: Shared<'a, [QInput]>,
+    down: Shared<'a, [f32]>,
+    shared_gate: Shared<'a, [f32]>,
+}
+
+impl MoeScratch {
+    pub fn parts(&mut self) -> MoeParts<'_> {
+        MoeParts {
+            logits: Shared::new(&mut self.logits[..]),
+            chosen: Shared::new(&mut self.chosen[..]),
+            weights: Shared::new(&mut self.weights[..]),
+            gate: Shared::new(&mut self.gate[..]),
+            up: Shared::new(&mut self.up[..]),
+            acts: Shared::new(&mut self.acts[..]),
+            down: Shared::new(&mut self.down[..]),
+            shared_gate: Shared::new(&mut self.shared_gate[..]),
+        }
+    }
+}
+
+/// `out = moe(x)` for one token as steps of a team, computing what [`moe_decode`] computes: the router and the
+/// shared expert's projections; the routing (one thread); the routed experts' gate and up projections; each
+/// expert's SwiGLU and its quantization; every expert's down projection; their weighted sum (one thread). `x4` and
+/// `x8` hold `x` quantized for the bits of the matrices that read it. Returns the routing margin on the team's
+/// first thread (infinity on the others).
+#[allow(clippy::too_many_arguments)]
+pub fn team_moe_decode(
+    team: &Team,
+    moe: &Moe,
+    num_experts: usize,
+    top_k: usize,
+    x4: &QInput,
+    x8: &QInput,
+    s: &MoeParts,
+    out: Shared<[f32]>,
+) -> f32 {
+    let hidden = moe.router.cols;
+    let inter = moe.experts_gate.rows / num_experts;
+    let shared_inter = moe.shared_gate.rows;
+    let slots = top_k + 1;
+    assert!(top_k <= MAX_TOP_K && s.chosen.len() == top_k && out.len() == hidden);
+    assert!(s.logits.len() == num_experts && s.gate.len() >= slots * inter.max(shared_inter));
+    let input = |bits: u32| input_for(bits, x4, x8);
+    // SAFETY (every access below): each step writes disjoint parts of the buffers (one task per row range, per
+    // expert or per thread 0) and reads only what earlier steps wrote, after their barrier.
+    unsafe {
+        let shared_offset = top_k * inter;
+        team_matvecs(
+            team,
+            &[
+                TeamMatVec {
+                    w: moe.router.view(),
+                    x: input(moe.router.bits),
+                    out: s.logits,
+                },
+                TeamMatVec {
+                    w: moe.shared_expert_gate.view(),
+                    x: input(moe.shared_expert_gate.bits),
+                    out: s.shared_gate,
+                },
+                TeamMatVec {
+                    w: moe.shared_gate.view(),
+                    x: input(moe.shared_gate.bits),
+                    out: s.gate.sub(shared_offset, shared_inter),
+                },
+                TeamMatVec {
+                    w: moe.shared_up.view(),
+                    x: input(moe.shared_up.bits),
+                    out: s.up.sub(shared_offset, shared_inter),
+                },
+            ],
+        );
+        let mut margin = f32::INFINITY;
+        team.single(|| {
+            let logits = s.logits.read();
+            route(logits, top_k, s.chosen.part(0, top_k), s.weights.part(0, top_k));
+            margin = route_margin(logits, s.chosen.read());
+        });
+        let chosen = s.chosen.read();
+        let mut batch: [TeamMatVec; 2 * MAX_TOP_K] = std::array::from_fn(|_| TeamMatVec {
+            w: moe.router.rows_view(0, 0),
+            x: x8,
+            out: Shared::new(&mut []),
+        });
+        for (i, &e) in chosen.iter().enumerate() {
+            let (gate_w, up_w) = (
+                moe.experts_gate.rows_view(e * inter, inter),
+                moe.experts_up.rows_view(e * inter, inter),
+            );
+            batch[2 * i] = TeamMatVec {
+                x: input(gate_w.bits),
+                w: gate_w,
+                out: s.gate.sub(i * inter, inter),
+            };
+            batch[2 * i + 1] = TeamMatVec {
+                x: input(up_w.bits),
+                w: up_w,
+                out: s.up.sub(i * inter, inter),
+            };
+        }
+        team_matvecs(team, &batch[..2 * top_k]);
+
+        team.tasks(slots, |i| {
+            let (n, bits) = if i < top_k {
+                (inter, moe.experts_down.bits)
+            } else {
+                (shared_inter, moe.shared_down.bits)
+            };
+            let (g, u) = (s.gate.part(i * inter, n), &s.up.read()[i * inter..i * inter + n]);
+            for (gi, ui) in g.iter_mut().zip(u) {
+                *gi = silu(*gi) * ui;
+            }
+            s.acts.part(i, 1)[0].quantize(g, bits);
+        });
+
+        let acts = s.acts.read();
+        let mut batch: [TeamMatVec; MAX_TOP_K + 1] = std::array::from_fn(|_| TeamMatVec {
+            w: moe.router.rows_view(0, 0),
+            x: x8,
+            out: Shared::new(&mut []),
+        });
+        for (i, slot) in batch.iter_mut().take(slots).enumerate() {
+            let w = if i < top_k {
+                moe.experts_down.rows_view(chosen[i] * hidden, hidden)
+            } else {
+                moe.shared_down.view()
+            };
+            *slot = TeamMatVec {
+                w,
+                x: &acts[i],
+                out: s.down.sub(i * hidden, hidden),
+            };
+        }
+        team_matvecs(team, &batch[..slots]);
+
+        team.single(|| {
+            let (out, down, weights) = (out.part(0, hidden), s.down.read(), s.weights.read());
+            let shared = sigmoid(s.shared_gate.read()[0]);
+            let y = &down[top_k * hidden..slots * hidden];
+            out.iter_mut().zip(y).for_each(|(o, v)| *o = v * shared);
+            for (i, &w) in weights.iter().enumerate() {
+                let y = &down[i * hidden..(i + 1) * hidden];
+                out.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
+            }
+        });
+        margin
+    }
 }
 
 /// Most experts per token [`moe_decode`] takes (the model chooses 8).
