@@ -19,3 +19,7 @@ cargo test --workspace --release
 if [ -x tests/python/run.sh ]; then
   tests/python/run.sh target/release/lily
 fi
+
+# The CPU backend's Arm (NEON) code, cross-compiled and run under qemu: skipped with a note where the cross tools are
+# missing, except under CI=true (scripts/test_aarch64.sh lists what it needs).
+bash scripts/test_aarch64.sh --if-available
