@@ -195,13 +195,14 @@ def chat(args, client, model):
         question = words(rng, args.user_tokens)
         content = f"Document:\n{document}\n\nQuestion: {question}" if turn == 0 else question
         messages.append({"role": "user", "content": content})
-        rendered = client.json("POST", "/tokenize", {"model": model, "messages": messages, "add_generation_prompt": True,
-                                                    "chat_template_kwargs": kwargs, **extra})["tokens"]
-        reusable = common_prefix(previous_tokens, rendered) if previous_tokens is not None else 0
         body = {"model": model, "messages": messages, "max_tokens": args.reply_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                 "chat_template_kwargs": kwargs, **extra}
         ttft, reply, usage = client.stream("/v1/chat/completions", body)
+        # Tokenized after the turn, so that the server's token cache has not seen the turn's new text before it.
+        rendered = client.json("POST", "/tokenize", {"model": model, "messages": messages, "add_generation_prompt": True,
+                                                    "chat_template_kwargs": kwargs, **extra})["tokens"]
+        reusable = common_prefix(previous_tokens, rendered) if previous_tokens is not None else 0
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         prompt = usage["prompt_tokens"]
         reference = reference_ttft(client, model, rng, prompt - cached) if turn > 0 else None
