@@ -190,7 +190,6 @@ def chat(args, client, model):
     messages = [{"role": "system", "content": "You answer questions about the document the user gives."}]
     extra = {"tools": TOOLS} if args.tools else {}
     turns = []
-    previous_tokens = None
     for turn in range(args.turns):
         question = words(rng, args.user_tokens)
         content = f"Document:\n{document}\n\nQuestion: {question}" if turn == 0 else question
@@ -199,10 +198,15 @@ def chat(args, client, model):
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                 "chat_template_kwargs": kwargs, **extra}
         ttft, reply, usage = client.stream("/v1/chat/completions", body)
-        # Tokenized after the turn, so that the server's token cache has not seen the turn's new text before it.
-        rendered = client.json("POST", "/tokenize", {"model": model, "messages": messages, "add_generation_prompt": True,
-                                                    "chat_template_kwargs": kwargs, **extra})["tokens"]
-        reusable = common_prefix(previous_tokens, rendered) if previous_tokens is not None else 0
+        # Tokenized only after the turn, so that the server's token cache has not seen the turn's new text (the
+        # previous reply and the question) before it: what the cache could hold for this turn is the previous
+        # prompt and reply as the template renders them.
+        def tokenize(conversation, generation_prompt):
+            return client.json("POST", "/tokenize", {"model": model, "messages": conversation,
+                                                     "add_generation_prompt": generation_prompt,
+                                                     "chat_template_kwargs": kwargs, **extra})["tokens"]
+        rendered = tokenize(messages, True)
+        reusable = common_prefix(tokenize(messages[:-1], False), rendered) if turn > 0 else 0
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         prompt = usage["prompt_tokens"]
         reference = reference_ttft(client, model, rng, prompt - cached) if turn > 0 else None
@@ -216,10 +220,6 @@ def chat(args, client, model):
               + (f" at depth 0, {at_depth * 1000:.1f} ms after {at_depth_cached} cached" if at_depth else ""),
               flush=True)
         messages.append({"role": "assistant", "content": reply})
-        # What the cache could hold for the next turn: this prompt and the reply as the template renders it.
-        previous_tokens = client.json("POST", "/tokenize", {"model": model, "messages": messages,
-                                                            "add_generation_prompt": False,
-                                                            "chat_template_kwargs": kwargs, **extra})["tokens"]
     later = turns[1:]
     summary = {
         "workload": "chat",
