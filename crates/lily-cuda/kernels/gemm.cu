@@ -33,10 +33,14 @@
 #define KT 64                           // inputs per k step: one quantization group
 #define GEMM_WARPS 8
 #define GEMM_THREADS (GEMM_WARPS * WARP)
+#ifndef GEMM_STAGES
 #define GEMM_STAGES 4
+#endif
 #define WROWS (GEMM_WARPS * 32)         // weight rows per block tile
 #define MOE_TILE_ROWS 64
+#ifndef MOE_SMALL_TILE_ROWS
 #define MOE_SMALL_TILE_ROWS 32
+#endif
 
 static_assert(HIDDEN % KT == 0 && MOE_INTER % KT == 0, "products run over whole quantization groups");
 static_assert(MOE_INTER % (WROWS / 2) == 0, "a gate/up block takes 128 columns of gate and of up");
@@ -271,21 +275,25 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
     const u32 sb_dst = T::A_BYTES + T::B_BYTES + tid * 4 * T::GROUPS;
     // GROUPS > 1: a row's B_ROW_CHUNKS chunks of a stage lie together in memory, and consecutive threads copy
     // consecutive chunks of a row (a warp copies 32 / B_ROW_CHUNKS whole row segments), chunk q of row r going
-    // to sub-stage q / B_CHUNKS, row r, chunk q % B_CHUNKS swizzled as above.
-    const int b_q = tid % T::B_ROW_CHUNKS;
-    const u32* b_src[T::GROUPS > 1 ? T::B_COPIES : 1];
-    u32 b_bytes[T::GROUPS > 1 ? T::B_COPIES : 1], b_to[T::GROUPS > 1 ? T::B_COPIES : 1];
+    // to sub-stage q / B_CHUNKS, row r, chunk q % B_CHUNKS swizzled as above. A thread's B_COPIES rows are ROW_STEP
+    // apart, one matrix's rows at one pitch, so it keeps the first row's source, the pitch between its rows and
+    // which rows are valid (every row past the first invalid one is invalid too), not a pointer per row.
+    constexpr int ROW_STEP = GEMM_THREADS / T::B_ROW_CHUNKS;
+    static_assert(T::GROUPS == 1 || (ROW_STEP / (8 / T::B_CHUNKS)) % T::B_CHUNKS == 0, "one swizzle for a thread's rows");
+    const int b_q = tid % T::B_ROW_CHUNKS, b_row = tid / T::B_ROW_CHUNKS;
+    const u32* b_src = nullptr;
+    long long b_pitch = 0;
+    u32 b_valid = 0, b_to = 0;
     if constexpr (T::GROUPS > 1) {
+        const WeightRow first = row_of(b_row), second = row_of(b_row + ROW_STEP);
+        b_src = first.packed + 4 * b_q;
+        b_pitch = second.packed - first.packed;
 #pragma unroll
-        for (int j = 0; j < T::B_COPIES; j++) {
-            const int row = tid / T::B_ROW_CHUNKS + j * (GEMM_THREADS / T::B_ROW_CHUNKS);
-            const WeightRow r = row_of(row);
-            const int sub = b_q / T::B_CHUNKS, c = b_q % T::B_CHUNKS;
-            const int swizzle = (row / (8 / T::B_CHUNKS)) % T::B_CHUNKS;
-            b_src[j] = r.packed + 4 * b_q;
-            b_bytes[j] = r.bytes;
-            b_to[j] = T::A_BYTES + sub * T::B_SUB + row * 16 * T::B_CHUNKS + ((c ^ swizzle) << 4);
-        }
+        for (int j = 0; j < T::B_COPIES; j++)
+            if (row_of(b_row + j * ROW_STEP).bytes) b_valid |= 1u << j;
+        const int sub = b_q / T::B_CHUNKS, c = b_q % T::B_CHUNKS;
+        const int swizzle = (b_row / (8 / T::B_CHUNKS)) % T::B_CHUNKS;
+        b_to = T::A_BYTES + sub * T::B_SUB + b_row * 16 * T::B_CHUNKS + ((c ^ swizzle) << 4);
     }
     auto load = [&](int kt) {
         const u32 stage = smem0 + (kt % T::STAGES) * T::STAGE;
@@ -302,8 +310,11 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
             cp_async_4(stage + sb_dst, wr.scale_bias + kt, wr.bytes / 4);
         } else {
 #pragma unroll
-            for (int j = 0; j < T::B_COPIES; j++)
-                cp_async_16(stage + b_to[j], b_src[j] + kt * T::GROUPS * 2 * T::BITS, b_bytes[j]);
+            for (int j = 0; j < T::B_COPIES; j++) {
+                const bool valid = (b_valid >> j) & 1;
+                cp_async_16(stage + b_to + j * ROW_STEP * 16 * T::B_CHUNKS,
+                            b_src + (valid ? j * b_pitch : 0) + kt * T::GROUPS * 2 * T::BITS, valid ? 16 : 0);
+            }
             cp_async_ca<4 * T::GROUPS>(stage + sb_dst, wr.scale_bias + kt * T::GROUPS, wr.bytes / 16 * 4 * T::GROUPS);
         }
     };
@@ -418,26 +429,33 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 }
 
 // ---- Split products: few rows (a short prompt, a batched decode step) ----
-// A product of few rows has few block tiles: out_proj (2048 rows) is 8 tiles of 256 weight rows, the router 2, so
-// most SMs idle while each block walks the whole k range alone. The split products cut k into gridDim.z parts,
-// one block per (tile, part), 64-row tiles and two blocks an SM. Each block writes its partial tile (f32, the
-// tile's valid rows by its 256 weight rows) to a slot of `gemm_partials`, then counts itself in at the tile's
-// `gemm_arrivals` counter; the block that arrives last sums the parts in the order of k (part 0 first, so the sum
-// does not depend on which block finished when) and applies the product's epilogue (accumulate, or SwiGLU), then
-// sets the counter back to zero for the next launch. Launches on one stream run one after another, so they share
-// the slots and counters; the host keeps (tiles x parts) within `gemm_split_blocks` and tiles within
-// `gemm_split_tiles`. A part of k is whole quantization groups (k steps), so each part loads and dequantizes as
-// the unsplit kernel does; only the order of the f32 sum over k changes (by parts, then within each part).
+// A product of few rows has few block tiles: out_proj (2048 rows) is 8 tiles of 256 weight rows, so most SMs would
+// idle while each block walks the whole k range alone. The split products cut k into gridDim.z parts, one block
+// per (tile, part), 64-row tiles and two blocks an SM; each block writes its partial tile (f32, the tile's valid
+// rows by its 256 weight rows) to its slot of `gemm_partials`. A second launch, gemm_split_sum (or
+// gemm_swiglu_split_sum), then sums every output element's parts in the order of k (part 0 first, so the sum does
+// not depend on which block finished when) with one thread per 4 columns, and applies the product's epilogue
+// (accumulate, or SwiGLU). Launches on one stream run one after another, so they share the slots; the host keeps
+// tiles x parts within `gemm_split_blocks`. A part of k is whole quantization groups (k steps), so each part loads
+// and dequantizes as the unsplit kernel does; only the order of the f32 sum over k changes (by parts, then within
+// each part).
 
 #define SPLIT_ROWS 64
-#define SPLIT_BLOCKS 512
-#define SPLIT_TILES 512
+#define SPLIT_BLOCKS 1024
+#define SUM_BATCH 8
+// The host's plan: blocks of a split product per SM it aims for, and the fewest k steps a part takes.
+#ifndef SPLIT_BLOCKS_PER_SM
+#define SPLIT_BLOCKS_PER_SM 2
+#endif
+#ifndef SPLIT_MIN_STEPS
+#define SPLIT_MIN_STEPS 2
+#endif
 
 __device__ int gemm_split_blocks = SPLIT_BLOCKS;
-__device__ int gemm_split_tiles = SPLIT_TILES;
+__device__ int gemm_split_blocks_per_sm = SPLIT_BLOCKS_PER_SM;
+__device__ int gemm_split_min_steps = SPLIT_MIN_STEPS;
 __device__ int gemm_split_rows = SPLIT_ROWS;
 __device__ __align__(16) float gemm_partials[(size_t)SPLIT_BLOCKS * SPLIT_ROWS * WROWS];
-__device__ u32 gemm_arrivals[SPLIT_TILES];
 
 // This block's part of k: k steps [first, end) of k_tiles, every part at least one step (the host splits k_tiles
 // into at most k_tiles parts).
@@ -446,67 +464,18 @@ __device__ __forceinline__ int2 split_steps(int k_tiles) {
     return make_int2(z * k_tiles / parts, (z + 1) * k_tiles / parts);
 }
 
-// The partial tile of (tile, part): rows by WROWS columns, columns numbered as the weight rows of the tile.
-__device__ __forceinline__ float* partial_slot(int tile, int part) {
-    return gemm_partials + (size_t)(part * (gridDim.x * gridDim.y) + tile) * SPLIT_ROWS * WROWS;
-}
-
-// Counts this block in at its tile's counter after its partial tile is written. Returns true in the block that
-// arrives last (every thread of it), once every part's partial tile is visible to it.
-__device__ __forceinline__ bool arrive_last(int tile) {
-    __shared__ u32 last;
-    __threadfence();  // this thread's partial stores, before the count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 before = atomicAdd(&gemm_arrivals[tile], 1u);
-        last = before == gridDim.z - 1;
-        if (last) gemm_arrivals[tile] = 0;  // every part has counted: ready for the next launch
-    }
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();  // the other parts' stores, before the reads below
-    return true;
-}
-
-// The sums over the parts are read past L1 (other SMs wrote them) in items of 4 columns: a thread takes SUM_ITEMS
-// items at once and has their loads from SUM_PARTS parts in flight together, so the last part's block keeps enough
-// reads in flight to sum its tile at the rate L2 gives one SM.
-#define SUM_ITEMS 4
-#define SUM_PARTS 4
-
-// s[j] = the sum over every part, in order, of item i = base + j * GEMM_THREADS (if i < items): row i / per_row,
-// columns offset + 4 (i % per_row) .. + 3 of the tile's partials. Parts past the last and items past `items` add
-// zero, which leaves every sum as it was.
-__device__ __forceinline__ void sum_parts(int tile, int base, int items, int per_row, int offset,
-                                          float4 (&s)[SUM_ITEMS]) {
-    const int parts = gridDim.z;
-#pragma unroll
-    for (int j = 0; j < SUM_ITEMS; j++) s[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int z0 = 0; z0 < parts; z0 += SUM_PARTS) {
-        float4 v[SUM_PARTS][SUM_ITEMS];
-#pragma unroll
-        for (int u = 0; u < SUM_PARTS; u++)
-#pragma unroll
-            for (int j = 0; j < SUM_ITEMS; j++) {
-                const int i = base + j * GEMM_THREADS;
-                const float* p = partial_slot(tile, z0 + u) + (i / per_row) * WROWS + offset + 4 * (i % per_row);
-                v[u][j] = z0 + u < parts && i < items ? __ldcg((const float4*)p) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-        for (int u = 0; u < SUM_PARTS; u++)
-#pragma unroll
-            for (int j = 0; j < SUM_ITEMS; j++) {
-                s[j].x += v[u][j].x, s[j].y += v[u][j].y;
-                s[j].z += v[u][j].z, s[j].w += v[u][j].w;
-            }
-    }
+// The partial tile of (tile, part) among `tiles` tiles: rows by WROWS columns, columns numbered as the weight rows
+// of the tile.
+__device__ __forceinline__ float* partial_slot(int tile, int part, int tiles) {
+    return gemm_partials + (size_t)(part * tiles + tile) * SPLIT_ROWS * WROWS;
 }
 
 // The partial of this block's part of k: acc over its k steps, stored by (row, weight row of the tile).
 template <class T, class ARow, class WRow>
-__device__ __forceinline__ void split_partial(int rows, int k, ARow a_row, WRow w_row, int tile) {
+__device__ __forceinline__ void split_partial(int rows, int k, ARow a_row, WRow w_row) {
     const int2 steps = split_steps(k / KT);
-    float* slot = partial_slot(tile, blockIdx.z);
+    const int tile = blockIdx.x + gridDim.x * blockIdx.y;
+    float* slot = partial_slot(tile, blockIdx.z, gridDim.x * gridDim.y);
     auto a_part = [&](int r) { return a_row(r) + steps.x * KT; };
     auto w_part = [&](int mat, int c) {
         WeightRow wr = w_row(mat, c);
@@ -528,88 +497,103 @@ __device__ __forceinline__ void split_partial(int rows, int k, ARow a_row, WRow 
 }
 
 template <int BITS>
-__device__ __forceinline__ void dense_split(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+__device__ __forceinline__ void dense_split(const bf16* a, int m, Q4 w, int n, int k) {
     typedef Tile<SPLIT_ROWS, 1, BITS> T;
-    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN, tile = blockIdx.x + gridDim.x * blockIdx.y;
-    const int rows = min(SPLIT_ROWS, m - m0);
+    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN;
     split_partial<T>(
-        rows, k, [&](int r) { return a + (size_t)(m0 + r) * k; },
-        [&](int, int c) { return weight_row(w, n0 + c, n0 + c < n, k, BITS); }, tile);
-    if (!arrive_last(tile)) return;
-    const int items = rows * (WROWS / 4);
-    for (int base = threadIdx.x; base < items; base += GEMM_THREADS * SUM_ITEMS) {
-        float4 s[SUM_ITEMS];
-        sum_parts(tile, base, items, WROWS / 4, 0, s);
+        min(SPLIT_ROWS, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int, int c) { return weight_row(w, n0 + c, n0 + c < n, k, BITS); });
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q4_split(const bf16* a, int m, Q4 w, int n, int k) {
+    dense_split<4>(a, m, w, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q8_split(const bf16* a, int m, Q4 w, int n, int k) {
+    dense_split<8>(a, m, w, n, k);
+}
+
+// The gate/up pair split along k: the partial tile holds the gate sums in columns 0..127 and the up sums in
+// 128..255.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q4_swiglu_split(const bf16* a, int m, Q4 gate, Q4 up, int n, int k) {
+    typedef Tile<SPLIT_ROWS, 2, 4> T;
+    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN;
+    split_partial<T>(
+        min(SPLIT_ROWS, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); });
+}
+
+// The sum over `parts` parts, in order, of the 4 partial columns `col` .. `col` + 3 of tile column block `cb` at
+// output row r (columns numbered within the tile; the split launch had `col_blocks` x ceil(m / SPLIT_ROWS) tiles).
+__device__ __forceinline__ float4 split_sum(int r, int cb, int col, int col_blocks, int m, int parts) {
+    const int tiles = col_blocks * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
+    const int tile = cb + col_blocks * (r / SPLIT_ROWS);
+    const size_t at = (size_t)(r % SPLIT_ROWS) * WROWS + col;
+    // The loads of SUM_BATCH parts are in flight together (a part's partial comes from L2), the adds in order.
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int p0 = 0; p0 < parts; p0 += SUM_BATCH) {
+        float4 v[SUM_BATCH];
 #pragma unroll
-        for (int j = 0; j < SUM_ITEMS; j++) {
-            const int i = base + j * GEMM_THREADS;
-            if (i >= items) break;
-            const int r = i / (WROWS / 4), col = n0 + 4 * (i % (WROWS / 4));
-            float* o = out + (size_t)(m0 + r) * n + col;
-            const float v[4] = {s[j].x, s[j].y, s[j].z, s[j].w};
+        for (int u = 0; u < SUM_BATCH; u++)
+            v[u] = p0 + u < parts ? __ldcg((const float4*)(partial_slot(tile, p0 + u, tiles) + at))
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                if (col + e >= n) break;
-                if (n % 2 == 0) {  // col + e even: the pair is whole and 8-byte aligned
-                    float2 x = make_float2(v[e], v[e + 1]);
-                    if (accumulate) {
-                        const float2 prev = *(const float2*)(o + e);
-                        x.x += prev.x, x.y += prev.y;
-                    }
-                    *(float2*)(o + e) = x;
-                } else {
-                    o[e] = accumulate ? o[e] + v[e] : v[e];
-                    if (col + e + 1 < n) o[e + 1] = accumulate ? o[e + 1] + v[e + 1] : v[e + 1];
-                }
+        for (int u = 0; u < SUM_BATCH; u++) s.x += v[u].x, s.y += v[u].y, s.z += v[u].z, s.w += v[u].w;
+    }
+    return s;
+}
+
+// out[m][n] = the summed parts of gemm_q{4,8}_split (+= where `accumulate` is 1): thread i takes row
+// i / ceil(n / 4), columns 4 (i % ceil(n / 4)) .. + 3.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_split_sum(int m, int n, int parts, float* out, int accumulate) {
+    const int per_row = (n + 3) / 4;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m * per_row) return;
+    const int r = i / per_row, col = 4 * (i % per_row);
+    const float4 s = split_sum(r, col / WROWS, col % WROWS, (n + WROWS - 1) / WROWS, m, parts);
+    const float v[4] = {s.x, s.y, s.z, s.w};
+    float* o = out + (size_t)r * n + col;
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+        if (col + e >= n) break;
+        if (n % 2 == 0) {  // col + e even: the pair is whole and 8-byte aligned
+            float2 x = make_float2(v[e], v[e + 1]);
+            if (accumulate) {
+                const float2 prev = *(const float2*)(o + e);
+                x.x += prev.x, x.y += prev.y;
             }
+            *(float2*)(o + e) = x;
+        } else {
+            o[e] = accumulate ? o[e] + v[e] : v[e];
+            if (col + e + 1 < n) o[e + 1] = accumulate ? o[e + 1] + v[e + 1] : v[e + 1];
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    gemm_q4_split(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
-    dense_split<4>(a, m, w, n, k, out, accumulate);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    gemm_q8_split(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
-    dense_split<8>(a, m, w, n, k, out, accumulate);
-}
-
-// The gate/up pair split along k: the partial tile holds the gate sums in columns 0..127 and the up sums in
-// 128..255; the last part applies SwiGLU to the whole sums.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    gemm_q4_swiglu_split(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
-    typedef Tile<SPLIT_ROWS, 2, 4> T;
-    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN, tile = blockIdx.x + gridDim.x * blockIdx.y;
-    const int rows = min(SPLIT_ROWS, m - m0);
-    split_partial<T>(
-        rows, k, [&](int r) { return a + (size_t)(m0 + r) * k; },
-        [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); }, tile);
-    if (!arrive_last(tile)) return;
-    const int items = rows * (T::BN / 4);
-    for (int base = threadIdx.x; base < items; base += GEMM_THREADS * SUM_ITEMS) {
-        float4 g[SUM_ITEMS], u[SUM_ITEMS];
-        sum_parts(tile, base, items, T::BN / 4, 0, g);
-        sum_parts(tile, base, items, T::BN / 4, WROWS / 2, u);
+// out[m][n] = bf16(silu(gate sums) * (up sums)) of gemm_q4_swiglu_split's parts: a tile covers 128 output
+// columns, its gate sums in partial columns 0..127 and its up sums in 128..255.
+extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_split_sum(int m, int n, int parts, bf16* out) {
+    const int per_row = (n + 3) / 4;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m * per_row) return;
+    const int r = i / per_row, col = 4 * (i % per_row);
+    const int col_blocks = (n + WROWS / 2 - 1) / (WROWS / 2), cb = col / (WROWS / 2), c = col % (WROWS / 2);
+    const float4 g = split_sum(r, cb, c, col_blocks, m, parts);
+    const float4 u = split_sum(r, cb, WROWS / 2 + c, col_blocks, m, parts);
+    const u32 pairs[2] = {swiglu_pair(g.x, g.y, u.x, u.y), swiglu_pair(g.z, g.w, u.z, u.w)};
+    bf16* o = out + (size_t)r * n + col;
 #pragma unroll
-        for (int j = 0; j < SUM_ITEMS; j++) {
-            const int i = base + j * GEMM_THREADS;
-            if (i >= items) break;
-            const int r = i / (T::BN / 4), col = n0 + 4 * (i % (T::BN / 4));
-            bf16* o = out + (size_t)(m0 + r) * n + col;
-            const u32 pairs[2] = {swiglu_pair(g[j].x, g[j].y, u[j].x, u[j].y),
-                                  swiglu_pair(g[j].z, g[j].w, u[j].z, u[j].w)};
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                if (col + e >= n) break;
-                if (n % 2 == 0) {
-                    *(u32*)(o + e) = pairs[e / 2];
-                } else {
-                    o[e] = (bf16)pairs[e / 2];
-                    if (col + e + 1 < n) o[e + 1] = (bf16)(pairs[e / 2] >> 16);
-                }
-            }
+    for (int e = 0; e < 4; e += 2) {
+        if (col + e >= n) break;
+        if (n % 2 == 0) {
+            *(u32*)(o + e) = pairs[e / 2];
+        } else {
+            o[e] = (bf16)pairs[e / 2];
+            if (col + e + 1 < n) o[e + 1] = (bf16)(pairs[e / 2] >> 16);
         }
     }
 }
@@ -627,10 +611,24 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 typedef Tile<MOE_TILE_ROWS, 2, 4> MoeGateUp;
 typedef Tile<MOE_TILE_ROWS, 1, 4> MoeDown;
 // (Shapes whose k is not a whole number of such stages take 2 groups, or 1.)
+// (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
+#ifndef MOE_SMALL_GATE_UP_GROUPS
 #define MOE_SMALL_GATE_UP_GROUPS (HIDDEN % (4 * KT) == 0 ? 4 : HIDDEN % (2 * KT) == 0 ? 2 : 1)
+#endif
+#ifndef MOE_SMALL_GATE_UP_STAGES
+#define MOE_SMALL_GATE_UP_STAGES (8 / MOE_SMALL_GATE_UP_GROUPS)
+#endif
+#ifndef MOE_SMALL_DOWN_GROUPS
 #define MOE_SMALL_DOWN_GROUPS (MOE_INTER % (2 * KT) == 0 ? 2 : 1)
-typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, 8 / MOE_SMALL_GATE_UP_GROUPS> MoeGateUpSmall;
-typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, 4> MoeDownSmall;
+#endif
+#ifndef MOE_SMALL_MIN_BLOCKS
+#define MOE_SMALL_MIN_BLOCKS 2
+#endif
+#ifndef MOE_SMALL_DOWN_STAGES
+#define MOE_SMALL_DOWN_STAGES 4
+#endif
+typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, MOE_SMALL_GATE_UP_STAGES> MoeGateUpSmall;
+typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, MOE_SMALL_DOWN_STAGES> MoeDownSmall;
 static_assert(HIDDEN % (KT * MoeGateUpSmall::GROUPS) == 0 && MOE_INTER % (KT * MoeDownSmall::GROUPS) == 0,
               "whole stages");
 
@@ -663,7 +661,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gate_up_tile<MoeGateUp>(x, entries, tiles, tile_count, offsets, gate, up, act);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     moe_gate_up_small(const bf16* x, const int* entries, const int* tiles, const int* tile_count,
                       const int* offsets, Q4 gate, Q4 up, bf16* act) {
     moe_gate_up_tile<MoeGateUpSmall>(x, entries, tiles, tile_count, offsets, gate, up, act);
@@ -697,7 +695,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_down_tile<MoeDown>(act, entries, tiles, tile_count, offsets, route_w, down, out);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     moe_down_small(const bf16* act, const int* entries, const int* tiles, const int* tile_count,
                    const int* offsets, const float* route_w, Q4 down, float* out) {
     moe_down_tile<MoeDownSmall>(act, entries, tiles, tile_count, offsets, route_w, down, out);

@@ -9,8 +9,8 @@
 //! codes) and its 256 scale/bias pairs.
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles; there the dense products cut k into
-//! parts, one block per (tile, part), two blocks an SM, and the last part of each tile to finish sums the parts in
-//! order (see the split products in gemm.cu and [`Plan`]). The grouped products of up to 512 tokens (a few entries per expert) take
+//! parts, one block per (tile, part), two blocks an SM, each writing its partial tile, and a second launch sums
+//! every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products of up to 512 tokens (a few entries per expert) take
 //! 32-row tiles whose pipeline stages each hold several quantization groups (`moe_gate_up_small`,
 //! `moe_down_small`, their shared memory read from the kernels' constants); longer prompts take 64-row tiles.
 
@@ -18,7 +18,7 @@ use half::bf16;
 use lily_model::Config;
 
 use crate::driver::{DevPtr, Result};
-use crate::kernels::{gemm, Kernels, Q4};
+use crate::kernels::{gemm, Kernels};
 use crate::launch::{Dims, Launcher};
 use crate::weights::GpuMatrix;
 
@@ -69,24 +69,20 @@ pub(crate) enum Plan {
     Split(usize),
 }
 
-/// Inputs the last part of a tile reads at most when it sums the parts: parts x rows x 256 f32 (512 KiB).
-const SPLIT_SUM_FLOATS: usize = 512 * 256;
-
 /// Rows up to which a product may be split (a batched step's rows, a short prompt or a small chunk); longer
 /// products keep the whole-k tiles.
 const SPLIT_MAX_M: usize = 512;
 
 /// The plan of a product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
-/// `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill two
-/// blocks an SM, each part at least two k steps, the parts' partial tiles within what the last part sums quickly
-/// and the kernel's slots; otherwise (or where that leaves one part) whole-k tiles.
+/// `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill
+/// `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split
+/// products' slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
-    if m <= SPLIT_MAX_M && tiles < sms && tiles <= kernels.constant("gemm_split_tiles") {
-        let parts = (2 * sms / tiles)
-            .min(k_steps / 2)
-            .min(SPLIT_SUM_FLOATS / (256 * m.min(split_rows)))
+    if m <= SPLIT_MAX_M && tiles < sms {
+        let parts = (kernels.constant("gemm_split_blocks_per_sm") * sms / tiles)
+            .min(k_steps / kernels.constant("gemm_split_min_steps").max(1))
             .min(kernels.constant("gemm_split_blocks") / tiles);
         if parts >= 2 {
             return Plan::Split(parts);
@@ -124,20 +120,29 @@ pub(crate) fn gemm_planned(
     accumulate: bool,
     plan: Plan,
 ) -> Result<()> {
-    let launch: DenseLaunch = match (w.bits, plan) {
-        (4, Plan::Tiles(_)) => gemm::gemm_q4,
-        (8, Plan::Tiles(_)) => gemm::gemm_q8,
-        (4, Plan::Split(_)) => gemm::gemm_q4_split,
-        (8, Plan::Split(_)) => gemm::gemm_q8_split,
-        (bits, _) => panic!("no {bits}-bit product"),
-    };
     let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
     let (n, k) = (w.rows as i32, w.cols as i32);
-    launch(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32)
+    match (w.bits, plan) {
+        (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (bits, Plan::Split(parts)) => {
+            let split = match bits {
+                4 => gemm::gemm_q4_split,
+                8 => gemm::gemm_q8_split,
+                _ => panic!("no {bits}-bit product"),
+            };
+            split(l, dims, a, m as i32, w.q4(), n, k)?;
+            let sum = sum_dims(m * w.rows.div_ceil(4));
+            gemm::gemm_split_sum(l, sum, m as i32, n, parts as i32, out, accumulate as i32)
+        }
+        (bits, _) => panic!("no {bits}-bit product"),
+    }
 }
 
-/// The launchers of the dense products (one signature).
-type DenseLaunch = fn(&mut Launcher, Dims, DevPtr<bf16>, i32, Q4, i32, i32, DevPtr<f32>, i32) -> Result<()>;
+/// Threads of the split products' sum kernels, one per 4 output columns of a row.
+fn sum_dims(items: usize) -> Dims {
+    Dims::linear(items.div_ceil(256) as u32, 256)
+}
 
 /// The geometry of a planned dense product: (column blocks, row blocks, parts of k) and its shared memory.
 fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, plan: Plan) -> Dims {
@@ -154,7 +159,7 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, 
             k / K_STEP
         );
         assert!(
-            tiles <= l.kernels.constant("gemm_split_tiles") && tiles * parts <= l.kernels.constant("gemm_split_blocks"),
+            tiles * parts <= l.kernels.constant("gemm_split_blocks"),
             "{tiles} tiles in {parts} parts exceed the split products' slots"
         );
     }
@@ -190,11 +195,14 @@ pub(crate) fn gemm_swiglu_planned(
     );
     let dims = planned_dims(l, m, gate.cols, gate.rows.div_ceil(WEIGHT_ROWS / 2), 4, plan);
     let (n, k) = (gate.rows as i32, gate.cols as i32);
-    let launch = match plan {
-        Plan::Tiles(_) => gemm::gemm_q4_swiglu,
-        Plan::Split(_) => gemm::gemm_q4_swiglu_split,
-    };
-    launch(l, dims, a, m as i32, gate.q4(), up.q4(), n, k, out)
+    match plan {
+        Plan::Tiles(_) => gemm::gemm_q4_swiglu(l, dims, a, m as i32, gate.q4(), up.q4(), n, k, out),
+        Plan::Split(parts) => {
+            gemm::gemm_q4_swiglu_split(l, dims, a, m as i32, gate.q4(), up.q4(), n, k)?;
+            let sum = sum_dims(m * gate.rows.div_ceil(4));
+            gemm::gemm_swiglu_split_sum(l, sum, m as i32, n, parts as i32, out)
+        }
+    }
 }
 
 /// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile,

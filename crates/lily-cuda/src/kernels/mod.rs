@@ -131,7 +131,20 @@ fn options(config: &Config, target: &Target, timeline: bool) -> Vec<String> {
         opts.push("-DLILY_TIMELINE".into());
     }
     opts.extend(defines(config).into_iter().map(|(k, v)| format!("-D{k}={v}")));
+    opts.extend(tuning_defines());
     opts
+}
+
+/// Extra `-D` defines from `LILY_KERNEL_DEFINES` (space-separated `NAME=VALUE`), for trying a kernel's tuning
+/// constants (those its file guards with `#ifndef`) on a GPU without a rebuild. The kernel cache keys on them.
+fn tuning_defines() -> Vec<String> {
+    let Some(list) = std::env::var_os("LILY_KERNEL_DEFINES") else {
+        return Vec::new();
+    };
+    list.to_string_lossy()
+        .split_whitespace()
+        .map(|d| format!("-D{d}"))
+        .collect()
 }
 
 fn full_source(file_source: &str) -> String {

@@ -82,8 +82,7 @@ fn plans(kernels: &Kernels, sms: usize, m: usize, col_blocks: usize, k_steps: us
     }
     let tiles = m.div_ceil(kernels.constant("gemm_split_rows")) * col_blocks;
     for parts in [2, 3, k_steps] {
-        let fits =
-            tiles <= kernels.constant("gemm_split_tiles") && tiles * parts <= kernels.constant("gemm_split_blocks");
+        let fits = tiles * parts <= kernels.constant("gemm_split_blocks");
         if parts >= 2 && parts <= k_steps && fits && !plans.contains(&Plan::Split(parts)) {
             plans.push(Plan::Split(parts));
         }
