@@ -605,27 +605,27 @@ extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_split_sum(int m, i
 // dense kernels' pipeline). A batched decode step or a short prompt has a few entries per expert (t tokens give
 // 8t / 256 on average), so the time goes into streaming each chosen expert's weights once: 32-row tiles (their
 // A tiles are small) and several quantization groups per stage, so a stage brings 64 or 128 contiguous bytes
-// of each weight row in coalesced copies and more bytes are in flight per block. The gate/up product (k = 2048)
-// takes 4 groups a stage in 2 stages, the down product (k = 512, 8 groups) 2 groups a stage in 4 stages; both
-// 104 KB of shared memory, two blocks an SM.
+// of each weight row in coalesced copies. Both products take 2 groups a stage in 2 stages, 53 KB of shared
+// memory and at most 85 registers a thread, so three blocks share an SM: the dequantization's chains of
+// dependent integer operations need the warps to hide their latency.
 typedef Tile<MOE_TILE_ROWS, 2, 4> MoeGateUp;
 typedef Tile<MOE_TILE_ROWS, 1, 4> MoeDown;
-// (Shapes whose k is not a whole number of such stages take 2 groups, or 1.)
+// (Shapes whose k is not a whole number of such stages take 1 group a stage in 4 stages.)
 // (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
 #ifndef MOE_SMALL_GATE_UP_GROUPS
-#define MOE_SMALL_GATE_UP_GROUPS (HIDDEN % (4 * KT) == 0 ? 4 : HIDDEN % (2 * KT) == 0 ? 2 : 1)
+#define MOE_SMALL_GATE_UP_GROUPS (HIDDEN % (2 * KT) == 0 ? 2 : 1)
 #endif
 #ifndef MOE_SMALL_GATE_UP_STAGES
-#define MOE_SMALL_GATE_UP_STAGES (8 / MOE_SMALL_GATE_UP_GROUPS)
+#define MOE_SMALL_GATE_UP_STAGES (4 / MOE_SMALL_GATE_UP_GROUPS)
 #endif
 #ifndef MOE_SMALL_DOWN_GROUPS
 #define MOE_SMALL_DOWN_GROUPS (MOE_INTER % (2 * KT) == 0 ? 2 : 1)
 #endif
 #ifndef MOE_SMALL_MIN_BLOCKS
-#define MOE_SMALL_MIN_BLOCKS 2
+#define MOE_SMALL_MIN_BLOCKS 3
 #endif
 #ifndef MOE_SMALL_DOWN_STAGES
-#define MOE_SMALL_DOWN_STAGES 4
+#define MOE_SMALL_DOWN_STAGES (4 / MOE_SMALL_DOWN_GROUPS)
 #endif
 typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, MOE_SMALL_GATE_UP_STAGES> MoeGateUpSmall;
 typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, MOE_SMALL_DOWN_STAGES> MoeDownSmall;
