@@ -1,6 +1,7 @@
 // Prefill glue around the matrix products (gemm.cu): the chunk's embedding rows, RMSNorm rows into the bf16 input
-// of the next product, every token's routing, a stable counting sort of the (token, slot) entries by expert with
-// the tile list of the grouped expert products, and the MoE's combine into the residual stream.
+// of the next product, the router's logits for few tokens, every token's routing, a stable counting sort of the
+// (token, slot) entries by expert with the tile list of the grouped expert products, and the MoE's combine into
+// the residual stream.
 
 #define ROW_THREADS 256
 #define SORT_THREADS 256
@@ -42,6 +43,132 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(const flo
         out[(size_t)blockIdx.x * HIDDEN + c] = hi;
         if (out_lo) out_lo[(size_t)blockIdx.x * HIDDEN + c] = float_to_bf16(x - bf16_to_float(hi));
     }
+}
+
+// ---- The router's logits for few rows (a batched decode step, a short prompt), on the CUDA cores in f32 ----
+// logits[t][e] = router[e] . x[t] for the NUM_EXPERTS + 1 router rows (the routed experts', then the shared
+// expert's gate), x[t] = x_hi[t] + x_lo[t] (the normed input and what its rounding to bf16 lost: about 17
+// significant bits), every 8-bit weight formed exactly in f32 as scale * q + bias. A block takes a strip of
+// RT_ROWS router rows and a tile of RT_TOKENS tokens over all of k, in stages of RT_KC inputs: the stage's
+// weights (dequantized) and inputs are staged in shared memory while the next stage's are fetched into registers.
+// Thread (part p, quad q) owns rows rq + 4i and tokens tq + 4j (rq = q / 4, tq = q % 4, i, j < 4) over the
+// inputs 4 (p + 16 s) .. + 3 of each stage; the RT_PARTS parts of each output are then summed in order of p.
+// Every sum runs in one fixed order, so the logits do not depend on timing. Grid (row strips, token tiles).
+#define RT_THREADS ROW_THREADS
+#define RT_ROWS 16
+#define RT_TOKENS 16
+#define RT_OUT (NUM_EXPERTS + 1)
+#define RT_PARTS (RT_THREADS / ((RT_ROWS / 4) * (RT_TOKENS / 4)))
+#define RT_KC (HIDDEN < 256 ? HIDDEN : 256)
+// Rows of the staged tiles are padded by 8 floats: the float4s a warp reads then fall in distinct banks.
+#define RT_STRIDE (RT_KC + 8)
+// Float4s of each operand a thread stages per stage, and steps s of its products per stage.
+#define RT_ITEMS (RT_KC / 64)
+
+static_assert(HIDDEN % RT_KC == 0 && RT_KC % 64 == 0, "the router's stages are whole groups of 64 inputs");
+static_assert(RT_PARTS == 16 && RT_ROWS * RT_TOKENS == RT_THREADS, "one summed output a thread");
+static_assert(RT_ROWS == RT_TOKENS, "both tiles are staged the same way");
+static_assert(RT_PARTS * RT_ROWS * (RT_TOKENS + 1) <= 2 * RT_ROWS * RT_STRIDE, "the parts fit the tiles' memory");
+
+// Read by the host (the constants of src/kernels/prefill.rs).
+__device__ int router_strip_rows = RT_ROWS;
+__device__ int router_tile_tokens = RT_TOKENS;
+
+// An 8-bit code as a float: byte `e` of `word` under the exponent of 2^23, minus 2^23 (exact).
+__device__ __forceinline__ float code_byte(u32 word, int e) {
+    return __uint_as_float(0x4B000000u | ((word >> (8 * e)) & 0xffu)) - 8388608.f;
+}
+
+extern "C" __global__ void __launch_bounds__(RT_THREADS) router_rows(const bf16* x_hi, const bf16* x_lo, int m,
+                                                                    Q4 router, float* logits) {
+    constexpr int STAGES = HIDDEN / RT_KC, PER_ROW = RT_KC / 4;
+    __shared__ __align__(16) float tiles[2 * RT_ROWS * RT_STRIDE];
+    float* w_tile = tiles;
+    float* x_tile = tiles + RT_ROWS * RT_STRIDE;
+    const int tid = threadIdx.x;
+    const int row0 = blockIdx.x * RT_ROWS, tok0 = blockIdx.y * RT_TOKENS;
+    const int rows = min(RT_ROWS, RT_OUT - row0), tokens = min(RT_TOKENS, m - tok0);
+
+    // Staging: item u of a thread is float4 c of tile row r (flat index tid + RT_THREADS u), so a warp fetches
+    // consecutive words of one row. Rows past the strip or the tile read the last valid one (never stored).
+    u32 codes[RT_ITEMS], pairs[RT_ITEMS];
+    uint2 hi[RT_ITEMS], lo[RT_ITEMS];
+    auto fetch = [&](int stage) {
+#pragma unroll
+        for (int u = 0; u < RT_ITEMS; u++) {
+            const int flat = tid + RT_THREADS * u, r = flat / PER_ROW, k = stage * RT_KC + 4 * (flat % PER_ROW);
+            const size_t w_row = row0 + min(r, rows - 1), x_row = tok0 + min(r, tokens - 1);
+            codes[u] = router.packed[w_row * (HIDDEN / 4) + k / 4];
+            pairs[u] = router.scale_bias[w_row * (HIDDEN / GROUP) + k / GROUP];
+            hi[u] = *reinterpret_cast<const uint2*>(x_hi + x_row * HIDDEN + k);
+            lo[u] = *reinterpret_cast<const uint2*>(x_lo + x_row * HIDDEN + k);
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int u = 0; u < RT_ITEMS; u++) {
+            const int flat = tid + RT_THREADS * u, at = (flat / PER_ROW) * RT_STRIDE + 4 * (flat % PER_ROW);
+            const float2 f = pair_to_float2(pairs[u]);
+            *reinterpret_cast<float4*>(w_tile + at) =
+                make_float4(fmaf(code_byte(codes[u], 0), f.x, f.y), fmaf(code_byte(codes[u], 1), f.x, f.y),
+                            fmaf(code_byte(codes[u], 2), f.x, f.y), fmaf(code_byte(codes[u], 3), f.x, f.y));
+            const auto half = [](u32 v, int upper) { return __uint_as_float(upper ? v & 0xffff0000u : v << 16); };
+            *reinterpret_cast<float4*>(x_tile + at) =
+                make_float4(half(hi[u].x, 0) + half(lo[u].x, 0), half(hi[u].x, 1) + half(lo[u].x, 1),
+                            half(hi[u].y, 0) + half(lo[u].y, 0), half(hi[u].y, 1) + half(lo[u].y, 1));
+        }
+    };
+
+    const int q = tid % 16, p = tid / 16, rq = q / 4, tq = q % 4;
+    // Threads whose first row or token is past the strip or the tile have nothing to compute.
+    const bool active = rq < rows && tq < tokens;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
+    fetch(0);
+    for (int stage = 0; stage < STAGES; stage++) {
+        __syncthreads();  // the previous stage's products are done with the tiles
+        store();
+        __syncthreads();
+        if (stage + 1 < STAGES) fetch(stage + 1);
+        if (!active) continue;
+#pragma unroll
+        for (int s = 0; s < RT_ITEMS; s++) {
+            const int k = 4 * (p + 16 * s);
+            float4 w[4], x[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) w[i] = *reinterpret_cast<const float4*>(w_tile + (rq + 4 * i) * RT_STRIDE + k);
+#pragma unroll
+            for (int j = 0; j < 4; j++) x[j] = *reinterpret_cast<const float4*>(x_tile + (tq + 4 * j) * RT_STRIDE + k);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float a = acc[i][j];
+                    a = fmaf(w[i].x, x[j].x, a);
+                    a = fmaf(w[i].y, x[j].y, a);
+                    a = fmaf(w[i].z, x[j].z, a);
+                    acc[i][j] = fmaf(w[i].w, x[j].w, a);
+                }
+        }
+    }
+
+    // The parts of each output, [part][row][token] (rows padded to RT_TOKENS + 1), summed in order of part.
+    __syncthreads();
+    float* part = tiles;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) part[(p * RT_ROWS + rq + 4 * i) * (RT_TOKENS + 1) + tq + 4 * j] = acc[i][j];
+    __syncthreads();
+    const int r = tid % RT_ROWS, t = tid / RT_ROWS;
+    if (r >= rows || t >= tokens) return;
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < RT_PARTS; k++) v += part[(k * RT_ROWS + r) * (RT_TOKENS + 1) + t];
+    logits[(size_t)(tok0 + t) * RT_OUT + row0 + r] = v;
 }
 
 // Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.

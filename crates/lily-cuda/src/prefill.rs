@@ -18,7 +18,7 @@ use crate::launch::{Dims, Launcher};
 use crate::model::{DeviceState, StateAt};
 use crate::prefill_attention::AttentionScratch;
 use crate::prefill_deltanet::{proj_dim, DeltaNetScratch};
-use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMixer, GpuWeights};
+use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMatrix, GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
 pub const PREFILL_CHUNK: usize = 8192;
@@ -222,9 +222,7 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
         normed,
         normed_lo,
     )?;
-    // Routing follows small differences between logits: the router sees the normed input to about 16 bits.
-    gemm::gemm(l, normed, t, &layer.router, s.router_logits.ptr(), false)?;
-    gemm::gemm(l, normed_lo, t, &layer.router, s.router_logits.ptr(), true)?;
+    router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
     route_and_sort(l, c, s, t)?;
     let sorted = s.sorted(l.kernels, c, t);
     gemm::moe_gate_up(l, normed, &sorted, &layer.experts_gate, &layer.experts_up, s.act.ptr())?;
@@ -242,6 +240,47 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     let (expert_out, shared_out, shared_w) = (s.expert_out.ptr(), s.shared_out.ptr(), s.shared_w.ptr());
     prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out, shared_out, shared_w)?;
     Ok(())
+}
+
+/// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32); more take the tensor-core
+/// products, whose large tiles then pay off.
+pub(crate) const ROUTER_ROWS_MAX_TOKENS: usize = 256;
+
+/// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1). Routing follows
+/// small differences between logits, so the router sees the normed input to about 16 bits: up to
+/// `ROUTER_ROWS_MAX_TOKENS` rows in one f32 launch, beyond as two tensor-core products (the bf16 part, then the
+/// remainder added).
+pub(crate) fn router_logits(
+    l: &mut Launcher,
+    c: &Config,
+    router: &GpuMatrix,
+    normed: DevPtr<bf16>,
+    normed_lo: DevPtr<bf16>,
+    t: usize,
+    logits: DevPtr<f32>,
+) -> Result<()> {
+    if t > ROUTER_ROWS_MAX_TOKENS {
+        gemm::gemm(l, normed, t, router, logits, false)?;
+        return gemm::gemm(l, normed_lo, t, router, logits, true);
+    }
+    assert!(
+        router.bits == 8 && router.rows == c.num_experts + 1 && router.cols == c.hidden_size,
+        "router_rows takes the 8-bit [experts + 1][hidden] router"
+    );
+    let (strip, tile) = (
+        l.kernels.constant("router_strip_rows"),
+        l.kernels.constant("router_tile_tokens"),
+    );
+    let grid = (router.rows.div_ceil(strip) as u32, t.div_ceil(tile) as u32, 1);
+    prefill::router_rows(
+        l,
+        Dims::new(grid, ROW_THREADS),
+        normed,
+        normed_lo,
+        t as i32,
+        router.q4(),
+        logits,
+    )
 }
 
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of

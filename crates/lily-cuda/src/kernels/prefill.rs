@@ -1,5 +1,6 @@
-//! The prefill's glue (kernels/prefill.cu): embedding rows, RMSNorm rows into bf16, the routing and the stable
-//! sort of (token, slot) entries by expert, and the MoE combine into the residual stream.
+//! The prefill's glue (kernels/prefill.cu): embedding rows, RMSNorm rows into bf16, the router's logits for few
+//! tokens, the routing and the stable sort of (token, slot) entries by expert, and the MoE combine into the
+//! residual stream.
 
 use half::bf16;
 
@@ -11,7 +12,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "prefill.cu",
     source: include_str!("../../kernels/prefill.cu"),
     kernels: KERNELS,
-    constants: &[],
+    constants: &["router_strip_rows", "router_tile_tokens"],
 };
 
 launchers! {
@@ -19,6 +20,9 @@ launchers! {
     embed_rows(tokens: DevPtr<i32>, start: i32, table: Q4, hidden: DevPtr<f32>);
     /// `out[r] = bf16(rmsnorm(hidden[r]) * norm)`, and what that rounding lost into `out_lo` unless it is null.
     rmsnorm_rows(hidden: DevPtr<f32>, norm: DevPtr<f32>, out: DevPtr<bf16>, out_lo: DevPtr<bf16>);
+    /// `logits[t][e] = router[e] . (x_hi[t] + x_lo[t])` in f32 for the experts' and the shared gate's rows, `t < m`;
+    /// grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens).
+    router_rows(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
     /// Each token's top-k experts and weights, the shared expert's gate, and the count of entries per expert.
     route_rows(
         logits: DevPtr<f32>,

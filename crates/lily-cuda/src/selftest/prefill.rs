@@ -2,14 +2,14 @@
 
 use half::bf16;
 use lily_model::cpu::linalg::{rmsnorm, sigmoid};
-use lily_model::cpu::moe::route;
+use lily_model::cpu::moe::{route, route_margin};
 use lily_model::rng::Rng;
 
 use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{Gpu, Result};
 use crate::kernels::{prefill, Kernels};
 use crate::launch::{Dims, Launcher};
-use crate::prefill::{route_and_sort, PrefillScratch, ROW_THREADS};
+use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROUTER_ROWS_MAX_TOKENS, ROW_THREADS};
 use crate::weights::GpuWeights;
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
@@ -75,6 +75,8 @@ pub(crate) fn check(
         rel_err(&both, &expected),
         2e-5,
     );
+
+    check_router(l, w, gw, &s, &mut rng, report)?;
 
     // Routing, the stable sort by expert and the tiles.
     let logits = normals(&mut rng, t * (e + 1), 2.0);
@@ -155,4 +157,108 @@ pub(crate) fn check(
         1e-5,
     );
     gpu.sync()
+}
+
+/// Token counts of the router check: one token, a few, a tile of 16 and one past it, the batched step's sizes up to
+/// `ROUTER_ROWS_MAX_TOKENS` (`router_rows`), and one past that (the tensor-core products).
+const ROUTER_TOKENS: [usize; 8] = [1, 3, 16, 17, 64, 200, 256, 257];
+
+/// Tolerances of the router's logits (max error over max |reference|). `router_rows` forms each 8-bit weight
+/// exactly and sums 2048 f32 products in its own order: 1e-5. The tensor-core products round each weight to bf16
+/// hi + lo (about 2^-17): 1e-4, as the gemm check states.
+const TOL_ROUTER_ROWS: f64 = 1e-5;
+const TOL_ROUTER_GEMM: f64 = 1e-4;
+
+/// The router's logits of layer 0 over the normed rows the RMSNorm left in `s.normed` and `s.normed_lo`, at every
+/// count of `ROUTER_TOKENS`, against an f64 twin of the same input (the bf16 part plus the remainder) and the
+/// dequantized router and shared gate rows; rows past the count must stay unwritten. Then the routing of those
+/// logits on the GPU against the twin's: the same top-k experts for every token, except where the twin's margin
+/// between the k-th and the next expert is within the logits' tolerance (a tie either order may break).
+fn check_router(
+    l: &mut Launcher,
+    w: &lily_model::weights::Weights,
+    gw: &GpuWeights,
+    s: &PrefillScratch,
+    rng: &mut Rng,
+    report: &mut Report,
+) -> Result<()> {
+    let gpu = l.gpu;
+    let c = &w.config;
+    let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+    let max_t = *ROUTER_TOKENS.iter().max().unwrap();
+    assert!(max_t < s.chunk, "the scratch holds a row past the longest count");
+    // The RMSNorm's rows of fresh inputs, as the MoE block makes them.
+    gpu.upload(s.hidden.ptr(), &normals(rng, s.chunk * h, 1.0))?;
+    let norm = gw.layers[0].post_attention_layernorm.ptr();
+    let rows = Dims::linear(s.chunk as u32, ROW_THREADS);
+    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), norm, s.normed.ptr(), s.normed_lo.ptr())?;
+    let (mut hi, mut lo) = (vec![bf16::ZERO; max_t * h], vec![bf16::ZERO; max_t * h]);
+    gpu.download(s.normed.ptr(), &mut hi)?;
+    gpu.download(s.normed_lo.ptr(), &mut lo)?;
+    let x: Vec<f64> = hi
+        .iter()
+        .zip(&lo)
+        .map(|(a, b)| a.to_f32() as f64 + b.to_f32() as f64)
+        .collect();
+
+    // The twin: the router's rows, then the shared expert's gate, dequantized; f64 sums.
+    let moe = &w.layers[0].moe;
+    let mut weights = vec![0.0f32; (e + 1) * h];
+    for r in 0..e {
+        moe.router.view().dequantize_row(r, &mut weights[r * h..][..h]);
+    }
+    moe.shared_expert_gate
+        .view()
+        .dequantize_row(0, &mut weights[e * h..][..h]);
+    let expected: Vec<f32> = (0..max_t * (e + 1))
+        .map(|i| {
+            let (t, r) = (i / (e + 1), i % (e + 1));
+            let row = &weights[r * h..][..h];
+            row.iter()
+                .zip(&x[t * h..][..h])
+                .map(|(w, x)| *w as f64 * x)
+                .sum::<f64>() as f32
+        })
+        .collect();
+
+    for t in ROUTER_TOKENS {
+        poison(gpu, &s.router_logits)?;
+        let (normed, normed_lo, logits) = (s.normed.ptr(), s.normed_lo.ptr(), s.router_logits.ptr());
+        router_logits(l, c, &gw.layers[0].router, normed, normed_lo, t, logits)?;
+        let got = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
+        let (kernel, tol) = match t <= ROUTER_ROWS_MAX_TOKENS {
+            true => ("router_rows", TOL_ROUTER_ROWS),
+            false => ("router as two gemm_q8", TOL_ROUTER_GEMM),
+        };
+        let err = rel_err(&got[..t * (e + 1)], &expected[..t * (e + 1)]);
+        report.check(&format!("{kernel} ({t} tokens, {} rows, k {h})", e + 1), err, tol);
+        report.check_eq(
+            &format!("{kernel} ({t} tokens): rows past the last untouched"),
+            got[t * (e + 1)..].iter().all(|v| v.is_nan()),
+            "",
+        );
+
+        // The routing of these logits, GPU against the twin's.
+        route_and_sort(l, c, s, t)?;
+        let mut gpu_ids = vec![0i32; t * k];
+        gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
+        let scale = expected[..t * (e + 1)].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let (mut differ, mut near_ties) = (0, 0);
+        for r in 0..t {
+            let twin_logits = &expected[r * (e + 1)..][..e];
+            let (mut ids, mut route_w) = (vec![0usize; k], vec![0.0f32; k]);
+            route(twin_logits, k, &mut ids, &mut route_w);
+            let row_max = twin_logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let near_tie = route_margin(twin_logits, &ids) * row_max <= 2.0 * tol as f32 * scale;
+            near_ties += near_tie as usize;
+            let same = gpu_ids[r * k..][..k].iter().zip(&ids).all(|(a, b)| *a as usize == *b);
+            differ += (!same && !near_tie) as usize;
+        }
+        report.check_eq(
+            &format!("{kernel} ({t} tokens) then route_rows: top-k as the twin's"),
+            differ == 0,
+            &format!("{differ} tokens differ, {near_ties} near-ties excused"),
+        );
+    }
+    Ok(())
 }
