@@ -700,3 +700,250 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
                    const int* offsets, const float* route_w, Q4 down, float* out) {
     moe_down_tile<MoeDownSmall>(act, entries, tiles, tile_count, offsets, route_w, down, out);
 }
+
+// ---- Grouped expert products for few entries per expert, on integer tensor cores ----
+// With a few entries per expert (a batched step of up to 128 rows, a short prompt), the bf16 tilings above spend
+// most of their issue slots turning 4-bit weights into bf16 (about 2.5 instructions a weight). These kernels take
+// the decode products' way instead (see the matrix-vector products in common.cuh): a word of 8 weights becomes the
+// u8 A registers of an integer mma.sync with a mask and a shift (under half an instruction a weight, shared by
+// every entry of the tile), and each entry's input, staged once as three signed bytes per element (about 21
+// significant bits per group of 64; moe_stage_x, moe_stage_act), is the s8 B operand. The sums over a group are
+// exact integers; the groups' scales and biases are applied to them in f32. A tile holds up to MOE_INT_TILE_ROWS
+// entries of one expert; block (column block, tile) takes 128 output rows, a warp one strip of 16 (for gate/up:
+// 16 gate rows and the same 16 up rows, so SwiGLU is applied in registers), over all of k.
+#define MOE_INT_TILE_ROWS 8
+// Routings of up to MOE_INT_MAX_TOKENS tokens take these kernels (0: none do; a tuning define).
+#ifndef MOE_INT_MAX_TOKENS
+#define MOE_INT_MAX_TOKENS 128
+#endif
+#define MOE_INT_ROWS 128  // output rows of a block: 8 warps x 16
+__device__ int moe_int_tile_rows = MOE_INT_TILE_ROWS;
+__device__ int moe_top_k = TOP_K;
+// Shapes whose widths are not whole tiles of 128 have none of these kernels (the host then never picks them).
+#if HIDDEN % MV_TILE == 0 && MOE_INTER % MV_TILE == 0
+#define MOE_INT_BUFFER_TOKENS (MOE_INT_MAX_TOKENS > 0 ? MOE_INT_MAX_TOKENS : 1)
+
+typedef StagedX<HIDDEN> StagedHidden;
+typedef StagedX<MOE_INTER> StagedInter;
+// The staged inputs: one per token (gate/up) and one per sorted entry (down).
+__device__ StagedHidden moe_staged_x[MOE_INT_BUFFER_TOKENS];
+__device__ StagedInter moe_staged_act[MOE_INT_BUFFER_TOKENS * TOP_K];
+
+// Read by the host (src/kernels/gemm.rs).
+__device__ int moe_int_max_tokens = MOE_INT_MAX_TOKENS;
+__device__ int moe_int_gate_up_smem = MOE_INT_TILE_ROWS * sizeof(StagedHidden);
+__device__ int moe_int_down_smem = MOE_INT_TILE_ROWS * sizeof(StagedInter);
+__device__ int moe_int_gate_up_col_blocks = MOE_INTER / MOE_INT_ROWS;
+__device__ int moe_int_down_col_blocks = HIDDEN / MOE_INT_ROWS;
+
+// Stages `rows` rows of COLS elements (element k of row r: lo[r][k] added to hi[r][k] where lo is given) into
+// `staged`, one warp per (row, tile of MV_TILE elements).
+template <int COLS>
+__device__ __forceinline__ void stage_rows(const bf16* hi, const bf16* lo, int rows, StagedX<COLS>* staged) {
+    constexpr int TILES = COLS / MV_TILE;
+    const int w = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (w >= rows * TILES) return;  // warp-uniform
+    const int r = w / TILES, j = w % TILES;
+    const int k0 = stage_first_input(j);
+    float2 e[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const size_t at = (size_t)r * COLS + k0 + 2 * i;
+        e[i] = make_float2(bf16_to_float(hi[at]) + (lo ? bf16_to_float(lo[at]) : 0.f), 0.f);
+    }
+    stage_tile<COLS>(e, NoTileScale{}, j, staged[r]);
+}
+
+
+// The four u8 A registers of each of a tile's four k32 steps, for rows g and g + 8 of a strip.
+struct IntA {
+    u32 a[4][4];
+    __device__ __forceinline__ explicit IntA(const uint4& g, const uint4& g8) {
+        const u32 wg[4] = {g.x, g.y, g.z, g.w}, w8[4] = {g8.x, g8.y, g8.z, g8.w};
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            a[m][0] = wg[m] & 0x0F0F0F0Fu;
+            a[m][1] = w8[m] & 0x0F0F0F0Fu;
+            a[m][2] = (wg[m] >> 4) & 0x0F0F0F0Fu;
+            a[m][3] = (w8[m] >> 4) & 0x0F0F0F0Fu;
+        }
+    }
+};
+
+// acc += tile j's products of rows g (x) and g + 8 (y) with one staged input (this lane's part of them): `x`
+// and `gc` are the lane's pointers into that input's staging (see StripLane).
+__device__ __forceinline__ void int_tile_dot(const IntA& w, uint2 sg, uint2 sg8, const uint4* x, int x_step,
+                                             const float4* gc, int j, float2& acc) {
+    const uint4 xa = x[j * x_step], xb = x[j * x_step + 1];
+    const u32 b[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int c[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int m = 0; m < 4; m++) mma_u4s8(c, w.a[m][0], w.a[m][1], w.a[m][2], w.a[m][3], b[2 * m], b[2 * m + 1]);
+    const float4 k = gc[j];
+    const float2 f1 = pair_to_float2(sg.x), f2 = pair_to_float2(sg.y);
+    const float2 h1 = pair_to_float2(sg8.x), h2 = pair_to_float2(sg8.y);
+    acc.x = fmaf(f1.x * k.x, (float)c[0], fmaf(f2.x * k.y, (float)c[1], fmaf(f1.y, k.z, fmaf(f2.y, k.w, acc.x))));
+    acc.y = fmaf(h1.x * k.x, (float)c[2], fmaf(h2.x * k.y, (float)c[3], fmaf(h1.y, k.z, fmaf(h2.y, k.w, acc.y))));
+}
+
+// Copies `rows` staged inputs into shared memory, input r from `src(r)`.
+template <class S, class Src>
+__device__ __forceinline__ void copy_staged(S* dst, int rows, Src src) {
+    constexpr int WORDS = sizeof(S) / 16;
+    static_assert(sizeof(S) % 16 == 0, "whole uint4s");
+    for (int i = threadIdx.x; i < rows * WORDS; i += blockDim.x)
+        reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src(i / WORDS))[i % WORDS];
+}
+
+// The lane's pointers into staged input r of `st` (inputs of one type lie back to back).
+template <int COLS>
+struct IntLane {
+    StripLane<COLS> lane;
+    __device__ __forceinline__ const uint4* x(int r) const { return lane.x + r * (int)(sizeof(StagedX<COLS>) / 16); }
+    __device__ __forceinline__ const float4* gc(int r) const {
+        return lane.gc + r * (int)(sizeof(StagedX<COLS>) / 16);
+    }
+};
+
+// A matrix of the experts seen from one expert's first row.
+__device__ __forceinline__ Q4 expert_rows(Q4 m, int expert, int rows, int cols, int bits) {
+    return Q4{m.packed + (size_t)expert * rows * (cols * bits / 32), m.scale_bias + (size_t)expert * rows * (cols / GROUP)};
+}
+
+// act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for the sorted indices i of each tile (x staged by
+// moe_stage_x).
+__device__ __forceinline__ void gate_up_int(const int* entries, const int* tiles, const int* tile_count,
+                                            const int* offsets, Q4 gate, Q4 up, bf16* act) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int TILES = HIDDEN / MV_TILE;
+    const int tile = blockIdx.y;
+    if (tile >= *tile_count) return;
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+    const int rows = min(MOE_INT_TILE_ROWS, offsets[expert + 1] - first);
+    StagedHidden* st = reinterpret_cast<StagedHidden*>(smem);
+    const int warp = threadIdx.x / WARP, row0 = blockIdx.x * MOE_INT_ROWS + 16 * warp;
+    const Q4 g = expert_rows(gate, expert, MOE_INTER, HIDDEN, 4), u = expert_rows(up, expert, MOE_INTER, HIDDEN, 4);
+    IntLane<HIDDEN> il;
+    il.lane.init(st[0]);
+    // The first tiles' weights are requested before the inputs are copied.
+    typename StripLane<HIDDEN>::Tile tg[2], tu[2];
+    tg[0] = il.lane.load(g, row0, MOE_INTER, 0);
+    tu[0] = il.lane.load(u, row0, MOE_INTER, 0);
+    copy_staged(st, rows, [&](int r) { return &moe_staged_x[entries[first + r] / TOP_K]; });
+    __syncthreads();
+    float2 accg[MOE_INT_TILE_ROWS], accu[MOE_INT_TILE_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_INT_TILE_ROWS; r++) accg[r] = accu[r] = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < TILES; j++) {
+        if (j + 1 < TILES) {
+            tg[(j + 1) & 1] = il.lane.load(g, row0, MOE_INTER, j + 1);
+            tu[(j + 1) & 1] = il.lane.load(u, row0, MOE_INTER, j + 1);
+        }
+        const typename StripLane<HIDDEN>::Tile& a = tg[j & 1];
+        const typename StripLane<HIDDEN>::Tile& b = tu[j & 1];
+        const IntA wa(a.g, a.g8);
+#pragma unroll
+        for (int r = 0; r < MOE_INT_TILE_ROWS; r++)
+            if (r < rows) int_tile_dot(wa, a.sg, a.sg8, il.x(r), il.lane.x_step, il.gc(r), j, accg[r]);
+        const IntA wb(b.g, b.g8);
+#pragma unroll
+        for (int r = 0; r < MOE_INT_TILE_ROWS; r++)
+            if (r < rows) int_tile_dot(wb, b.sg, b.sg8, il.x(r), il.lane.x_step, il.gc(r), j, accu[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_INT_TILE_ROWS; r++) {
+        if (r >= rows) break;
+        const float gv = il.lane.row_total(accg[r]), uv = il.lane.row_total(accu[r]);
+        if (il.lane.holds_row())
+            act[(size_t)(first + r) * MOE_INTER + row0 + il.lane.row()] = float_to_bf16(siluf_(gv) * uv);
+    }
+}
+
+// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of each tile (act staged by
+// moe_stage_act).
+__device__ __forceinline__ void down_int(const int* entries, const int* tiles, const int* tile_count,
+                                         const int* offsets, const float* route_w, Q4 down, float* out) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int TILES = MOE_INTER / MV_TILE;
+    const int tile = blockIdx.y;
+    if (tile >= *tile_count) return;
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+    const int rows = min(MOE_INT_TILE_ROWS, offsets[expert + 1] - first);
+    StagedInter* st = reinterpret_cast<StagedInter*>(smem);
+    const int warp = threadIdx.x / WARP, row0 = blockIdx.x * MOE_INT_ROWS + 16 * warp;
+    const Q4 d = expert_rows(down, expert, HIDDEN, MOE_INTER, 4);
+    IntLane<MOE_INTER> il;
+    il.lane.init(st[0]);
+    typename StripLane<MOE_INTER>::Tile tw[TILES];
+#pragma unroll
+    for (int j = 0; j < TILES; j++) tw[j] = il.lane.load(d, row0, HIDDEN, j);
+    copy_staged(st, rows, [&](int r) { return &moe_staged_act[first + r]; });
+    __syncthreads();
+    float2 acc[MOE_INT_TILE_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_INT_TILE_ROWS; r++) acc[r] = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < TILES; j++) {
+        const IntA w(tw[j].g, tw[j].g8);
+#pragma unroll
+        for (int r = 0; r < MOE_INT_TILE_ROWS; r++)
+            if (r < rows) int_tile_dot(w, tw[j].sg, tw[j].sg8, il.x(r), il.lane.x_step, il.gc(r), j, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_INT_TILE_ROWS; r++) {
+        if (r >= rows) break;
+        const float v = il.lane.row_total(acc[r]);
+        if (il.lane.holds_row()) {
+            const int entry = entries[first + r];
+            out[(size_t)entry * HIDDEN + row0 + il.lane.row()] = route_w[entry] * v;
+        }
+    }
+}
+#define MOE_INT_OK 1
+#else
+#define MOE_INT_OK 0
+__device__ int moe_int_max_tokens = 0;
+__device__ int moe_int_gate_up_smem = 0;
+__device__ int moe_int_down_smem = 0;
+__device__ int moe_int_gate_up_col_blocks = 1;
+__device__ int moe_int_down_col_blocks = 1;
+#endif
+
+// The routed experts' input: x (bf16 [tokens][HIDDEN], plus its bf16 remainder x_lo where not null) staged.
+extern "C" __global__ void __launch_bounds__(256) moe_stage_x(const bf16* x, const bf16* x_lo, int tokens) {
+#if MOE_INT_OK
+    stage_rows<HIDDEN>(x, x_lo, tokens, moe_staged_x);
+#else
+    __trap();
+#endif
+}
+
+// The down products' input: act (bf16 [entries][MOE_INTER], by sorted index) staged.
+extern "C" __global__ void __launch_bounds__(256) moe_stage_act(const bf16* act, int entries) {
+#if MOE_INT_OK
+    stage_rows<MOE_INTER>(act, nullptr, entries, moe_staged_act);
+#else
+    __trap();
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_int(const int* entries, const int* tiles,
+                                                                   const int* tile_count, const int* offsets,
+                                                                   Q4 gate, Q4 up, bf16* act) {
+#if MOE_INT_OK
+    gate_up_int(entries, tiles, tile_count, offsets, gate, up, act);
+#else
+    __trap();
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down_int(const int* entries, const int* tiles,
+                                                                const int* tile_count, const int* offsets,
+                                                                const float* route_w, Q4 down, float* out) {
+#if MOE_INT_OK
+    down_int(entries, tiles, tile_count, offsets, route_w, down, out);
+#else
+    __trap();
+#endif
+}
