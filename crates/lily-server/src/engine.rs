@@ -604,6 +604,7 @@ impl Engine {
                 })
             });
             let (prompt, work, caches) = (spec.prompt.clone(), spec.work(), self.caches(spec));
+            let started = Instant::now();
             let cached = match follows {
                 None if caches => self.cache.lookup(&prompt, prompt.len() - 1),
                 _ => None,
@@ -630,6 +631,14 @@ impl Engine {
             if follows.is_none() && self.caches(&seq.spec) {
                 seq.snapshot_at = self.snapshot_points(&seq.spec.prompt);
                 seq.snapshot_end = true;
+            }
+            if let Some(active) = self.jobs.get(&id) {
+                tracing::debug!(
+                    since_arrival_ms = (started - active.job.arrived).as_secs_f64() * 1e3,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    cached = restored,
+                    "admitted: prefix looked up, state restored"
+                );
             }
             self.slots[slot] = Some(seq);
             if follows.is_none() {
@@ -887,6 +896,10 @@ impl Engine {
         tracing::debug!(
             tokens = end - done,
             cuts = ?cuts,
+            since_arrival_ms = self
+                .jobs
+                .get(&job)
+                .map_or(0.0, |a| (started - a.job.arrived).as_secs_f64() * 1e3),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "prefill call"
         );
