@@ -69,7 +69,8 @@ pub struct SequenceSpec {
     /// The choice's `index` in the response.
     pub index: usize,
     pub prompt: Arc<Vec<u32>>,
-    /// The rendered prompt text (its end tells the reasoning parser where output starts).
+    /// The rendered prompt text (its end tells the reasoning parser where output starts); empty for a completion
+    /// prompt given as token ids without `echo`, which has no use for it.
     pub prompt_text: Arc<str>,
     /// The request's sampling parameters with this choice's seed.
     pub sampling: SamplingParams,
