@@ -945,7 +945,8 @@ impl Engine {
         }
         let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_end);
         let at_point = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_at.contains(&end));
-        if echo.is_none() && (at_point || (snapshots && end == prompt.len())) {
+        let snapshot = echo.is_none() && (at_point || (snapshots && end == prompt.len()));
+        if snapshot && end < prompt.len() {
             let hash = self.prompt_hash(slot, end);
             self.save_snapshot(slot, &prompt[..end], hash);
         }
@@ -969,8 +970,18 @@ impl Engine {
                 seq.phase = Phase::Prefill { done: end };
             }
             _ => {
+                let order = self.slots[slot].as_ref().map(|q| q.order);
                 let ready = self.prompt_done(slot, Vec::new(), 0);
                 self.sample_and_emit(&ready);
+                // The snapshot of the whole prompt is taken once its first token is out: copying the sequence's
+                // state is no part of what the client waits for, and the slot holds that state until its next
+                // step. A sequence that finished with that token has been snapshotted as it finished.
+                let unchanged =
+                    self.slots[slot].as_ref().is_some_and(|q| Some(q.order) == order) && self.backend.len(slot) == end;
+                if snapshot && unchanged {
+                    let hash = self.prompt_hash(slot, end);
+                    self.save_snapshot(slot, &prompt[..end], hash);
+                }
             }
         }
         Some(end - done)
