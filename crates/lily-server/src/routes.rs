@@ -360,8 +360,11 @@ where
         .map_err(|_| ApiError::shutting_down())?;
     let state = state.clone();
     let queued = Instant::now();
+    // The work's log lines name the request, as the handler's do.
+    let span = tracing::Span::current();
     let (result, started, finished) = tokio::task::spawn_blocking(move || {
         let _permit = permit;
+        let _span = span.enter();
         let started = Instant::now();
         let result = work(&state);
         (result, started, Instant::now())
