@@ -211,6 +211,7 @@ pub fn render_tokens(
         let tokens = tokens.ok_or_else(|| prompt_too_long("messages", ready.context))?;
         return Ok((text, tokens));
     }
+    let started = std::time::Instant::now();
     let mut tools = tools.to_vec();
     let marker = {
         let mut texts = Vec::new();
@@ -228,10 +229,22 @@ pub fn render_tokens(
     for value in messages.iter_mut().chain(tools.iter_mut()).chain(kwargs.values_mut()) {
         mark_strings(value, tokenizer, marker);
     }
+    let marked = started.elapsed();
     let text = render(ready, messages, &tools, kwargs, add_generation_prompt)?;
+    let rendered = started.elapsed();
     let tokens = tokenizer.encode_marked(&text, marker, limit).map_err(encode_error)?;
     let tokens = tokens.ok_or_else(|| prompt_too_long("messages", ready.context))?;
-    Ok((marker.strip(&text), tokens))
+    let tokenized = started.elapsed();
+    let text = marker.strip(&text);
+    tracing::debug!(
+        mark_ms = marked.as_secs_f64() * 1e3,
+        render_ms = (rendered - marked).as_secs_f64() * 1e3,
+        tokenize_ms = (tokenized - rendered).as_secs_f64() * 1e3,
+        strip_ms = (started.elapsed() - tokenized).as_secs_f64() * 1e3,
+        text_bytes = text.len(),
+        "prompt rendered and tokenized"
+    );
+    Ok((text, tokens))
 }
 
 fn collect_strings<'a>(value: &'a Json, out: &mut Vec<&'a str>) {

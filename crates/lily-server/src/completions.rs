@@ -66,6 +66,13 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             })
             .collect()
     };
+    // The text of a prompt given as token ids is needed only to echo it; decoding tens of thousands of ids costs
+    // milliseconds that every such request would otherwise pay before its prefill.
+    let echo = request.echo.unwrap_or(false);
+    let text_of = |ids: &[u32]| match echo {
+        true => tokenizer.decode(ids, false).unwrap_or_default(),
+        false => String::new(),
+    };
     let prompts: Vec<(Vec<u32>, String)> = match prompt {
         PromptField::Text(text) => vec![(encode(&text)?, text)],
         PromptField::Texts(texts) => texts
@@ -74,14 +81,14 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             .collect::<Result<_, ApiError>>()?,
         PromptField::Tokens(ids) => {
             let ids = check_ids(ids)?;
-            let text = tokenizer.decode(&ids, false).unwrap_or_default();
+            let text = text_of(&ids);
             vec![(ids, text)]
         }
         PromptField::TokenLists(lists) => lists
             .into_iter()
             .map(|ids| {
                 let ids = check_ids(ids)?;
-                let text = tokenizer.decode(&ids, false).unwrap_or_default();
+                let text = text_of(&ids);
                 Ok((ids, text))
             })
             .collect::<Result<_, ApiError>>()?,
@@ -98,7 +105,6 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
             "`suffix` (fill-in-the-middle) is not supported by this model",
         ));
     }
-    let echo = request.echo.unwrap_or(false);
     let logprobs = match request.logprobs {
         None => None,
         Some(k) if (0..=MAX_LOGPROBS).contains(&k) => Some(k as usize),

@@ -27,7 +27,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::ApiError;
 use crate::logits::{self, History, Penalties, TokenLogprob};
 use crate::metrics::Metrics;
-use crate::prefix_cache::PrefixCache;
+use crate::prefix_cache::{PrefixCache, PrefixHashes};
 
 /// How generated tokens become text.
 #[derive(Debug, Clone)]
@@ -69,7 +69,8 @@ pub struct SequenceSpec {
     /// The choice's `index` in the response.
     pub index: usize,
     pub prompt: Arc<Vec<u32>>,
-    /// The rendered prompt text (its end tells the reasoning parser where output starts).
+    /// The rendered prompt text (its end tells the reasoning parser where output starts); empty for a completion
+    /// prompt given as token ids without `echo`, which has no use for it.
     pub prompt_text: Arc<str>,
     /// The request's sampling parameters with this choice's seed.
     pub sampling: SamplingParams,
@@ -417,6 +418,8 @@ struct Seq {
     snapshot_at: Vec<usize>,
     /// Whether it is snapshotted when it finishes (a sequence that prefilled its prompt itself, with the cache on).
     snapshot_end: bool,
+    /// The prefix cache's hashes of its prompt's prefixes, where it uses the cache.
+    prompt_hashes: Option<PrefixHashes>,
     /// The tokens it generated (the last one is not in the slot yet).
     generated: Vec<u32>,
     output: OutputStream,
@@ -604,9 +607,11 @@ impl Engine {
                 })
             });
             let (prompt, work, caches) = (spec.prompt.clone(), spec.work(), self.caches(spec));
-            let cached = match follows {
-                None if caches => self.cache.lookup(&prompt, prompt.len() - 1),
-                _ => None,
+            let started = Instant::now();
+            let hashes = (follows.is_none() && caches).then(|| PrefixHashes::new(&prompt));
+            let cached = match &hashes {
+                Some(hashes) => self.cache.lookup_hashed(&prompt, hashes, prompt.len() - 1),
+                None => None,
             };
             let restored = match self.take_room(slot, work, cached) {
                 Ok(Some(restored)) => restored,
@@ -627,9 +632,18 @@ impl Engine {
             };
             let mut seq = self.new_seq(id, spec, phase);
             seq.cached = restored;
-            if follows.is_none() && self.caches(&seq.spec) {
+            if hashes.is_some() {
                 seq.snapshot_at = self.snapshot_points(&seq.spec.prompt);
                 seq.snapshot_end = true;
+                seq.prompt_hashes = hashes;
+            }
+            if let Some(active) = self.jobs.get(&id) {
+                tracing::debug!(
+                    since_arrival_ms = (started - active.job.arrived).as_secs_f64() * 1e3,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    cached = restored,
+                    "admitted: prefix looked up, state restored"
+                );
             }
             self.slots[slot] = Some(seq);
             if follows.is_none() {
@@ -717,16 +731,17 @@ impl Engine {
         }
     }
 
-    /// Snapshots the sequence in `slot`, whose tokens so far are `tokens`, into the prefix cache unless an equal
-    /// one is there; drops the least recently used snapshots while the backend has no room for it.
-    fn save_snapshot(&mut self, slot: Slot, tokens: &[u32]) {
-        if tokens.is_empty() || self.cache.contains(tokens) {
+    /// Snapshots the sequence in `slot`, whose tokens so far are `tokens` (of prefix-cache hash `hash`), into the
+    /// prefix cache unless an equal one is there; drops the least recently used snapshots while the backend has no
+    /// room for it.
+    fn save_snapshot(&mut self, slot: Slot, tokens: &[u32], hash: u64) {
+        if tokens.is_empty() || self.cache.contains_hashed(tokens, hash) {
             return;
         }
         loop {
             match self.backend.snapshot(slot) {
                 Ok(Some(id)) => {
-                    self.cache.insert(id, tokens);
+                    self.cache.insert_hashed(id, tokens, hash);
                     break;
                 }
                 Ok(None) => {
@@ -756,6 +771,24 @@ impl Engine {
             self.shared.metrics.prefix_cache_evictions.increment(1);
         }
         wanted.min(self.backend.snapshot_room())
+    }
+
+    /// The prefix-cache hash of the first `len` prompt tokens of the sequence in `slot`.
+    fn prompt_hash(&self, slot: Slot, len: usize) -> u64 {
+        let seq = self.slots[slot].as_ref().expect("a sequence in its prefill");
+        match &seq.prompt_hashes {
+            Some(hashes) => hashes.of(len),
+            None => PrefixHashes::new(&seq.spec.prompt[..len]).of(len),
+        }
+    }
+
+    /// Whether the prefix cache holds the first `len` prompt tokens of `seq`.
+    fn cached_prefix(&self, seq: &Seq, len: usize) -> bool {
+        let tokens = &seq.spec.prompt[..len];
+        match &seq.prompt_hashes {
+            Some(hashes) => self.cache.contains_hashed(tokens, hashes.of(len)),
+            None => self.cache.contains(tokens),
+        }
     }
 
     fn cache_gauges(&self) {
@@ -798,6 +831,7 @@ impl Engine {
             cached: 0,
             snapshot_at: Vec::new(),
             snapshot_end: false,
+            prompt_hashes: None,
             generated: Vec::new(),
             output,
             sampler: Sampler::new(spec.sampling.clone()),
@@ -865,7 +899,7 @@ impl Engine {
             .snapshot_at
             .iter()
             .copied()
-            .filter(|&p| p > done && p <= reach && !self.cache.contains(&prompt[..p]))
+            .filter(|&p| p > done && p <= reach && !self.cached_prefix(seq, p))
             .collect();
         let inside = points.iter().filter(|&&p| p < reach).count();
         let cuts = match self.backend.snapshots_in_prefill() {
@@ -887,6 +921,10 @@ impl Engine {
         tracing::debug!(
             tokens = end - done,
             cuts = ?cuts,
+            since_arrival_ms = self
+                .jobs
+                .get(&job)
+                .map_or(0.0, |a| (started - a.job.arrived).as_secs_f64() * 1e3),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "prefill call"
         );
@@ -894,7 +932,8 @@ impl Engine {
             Ok(ids) => {
                 for (id, cut) in ids.into_iter().zip(&cuts) {
                     if let Some(id) = id {
-                        self.cache.insert(id, &prompt[..done + cut]);
+                        let hash = self.prompt_hash(slot, done + cut);
+                        self.cache.insert_hashed(id, &prompt[..done + cut], hash);
                     }
                 }
                 self.cache_gauges();
@@ -906,8 +945,10 @@ impl Engine {
         }
         let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_end);
         let at_point = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_at.contains(&end));
-        if echo.is_none() && (at_point || (snapshots && end == prompt.len())) {
-            self.save_snapshot(slot, &prompt[..end]);
+        let snapshot = echo.is_none() && (at_point || (snapshots && end == prompt.len()));
+        if snapshot && end < prompt.len() {
+            let hash = self.prompt_hash(slot, end);
+            self.save_snapshot(slot, &prompt[..end], hash);
         }
         match echo {
             Some(top) if prompt.len() > 1 => {
@@ -929,8 +970,18 @@ impl Engine {
                 seq.phase = Phase::Prefill { done: end };
             }
             _ => {
+                let order = self.slots[slot].as_ref().map(|q| q.order);
                 let ready = self.prompt_done(slot, Vec::new(), 0);
                 self.sample_and_emit(&ready);
+                // The snapshot of the whole prompt is taken once its first token is out: copying the sequence's
+                // state is no part of what the client waits for, and the slot holds that state until its next
+                // step. A sequence that finished with that token has been snapshotted as it finished.
+                let unchanged =
+                    self.slots[slot].as_ref().is_some_and(|q| Some(q.order) == order) && self.backend.len(slot) == end;
+                if snapshot && unchanged {
+                    let hash = self.prompt_hash(slot, end);
+                    self.save_snapshot(slot, &prompt[..end], hash);
+                }
             }
         }
         Some(end - done)
@@ -942,11 +993,11 @@ impl Engine {
         let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
         let prompt = seq.spec.prompt.clone();
         let work = seq.spec.work();
-        let Some((id, len)) = self
-            .cache
-            .lookup(&prompt, prompt.len() - 1)
-            .filter(|&(_, len)| len > done)
-        else {
+        let found = match &seq.prompt_hashes {
+            Some(hashes) => self.cache.lookup_hashed(&prompt, hashes, prompt.len() - 1),
+            None => self.cache.lookup(&prompt, prompt.len() - 1),
+        };
+        let Some((id, len)) = found.filter(|&(_, len)| len > done) else {
             return Ok(done);
         };
         // Its reservation covers the whole sequence, more than a restore needs, so giving it back first makes room.
@@ -1288,7 +1339,13 @@ impl Engine {
                 .take(held)
                 .collect();
             if tokens.len() == held {
-                self.save_snapshot(slot, &tokens);
+                let prompt_len = seq.spec.prompt.len();
+                let hash = match &seq.prompt_hashes {
+                    Some(hashes) if held >= prompt_len => hashes.extended(prompt_len, &tokens[prompt_len..]),
+                    Some(hashes) => hashes.of(held),
+                    None => PrefixHashes::new(&tokens).of(held),
+                };
+                self.save_snapshot(slot, &tokens, hash);
             }
         }
         self.backend.release(slot);

@@ -29,18 +29,55 @@ struct Entry {
     last_used: u64,
 }
 
-/// The hash of a token sequence extended by one token (FNV-1a over the token's bytes).
+/// The hash of a token sequence extended by one token: FNV-1a's step taken over the whole token (one multiply a
+/// token, where FNV-1a over its four bytes would take four). The cache's keys need no more: every candidate's tokens
+/// are compared before it is used.
 fn hash_step(hash: u64, token: u32) -> u64 {
-    token
-        .to_le_bytes()
-        .iter()
-        .fold(hash, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    (hash ^ u64::from(token)).wrapping_mul(0x0000_0100_0000_01b3)
 }
 
 const HASH_START: u64 = 0xcbf2_9ce4_8422_2325;
 
 fn hash_of(tokens: &[u32]) -> u64 {
     tokens.iter().fold(HASH_START, |h, &t| hash_step(h, t))
+}
+
+/// The hash of every prefix of a token sequence, the empty one first: computed once for a prompt, so that the
+/// lookups, checks and inserts along it (at admission, before each prefill call, at each snapshot) need no pass
+/// over its tokens of their own.
+#[derive(Debug, Clone)]
+pub struct PrefixHashes(Vec<u64>);
+
+impl PrefixHashes {
+    pub fn new(tokens: &[u32]) -> PrefixHashes {
+        let mut hashes = Vec::with_capacity(tokens.len() + 1);
+        let mut hash = HASH_START;
+        hashes.push(hash);
+        for &t in tokens {
+            hash = hash_step(hash, t);
+            hashes.push(hash);
+        }
+        PrefixHashes(hashes)
+    }
+
+    /// Tokens covered: the hash of every prefix up to this length is known.
+    pub fn len(&self) -> usize {
+        self.0.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The hash of the first `len` tokens (at most [`PrefixHashes::len`]).
+    pub fn of(&self, len: usize) -> u64 {
+        self.0[len]
+    }
+
+    /// The hash of the first `len` tokens followed by `more`.
+    pub fn extended(&self, len: usize, more: &[u32]) -> u64 {
+        more.iter().fold(self.of(len), |h, &t| hash_step(h, t))
+    }
 }
 
 impl PrefixCache {
@@ -67,27 +104,40 @@ impl PrefixCache {
 
     /// Whether a snapshot of exactly `tokens` is indexed.
     pub fn contains(&self, tokens: &[u32]) -> bool {
-        self.find(tokens, hash_of(tokens)).is_some()
+        self.contains_hashed(tokens, hash_of(tokens))
+    }
+
+    /// [`PrefixCache::contains`] for tokens whose hash is known (from [`PrefixHashes`]).
+    pub fn contains_hashed(&self, tokens: &[u32], hash: u64) -> bool {
+        debug_assert_eq!(hash, hash_of(tokens));
+        self.find(tokens, hash).is_some()
     }
 
     /// The snapshot of the longest prefix of `tokens` no longer than `max_len` tokens, with its length; counts as a
     /// use of it.
     pub fn lookup(&mut self, tokens: &[u32], max_len: usize) -> Option<(SnapshotId, usize)> {
         let max_len = max_len.min(tokens.len());
+        self.lookup_hashed(tokens, &PrefixHashes::new(&tokens[..max_len]), max_len)
+    }
+
+    /// [`PrefixCache::lookup`] with the hashes of the prefixes of `tokens` (covering at least `max_len` of them, or
+    /// all of `tokens`).
+    pub fn lookup_hashed(
+        &mut self,
+        tokens: &[u32],
+        hashes: &PrefixHashes,
+        max_len: usize,
+    ) -> Option<(SnapshotId, usize)> {
+        let max_len = max_len.min(tokens.len()).min(hashes.len());
         let shortest = *self.lengths.keys().next()?;
         if shortest > max_len {
             return None;
-        }
-        let mut prefix_hash = Vec::with_capacity(max_len + 1);
-        prefix_hash.push(HASH_START);
-        for &t in &tokens[..max_len] {
-            prefix_hash.push(hash_step(*prefix_hash.last().expect("starts non-empty"), t));
         }
         let found = self
             .lengths
             .range(..=max_len)
             .rev()
-            .find_map(|(&len, _)| self.find(&tokens[..len], prefix_hash[len]).map(|id| (id, len)));
+            .find_map(|(&len, _)| self.find(&tokens[..len], hashes.of(len)).map(|id| (id, len)));
         if let Some((id, _)) = found {
             self.clock += 1;
             self.entries.get_mut(&id).expect("found above").last_used = self.clock;
@@ -97,7 +147,12 @@ impl PrefixCache {
 
     /// Indexes snapshot `id` of `tokens`. The caller checks `contains` first: a sequence is indexed once.
     pub fn insert(&mut self, id: SnapshotId, tokens: &[u32]) {
-        let hash = hash_of(tokens);
+        self.insert_hashed(id, tokens, hash_of(tokens));
+    }
+
+    /// [`PrefixCache::insert`] for tokens whose hash is known (from [`PrefixHashes`]).
+    pub fn insert_hashed(&mut self, id: SnapshotId, tokens: &[u32], hash: u64) {
+        debug_assert_eq!(hash, hash_of(tokens));
         self.clock += 1;
         self.by_key.entry((tokens.len(), hash)).or_default().push(id);
         *self.lengths.entry(tokens.len()).or_default() += 1;
@@ -224,6 +279,33 @@ mod tests {
                 .max_by_key(|(_, t)| t.len())
                 .map(|(i, t)| (*i, t.len()));
             assert_eq!(cache.lookup(&query, limit), expected);
+            // The same with the query's prefix hashes computed once, as the engine does.
+            let hashes = PrefixHashes::new(&query);
+            assert_eq!(cache.lookup_hashed(&query, &hashes, limit), expected);
+            for (len, contained) in (0..=query.len()).map(|len| (len, cache.contains(&query[..len]))) {
+                assert_eq!(cache.contains_hashed(&query[..len], hashes.of(len)), contained);
+            }
         }
+    }
+
+    #[test]
+    fn prefix_hashes_are_the_hashes_of_the_prefixes() {
+        let tokens: Vec<u32> = (0..50).map(|i| (i * 7919) % 1000).collect();
+        let hashes = PrefixHashes::new(&tokens[..30]);
+        assert_eq!(hashes.len(), 30);
+        for len in 0..=30 {
+            assert_eq!(hashes.of(len), hash_of(&tokens[..len]));
+            assert_eq!(hashes.extended(len, &tokens[len..]), hash_of(&tokens));
+        }
+        // Sequences differing in one token, or only in length, hash apart.
+        let mut other = tokens.clone();
+        other[10] += 1;
+        assert_ne!(hash_of(&other), hash_of(&tokens));
+        assert_ne!(hash_of(&tokens[..49]), hash_of(&tokens));
+        // An entry inserted with its known hash is found by a plain lookup.
+        let mut cache = PrefixCache::new();
+        cache.insert_hashed(9, &tokens[..20], hashes.of(20));
+        assert_eq!(cache.lookup(&tokens, 50), Some((9, 20)));
+        assert!(cache.contains(&tokens[..20]));
     }
 }

@@ -359,12 +359,29 @@ where
         .await
         .map_err(|_| ApiError::shutting_down())?;
     let state = state.clone();
-    tokio::task::spawn_blocking(move || {
+    let queued = Instant::now();
+    // The work's log lines name the request, as the handler's do.
+    let span = tracing::Span::current();
+    let (result, started, finished) = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        work(&state)
+        let _span = span.enter();
+        let started = Instant::now();
+        let result = work(&state);
+        (result, started, Instant::now())
     })
     .await
-    .unwrap_or_else(|_| Err(ApiError::internal("preparing the request failed")))
+    .unwrap_or_else(|_| {
+        let now = Instant::now();
+        (Err(ApiError::internal("preparing the request failed")), now, now)
+    });
+    // The hand-offs between the async threads and the blocking pool, which a request pays before its prefill.
+    tracing::debug!(
+        to_pool_ms = (started - queued).as_secs_f64() * 1e3,
+        work_ms = (finished - started).as_secs_f64() * 1e3,
+        back_ms = finished.elapsed().as_secs_f64() * 1e3,
+        "work done off the async threads"
+    );
+    result
 }
 
 /// What the two completion endpoints hand to [`complete`]: the sequences to queue, whether to stream, and the
@@ -414,6 +431,8 @@ where
     let arrived = Instant::now();
     let result = async {
         let body = read_body(request, &state).await?;
+        let read_ms = arrived.elapsed().as_secs_f64() * 1e3;
+        let body_bytes = body.len();
         let Prepared {
             stream,
             sequences,
@@ -421,13 +440,27 @@ where
         } = off_runtime(&state, move |state| prepare(&body, state)).await?;
         tracing::debug!(
             prepared_ms = arrived.elapsed().as_secs_f64() * 1e3,
+            read_ms,
+            body_bytes,
             prompt_tokens = sequences.first().map_or(0, |s| s.prompt.len()),
             "request read, rendered and tokenized"
         );
         let (receiver, guard) = submit(&state, sequences, arrived)?;
         if stream {
+            let span = tracing::Span::current();
+            let mut first = true;
             Ok(sse_response(receiver, guard, move |event| {
-                responder.stream_event(event)
+                let (data, done) = responder.stream_event(event);
+                if first && !data.is_empty() {
+                    first = false;
+                    span.in_scope(|| {
+                        tracing::debug!(
+                            since_arrival_ms = arrived.elapsed().as_secs_f64() * 1e3,
+                            "first chunk streamed"
+                        )
+                    });
+                }
+                (data, done)
             }))
         } else {
             let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
@@ -439,11 +472,18 @@ where
 
 async fn chat_completions(State(state): State<AppStateRef>, request: Request) -> Response {
     complete(state, request, |body, state| {
+        let started = Instant::now();
         let (request, sampling): (ChatCompletionRequest, _) = parse_json_with_sampling(body)?;
+        let parsed = started.elapsed();
         check_model(request.model.as_deref(), state)?;
         let ready = ready(state)?;
         check_queue(state)?;
         let plan = chat::prepare(request, sampling, ready)?;
+        tracing::debug!(
+            parse_ms = parsed.as_secs_f64() * 1e3,
+            prepare_ms = (started.elapsed() - parsed).as_secs_f64() * 1e3,
+            "chat request parsed and prepared"
+        );
         let responder = ChatResponder::new(
             &plan,
             state.config.model_id.clone(),
@@ -461,11 +501,18 @@ async fn chat_completions(State(state): State<AppStateRef>, request: Request) ->
 
 async fn text_completions(State(state): State<AppStateRef>, request: Request) -> Response {
     complete(state, request, |body, state| {
+        let started = Instant::now();
         let (request, sampling): (CompletionRequest, _) = parse_json_with_sampling(body)?;
+        let parsed = started.elapsed();
         check_model(request.model.as_deref(), state)?;
         let ready = ready(state)?;
         check_queue(state)?;
         let plan = completions::prepare(request, sampling, ready)?;
+        tracing::debug!(
+            parse_ms = parsed.as_secs_f64() * 1e3,
+            prepare_ms = (started.elapsed() - parsed).as_secs_f64() * 1e3,
+            "completion request parsed and prepared"
+        );
         let responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
         Ok(Prepared {
             stream: plan.stream,

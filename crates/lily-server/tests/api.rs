@@ -318,6 +318,14 @@ async fn completions_text_stream_logprobs_echo() {
         )
         .await;
     assert_eq!(r3["choices"][0]["text"].as_str().unwrap(), format!("ROMEO.\n{text}"));
+    // A prompt of token ids is decoded for `echo` (and only then).
+    let (_, r3_ids) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": ids, "max_tokens": 10, "temperature": 0, "echo": true}),
+        )
+        .await;
+    assert_eq!(r3_ids["choices"][0]["text"], r3["choices"][0]["text"]);
     let (_, r4) = s
         .post(
             "/v1/completions",

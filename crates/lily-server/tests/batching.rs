@@ -746,3 +746,46 @@ fn concurrent_requests_with_one_prompt_prefill_it_once() {
         assert!(matches!(answer, Answer::Done(_)), "{answer:?}");
     }
 }
+
+/// The whole prompt is snapshotted, after its first token is out: the next request that extends it by one token
+/// restores all of it (its lookup cannot reach the snapshot at the reply's end), and answers as without the cache.
+/// A sequence that finishes with its first token is snapshotted as it finishes instead.
+#[test]
+fn a_prompt_is_snapshotted_whole_and_extended_from_there() {
+    for (max_tokens, in_pass) in [(1, false), (4, false), (4, true)] {
+        let mut backend = FakeBatch::new(2, 4096, 2, 64);
+        backend.max_snapshots = 8;
+        backend.in_pass = in_pass;
+        let options = EngineOptions {
+            max_prefill_tokens: 64,
+            prefix_cache: true,
+            snapshot_interval: 0,
+        };
+        let running = start_with(backend, 8, options);
+        let prompt: Vec<u32> = (0..150).map(|t| 1000 + (t * 37 % 300) as u32).collect();
+        let request = |prompt: Vec<u32>| Request {
+            prompt: Arc::new(prompt),
+            n: 1,
+            max_tokens,
+            temperature: 0.0,
+            seed: 1,
+            logprobs: None,
+            prompt_logprobs: None,
+            arrival: Duration::ZERO,
+            cancel_after: None,
+        };
+        let (first, cached) = client_cached(&running.handle, &request(prompt.clone()));
+        assert!(matches!(first, Answer::Done(_)), "{first:?}");
+        assert_eq!(cached, 0);
+        let mut longer = prompt.clone();
+        longer.push(1234);
+        let next = request(longer);
+        let (answer, cached) = client_cached(&running.handle, &next);
+        running.stop();
+        assert_eq!(cached, prompt.len(), "max_tokens {max_tokens}, in pass {in_pass}");
+        let alone = start(FakeBatch::new(1, 4096, 1, 1024), 4, 4096);
+        let expected = client(&alone.handle, &next);
+        alone.stop();
+        assert_eq!(answer, expected);
+    }
+}
