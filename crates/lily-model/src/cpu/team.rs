@@ -4,38 +4,37 @@
 //!
 //! A decode step has a few dozen dependent steps per layer, each too short for a fork-join region of the pool (the
 //! wake-ups and the splitting of each region cost about as much as its work); the team pays one wake-up per token
-//! and a barrier per step. A thread waiting at a barrier spins for a bounded time (see [`spin_time`]), which covers
-//! the waits of a step when every thread of the team has a core, then sleeps until the last thread arrives: when
-//! the pool has more threads than free cores, a waiting thread gives its core to the thread it waits for (or to
-//! other work) instead of keeping it busy.
+//! and a barrier per step. A thread waiting at a barrier spins briefly, then yields its core in a loop for a bounded
+//! time ([`yield_time`]), then sleeps until the last thread arrives. The spins cover the waits of a step when every
+//! thread has a core; yielding keeps the thread ready to go on at once while letting other threads of the core run;
+//! a wait longer than that (the thread waited for was descheduled on a busy machine, or a step of one thread is
+//! long) costs no CPU time. Between decode steps the pool's threads sleep as the pool's own idle threads do.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-/// The environment variable that sets how many microseconds a thread waiting at a barrier spins before it sleeps
-/// (default [`DEFAULT_SPIN_MICROS`]; with 0 a waiting thread sleeps after a few spins).
-pub const SPIN_ENV: &str = "LILY_CPU_SPIN_US";
+/// The environment variable that sets how many microseconds a thread waiting at a barrier yields its core in a loop
+/// before it sleeps (default [`DEFAULT_YIELD_MICROS`]; 0 sleeps right after the spins).
+pub const YIELD_ENV: &str = "LILY_CPU_YIELD_US";
 
-/// Spin time before sleeping at a barrier, in microseconds: longer than the steps of one thread (norms, input
-/// quantization, routing) and the imbalance of a parallel step at the full shape, so that a team whose threads all
-/// have a core never sleeps; short beside a scheduler's time slice, so that a thread waiting for a descheduled one
-/// soon gives up its core.
-const DEFAULT_SPIN_MICROS: u64 = 100;
+/// Microseconds of yielding before a waiting thread sleeps: well beyond the waits of a decode step whose threads all
+/// have a core (so that such a team never pays a wake-up from sleep), and short beside a scheduler's time slice.
+const DEFAULT_YIELD_MICROS: u64 = 1000;
 
-/// Spins between two looks at the clock while waiting at a barrier.
-const SPINS_PER_CLOCK_CHECK: u32 = 64;
+/// Spins before a waiting thread starts yielding its core.
+const SPINS_BEFORE_YIELD: u32 = 2_000;
 
-/// How long a thread waiting at a barrier spins before it sleeps: [`SPIN_ENV`] if set to a number of
-/// microseconds, else [`DEFAULT_SPIN_MICROS`].
-pub fn spin_time() -> Duration {
-    static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let micros = std::env::var(SPIN_ENV)
+/// How long a thread waiting at a barrier yields before it sleeps: [`YIELD_ENV`] if set to a number of
+/// microseconds, else [`DEFAULT_YIELD_MICROS`].
+pub fn yield_time() -> Duration {
+    static YIELD: OnceLock<Duration> = OnceLock::new();
+    *YIELD.get_or_init(|| {
+        let micros = std::env::var(YIELD_ENV)
             .ok()
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(DEFAULT_SPIN_MICROS);
+            .unwrap_or(DEFAULT_YIELD_MICROS);
         Duration::from_micros(micros)
     })
 }
@@ -131,7 +130,7 @@ impl Team<'_> {
     }
 
     /// Waits until every thread of the team has arrived; what each wrote before is then visible to all. A waiting
-    /// thread spins for [`spin_time`], then sleeps until the last thread arrives.
+    /// thread spins, yields for [`yield_time`], then sleeps until the last thread arrives.
     pub fn barrier(&self) {
         let generation = self.generation.get() + 1;
         self.generation.set(generation);
@@ -148,14 +147,15 @@ impl Team<'_> {
             if shared.poisoned.load(Ordering::Relaxed) {
                 panic!("another thread of the team panicked");
             }
-            spins += 1;
-            if spins.is_multiple_of(SPINS_PER_CLOCK_CHECK)
-                && start.get_or_insert_with(Instant::now).elapsed() >= spin_time()
-            {
+            if spins < SPINS_BEFORE_YIELD {
+                spins += 1;
+                std::hint::spin_loop();
+            } else if start.get_or_insert_with(Instant::now).elapsed() < yield_time() {
+                std::thread::yield_now();
+            } else {
                 self.sleep_until(generation);
                 return;
             }
-            std::hint::spin_loop();
         }
     }
 
@@ -333,7 +333,8 @@ mod tests {
 
     /// A thread that waits long at a barrier sleeps there instead of keeping its core busy: while the first thread
     /// of a team of two works for 400 ms in a step of its own, the second uses far less CPU time than that (a
-    /// spinning or yielding waiter uses its core's share of the whole wait, a third of it on three busy cores).
+    /// waiter that spins or yields all along uses its core's share of the whole wait: a third of it when three
+    /// threads share its core).
     #[test]
     fn a_long_wait_at_a_barrier_sleeps() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
