@@ -207,18 +207,14 @@ pub(crate) fn gemm_swiglu_planned(
 
 /// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile,
 /// several quantization groups a pipeline stage): up to 16 entries per expert on average, so few experts fill
-/// more than one 32-row tile. Longer prompts take 64-row tiles; routings of up to `moe_int_max_tokens` tokens
-/// (a few entries per expert) take the integer kernels' `moe_int_tile_rows`-entry tiles.
+/// more than one 32-row tile. Longer prompts take 64-row tiles.
 const MOE_SMALL_MAX_TOKENS: usize = 512;
 
 /// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`).
 pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
-    if tokens <= kernels.constant("moe_int_max_tokens") {
-        kernels.constant("moe_int_tile_rows")
-    } else if tokens <= MOE_SMALL_MAX_TOKENS {
-        kernels.constant("moe_small_tile_rows")
-    } else {
-        kernels.constant("moe_tile_rows")
+    match tokens <= MOE_SMALL_MAX_TOKENS {
+        true => kernels.constant("moe_small_tile_rows"),
+        false => kernels.constant("moe_tile_rows"),
     }
 }
 
@@ -231,20 +227,18 @@ pub fn max_tiles(config: &Config, tokens: usize, tile_rows: usize) -> usize {
     (entries.div_ceil(tile_rows) + config.num_experts).min(entries)
 }
 
-/// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (a
-/// tiling's largest token count can make more tiles than the next tiling's smallest).
+/// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (the
+/// small tiling at `MOE_SMALL_MAX_TOKENS` tokens can make more tiles than the large one just past it).
 pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
-    let at = |t: usize| max_tiles(config, t, moe_tile_rows(kernels, t));
-    let int = tokens.min(kernels.constant("moe_int_max_tokens"));
     let small = tokens.min(MOE_SMALL_MAX_TOKENS);
-    at(int).max(at(small)).max(at(tokens))
+    let at = |t: usize| max_tiles(config, t, moe_tile_rows(kernels, t));
+    at(small).max(at(tokens))
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
 /// entry), `offsets` (i32 `[experts + 1]`, each expert's first sorted index), `tiles` (i32 `[max_tiles][2]`: an
-/// expert and its tile's first sorted index), `tile_count` (i32: tiles in use), the tile height the sort used
-/// (`moe_tile_rows`, `moe_small_tile_rows` or `moe_int_tile_rows`), which picks the kernels, and the routing's
-/// token count.
+/// expert and its tile's first sorted index), `tile_count` (i32: tiles in use) and the tile height the sort used
+/// (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels.
 pub struct Sorted {
     pub entries: DevPtr<i32>,
     pub tiles: DevPtr<i32>,
@@ -252,85 +246,63 @@ pub struct Sorted {
     pub offsets: DevPtr<i32>,
     pub max_tiles: usize,
     pub tile_rows: usize,
-    pub tokens: usize,
-}
-
-/// Which kernels a tiling is for.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Tiling {
-    Large,
-    Small,
-    Int,
 }
 
 impl Sorted {
-    fn tiling(&self, kernels: &Kernels) -> Tiling {
-        let rows = self.tile_rows;
-        if rows == kernels.constant("moe_int_tile_rows") {
-            assert!(
-                self.tokens <= kernels.constant("moe_int_max_tokens"),
-                "{} tokens exceed the integer kernels' staging",
-                self.tokens
-            );
-            Tiling::Int
-        } else if rows == kernels.constant("moe_small_tile_rows") {
-            Tiling::Small
-        } else {
-            assert!(
-                rows == kernels.constant("moe_tile_rows"),
-                "no grouped product takes {rows}-row tiles"
-            );
-            Tiling::Large
-        }
+    /// Whether the tiles are the small tiling's.
+    fn small(&self, kernels: &Kernels) -> bool {
+        let (small, large) = (
+            kernels.constant("moe_small_tile_rows"),
+            kernels.constant("moe_tile_rows"),
+        );
+        assert!(
+            self.tile_rows == small || self.tile_rows == large,
+            "no grouped product takes {}-row tiles",
+            self.tile_rows
+        );
+        self.tile_rows == small
     }
 }
 
-/// Each grouped product's geometry: (column blocks, every possible tile) and its shared memory (the large
-/// tiling's blocks hold `gemm_stages` stages of `moe_tile_rows` rows; the others state theirs).
-fn grouped_dims(l: &Launcher, s: &Sorted, gate_up: bool) -> Dims {
-    let k = l.kernels;
-    let (col_blocks, shared) = match (s.tiling(k), gate_up) {
-        (Tiling::Int, true) => ("moe_int_gate_up_col_blocks", k.constant("moe_int_gate_up_smem")),
-        (Tiling::Int, false) => ("moe_int_down_col_blocks", k.constant("moe_int_down_smem")),
-        (Tiling::Small, true) => ("moe_gate_up_col_blocks", k.constant("moe_gate_up_small_smem")),
-        (Tiling::Small, false) => ("moe_down_col_blocks", k.constant("moe_down_small_smem")),
-        (Tiling::Large, true) => ("moe_gate_up_col_blocks", shared_bytes(k, s.tile_rows, 4) as usize),
-        (Tiling::Large, false) => ("moe_down_col_blocks", shared_bytes(k, s.tile_rows, 4) as usize),
+/// Each grouped product's geometry: (column blocks, every possible tile); the large tiling's blocks hold
+/// `gemm_stages` stages of `moe_tile_rows` rows, the small tiling's the shared memory its kernel states.
+fn grouped_dims(l: &Launcher, col_blocks: &'static str, s: &Sorted, small_smem: &'static str) -> Dims {
+    let grid = (l.kernels.constant(col_blocks) as u32, s.max_tiles as u32, 1);
+    let shared = match s.small(l.kernels) {
+        true => l.kernels.constant(small_smem) as u32,
+        false => shared_bytes(l.kernels, s.tile_rows, 4),
     };
-    let grid = (k.constant(col_blocks) as u32, s.max_tiles as u32, 1);
-    Dims::new(grid, THREADS).shared(shared as u32)
-}
-
-/// Threads of the staging kernels: one warp per (row, 128 inputs).
-fn stage_dims(rows: usize, cols: usize) -> Dims {
-    let warps = rows * cols.div_ceil(128);
-    Dims::linear((warps * 32).div_ceil(THREADS as usize) as u32, THREADS)
+    Dims::new(grid, THREADS).shared(shared)
 }
 
 /// `act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token]))` for every sorted entry i (token = entries[i] /
-/// top_k, e its expert); `x` bf16 `[tokens][hidden]` (with `x_lo`, its bf16 remainder, or null: the integer
-/// kernels stage their sum), `act` bf16 `[tokens * top_k][moe inter]`. Blocks past `*tile_count` return at once.
-#[allow(clippy::too_many_arguments)]
+/// top_k, e its expert); `x` bf16 `[tokens][hidden]`, `act` bf16 `[tokens * top_k][moe inter]`. Blocks past
+/// `*tile_count` return at once.
 pub fn moe_gate_up(
     l: &mut Launcher,
     x: DevPtr<bf16>,
-    x_lo: DevPtr<bf16>,
     s: &Sorted,
     gate: &GpuMatrix,
     up: &GpuMatrix,
     act: DevPtr<bf16>,
 ) -> Result<()> {
-    let dims = grouped_dims(l, s, true);
-    let (e, t, tc, o) = (s.entries, s.tiles, s.tile_count, s.offsets);
-    match s.tiling(l.kernels) {
-        Tiling::Int => {
-            let hidden = gate.cols;
-            gemm::moe_stage_x(l, stage_dims(s.tokens, hidden), x, x_lo, s.tokens as i32)?;
-            gemm::moe_gate_up_int(l, dims, e, t, tc, o, gate.q4(), up.q4(), act)
-        }
-        Tiling::Small => gemm::moe_gate_up_small(l, dims, x, e, t, tc, o, gate.q4(), up.q4(), act),
-        Tiling::Large => gemm::moe_gate_up(l, dims, x, e, t, tc, o, gate.q4(), up.q4(), act),
-    }
+    let dims = grouped_dims(l, "moe_gate_up_col_blocks", s, "moe_gate_up_small_smem");
+    let launch = match s.small(l.kernels) {
+        true => gemm::moe_gate_up_small,
+        false => gemm::moe_gate_up,
+    };
+    launch(
+        l,
+        dims,
+        x,
+        s.entries,
+        s.tiles,
+        s.tile_count,
+        s.offsets,
+        gate.q4(),
+        up.q4(),
+        act,
+    )
 }
 
 /// `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])` for every sorted entry i; `out` f32
@@ -343,15 +315,21 @@ pub fn moe_down(
     down: &GpuMatrix,
     out: DevPtr<f32>,
 ) -> Result<()> {
-    let dims = grouped_dims(l, s, false);
-    let (e, t, tc, o) = (s.entries, s.tiles, s.tile_count, s.offsets);
-    match s.tiling(l.kernels) {
-        Tiling::Int => {
-            let (entries, inter) = (s.tokens * l.kernels.constant("moe_top_k"), down.cols);
-            gemm::moe_stage_act(l, stage_dims(entries, inter), act, entries as i32)?;
-            gemm::moe_down_int(l, dims, e, t, tc, o, route_w, down.q4(), out)
-        }
-        Tiling::Small => gemm::moe_down_small(l, dims, act, e, t, tc, o, route_w, down.q4(), out),
-        Tiling::Large => gemm::moe_down(l, dims, act, e, t, tc, o, route_w, down.q4(), out),
-    }
+    let dims = grouped_dims(l, "moe_down_col_blocks", s, "moe_down_small_smem");
+    let launch = match s.small(l.kernels) {
+        true => gemm::moe_down_small,
+        false => gemm::moe_down,
+    };
+    launch(
+        l,
+        dims,
+        act,
+        s.entries,
+        s.tiles,
+        s.tile_count,
+        s.offsets,
+        route_w,
+        down.q4(),
+        out,
+    )
 }

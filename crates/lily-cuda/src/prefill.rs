@@ -105,7 +105,6 @@ impl PrefillScratch {
             offsets: self.offsets.ptr(),
             max_tiles: gemm::max_tiles(c, t, tile_rows).min(self.max_tiles),
             tile_rows,
-            tokens: t,
         }
     }
 }
@@ -226,8 +225,7 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
     route_and_sort(l, c, s, t)?;
     let sorted = s.sorted(l.kernels, c, t);
-    let (gate, up) = (&layer.experts_gate, &layer.experts_up);
-    gemm::moe_gate_up(l, normed, normed_lo, &sorted, gate, up, s.act.ptr())?;
+    gemm::moe_gate_up(l, normed, &sorted, &layer.experts_gate, &layer.experts_up, s.act.ptr())?;
     let route_w = s.route_w.ptr();
     gemm::moe_down(
         l,

@@ -23,13 +23,6 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_small_tile_rows",
         "moe_gate_up_small_smem",
         "moe_down_small_smem",
-        "moe_int_tile_rows",
-        "moe_top_k",
-        "moe_int_max_tokens",
-        "moe_int_gate_up_smem",
-        "moe_int_down_smem",
-        "moe_int_gate_up_col_blocks",
-        "moe_int_down_col_blocks",
     ],
 };
 
@@ -87,30 +80,6 @@ launchers! {
     /// `moe_down` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
     moe_down_small(
         act: DevPtr<bf16>,
-        entries: DevPtr<i32>,
-        tiles: DevPtr<i32>,
-        tile_count: DevPtr<i32>,
-        offsets: DevPtr<i32>,
-        route_w: DevPtr<f32>,
-        down: Q4,
-        out: DevPtr<f32>,
-    );
-    /// Stages the routed experts' input for the integer kernels: x (plus x_lo where not null) per token.
-    moe_stage_x(x: DevPtr<bf16>, x_lo: DevPtr<bf16>, tokens: i32);
-    /// Stages the down products' input for the integer kernels: act per sorted entry.
-    moe_stage_act(act: DevPtr<bf16>, entries: i32);
-    /// `moe_gate_up` for tiles of a few entries (`moe_int_tile_rows`) on integer tensor cores, x staged.
-    moe_gate_up_int(
-        entries: DevPtr<i32>,
-        tiles: DevPtr<i32>,
-        tile_count: DevPtr<i32>,
-        offsets: DevPtr<i32>,
-        gate: Q4,
-        up: Q4,
-        act: DevPtr<bf16>,
-    );
-    /// `moe_down` for tiles of a few entries on integer tensor cores, act staged.
-    moe_down_int(
         entries: DevPtr<i32>,
         tiles: DevPtr<i32>,
         tile_count: DevPtr<i32>,

@@ -8,7 +8,7 @@ use lily_model::rng::Rng;
 use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, Report};
-use crate::driver::{DevBuf, DevPtr, Gpu, Result};
+use crate::driver::{DevBuf, Gpu, Result};
 use crate::gemm::{gemm_planned, gemm_swiglu_planned, max_tiles, moe_down, moe_gate_up, plan, Plan, Sorted, K_STEP};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
@@ -211,19 +211,14 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         up,
         down,
     };
-    // Every tiling at every token count it can take: the integer one (up to `moe_int_max_tokens` tokens), the
-    // small one (what up to 512 tokens take) and the large one.
-    let int_max = kernels.constant("moe_int_max_tokens");
+    // Both tilings at every token count: the small one (what up to 512 tokens take) and the large one.
     let tilings = [
-        (kernels.constant("moe_int_tile_rows"), int_max),
-        (kernels.constant("moe_small_tile_rows"), usize::MAX),
-        (kernels.constant("moe_tile_rows"), usize::MAX),
+        kernels.constant("moe_small_tile_rows"),
+        kernels.constant("moe_tile_rows"),
     ];
-    for tokens in [1, 3, 16, 100, 300] {
-        for (tile_rows, max_tokens) in tilings {
-            if tokens <= max_tokens {
-                check_moe(&mut l, config, &experts_q4, tokens, tile_rows, &mut rng, report)?;
-            }
+    for tokens in [1, 3, 16, 300] {
+        for tile_rows in tilings {
+            check_moe(&mut l, config, &experts_q4, tokens, tile_rows, &mut rng, report)?;
         }
     }
     gpu.sync()
@@ -306,7 +301,6 @@ fn check_moe(
         offsets: offsets_buf.ptr(),
         max_tiles,
         tile_rows,
-        tokens,
     };
     let rows_of = |e: usize| {
         entries[offsets[e] as usize..offsets[e + 1] as usize]
@@ -320,7 +314,7 @@ fn check_moe(
     let x_buf = gpu.upload_new(&x_bits)?;
     let act = gpu.alloc::<bf16>(tokens * top_k * inter)?;
     gpu.memset_u32(act.ptr(), NAN_BF16X2, act.bytes() / 4)?;
-    moe_gate_up(l, x_buf.ptr(), DevPtr::NULL, &sorted, g_gate, g_up, act.ptr())?;
+    moe_gate_up(l, x_buf.ptr(), &sorted, g_gate, g_up, act.ptr())?;
     let mut expected = vec![0.0; tokens * top_k * inter];
     for e in 0..experts {
         let xs: Vec<f32> = rows_of(e)
