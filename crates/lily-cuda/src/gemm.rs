@@ -10,9 +10,10 @@
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles; there the dense products cut k into
 //! parts, one block per (tile, part), two blocks an SM, each writing its partial tile, and a second launch sums
-//! every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products of up to 512 tokens (a few entries per expert) take
-//! 32-row tiles whose pipeline stages each hold several quantization groups (`moe_gate_up_small`,
-//! `moe_down_small`, their shared memory read from the kernels' constants); longer prompts take 64-row tiles.
+//! every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products
+//! of up to 512 tokens (a few entries per expert) take 32-row tiles whose pipeline stages each hold several
+//! quantization groups (`moe_gate_up_small`, `moe_down_small`, their shared memory read from the kernels'
+//! constants); longer prompts take 64-row tiles.
 
 use half::bf16;
 use lily_model::Config;

@@ -69,9 +69,12 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
     // The text of a prompt given as token ids is needed only to echo it; decoding tens of thousands of ids costs
     // milliseconds that every such request would otherwise pay before its prefill.
     let echo = request.echo.unwrap_or(false);
-    let text_of = |ids: &[u32]| match echo {
-        true => tokenizer.decode(ids, false).unwrap_or_default(),
-        false => String::new(),
+    let text_of = |ids: &[u32]| {
+        if echo {
+            tokenizer.decode(ids, false).unwrap_or_default()
+        } else {
+            String::new()
+        }
     };
     let prompts: Vec<(Vec<u32>, String)> = match prompt {
         PromptField::Text(text) => vec![(encode(&text)?, text)],

@@ -416,9 +416,9 @@ struct Seq {
     cached: usize,
     /// Prompt lengths, ascending, at which the prefill stops to snapshot the sequence for the prefix cache.
     snapshot_at: Vec<usize>,
-    /// Whether it is snapshotted when it finishes (a sequence that prefilled its prompt itself, with the cache on).
-    snapshot_end: bool,
-    /// The prefix cache's hashes of its prompt's prefixes, where it uses the cache.
+    /// The prefix cache's hashes of its prompt's prefixes, for a sequence that uses the cache (one that prefills its
+    /// prompt itself, with the cache on): such a sequence looks its prompt up, is snapshotted at `snapshot_at`, at
+    /// its prompt's end and when it finishes.
     prompt_hashes: Option<PrefixHashes>,
     /// The tokens it generated (the last one is not in the slot yet).
     generated: Vec<u32>,
@@ -634,7 +634,6 @@ impl Engine {
             seq.cached = restored;
             if hashes.is_some() {
                 seq.snapshot_at = self.snapshot_points(&seq.spec.prompt);
-                seq.snapshot_end = true;
                 seq.prompt_hashes = hashes;
             }
             if let Some(active) = self.jobs.get(&id) {
@@ -773,22 +772,15 @@ impl Engine {
         wanted.min(self.backend.snapshot_room())
     }
 
-    /// The prefix-cache hash of the first `len` prompt tokens of the sequence in `slot`.
-    fn prompt_hash(&self, slot: Slot, len: usize) -> u64 {
-        let seq = self.slots[slot].as_ref().expect("a sequence in its prefill");
-        match &seq.prompt_hashes {
-            Some(hashes) => hashes.of(len),
-            None => PrefixHashes::new(&seq.spec.prompt[..len]).of(len),
-        }
+    /// The prefix-cache hash of the first `len` prompt tokens of the sequence in `slot`, if it uses the cache.
+    fn prompt_hash(&self, slot: Slot, len: usize) -> Option<u64> {
+        Some(self.slots[slot].as_ref()?.prompt_hashes.as_ref()?.of(len))
     }
 
-    /// Whether the prefix cache holds the first `len` prompt tokens of `seq`.
+    /// Whether the prefix cache holds the first `len` prompt tokens of `seq` (a sequence that uses the cache).
     fn cached_prefix(&self, seq: &Seq, len: usize) -> bool {
-        let tokens = &seq.spec.prompt[..len];
-        match &seq.prompt_hashes {
-            Some(hashes) => self.cache.contains_hashed(tokens, hashes.of(len)),
-            None => self.cache.contains(tokens),
-        }
+        let hashes = seq.prompt_hashes.as_ref();
+        hashes.is_some_and(|h| self.cache.contains_hashed(&seq.spec.prompt[..len], h.of(len)))
     }
 
     fn cache_gauges(&self) {
@@ -830,7 +822,6 @@ impl Engine {
             phase,
             cached: 0,
             snapshot_at: Vec::new(),
-            snapshot_end: false,
             prompt_hashes: None,
             generated: Vec::new(),
             output,
@@ -877,7 +868,7 @@ impl Engine {
         let prompt = seq.spec.prompt.clone();
         let echo = seq.spec.request.prompt_logprobs;
         let job = seq.job;
-        if seq.snapshot_end {
+        if seq.prompt_hashes.is_some() {
             // A sequence admitted earlier may have cached more of this prompt since: start from there instead.
             match self.catch_up(slot, done) {
                 Ok(restored) => done = restored,
@@ -932,8 +923,11 @@ impl Engine {
             Ok(ids) => {
                 for (id, cut) in ids.into_iter().zip(&cuts) {
                     if let Some(id) = id {
-                        let hash = self.prompt_hash(slot, done + cut);
-                        self.cache.insert_hashed(id, &prompt[..done + cut], hash);
+                        let tokens = &prompt[..done + cut];
+                        match self.prompt_hash(slot, tokens.len()) {
+                            Some(hash) => self.cache.insert_hashed(id, tokens, hash),
+                            None => self.cache.insert(id, tokens),
+                        }
                     }
                 }
                 self.cache_gauges();
@@ -943,11 +937,10 @@ impl Engine {
                 return Some(0);
             }
         }
-        let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_end);
+        let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.prompt_hashes.is_some());
         let at_point = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_at.contains(&end));
         let snapshot = echo.is_none() && (at_point || (snapshots && end == prompt.len()));
-        if snapshot && end < prompt.len() {
-            let hash = self.prompt_hash(slot, end);
+        if let Some(hash) = self.prompt_hash(slot, end).filter(|_| snapshot && end < prompt.len()) {
             self.save_snapshot(slot, &prompt[..end], hash);
         }
         match echo {
@@ -978,8 +971,7 @@ impl Engine {
                 // step. A sequence that finished with that token has been snapshotted as it finished.
                 let unchanged =
                     self.slots[slot].as_ref().is_some_and(|q| Some(q.order) == order) && self.backend.len(slot) == end;
-                if snapshot && unchanged {
-                    let hash = self.prompt_hash(slot, end);
+                if let Some(hash) = self.prompt_hash(slot, end).filter(|_| snapshot && unchanged) {
                     self.save_snapshot(slot, &prompt[..end], hash);
                 }
             }
@@ -993,10 +985,10 @@ impl Engine {
         let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
         let prompt = seq.spec.prompt.clone();
         let work = seq.spec.work();
-        let found = match &seq.prompt_hashes {
-            Some(hashes) => self.cache.lookup_hashed(&prompt, hashes, prompt.len() - 1),
-            None => self.cache.lookup(&prompt, prompt.len() - 1),
+        let Some(hashes) = &seq.prompt_hashes else {
+            return Ok(done);
         };
+        let found = self.cache.lookup_hashed(&prompt, hashes, prompt.len() - 1);
         let Some((id, len)) = found.filter(|&(_, len)| len > done) else {
             return Ok(done);
         };
@@ -1038,7 +1030,7 @@ impl Engine {
             let seq = self.slots[s].as_ref().expect("a sequence whose prompt is in");
             let metrics = &self.shared.metrics;
             metrics.prompt_tokens.increment(seq.spec.prompt.len() as u64);
-            if seq.snapshot_end {
+            if seq.prompt_hashes.is_some() {
                 metrics.prefix_cache_queries.increment(1);
                 metrics
                     .prefix_cache_query_tokens
@@ -1297,7 +1289,7 @@ impl Engine {
             }
         }
         seq.history.push(token);
-        if seq.snapshot_end {
+        if seq.prompt_hashes.is_some() {
             seq.generated.push(token);
         }
         let deltas = match seq.output.push_token(token) {
@@ -1327,7 +1319,7 @@ impl Engine {
         let Some(seq) = self.slots[slot].take() else {
             return;
         };
-        if seq.snapshot_end {
+        if let Some(hashes) = &seq.prompt_hashes {
             // The slot holds the prompt and every generated token but the last.
             let held = self.backend.len(slot);
             let tokens: Vec<u32> = seq
@@ -1340,10 +1332,10 @@ impl Engine {
                 .collect();
             if tokens.len() == held {
                 let prompt_len = seq.spec.prompt.len();
-                let hash = match &seq.prompt_hashes {
-                    Some(hashes) if held >= prompt_len => hashes.extended(prompt_len, &tokens[prompt_len..]),
-                    Some(hashes) => hashes.of(held),
-                    None => PrefixHashes::new(&tokens).of(held),
+                let hash = if held >= prompt_len {
+                    hashes.extended(prompt_len, &tokens[prompt_len..])
+                } else {
+                    hashes.of(held)
                 };
                 self.save_snapshot(slot, &tokens, hash);
             }

@@ -275,6 +275,23 @@ struct Request {
     cancel_after: Option<usize>,
 }
 
+impl Request {
+    /// A greedy request of one choice that arrives at once and is read to its end.
+    fn greedy(prompt: Vec<u32>, max_tokens: usize, seed: u64) -> Request {
+        Request {
+            prompt: Arc::new(prompt),
+            n: 1,
+            max_tokens,
+            temperature: 0.0,
+            seed,
+            logprobs: None,
+            prompt_logprobs: None,
+            arrival: Duration::ZERO,
+            cancel_after: None,
+        }
+    }
+}
+
 /// What a client saw of one choice.
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Choice {
@@ -712,17 +729,7 @@ fn concurrent_requests_with_one_prompt_prefill_it_once() {
             let mut prompt = system.clone();
             prompt.push(im_start);
             prompt.extend((0..10).map(|t| 1000 + ((t + i) * 17 % 300) as u32));
-            Request {
-                prompt: Arc::new(prompt),
-                n: 1,
-                max_tokens: 5,
-                temperature: 0.0,
-                seed: i as u64,
-                logprobs: None,
-                prompt_logprobs: None,
-                arrival: Duration::ZERO,
-                cancel_after: None,
-            }
+            Request::greedy(prompt, 5, i as u64)
         })
         .collect();
     let answers: Vec<(Answer, usize)> = std::thread::scope(|scope| {
@@ -763,23 +770,12 @@ fn a_prompt_is_snapshotted_whole_and_extended_from_there() {
         };
         let running = start_with(backend, 8, options);
         let prompt: Vec<u32> = (0..150).map(|t| 1000 + (t * 37 % 300) as u32).collect();
-        let request = |prompt: Vec<u32>| Request {
-            prompt: Arc::new(prompt),
-            n: 1,
-            max_tokens,
-            temperature: 0.0,
-            seed: 1,
-            logprobs: None,
-            prompt_logprobs: None,
-            arrival: Duration::ZERO,
-            cancel_after: None,
-        };
-        let (first, cached) = client_cached(&running.handle, &request(prompt.clone()));
+        let (first, cached) = client_cached(&running.handle, &Request::greedy(prompt.clone(), max_tokens, 1));
         assert!(matches!(first, Answer::Done(_)), "{first:?}");
         assert_eq!(cached, 0);
         let mut longer = prompt.clone();
         longer.push(1234);
-        let next = request(longer);
+        let next = Request::greedy(longer, max_tokens, 1);
         let (answer, cached) = client_cached(&running.handle, &next);
         running.stop();
         assert_eq!(cached, prompt.len(), "max_tokens {max_tokens}, in pass {in_pass}");
