@@ -69,10 +69,12 @@ struct Tile {
     static constexpr int B_BYTES = GROUPS * B_SUB;
     static constexpr int STAGE = A_BYTES + B_BYTES + WROWS * 4 * GROUPS;
     static constexpr int SMEM = STAGES * STAGE;             // the host's shared_bytes() mirrors this
-    static constexpr int A_COPIES = BM * 8 / GEMM_THREADS;  // 16-byte A chunks a thread copies per group
+    // 16-byte A chunks a thread copies per group (BM = 16: the first half of the threads copy one each).
+    static constexpr int A_COPIES = (BM * 8 + GEMM_THREADS - 1) / GEMM_THREADS;
     static constexpr int B_ROW_CHUNKS = GROUPS * B_CHUNKS;  // 16-byte chunks of a weight row per stage
     static constexpr int B_COPIES = WROWS * B_ROW_CHUNKS / GEMM_THREADS;  // (GROUPS > 1) chunks a thread copies
-    static_assert(BM % 16 == 0 && A_COPIES >= 1, "whole m16 fragments, every thread copies A");
+    static_assert(BM % 16 == 0 && ((BM * 8) % GEMM_THREADS == 0 || GEMM_THREADS % (BM * 8) == 0),
+                  "whole m16 fragments; every thread copies as many A chunks, or the first BM * 8 threads one each");
     static_assert(STAGES >= 2 && (GROUPS == 1 || GROUPS == 2 || GROUPS == 4), "a pipeline; 4, 8 or 16-byte copies");
     static_assert(WROWS == GEMM_THREADS && GEMM_THREADS % B_ROW_CHUNKS == 0, "thread i copies row i's pairs");
 };
@@ -255,7 +257,8 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const u32 smem0 = smem_addr(smem);
 
-    // Copies: chunk tid % 8 of A rows tid / 8 + 32 i; all of weight row tid (so warp w copies its own rows).
+    // Copies: chunk tid % 8 of A rows tid / 8 + 32 i (below BM); all of weight row tid (so warp w copies its own
+    // rows).
     const int a_chunk = tid % 8, a_first = tid / 8;
     const bf16* a_src[T::A_COPIES];
     u32 a_bytes[T::A_COPIES];
@@ -301,8 +304,9 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
         for (int gi = 0; gi < T::GROUPS; gi++)
 #pragma unroll
             for (int i = 0; i < T::A_COPIES; i++)
-                cp_async_16(stage + gi * T::A_SUB + a_dst + i * (GEMM_THREADS / 8) * 128,
-                            a_src[i] + (kt * T::GROUPS + gi) * KT, a_bytes[i]);
+                if (T::BM * 8 >= GEMM_THREADS || a_first < T::BM)
+                    cp_async_16(stage + gi * T::A_SUB + a_dst + i * (GEMM_THREADS / 8) * 128,
+                                a_src[i] + (kt * T::GROUPS + gi) * KT, a_bytes[i]);
         if constexpr (T::GROUPS == 1) {
 #pragma unroll
             for (int c = 0; c < T::B_CHUNKS; c++)
