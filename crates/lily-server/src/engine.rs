@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
 use lily_model::sampling::{Sampler, SamplingParams};
@@ -379,6 +379,10 @@ pub struct Engine {
     cache: PrefixCache,
     /// `<|im_start|>`, which begins every message of a rendered chat.
     message_start: Option<u32>,
+    /// When the last decode step's tokens had all been handled, and how long its `BatchBackend::sample` call took
+    /// (for the step's trace event).
+    last_step_done: Option<Instant>,
+    sample_time: Duration,
 }
 
 /// A job the engine works on.
@@ -474,6 +478,8 @@ impl Engine {
             masked: Vec::new(),
             cache: PrefixCache::new(),
             message_start,
+            last_step_done: None,
+            sample_time: Duration::ZERO,
         }
     }
 
@@ -1100,6 +1106,7 @@ impl Engine {
                 StepRow { slot, token }
             })
             .collect();
+        let started = Instant::now();
         if let Err(e) = self.backend.step(&rows) {
             let error = forward_error(e);
             let jobs: Vec<u64> = chosen
@@ -1148,7 +1155,22 @@ impl Engine {
                 _ => {}
             }
         }
+        let launched = Instant::now();
+        self.sample_time = Duration::ZERO;
         self.sample_and_emit(&to_sample);
+        // Where a step's time goes on the host: queuing it, waiting for its tokens (the device's time shows
+        // here), handling them, and the time between steps (prefill calls and admission included).
+        let done = Instant::now();
+        let us = |d: Duration| d.as_micros() as u64;
+        tracing::trace!(
+            rows = rows.len(),
+            launch_us = us(launched - started),
+            sample_us = us(self.sample_time),
+            emit_us = us(done - launched - self.sample_time),
+            between_us = self.last_step_done.map(|t| us(started - t)),
+            "decode step"
+        );
+        self.last_step_done = Some(done);
         true
     }
 
@@ -1231,7 +1253,10 @@ impl Engine {
             if picks.is_empty() {
                 Ok(Vec::new())
             } else {
-                self.backend.sample(&mut picks)
+                let started = Instant::now();
+                let tokens = self.backend.sample(&mut picks);
+                self.sample_time = started.elapsed();
+                tokens
             }
         };
         match result {
