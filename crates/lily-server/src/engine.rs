@@ -1186,10 +1186,10 @@ impl Engine {
             let Some(seq) = self.slots[slot].as_mut() else {
                 continue;
             };
-            let request = seq.spec.request.clone();
-            if !request.needs_host_logits() {
+            if !seq.spec.request.needs_host_logits() {
                 continue;
             }
+            let request = seq.spec.request.clone();
             // The constraint's mask depends only on the tokens so far, so it is computed first, while a GPU
             // still runs the step queued last; reading the logits then waits for that step.
             let mask = match seq.constraint.as_mut().map(|c| c.mask()).transpose() {
@@ -1224,13 +1224,17 @@ impl Engine {
         }
         // The others are sampled by the backend, where the logits are, constrained ones through their mask.
         let mut pick_slots = Vec::new();
+        let mut row_of = vec![None; self.slots.len()];
+        for &(slot, row) in ready {
+            row_of[slot] = Some(row);
+        }
         let result = {
             let mut picks = Vec::new();
             for (slot, entry) in self.slots.iter_mut().enumerate() {
                 let Some(seq) = entry.as_mut() else {
                     continue;
                 };
-                let Some(&(_, row)) = ready.iter().find(|(s, _)| *s == slot) else {
+                let Some(row) = row_of[slot] else {
                     continue;
                 };
                 if seq.spec.request.needs_host_logits() {
