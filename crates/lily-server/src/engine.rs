@@ -1166,7 +1166,7 @@ impl Engine {
             rows = rows.len(),
             launch_us = us(launched - started),
             sample_us = us(self.sample_time),
-            emit_us = us(done - launched - self.sample_time),
+            emit_us = us((done - launched).saturating_sub(self.sample_time)),
             between_us = self.last_step_done.map(|t| us(started - t)),
             "decode step"
         );
