@@ -379,10 +379,8 @@ pub struct Engine {
     cache: PrefixCache,
     /// `<|im_start|>`, which begins every message of a rendered chat.
     message_start: Option<u32>,
-    /// When the last decode step's tokens had all been handled, and how long its `BatchBackend::sample` call took
-    /// (for the step's trace event).
+    /// When the last decode step's tokens had all been handled (for the step's trace event).
     last_step_done: Option<Instant>,
-    sample_time: Duration,
 }
 
 /// A job the engine works on.
@@ -479,7 +477,6 @@ impl Engine {
             cache: PrefixCache::new(),
             message_start,
             last_step_done: None,
-            sample_time: Duration::ZERO,
         }
     }
 
@@ -1156,8 +1153,7 @@ impl Engine {
             }
         }
         let launched = Instant::now();
-        self.sample_time = Duration::ZERO;
-        self.sample_and_emit(&to_sample);
+        let sample_time = self.sample_and_emit(&to_sample);
         // Where a step's time goes on the host: queuing it, waiting for its tokens (the device's time shows
         // here), handling them, and the time between steps (prefill calls and admission included).
         let done = Instant::now();
@@ -1165,8 +1161,8 @@ impl Engine {
         tracing::trace!(
             rows = rows.len(),
             launch_us = us(launched - started),
-            sample_us = us(self.sample_time),
-            emit_us = us((done - launched).saturating_sub(self.sample_time)),
+            sample_us = us(sample_time),
+            emit_us = us((done - launched).saturating_sub(sample_time)),
             between_us = self.last_step_done.map(|t| us(started - t)),
             "decode step"
         );
@@ -1174,10 +1170,12 @@ impl Engine {
         true
     }
 
-    /// Chooses the next token of each listed sequence from its output row, and sends what it released.
-    fn sample_and_emit(&mut self, ready: &[(Slot, usize)]) {
+    /// Chooses the next token of each listed sequence from its output row, and sends what it released. Returns
+    /// how long the backend's sampling call took (it waits for the step on a GPU).
+    fn sample_and_emit(&mut self, ready: &[(Slot, usize)]) -> Duration {
+        let mut sample_time = Duration::ZERO;
         if ready.is_empty() {
-            return;
+            return sample_time;
         }
         let mut chosen: Vec<(Slot, u32, Option<TokenLogprob>)> = Vec::with_capacity(ready.len());
         let mut failed: Vec<(u64, ApiError)> = Vec::new();
@@ -1259,7 +1257,7 @@ impl Engine {
             } else {
                 let started = Instant::now();
                 let tokens = self.backend.sample(&mut picks);
-                self.sample_time = started.elapsed();
+                sample_time = started.elapsed();
                 tokens
             }
         };
@@ -1280,6 +1278,7 @@ impl Engine {
         for (slot, token, logprob) in chosen {
             self.emit_token(slot, token, logprob);
         }
+        sample_time
     }
 
     /// Takes `token` as the next token of the sequence in `slot`: metrics, constraint, history, output and events;
