@@ -2,25 +2,34 @@
 // l2-norms, the gates and the delta-rule update of the f32 state; writes the raw output o (the gated RMSNorm is
 // applied in front of the output projection, which needs the whole head).
 //
-// Grid (value heads, DELTANET_SPLIT, rows): a block owns DV/DELTANET_SPLIT state columns of one value head (the
-// columns of the recurrence are independent) for batch row blockIdx.z. Row b is a token of the sequence in slot
-// slots[b] at position positions[b]: its proj row is proj + b * DN_PROJ_ROW, its output row core + b * LIN_V_DIM,
-// and its state is the slot's (slot s at s times the size of one sequence's ring and recurrent state). The conv
-// keeps the last CONV_K inputs in a ring indexed by position % CONV_K, so the ring row written this step is one no
-// block reads this step.
+// Grid (value heads, SPLIT, rows): a block owns DV / SPLIT state columns of one value head (the columns of the
+// recurrence are independent) for batch row blockIdx.z. Row b is a token of the sequence in slot slots[b] at
+// position positions[b]: its proj row is proj + b * DN_PROJ_ROW, its output row core + b * LIN_V_DIM, and its state
+// is the slot's (slot s at s times the size of one sequence's ring and recurrent state). The conv keeps the last
+// CONV_K inputs in a ring indexed by position % CONV_K, so the ring row written this step is one no block reads this
+// step.
+//
+// Two instances: `deltanet_step` for one sequence cuts a head into DELTANET_SPLIT = 4 blocks (128 blocks a layer,
+// about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, into
+// DELTANET_ROWS_SPLIT = 2, so a block reads and writes 256 contiguous bytes of each state row rather than 128.
 
+#ifndef DELTANET_SPLIT
 #define DELTANET_SPLIT 4
+#endif
+#ifndef DELTANET_ROWS_SPLIT
+#define DELTANET_ROWS_SPLIT 2
+#endif
 #define DELTANET_THREADS 256
 #define DK LIN_HEAD_DIM
 #define DV LIN_HEAD_DIM
-#define COLS_PER_BLOCK (DV / DELTANET_SPLIT)
-#define ROW_GROUPS (DELTANET_THREADS / COLS_PER_BLOCK)
-#define ROWS_PER_THREAD (DK / ROW_GROUPS)
 #define DN_PROJ_ROW (LIN_CONV_DIM + LIN_V_DIM + 2 * LIN_V_HEADS)
 #define DN_STATE_SIZE ((size_t)LIN_V_HEADS * DK * DV)
 #define DN_RING_SIZE ((size_t)CONV_K * LIN_CONV_DIM)
 static_assert(2 * DK == DELTANET_THREADS, "one thread per q/k channel of the key head");
-static_assert(DK % ROW_GROUPS == 0, "state rows split evenly");
+
+// Read by the host (the grids' y dimension).
+__device__ int deltanet_split = DELTANET_SPLIT;
+__device__ int deltanet_rows_split = DELTANET_ROWS_SPLIT;
 
 // The conv taps of channel c that come from earlier steps (ring slots other than position % CONV_K, which this
 // step writes) and the channel's conv weights: all independent of this step's earlier kernels.
@@ -42,9 +51,14 @@ struct ConvTaps {
 
 // proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)]. What does not depend on this
 // step's input projection (the state, the conv taps and weights, the position) is requested before the wait.
-extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
-    deltanet_step(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
-                  const float* a_log, const float* dt_bias, float* state, float* core) {
+template <int SPLIT>
+__device__ __forceinline__ void deltanet_step_split(const int* positions, const int* slots, const float* proj,
+                                                    float* ring, const float* conv_w, const float* a_log,
+                                                    const float* dt_bias, float* state, float* core) {
+    constexpr int COLS_PER_BLOCK = DV / SPLIT;
+    constexpr int ROW_GROUPS = DELTANET_THREADS / COLS_PER_BLOCK;
+    constexpr int ROWS_PER_THREAD = DK / ROW_GROUPS;
+    static_assert(DV % SPLIT == 0 && DK % ROW_GROUPS == 0, "state columns and rows split evenly");
     __shared__ float q[DK], k[DK];
     __shared__ float v[COLS_PER_BLOCK];
     __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];
@@ -126,6 +140,18 @@ extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
         for (int gi = 0; gi < ROW_GROUPS; gi++) out += red[gi][j];
         core[head * DV + col0 + j] = out;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
+    deltanet_step(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
+                  const float* a_log, const float* dt_bias, float* state, float* core) {
+    deltanet_step_split<DELTANET_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core);
+}
+
+extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
+    deltanet_step_rows(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
+                       const float* a_log, const float* dt_bias, float* state, float* core) {
+    deltanet_step_split<DELTANET_ROWS_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core);
 }
 
 // Grid (ceil(rows * LIN_V_HEADS / 8)), 256 threads: a warp per (row, value head), a lane holding 4 columns.

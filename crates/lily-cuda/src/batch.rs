@@ -114,9 +114,10 @@ pub fn enqueue_step(
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
-                deltanet::deltanet_step(
+                let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
+                deltanet::deltanet_step_rows(
                     l,
-                    Dims::new((c.linear_num_value_heads as u32, 4, t32), 256),
+                    Dims::new((c.linear_num_value_heads as u32, dn_split, t32), 256),
                     positions,
                     slots,
                     s.proj.ptr(),

@@ -427,9 +427,10 @@ impl CudaModel {
             Op::DeltaNetStep(i) => {
                 let g = deltanet(i)?;
                 let slot = self.slot[i];
+                let dn_split = l.kernels.constant("deltanet_split") as u32;
                 deltanet::deltanet_step(
                     l,
-                    Dims::new((c.linear_num_value_heads as u32, 4, 1), 256),
+                    Dims::new((c.linear_num_value_heads as u32, dn_split, 1), 256),
                     s.position.ptr(),
                     s.single_slot.ptr(),
                     s.proj.ptr(),

@@ -12,13 +12,26 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "deltanet.cu",
     source: include_str!("../../kernels/deltanet.cu"),
     kernels: KERNELS,
-    constants: &[],
+    constants: &["deltanet_split", "deltanet_rows_split"],
 };
 
 launchers! {
     /// One token a row through the mixer: row b's `proj` (q k v z b a) in, the ring and state of slot `slots[b]`
-    /// updated, its `core` row out. Grid (value heads, 4, rows).
+    /// updated, its `core` row out. Grid (value heads, `deltanet_split`, rows).
     deltanet_step(
+        positions: DevPtr<i32>,
+        slots: DevPtr<i32>,
+        proj: DevPtr<f32>,
+        ring: DevPtr<f32>,
+        conv1d: DevPtr<f32>,
+        a_log: DevPtr<f32>,
+        dt_bias: DevPtr<f32>,
+        state: DevPtr<f32>,
+        core: DevPtr<f32>,
+    );
+    /// `deltanet_step` for a batched step of many rows: the same computation, a head in `deltanet_rows_split`
+    /// blocks. Grid (value heads, `deltanet_rows_split`, rows).
+    deltanet_step_rows(
         positions: DevPtr<i32>,
         slots: DevPtr<i32>,
         proj: DevPtr<f32>,

@@ -121,9 +121,10 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         let state_buf = g.upload_new(&state)?;
         let core_buf = g.alloc::<f32>(ROWS * v_dim)?;
         poison(g, &core_buf)?;
-        deltanet::deltanet_step(
+        let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
+        deltanet::deltanet_step_rows(
             &mut l,
-            Dims::new((nv as u32, 4, rows), 256),
+            Dims::new((nv as u32, dn_split, rows), 256),
             positions_buf.ptr(),
             slots_buf.ptr(),
             proj_buf.ptr(),
