@@ -610,6 +610,10 @@ impl BatchBackend for CudaBatchBackend {
         self.host_row = None;
         Ok(())
     }
+    /// A step is a graph launched on the stream; snapshots, releases and later calls queue behind it.
+    fn queues_steps(&self) -> bool {
+        true
+    }
     fn logits(&mut self, row: usize) -> std::result::Result<&[f32], ForwardError> {
         if row >= self.last_rows {
             return Err(ForwardError::Device(format!("row {row} of {}", self.last_rows)));

@@ -164,6 +164,13 @@ pub trait BatchBackend: Send {
     /// Appends each row's token to its slot's sequence (rows name distinct slots, 1 ..= `max_step_rows` of them)
     /// and computes the next-token logits of each, output row `i` for `rows[i]`.
     fn step(&mut self, rows: &[StepRow]) -> Result<(), ForwardError>;
+    /// Whether `step` only queues the step on a device and returns before it has run (a GPU's stream). The engine
+    /// then queues the next step before it handles the tokens of the last one, so that the host's work overlaps
+    /// the device's; such a backend takes `snapshot`, `release` and `len` calls while a step is queued, ordering
+    /// their effects after it. This default (a step computed in the call) says no.
+    fn queues_steps(&self) -> bool {
+        false
+    }
     /// The next-token logits of output `row` of the last `prefill` or `step` (may copy them from a device).
     fn logits(&mut self, row: usize) -> Result<&[f32], ForwardError>;
     /// The next token of each pick, in order. A backend samples where the logits are when it can and copies the

@@ -41,6 +41,10 @@ impl BatchBackend for FreeSteps {
     fn max_prefill_tokens(&self) -> usize {
         4096
     }
+    /// As a GPU backend does, so that the engine queues steps ahead as it does there.
+    fn queues_steps(&self) -> bool {
+        true
+    }
     fn free_tokens(&self) -> usize {
         1 << 30
     }
@@ -144,16 +148,35 @@ fn main() {
             receiver
         })
         .collect();
-    let mut generated = 0usize;
-    for mut receiver in receivers {
-        while let Some(event) = receiver.blocking_recv() {
-            match event {
-                Event::Token { .. } => generated += 1,
-                Event::Done | Event::Error(_) => break,
-                _ => {}
-            }
+    // Each stream is read by its own task on a multi-threaded runtime, as the server's responses are, so every
+    // event the engine sends may wake a parked task on another thread.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("a runtime");
+    let generated: usize = runtime.block_on(async {
+        let tasks: Vec<_> = receivers
+            .into_iter()
+            .map(|mut receiver| {
+                tokio::spawn(async move {
+                    let mut tokens = 0usize;
+                    while let Some(event) = receiver.recv().await {
+                        match event {
+                            Event::Token { .. } => tokens += 1,
+                            Event::Done | Event::Error(_) => break,
+                            _ => {}
+                        }
+                    }
+                    tokens
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for task in tasks {
+            total += task.await.expect("a reader task");
         }
-    }
+        total
+    });
     let seconds = start.elapsed().as_secs_f64();
     drop(handle);
     thread.join().expect("the engine stops");

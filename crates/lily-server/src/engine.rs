@@ -381,6 +381,18 @@ pub struct Engine {
     message_start: Option<u32>,
     /// When the last decode step's tokens had all been handled (for the step's trace event).
     last_step_done: Option<Instant>,
+    /// The step queued ahead, before the tokens of the one before it were handled (see [`Engine::step_ahead`]).
+    ahead: Option<QueuedStep>,
+}
+
+/// A step queued on the backend whose tokens have not been taken yet.
+struct QueuedStep {
+    /// Each row's slot and the admission order of the sequence it held when the step was queued: a sequence that
+    /// finished meanwhile has left its slot, and its row is passed over.
+    rows: Vec<(Slot, u64)>,
+    /// When queuing it began and ended.
+    started: Instant,
+    launched: Instant,
 }
 
 /// A job the engine works on.
@@ -429,6 +441,8 @@ struct Seq {
     history: History,
     constraint: Option<Constraint>,
     last_token_at: Option<Instant>,
+    /// Tokens it has generated so far (sent or held back).
+    emitted: usize,
 }
 
 /// Whether the job should stop: its client hung up (the response was dropped or the event receiver is gone), or
@@ -477,6 +491,7 @@ impl Engine {
             cache: PrefixCache::new(),
             message_start,
             last_step_done: None,
+            ahead: None,
         }
     }
 
@@ -497,6 +512,11 @@ impl Engine {
 
     /// One iteration; false once the queue is closed and no job is left.
     fn iteration(&mut self) -> bool {
+        if let Some(queued) = self.ahead.take() {
+            self.finish_queued(queued);
+            self.set_running();
+            return true;
+        }
         self.drop_cancelled();
         if !self.admit() {
             return false;
@@ -832,6 +852,7 @@ impl Engine {
             history: History::new(&spec.prompt, &request.penalties),
             constraint: request.constraint.as_ref().map(|g| Constraint::new(g, in_reasoning)),
             last_token_at: None,
+            emitted: 0,
             spec,
         }
     }
@@ -1153,29 +1174,122 @@ impl Engine {
             }
         }
         let launched = Instant::now();
-        let sample_time = self.sample_and_emit(&to_sample);
+        self.finish_step(&to_sample, rows.len(), started, launched);
+        true
+    }
+
+    /// Takes the tokens of the step queued ahead: its rows whose sequence is still in its slot.
+    fn finish_queued(&mut self, queued: QueuedStep) {
+        let to_sample: Vec<(Slot, usize)> = queued
+            .rows
+            .iter()
+            .enumerate()
+            .filter_map(|(row, &(slot, order))| {
+                let seq = self.slots[slot].as_ref()?;
+                (seq.order == order && matches!(seq.phase, Phase::Decode { .. })).then_some((slot, row))
+            })
+            .collect();
+        self.finish_step(&to_sample, queued.rows.len(), queued.started, queued.launched);
+    }
+
+    /// Chooses the tokens of a step queued over `started .. launched`, queues the next step when nothing else
+    /// waits for the backend, and then sends what the tokens released, so that on a GPU this host work overlaps
+    /// the next step.
+    fn finish_step(&mut self, to_sample: &[(Slot, usize)], rows: usize, started: Instant, launched: Instant) {
+        let (chosen, sample_time) = self.choose(to_sample);
+        let chose = Instant::now();
+        let ahead = self.step_ahead(&chosen);
+        let emitting = Instant::now();
+        self.emit(chosen);
         // Where a step's time goes on the host: queuing it, waiting for its tokens (the device's time shows
-        // here), handling them, and the time between steps (prefill calls and admission included).
+        // here), handling them, and the time between steps (prefill calls and admission included); `ahead` when
+        // the next step was queued before the handling.
         let done = Instant::now();
         let us = |d: Duration| d.as_micros() as u64;
         tracing::trace!(
-            rows = rows.len(),
+            rows,
             launch_us = us(launched - started),
             sample_us = us(sample_time),
-            emit_us = us((done - launched).saturating_sub(sample_time)),
-            between_us = self.last_step_done.map(|t| us(started - t)),
+            emit_us = us((chose - launched).saturating_sub(sample_time) + (done - emitting)),
+            between_us = self.last_step_done.map(|t| us(started.saturating_duration_since(t))),
+            ahead,
             "decode step"
         );
         self.last_step_done = Some(done);
+    }
+
+    /// Queues the next step before the tokens just chosen are handled (detokenized, checked for stops, sent), when
+    /// the backend runs steps asynchronously and the next iteration would do nothing but that step: no job waits
+    /// to be admitted and every sequence decodes. Its rows are every sequence but those that these tokens end (an
+    /// end-of-sequence token, the last of `max_tokens`); one that a stop string ends takes its row in vain, and
+    /// the row is passed over. True when it queued one.
+    fn step_ahead(&mut self, chosen: &[(Slot, u32, Option<TokenLogprob>)]) -> bool {
+        if !self.backend.queues_steps() || self.admitting.is_some() || !self.shared.queue.is_empty() {
+            return false;
+        }
+        for &(slot, token, _) in chosen {
+            if let Some(seq) = self.slots[slot].as_mut() {
+                seq.phase = Phase::Decode { token };
+            }
+        }
+        // No step is queued now, so the slots of cancelled jobs can be freed here: in a run of steps queued ahead
+        // the iteration's own check does not come.
+        self.drop_cancelled();
+        let mut rows = Vec::new();
+        let mut queued = Vec::new();
+        for (slot, entry) in self.slots.iter().enumerate() {
+            let Some(seq) = entry else {
+                continue;
+            };
+            let Phase::Decode { token } = seq.phase else {
+                return false;
+            };
+            let request = &seq.spec.request;
+            let ends = (!request.ignore_eos && self.eos.contains(&token)) || seq.emitted + 1 >= seq.spec.max_tokens;
+            if !ends {
+                rows.push(StepRow { slot, token });
+                queued.push((slot, seq.order));
+            }
+        }
+        if rows.is_empty() || rows.len() > self.backend.max_step_rows() {
+            return false;
+        }
+        let started = Instant::now();
+        if let Err(e) = self.backend.step(&rows) {
+            let error = forward_error(e);
+            let jobs: Vec<u64> = rows
+                .iter()
+                .filter_map(|r| self.slots[r.slot].as_ref().map(|q| q.job))
+                .collect();
+            for job in jobs {
+                self.fail_job(job, error.clone());
+            }
+            return false;
+        }
+        self.ahead = Some(QueuedStep {
+            rows: queued,
+            started,
+            launched: Instant::now(),
+        });
         true
     }
 
     /// Chooses the next token of each listed sequence from its output row, and sends what it released. Returns
     /// how long the backend's sampling call took (it waits for the step on a GPU).
     fn sample_and_emit(&mut self, ready: &[(Slot, usize)]) -> Duration {
+        let (chosen, sample_time) = self.choose(ready);
+        self.emit(chosen);
+        sample_time
+    }
+
+    /// Chooses the next token of each listed sequence (slot, output row), with its logprob where asked; a
+    /// sequence whose choice failed fails its job. Returns the choices and how long the backend's sampling call
+    /// took (it waits for the step on a GPU).
+    #[allow(clippy::type_complexity)]
+    fn choose(&mut self, ready: &[(Slot, usize)]) -> (Vec<(Slot, u32, Option<TokenLogprob>)>, Duration) {
         let mut sample_time = Duration::ZERO;
         if ready.is_empty() {
-            return sample_time;
+            return (Vec::new(), sample_time);
         }
         let mut chosen: Vec<(Slot, u32, Option<TokenLogprob>)> = Vec::with_capacity(ready.len());
         let mut failed: Vec<(u64, ApiError)> = Vec::new();
@@ -1275,10 +1389,14 @@ impl Engine {
         for (job, error) in failed {
             self.fail_job(job, error);
         }
+        (chosen, sample_time)
+    }
+
+    /// Takes each chosen token as its sequence's next ([`Engine::emit_token`]).
+    fn emit(&mut self, chosen: Vec<(Slot, u32, Option<TokenLogprob>)>) {
         for (slot, token, logprob) in chosen {
             self.emit_token(slot, token, logprob);
         }
-        sample_time
     }
 
     /// Takes `token` as the next token of the sequence in `slot`: metrics, constraint, history, output and events;
@@ -1309,6 +1427,7 @@ impl Engine {
             Some(last) => self.shared.metrics.tpot.record((now - last).as_secs_f64()),
         }
         seq.last_token_at = Some(now);
+        seq.emitted += 1;
         self.shared.metrics.generation_tokens.increment(1);
         if let Some(c) = seq.constraint.as_mut() {
             if let Err(e) = c.consume(token) {

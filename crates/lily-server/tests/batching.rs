@@ -69,6 +69,9 @@ struct FakeBatch {
     /// Whether it says it snapshots inside a prefill pass (it does so in the trait's default three calls), so
     /// that the engine cuts its calls at snapshot points instead of stopping there.
     in_pass: bool,
+    /// Whether it says its steps are only queued (as a GPU's are), so that the engine queues the next step before
+    /// it handles the last one's tokens and snapshots or frees slots while a step is queued.
+    queues: bool,
     slots: Arc<Mutex<FakeSlots>>,
     /// The slot contents' hashes behind each output row of the last call.
     rows: Vec<u64>,
@@ -92,6 +95,7 @@ impl FakeBatch {
             max_prefill,
             max_snapshots: 0,
             in_pass: false,
+            queues: false,
             slots: Arc::new(Mutex::new(slots)),
             rows: Vec::new(),
             logits,
@@ -126,6 +130,9 @@ impl BatchBackend for FakeBatch {
     }
     fn max_prefill_tokens(&self) -> usize {
         self.max_prefill
+    }
+    fn queues_steps(&self) -> bool {
+        self.queues
     }
     fn free_tokens(&self) -> usize {
         self.pool - self.slots.lock().unwrap().held()
@@ -533,11 +540,14 @@ fn workload(seed: u64, count: usize) -> Vec<Request> {
 
 #[test]
 fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
-    for seed in [1, 2, 3] {
+    for (seed, queues) in [(1, false), (2, false), (3, false), (1, true), (4, true)] {
         let requests = workload(seed, 40);
         // Four slots, a pool of 1024 tokens (a long prompt with its max_tokens takes half), steps of at most three
-        // rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration.
-        let running = start(FakeBatch::new(4, 1024, 3, 50), 32, 32);
+        // rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration; with `queues`,
+        // the engine queues steps ahead.
+        let mut backend = FakeBatch::new(4, 1024, 3, 50);
+        backend.queues = queues;
+        let running = start(backend, 32, 32);
         let answers: Vec<Answer> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
                 .iter()
@@ -629,7 +639,15 @@ fn a_greedy_sequence_is_the_same_whatever_runs_beside_it() {
 #[test]
 fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
     let mut restores_total = 0;
-    for (seed, in_pass) in [(5, false), (6, false), (7, false), (7, true), (8, true)] {
+    for (seed, in_pass, queues) in [
+        (5, false, false),
+        (6, false, false),
+        (7, false, false),
+        (7, true, false),
+        (8, true, false),
+        (5, false, true),
+        (8, true, true),
+    ] {
         let mut r = Rand(seed);
         let systems: Vec<Vec<u32>> = (0..3)
             .map(|_| (0..20 + r.below(120)).map(|_| 1000 + r.below(300) as u32).collect())
@@ -657,6 +675,7 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
         let mut backend = FakeBatch::new(4, 1024, 3, 50);
         backend.max_snapshots = 12;
         backend.in_pass = in_pass;
+        backend.queues = queues;
         let options = EngineOptions {
             max_prefill_tokens: 32,
             prefix_cache: true,
