@@ -7,7 +7,9 @@
 For each step size (rows) it prints how many steps ran and the median and 90th percentile of: `launch_us`, queuing
 the step; `sample_us`, the backend's sampling call, which waits for the step on a GPU; `emit_us`, handling the
 tokens (detokenizing, stop checks, events); `between_us`, from the end of one step to the start of the next
-(prefill calls and admission included). Only the Python standard library is used.
+(prefill calls and admission included); `ahead`, the share of steps queued before the tokens of the step before
+them were handled (the engine does so while every sequence decodes and no request waits). Only the Python standard
+library is used.
 """
 
 import re
@@ -27,6 +29,7 @@ def main():
                 continue
             line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # colours of a terminal log
             fields = dict(re.findall(r"(\w+)=(\d+)", line))
+            fields["ahead"] = "ahead=true" in line
             if "rows" in fields:
                 steps.setdefault(int(fields["rows"]), []).append(fields)
     if not steps:
@@ -39,6 +42,7 @@ def main():
             if values:
                 p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
                 parts.append(f"{name} p50 {statistics.median(values):.0f} p90 {p90}")
+        parts.append(f"ahead {100 * sum(f['ahead'] for f in found) / len(found):.0f}%")
         print("; ".join(parts))
 
 
