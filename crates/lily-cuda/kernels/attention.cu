@@ -25,9 +25,10 @@ static_assert(GQA == 8, "the score loop holds the 8 query heads of a KV head");
 // Positions per part for a context of `len` split in at most `splits` (<= ATTN_SPLITS) parts; the same in the
 // partial and the merge kernels. A batched step with many rows uses fewer parts than one sequence alone: its rows
 // already fill the GPU, and every part costs a block.
+// A part is whole pages (a multiple of KV_PAGE positions), so that attn_partial_rows's tiles are pages.
 __device__ __forceinline__ int attn_chunk(int len, int splits) {
     int c = (len + splits - 1) / splits;
-    c = (c + 31) / 32 * 32;
+    c = (c + KV_PAGE - 1) / KV_PAGE * KV_PAGE;
     return c < ATTN_MIN_CHUNK ? ATTN_MIN_CHUNK : c;
 }
 
@@ -281,6 +282,245 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
         const int qh = kv_head * GQA + t;
         part_ml[(qh * ATTN_SPLITS + split) * 2] = run_max[t];
         part_ml[(qh * ATTN_SPLITS + split) * 2 + 1] = run_sum[t];
+    }
+}
+
+// ---- A batched step's parts on the tensor cores ----
+// attn_partial_rows computes what attn_partial does (the same grid of (KV head, part, row), parts and outputs) with
+// mma.sync m16n8k16 (bf16 in, f32 accumulation), for the batched step, whose rows' attention reads every row's
+// keys and values once and should run at the memory's speed. A block of ROWS_WARPS warps walks its part in tiles of
+// one page (64 positions), keys and values brought by cp.async into ROWS_STAGES stages of XOR-swizzled shared rows
+// (the tiles after the current one load while it is used). Warp w takes positions 16w .. 16w + 15 of every tile
+// and keeps its own running max, sum and output for the 8 query heads; the warps' results are merged at the end.
+//
+// Per tile and warp: S = Q K^T with Q as A (the 8 heads in rows 0..7, rows 8..15 zero) and the keys as B (two
+// n8 tiles), so each lane's scores of head g are exactly its B fragment of P for O^T = V^T P^T (A = V^T by
+// ldmatrix.trans, dims in m). The query and P enter as bf16 pairs hi + lo (two products each), and keys and values
+// are bf16 already, so the results match attn_partial's f32 arithmetic to ~2^-16 of each term.
+#ifndef ROWS_STAGES
+#define ROWS_STAGES 3
+#endif
+#define ROWS_WARPS 4
+#define ROWS_THREADS (ROWS_WARPS * WARP)
+#define ROWS_TILE KV_PAGE
+#define ROW_BYTES (HEAD_DIM * 2)
+#define ROW_CHUNKS (ROW_BYTES / 16)
+#define KV_TILE_BYTES (ROWS_TILE * ROW_BYTES)
+#define Q_ROW_BYTES (ROW_BYTES + 16)  // padded: the 8 heads' A loads fall in distinct banks
+#define ROWS_SMEM (ROWS_STAGES * 2 * KV_TILE_BYTES + 2 * GQA * Q_ROW_BYTES)
+static_assert(ROWS_WARPS * 16 == ROWS_TILE, "a warp takes 16 positions of a tile");
+static_assert((ROWS_TILE * ROW_CHUNKS) % ROWS_THREADS == 0, "every thread copies as many chunks of a tile");
+static_assert(ROWS_WARPS * GQA * HEAD_DIM * 4 <= ROWS_STAGES * 2 * KV_TILE_BYTES, "the warps' outputs fit the stages");
+static_assert(HEAD_DIM % 16 == 0 && ATTN_MIN_CHUNK % KV_PAGE == 0, "whole k16 steps; parts of whole pages");
+
+// Read by the host: the kernel's dynamic shared memory.
+__device__ int attn_rows_smem = ROWS_SMEM;
+
+__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// A row's 16-byte chunk `c` is stored at chunk c ^ (row % 8): ldmatrix's 8 rows of one chunk hit 8 bank groups.
+__device__ __forceinline__ u32 swizzled(int row, int chunk) { return row * ROW_BYTES + ((chunk ^ (row & 7)) << 4); }
+
+// 16 bytes global -> shared; when !valid the shared bytes are zeroed and nothing is read.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// d += a b for a 16x16 bf16 A fragment and a 16x8 bf16 B fragment (b0, b1), f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as bf16 pairs: `hi` rounded to nearest even, `lo` the rounded remainder (x ~ hi + lo to ~2^-16 of x),
+// `a` in the low half of each (the lower address / column).
+__device__ __forceinline__ void split_bf16x2(float a, float b, u32& hi, u32& lo) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(hi) : "f"(b), "f"(a));
+    const float ah = __uint_as_float(hi << 16), bh = __uint_as_float(hi & 0xffff0000u);
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(lo) : "f"(b - bh), "f"(a - ah));
+}
+
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
+    attn_partial_rows(const int* positions, const int* slots, const float* q, const bf16* k_pool, const bf16* v_pool,
+                      const int* page_table, int pages_per_seq, int splits, float* part_o, float* part_ml) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ float warp_m[ROWS_WARPS][GQA], warp_l[ROWS_WARPS][GQA];
+    const int row = blockIdx.z;
+    const int len = positions[row] + 1;
+    const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
+    q += (size_t)row * Q_DIM;
+    part_o += row * PART_O_ROW;
+    part_ml += row * PART_ML_ROW;
+    const int chunk = attn_chunk(len, splits);
+    const int kv_head = blockIdx.x, split = blockIdx.y;
+    const int start = split * chunk, end = min(len, start + chunk);
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP, g = lane / 4, tq = lane % 4;
+    wait_previous();
+    if (start >= end) return;
+    const u32 kv_base = shared_address(smem), q_hi = kv_base + ROWS_STAGES * 2 * KV_TILE_BYTES;
+    const u32 q_lo = q_hi + GQA * Q_ROW_BYTES;
+    const int tiles = (end - start + ROWS_TILE - 1) / ROWS_TILE;
+
+    // Tile i (positions start + 64 i ..) into stage i % ROWS_STAGES: keys, then values; rows past `end` zeroed.
+    auto load_tile = [&](int i) {
+        const int tile = start + i * ROWS_TILE;
+        const size_t base = (size_t)pages[tile / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM;
+        const u32 k_dst = kv_base + (i % ROWS_STAGES) * 2 * KV_TILE_BYTES, v_dst = k_dst + KV_TILE_BYTES;
+#pragma unroll
+        for (int j = 0; j < ROWS_TILE * ROW_CHUNKS / ROWS_THREADS; j++) {
+            const int c = t + j * ROWS_THREADS, r = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
+            const bool valid = tile + r < end;
+            const size_t at = valid ? base + (size_t)r * KV_DIM + ch * 8 : base;
+            cp_async_16(k_dst + swizzled(r, ch), k_pool + at, valid);
+            cp_async_16(v_dst + swizzled(r, ch), v_pool + at, valid);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < ROWS_STAGES - 1; i++) {
+        if (i < tiles) load_tile(i);
+        cp_async_commit();
+    }
+    // The GQA heads' queries as bf16 hi and lo rows, while the first tiles load.
+    for (int i = t; i < GQA * HEAD_DIM / 2; i += ROWS_THREADS) {
+        const int h = i / (HEAD_DIM / 2), d = 2 * (i % (HEAD_DIM / 2));
+        const float2 x = *(const float2*)&q[(kv_head * GQA + h) * HEAD_DIM + d];
+        u32 hi, lo;
+        split_bf16x2(x.x, x.y, hi, lo);
+        const u32 at = h * Q_ROW_BYTES + d * 2;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_hi + at), "r"(hi));
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_lo + at), "r"(lo));
+    }
+
+    float run_m = -INF_F, run_l = 0.f;  // head g's, the same in the 4 lanes of a quad
+    float o[HEAD_DIM / 16][4];          // O^T: dims 16 i + g (+ 8) by heads 2 tq, 2 tq + 1
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 16; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    const int key0 = 16 * warp;
+    for (int i = 0; i < tiles; i++) {
+        cp_async_wait<ROWS_STAGES - 2>();
+        // Tile i is in; every warp is past tile i - 1, whose stage the next load reuses.
+        __syncthreads();
+        if (i + ROWS_STAGES - 1 < tiles) load_tile(i + ROWS_STAGES - 1);
+        cp_async_commit();
+        const u32 k_s = kv_base + (i % ROWS_STAGES) * 2 * KV_TILE_BYTES, v_s = k_s + KV_TILE_BYTES;
+        const int tile = start + i * ROWS_TILE;
+
+        // Scores of head g at positions key0 + 8 j + 2 tq (+1): s[j][hi/lo][kk parity][0..1], independent chains.
+        float s[2][2][2][4] = {};
+        const int mat = lane / 8, mat_row = key0 + (mat / 2) * 8 + lane % 8;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+            u32 b[4];
+            ldmatrix_x4(b, k_s + swizzled(mat_row, 2 * kk + (mat & 1)));
+            u32 ahi[4], alo[4];
+            const u32 at = g * Q_ROW_BYTES + (16 * kk + 2 * tq) * 2;
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(ahi[0]) : "r"(q_hi + at));
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(ahi[2]) : "r"(q_hi + at + 16));
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(alo[0]) : "r"(q_lo + at));
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(alo[2]) : "r"(q_lo + at + 16));
+            ahi[1] = ahi[3] = alo[1] = alo[3] = 0u;
+            mma_bf16(s[0][0][kk & 1], ahi, b[0], b[1]);
+            mma_bf16(s[1][0][kk & 1], ahi, b[2], b[3]);
+            mma_bf16(s[0][1][kk & 1], alo, b[0], b[1]);
+            mma_bf16(s[1][1][kk & 1], alo, b[2], b[3]);
+        }
+        float p[2][2];
+        float mx = -INF_F;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float v = (s[j][0][0][e] + s[j][0][1][e]) + (s[j][1][0][e] + s[j][1][1][e]);
+                p[j][e] = tile + key0 + 8 * j + 2 * tq + e < end ? v : -INF_F;
+                mx = fmaxf(mx, p[j][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_m = fmaxf(run_m, mx);
+        const float r = run_m == -INF_F ? 0.f : expf(run_m - new_m);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                p[j][e] = p[j][e] == -INF_F ? 0.f : expf(p[j][e] - new_m);
+                sum += p[j][e];
+            }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        run_l = run_l * r + sum;
+        run_m = new_m;
+        // The output's columns are heads 2 tq and 2 tq + 1, whose rescale lanes 4 (2 tq) and 4 (2 tq + 1) hold.
+        const float r0 = __shfl_sync(0xffffffffu, r, 8 * tq), r1 = __shfl_sync(0xffffffffu, r, 8 * tq + 4);
+        u32 p_hi[2], p_lo[2];
+        split_bf16x2(p[0][0], p[0][1], p_hi[0], p_lo[0]);
+        split_bf16x2(p[1][0], p[1][1], p_hi[1], p_lo[1]);
+#pragma unroll
+        for (int m = 0; m < HEAD_DIM / 16; m++) {
+            o[m][0] *= r0, o[m][1] *= r1, o[m][2] *= r0, o[m][3] *= r1;
+            u32 a[4];
+            ldmatrix_x4_trans(a, v_s + swizzled(mat_row, 2 * m + (mat & 1)));
+            mma_bf16(o[m], a, p_hi[0], p_hi[1]);
+            mma_bf16(o[m], a, p_lo[0], p_lo[1]);
+        }
+    }
+
+    // The warps' parts merged: each warp's max and sum per head, then its output rescaled to the block's max.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* red = (float*)smem;  // [warp][head][dim]
+    if (tq == 0) warp_m[warp][g] = run_m, warp_l[warp][g] = run_l;
+#pragma unroll
+    for (int m = 0; m < HEAD_DIM / 16; m++) {
+        float* at = red + (warp * GQA + 2 * tq) * HEAD_DIM + 16 * m + g;
+        at[0] = o[m][0], at[HEAD_DIM] = o[m][1], at[8] = o[m][2], at[HEAD_DIM + 8] = o[m][3];
+    }
+    __syncthreads();
+    constexpr int DIMS = GQA * HEAD_DIM / ROWS_THREADS;  // outputs a thread writes
+    const int h = t / (HEAD_DIM / DIMS), d0 = (t % (HEAD_DIM / DIMS)) * DIMS;
+    float block_m = -INF_F;
+#pragma unroll
+    for (int w = 0; w < ROWS_WARPS; w++) block_m = fmaxf(block_m, warp_m[w][h]);
+    float scale[ROWS_WARPS], block_l = 0.f;
+#pragma unroll
+    for (int w = 0; w < ROWS_WARPS; w++) {
+        scale[w] = warp_m[w][h] == -INF_F ? 0.f : expf(warp_m[w][h] - block_m);
+        block_l += warp_l[w][h] * scale[w];
+    }
+    float* out = part_o + ((size_t)(kv_head * GQA + h) * ATTN_SPLITS + split) * HEAD_DIM + d0;
+#pragma unroll
+    for (int d = 0; d < DIMS; d += 4) {
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < ROWS_WARPS; w++) {
+            const float4 x = *(const float4*)&red[(w * GQA + h) * HEAD_DIM + d0 + d];
+            v.x += scale[w] * x.x, v.y += scale[w] * x.y, v.z += scale[w] * x.z, v.w += scale[w] * x.w;
+        }
+        *(float4*)&out[d] = v;
+    }
+    if (d0 == 0) {
+        const int qh = kv_head * GQA + h;
+        part_ml[(qh * ATTN_SPLITS + split) * 2] = block_m;
+        part_ml[(qh * ATTN_SPLITS + split) * 2 + 1] = block_l;
     }
 }
 

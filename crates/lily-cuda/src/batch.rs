@@ -13,6 +13,8 @@
 
 use std::collections::HashMap;
 
+use half::bf16;
+
 use lily_model::backend::{check_cuts, BatchBackend, Pick, Slot, SnapshotId, StepRow};
 use lily_model::{Config, ForwardError};
 
@@ -81,6 +83,52 @@ impl StepScratch {
 /// SM over all rows and KV heads, at most ATTN_SPLITS (one row alone takes them all, as the single-sequence step).
 pub fn attention_splits(rows: usize, kv_heads: usize, sm_count: usize) -> usize {
     (4 * sm_count).div_ceil(rows * kv_heads).clamp(1, ATTN_SPLITS)
+}
+
+/// What the attention's parts of a batched step read and write (see `attn_partial` in kernels/attention.cu).
+pub(crate) struct AttentionParts {
+    pub positions: DevPtr<i32>,
+    pub slots: DevPtr<i32>,
+    pub q: DevPtr<f32>,
+    pub k_pool: DevPtr<bf16>,
+    pub v_pool: DevPtr<bf16>,
+    pub page_table: DevPtr<i32>,
+    pub pages_per_seq: i32,
+    pub part_o: DevPtr<f32>,
+    pub part_ml: DevPtr<f32>,
+}
+
+/// Queues the attention's parts of `rows` rows, each row's context in `splits` parts: on the tensor cores
+/// (`attn_partial_rows`) where a block may have the shared memory that kernel takes, else on CUDA cores.
+pub(crate) fn attention_parts(
+    l: &mut Launcher,
+    p: &AttentionParts,
+    rows: usize,
+    kv_heads: usize,
+    splits: i32,
+) -> Result<()> {
+    let grid = (kv_heads as u32, splits as u32, rows as u32);
+    let smem = l.kernels.constant("attn_rows_smem");
+    let (positions, slots, q, k, v, table, per_seq) = (
+        p.positions,
+        p.slots,
+        p.q,
+        p.k_pool,
+        p.v_pool,
+        p.page_table,
+        p.pages_per_seq,
+    );
+    if smem <= l.gpu.max_shared_per_block {
+        let dims = Dims::new(grid, 128).shared(smem as u32);
+        attention::attn_partial_rows(
+            l, dims, positions, slots, q, k, v, table, per_seq, splits, p.part_o, p.part_ml,
+        )
+    } else {
+        let dims = Dims::new(grid, 256);
+        attention::attn_partial(
+            l, dims, positions, slots, q, k, v, table, per_seq, splits, p.part_o, p.part_ml,
+        )
+    }
 }
 
 /// One decode step of `t` rows whose token ids, positions and slots are in `b.rows`: every layer over the rows,
@@ -160,20 +208,18 @@ pub fn enqueue_step(
                     table,
                     per_seq,
                 )?;
-                attention::attn_partial(
-                    l,
-                    Dims::new((kv_heads as u32, splits as u32, t32), 256),
+                let parts = AttentionParts {
                     positions,
                     slots,
-                    b.q.ptr(),
+                    q: b.q.ptr(),
                     k_pool,
                     v_pool,
-                    table,
-                    per_seq,
-                    splits,
-                    b.part_o.ptr(),
-                    b.part_ml.ptr(),
-                )?;
+                    page_table: table,
+                    pages_per_seq: per_seq,
+                    part_o: b.part_o.ptr(),
+                    part_ml: b.part_ml.ptr(),
+                };
+                attention_parts(l, &parts, t, kv_heads, splits)?;
                 attention::attn_merge(
                     l,
                     Dims::new((heads as u32, (head_dim / 32) as u32, t32), 256),

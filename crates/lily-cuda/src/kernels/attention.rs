@@ -1,6 +1,6 @@
 //! The decode step's gated full attention (kernels/attention.cu), for a batch of rows each in its own sequence
 //! slot: q/k norms, RoPE and the write into the paged KV pools; the context split into parts, each attended
-//! separately; the parts merged and gated.
+//! separately (on CUDA cores for one sequence, on the tensor cores for a batched step); the parts merged and gated.
 
 use half::bf16;
 
@@ -12,7 +12,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "attention.cu",
     source: include_str!("../../kernels/attention.cu"),
     kernels: KERNELS,
-    constants: &[],
+    constants: &["attn_rows_smem"],
 };
 
 launchers! {
@@ -34,6 +34,20 @@ launchers! {
     /// One part of a row's context per block: its unnormalised output, row max and sum. Grid (kv heads, splits,
     /// rows), splits <= ATTN_SPLITS.
     attn_partial(
+        positions: DevPtr<i32>,
+        slots: DevPtr<i32>,
+        q: DevPtr<f32>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        page_table: DevPtr<i32>,
+        pages_per_seq: i32,
+        splits: i32,
+        part_o: DevPtr<f32>,
+        part_ml: DevPtr<f32>,
+    );
+    /// `attn_partial` on the tensor cores, for a batched step: the same grid, parts and outputs; 128 threads and
+    /// `attn_rows_smem` bytes of dynamic shared memory a block.
+    attn_partial_rows(
         positions: DevPtr<i32>,
         slots: DevPtr<i32>,
         q: DevPtr<f32>,

@@ -12,6 +12,7 @@ use lily_model::weights::{GatedDeltaNet, Mixer, Weights};
 use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, shuffled, Report};
+use crate::batch::{attention_parts, AttentionParts};
 use crate::driver::Result;
 use crate::kernels::{attention, deltanet, ATTN_SPLITS};
 
@@ -266,20 +267,18 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             table_buf.ptr(),
             pps,
         )?;
-        attention::attn_partial(
-            &mut l,
-            Dims::new((kv_heads as u32, SPLITS as u32, rows), 256),
-            positions_buf.ptr(),
-            slots_buf.ptr(),
-            q_buf.ptr(),
-            k_buf.ptr(),
-            v_buf.ptr(),
-            table_buf.ptr(),
-            pps,
-            SPLITS as i32,
-            part_o.ptr(),
-            part_ml.ptr(),
-        )?;
+        let parts = AttentionParts {
+            positions: positions_buf.ptr(),
+            slots: slots_buf.ptr(),
+            q: q_buf.ptr(),
+            k_pool: k_buf.ptr(),
+            v_pool: v_buf.ptr(),
+            page_table: table_buf.ptr(),
+            pages_per_seq: pps,
+            part_o: part_o.ptr(),
+            part_ml: part_ml.ptr(),
+        };
+        attention_parts(&mut l, &parts, ROWS, kv_heads, SPLITS as i32)?;
         attention::attn_merge(
             &mut l,
             Dims::new((heads as u32, (hd / 32) as u32, rows), 256),
