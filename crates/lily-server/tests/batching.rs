@@ -280,6 +280,8 @@ struct Request {
     arrival: Duration,
     /// The client hangs up after this many token events (and sets the job's cancel flag).
     cancel_after: Option<usize>,
+    /// Stop strings (a sequence they end runs past its last token in a step queued ahead).
+    stop: Vec<String>,
 }
 
 impl Request {
@@ -295,6 +297,7 @@ impl Request {
             prompt_logprobs: None,
             arrival: Duration::ZERO,
             cancel_after: None,
+            stop: Vec::new(),
         }
     }
 }
@@ -321,7 +324,7 @@ fn job(request: &Request) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>, 
     let spec = Arc::new(RequestSpec {
         kind: OutputKind::Text,
         penalties: Penalties::none(),
-        stop: Vec::new(),
+        stop: request.stop.clone(),
         ignore_eos: false,
         logprobs: request.logprobs,
         prompt_logprobs: request.prompt_logprobs,
@@ -533,6 +536,10 @@ fn workload(seed: u64, count: usize) -> Vec<Request> {
                 prompt_logprobs: (r.below(8) == 0).then_some(1),
                 arrival: Duration::from_millis(r.below(200) + i as u64 * 3),
                 cancel_after: (r.below(6) == 0).then(|| r.below(8) as usize),
+                stop: match r.below(4) {
+                    0 => vec!["e".into()],
+                    _ => Vec::new(),
+                },
             }
         })
         .collect()
@@ -540,6 +547,7 @@ fn workload(seed: u64, count: usize) -> Vec<Request> {
 
 #[test]
 fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
+    let mut stopped = 0;
     for (seed, queues) in [(1, false), (2, false), (3, false), (1, true), (4, true)] {
         let requests = workload(seed, 40);
         // Four slots, a pool of 1024 tokens (a long prompt with its max_tokens takes half), steps of at most three
@@ -572,6 +580,10 @@ fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
                     done += 1;
                     assert!(request.prompt.len() + request.max_tokens <= 1024);
                     assert_eq!(choices.len(), request.n, "seed {seed}: every choice finished");
+                    stopped += choices
+                        .values()
+                        .filter(|c| !request.stop.is_empty() && c.finish == Some(FinishReason::Stop))
+                        .count();
                     // The same request alone, on an engine of one slot, read to its end.
                     let alone = start(FakeBatch::new(1, 1024, 1, 1024), 4, 4096);
                     let whole = Request {
@@ -592,6 +604,7 @@ fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
         }
         assert!(done >= requests.len() / 2, "seed {seed}: only {done} requests ran");
     }
+    assert!(stopped > 0, "no sequence ended at a stop string");
 }
 
 #[test]
@@ -609,6 +622,7 @@ fn a_greedy_sequence_is_the_same_whatever_runs_beside_it() {
             prompt_logprobs: (i == 5).then_some(0),
             arrival: Duration::ZERO,
             cancel_after: None,
+            stop: Vec::new(),
         })
         .collect();
     let answers: Vec<Answer> = std::thread::scope(|scope| {
@@ -670,6 +684,10 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
                 prompt_logprobs: (r.below(10) == 0).then_some(1),
                 arrival: Duration::from_millis(r.below(150) + i as u64 * 4),
                 cancel_after: (r.below(8) == 0).then(|| r.below(6) as usize),
+                stop: match r.below(5) {
+                    0 => vec!["e".into()],
+                    _ => Vec::new(),
+                },
             });
         }
         let mut backend = FakeBatch::new(4, 1024, 3, 50);
