@@ -32,13 +32,15 @@ impl Penalties {
     }
 }
 
-/// Per-sequence token history for the penalties.
+/// Per-sequence token history for the penalties; empty, and not kept, when the request has none that reads it.
 #[derive(Debug, Default)]
 pub struct History {
     /// How often each token was generated.
     generated: HashMap<u32, u32>,
     /// Tokens of the prompt (for the repetition penalty).
     prompt: std::collections::HashSet<u32>,
+    /// Whether a penalty reads the generated tokens (repetition, presence, frequency).
+    kept: bool,
 }
 
 impl History {
@@ -51,11 +53,14 @@ impl History {
         History {
             generated: HashMap::new(),
             prompt,
+            kept: penalties.repetition != 1.0 || penalties.presence != 0.0 || penalties.frequency != 0.0,
         }
     }
 
     pub fn push(&mut self, token: u32) {
-        *self.generated.entry(token).or_insert(0) += 1;
+        if self.kept {
+            *self.generated.entry(token).or_insert(0) += 1;
+        }
     }
 }
 
@@ -151,5 +156,30 @@ mod tests {
         // token 0: prompt only -> repetition 4/2 = 2; token 1: -4*2 = -8, then -(0.25*2 + 0.5) = -9.
         assert_eq!(logits, [2.0, -9.0, 1.0, -99.0]);
         assert!(!Penalties::none().is_active());
+    }
+
+    #[test]
+    fn the_history_is_kept_only_for_penalties_that_read_it() {
+        let bias_only = Penalties {
+            logit_bias: vec![(2, 5.0)],
+            ..Penalties::none()
+        };
+        let mut h = History::new(&[0], &bias_only);
+        h.push(1);
+        let mut logits = [0.0, 1.0, 1.0];
+        apply(&mut logits, &bias_only, &h);
+        assert_eq!(logits, [0.0, 1.0, 6.0]);
+        assert!(h.generated.is_empty(), "no penalty reads the generated tokens");
+
+        let frequency = Penalties {
+            frequency: 1.0,
+            ..Penalties::none()
+        };
+        let mut h = History::new(&[0], &frequency);
+        h.push(1);
+        h.push(1);
+        let mut logits = [0.0, 1.0, 1.0];
+        apply(&mut logits, &frequency, &h);
+        assert_eq!(logits, [0.0, -1.0, 1.0]);
     }
 }
