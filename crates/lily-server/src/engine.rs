@@ -1219,14 +1219,16 @@ impl Engine {
     }
 
     /// Queues the next step before the tokens just chosen are handled (detokenized, checked for stops, sent), when
-    /// the backend runs steps asynchronously and the next iteration would do nothing but that step: no job waits
-    /// to be admitted and every sequence decodes. Its rows are every sequence but those that these tokens end (an
-    /// end-of-sequence token, the last of `max_tokens`); one that a stop string ends takes its row in vain, and
-    /// the row is passed over. True when it queued one.
+    /// the backend runs steps asynchronously and the next iteration would do nothing but that step: every sequence
+    /// decodes, and no job waits to be admitted or none could be (every slot taken, none freed by these tokens).
+    /// Its rows are every sequence but those that these tokens end (an end-of-sequence token, the last of
+    /// `max_tokens`); one that a stop string ends takes its row in vain, the row is passed over, and a job waiting
+    /// for its slot is admitted a step later. True when it queued one.
     fn step_ahead(&mut self, chosen: &[(Slot, u32, Option<TokenLogprob>)]) -> bool {
-        if !self.backend.queues_steps() || self.admitting.is_some() || !self.shared.queue.is_empty() {
+        if !self.backend.queues_steps() {
             return false;
         }
+        let waiting = self.admitting.is_some() || !self.shared.queue.is_empty();
         for &(slot, token, _) in chosen {
             if let Some(seq) = self.slots[slot].as_mut() {
                 seq.phase = Phase::Decode { token };
@@ -1252,6 +1254,10 @@ impl Engine {
             }
         }
         if rows.is_empty() || rows.len() > self.backend.max_step_rows() {
+            return false;
+        }
+        let ending = self.slots.iter().flatten().count() > rows.len();
+        if waiting && (ending || self.free_slot().is_some()) {
             return false;
         }
         let started = Instant::now();
