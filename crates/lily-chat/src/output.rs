@@ -280,6 +280,12 @@ impl OutputStream {
         Ok(self.parser.push_text(&scan.text))
     }
 
+    /// Whether `id`, taken as the next token, would end the generation (see [`StopChecker::would_end`]), or it has
+    /// ended already.
+    pub fn would_end(&self, id: u32) -> bool {
+        self.stop_reason.is_some() || self.stop.would_end(id)
+    }
+
     /// True once an end-of-sequence token, a stop string or the token budget has ended the generation.
     pub fn is_finished(&self) -> bool {
         self.stop_reason.is_some()

@@ -84,6 +84,12 @@ impl StopChecker {
         self.generated_tokens
     }
 
+    /// Whether `id`, taken as the next token, would end the generation by itself (an end-of-sequence token or the
+    /// last the token budget allows); a stop string in its text is not foreseen.
+    pub fn would_end(&self, id: u32) -> bool {
+        self.eos_token_ids.contains(&id) || self.max_tokens.is_some_and(|max| self.generated_tokens + 1 >= max)
+    }
+
     /// Scans newly generated text. Returns the text that can be shown: everything before the earliest stop string
     /// (which, with all that follows it, is dropped), or else everything except a suffix that may begin one.
     pub fn scan_text(&mut self, text: &str) -> StopScan {
@@ -148,6 +154,18 @@ mod tests {
         let mut unlimited = StopChecker::new(vec![248046], vec![], None);
         assert!((0..10_000).all(|id| unlimited.check_token(id) == TokenCheck::Continue));
         assert_eq!(unlimited.check_token(248046), TokenCheck::EndOfSequence);
+    }
+
+    #[test]
+    fn would_end_foresees_what_check_token_says() {
+        let mut checker = StopChecker::new(vec![248046], vec!["x".into()], Some(3));
+        for id in [10, 11] {
+            assert!(!checker.would_end(id) && !checker.would_end(12));
+            assert!(checker.would_end(248046));
+            assert_eq!(checker.check_token(id), TokenCheck::Continue);
+        }
+        assert!(checker.would_end(12), "the third token is the budget's last");
+        assert_eq!(checker.check_token(12), TokenCheck::MaxTokensReached);
     }
 
     #[test]

@@ -441,8 +441,6 @@ struct Seq {
     history: History,
     constraint: Option<Constraint>,
     last_token_at: Option<Instant>,
-    /// Tokens it has generated so far (sent or held back).
-    emitted: usize,
 }
 
 /// Whether the job should stop: its client hung up (the response was dropped or the event receiver is gone), or
@@ -852,7 +850,6 @@ impl Engine {
             history: History::new(&spec.prompt, &request.penalties),
             constraint: request.constraint.as_ref().map(|g| Constraint::new(g, in_reasoning)),
             last_token_at: None,
-            emitted: 0,
             spec,
         }
     }
@@ -1125,15 +1122,7 @@ impl Engine {
             })
             .collect();
         let started = Instant::now();
-        if let Err(e) = self.backend.step(&rows) {
-            let error = forward_error(e);
-            let jobs: Vec<u64> = chosen
-                .iter()
-                .filter_map(|&s| self.slots[s].as_ref().map(|q| q.job))
-                .collect();
-            for job in jobs {
-                self.fail_job(job, error.clone());
-            }
+        if !self.step(&rows) {
             return true;
         }
         let mut to_sample = Vec::with_capacity(chosen.len());
@@ -1176,6 +1165,22 @@ impl Engine {
         let launched = Instant::now();
         self.finish_step(&to_sample, rows.len(), started, launched);
         true
+    }
+
+    /// Queues a step of `rows` on the backend; where that fails, the jobs of its rows fail with it. True when queued.
+    fn step(&mut self, rows: &[StepRow]) -> bool {
+        let Err(e) = self.backend.step(rows) else {
+            return true;
+        };
+        let error = forward_error(e);
+        let jobs: Vec<u64> = rows
+            .iter()
+            .filter_map(|r| self.slots[r.slot].as_ref().map(|q| q.job))
+            .collect();
+        for job in jobs {
+            self.fail_job(job, error.clone());
+        }
+        false
     }
 
     /// Takes the tokens of the step queued ahead: its rows whose sequence is still in its slot.
@@ -1246,9 +1251,7 @@ impl Engine {
             let Phase::Decode { token } = seq.phase else {
                 return false;
             };
-            let request = &seq.spec.request;
-            let ends = (!request.ignore_eos && self.eos.contains(&token)) || seq.emitted + 1 >= seq.spec.max_tokens;
-            if !ends {
+            if !seq.output.would_end(token) {
                 rows.push(StepRow { slot, token });
                 queued.push((slot, seq.order));
             }
@@ -1261,15 +1264,7 @@ impl Engine {
             return false;
         }
         let started = Instant::now();
-        if let Err(e) = self.backend.step(&rows) {
-            let error = forward_error(e);
-            let jobs: Vec<u64> = rows
-                .iter()
-                .filter_map(|r| self.slots[r.slot].as_ref().map(|q| q.job))
-                .collect();
-            for job in jobs {
-                self.fail_job(job, error.clone());
-            }
+        if !self.step(&rows) {
             return false;
         }
         self.ahead = Some(QueuedStep {
@@ -1433,7 +1428,6 @@ impl Engine {
             Some(last) => self.shared.metrics.tpot.record((now - last).as_secs_f64()),
         }
         seq.last_token_at = Some(now);
-        seq.emitted += 1;
         self.shared.metrics.generation_tokens.increment(1);
         if let Some(c) = seq.constraint.as_mut() {
             if let Err(e) = c.consume(token) {
