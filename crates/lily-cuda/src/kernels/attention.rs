@@ -10,7 +10,10 @@ use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
     name: "attention.cu",
-    source: include_str!("../../kernels/attention.cu"),
+    source: concat!(
+        include_str!("../../kernels/attention_tiles.cuh"),
+        include_str!("../../kernels/attention.cu")
+    ),
     kernels: KERNELS,
     constants: &["attn_rows_smem"],
 };

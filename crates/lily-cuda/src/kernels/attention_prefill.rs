@@ -9,7 +9,10 @@ use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
     name: "attention_prefill.cu",
-    source: include_str!("../../kernels/attention_prefill.cu"),
+    source: concat!(
+        include_str!("../../kernels/attention_tiles.cuh"),
+        include_str!("../../kernels/attention_prefill.cu")
+    ),
     kernels: KERNELS,
     constants: &[],
 };

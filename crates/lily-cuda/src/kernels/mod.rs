@@ -2,7 +2,8 @@
 //! architecture and the model's dimensions, cached on disk.
 //!
 //! Every file gets `common.cuh` in front and the model's dimensions as `-D` defines, so the tiny models run the
-//! very kernels the full one does. On Hopper the target is `sm_90a` (machine code, no JIT); on other GPUs
+//! very kernels the full one does; the two attention files also get `attention_tiles.cuh` (their shared-memory rows,
+//! cp.async and mma.sync helpers). On Hopper the target is `sm_90a` (machine code, no JIT); on other GPUs
 //! `compute_XY` PTX that the driver compiles. The cache key hashes source, options, target and driver version.
 //!
 //! Each family's module (`matvec`, `moe`, ...) declares its kernels' typed launchers; loading checks every launcher
