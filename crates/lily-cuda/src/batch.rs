@@ -86,6 +86,7 @@ pub fn attention_splits(rows: usize, kv_heads: usize, sm_count: usize) -> usize 
 }
 
 /// What the attention's parts of a batched step read and write (see `attn_partial` in kernels/attention.cu).
+#[derive(Clone, Copy)]
 pub(crate) struct AttentionParts {
     pub positions: DevPtr<i32>,
     pub slots: DevPtr<i32>,
@@ -109,24 +110,26 @@ pub(crate) fn attention_parts(
 ) -> Result<()> {
     let grid = (kv_heads as u32, splits as u32, rows as u32);
     let smem = l.kernels.constant("attn_rows_smem");
-    let (positions, slots, q, k, v, table, per_seq) = (
-        p.positions,
-        p.slots,
-        p.q,
-        p.k_pool,
-        p.v_pool,
-        p.page_table,
-        p.pages_per_seq,
-    );
+    let AttentionParts {
+        positions,
+        slots,
+        q,
+        k_pool: k,
+        v_pool: v,
+        page_table: table,
+        pages_per_seq: per_seq,
+        part_o,
+        part_ml,
+    } = *p;
     if smem <= l.gpu.max_shared_per_block {
         let dims = Dims::new(grid, 128).shared(smem as u32);
         attention::attn_partial_rows(
-            l, dims, positions, slots, q, k, v, table, per_seq, splits, p.part_o, p.part_ml,
+            l, dims, positions, slots, q, k, v, table, per_seq, splits, part_o, part_ml,
         )
     } else {
         let dims = Dims::new(grid, 256);
         attention::attn_partial(
-            l, dims, positions, slots, q, k, v, table, per_seq, splits, p.part_o, p.part_ml,
+            l, dims, positions, slots, q, k, v, table, per_seq, splits, part_o, part_ml,
         )
     }
 }
