@@ -59,6 +59,7 @@ __device__ __forceinline__ void store8_bf16(bf16* p, const float (&v)[8]) {
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     attn_prefill_prep(const float* proj, const float* q_norm, const float* k_norm, const float* inv_freq, int tokens,
                       int start, bf16* q_out, bf16* k_pool, bf16* v_pool, const int* pages) {
+    wait_previous();
     constexpr int HEADS = N_HEADS + N_KV_HEADS;
     const int lane = threadIdx.x % WARP;
     const int item = blockIdx.x * (PREP_THREADS / WARP) + threadIdx.x / WARP;
@@ -114,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
     attn_prefill(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int* pages, const float* proj,
                  int tokens, int start, int chunk, bf16* out, float* part_o, float* part_ml) {
+    wait_previous();
     extern __shared__ __align__(128) unsigned char smem[];
     const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
     const int kv_head = blockIdx.x % N_KV_HEADS;
@@ -301,6 +303,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 extern "C" __global__ void __launch_bounds__(256)
     attn_prefill_merge(const float* part_o, const float* part_ml, const float* proj, int tokens, int start, int chunk,
                        bf16* out) {
+    wait_previous();
     const int lane = threadIdx.x % WARP;
     const int item = blockIdx.x * (256 / WARP) + threadIdx.x / WARP;
     if (item >= tokens * N_HEADS) return;

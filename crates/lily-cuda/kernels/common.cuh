@@ -98,9 +98,10 @@ struct Timeline {
 __device__ Timeline* timeline;  // set by the host in every module
 #endif
 
-// Programmatic dependent launch (the decode step's kernels are launched with it): a kernel requests what does not
-// depend on its predecessor (its weights, its own state), calls this to wait for the predecessor's results, and
-// only then lets the next kernel start. So one kernel at a time prefetches while another computes; were the next
+// Programmatic dependent launch (every kernel is launched with it from Hopper on, and every kernel calls this
+// before it reads its predecessor's results or writes anything): a kernel requests what does not depend on its
+// predecessor (its weights, its own state), calls this to wait for the predecessor's results, and only then lets
+// the next kernel start. So one kernel at a time prefetches while another computes; were the next
 // kernel let start at once, the whole step's weight requests would queue ahead of the loads each kernel waits on.
 // Before Hopper there is no dependent launch (the host launches plainly there), and the wait is a no-op.
 __device__ __forceinline__ void wait_previous() {

@@ -173,6 +173,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     deltanet_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
                        const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,
                        float* decay_out, float* beta_out, float* inverse_out, float* attn_out) {
+    wait_previous();
     extern __shared__ float4 chunks_shared[];
     float* qs = (float*)chunks_shared;  // [CHUNK][DK] q, then A of both value heads
     float* ks = qs + CHUNK * DK;        // [CHUNK][DK] k, then T of both value heads
@@ -370,6 +371,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     deltanet_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
                       const float* inverse, const float* attn, int t, float* state) {
+    wait_previous();
     extern __shared__ float4 state_shared[];
     float* qs = (float*)state_shared;   // [CHUNK][DK]
     float* ks = qs + CHUNK * DK;        // [2][CHUNK][DK], by chunk parity
@@ -589,6 +591,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     deltanet_prefill_norm(const float* o, const float* proj, const float* norm_w, int t, int start, float* ring,
                      bf16* out) {
+    wait_previous();
     static_assert(DV == 4 * WARP && PROJ_DIM % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
     const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;
     const int lane = threadIdx.x % WARP;

@@ -250,7 +250,10 @@ __device__ __forceinline__ void k_loop(float (&acc)[T::MF][4][4], const unsigned
 // One block tile: `rows` valid activation rows (>= 1) whose starts a_row(r) gives, k inputs, weight rows
 // from w_row(matrix, column in the tile); store(r, column in the tile, values at columns c and c + 1) is
 // called for every valid row and every even column of the tile (NMAT = 2: the gate pair, then the up pair).
-template <class T, class ARow, class WRow, class Store>
+// WEIGHTS_FIRST: the weight rows do not depend on the previous kernel (a dense product), so the first stages'
+// weights are requested before waiting for it (wait_previous); otherwise the caller has waited already (the
+// grouped products, whose weight rows follow the routing).
+template <class T, bool WEIGHTS_FIRST, class ARow, class WRow, class Store>
 __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row, Store store) {
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < T::SMEM) __trap();  // the host's shared_bytes() disagrees with Tile::SMEM
@@ -298,7 +301,7 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
         const int swizzle = (b_row / (8 / T::B_CHUNKS)) % T::B_CHUNKS;
         b_to = T::A_BYTES + sub * T::B_SUB + b_row * 16 * T::B_CHUNKS + ((c ^ swizzle) << 4);
     }
-    auto load = [&](int kt) {
+    auto load_a = [&](int kt) {
         const u32 stage = smem0 + (kt % T::STAGES) * T::STAGE;
 #pragma unroll
         for (int gi = 0; gi < T::GROUPS; gi++)
@@ -307,6 +310,9 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
                 if (T::BM * 8 >= GEMM_THREADS || a_first < T::BM)
                     cp_async_16(stage + gi * T::A_SUB + a_dst + i * (GEMM_THREADS / 8) * 128,
                                 a_src[i] + (kt * T::GROUPS + gi) * KT, a_bytes[i]);
+    };
+    auto load_b = [&](int kt) {
+        const u32 stage = smem0 + (kt % T::STAGES) * T::STAGE;
         if constexpr (T::GROUPS == 1) {
 #pragma unroll
             for (int c = 0; c < T::B_CHUNKS; c++)
@@ -323,10 +329,26 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
         }
     };
 
+    auto load = [&](int kt) {
+        load_a(kt);
+        load_b(kt);
+    };
+
+    // The prologue's stages, each a cp.async group; with WEIGHTS_FIRST the first group also holds every prologue
+    // stage's weights, requested before the wait (the k loop's first wait covers all of them).
     const int k_tiles = k / (KT * T::GROUPS);
+    if constexpr (WEIGHTS_FIRST) {
+#pragma unroll
+        for (int s = 0; s < T::STAGES - 1; s++)
+            if (s < k_tiles) load_b(s);
+        wait_previous();
+    }
 #pragma unroll
     for (int s = 0; s < T::STAGES - 1; s++) {
-        if (s < k_tiles) load(s);
+        if (s < k_tiles) {
+            if constexpr (WEIGHTS_FIRST) load_a(s);
+            else load(s);
+        }
         cp_async_commit();
     }
     float acc[T::MF][4][4];
@@ -365,7 +387,7 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
 template <class T>
 __device__ __forceinline__ void dense_tile(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
-    run_tile<T>(
+    run_tile<T, true>(
         min(T::BM, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
         [&](int, int c) { return weight_row(w, n0 + c, n0 + c < n, k, T::BITS); },
         [&](int r, int c, float v0, float v1) {
@@ -410,7 +432,7 @@ __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u
 template <class T>
 __device__ __forceinline__ void swiglu_tile(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
     const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
-    run_tile<T>(
+    run_tile<T, true>(
         min(T::BM, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
         [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); },
         [&](int r, int c, float g0, float g1, float u0, float u1) {
@@ -489,11 +511,11 @@ __device__ __forceinline__ void split_partial(int rows, int k, ARow a_row, WRow 
     };
     const int k_part = (steps.y - steps.x) * KT;
     if constexpr (T::NMAT == 1) {
-        run_tile<T>(rows, k_part, a_part, w_part, [&](int r, int c, float v0, float v1) {
+        run_tile<T, true>(rows, k_part, a_part, w_part, [&](int r, int c, float v0, float v1) {
             *(float2*)(slot + r * WROWS + c) = make_float2(v0, v1);
         });
     } else {
-        run_tile<T>(rows, k_part, a_part, w_part, [&](int r, int c, float g0, float g1, float u0, float u1) {
+        run_tile<T, true>(rows, k_part, a_part, w_part, [&](int r, int c, float g0, float g1, float u0, float u1) {
             *(float2*)(slot + r * WROWS + c) = make_float2(g0, g1);
             *(float2*)(slot + r * WROWS + WROWS / 2 + c) = make_float2(u0, u1);
         });
@@ -554,6 +576,7 @@ __device__ __forceinline__ float4 split_sum(int r, int cb, int col, int col_bloc
 // i / ceil(n / 4), columns 4 (i % ceil(n / 4)) .. + 3.
 extern "C" __global__ void __launch_bounds__(256)
     gemm_split_sum(int m, int n, int parts, float* out, int accumulate) {
+    wait_previous();
     const int per_row = (n + 3) / 4;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= m * per_row) return;
@@ -581,6 +604,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // out[m][n] = bf16(silu(gate sums) * (up sums)) of gemm_q4_swiglu_split's parts: a tile covers 128 output
 // columns, its gate sums in partial columns 0..127 and its up sums in 128..255.
 extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_split_sum(int m, int n, int parts, bf16* out) {
+    wait_previous();
     const int per_row = (n + 3) / 4;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= m * per_row) return;
@@ -646,11 +670,12 @@ template <class T>
 __device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entries, const int* tiles,
                                                  const int* tile_count, const int* offsets, Q4 gate, Q4 up,
                                                  bf16* act) {
+    wait_previous();  // the tiles and the weights they pick come from the routing
     const int tile = blockIdx.y;
     if (tile >= *tile_count) return;
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int n0 = blockIdx.x * T::BN;
-    run_tile<T>(
+    run_tile<T, false>(
         min(T::BM, offsets[expert + 1] - first), HIDDEN,
         [&](int r) { return x + (size_t)(entries[first + r] / TOP_K) * HIDDEN; },
         [&](int mat, int c) { return weight_row(mat ? up : gate, expert * MOE_INTER + n0 + c, true, HIDDEN, 4); },
@@ -676,11 +701,12 @@ template <class T>
 __device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entries, const int* tiles,
                                               const int* tile_count, const int* offsets, const float* route_w,
                                               Q4 down, float* out) {
+    wait_previous();
     const int tile = blockIdx.y;
     if (tile >= *tile_count) return;
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int n0 = blockIdx.x * T::BN;
-    run_tile<T>(
+    run_tile<T, false>(
         min(T::BM, offsets[expert + 1] - first), MOE_INTER,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
         [&](int, int c) { return weight_row(down, expert * HIDDEN + n0 + c, n0 + c < HIDDEN, MOE_INTER, 4); },

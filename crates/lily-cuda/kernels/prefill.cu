@@ -9,6 +9,7 @@
 // hidden[r] = the dequantized embedding row of tokens[start + r]. Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* tokens, int start, Q4 table,
                                                                     float* hidden) {
+    wait_previous();
     const int token = tokens[start + blockIdx.x];
     float* out = hidden + (size_t)blockIdx.x * HIDDEN;
     for (int c = threadIdx.x; c < HIDDEN; c += ROW_THREADS) {
@@ -22,6 +23,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 // (the router's products take both: routing is decided by small differences between logits). Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(const float* hidden, const float* norm,
                                                                       bf16* out, bf16* out_lo) {
+    wait_previous();
     constexpr int PER = (HIDDEN + ROW_THREADS - 1) / ROW_THREADS;
     __shared__ float scratch[32];
     const float* h = hidden + (size_t)blockIdx.x * HIDDEN;
@@ -81,6 +83,7 @@ __device__ __forceinline__ float code_byte(u32 word, int e) {
 
 extern "C" __global__ void __launch_bounds__(RT_THREADS) router_rows(const bf16* x_hi, const bf16* x_lo, int m,
                                                                     Q4 router, float* logits) {
+    wait_previous();
     constexpr int STAGES = HIDDEN / RT_KC, PER_ROW = RT_KC / 4;
     __shared__ __align__(16) float tiles[2 * RT_ROWS * RT_STRIDE];
     float* w_tile = tiles;
@@ -220,6 +223,7 @@ __device__ void route(const float* logits, int* ids, float* weights) {
 // expert's sigmoid gate, counts[e] += tokens routed to e (zeroed before). logits: [t][NUM_EXPERTS + 1].
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float* logits, int t, int* route_ids,
                                                                     float* route_w, float* shared_w, int* counts) {
+    wait_previous();
     __shared__ int ids[ROW_THREADS / WARP][TOP_K];
     __shared__ float weights[ROW_THREADS / WARP][TOP_K];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -254,6 +258,7 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* route_ids, int t, const int* counts,
                                                                    int tile_rows, int* offsets, int* entries,
                                                                    int* tiles, int* tile_count) {
+    wait_previous();
     __shared__ int scratch[SORT_THREADS / WARP];
     __shared__ int warp_totals[SORT_THREADS / WARP];
     const int e = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -312,6 +317,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) moe_combine(float* hidden, const float* expert_out,
                                                                      const float* shared_out,
                                                                      const float* shared_w) {
+    wait_previous();
     const size_t r = blockIdx.x;
     const float gate = shared_w[r];
     for (int c = threadIdx.x; c < HIDDEN; c += ROW_THREADS) {

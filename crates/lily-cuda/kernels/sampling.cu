@@ -139,6 +139,7 @@ __device__ int row_argmax(const float* row, const u32* mask, float* warp_best, i
 // A row with another top_k (no limit, or one beyond SAMPLE_MAX_CANDIDATES) is sampled on the host: its out is -1.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* logits, const SampleRow* rows, const u32* masks, int* out) {
+    wait_previous();
     __shared__ u32 hist[256];
     __shared__ u64 prefix, prefix_mask;
     __shared__ u32 remaining, taken;

@@ -58,18 +58,20 @@ pub struct Launcher<'a> {
     pub gpu: &'a Gpu,
     pub kernels: &'a Kernels,
     pub profile: Option<&'a mut Profile>,
-    /// Programmatic dependent launch: only for kernels that wait for their predecessor (the decode step's).
+    /// Programmatic dependent launch (from Hopper on): each kernel may start while its predecessor on the stream
+    /// runs. Every kernel waits for its predecessor (`wait_previous` in common.cuh) before it reads that kernel's
+    /// results or writes anything, which a CPU test checks in each kernel's compiled PTX.
     pub dependent: bool,
 }
 
 impl<'a> Launcher<'a> {
-    /// A launcher of plain (not dependent) launches without profiling.
+    /// A launcher without profiling; its launches are dependent where the GPU has programmatic dependent launch.
     pub fn new(gpu: &'a Gpu, kernels: &'a Kernels) -> Launcher<'a> {
         Launcher {
             gpu,
             kernels,
             profile: None,
-            dependent: false,
+            dependent: gpu.compute_capability.0 >= 9,
         }
     }
 

@@ -4,10 +4,10 @@
 //! change; the stream writes in a token id (no copy) and the head kernel writes the chosen one to pinned host
 //! memory, which the host reads after synchronising. The state is laid out for many sequences (slots): the
 //! single-sequence step is the batch of one row in slot 0, whose page-table row maps position p to page p / 64
-//! (the identity), so its KV is contiguous as a plain cache would be. From Hopper on the step's kernels are
-//! launched with programmatic dependent launch: each starts while its predecessor runs, requests what does not
-//! depend on it (weights, its own state), and waits for the predecessor's results (`wait_previous` in common.cuh)
-//! before it reads them or writes; only then may the kernel after it start.
+//! (the identity), so its KV is contiguous as a plain cache would be. From Hopper on every kernel (the decode
+//! step's, the batched step's, the prefill's) is launched with programmatic dependent launch: each starts while its
+//! predecessor runs, requests what does not depend on it (weights, its own state), and waits for the predecessor's
+//! results (`wait_previous` in common.cuh) before it reads them or writes; only then may the kernel after it start.
 
 use lily_model::backend::Backend;
 use lily_model::sampling::{Sampler, SamplingParams};
@@ -341,21 +341,11 @@ impl CudaModel {
         })
     }
 
-    /// A launcher of the decode step's kernels: each waits for its predecessor, so from Hopper on it is launched
-    /// as a programmatic dependent launch and may start early.
-    fn step_launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
-        Launcher {
-            dependent: self.gpu.compute_capability.0 >= 9,
-            ..self.launcher(profile)
-        }
-    }
-
+    /// A launcher of this model's kernels (dependent launches from Hopper on; see [`Launcher::new`]).
     pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
         Launcher {
-            gpu: &self.gpu,
-            kernels: &self.kernels,
             profile,
-            dependent: false,
+            ..Launcher::new(&self.gpu, &self.kernels)
         }
     }
 
@@ -404,7 +394,7 @@ impl CudaModel {
             GpuMixer::Full(a) => Ok(a),
             GpuMixer::Linear(_) => Err(GpuError::Other(format!("layer {l} is not an attention layer"))),
         };
-        let l = &mut self.step_launcher(p.as_deref_mut());
+        let l = &mut self.launcher(p.as_deref_mut());
         let mv = |grid: u32| Dims::linear(grid, 256);
         match op {
             Op::Embed => matvec::embed(

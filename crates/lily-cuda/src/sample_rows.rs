@@ -113,8 +113,7 @@ impl SampleRows {
     }
 
     /// The second half of [`SampleRows::enqueue`]: queues the kernel over the first `rows` staged rows (a fixed
-    /// launch, which a CUDA graph may capture). The kernel does not wait for its predecessor as the decode step's
-    /// kernels do, so it is never launched as a programmatic dependent launch.
+    /// launch, which a CUDA graph may capture).
     pub fn launch(&mut self, l: &mut Launcher, logits: DevPtr<f32>, rows: usize) -> Result<()> {
         if rows == 0 || rows > self.max_rows {
             return Err(GpuError::Other(format!(
@@ -123,17 +122,14 @@ impl SampleRows {
             )));
         }
         self.rows = rows;
-        let dependent = std::mem::replace(&mut l.dependent, false);
-        let launched = sampling::sample_rows(
+        sampling::sample_rows(
             l,
             Dims::linear(rows as u32, 1024),
             logits,
             self.params.ptr(),
             self.masks.ptr(),
             self.out.ptr,
-        );
-        l.dependent = dependent;
-        launched
+        )
     }
 
     /// The token of each row of the last `enqueue` (call after synchronising the stream); `u32::MAX` for a row

@@ -469,6 +469,41 @@ mod tests {
         compiles(&Config::full_shape(), "compute_80", false);
     }
 
+    /// Every kernel is launched as a programmatic dependent launch on Hopper (see `Launcher::dependent`), which is
+    /// safe only if it waits for its predecessor: each kernel's PTX entry holds `griddepcontrol.wait`.
+    #[test]
+    fn every_kernel_waits_for_its_predecessor() {
+        if !nvrtc_available() {
+            eprintln!("SKIPPED: libnvrtc not found");
+            return;
+        }
+        let config = Config::tiny_shape();
+        let opts = options(
+            &config,
+            &Target {
+                arch: "compute_90".into(),
+            },
+            false,
+        );
+        for file in FILES {
+            let (image, _) = compile(file.name, file.source, &opts, false).unwrap_or_else(|e| panic!("{e}"));
+            let ptx = String::from_utf8_lossy(&image);
+            for sig in file.kernels {
+                let start = ptx
+                    .find(&format!(".entry {}(", sig.name))
+                    .unwrap_or_else(|| panic!("{}: no entry {} in the PTX", file.name, sig.name));
+                let body = &ptx[start + 1..];
+                let body = &body[..body.find(".entry ").unwrap_or(body.len())];
+                assert!(
+                    body.contains("griddepcontrol.wait"),
+                    "{}: kernel {} never calls wait_previous()",
+                    file.name,
+                    sig.name
+                );
+            }
+        }
+    }
+
     /// The kernels of `lily bench --timeline` (a clock probe after each kernel's wait) compile too.
     #[test]
     fn every_kernel_compiles_with_the_timeline() {
