@@ -26,6 +26,11 @@ __device__ __forceinline__ float2 pair_to_float2(u32 p) {
 #define GROUP 64
 #define WARP 32
 
+// A token's expert slots: its TOP_K routed experts, then the shared expert, which every product takes as one more
+// expert of the same width (number NUM_EXPERTS in the grouped products' sort), weighted by its sigmoid gate.
+#define MOE_SLOTS (TOP_K + 1)
+static_assert(SHARED_INTER == MOE_INTER, "the shared expert is one more expert of the routed experts' width");
+
 // The attention KV lives in pages of KV_PAGE positions from one pool per layer (bf16 [page][KV_PAGE][KV_DIM]); a
 // sequence's page-table row maps its position p to page pages[p / KV_PAGE], row p % KV_PAGE of that page.
 #define KV_PAGE 64

@@ -665,11 +665,21 @@ __device__ int moe_small_tile_rows = MOE_SMALL_TILE_ROWS;
 __device__ int moe_gate_up_small_smem = MoeGateUpSmall::SMEM;
 __device__ int moe_down_small_smem = MoeDownSmall::SMEM;
 
-// act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for sorted index i, token = entries[i] / TOP_K.
+// The shared expert is expert NUM_EXPERTS of the grouped products (see route_rows in prefill.cu): a token's
+// entries are token * MOE_SLOTS + slot, the shared expert's weights are its own matrices.
+
+// Row `row` of expert e's block of a stacked expert matrix, or of the shared expert's matrix for e = NUM_EXPERTS.
+__device__ __forceinline__ WeightRow expert_row(Q4 experts, Q4 shared, int e, int rows, int row, bool valid, int k) {
+    const bool routed = e < NUM_EXPERTS;
+    const Q4 w = {routed ? experts.packed : shared.packed, routed ? experts.scale_bias : shared.scale_bias};
+    return weight_row(w, (routed ? e * rows : 0) + row, valid, k, 4);
+}
+
+// act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for sorted index i, token = entries[i] / MOE_SLOTS.
 template <class T>
 __device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entries, const int* tiles,
                                                  const int* tile_count, const int* offsets, Q4 gate, Q4 up,
-                                                 bf16* act) {
+                                                 Q4 shared_gate, Q4 shared_up, bf16* act) {
     wait_previous();  // the tiles and the weights they pick come from the routing
     const int tile = blockIdx.y;
     if (tile >= *tile_count) return;
@@ -677,8 +687,10 @@ __device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entri
     const int n0 = blockIdx.x * T::BN;
     run_tile<T, false>(
         min(T::BM, offsets[expert + 1] - first), HIDDEN,
-        [&](int r) { return x + (size_t)(entries[first + r] / TOP_K) * HIDDEN; },
-        [&](int mat, int c) { return weight_row(mat ? up : gate, expert * MOE_INTER + n0 + c, true, HIDDEN, 4); },
+        [&](int r) { return x + (size_t)(entries[first + r] / MOE_SLOTS) * HIDDEN; },
+        [&](int mat, int c) {
+            return expert_row(mat ? up : gate, mat ? shared_up : shared_gate, expert, MOE_INTER, n0 + c, true, HIDDEN);
+        },
         [&](int r, int c, float g0, float g1, float u0, float u1) {
             *(u32*)(act + (size_t)(first + r) * MOE_INTER + n0 + c) = swiglu_pair(g0, g1, u0, u1);
         });
@@ -686,21 +698,21 @@ __device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entri
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-                Q4 gate, Q4 up, bf16* act) {
-    moe_gate_up_tile<MoeGateUp>(x, entries, tiles, tile_count, offsets, gate, up, act);
+                Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+    moe_gate_up_tile<MoeGateUp>(x, entries, tiles, tile_count, offsets, gate, up, shared_gate, shared_up, act);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     moe_gate_up_small(const bf16* x, const int* entries, const int* tiles, const int* tile_count,
-                      const int* offsets, Q4 gate, Q4 up, bf16* act) {
-    moe_gate_up_tile<MoeGateUpSmall>(x, entries, tiles, tile_count, offsets, gate, up, act);
+                      const int* offsets, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+    moe_gate_up_tile<MoeGateUpSmall>(x, entries, tiles, tile_count, offsets, gate, up, shared_gate, shared_up, act);
 }
 
 // out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of each tile.
 template <class T>
 __device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entries, const int* tiles,
                                               const int* tile_count, const int* offsets, const float* route_w,
-                                              Q4 down, float* out) {
+                                              Q4 down, Q4 shared_down, float* out) {
     wait_previous();
     const int tile = blockIdx.y;
     if (tile >= *tile_count) return;
@@ -709,7 +721,7 @@ __device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entrie
     run_tile<T, false>(
         min(T::BM, offsets[expert + 1] - first), MOE_INTER,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
-        [&](int, int c) { return weight_row(down, expert * HIDDEN + n0 + c, n0 + c < HIDDEN, MOE_INTER, 4); },
+        [&](int, int c) { return expert_row(down, shared_down, expert, HIDDEN, n0 + c, n0 + c < HIDDEN, MOE_INTER); },
         [&](int r, int c, float v0, float v1) {
             const int col = n0 + c;
             if (col >= HIDDEN) return;
@@ -721,12 +733,12 @@ __device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entrie
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-             const float* route_w, Q4 down, float* out) {
-    moe_down_tile<MoeDown>(act, entries, tiles, tile_count, offsets, route_w, down, out);
+             const float* route_w, Q4 down, Q4 shared_down, float* out) {
+    moe_down_tile<MoeDown>(act, entries, tiles, tile_count, offsets, route_w, down, shared_down, out);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     moe_down_small(const bf16* act, const int* entries, const int* tiles, const int* tile_count,
-                   const int* offsets, const float* route_w, Q4 down, float* out) {
-    moe_down_tile<MoeDownSmall>(act, entries, tiles, tile_count, offsets, route_w, down, out);
+                   const int* offsets, const float* route_w, Q4 down, Q4 shared_down, float* out) {
+    moe_down_tile<MoeDownSmall>(act, entries, tiles, tile_count, offsets, route_w, down, shared_down, out);
 }

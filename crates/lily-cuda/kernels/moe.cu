@@ -13,8 +13,6 @@
 // cluster of blocks shares them: each block computes one strip of 16 router rows (its weights requested before the
 // wait) and reads the others' from its neighbours' shared memory. Elsewhere each block computes them all.
 
-static_assert(SHARED_INTER == MOE_INTER, "the shared expert runs beside the routed ones");
-#define SLOTS (TOP_K + 1)  // routed experts, then the shared expert
 
 // The gate/up launch: a block takes one strip of 16 (gate, up) row pairs of one slot, its 8 warps splitting the
 // inputs (two tiles of 128 each at the full shape): 288 blocks.
@@ -245,13 +243,13 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS
 // hidden[r] += sum_slot weight_slot * (down_e[r] . act[slot]): a block takes 16 rows, one warp a slot; each warp
 // stages its own slot's input. The rows are requested before the wait: the shared expert's at once, the routed
 // ones when experts_gate_up has published the routing.
-extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const float* act, const int* route_ids,
+extern "C" __global__ void __launch_bounds__(MOE_SLOTS * WARP) experts_down(const float* act, const int* route_ids,
                                                                        const float* route_w, const u32* route_ready,
                                                                        Q4 down, Q4 shared_down, float* hidden) {
     typedef StripLane<MOE_INTER> Lane;
     constexpr int TILES = MOE_INTER / MV_TILE;
-    __shared__ StagedX<MOE_INTER> st[SLOTS];
-    __shared__ float part[SLOTS][16];
+    __shared__ StagedX<MOE_INTER> st[MOE_SLOTS];
+    __shared__ float part[MOE_SLOTS][16];
     const int slot = threadIdx.x / WARP;
     Lane lane;
     lane.init(st[slot]);
@@ -280,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(SLOTS * WARP) experts_down(const fl
     if (threadIdx.x < 16) {
         float s = 0.f;
 #pragma unroll
-        for (int k = 0; k < SLOTS; k++) s += part[k][threadIdx.x];
+        for (int k = 0; k < MOE_SLOTS; k++) s += part[k][threadIdx.x];
         hidden[blockIdx.x * 16 + threadIdx.x] = old + s;
     }
 }

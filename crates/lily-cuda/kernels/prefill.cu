@@ -219,10 +219,12 @@ __device__ void route(const float* logits, int* ids, float* weights) {
     __syncwarp();
 }
 
-// One warp per token: route_ids/route_w [t][TOP_K] (entry token*TOP_K + slot), shared_w[token] = the shared
-// expert's sigmoid gate, counts[e] += tokens routed to e (zeroed before). logits: [t][NUM_EXPERTS + 1].
+// The grouped expert products take the shared expert as expert NUM_EXPERTS: a token has MOE_SLOTS entries,
+// token * MOE_SLOTS + slot.
+// One warp per token: route_ids/route_w [t][MOE_SLOTS] (the shared expert and its sigmoid gate in the last slot),
+// counts[e] += entries of expert e (zeroed before; e = NUM_EXPERTS the shared one). logits: [t][NUM_EXPERTS + 1].
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float* logits, int t, int* route_ids,
-                                                                    float* route_w, float* shared_w, int* counts) {
+                                                                    float* route_w, int* counts) {
     wait_previous();
     __shared__ int ids[ROW_THREADS / WARP][TOP_K];
     __shared__ float weights[ROW_THREADS / WARP][TOP_K];
@@ -232,11 +234,15 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float
     const float* l = logits + (size_t)token * (NUM_EXPERTS + 1);
     route(l, ids[warp], weights[warp]);
     if (lane < TOP_K) {
-        route_ids[token * TOP_K + lane] = ids[warp][lane];
-        route_w[token * TOP_K + lane] = weights[warp][lane];
+        route_ids[token * MOE_SLOTS + lane] = ids[warp][lane];
+        route_w[token * MOE_SLOTS + lane] = weights[warp][lane];
         atomicAdd(&counts[ids[warp][lane]], 1);
     }
-    if (lane == 0) shared_w[token] = sigmoidf_(l[NUM_EXPERTS]);
+    if (lane == TOP_K) {
+        route_ids[token * MOE_SLOTS + TOP_K] = NUM_EXPERTS;
+        route_w[token * MOE_SLOTS + TOP_K] = sigmoidf_(l[NUM_EXPERTS]);
+        atomicAdd(&counts[NUM_EXPERTS], 1);
+    }
 }
 
 __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
@@ -252,9 +258,10 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
     return total;
 }
 
-// Block e: expert e's place in the sorted order (offsets[e], and offsets[NUM_EXPERTS] = t * TOP_K), its tiles of
+// Block e: expert e's place in the sorted order (offsets[e], and offsets[GROUPS] = t * MOE_SLOTS), its tiles of
 // `tile_rows` entries (tiles[i] = (expert, first sorted index); *tile_count = all tiles), and its entries in
-// ascending order (a stable sort, so the grouped products and their sums are deterministic). Grid (NUM_EXPERTS).
+// ascending order (a stable sort, so the grouped products and their sums are deterministic). Grid (GROUPS): the
+// routed experts and the shared one.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* route_ids, int t, const int* counts,
                                                                    int tile_rows, int* offsets, int* entries,
                                                                    int* tiles, int* tile_count) {
@@ -262,8 +269,9 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
     __shared__ int scratch[SORT_THREADS / WARP];
     __shared__ int warp_totals[SORT_THREADS / WARP];
     const int e = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    constexpr int GROUPS = NUM_EXPERTS + 1;
     int before = 0, tiles_before = 0, tiles_all = 0;
-    for (int i = threadIdx.x; i < NUM_EXPERTS; i += SORT_THREADS) {
+    for (int i = threadIdx.x; i < GROUPS; i += SORT_THREADS) {
         const int n = counts[i], n_tiles = (n + tile_rows - 1) / tile_rows;
         if (i < e) before += n, tiles_before += n_tiles;
         tiles_all += n_tiles;
@@ -274,14 +282,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
     const int count = counts[e];
     if (threadIdx.x == 0) {
         offsets[e] = offset;
-        if (e == NUM_EXPERTS - 1) offsets[NUM_EXPERTS] = offset + count, *tile_count = total_tiles;
+        if (e == GROUPS - 1) offsets[GROUPS] = offset + count, *tile_count = total_tiles;
     }
     for (int j = threadIdx.x; j * tile_rows < count; j += SORT_THREADS) {
         tiles[2 * (first_tile + j)] = e;
         tiles[2 * (first_tile + j) + 1] = offset + j * tile_rows;
     }
     // Four consecutive entries a thread per pass; ranks from a warp scan of the match counts, then the warps'.
-    const int n_entries = t * TOP_K;
+    const int n_entries = t * MOE_SLOTS;
     int rank = offset;
     for (int base = 0; base < n_entries; base += 4 * SORT_THREADS) {
         const int i0 = base + 4 * threadIdx.x;
@@ -313,17 +321,15 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
     }
 }
 
-// hidden[r] += sum_slot expert_out[r * TOP_K + slot] + shared_w[r] * shared_out[r]. Grid (t).
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) moe_combine(float* hidden, const float* expert_out,
-                                                                     const float* shared_out,
-                                                                     const float* shared_w) {
+// hidden[r] += the sum over slots of expert_out[r * MOE_SLOTS + slot] (each already weighted; the shared expert's
+// last). Grid (t).
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) moe_combine(float* hidden, const float* expert_out) {
     wait_previous();
     const size_t r = blockIdx.x;
-    const float gate = shared_w[r];
     for (int c = threadIdx.x; c < HIDDEN; c += ROW_THREADS) {
         float s = 0.f;
 #pragma unroll
-        for (int k = 0; k < TOP_K; k++) s += expert_out[(r * TOP_K + k) * HIDDEN + c];
-        hidden[r * HIDDEN + c] += s + gate * shared_out[r * HIDDEN + c];
+        for (int k = 0; k < MOE_SLOTS; k++) s += expert_out[(r * MOE_SLOTS + k) * HIDDEN + c];
+        hidden[r * HIDDEN + c] += s;
     }
 }

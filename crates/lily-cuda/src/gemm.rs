@@ -1,6 +1,6 @@
 //! The prefill's matrix products on the tensor cores (kernels/gemm.cu): bf16 activations times the 4-bit weights
-//! (the router's 8-bit) as they lie in memory, f32 out; the shared expert's gate/up pair with its SwiGLU; the
-//! routed experts' grouped products over the entries sorted by expert.
+//! (the router's 8-bit) as they lie in memory, f32 out; a gate/up pair with its SwiGLU; the experts' grouped
+//! products over the entries sorted by expert (the shared expert is one more expert there).
 //!
 //! Launch geometry (the constants mirror gemm.cu): blocks of 256 threads; a block covers 256 weight rows (a
 //! gate/up pair: 128 rows of each) by 64 or 128 activation rows, grid (weight-row blocks, activation-row blocks)
@@ -224,8 +224,26 @@ pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
 /// entries. The grouped products launch this many tile rows of blocks (those past the routing's tile count return
 /// at once), so a launch for few tokens sizes it by those tokens, not by the scratch's capacity.
 pub fn max_tiles(config: &Config, tokens: usize, tile_rows: usize) -> usize {
-    let entries = tokens * config.num_experts_per_tok;
-    (entries.div_ceil(tile_rows) + config.num_experts).min(entries)
+    let entries = tokens * moe_slots(config);
+    (entries.div_ceil(tile_rows) + config.num_experts + 1).min(entries)
+}
+
+/// A token's entries in the grouped expert products: its routed experts, then the shared expert, which the sort
+/// and the products take as expert number `num_experts` (its width is the routed experts'; `CudaModel::new`
+/// checks).
+pub fn moe_slots(config: &Config) -> usize {
+    config.num_experts_per_tok + 1
+}
+
+/// The matrices of the grouped expert products: the routed experts' stacked gate, up and down, and the shared
+/// expert's, which the products take as one more expert.
+pub struct Experts<'a> {
+    pub gate: &'a GpuMatrix,
+    pub up: &'a GpuMatrix,
+    pub down: &'a GpuMatrix,
+    pub shared_gate: &'a GpuMatrix,
+    pub shared_up: &'a GpuMatrix,
+    pub shared_down: &'a GpuMatrix,
 }
 
 /// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (the
@@ -237,7 +255,7 @@ pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usi
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
-/// entry), `offsets` (i32 `[experts + 1]`, each expert's first sorted index), `tiles` (i32 `[max_tiles][2]`: an
+/// entry), `offsets` (i32 `[experts + 2]`, each expert's first sorted index, the shared expert's last), `tiles` (i32 `[max_tiles][2]`: an
 /// expert and its tile's first sorted index), `tile_count` (i32: tiles in use) and the tile height the sort used
 /// (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels.
 pub struct Sorted {
@@ -277,16 +295,9 @@ fn grouped_dims(l: &Launcher, col_blocks: &'static str, s: &Sorted, small_smem: 
 }
 
 /// `act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token]))` for every sorted entry i (token = entries[i] /
-/// top_k, e its expert); `x` bf16 `[tokens][hidden]`, `act` bf16 `[tokens * top_k][moe inter]`. Blocks past
-/// `*tile_count` return at once.
-pub fn moe_gate_up(
-    l: &mut Launcher,
-    x: DevPtr<bf16>,
-    s: &Sorted,
-    gate: &GpuMatrix,
-    up: &GpuMatrix,
-    act: DevPtr<bf16>,
-) -> Result<()> {
+/// moe_slots, e its expert, the shared one for e = experts); `x` bf16 `[tokens][hidden]`, `act` bf16
+/// `[tokens * moe_slots][moe inter]`. Blocks past `*tile_count` return at once.
+pub fn moe_gate_up(l: &mut Launcher, x: DevPtr<bf16>, s: &Sorted, m: &Experts, act: DevPtr<bf16>) -> Result<()> {
     let dims = grouped_dims(l, "moe_gate_up_col_blocks", s, "moe_gate_up_small_smem");
     let launch = match s.small(l.kernels) {
         true => gemm::moe_gate_up_small,
@@ -300,20 +311,22 @@ pub fn moe_gate_up(
         s.tiles,
         s.tile_count,
         s.offsets,
-        gate.q4(),
-        up.q4(),
+        m.gate.q4(),
+        m.up.q4(),
+        m.shared_gate.q4(),
+        m.shared_up.q4(),
         act,
     )
 }
 
 /// `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])` for every sorted entry i; `out` f32
-/// `[tokens * top_k][hidden]` and `route_w` f32 `[tokens * top_k]`, both by entry.
+/// `[tokens * moe_slots][hidden]` and `route_w` f32 `[tokens * moe_slots]`, both by entry.
 pub fn moe_down(
     l: &mut Launcher,
     act: DevPtr<bf16>,
     s: &Sorted,
     route_w: DevPtr<f32>,
-    down: &GpuMatrix,
+    m: &Experts,
     out: DevPtr<f32>,
 ) -> Result<()> {
     let dims = grouped_dims(l, "moe_down_col_blocks", s, "moe_down_small_smem");
@@ -330,7 +343,8 @@ pub fn moe_down(
         s.tile_count,
         s.offsets,
         route_w,
-        down.q4(),
+        m.down.q4(),
+        m.shared_down.q4(),
         out,
     )
 }

@@ -40,31 +40,28 @@ pub struct PrefillScratch {
     pub(crate) proj: DevBuf<f32>,
     /// f32 `[chunk][experts + 1]`: router logits, then the shared expert's gate logit.
     pub(crate) router_logits: DevBuf<f32>,
-    /// `[chunk * top_k]` by entry `token * top_k + slot`: expert ids (i32) and routing weights (f32).
+    /// `[chunk * slots]` by entry `token * slots + slot` (slots: [`gemm::moe_slots`], the routed experts, then the
+    /// shared one as expert number `experts` with its sigmoid gate): expert ids (i32) and weights (f32).
     pub(crate) route_ids: DevBuf<i32>,
     pub(crate) route_w: DevBuf<f32>,
-    /// f32 `[chunk]`: sigmoid of the shared expert's gate.
-    pub(crate) shared_w: DevBuf<f32>,
-    /// i32 `[experts]`, `[experts + 1]`, `[chunk * top_k]`, `[max_tiles][2]`, `[1]`: the sort by expert.
+    /// i32 `[experts + 1]`, `[experts + 2]`, `[chunk * slots]`, `[max_tiles][2]`, `[1]`: the sort by expert.
     pub(crate) counts: DevBuf<i32>,
     pub(crate) offsets: DevBuf<i32>,
     pub(crate) entries: DevBuf<i32>,
     pub(crate) tiles: DevBuf<i32>,
     pub(crate) tile_count: DevBuf<i32>,
     pub(crate) max_tiles: usize,
-    /// bf16 `[chunk * top_k][moe inter]` by sorted entry; bf16 `[chunk][shared inter]`.
+    /// bf16 `[chunk * slots][moe inter]` by sorted entry.
     pub(crate) act: DevBuf<bf16>,
-    pub(crate) shared_act: DevBuf<bf16>,
-    /// f32 `[chunk * top_k][hidden]` by entry; f32 `[chunk][hidden]`.
+    /// f32 `[chunk * slots][hidden]` by entry, weighted.
     pub(crate) expert_out: DevBuf<f32>,
-    pub(crate) shared_out: DevBuf<f32>,
     pub(crate) deltanet: DeltaNetScratch,
     pub(crate) attn: AttentionScratch,
 }
 
 impl PrefillScratch {
     pub fn new(gpu: &Gpu, kernels: &Kernels, c: &Config, chunk: usize) -> Result<PrefillScratch> {
-        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+        let (h, k) = (c.hidden_size, gemm::moe_slots(c));
         let proj_rows = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(2 * c.q_dim() + 2 * c.kv_dim());
         let max_tiles = gemm::max_tiles_up_to(kernels, c, chunk);
@@ -78,17 +75,14 @@ impl PrefillScratch {
             router_logits: gpu.alloc(chunk * (c.num_experts + 1))?,
             route_ids: gpu.alloc(chunk * k)?,
             route_w: gpu.alloc(chunk * k)?,
-            shared_w: gpu.alloc(chunk)?,
-            counts: gpu.alloc(c.num_experts)?,
-            offsets: gpu.alloc(c.num_experts + 1)?,
+            counts: gpu.alloc(c.num_experts + 1)?,
+            offsets: gpu.alloc(c.num_experts + 2)?,
             entries: gpu.alloc(chunk * k)?,
             tiles: gpu.alloc(max_tiles * 2)?,
             tile_count: gpu.alloc(1)?,
             max_tiles,
             act: gpu.alloc(chunk * k * c.moe_intermediate_size)?,
-            shared_act: gpu.alloc(chunk * c.shared_expert_intermediate_size)?,
             expert_out: gpu.alloc(chunk * k * h)?,
-            shared_out: gpu.alloc(chunk * h)?,
             deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
             attn: AttentionScratch::new(gpu, c, chunk)?,
         })
@@ -225,21 +219,10 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
     route_and_sort(l, c, s, t)?;
     let sorted = s.sorted(l.kernels, c, t);
-    gemm::moe_gate_up(l, normed, &sorted, &layer.experts_gate, &layer.experts_up, s.act.ptr())?;
-    let route_w = s.route_w.ptr();
-    gemm::moe_down(
-        l,
-        s.act.ptr(),
-        &sorted,
-        route_w,
-        &layer.experts_down,
-        s.expert_out.ptr(),
-    )?;
-    gemm::gemm_swiglu(l, normed, t, &layer.shared_gate, &layer.shared_up, s.shared_act.ptr())?;
-    gemm::gemm(l, s.shared_act.ptr(), t, &layer.shared_down, s.shared_out.ptr(), false)?;
-    let (expert_out, shared_out, shared_w) = (s.expert_out.ptr(), s.shared_out.ptr(), s.shared_w.ptr());
-    prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out, shared_out, shared_w)?;
-    Ok(())
+    let experts = layer.experts();
+    gemm::moe_gate_up(l, normed, &sorted, &experts, s.act.ptr())?;
+    gemm::moe_down(l, s.act.ptr(), &sorted, s.route_w.ptr(), &experts, s.expert_out.ptr())?;
+    prefill::moe_combine(l, rows, s.hidden.ptr(), s.expert_out.ptr())
 }
 
 /// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32); more take the tensor-core
@@ -286,7 +269,7 @@ pub(crate) fn router_logits(
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of
 /// their (token, slot) entries by expert, with the tiles of the grouped products.
 pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t: usize) -> Result<()> {
-    l.gpu.memset_u32(s.counts.ptr(), 0, c.num_experts)?;
+    l.gpu.memset_u32(s.counts.ptr(), 0, c.num_experts + 1)?;
     let warps_per_block = ROW_THREADS as usize / 32;
     prefill::route_rows(
         l,
@@ -295,13 +278,12 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         t as i32,
         s.route_ids.ptr(),
         s.route_w.ptr(),
-        s.shared_w.ptr(),
         s.counts.ptr(),
     )?;
     let tile_rows = gemm::moe_tile_rows(l.kernels, t) as i32;
     prefill::moe_sort(
         l,
-        Dims::linear(c.num_experts as u32, 256),
+        Dims::linear(c.num_experts as u32 + 1, 256),
         s.route_ids.ptr(),
         t as i32,
         s.counts.ptr(),

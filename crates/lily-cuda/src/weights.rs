@@ -114,6 +114,20 @@ pub struct GpuLayer {
     pub shared_down: GpuMatrix,
 }
 
+impl GpuLayer {
+    /// The matrices of the layer's grouped expert products (the routed experts and the shared one).
+    pub fn experts(&self) -> crate::gemm::Experts<'_> {
+        crate::gemm::Experts {
+            gate: &self.experts_gate,
+            up: &self.experts_up,
+            down: &self.experts_down,
+            shared_gate: &self.shared_gate,
+            shared_up: &self.shared_up,
+            shared_down: &self.shared_down,
+        }
+    }
+}
+
 pub struct GpuWeights {
     pub embed_tokens: GpuMatrix,
     pub layers: Vec<GpuLayer>,

@@ -53,6 +53,8 @@ launchers! {
         offsets: DevPtr<i32>,
         gate: Q4,
         up: Q4,
+        shared_gate: Q4,
+        shared_up: Q4,
         act: DevPtr<bf16>,
     );
     /// `moe_gate_up` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
@@ -64,9 +66,11 @@ launchers! {
         offsets: DevPtr<i32>,
         gate: Q4,
         up: Q4,
+        shared_gate: Q4,
+        shared_up: Q4,
         act: DevPtr<bf16>,
     );
-    /// The routed experts' down products, scaled by the routing weights, by entry.
+    /// The experts' down products (the shared expert's too), scaled by the routing weights, by entry.
     moe_down(
         act: DevPtr<bf16>,
         entries: DevPtr<i32>,
@@ -75,6 +79,7 @@ launchers! {
         offsets: DevPtr<i32>,
         route_w: DevPtr<f32>,
         down: Q4,
+        shared_down: Q4,
         out: DevPtr<f32>,
     );
     /// `moe_down` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
@@ -86,6 +91,7 @@ launchers! {
         offsets: DevPtr<i32>,
         route_w: DevPtr<f32>,
         down: Q4,
+        shared_down: Q4,
         out: DevPtr<f32>,
     );
 }

@@ -23,15 +23,9 @@ launchers! {
     /// `logits[t][e] = router[e] . (x_hi[t] + x_lo[t])` in f32 for the experts' and the shared gate's rows, `t < m`;
     /// grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens).
     router_rows(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
-    /// Each token's top-k experts and weights, the shared expert's gate, and the count of entries per expert.
-    route_rows(
-        logits: DevPtr<f32>,
-        t: i32,
-        route_ids: DevPtr<i32>,
-        route_w: DevPtr<f32>,
-        shared_w: DevPtr<f32>,
-        counts: DevPtr<i32>,
-    );
+    /// Each token's top-k experts and weights, then the shared expert (number `experts`) and its gate, and the
+    /// count of entries per expert.
+    route_rows(logits: DevPtr<f32>, t: i32, route_ids: DevPtr<i32>, route_w: DevPtr<f32>, counts: DevPtr<i32>);
     /// The entries stably sorted by expert, each expert's offset, and the tiles of `tile_rows` entries.
     moe_sort(
         route_ids: DevPtr<i32>,
@@ -43,6 +37,6 @@ launchers! {
         tiles: DevPtr<i32>,
         tile_count: DevPtr<i32>,
     );
-    /// `hidden[r] += sum of the routed outputs + shared_w[r] * shared_out[r]`.
-    moe_combine(hidden: DevPtr<f32>, expert_out: DevPtr<f32>, shared_out: DevPtr<f32>, shared_w: DevPtr<f32>);
+    /// `hidden[r] +=` the sum of row r's weighted expert outputs (the shared expert's last).
+    moe_combine(hidden: DevPtr<f32>, expert_out: DevPtr<f32>);
 }

@@ -3,13 +3,15 @@
 
 use half::bf16;
 use lily_model::cpu::linalg::{qmatmul, silu};
-use lily_model::quant::{Blob, QMatrix};
+use lily_model::quant::{Blob, QMatrix, QView};
 use lily_model::rng::Rng;
 use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, Gpu, Result};
-use crate::gemm::{gemm_planned, gemm_swiglu_planned, max_tiles, moe_down, moe_gate_up, plan, Plan, Sorted, K_STEP};
+use crate::gemm::{
+    gemm_planned, gemm_swiglu_planned, max_tiles, moe_down, moe_gate_up, moe_slots, plan, Experts, Plan, Sorted, K_STEP,
+};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::weights::{upload, GpuMatrix};
@@ -203,13 +205,24 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         random_q4(&mut rng, experts * inter, h),
     );
     let down = random_q4(&mut rng, experts * h, inter);
+    let shared = [
+        random_q4(&mut rng, inter, h),
+        random_q4(&mut rng, inter, h),
+        random_q4(&mut rng, h, inter),
+    ];
     let experts_q4 = MoeMatrices {
         g_gate: upload(gpu, &gate)?,
         g_up: upload(gpu, &up)?,
         g_down: upload(gpu, &down)?,
+        g_shared: [
+            upload(gpu, &shared[0])?,
+            upload(gpu, &shared[1])?,
+            upload(gpu, &shared[2])?,
+        ],
         gate,
         up,
         down,
+        shared,
     };
     // Both tilings at every token count: the small one (what up to 512 tokens take) and the large one.
     let tilings = [
@@ -224,18 +237,44 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     gpu.sync()
 }
 
-/// The stacked expert matrices on the CPU and the GPU.
+/// The stacked expert matrices and the shared expert's gate, up and down, on the CPU and the GPU.
 struct MoeMatrices {
     gate: QMatrix,
     up: QMatrix,
     down: QMatrix,
+    shared: [QMatrix; 3],
     g_gate: GpuMatrix,
     g_up: GpuMatrix,
     g_down: GpuMatrix,
+    g_shared: [GpuMatrix; 3],
+}
+
+impl MoeMatrices {
+    fn experts(&self) -> Experts<'_> {
+        Experts {
+            gate: &self.g_gate,
+            up: &self.g_up,
+            down: &self.g_down,
+            shared_gate: &self.g_shared[0],
+            shared_up: &self.g_shared[1],
+            shared_down: &self.g_shared[2],
+        }
+    }
+
+    /// Expert e's rows of matrix `which` (0 gate, 1 up, 2 down); e = experts is the shared expert.
+    fn rows(&self, which: usize, e: usize, experts: usize) -> QView<'_> {
+        let stacked = [&self.gate, &self.up, &self.down][which];
+        let rows = stacked.rows / experts;
+        match e < experts {
+            true => stacked.rows_view(e * rows, rows),
+            false => self.shared[which].rows_view(0, rows),
+        }
+    }
 }
 
 /// The grouped expert products on a routing built here: every token picks TOP_K distinct experts, half the
-/// tokens three "hot" ones among them (so some experts fill several whole tiles while most have a partial one).
+/// tokens three "hot" ones among them (so some experts fill several whole tiles while most have a partial one),
+/// and then the shared expert (number `experts`), as the routing kernel leaves them.
 fn check_moe(
     l: &mut Launcher,
     config: &Config,
@@ -246,14 +285,15 @@ fn check_moe(
     report: &mut Report,
 ) -> Result<()> {
     let gpu = l.gpu;
-    let (h, inter, experts, top_k) = (
+    let (h, inter, experts, top_k, slots) = (
         config.hidden_size,
         config.moe_intermediate_size,
         config.num_experts,
         config.num_experts_per_tok,
+        moe_slots(config),
     );
     let hot = [1, experts / 2, experts - 1];
-    let mut expert_of = Vec::with_capacity(tokens * top_k);
+    let mut expert_of = Vec::with_capacity(tokens * slots);
     for _ in 0..tokens {
         let mut chosen: Vec<usize> = if rng.uniform() < 0.5 { hot.to_vec() } else { Vec::new() };
         while chosen.len() < top_k {
@@ -262,20 +302,22 @@ fn check_moe(
                 chosen.push(e);
             }
         }
+        chosen.push(experts);
         expert_of.extend(chosen);
     }
-    // Entries `token * top_k + slot`, stably sorted by expert; tiles of up to `tile_rows` sorted entries.
-    let mut offsets = vec![0i32; experts + 1];
+    // Entries `token * slots + slot`, stably sorted by expert; tiles of up to `tile_rows` sorted entries.
+    let groups = experts + 1;
+    let mut offsets = vec![0i32; groups + 1];
     for &e in &expert_of {
         offsets[e + 1] += 1;
     }
-    for e in 0..experts {
+    for e in 0..groups {
         offsets[e + 1] += offsets[e];
     }
-    let mut entries: Vec<i32> = (0..(tokens * top_k) as i32).collect();
+    let mut entries: Vec<i32> = (0..(tokens * slots) as i32).collect();
     entries.sort_by_key(|&entry| expert_of[entry as usize]);
     let mut tiles = Vec::new();
-    for e in 0..experts {
+    for e in 0..groups {
         let (start, end) = (offsets[e] as usize, offsets[e + 1] as usize);
         tiles.extend(
             (start..end)
@@ -309,24 +351,23 @@ fn check_moe(
     };
 
     // Gate/up: act by sorted index.
-    let (gate, up, g_gate, g_up) = (&m.gate, &m.up, &m.g_gate, &m.g_up);
     let (x_bits, x) = bf16_normals(rng, tokens * h);
     let x_buf = gpu.upload_new(&x_bits)?;
-    let act = gpu.alloc::<bf16>(tokens * top_k * inter)?;
+    let act = gpu.alloc::<bf16>(tokens * slots * inter)?;
     gpu.memset_u32(act.ptr(), NAN_BF16X2, act.bytes() / 4)?;
-    moe_gate_up(l, x_buf.ptr(), &sorted, g_gate, g_up, act.ptr())?;
-    let mut expected = vec![0.0; tokens * top_k * inter];
-    for e in 0..experts {
+    moe_gate_up(l, x_buf.ptr(), &sorted, &m.experts(), act.ptr())?;
+    let mut expected = vec![0.0; tokens * slots * inter];
+    for e in 0..groups {
         let xs: Vec<f32> = rows_of(e)
-            .flat_map(|entry| x[entry / top_k * h..][..h].iter().copied())
+            .flat_map(|entry| x[entry / slots * h..][..h].iter().copied())
             .collect();
         let n = xs.len() / h;
         if n == 0 {
             continue;
         }
         let (mut g, mut u) = (vec![0.0; n * inter], vec![0.0; n * inter]);
-        qmatmul(gate.rows_view(e * inter, inter), &xs, &mut g);
-        qmatmul(up.rows_view(e * inter, inter), &xs, &mut u);
+        qmatmul(m.rows(0, e, experts), &xs, &mut g);
+        qmatmul(m.rows(1, e, experts), &xs, &mut u);
         let dest = &mut expected[offsets[e] as usize * inter..][..n * inter];
         for ((d, g), u) in dest.iter_mut().zip(&g).zip(&u) {
             *d = silu(*g) * u;
@@ -335,21 +376,20 @@ fn check_moe(
     let name = format!("moe_gate_up ({tokens} tokens, {tile_count} tiles of {tile_rows}, bf16 out)");
     report.check(
         &name,
-        rel_err(&download_bf16(gpu, &act, tokens * top_k * inter)?, &expected),
+        rel_err(&download_bf16(gpu, &act, tokens * slots * inter)?, &expected),
         TOL_Q4_BF16_OUT,
     );
 
     // Down: an independent bf16 input, out by entry with its routing weight.
-    let (down, g_down) = (&m.down, &m.g_down);
-    let (act_bits, act_in) = bf16_normals(rng, tokens * top_k * inter);
+    let (act_bits, act_in) = bf16_normals(rng, tokens * slots * inter);
     gpu.upload(act.ptr(), &act_bits)?;
-    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform()).collect();
+    let route_w: Vec<f32> = (0..tokens * slots).map(|_| rng.uniform()).collect();
     let route_buf = gpu.upload_new(&route_w)?;
-    let out = gpu.alloc(tokens * top_k * h)?;
+    let out = gpu.alloc(tokens * slots * h)?;
     poison(gpu, &out)?;
-    moe_down(l, act.ptr(), &sorted, route_buf.ptr(), g_down, out.ptr())?;
-    let mut expected = vec![0.0; tokens * top_k * h];
-    for e in 0..experts {
+    moe_down(l, act.ptr(), &sorted, route_buf.ptr(), &m.experts(), out.ptr())?;
+    let mut expected = vec![0.0; tokens * slots * h];
+    for e in 0..groups {
         let first = offsets[e] as usize;
         let n = offsets[e + 1] as usize - first;
         if n == 0 {
@@ -357,7 +397,7 @@ fn check_moe(
         }
         let mut y = vec![0.0; n * h];
         qmatmul(
-            down.rows_view(e * h, h),
+            m.rows(2, e, experts),
             &act_in[first * inter..(first + n) * inter],
             &mut y,
         );
@@ -370,7 +410,7 @@ fn check_moe(
     let name = format!("moe_down ({tokens} tokens, {tile_count} tiles of {tile_rows}, weighted, by entry)");
     report.check(
         &name,
-        rel_err(&download_f32(gpu, &out, tokens * top_k * h)?, &expected),
+        rel_err(&download_f32(gpu, &out, tokens * slots * h)?, &expected),
         TOL_Q4,
     );
     Ok(())

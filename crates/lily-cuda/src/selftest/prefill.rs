@@ -7,6 +7,7 @@ use lily_model::rng::Rng;
 
 use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{Gpu, Result};
+use crate::gemm::moe_slots;
 use crate::kernels::{prefill, Kernels};
 use crate::launch::{Dims, Launcher};
 use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROUTER_ROWS_MAX_TOKENS, ROW_THREADS};
@@ -24,7 +25,7 @@ pub(crate) fn check(
     report: &mut Report,
 ) -> Result<()> {
     let c = &w.config;
-    let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+    let (h, e, k, slots) = (c.hidden_size, c.num_experts, c.num_experts_per_tok, moe_slots(c));
     let mut rng = Rng::new(seed ^ 0x9ef111);
     let t = 301;
     let mut l = Launcher::new(gpu, kernels);
@@ -85,45 +86,43 @@ pub(crate) fn check(
     poison(gpu, &s.entries)?;
     let tile_rows = crate::gemm::moe_tile_rows(kernels, t);
     route_and_sort(l, c, &s, t)?;
-    let (mut ids, mut weights) = (vec![0usize; t * k], vec![0.0f32; t * k]);
+    // Each token's slots: its top-k experts, then the shared expert (number e) with its sigmoid gate.
+    let (mut ids, mut weights) = (vec![0usize; t * slots], vec![0.0f32; t * slots]);
     for r in 0..t {
+        let logits = &logits[r * (e + 1)..][..e + 1];
         route(
-            &logits[r * (e + 1)..][..e],
+            &logits[..e],
             k,
-            &mut ids[r * k..][..k],
-            &mut weights[r * k..][..k],
+            &mut ids[r * slots..][..k],
+            &mut weights[r * slots..][..k],
         );
+        ids[r * slots + k] = e;
+        weights[r * slots + k] = sigmoid(logits[e]);
     }
-    let mut gpu_ids = vec![0i32; t * k];
+    let mut gpu_ids = vec![0i32; t * slots];
     gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
     report.check_eq(
-        "route_rows: top-k experts of every token",
+        "route_rows: top-k experts of every token, then the shared expert",
         gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b),
         "",
     );
     report.check(
-        "route_rows: routing weights",
-        rel_err(&download_f32(gpu, &s.route_w, t * k)?, &weights),
+        "route_rows: routing weights and the shared expert's gate",
+        rel_err(&download_f32(gpu, &s.route_w, t * slots)?, &weights),
         1e-5,
     );
-    let shared: Vec<f32> = (0..t).map(|r| sigmoid(logits[r * (e + 1) + e])).collect();
-    report.check(
-        "route_rows: shared expert gate",
-        rel_err(&download_f32(gpu, &s.shared_w, t)?, &shared),
-        1e-6,
-    );
-    let mut order: Vec<usize> = (0..t * k).collect();
+    let mut order: Vec<usize> = (0..t * slots).collect();
     order.sort_by_key(|&i| ids[i]);
-    let mut offsets = vec![0i32; e + 1];
+    let mut offsets = vec![0i32; e + 2];
     let mut tiles = Vec::new();
-    for x in 0..e {
+    for x in 0..=e {
         let n = ids.iter().filter(|&&i| i == x).count();
         offsets[x + 1] = offsets[x] + n as i32;
         tiles.extend((0..n.div_ceil(tile_rows)).flat_map(|j| [x as i32, offsets[x] + (j * tile_rows) as i32]));
     }
-    let mut gpu_entries = vec![0i32; t * k];
+    let mut gpu_entries = vec![0i32; t * slots];
     gpu.download(s.entries.ptr(), &mut gpu_entries)?;
-    let mut gpu_offsets = vec![0i32; e + 1];
+    let mut gpu_offsets = vec![0i32; e + 2];
     gpu.download(s.offsets.ptr(), &mut gpu_offsets)?;
     let mut gpu_count = [0i32];
     gpu.download(s.tile_count.ptr(), &mut gpu_count)?;
@@ -138,21 +137,18 @@ pub(crate) fn check(
     );
 
     // Combine into the residual stream.
-    let expert_out = normals(&mut rng, t * k * h, 1.0);
-    let shared_out = normals(&mut rng, t * h, 1.0);
+    let expert_out = normals(&mut rng, t * slots * h, 1.0);
     gpu.upload(s.expert_out.ptr(), &expert_out)?;
-    gpu.upload(s.shared_out.ptr(), &shared_out)?;
     gpu.upload(s.hidden.ptr(), &hidden)?;
-    let (expert_out_p, shared_out_p, shared_w_p) = (s.expert_out.ptr(), s.shared_out.ptr(), s.shared_w.ptr());
-    prefill::moe_combine(l, rows, s.hidden.ptr(), expert_out_p, shared_out_p, shared_w_p)?;
+    prefill::moe_combine(l, rows, s.hidden.ptr(), s.expert_out.ptr())?;
     let expected: Vec<f32> = (0..t * h)
         .map(|i| {
             let (r, col) = (i / h, i % h);
-            hidden[i] + (0..k).map(|j| expert_out[(r * k + j) * h + col]).sum::<f32>() + shared[r] * shared_out[i]
+            hidden[i] + (0..slots).map(|j| expert_out[(r * slots + j) * h + col]).sum::<f32>()
         })
         .collect();
     report.check(
-        "moe_combine (routed + gated shared + residual)",
+        "moe_combine (weighted routed and shared outputs + residual)",
         rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected),
         1e-5,
     );
@@ -240,7 +236,8 @@ fn check_router(
 
         // The routing of these logits, GPU against the twin's.
         route_and_sort(l, c, s, t)?;
-        let mut gpu_ids = vec![0i32; t * k];
+        let slots = moe_slots(c);
+        let mut gpu_ids = vec![0i32; t * slots];
         gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
         let scale = expected[..t * (e + 1)].iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let (mut differ, mut near_ties) = (0, 0);
@@ -251,7 +248,10 @@ fn check_router(
             let row_max = twin_logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let near_tie = route_margin(twin_logits, &ids) * row_max <= 2.0 * tol as f32 * scale;
             near_ties += near_tie as usize;
-            let same = gpu_ids[r * k..][..k].iter().zip(&ids).all(|(a, b)| *a as usize == *b);
+            let same = gpu_ids[r * slots..][..k]
+                .iter()
+                .zip(&ids)
+                .all(|(a, b)| *a as usize == *b);
             differ += (!same && !near_tie) as usize;
         }
         report.check_eq(
