@@ -428,40 +428,13 @@ __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u
     return (u32)float_to_bf16(siluf_(g0) * u0) | (u32)float_to_bf16(siluf_(g1) * u1) << 16;
 }
 
-// out[m][n] = bf16(silu(a gate^T) * (a up^T)).
-template <class T>
-__device__ __forceinline__ void swiglu_tile(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
-    const int m0 = blockIdx.y * T::BM, n0 = blockIdx.x * T::BN;
-    run_tile<T, true>(
-        min(T::BM, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
-        [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); },
-        [&](int r, int c, float g0, float g1, float u0, float u1) {
-            const int col = n0 + c;
-            bf16* o = out + (size_t)(m0 + r) * n + col;
-            const u32 pair = swiglu_pair(g0, g1, u0, u1);
-            if (n % 2 == 0) {
-                if (col < n) *(u32*)o = pair;
-            } else {
-                if (col < n) o[0] = (bf16)pair;
-                if (col + 1 < n) o[1] = (bf16)(pair >> 16);
-            }
-        });
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
-    gemm_q4_swiglu(const bf16* a, int m, Q4 gate, Q4 up, int n, int k, bf16* out) {
-    if ((int)gridDim.y * 64 >= m) swiglu_tile<Tile<64, 2, 4>>(a, m, gate, up, n, k, out);
-    else swiglu_tile<Tile<128, 2, 4>>(a, m, gate, up, n, k, out);
-}
-
 // ---- Split products: few rows (a short prompt, a batched decode step) ----
 // A product of few rows has few block tiles: out_proj (2048 rows) is 8 tiles of 256 weight rows, so most SMs would
 // idle while each block walks the whole k range alone. The split products cut k into gridDim.z parts, one block
 // per (tile, part), 64-row tiles and two blocks an SM; each block writes its partial tile (f32, the tile's valid
-// rows by its 256 weight rows) to its slot of `gemm_partials`. A second launch, gemm_split_sum (or
-// gemm_swiglu_split_sum), then sums every output element's parts in the order of k (part 0 first, so the sum does
-// not depend on which block finished when) with one thread per 4 columns, and applies the product's epilogue
-// (accumulate, or SwiGLU). Launches on one stream run one after another, so they share the slots; the host keeps
+// rows by its 256 weight rows) to its slot of `gemm_partials`. A second launch, gemm_split_sum, then sums every
+// output element's parts in the order of k (part 0 first, so the sum does not depend on which block finished
+// when) with one thread per 4 columns, and applies the product's epilogue (accumulate). Launches on one stream run one after another, so they share the slots; the host keeps
 // tiles x parts within `gemm_split_blocks`. A part of k is whole quantization groups (k steps), so each part loads
 // and dequantizes as the unsplit kernel does; only the order of the f32 sum over k changes (by parts, then within
 // each part).
@@ -510,16 +483,9 @@ __device__ __forceinline__ void split_partial(int rows, int k, ARow a_row, WRow 
         return wr;
     };
     const int k_part = (steps.y - steps.x) * KT;
-    if constexpr (T::NMAT == 1) {
-        run_tile<T, true>(rows, k_part, a_part, w_part, [&](int r, int c, float v0, float v1) {
-            *(float2*)(slot + r * WROWS + c) = make_float2(v0, v1);
-        });
-    } else {
-        run_tile<T, true>(rows, k_part, a_part, w_part, [&](int r, int c, float g0, float g1, float u0, float u1) {
-            *(float2*)(slot + r * WROWS + c) = make_float2(g0, g1);
-            *(float2*)(slot + r * WROWS + WROWS / 2 + c) = make_float2(u0, u1);
-        });
-    }
+    run_tile<T, true>(rows, k_part, a_part, w_part, [&](int r, int c, float v0, float v1) {
+        *(float2*)(slot + r * WROWS + c) = make_float2(v0, v1);
+    });
 }
 
 template <int BITS>
@@ -539,17 +505,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     gemm_q8_split(const bf16* a, int m, Q4 w, int n, int k) {
     dense_split<8>(a, m, w, n, k);
-}
-
-// The gate/up pair split along k: the partial tile holds the gate sums in columns 0..127 and the up sums in
-// 128..255.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    gemm_q4_swiglu_split(const bf16* a, int m, Q4 gate, Q4 up, int n, int k) {
-    typedef Tile<SPLIT_ROWS, 2, 4> T;
-    const int m0 = blockIdx.y * SPLIT_ROWS, n0 = blockIdx.x * T::BN;
-    split_partial<T>(
-        min(SPLIT_ROWS, m - m0), k, [&](int r) { return a + (size_t)(m0 + r) * k; },
-        [&](int mat, int c) { return weight_row(mat ? up : gate, n0 + c, n0 + c < n, k, 4); });
 }
 
 // The sum over `parts` parts, in order, of the 4 partial columns `col` .. `col` + 3 of tile column block `cb` at
@@ -597,31 +552,6 @@ extern "C" __global__ void __launch_bounds__(256)
         } else {
             o[e] = accumulate ? o[e] + v[e] : v[e];
             if (col + e + 1 < n) o[e + 1] = accumulate ? o[e + 1] + v[e + 1] : v[e + 1];
-        }
-    }
-}
-
-// out[m][n] = bf16(silu(gate sums) * (up sums)) of gemm_q4_swiglu_split's parts: a tile covers 128 output
-// columns, its gate sums in partial columns 0..127 and its up sums in 128..255.
-extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_split_sum(int m, int n, int parts, bf16* out) {
-    wait_previous();
-    const int per_row = (n + 3) / 4;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= m * per_row) return;
-    const int r = i / per_row, col = 4 * (i % per_row);
-    const int col_blocks = (n + WROWS / 2 - 1) / (WROWS / 2), cb = col / (WROWS / 2), c = col % (WROWS / 2);
-    const float4 g = split_sum(r, cb, c, col_blocks, m, parts);
-    const float4 u = split_sum(r, cb, WROWS / 2 + c, col_blocks, m, parts);
-    const u32 pairs[2] = {swiglu_pair(g.x, g.y, u.x, u.y), swiglu_pair(g.z, g.w, u.z, u.w)};
-    bf16* o = out + (size_t)r * n + col;
-#pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-        if (col + e >= n) break;
-        if (n % 2 == 0) {
-            *(u32*)(o + e) = pairs[e / 2];
-        } else {
-            o[e] = (bf16)pairs[e / 2];
-            if (col + e + 1 < n) o[e + 1] = (bf16)(pairs[e / 2] >> 16);
         }
     }
 }

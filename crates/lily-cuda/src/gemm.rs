@@ -1,6 +1,6 @@
 //! The prefill's matrix products on the tensor cores (kernels/gemm.cu): bf16 activations times the 4-bit weights
-//! (the router's 8-bit) as they lie in memory, f32 out; a gate/up pair with its SwiGLU; the experts' grouped
-//! products over the entries sorted by expert (the shared expert is one more expert there).
+//! (the router's 8-bit) as they lie in memory, f32 out; the experts' grouped products over the entries sorted by
+//! expert (the shared expert is one more expert there), gate/up with their SwiGLU and down.
 //!
 //! Launch geometry (the constants mirror gemm.cu): blocks of 256 threads; a block covers 256 weight rows (a
 //! gate/up pair: 128 rows of each) by 64 or 128 activation rows, grid (weight-row blocks, activation-row blocks)
@@ -167,45 +167,6 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, 
     Dims::new((x, y, parts as u32), THREADS).shared(shared_bytes(l.kernels, rows, bits))
 }
 
-/// `out[m][n] = bf16(silu(a gate^T) * (a up^T))`, bf16 `a` and `out` row-major, n = gate.rows, k = gate.cols.
-pub fn gemm_swiglu(
-    l: &mut Launcher,
-    a: DevPtr<bf16>,
-    m: usize,
-    gate: &GpuMatrix,
-    up: &GpuMatrix,
-    out: DevPtr<bf16>,
-) -> Result<()> {
-    let col_blocks = gate.rows.div_ceil(WEIGHT_ROWS / 2);
-    let plan = plan(l.kernels, m, col_blocks, gate.cols / K_STEP, l.gpu.sm_count);
-    gemm_swiglu_planned(l, a, m, gate, up, out, plan)
-}
-
-pub(crate) fn gemm_swiglu_planned(
-    l: &mut Launcher,
-    a: DevPtr<bf16>,
-    m: usize,
-    gate: &GpuMatrix,
-    up: &GpuMatrix,
-    out: DevPtr<bf16>,
-    plan: Plan,
-) -> Result<()> {
-    assert!(
-        gate.bits == 4 && up.bits == 4 && gate.rows == up.rows && gate.cols == up.cols,
-        "gate and up: 4-bit, one shape"
-    );
-    let dims = planned_dims(l, m, gate.cols, gate.rows.div_ceil(WEIGHT_ROWS / 2), 4, plan);
-    let (n, k) = (gate.rows as i32, gate.cols as i32);
-    match plan {
-        Plan::Tiles(_) => gemm::gemm_q4_swiglu(l, dims, a, m as i32, gate.q4(), up.q4(), n, k, out),
-        Plan::Split(parts) => {
-            gemm::gemm_q4_swiglu_split(l, dims, a, m as i32, gate.q4(), up.q4(), n, k)?;
-            let sum = sum_dims(m * gate.rows.div_ceil(4));
-            gemm::gemm_swiglu_split_sum(l, sum, m as i32, n, parts as i32, out)
-        }
-    }
-}
-
 /// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile,
 /// several quantization groups a pipeline stage): up to 16 entries per expert on average, so few experts fill
 /// more than one 32-row tile. Longer prompts take 64-row tiles.
@@ -255,9 +216,9 @@ pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usi
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
-/// entry), `offsets` (i32 `[experts + 2]`, each expert's first sorted index, the shared expert's last), `tiles` (i32 `[max_tiles][2]`: an
-/// expert and its tile's first sorted index), `tile_count` (i32: tiles in use) and the tile height the sort used
-/// (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels.
+/// entry), `offsets` (i32 `[experts + 2]`, each expert's first sorted index, the shared expert's last, then the
+/// end), `tiles` (i32 `[max_tiles][2]`: an expert and its tile's first sorted index), `tile_count` (i32: tiles in
+/// use) and the tile height the sort used (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels.
 pub struct Sorted {
     pub entries: DevPtr<i32>,
     pub tiles: DevPtr<i32>,

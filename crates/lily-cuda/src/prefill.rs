@@ -203,8 +203,8 @@ fn deltanet_mixer(
 }
 
 /// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden` (added to them): the post-attention norm,
-/// the router, the sort of the (row, slot) entries by expert, the grouped expert products, the shared expert and
-/// the combination. A prefill chunk and a batched decode step both run it, one row a token.
+/// the router, the sort of the (row, slot) entries by expert (the shared expert is each row's last slot), the
+/// grouped expert products and the combination. A prefill chunk and a batched decode step both run it, one row a token.
 pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &PrefillScratch, t: usize) -> Result<()> {
     let rows = Dims::linear(t as u32, ROW_THREADS);
     let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());

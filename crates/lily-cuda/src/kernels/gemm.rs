@@ -31,19 +31,13 @@ launchers! {
     gemm_q4(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// The same with 8-bit weights.
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
-    /// `out = bf16(silu(a gate^T) * (a up^T))`.
-    gemm_q4_swiglu(a: DevPtr<bf16>, m: i32, gate: Q4, up: Q4, n: i32, k: i32, out: DevPtr<bf16>);
     /// `gemm_q4`'s partial products over `gridDim.z` parts of k, into the split products' slots (few rows).
     gemm_q4_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
     /// The same with 8-bit weights.
     gemm_q8_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
-    /// `gemm_q4_swiglu`'s partial gate and up products over `gridDim.z` parts of k.
-    gemm_q4_swiglu_split(a: DevPtr<bf16>, m: i32, gate: Q4, up: Q4, n: i32, k: i32);
     /// `out[m][n]` (`+=` where `accumulate` is 1) = the sum in order of the `parts` partial products of a split
     /// product.
     gemm_split_sum(m: i32, n: i32, parts: i32, out: DevPtr<f32>, accumulate: i32);
-    /// `out = bf16(silu(gate) * up)` from the summed parts of `gemm_q4_swiglu_split`.
-    gemm_swiglu_split_sum(m: i32, n: i32, parts: i32, out: DevPtr<bf16>);
     /// The routed experts' gate/up products with SwiGLU, one tile of sorted entries per block row.
     moe_gate_up(
         x: DevPtr<bf16>,

@@ -9,9 +9,7 @@ use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, Gpu, Result};
-use crate::gemm::{
-    gemm_planned, gemm_swiglu_planned, max_tiles, moe_down, moe_gate_up, moe_slots, plan, Experts, Plan, Sorted, K_STEP,
-};
+use crate::gemm::{gemm_planned, max_tiles, moe_down, moe_gate_up, moe_slots, plan, Experts, Plan, Sorted, K_STEP};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::weights::{upload, GpuMatrix};
@@ -160,39 +158,6 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                     &name,
                     rel_err(&download_f32(gpu, &out, m * n)?, &expected[..m * n]),
                     if bits == 8 { TOL_Q8 } else { TOL_Q4 },
-                );
-            }
-        }
-    }
-
-    // The shared expert's gate/up with SwiGLU, bf16 out.
-    let swiglu: [(Vec<usize>, usize, usize); 4] = [
-        (short.iter().copied().chain([7]).collect(), h, 131),
-        (vec![1, 16, 300], h, config.shared_expert_intermediate_size),
-        (vec![1000], h, 130),
-        (short.clone(), FULL_HIDDEN, FULL_SHARED_INTER),
-    ];
-    for (ms, k, n) in swiglu {
-        let max_m = *ms.iter().max().unwrap();
-        let (a_bits, a) = bf16_normals(&mut rng, max_m * k);
-        let gate = QMatrix::quantize(&normals(&mut rng, n * k, 1.0), n, k, 4);
-        let up = QMatrix::quantize(&normals(&mut rng, n * k, 1.0), n, k, 4);
-        let (g_gate, g_up) = (upload(gpu, &gate)?, upload(gpu, &up)?);
-        let a_buf = gpu.upload_new(&a_bits)?;
-        let (mut g, mut u) = (vec![0.0; max_m * n], vec![0.0; max_m * n]);
-        qmatmul(gate.view(), &a, &mut g);
-        qmatmul(up.view(), &a, &mut u);
-        let expected: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
-        let out = gpu.alloc::<bf16>((max_m * n).div_ceil(2) * 2)?;
-        for m in ms {
-            for p in plans(kernels, sms, m, n.div_ceil(128), k / K_STEP) {
-                gpu.memset_u32(out.ptr(), NAN_BF16X2, out.bytes() / 4)?;
-                gemm_swiglu_planned(&mut l, a_buf.ptr(), m, &g_gate, &g_up, out.ptr(), p)?;
-                let name = format!("gemm_q4_swiglu m {m} k {k} n {n}, {}", plan_name(p));
-                report.check(
-                    &name,
-                    rel_err(&download_bf16(gpu, &out, m * n)?, &expected[..m * n]),
-                    TOL_Q4_BF16_OUT,
                 );
             }
         }
