@@ -556,8 +556,9 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// Grouped expert products over the entries sorted by expert: block (column block, tile) takes one tile of
-// up to T::BM sorted entries of one expert (the tile height the host sorted with).
+// Grouped expert products over the entries sorted by expert: a work item (column block, tile) takes one tile of
+// up to T::BM sorted entries of one expert (the tile height the host sorted with). The large tiling launches
+// gate/up and down as two grids of items; the small one runs both in one persistent launch (moe_small below).
 //
 // Two tilings. A long prompt has many entries per expert: 64-row tiles, one k step a stage, four stages (the
 // dense kernels' pipeline). A batched decode step or a short prompt has a few entries per expert (t tokens give
@@ -590,10 +591,8 @@ typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, MOE_SMALL_DOWN_ST
 static_assert(HIDDEN % (KT * MoeGateUpSmall::GROUPS) == 0 && MOE_INTER % (KT * MoeDownSmall::GROUPS) == 0,
               "whole stages");
 
-// Read by the host (src/kernels/gemm.rs): the small tiling's height and the shared memory of its two kernels.
+// Read by the host (src/kernels/gemm.rs): the small tiling's height.
 __device__ int moe_small_tile_rows = MOE_SMALL_TILE_ROWS;
-__device__ int moe_gate_up_small_smem = MoeGateUpSmall::SMEM;
-__device__ int moe_down_small_smem = MoeDownSmall::SMEM;
 
 // The shared expert is expert NUM_EXPERTS of the grouped products (see route_rows in prefill.cu): a token's
 // entries are token * MOE_SLOTS + slot, the shared expert's weights are its own matrices.
@@ -605,16 +604,14 @@ __device__ __forceinline__ WeightRow expert_row(Q4 experts, Q4 shared, int e, in
     return weight_row(w, (routed ? e * rows : 0) + row, valid, k, 4);
 }
 
-// act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for sorted index i, token = entries[i] / MOE_SLOTS.
+// act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for the sorted indices i of tile `tile`, token =
+// entries[i] / MOE_SLOTS, output columns from column block `cb`.
 template <class T>
-__device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entries, const int* tiles,
-                                                 const int* tile_count, const int* offsets, Q4 gate, Q4 up,
+__device__ __forceinline__ void moe_gate_up_tile(int tile, int cb, const bf16* x, const int* entries,
+                                                 const int* tiles, const int* offsets, Q4 gate, Q4 up,
                                                  Q4 shared_gate, Q4 shared_up, bf16* act) {
-    wait_previous();  // the tiles and the weights they pick come from the routing
-    const int tile = blockIdx.y;
-    if (tile >= *tile_count) return;
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
-    const int n0 = blockIdx.x * T::BN;
+    const int n0 = cb * T::BN;
     run_tile<T, false>(
         min(T::BM, offsets[expert + 1] - first), HIDDEN,
         [&](int r) { return x + (size_t)(entries[first + r] / MOE_SLOTS) * HIDDEN; },
@@ -626,28 +623,14 @@ __device__ __forceinline__ void moe_gate_up_tile(const bf16* x, const int* entri
         });
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-                Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
-    moe_gate_up_tile<MoeGateUp>(x, entries, tiles, tile_count, offsets, gate, up, shared_gate, shared_up, act);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
-    moe_gate_up_small(const bf16* x, const int* entries, const int* tiles, const int* tile_count,
-                      const int* offsets, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
-    moe_gate_up_tile<MoeGateUpSmall>(x, entries, tiles, tile_count, offsets, gate, up, shared_gate, shared_up, act);
-}
-
-// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of each tile.
+// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of tile `tile`, output
+// columns from column block `cb`.
 template <class T>
-__device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entries, const int* tiles,
-                                              const int* tile_count, const int* offsets, const float* route_w,
-                                              Q4 down, Q4 shared_down, float* out) {
-    wait_previous();
-    const int tile = blockIdx.y;
-    if (tile >= *tile_count) return;
+__device__ __forceinline__ void moe_down_tile(int tile, int cb, const bf16* act, const int* entries,
+                                              const int* tiles, const int* offsets, const float* route_w, Q4 down,
+                                              Q4 shared_down, float* out) {
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
-    const int n0 = blockIdx.x * T::BN;
+    const int n0 = cb * T::BN;
     run_tile<T, false>(
         min(T::BM, offsets[expert + 1] - first), MOE_INTER,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
@@ -661,14 +644,89 @@ __device__ __forceinline__ void moe_down_tile(const bf16* act, const int* entrie
         });
 }
 
+// The large tiling: one launch for gate/up, then one for down, block (column block, tile); blocks past the
+// routing's tile count return at once.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+    wait_previous();  // the tiles and the weights they pick come from the routing
+    if ((int)blockIdx.y >= *tile_count) return;
+    moe_gate_up_tile<MoeGateUp>(blockIdx.y, blockIdx.x, x, entries, tiles, offsets, gate, up, shared_gate, shared_up,
+                                act);
+}
+
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
              const float* route_w, Q4 down, Q4 shared_down, float* out) {
-    moe_down_tile<MoeDown>(act, entries, tiles, tile_count, offsets, route_w, down, shared_down, out);
+    wait_previous();
+    if ((int)blockIdx.y >= *tile_count) return;
+    moe_down_tile<MoeDown>(blockIdx.y, blockIdx.x, act, entries, tiles, offsets, route_w, down, shared_down, out);
+}
+
+// The small tiling: gate/up and down in one persistent launch of a few blocks an SM. A block takes work items in
+// the order of a counter (work[0]): first the gate/up items (tile, column block), tile-major, then the down items
+// alike. A down item waits until its tile's gate/up items are done (work[1 + tile] counts them): each of those
+// was taken earlier by a block that is running, so the wait ends, and down items fill the SMs where the last
+// gate/up items leave them idle (two launches left up to a wave of blocks idle at each one's end). The host zeroes
+// `work` (1 + tiles ints) before the launch.
+constexpr int MOE_GATE_UP_COLS = MOE_INTER / (WROWS / 2);
+constexpr int MOE_DOWN_COLS = (HIDDEN + WROWS - 1) / WROWS;
+constexpr int MOE_SMALL_SMEM = MoeGateUpSmall::SMEM > MoeDownSmall::SMEM ? MoeGateUpSmall::SMEM : MoeDownSmall::SMEM;
+__device__ int moe_small_smem = MOE_SMALL_SMEM;
+__device__ int moe_small_blocks_per_sm = MOE_SMALL_MIN_BLOCKS;
+__device__ int moe_small_items_per_tile = MOE_GATE_UP_COLS + MOE_DOWN_COLS;
+
+// The two kinds of item as functions of their own, so each gets the registers it needs without the other's values
+// held across the item loop (inlined into one body they spilled four times as much).
+__device__ __noinline__ void moe_small_gate_up(int tile, int cb, const bf16* x, const int* entries, const int* tiles,
+                                               const int* offsets, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
+                                               bf16* act) {
+    moe_gate_up_tile<MoeGateUpSmall>(tile, cb, x, entries, tiles, offsets, gate, up, shared_gate, shared_up, act);
+}
+
+__device__ __noinline__ void moe_small_down(int tile, int cb, const bf16* act, const int* entries, const int* tiles,
+                                            const int* offsets, const float* route_w, Q4 down, Q4 shared_down,
+                                            float* out) {
+    moe_down_tile<MoeDownSmall>(tile, cb, act, entries, tiles, offsets, route_w, down, shared_down, out);
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
-    moe_down_small(const bf16* act, const int* entries, const int* tiles, const int* tile_count,
-                   const int* offsets, const float* route_w, Q4 down, Q4 shared_down, float* out) {
-    moe_down_tile<MoeDownSmall>(act, entries, tiles, tile_count, offsets, route_w, down, shared_down, out);
+    moe_small(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+              const float* route_w, Q4 gate, Q4 up, Q4 down, Q4 shared_gate, Q4 shared_up, Q4 shared_down,
+              bf16* act, float* out, int* work) {
+    __shared__ int taken;
+    wait_previous();  // the tiles and the weights they pick come from the routing
+    const int n_tiles = *tile_count;
+    const int gate_up_items = n_tiles * MOE_GATE_UP_COLS, items = gate_up_items + n_tiles * MOE_DOWN_COLS;
+    int* done = work + 1;
+    for (;;) {
+        if (threadIdx.x == 0) taken = atomicAdd(work, 1);
+        __syncthreads();
+        const int item = taken;
+        if (item >= items) return;
+        if (item < gate_up_items) {
+            const int tile = item / MOE_GATE_UP_COLS;
+            moe_small_gate_up(tile, item % MOE_GATE_UP_COLS, x, entries, tiles, offsets, gate, up, shared_gate,
+                              shared_up, act);
+            // Every thread's rows of act are visible on the GPU before the tile's count says so.
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(&done[tile], 1);
+        } else {
+            const int down_item = item - gate_up_items, tile = down_item / MOE_DOWN_COLS;
+            if (threadIdx.x == 0)
+                while (load_acquire(&done[tile]) < MOE_GATE_UP_COLS) __nanosleep(64);
+            __syncthreads();  // the tile's act rows are read with cp.async.cg, from L2
+            moe_small_down(tile, down_item % MOE_DOWN_COLS, act, entries, tiles, offsets, route_w, down, shared_down,
+                           out);
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the item's shared memory and `taken` are free for the next one
+    }
 }

@@ -12,8 +12,8 @@
 //! parts, one block per (tile, part), two blocks an SM, each writing its partial tile, and a second launch sums
 //! every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products
 //! of up to 512 tokens (a few entries per expert) take 32-row tiles whose pipeline stages each hold several
-//! quantization groups (`moe_gate_up_small`, `moe_down_small`, their shared memory read from the kernels'
-//! constants); longer prompts take 64-row tiles.
+//! quantization groups, gate/up and down in one persistent launch (`moe_small`, its shared memory read from the
+//! kernels' constants); longer prompts take 64-row tiles.
 
 use half::bf16;
 use lily_model::Config;
@@ -218,12 +218,14 @@ pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usi
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
 /// entry), `offsets` (i32 `[experts + 2]`, each expert's first sorted index, the shared expert's last, then the
 /// end), `tiles` (i32 `[max_tiles][2]`: an expert and its tile's first sorted index), `tile_count` (i32: tiles in
-/// use) and the tile height the sort used (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels.
+/// use), the tile height the sort used (`moe_tile_rows` or `moe_small_tile_rows`), which picks the kernels, and
+/// `work` (i32 `[1 + max_tiles]`, zeroed with the sort's counts: the small tiling's work counters).
 pub struct Sorted {
     pub entries: DevPtr<i32>,
     pub tiles: DevPtr<i32>,
     pub tile_count: DevPtr<i32>,
     pub offsets: DevPtr<i32>,
+    pub work: DevPtr<i32>,
     pub max_tiles: usize,
     pub tile_rows: usize,
 }
@@ -244,29 +246,54 @@ impl Sorted {
     }
 }
 
-/// Each grouped product's geometry: (column blocks, every possible tile); the large tiling's blocks hold
-/// `gemm_stages` stages of `moe_tile_rows` rows, the small tiling's the shared memory its kernel states.
-fn grouped_dims(l: &Launcher, col_blocks: &'static str, s: &Sorted, small_smem: &'static str) -> Dims {
-    let grid = (l.kernels.constant(col_blocks) as u32, s.max_tiles as u32, 1);
-    let shared = match s.small(l.kernels) {
-        true => l.kernels.constant(small_smem) as u32,
-        false => shared_bytes(l.kernels, s.tile_rows, 4),
-    };
-    Dims::new(grid, THREADS).shared(shared)
-}
-
-/// `act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token]))` for every sorted entry i (token = entries[i] /
-/// moe_slots, e its expert, the shared one for e = experts); `x` bf16 `[tokens][hidden]`, `act` bf16
-/// `[tokens * moe_slots][moe inter]`. Blocks past `*tile_count` return at once.
-pub fn moe_gate_up(l: &mut Launcher, x: DevPtr<bf16>, s: &Sorted, m: &Experts, act: DevPtr<bf16>) -> Result<()> {
-    let dims = grouped_dims(l, "moe_gate_up_col_blocks", s, "moe_gate_up_small_smem");
-    let launch = match s.small(l.kernels) {
-        true => gemm::moe_gate_up_small,
-        false => gemm::moe_gate_up,
-    };
-    launch(
+/// The grouped expert products of the sorted entries `s`: `act[i][:] = bf16(silu(gate_e x[token]) * (up_e
+/// x[token]))` for every sorted entry i (token = entries[i] / moe_slots, e its expert, the shared one for e =
+/// experts), then `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])`. `x` bf16 `[tokens][hidden]`, `act`
+/// bf16 `[tokens * moe_slots][moe inter]` by sorted entry, `out` f32 `[tokens * moe_slots][hidden]` and `route_w`
+/// f32 `[tokens * moe_slots]` by entry. The small tiling runs as one persistent launch of `moe_small_blocks_per_sm`
+/// blocks an SM (at most one per work item); the large one as a gate/up and a down launch of a block per (column
+/// block, possible tile), those past `*tile_count` returning at once.
+pub fn moe_experts(
+    l: &mut Launcher,
+    x: DevPtr<bf16>,
+    s: &Sorted,
+    route_w: DevPtr<f32>,
+    m: &Experts,
+    act: DevPtr<bf16>,
+    out: DevPtr<f32>,
+) -> Result<()> {
+    let k = l.kernels;
+    if s.small(k) {
+        let items = s.max_tiles * k.constant("moe_small_items_per_tile");
+        let blocks = items.min(k.constant("moe_small_blocks_per_sm") * l.gpu.sm_count);
+        let dims = Dims::linear(blocks as u32, THREADS).shared(k.constant("moe_small_smem") as u32);
+        let (gate, up, down) = (m.gate.q4(), m.up.q4(), m.down.q4());
+        let (shared_gate, shared_up, shared_down) = (m.shared_gate.q4(), m.shared_up.q4(), m.shared_down.q4());
+        return gemm::moe_small(
+            l,
+            dims,
+            x,
+            s.entries,
+            s.tiles,
+            s.tile_count,
+            s.offsets,
+            route_w,
+            gate,
+            up,
+            down,
+            shared_gate,
+            shared_up,
+            shared_down,
+            act,
+            out,
+            s.work,
+        );
+    }
+    let shared = shared_bytes(k, s.tile_rows, 4);
+    let grid = |col_blocks: &'static str| (k.constant(col_blocks) as u32, s.max_tiles as u32, 1);
+    gemm::moe_gate_up(
         l,
-        dims,
+        Dims::new(grid("moe_gate_up_col_blocks"), THREADS).shared(shared),
         x,
         s.entries,
         s.tiles,
@@ -277,27 +304,10 @@ pub fn moe_gate_up(l: &mut Launcher, x: DevPtr<bf16>, s: &Sorted, m: &Experts, a
         m.shared_gate.q4(),
         m.shared_up.q4(),
         act,
-    )
-}
-
-/// `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])` for every sorted entry i; `out` f32
-/// `[tokens * moe_slots][hidden]` and `route_w` f32 `[tokens * moe_slots]`, both by entry.
-pub fn moe_down(
-    l: &mut Launcher,
-    act: DevPtr<bf16>,
-    s: &Sorted,
-    route_w: DevPtr<f32>,
-    m: &Experts,
-    out: DevPtr<f32>,
-) -> Result<()> {
-    let dims = grouped_dims(l, "moe_down_col_blocks", s, "moe_down_small_smem");
-    let launch = match s.small(l.kernels) {
-        true => gemm::moe_down_small,
-        false => gemm::moe_down,
-    };
-    launch(
+    )?;
+    gemm::moe_down(
         l,
-        dims,
+        Dims::new(grid("moe_down_col_blocks"), THREADS).shared(shared),
         act,
         s.entries,
         s.tiles,

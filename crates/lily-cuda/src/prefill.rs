@@ -44,7 +44,8 @@ pub struct PrefillScratch {
     /// shared one as expert number `experts` with its sigmoid gate): expert ids (i32) and weights (f32).
     pub(crate) route_ids: DevBuf<i32>,
     pub(crate) route_w: DevBuf<f32>,
-    /// i32 `[experts + 1]`, `[experts + 2]`, `[chunk * slots]`, `[max_tiles][2]`, `[1]`: the sort by expert.
+    /// i32 `[experts + 1]` and then `[1 + max_tiles]`, `[experts + 2]`, `[chunk * slots]`, `[max_tiles][2]`, `[1]`:
+    /// the sort by expert (the first buffer also holds the small tiling's work counters, zeroed with the counts).
     pub(crate) counts: DevBuf<i32>,
     pub(crate) offsets: DevBuf<i32>,
     pub(crate) entries: DevBuf<i32>,
@@ -75,7 +76,7 @@ impl PrefillScratch {
             router_logits: gpu.alloc(chunk * (c.num_experts + 1))?,
             route_ids: gpu.alloc(chunk * k)?,
             route_w: gpu.alloc(chunk * k)?,
-            counts: gpu.alloc(c.num_experts + 1)?,
+            counts: gpu.alloc(c.num_experts + 1 + 1 + max_tiles)?,
             offsets: gpu.alloc(c.num_experts + 2)?,
             entries: gpu.alloc(chunk * k)?,
             tiles: gpu.alloc(max_tiles * 2)?,
@@ -97,6 +98,7 @@ impl PrefillScratch {
             tiles: self.tiles.ptr(),
             tile_count: self.tile_count.ptr(),
             offsets: self.offsets.ptr(),
+            work: self.counts.at(c.num_experts + 1),
             max_tiles: gemm::max_tiles(c, t, tile_rows).min(self.max_tiles),
             tile_rows,
         }
@@ -219,9 +221,8 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
     route_and_sort(l, c, s, t)?;
     let sorted = s.sorted(l.kernels, c, t);
-    let experts = layer.experts();
-    gemm::moe_gate_up(l, normed, &sorted, &experts, s.act.ptr())?;
-    gemm::moe_down(l, s.act.ptr(), &sorted, s.route_w.ptr(), &experts, s.expert_out.ptr())?;
+    let (act, expert_out) = (s.act.ptr(), s.expert_out.ptr());
+    gemm::moe_experts(l, normed, &sorted, s.route_w.ptr(), &layer.experts(), act, expert_out)?;
     prefill::moe_combine(l, rows, s.hidden.ptr(), s.expert_out.ptr())
 }
 
@@ -269,7 +270,7 @@ pub(crate) fn router_logits(
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of
 /// their (token, slot) entries by expert, with the tiles of the grouped products.
 pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t: usize) -> Result<()> {
-    l.gpu.memset_u32(s.counts.ptr(), 0, c.num_experts + 1)?;
+    l.gpu.memset_u32(s.counts.ptr(), 0, s.counts.len())?;
     let warps_per_block = ROW_THREADS as usize / 32;
     prefill::route_rows(
         l,

@@ -21,8 +21,9 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_split_min_steps",
         "gemm_split_rows",
         "moe_small_tile_rows",
-        "moe_gate_up_small_smem",
-        "moe_down_small_smem",
+        "moe_small_smem",
+        "moe_small_blocks_per_sm",
+        "moe_small_items_per_tile",
     ],
 };
 
@@ -38,7 +39,8 @@ launchers! {
     /// `out[m][n]` (`+=` where `accumulate` is 1) = the sum in order of the `parts` partial products of a split
     /// product.
     gemm_split_sum(m: i32, n: i32, parts: i32, out: DevPtr<f32>, accumulate: i32);
-    /// The routed experts' gate/up products with SwiGLU, one tile of sorted entries per block row.
+    /// The large tiling's gate/up products with SwiGLU (the shared expert's too), one tile of sorted entries per
+    /// block row.
     moe_gate_up(
         x: DevPtr<bf16>,
         entries: DevPtr<i32>,
@@ -51,20 +53,7 @@ launchers! {
         shared_up: Q4,
         act: DevPtr<bf16>,
     );
-    /// `moe_gate_up` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
-    moe_gate_up_small(
-        x: DevPtr<bf16>,
-        entries: DevPtr<i32>,
-        tiles: DevPtr<i32>,
-        tile_count: DevPtr<i32>,
-        offsets: DevPtr<i32>,
-        gate: Q4,
-        up: Q4,
-        shared_gate: Q4,
-        shared_up: Q4,
-        act: DevPtr<bf16>,
-    );
-    /// The experts' down products (the shared expert's too), scaled by the routing weights, by entry.
+    /// The large tiling's down products (the shared expert's too), scaled by the routing weights, by entry.
     moe_down(
         act: DevPtr<bf16>,
         entries: DevPtr<i32>,
@@ -76,16 +65,23 @@ launchers! {
         shared_down: Q4,
         out: DevPtr<f32>,
     );
-    /// `moe_down` for tiles of few entries (`moe_small_tile_rows`), several quantization groups a stage.
-    moe_down_small(
-        act: DevPtr<bf16>,
+    /// The small tiling's gate/up and down in one persistent launch (`work`: the item counter, then each
+    /// tile's finished gate/up items, zeroed before).
+    moe_small(
+        x: DevPtr<bf16>,
         entries: DevPtr<i32>,
         tiles: DevPtr<i32>,
         tile_count: DevPtr<i32>,
         offsets: DevPtr<i32>,
         route_w: DevPtr<f32>,
+        gate: Q4,
+        up: Q4,
         down: Q4,
+        shared_gate: Q4,
+        shared_up: Q4,
         shared_down: Q4,
+        act: DevPtr<bf16>,
         out: DevPtr<f32>,
+        work: DevPtr<i32>,
     );
 }

@@ -9,7 +9,7 @@ use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, Gpu, Result};
-use crate::gemm::{gemm_planned, max_tiles, moe_down, moe_gate_up, moe_slots, plan, Experts, Plan, Sorted, K_STEP};
+use crate::gemm::{gemm_planned, max_tiles, moe_experts, moe_slots, plan, Experts, Plan, Sorted, K_STEP};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::weights::{upload, GpuMatrix};
@@ -301,11 +301,13 @@ fn check_moe(
     let offsets_buf = gpu.upload_new(&offsets)?;
     let tiles_buf = gpu.upload_new(&tiles)?;
     let count_buf = gpu.upload_new(&[tile_count as i32])?;
+    let work = gpu.upload_new(&vec![0i32; 1 + max_tiles])?;
     let sorted = Sorted {
         entries: entries_buf.ptr(),
         tiles: tiles_buf.ptr(),
         tile_count: count_buf.ptr(),
         offsets: offsets_buf.ptr(),
+        work: work.ptr(),
         max_tiles,
         tile_rows,
     };
@@ -315,12 +317,25 @@ fn check_moe(
             .map(|&entry| entry as usize)
     };
 
-    // Gate/up: act by sorted index.
+    // Both products in one call; each against its twin: gate/up's act by sorted index from x, then down from the
+    // act the GPU wrote (bf16, as the down product reads it), by entry with its routing weight.
     let (x_bits, x) = bf16_normals(rng, tokens * h);
     let x_buf = gpu.upload_new(&x_bits)?;
     let act = gpu.alloc::<bf16>(tokens * slots * inter)?;
     gpu.memset_u32(act.ptr(), NAN_BF16X2, act.bytes() / 4)?;
-    moe_gate_up(l, x_buf.ptr(), &sorted, &m.experts(), act.ptr())?;
+    let route_w: Vec<f32> = (0..tokens * slots).map(|_| rng.uniform()).collect();
+    let route_buf = gpu.upload_new(&route_w)?;
+    let out = gpu.alloc(tokens * slots * h)?;
+    poison(gpu, &out)?;
+    moe_experts(
+        l,
+        x_buf.ptr(),
+        &sorted,
+        route_buf.ptr(),
+        &m.experts(),
+        act.ptr(),
+        out.ptr(),
+    )?;
     let mut expected = vec![0.0; tokens * slots * inter];
     for e in 0..groups {
         let xs: Vec<f32> = rows_of(e)
@@ -338,21 +353,10 @@ fn check_moe(
             *d = silu(*g) * u;
         }
     }
-    let name = format!("moe_gate_up ({tokens} tokens, {tile_count} tiles of {tile_rows}, bf16 out)");
-    report.check(
-        &name,
-        rel_err(&download_bf16(gpu, &act, tokens * slots * inter)?, &expected),
-        TOL_Q4_BF16_OUT,
-    );
+    let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows}, bf16 out)");
+    let act_in = download_bf16(gpu, &act, tokens * slots * inter)?;
+    report.check(&name, rel_err(&act_in, &expected), TOL_Q4_BF16_OUT);
 
-    // Down: an independent bf16 input, out by entry with its routing weight.
-    let (act_bits, act_in) = bf16_normals(rng, tokens * slots * inter);
-    gpu.upload(act.ptr(), &act_bits)?;
-    let route_w: Vec<f32> = (0..tokens * slots).map(|_| rng.uniform()).collect();
-    let route_buf = gpu.upload_new(&route_w)?;
-    let out = gpu.alloc(tokens * slots * h)?;
-    poison(gpu, &out)?;
-    moe_down(l, act.ptr(), &sorted, route_buf.ptr(), &m.experts(), out.ptr())?;
     let mut expected = vec![0.0; tokens * slots * h];
     for e in 0..groups {
         let first = offsets[e] as usize;
@@ -372,7 +376,7 @@ fn check_moe(
             }
         }
     }
-    let name = format!("moe_down ({tokens} tokens, {tile_count} tiles of {tile_rows}, weighted, by entry)");
+    let name = format!("moe down ({tokens} tokens, {tile_count} tiles of {tile_rows}, weighted, by entry)");
     report.check(
         &name,
         rel_err(&download_f32(gpu, &out, tokens * slots * h)?, &expected),
