@@ -434,7 +434,8 @@ __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u
 // per (tile, part), 64-row tiles and two blocks an SM; each block writes its partial tile (f32, the tile's valid
 // rows by its 256 weight rows) to its slot of `gemm_partials`. A second launch, gemm_split_sum, then sums every
 // output element's parts in the order of k (part 0 first, so the sum does not depend on which block finished
-// when) with one thread per 4 columns, and applies the product's epilogue (accumulate). Launches on one stream run one after another, so they share the slots; the host keeps
+// when) with one thread per 4 columns, and applies the product's epilogue (accumulate). Launches on one stream
+// run one after another (a dependent launch writes only after its wait), so they share the slots; the host keeps
 // tiles x parts within `gemm_split_blocks`. A part of k is whole quantization groups (k steps), so each part loads
 // and dequantizes as the unsplit kernel does; only the order of the f32 sum over k changes (by parts, then within
 // each part).
