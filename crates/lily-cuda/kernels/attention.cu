@@ -535,3 +535,33 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
         if (attn_bf16) attn_bf16[at] = float_to_bf16(y);
     }
 }
+
+// The batched step's merge where each row has few parts (splits <= MERGE_ROWS_MAX_SPLITS; many rows leave few parts
+// a row): attn_merge's arithmetic with one warp per (row, query head, 32-dimension slice), lane = dimension, over
+// the row's parts in order, and the bf16 output only. attn_merge's grid of eight warps for each slice would leave
+// most of them without a part. Grid: ceil(rows * N_HEADS * HEAD_DIM / WARP / MERGE_WARPS) blocks.
+#define MERGE_ROWS_MAX_SPLITS 8
+__device__ int attn_merge_rows_max_splits = MERGE_ROWS_MAX_SPLITS;
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
+    attn_merge_rows(const int* positions, int rows, int splits, const float* part_o, const float* part_ml,
+                    const float* proj, bf16* attn_bf16) {
+    wait_previous();
+    constexpr int SLICES = HEAD_DIM / WARP;
+    const int lane = threadIdx.x % WARP, item = blockIdx.x * MERGE_WARPS + threadIdx.x / WARP;
+    if (item >= rows * N_HEADS * SLICES) return;
+    const int row = item / (N_HEADS * SLICES), qh = item / SLICES % N_HEADS, d = item % SLICES * WARP + lane;
+    const int len = positions[row] + 1;
+    const int parts = (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
+    const float* ml = part_ml + row * PART_ML_ROW + (size_t)qh * ATTN_SPLITS * 2;
+    const float* o = part_o + row * PART_O_ROW + (size_t)qh * ATTN_SPLITS * HEAD_DIM + d;
+    float mx = -INF_F;
+    for (int s = 0; s < parts; s++) mx = fmaxf(mx, ml[2 * s]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < parts; s++) {
+        const float weight = expf(ml[2 * s] - mx);
+        num += weight * o[(size_t)s * HEAD_DIM];
+        den += weight * ml[2 * s + 1];
+    }
+    const float gate = proj[(size_t)row * PROJ_ROW + qh * 2 * HEAD_DIM + HEAD_DIM + d];
+    attn_bf16[(size_t)row * Q_DIM + qh * HEAD_DIM + d] = float_to_bf16(num / den * sigmoidf_(gate));
+}

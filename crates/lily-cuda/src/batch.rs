@@ -134,6 +134,49 @@ pub(crate) fn attention_parts(
     }
 }
 
+/// Merges the parts `attention_parts` left for `rows` rows and gates them into `attn_bf16` (bf16 `[rows][q dim]`;
+/// the gate is in `proj`): a warp per row's head slice where the rows have few parts (`attn_merge_rows`), else
+/// eight warps sharing a slice's parts (`attn_merge`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_merge(
+    l: &mut Launcher,
+    c: &Config,
+    rows: usize,
+    splits: i32,
+    p: &AttentionParts,
+    proj: DevPtr<f32>,
+    attn_bf16: DevPtr<bf16>,
+) -> Result<()> {
+    let (heads, head_dim) = (c.num_attention_heads, c.head_dim);
+    if splits as usize <= l.kernels.constant("attn_merge_rows_max_splits") {
+        let warps = rows * heads * head_dim / 32;
+        let dims = Dims::linear(warps.div_ceil(8) as u32, 256);
+        let (part_o, part_ml) = (p.part_o, p.part_ml);
+        return attention::attn_merge_rows(
+            l,
+            dims,
+            p.positions,
+            rows as i32,
+            splits,
+            part_o,
+            part_ml,
+            proj,
+            attn_bf16,
+        );
+    }
+    attention::attn_merge(
+        l,
+        Dims::new((heads as u32, (head_dim / 32) as u32, rows as u32), 256),
+        p.positions,
+        splits,
+        p.part_o,
+        p.part_ml,
+        proj,
+        DevPtr::NULL,
+        attn_bf16,
+    )
+}
+
 /// One decode step of `t` rows whose token ids, positions and slots are in `b.rows`: every layer over the rows,
 /// then the final norm and lm_head into `b.logits`. `slot[l]` is layer l's index among the layers of its kind.
 #[allow(clippy::too_many_arguments)]
@@ -223,17 +266,7 @@ pub fn enqueue_step(
                     part_ml: b.part_ml.ptr(),
                 };
                 attention_parts(l, &parts, t, kv_heads, splits)?;
-                attention::attn_merge(
-                    l,
-                    Dims::new((heads as u32, (head_dim / 32) as u32, t32), 256),
-                    positions,
-                    splits,
-                    b.part_o.ptr(),
-                    b.part_ml.ptr(),
-                    s.proj.ptr(),
-                    DevPtr::NULL,
-                    s.mixed.ptr(),
-                )?;
+                attention_merge(l, c, t, splits, &parts, s.proj.ptr(), s.mixed.ptr())?;
                 gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
             }
         }

@@ -15,7 +15,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         include_str!("../../kernels/attention.cu")
     ),
     kernels: KERNELS,
-    constants: &["attn_rows_smem"],
+    constants: &["attn_rows_smem", "attn_merge_rows_max_splits"],
 };
 
 launchers! {
@@ -71,6 +71,17 @@ launchers! {
         part_ml: DevPtr<f32>,
         proj: DevPtr<f32>,
         attn: DevPtr<f32>,
+        attn_bf16: DevPtr<bf16>,
+    );
+    /// `attn_merge` into bf16 for `rows` rows of at most `attn_merge_rows_max_splits` parts, a warp per (row, query
+    /// head, 32 dimensions).
+    attn_merge_rows(
+        positions: DevPtr<i32>,
+        rows: i32,
+        splits: i32,
+        part_o: DevPtr<f32>,
+        part_ml: DevPtr<f32>,
+        proj: DevPtr<f32>,
         attn_bf16: DevPtr<bf16>,
     );
 }

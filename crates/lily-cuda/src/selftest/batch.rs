@@ -12,7 +12,7 @@ use lily_model::weights::{GatedDeltaNet, Mixer, Weights};
 use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, shuffled, Report};
-use crate::batch::{attention_parts, AttentionParts};
+use crate::batch::{attention_merge, attention_parts, AttentionParts};
 use crate::driver::Result;
 use crate::kernels::{attention, deltanet, ATTN_SPLITS};
 
@@ -290,6 +290,9 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             out_f32.ptr(),
             out_bf16.ptr(),
         )?;
+        // The batched step's merge of these few parts (`attention_merge`: a warp per head slice) into bf16 alone.
+        let step_bf16 = g.upload_new(&vec![bf16::NAN; ROWS * q_dim])?;
+        attention_merge(&mut l, c, ROWS, SPLITS as i32, &parts, proj_buf.ptr(), step_bf16.ptr())?;
         g.sync()?;
         let mut k_after = vec![bf16::ZERO; k_pool.len()];
         let mut v_after = vec![bf16::ZERO; v_pool.len()];
@@ -299,6 +302,9 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         let mut got_bf16 = vec![bf16::ZERO; ROWS * q_dim];
         g.download(out_bf16.ptr(), &mut got_bf16)?;
         let got_bf16: Vec<f32> = got_bf16.iter().map(|v| v.to_f32()).collect();
+        let mut step_got = vec![bf16::ZERO; ROWS * q_dim];
+        g.download(step_bf16.ptr(), &mut step_got)?;
+        let step_got: Vec<f32> = step_got.iter().map(|v| v.to_f32()).collect();
 
         let inv_freq = c.rope_inv_freq();
         let (mut new_k, mut want_k, mut new_v, mut want_v) = (vec![], vec![], vec![], vec![]);
@@ -377,6 +383,11 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         report.check(
             "attention, batched: the merge's bf16 rows",
             rel_err(&got_bf16, &expected),
+            5e-3,
+        );
+        report.check(
+            &format!("attention, batched: the step's merge of {SPLITS} parts (a warp per head slice), bf16"),
+            rel_err(&step_got, &expected),
             5e-3,
         );
     }
