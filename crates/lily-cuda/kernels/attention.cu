@@ -157,6 +157,26 @@ __device__ __forceinline__ void score_whole(const float* qs, const bf16* k_pool,
     store_scores(p[threadIdx.x], s, pos < end);
 }
 
+// Part blockIdx.y (of `splits`) of row blockIdx.z's context [0, position]: positions [start, end) (empty where
+// the row's context has fewer parts) and the row's page-table row; moves q, part_o and part_ml to the row.
+struct AttnPart {
+    int start, end;
+    const int* pages;
+};
+__device__ __forceinline__ AttnPart attn_part(const int* positions, const int* slots, const int* page_table,
+                                              int pages_per_seq, int splits, const float*& q, float*& part_o,
+                                              float*& part_ml) {
+    const int row = blockIdx.z;
+    const int len = positions[row] + 1;
+    const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
+    q += (size_t)row * Q_DIM;
+    part_o += row * PART_O_ROW;
+    part_ml += row * PART_ML_ROW;
+    const int chunk = attn_chunk(len, splits);
+    const int start = blockIdx.y * chunk;
+    return AttnPart{start, min(len, start + chunk), pages};
+}
+
 // Grid (N_KV_HEADS, splits, rows). Part `split` of the row's context [0, position] for the GQA query heads of
 // a KV head: writes the unnormalised output, the running max and the sum of exponentials per query head. Each tile
 // of positions first takes the ids of the pages it touches into shared memory.
@@ -170,15 +190,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     __shared__ int tile_pages[TILE_PAGES];
     // The positions, slots and page table are not written by this step's kernels: the first tile's page ids are
     // requested before the wait.
-    const int row = blockIdx.z;
-    const int len = positions[row] + 1;
-    const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
-    q += (size_t)row * Q_DIM;
-    part_o += row * PART_O_ROW;
-    part_ml += row * PART_ML_ROW;
-    const int chunk = attn_chunk(len, splits);
-    const int kv_head = blockIdx.x, split = blockIdx.y;
-    const int start = split * chunk, end = min(len, start + chunk);
+    const AttnPart part = attn_part(positions, slots, page_table, pages_per_seq, splits, q, part_o, part_ml);
+    const int* pages = part.pages;
+    const int kv_head = blockIdx.x, split = blockIdx.y, start = part.start, end = part.end;
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
     // The pages of positions tile .. min(end, tile + ATTN_TILE) - 1 go to tile_pages[0 ..].
     auto tile_page_count = [&](int tile) { return (min(end, tile + ATTN_TILE) - 1) / KV_PAGE - tile / KV_PAGE + 1; };
@@ -326,15 +340,9 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
                       const int* page_table, int pages_per_seq, int splits, float* part_o, float* part_ml) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float warp_m[ROWS_WARPS][GQA], warp_l[ROWS_WARPS][GQA];
-    const int row = blockIdx.z;
-    const int len = positions[row] + 1;
-    const int* pages = page_table + (size_t)slots[row] * pages_per_seq;
-    q += (size_t)row * Q_DIM;
-    part_o += row * PART_O_ROW;
-    part_ml += row * PART_ML_ROW;
-    const int chunk = attn_chunk(len, splits);
-    const int kv_head = blockIdx.x, split = blockIdx.y;
-    const int start = split * chunk, end = min(len, start + chunk);
+    const AttnPart part = attn_part(positions, slots, page_table, pages_per_seq, splits, q, part_o, part_ml);
+    const int* pages = part.pages;
+    const int kv_head = blockIdx.x, split = blockIdx.y, start = part.start, end = part.end;
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP, g = lane / 4, tq = lane % 4;
     wait_previous();
     if (start >= end) return;
