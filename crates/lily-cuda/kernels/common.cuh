@@ -38,6 +38,14 @@ __device__ __forceinline__ size_t kv_offset(const int* pages, int position) {
     return ((size_t)pages[position / KV_PAGE] * KV_PAGE + position % KV_PAGE) * KV_DIM;
 }
 
+// cp.async groups: close this thread's copies issued since the last commit as a group; wait until at most
+// PENDING of its newest groups are still in flight.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
 struct Q4 {
     const u32* packed;
     const u32* scale_bias;

@@ -70,12 +70,6 @@ __device__ __forceinline__ void cp_async16(float* shared, const float* global) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(shared)), "l"(global)
                  : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most `N` of this thread's newest groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Shared f32 tiles are row-major, WIDTH (a multiple of 32) floats a row, the columns of each row XOR-swizzled by
 // its low 3 bits so that both ways an m16n8k8 fragment is read hit 32 different banks: 8 rows x 4 columns (an A
