@@ -28,7 +28,12 @@ impl Penalties {
     }
 
     pub fn is_active(&self) -> bool {
-        self.presence != 0.0 || self.frequency != 0.0 || self.repetition != 1.0 || !self.logit_bias.is_empty()
+        self.reads_history() || !self.logit_bias.is_empty()
+    }
+
+    /// Whether a penalty reads the sequence's tokens (repetition, presence, frequency).
+    pub fn reads_history(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0 || self.repetition != 1.0
     }
 }
 
@@ -39,7 +44,7 @@ pub struct History {
     generated: HashMap<u32, u32>,
     /// Tokens of the prompt (for the repetition penalty).
     prompt: std::collections::HashSet<u32>,
-    /// Whether a penalty reads the generated tokens (repetition, presence, frequency).
+    /// Whether a penalty reads the generated tokens ([`Penalties::reads_history`]).
     kept: bool,
 }
 
@@ -53,7 +58,7 @@ impl History {
         History {
             generated: HashMap::new(),
             prompt,
-            kept: penalties.repetition != 1.0 || penalties.presence != 0.0 || penalties.frequency != 0.0,
+            kept: penalties.reads_history(),
         }
     }
 
