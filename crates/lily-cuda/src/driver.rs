@@ -425,8 +425,11 @@ impl Gpu {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream) })
     }
 
-    /// A launch with `shared` bytes of dynamic shared memory (up to the device's opt-in limit; see `Kernels`).
-    pub(crate) fn launch_shared(
+    /// A launch with `shared` bytes of dynamic shared memory (up to the device's opt-in limit; see `Kernels`). From
+    /// Hopper on it is a programmatic dependent launch: the kernel may start before the previous kernel on the
+    /// stream ends. Every kernel waits for its predecessor (`wait_previous` in common.cuh) before it reads that
+    /// kernel's results or writes anything, which a CPU test checks in each kernel's compiled PTX.
+    pub(crate) fn launch(
         &self,
         kernel: Kernel,
         grid: (u32, u32, u32),
@@ -435,35 +438,23 @@ impl Gpu {
         args: &mut Args,
     ) -> Result<()> {
         let mut params = args.pointers();
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                kernel.0,
-                grid.0,
-                grid.1,
-                grid.2,
-                block,
-                1,
-                1,
-                shared,
-                self.stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
-    }
-
-    /// Like `launch_shared`, with programmatic dependent launch allowed: the kernel may start before the previous
-    /// kernel on the stream ends, so it must wait (`griddepcontrol.wait`) before it reads that kernel's results or
-    /// writes anything.
-    pub(crate) fn launch_dependent(
-        &self,
-        kernel: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        shared: u32,
-        args: &mut Args,
-    ) -> Result<()> {
-        let mut params = args.pointers();
+        if self.compute_capability.0 < 9 {
+            return check("cuLaunchKernel", unsafe {
+                sys::cuLaunchKernel(
+                    kernel.0,
+                    grid.0,
+                    grid.1,
+                    grid.2,
+                    block,
+                    1,
+                    1,
+                    shared,
+                    self.stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            });
+        }
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;

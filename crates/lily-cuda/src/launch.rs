@@ -58,20 +58,15 @@ pub struct Launcher<'a> {
     pub gpu: &'a Gpu,
     pub kernels: &'a Kernels,
     pub profile: Option<&'a mut Profile>,
-    /// Programmatic dependent launch (from Hopper on): each kernel may start while its predecessor on the stream
-    /// runs. Every kernel waits for its predecessor (`wait_previous` in common.cuh) before it reads that kernel's
-    /// results or writes anything, which a CPU test checks in each kernel's compiled PTX.
-    pub dependent: bool,
 }
 
 impl<'a> Launcher<'a> {
-    /// A launcher without profiling; its launches are dependent where the GPU has programmatic dependent launch.
+    /// A launcher without profiling.
     pub fn new(gpu: &'a Gpu, kernels: &'a Kernels) -> Launcher<'a> {
         Launcher {
             gpu,
             kernels,
             profile: None,
-            dependent: gpu.compute_capability.0 >= 9,
         }
     }
 
@@ -80,11 +75,8 @@ impl<'a> Launcher<'a> {
         let Dims { grid, block, shared } = dims;
         let mut args = args;
         let kernel = self.kernels.get(name);
-        let (gpu, dependent) = (self.gpu, self.dependent);
-        let launch = |args: &mut Args| match dependent {
-            true => gpu.launch_dependent(kernel, grid, block, shared, args),
-            false => gpu.launch_shared(kernel, grid, block, shared, args),
-        };
+        let gpu = self.gpu;
+        let launch = |args: &mut Args| gpu.launch(kernel, grid, block, shared, args);
         match self.profile.as_deref_mut() {
             None => launch(&mut args),
             Some(p) => {

@@ -341,7 +341,7 @@ impl CudaModel {
         })
     }
 
-    /// A launcher of this model's kernels (dependent launches from Hopper on; see [`Launcher::new`]).
+    /// A launcher of this model's kernels.
     pub fn launcher<'a>(&'a self, profile: Option<&'a mut Profile>) -> Launcher<'a> {
         Launcher {
             profile,

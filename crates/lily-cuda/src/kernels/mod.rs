@@ -469,7 +469,7 @@ mod tests {
         compiles(&Config::full_shape(), "compute_80", false);
     }
 
-    /// Every kernel is launched as a programmatic dependent launch on Hopper (see `Launcher::dependent`), which is
+    /// Every kernel is launched as a programmatic dependent launch on Hopper (see `Gpu::launch`), which is
     /// safe only if it waits for its predecessor: each kernel's PTX entry holds `griddepcontrol.wait`.
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
