@@ -51,6 +51,27 @@ struct Q4 {
     const u32* scale_bias;
 };
 
+// The expert matrices (routed and shared, 4-bit) are tiled: their rows in blocks of TILED_ROWS, and a block's
+// words ordered by pieces of TILED_PIECE inputs (16 packed words and 2 (scale, bias) pairs a row), row after row
+// within a piece. A block spans the words its rows span row by row, so an expert's rows start where they would;
+// what the tiling changes is that one piece of a block's rows, what a grouped product's stage or a decode strip
+// reads, is one contiguous run (8 KB of codes) instead of 64 bytes from each row. src/weights.rs tiles them at load.
+#define TILED_ROWS 128
+#define TILED_PIECE 128
+#define TILED_PIECE_WORDS (TILED_PIECE / 8)
+#define TILED_PIECE_PAIRS (TILED_PIECE / GROUP)
+// The first packed word of row `row` of a tiled matrix of `cols` inputs, and its first (scale, bias) pair; piece j
+// of the row starts j * TILED_PIECE_STEP words (TILED_PAIR_STEP pairs) later.
+#define TILED_PIECE_STEP (TILED_ROWS * TILED_PIECE_WORDS)
+#define TILED_PAIR_STEP (TILED_ROWS * TILED_PIECE_PAIRS)
+__device__ __forceinline__ const u32* tiled_row(Q4 m, int row, int cols) {
+    return m.packed + (size_t)(row / TILED_ROWS) * TILED_ROWS * (cols / 8) + (row % TILED_ROWS) * TILED_PIECE_WORDS;
+}
+__device__ __forceinline__ const u32* tiled_row_pairs(Q4 m, int row, int cols) {
+    return m.scale_bias + (size_t)(row / TILED_ROWS) * TILED_ROWS * (cols / GROUP) +
+           (row % TILED_ROWS) * TILED_PIECE_PAIRS;
+}
+
 __device__ __forceinline__ uint4 load_stream(const u32* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -313,14 +334,23 @@ struct StripLane {
         x_step = gives_x ? 8 : 0;
         gc = st.gc + t * TILES;
     }
-    // Rows `row0 + g` and `row0 + g + 8` (each clamped below `rows`), tile j.
+    // Rows `row0 + g` and `row0 + g + 8` (each clamped below `rows`), tile j; TILED: of a tiled matrix, whose
+    // pieces are the tiles.
+    template <bool TILED = false>
     __device__ __forceinline__ Tile load(Q4 m, int row0, int rows, int j) const {
+        static_assert(!TILED || MV_TILE == TILED_PIECE, "a tile is a piece of the tiled layout");
         const int rg = min(row0 + g, rows - 1), rg8 = min(row0 + g + 8, rows - 1);
+        auto words = [&](int r) {
+            return TILED ? tiled_row(m, r, COLS) + j * TILED_PIECE_STEP : m.packed + (size_t)r * (COLS / 8) + j * (MV_TILE / 8);
+        };
+        auto pairs = [&](int r) {
+            return TILED ? tiled_row_pairs(m, r, COLS) + j * TILED_PAIR_STEP : m.scale_bias + (size_t)r * (COLS / GROUP) + 2 * j;
+        };
         Tile tile;
-        tile.g = load_stream(m.packed + (size_t)rg * (COLS / 8) + j * (MV_TILE / 8) + 4 * t);
-        tile.g8 = load_stream(m.packed + (size_t)rg8 * (COLS / 8) + j * (MV_TILE / 8) + 4 * t);
-        tile.sg = *reinterpret_cast<const uint2*>(m.scale_bias + (size_t)rg * (COLS / GROUP) + 2 * j);
-        tile.sg8 = *reinterpret_cast<const uint2*>(m.scale_bias + (size_t)rg8 * (COLS / GROUP) + 2 * j);
+        tile.g = load_stream(words(rg) + 4 * t);
+        tile.g8 = load_stream(words(rg8) + 4 * t);
+        tile.sg = *reinterpret_cast<const uint2*>(pairs(rg));
+        tile.sg8 = *reinterpret_cast<const uint2*>(pairs(rg8));
         return tile;
     }
     // acc += this lane's part of tile j's products for rows g (x) and g + 8 (y).

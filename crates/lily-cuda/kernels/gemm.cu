@@ -55,9 +55,11 @@ __device__ int moe_down_col_blocks = (HIDDEN + WROWS - 1) / WROWS;
 // GROUPS quantization groups (k steps of KT inputs) per pipeline stage, STAGES stages. A stage holds GROUPS
 // sub-stages of A (BM x 64 bf16 each) and of B (256 rows x 64 codes each), then the 256 rows' GROUPS scale/bias
 // pairs row by row; with GROUPS = 1 that is one k step's A tile, B tile and scale/bias pairs.
-template <int BM_, int NMAT_, int BITS_, int GROUPS_ = 1, int STAGES_ = GEMM_STAGES>
+// TILED: the weights are a tiled matrix (common.cuh), whose piece is a stage of two groups.
+template <int BM_, int NMAT_, int BITS_, int GROUPS_ = 1, int STAGES_ = GEMM_STAGES, bool TILED_ = false>
 struct Tile {
     static constexpr int BM = BM_, NMAT = NMAT_, BITS = BITS_, GROUPS = GROUPS_, STAGES = STAGES_;
+    static constexpr bool TILED = TILED_;
     static constexpr int MF = BM / 16;                      // m16 fragments, all in every warp
     static constexpr int WCOLS = 32 / NMAT;                 // output columns per warp
     static constexpr int BN = GEMM_WARPS * WCOLS;           // output columns per block
@@ -77,6 +79,12 @@ struct Tile {
                   "whole m16 fragments; every thread copies as many A chunks, or the first BM * 8 threads one each");
     static_assert(STAGES >= 2 && (GROUPS == 1 || GROUPS == 2 || GROUPS == 4), "a pipeline; 4, 8 or 16-byte copies");
     static_assert(WROWS == GEMM_THREADS && GEMM_THREADS % B_ROW_CHUNKS == 0, "thread i copies row i's pairs");
+    static_assert(!TILED || (BITS == 4 && GROUPS <= 2 && TILED_PIECE == 2 * KT), "a stage is at most one piece");
+    // Words (pairs) from a weight row's k step kt (of KT inputs) to the next's: of one group, or a piece's.
+    __device__ static int step_words(int kt) {
+        return TILED ? (kt / 2) * TILED_PIECE_STEP + (kt % 2) * (KT / 8) : kt * (KT * BITS / 32);
+    }
+    __device__ static int step_pairs(int kt) { return TILED ? (kt / 2) * TILED_PAIR_STEP + kt % 2 : kt; }
 };
 
 // One weight row's source: its first packed word and scale/bias pair; `bytes` 16 to copy, 0 to zero-fill (a
@@ -90,6 +98,11 @@ struct WeightRow {
 __device__ __forceinline__ WeightRow weight_row(Q4 w, int row, bool valid, int k, int bits) {
     const size_t r = valid ? (size_t)row : 0;
     return WeightRow{w.packed + r * (k * bits / 32), w.scale_bias + r * (k / KT), valid ? 16u : 0u};
+}
+// The same for a tiled matrix (4-bit): the row's words of its first piece.
+__device__ __forceinline__ WeightRow tiled_weight_row(Q4 w, int row, bool valid, int k) {
+    const int r = valid ? row : 0;
+    return WeightRow{tiled_row(w, r, k), tiled_row_pairs(w, r, k), valid ? 16u : 0u};
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -277,18 +290,21 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
     // GROUPS > 1: a row's B_ROW_CHUNKS chunks of a stage lie together in memory, and consecutive threads copy
     // consecutive chunks of a row (a warp copies 32 / B_ROW_CHUNKS whole row segments), chunk q of row r going
     // to sub-stage q / B_CHUNKS, row r, chunk q % B_CHUNKS swizzled as above. A thread's B_COPIES rows are ROW_STEP
-    // apart, one matrix's rows at one pitch, so it keeps the first row's source, the pitch between its rows and
-    // which rows are valid (every row past the first invalid one is invalid too), not a pointer per row.
+    // apart in one matrix, so it keeps the first row's source, two pitches (to the next row, and to the row after
+    // it: in a tiled matrix, rows 2 ROW_STEP apart may lie in different blocks) and which rows are valid (every
+    // row past the first invalid one is invalid too), not a pointer per row.
     constexpr int ROW_STEP = GEMM_THREADS / T::B_ROW_CHUNKS;
     static_assert(T::GROUPS == 1 || (ROW_STEP / (8 / T::B_CHUNKS)) % T::B_CHUNKS == 0, "one swizzle for a thread's rows");
     const int b_q = tid % T::B_ROW_CHUNKS, b_row = tid / T::B_ROW_CHUNKS;
     const u32* b_src = nullptr;
-    long long b_pitch = 0;
+    int b_pitch = 0, b_pitch2 = 0;
     u32 b_valid = 0, b_to = 0;
     if constexpr (T::GROUPS > 1) {
-        const WeightRow first = row_of(b_row), second = row_of(b_row + ROW_STEP);
+        const WeightRow first = row_of(b_row);
         b_src = first.packed + 4 * b_q;
-        b_pitch = second.packed - first.packed;
+        // (Pitches of rows past the first invalid one are never used: those rows copy nothing.)
+        if constexpr (T::B_COPIES > 1) b_pitch = (int)(row_of(b_row + ROW_STEP).packed - first.packed);
+        if constexpr (T::B_COPIES > 2) b_pitch2 = (int)(row_of(b_row + 2 * ROW_STEP).packed - first.packed);
 #pragma unroll
         for (int j = 0; j < T::B_COPIES; j++)
             if (row_of(b_row + j * ROW_STEP).bytes) b_valid |= 1u << j;
@@ -311,16 +327,18 @@ __device__ __forceinline__ void run_tile(int rows, int k, ARow a_row, WRow w_row
         if constexpr (T::GROUPS == 1) {
 #pragma unroll
             for (int c = 0; c < T::B_CHUNKS; c++)
-                cp_async_16(stage + b_dst + ((c ^ b_swizzle) << 4), wr.packed + kt * 2 * T::BITS + 4 * c, wr.bytes);
-            cp_async_4(stage + sb_dst, wr.scale_bias + kt, wr.bytes / 4);
+                cp_async_16(stage + b_dst + ((c ^ b_swizzle) << 4), wr.packed + T::step_words(kt) + 4 * c, wr.bytes);
+            cp_async_4(stage + sb_dst, wr.scale_bias + T::step_pairs(kt), wr.bytes / 4);
         } else {
 #pragma unroll
             for (int j = 0; j < T::B_COPIES; j++) {
                 const bool valid = (b_valid >> j) & 1;
+                const int row_words = (j & 1) * b_pitch + (j >> 1) * b_pitch2;
                 cp_async_16(stage + b_to + j * ROW_STEP * 16 * T::B_CHUNKS,
-                            b_src + (valid ? j * b_pitch : 0) + kt * T::GROUPS * 2 * T::BITS, valid ? 16 : 0);
+                            b_src + (valid ? row_words : 0) + T::step_words(kt * T::GROUPS), valid ? 16 : 0);
             }
-            cp_async_ca<4 * T::GROUPS>(stage + sb_dst, wr.scale_bias + kt * T::GROUPS, wr.bytes / 16 * 4 * T::GROUPS);
+            cp_async_ca<4 * T::GROUPS>(stage + sb_dst, wr.scale_bias + T::step_pairs(kt * T::GROUPS),
+                                       wr.bytes / 16 * 4 * T::GROUPS);
         }
     };
 
@@ -563,8 +581,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // of each weight row in coalesced copies. Both products take 2 groups a stage in 2 stages, 53 KB of shared
 // memory and at most 85 registers a thread, so three blocks share an SM: the dequantization's chains of
 // dependent integer operations need the warps to hide their latency.
-typedef Tile<MOE_TILE_ROWS, 2, 4> MoeGateUp;
-typedef Tile<MOE_TILE_ROWS, 1, 4> MoeDown;
+#ifndef MOE_GROUPS
+#define MOE_GROUPS 1
+#endif
+typedef Tile<MOE_TILE_ROWS, 2, 4, MOE_GROUPS, GEMM_STAGES / MOE_GROUPS, true> MoeGateUp;
+typedef Tile<MOE_TILE_ROWS, 1, 4, MOE_GROUPS, GEMM_STAGES / MOE_GROUPS, true> MoeDown;
 // (Shapes whose k is not a whole number of such stages take 1 group a stage in 4 stages.)
 // (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
 #ifndef MOE_SMALL_GATE_UP_GROUPS
@@ -582,8 +603,12 @@ typedef Tile<MOE_TILE_ROWS, 1, 4> MoeDown;
 #ifndef MOE_SMALL_DOWN_STAGES
 #define MOE_SMALL_DOWN_STAGES (4 / MOE_SMALL_DOWN_GROUPS)
 #endif
-typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, MOE_SMALL_GATE_UP_STAGES> MoeGateUpSmall;
-typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, MOE_SMALL_DOWN_STAGES> MoeDownSmall;
+typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, MOE_SMALL_GATE_UP_STAGES, true> MoeGateUpSmall;
+typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, MOE_SMALL_DOWN_STAGES, true> MoeDownSmall;
+static_assert(HIDDEN % TILED_ROWS == 0 && MOE_INTER % TILED_ROWS == 0 && HIDDEN % TILED_PIECE == 0 &&
+                  MOE_INTER % TILED_PIECE == 0 && WROWS == 2 * TILED_ROWS,
+              "an expert is whole blocks of whole pieces; a gate/up item's rows of a matrix are one block, a down "
+              "item's two (run_tile's two pitches)");
 static_assert(HIDDEN % (KT * MoeGateUpSmall::GROUPS) == 0 && MOE_INTER % (KT * MoeDownSmall::GROUPS) == 0,
               "whole stages");
 
@@ -593,11 +618,12 @@ __device__ int moe_small_tile_rows = MOE_SMALL_TILE_ROWS;
 // The shared expert is expert NUM_EXPERTS of the grouped products (see route_rows in prefill.cu): a token's
 // entries are token * MOE_SLOTS + slot, the shared expert's weights are its own matrices.
 
-// Row `row` of expert e's block of a stacked expert matrix, or of the shared expert's matrix for e = NUM_EXPERTS.
+// Row `row` of expert e's block of a stacked expert matrix, or of the shared expert's matrix for e = NUM_EXPERTS
+// (both tiled).
 __device__ __forceinline__ WeightRow expert_row(Q4 experts, Q4 shared, int e, int rows, int row, bool valid, int k) {
     const bool routed = e < NUM_EXPERTS;
     const Q4 w = {routed ? experts.packed : shared.packed, routed ? experts.scale_bias : shared.scale_bias};
-    return weight_row(w, (routed ? e * rows : 0) + row, valid, k, 4);
+    return tiled_weight_row(w, (routed ? e * rows : 0) + row, valid, k);
 }
 
 // act[i][:] = bf16(silu(gate_e x[token]) * (up_e x[token])) for the sorted indices i of tile `tile`, token =

@@ -1,7 +1,7 @@
 // The sparse MoE block in two launches. The first computes the router (8-bit), routes (the top-k logits, then
 // their softmax: the renormalised top-k of the full softmax) and runs the gate and up projections of the routed
 // and the shared experts; the second the down projections with the routing weights applied and the residual add.
-// Chosen experts' weights are read in place from the stacked tensors.
+// Chosen experts' weights are read in place from the stacked tensors (tiled: see common.cuh).
 //
 // The second launch's weights depend only on the routing, published before the first launch ends: block 0 of
 // the first sets a flag once the routing is written, and the second requests its chosen experts' rows as soon as
@@ -214,8 +214,8 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) GATE_UP_CLUSTER_DIMS
     typename Lane::Tile tg[TPW], tu[TPW];
 #pragma unroll
     for (int i = 0; i < TPW; i++) {
-        tg[i] = lane.load(mg, row0, 1 << 30, kpart * TPW + i);
-        tu[i] = lane.load(mu, row0, 1 << 30, kpart * TPW + i);
+        tg[i] = lane.load<true>(mg, row0, 1 << 30, kpart * TPW + i);
+        tu[i] = lane.load<true>(mu, row0, 1 << 30, kpart * TPW + i);
     }
     float2 ag = make_float2(0.f, 0.f), au = make_float2(0.f, 0.f);
 #pragma unroll
@@ -256,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(MOE_SLOTS * WARP) experts_down(cons
     typename Lane::Tile tiles[TILES];
     auto load = [&](Q4 m, int row0) {
 #pragma unroll
-        for (int j = 0; j < TILES; j++) tiles[j] = lane.load(m, row0, 1 << 30, j);
+        for (int j = 0; j < TILES; j++) tiles[j] = lane.load<true>(m, row0, 1 << 30, j);
     };
     if (slot == TOP_K) {
         load(shared_down, blockIdx.x * 16);

@@ -1,7 +1,8 @@
 //! The model's weights on the GPU: MLX's packed 4-bit (8-bit for the router) rows as they are, each matrix's
 //! scales and biases interleaved into one (scale, bias) bf16 pair per group, and the matrices one launch reads
 //! together stacked: a DeltaNet layer's q/k/v, z, b, a projections; an attention layer's q(+gate), k, v; the
-//! router and the shared expert's gate. Filled from a checkpoint loaded on the CPU, or generated in place.
+//! router and the shared expert's gate. The expert matrices (routed and shared) are then tiled ([`Layout`]). Filled
+//! from a checkpoint loaded on the CPU, or generated in place.
 
 use std::collections::HashMap;
 
@@ -14,29 +15,106 @@ use lily_model::Config;
 use safetensors::Dtype;
 
 use crate::driver::{DevBuf, Gpu, GpuError, Result};
-use crate::kernels::{synth, Kernels, Q4};
+use crate::kernels::{layout, synth, Kernels, Q4};
 use crate::launch::{Dims, Launcher};
 
 pub struct GpuMatrix {
-    /// `[rows][words per row]`: the packed codes.
+    /// `[rows][words per row]`: the packed codes (in `layout`'s order).
     pub packed: DevBuf<u32>,
-    /// `[rows][cols / group]`: each group's (scale, bias) bf16 pair, scale in the low half.
+    /// `[rows][cols / group]`: each group's (scale, bias) bf16 pair, scale in the low half (in `layout`'s order).
     pub scale_bias: DevBuf<u32>,
     pub rows: usize,
     pub cols: usize,
     pub bits: u32,
+    pub layout: Layout,
+}
+
+/// The order of a matrix's words on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Row after row, as the checkpoint has them.
+    Rows,
+    /// The expert matrices' order (kernels/common.cuh): rows in blocks of [`TILED_ROWS`]; within a block, piece
+    /// after piece of [`TILED_PIECE`] inputs, and within a piece, the block's rows in order. A product that reads
+    /// a piece of 128 rows then reads one contiguous run instead of 64 bytes from each row.
+    Tiled,
+}
+
+/// Rows of a tiled block and inputs of a piece (common.cuh's TILED_ROWS and TILED_PIECE; checked at tiling).
+pub const TILED_ROWS: usize = 128;
+pub const TILED_PIECE: usize = 128;
+
+/// Where word `word` of row `row` (of rows of `row_words` words, `piece_words` of them a piece) lies once tiled.
+pub fn tiled_index(row: usize, word: usize, row_words: usize, piece_words: usize) -> usize {
+    (row / TILED_ROWS) * TILED_ROWS * row_words
+        + (word / piece_words) * TILED_ROWS * piece_words
+        + (row % TILED_ROWS) * piece_words
+        + word % piece_words
+}
+
+/// `words` (rows of `row_words` words) tiled: the CPU twin of the `tile_rows` kernel.
+pub fn tile_words(words: &[u32], row_words: usize, piece_words: usize) -> Vec<u32> {
+    let mut out = vec![0; words.len()];
+    for (i, &w) in words.iter().enumerate() {
+        out[tiled_index(i / row_words, i % row_words, row_words, piece_words)] = w;
+    }
+    out
 }
 
 impl GpuMatrix {
-    fn alloc(gpu: &Gpu, rows: usize, cols: usize, bits: u32) -> Result<GpuMatrix> {
+    /// A row-major matrix of that shape, its values not set.
+    pub fn alloc(gpu: &Gpu, rows: usize, cols: usize, bits: u32) -> Result<GpuMatrix> {
         Ok(GpuMatrix {
             packed: gpu.alloc(rows * words_per_row(cols, bits))?,
             scale_bias: gpu.alloc(rows * cols / GROUP_SIZE)?,
             rows,
             cols,
             bits,
+            layout: Layout::Rows,
         })
     }
+
+    /// The matrix tiled on the GPU (a 4-bit matrix of whole blocks of whole pieces), its row-major buffers freed.
+    pub fn tiled(self, gpu: &Gpu, kernels: &Kernels) -> Result<GpuMatrix> {
+        if self.layout == Layout::Tiled {
+            return Ok(self);
+        }
+        if kernels.constant("tiled_rows") != TILED_ROWS || kernels.constant("tiled_piece") != TILED_PIECE {
+            return Err(GpuError::Other("the kernels' tiled layout is not weights.rs's".into()));
+        }
+        if self.bits != 4 || !self.rows.is_multiple_of(TILED_ROWS) || !self.cols.is_multiple_of(TILED_PIECE) {
+            return Err(GpuError::Other(format!(
+                "a {}x{} {}-bit matrix cannot be tiled in blocks of {TILED_ROWS} rows and pieces of {TILED_PIECE}",
+                self.rows, self.cols, self.bits
+            )));
+        }
+        let tiled = GpuMatrix {
+            layout: Layout::Tiled,
+            ..GpuMatrix::alloc(gpu, self.rows, self.cols, self.bits)?
+        };
+        let pieces = self.cols / TILED_PIECE;
+        let mut l = Launcher::new(gpu, kernels);
+        for (src, dst, row_words) in [
+            (&self.packed, &tiled.packed, self.row_words()),
+            (&self.scale_bias, &tiled.scale_bias, self.cols / GROUP_SIZE),
+        ] {
+            let dims = Dims::linear((self.rows * row_words).div_ceil(256).min(65536) as u32, 256);
+            let piece_words = (row_words / pieces) as i32;
+            layout::tile_rows(
+                &mut l,
+                dims,
+                src.ptr(),
+                dst.ptr(),
+                self.rows as u64,
+                row_words as i32,
+                piece_words,
+            )?;
+        }
+        // The row-major buffers are freed when this returns: the copies must be done.
+        gpu.sync()?;
+        Ok(tiled)
+    }
+
     fn row_words(&self) -> usize {
         words_per_row(self.cols, self.bits)
     }
@@ -56,7 +134,8 @@ impl GpuMatrix {
     }
 }
 
-/// A CPU matrix on the GPU in the kernels' layout (packed rows as they are, scale and bias paired).
+/// A CPU matrix on the GPU, row-major (packed rows as they are, scale and bias paired); [`GpuMatrix::tiled`] makes
+/// an expert matrix of it.
 pub fn upload(gpu: &Gpu, m: &QMatrix) -> Result<GpuMatrix> {
     let dest = GpuMatrix::alloc(gpu, m.rows, m.cols, m.bits)?;
     gpu.upload(dest.packed.ptr().cast::<u8>(), m.packed.as_bytes())?;
@@ -501,19 +580,19 @@ impl GpuWeights {
             };
             let router = GpuMatrix::alloc(gpu, e + 1, h, 8)?;
             fill(&[Mat::Router(l), Mat::SharedExpertGate(l)], &router)?;
-            let experts_gate = GpuMatrix::alloc(gpu, e * i, h, 4)?;
-            fill(&[Mat::ExpertsGate(l)], &experts_gate)?;
-            let experts_up = GpuMatrix::alloc(gpu, e * i, h, 4)?;
-            fill(&[Mat::ExpertsUp(l)], &experts_up)?;
-            let experts_down = GpuMatrix::alloc(gpu, e * h, i, 4)?;
-            fill(&[Mat::ExpertsDown(l)], &experts_down)?;
+            // The expert matrices, routed and shared, tiled.
+            let mut expert = |id: Mat, rows: usize, cols: usize| -> Result<GpuMatrix> {
+                let m = GpuMatrix::alloc(gpu, rows, cols, 4)?;
+                fill(&[id], &m)?;
+                m.tiled(gpu, kernels)
+            };
+            let experts_gate = expert(Mat::ExpertsGate(l), e * i, h)?;
+            let experts_up = expert(Mat::ExpertsUp(l), e * i, h)?;
+            let experts_down = expert(Mat::ExpertsDown(l), e * h, i)?;
             let si = c.shared_expert_intermediate_size;
-            let shared_gate = GpuMatrix::alloc(gpu, si, h, 4)?;
-            fill(&[Mat::SharedGate(l)], &shared_gate)?;
-            let shared_up = GpuMatrix::alloc(gpu, si, h, 4)?;
-            fill(&[Mat::SharedUp(l)], &shared_up)?;
-            let shared_down = GpuMatrix::alloc(gpu, h, si, 4)?;
-            fill(&[Mat::SharedDown(l)], &shared_down)?;
+            let shared_gate = expert(Mat::SharedGate(l), si, h)?;
+            let shared_up = expert(Mat::SharedUp(l), si, h)?;
+            let shared_down = expert(Mat::SharedDown(l), h, si)?;
             layers.push(GpuLayer {
                 input_layernorm: vector(Vector::InputNorm(l), h)?,
                 post_attention_layernorm: vector(Vector::PostNorm(l), h)?,
@@ -537,5 +616,33 @@ impl GpuWeights {
             final_norm,
             lm_head,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tiling moves every word to its own place (a permutation), keeps each block of rows within the words it
+    /// spans, and puts a piece of a block's rows in one run, row after row.
+    #[test]
+    fn tiling_is_a_permutation_within_blocks() {
+        for (rows, row_words, piece_words) in [(128, 32, 16), (256, 64, 16), (384, 8, 2), (128, 32, 2)] {
+            let words: Vec<u32> = (0..(rows * row_words) as u32).collect();
+            let tiled = tile_words(&words, row_words, piece_words);
+            let mut sorted = tiled.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, words, "{rows}x{row_words}: a permutation");
+            let block = TILED_ROWS * row_words;
+            for (i, &w) in tiled.iter().enumerate() {
+                assert_eq!(i / block, w as usize / block, "a word stays in its block");
+            }
+            // Piece 1 of the first block: row r's words of that piece, rows in order.
+            let run = &tiled[TILED_ROWS * piece_words..2 * TILED_ROWS * piece_words];
+            for (i, &w) in run.iter().enumerate() {
+                let (r, c) = (i / piece_words, i % piece_words);
+                assert_eq!(w as usize, r * row_words + piece_words + c);
+            }
+        }
     }
 }

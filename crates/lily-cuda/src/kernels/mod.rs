@@ -25,6 +25,7 @@ pub mod attention_prefill;
 pub mod deltanet;
 pub mod deltanet_prefill;
 pub mod gemm;
+pub mod layout;
 pub mod matvec;
 pub mod moe;
 pub mod prefill;
@@ -56,6 +57,7 @@ pub const FILES: &[KernelFile<'static>] = &[
     attention_prefill::FILE,
     prefill::FILE,
     synth::FILE,
+    layout::FILE,
 ];
 
 /// Parts each KV head's context is split into by the attention decode kernel.

@@ -41,15 +41,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let inv_freq = c.rope_inv_freq();
     // `run` reads only the norms of the layer's weights.
-    let no_matrix = || -> Result<GpuMatrix> {
-        Ok(GpuMatrix {
-            packed: gpu.alloc(0)?,
-            scale_bias: gpu.alloc(0)?,
-            rows: 0,
-            cols: 0,
-            bits: 4,
-        })
-    };
+    let no_matrix = || -> Result<GpuMatrix> { GpuMatrix::alloc(gpu, 0, 0, 4) };
     let weights = GpuAttention {
         qkv: no_matrix()?,
         q_norm: gpu.alloc(hd)?,

@@ -133,15 +133,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         norm: (0..dv).map(|_| 1.0 + 0.1 * rng.normal()).collect(),
     };
     // Only the mixer's own weights are read; the projections are not part of this check.
-    let unused = || -> Result<GpuMatrix> {
-        Ok(GpuMatrix {
-            packed: gpu.alloc(0)?,
-            scale_bias: gpu.alloc(0)?,
-            rows: 0,
-            cols: 0,
-            bits: 4,
-        })
-    };
+    let unused = || -> Result<GpuMatrix> { GpuMatrix::alloc(gpu, 0, 0, 4) };
     let weights = GpuGatedDeltaNet {
         in_proj: unused()?,
         conv1d: gpu.upload_new(&w.conv1d)?,

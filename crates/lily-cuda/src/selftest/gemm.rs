@@ -175,15 +175,13 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         random_q4(&mut rng, inter, h),
         random_q4(&mut rng, h, inter),
     ];
+    // On the GPU tiled, as the model's expert matrices are.
+    let tiled = |m: &QMatrix| upload(gpu, m)?.tiled(gpu, kernels);
     let experts_q4 = MoeMatrices {
-        g_gate: upload(gpu, &gate)?,
-        g_up: upload(gpu, &up)?,
-        g_down: upload(gpu, &down)?,
-        g_shared: [
-            upload(gpu, &shared[0])?,
-            upload(gpu, &shared[1])?,
-            upload(gpu, &shared[2])?,
-        ],
+        g_gate: tiled(&gate)?,
+        g_up: tiled(&up)?,
+        g_down: tiled(&down)?,
+        g_shared: [tiled(&shared[0])?, tiled(&shared[1])?, tiled(&shared[2])?],
         gate,
         up,
         down,

@@ -22,7 +22,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use half::bf16;
 use lily_model::backend::{Backend, CpuBackend};
-use lily_model::config::LayerKind;
+use lily_model::config::{LayerKind, GROUP_SIZE};
 use lily_model::cpu::attention::{attend, rope};
 use lily_model::cpu::linalg::{qmatmul, rmsnorm, rmsnorm_in_place, sigmoid, silu};
 use lily_model::cpu::moe::{moe_forward, route};
@@ -33,7 +33,7 @@ use lily_model::{synth, Config};
 
 use crate::driver::{DevBuf, Gpu, GpuError, Result};
 use crate::model::{CudaBackend, CudaModel, Op};
-use crate::weights::Source;
+use crate::weights::{tile_words, Layout, Source, TILED_PIECE};
 
 const NAN_BITS: u32 = 0x7fc0_0000;
 
@@ -615,7 +615,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     sample_rows::check(g, &model.kernels, c, seed, report)?;
     println!("   decode:");
 
-    // Synthetic weights: the GPU's in-place generation against lily_model::synth, byte for byte.
+    // Synthetic weights: the GPU's in-place generation (and for an expert matrix, its tiling by `tile_rows`)
+    // against lily_model::synth (and the tiling's CPU twin), byte for byte.
     {
         let gw = &model.weights;
         let mut equal = true;
@@ -629,16 +630,29 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             g.download(gm.packed.ptr(), &mut packed)?;
             let mut pairs = vec![0u32; v.scales.len()];
             g.download(gm.scale_bias.ptr(), &mut pairs)?;
-            equal &= packed == v.packed;
-            equal &= pairs
+            let expected_pairs: Vec<u32> = v
+                .scales
                 .iter()
-                .zip(v.scales.iter().zip(v.biases))
-                .all(|(p, (s, b))| *p == (s.to_bits() as u32 | (b.to_bits() as u32) << 16));
+                .zip(v.biases)
+                .map(|(s, b)| s.to_bits() as u32 | (b.to_bits() as u32) << 16)
+                .collect();
+            let (expected_packed, expected_pairs) = match gm.layout {
+                Layout::Rows => (v.packed.to_vec(), expected_pairs),
+                Layout::Tiled => {
+                    let (words, groups) = (v.packed.len() / cm.rows, cm.cols / GROUP_SIZE);
+                    let pieces = cm.cols / TILED_PIECE;
+                    (
+                        tile_words(v.packed, words, words / pieces),
+                        tile_words(&expected_pairs, groups, groups / pieces),
+                    )
+                }
+            };
+            equal &= packed == expected_packed && pairs == expected_pairs;
         }
         report.check_eq(
             "synth: GPU-generated weights == SynthTensor::bytes()",
             equal,
-            "embed, experts_down, lm_head",
+            "embed, experts_down (tiled), lm_head",
         );
     }
 
