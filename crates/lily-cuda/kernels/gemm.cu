@@ -574,28 +574,29 @@ extern "C" __global__ void __launch_bounds__(256)
 // up to T::BM sorted entries of one expert (the tile height the host sorted with). The large tiling launches
 // gate/up and down as two grids of items; the small one runs both in one persistent launch (moe_small below).
 //
-// Two tilings. A long prompt has many entries per expert: 64-row tiles, one k step a stage, four stages (the
-// dense kernels' pipeline). A batched decode step or a short prompt has a few entries per expert (t tokens give
-// 8t / 256 on average), so the time goes into streaming each chosen expert's weights once: 32-row tiles (their
-// A tiles are small) and several quantization groups per stage, so a stage brings 64 or 128 contiguous bytes
-// of each weight row in coalesced copies. Both products take 2 groups a stage in 2 stages, 53 KB of shared
-// memory and at most 85 registers a thread, so three blocks share an SM: the dequantization's chains of
-// dependent integer operations need the warps to hide their latency.
+// The weights are tiled (common.cuh), and every stage of both tilings is one piece: two quantization groups of
+// the tile's 256 weight rows, read as one contiguous run a block of 128 rows.
+//
+// Two tilings. A long prompt has many entries per expert: 64-row tiles in two stages of a piece each (faster
+// than four stages of half a piece). A batched decode step or a short prompt has a few
+// entries per expert (t tokens give 8t / 256 on average), so the time goes into streaming each chosen expert's
+// weights once: 32-row tiles (their A tiles are small), 2 stages, 53 KB of shared memory and at most 85
+// registers a thread, so three blocks share an SM: the dequantization's chains of dependent integer operations
+// need the warps to hide their latency.
+// (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
 #ifndef MOE_GROUPS
-#define MOE_GROUPS 1
+#define MOE_GROUPS 2
 #endif
 typedef Tile<MOE_TILE_ROWS, 2, 4, MOE_GROUPS, GEMM_STAGES / MOE_GROUPS, true> MoeGateUp;
 typedef Tile<MOE_TILE_ROWS, 1, 4, MOE_GROUPS, GEMM_STAGES / MOE_GROUPS, true> MoeDown;
-// (Shapes whose k is not a whole number of such stages take 1 group a stage in 4 stages.)
-// (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
 #ifndef MOE_SMALL_GATE_UP_GROUPS
-#define MOE_SMALL_GATE_UP_GROUPS (HIDDEN % (2 * KT) == 0 ? 2 : 1)
+#define MOE_SMALL_GATE_UP_GROUPS 2
 #endif
 #ifndef MOE_SMALL_GATE_UP_STAGES
 #define MOE_SMALL_GATE_UP_STAGES (4 / MOE_SMALL_GATE_UP_GROUPS)
 #endif
 #ifndef MOE_SMALL_DOWN_GROUPS
-#define MOE_SMALL_DOWN_GROUPS (MOE_INTER % (2 * KT) == 0 ? 2 : 1)
+#define MOE_SMALL_DOWN_GROUPS 2
 #endif
 #ifndef MOE_SMALL_MIN_BLOCKS
 #define MOE_SMALL_MIN_BLOCKS 3
