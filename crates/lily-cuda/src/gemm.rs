@@ -267,8 +267,12 @@ pub fn moe_experts(
         let items = s.max_tiles * k.constant("moe_small_items_per_tile");
         let blocks = items.min(k.constant("moe_small_blocks_per_sm") * l.gpu.sm_count);
         let dims = Dims::linear(blocks as u32, THREADS).shared(k.constant("moe_small_smem") as u32);
-        let (gate, up, down) = (m.gate.q4(), m.up.q4(), m.down.q4());
-        let (shared_gate, shared_up, shared_down) = (m.shared_gate.q4(), m.shared_up.q4(), m.shared_down.q4());
+        let (gate, up, down) = (m.gate.tiled_q4(), m.up.tiled_q4(), m.down.tiled_q4());
+        let (shared_gate, shared_up, shared_down) = (
+            m.shared_gate.tiled_q4(),
+            m.shared_up.tiled_q4(),
+            m.shared_down.tiled_q4(),
+        );
         return gemm::moe_small(
             l,
             dims,
@@ -299,10 +303,10 @@ pub fn moe_experts(
         s.tiles,
         s.tile_count,
         s.offsets,
-        m.gate.q4(),
-        m.up.q4(),
-        m.shared_gate.q4(),
-        m.shared_up.q4(),
+        m.gate.tiled_q4(),
+        m.up.tiled_q4(),
+        m.shared_gate.tiled_q4(),
+        m.shared_up.tiled_q4(),
         act,
     )?;
     gemm::moe_down(
@@ -314,8 +318,8 @@ pub fn moe_experts(
         s.tile_count,
         s.offsets,
         route_w,
-        m.down.q4(),
-        m.shared_down.q4(),
+        m.down.tiled_q4(),
+        m.shared_down.tiled_q4(),
         out,
     )
 }

@@ -125,6 +125,12 @@ impl GpuMatrix {
     pub fn bytes(&self) -> usize {
         self.rows * self.bytes_per_row()
     }
+    /// The `Q4` argument of the kernels that read a tiled matrix (the expert kernels); panics on a row-major one,
+    /// which they would read as garbage.
+    pub fn tiled_q4(&self) -> Q4 {
+        assert_eq!(self.layout, Layout::Tiled, "the expert kernels read tiled matrices");
+        self.q4()
+    }
     /// The kernels' `Q4` argument.
     pub fn q4(&self) -> Q4 {
         Q4 {
