@@ -45,11 +45,15 @@
 static_assert(HIDDEN % KT == 0 && MOE_INTER % KT == 0, "products run over whole quantization groups");
 static_assert(MOE_INTER % (WROWS / 2) == 0, "a gate/up block takes 128 columns of gate and of up");
 
+// Column blocks of the grouped products: a gate/up block takes 128 columns of gate and of up, a down block 256.
+constexpr int MOE_GATE_UP_COLS = MOE_INTER / (WROWS / 2);
+constexpr int MOE_DOWN_COLS = (HIDDEN + WROWS - 1) / WROWS;
+
 // Read by the host (the constants of src/kernels/gemm.rs).
 __device__ int moe_tile_rows = MOE_TILE_ROWS;
 __device__ int gemm_stages = GEMM_STAGES;
-__device__ int moe_gate_up_col_blocks = MOE_INTER / (WROWS / 2);
-__device__ int moe_down_col_blocks = (HIDDEN + WROWS - 1) / WROWS;
+__device__ int moe_gate_up_col_blocks = MOE_GATE_UP_COLS;
+__device__ int moe_down_col_blocks = MOE_DOWN_COLS;
 
 // BM activation rows x WROWS weight rows of NMAT matrices (gate/up: NMAT = 2, each warp 16 columns of each),
 // GROUPS quantization groups (k steps of KT inputs) per pipeline stage, STAGES stages. A stage holds GROUPS
@@ -578,11 +582,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // the tile's 256 weight rows, read as one contiguous run a block of 128 rows.
 //
 // Two tilings. A long prompt has many entries per expert: 64-row tiles in two stages of a piece each (faster
-// than four stages of half a piece). A batched decode step or a short prompt has a few
-// entries per expert (t tokens give 8t / 256 on average), so the time goes into streaming each chosen expert's
-// weights once: 32-row tiles (their A tiles are small), 2 stages, 53 KB of shared memory and at most 85
-// registers a thread, so three blocks share an SM: the dequantization's chains of dependent integer operations
-// need the warps to hide their latency.
+// than four stages of half a piece). A batched decode step or a short prompt has a few entries per expert (t
+// tokens give 8t / 256 on average), so the time goes into streaming each chosen expert's weights once: 32-row
+// tiles (their A tiles are small), 2 stages, 53 KB of shared memory and at most 85 registers a thread, so three
+// blocks share an SM: the dequantization's chains of dependent integer operations need the warps to hide their
+// latency.
 // (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
 #ifndef MOE_GROUPS
 #define MOE_GROUPS 2
@@ -692,8 +696,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // was taken earlier by a block that is running, so the wait ends, and down items fill the SMs where the last
 // gate/up items leave them idle (two launches left up to a wave of blocks idle at each one's end). The host zeroes
 // `work` (1 + tiles ints) before the launch.
-constexpr int MOE_GATE_UP_COLS = MOE_INTER / (WROWS / 2);
-constexpr int MOE_DOWN_COLS = (HIDDEN + WROWS - 1) / WROWS;
 constexpr int MOE_SMALL_SMEM = MoeGateUpSmall::SMEM > MoeDownSmall::SMEM ? MoeGateUpSmall::SMEM : MoeDownSmall::SMEM;
 __device__ int moe_small_smem = MOE_SMALL_SMEM;
 __device__ int moe_small_blocks_per_sm = MOE_SMALL_MIN_BLOCKS;

@@ -76,9 +76,7 @@ impl GpuMatrix {
 
     /// The matrix tiled on the GPU (a 4-bit matrix of whole blocks of whole pieces), its row-major buffers freed.
     pub fn tiled(self, gpu: &Gpu, kernels: &Kernels) -> Result<GpuMatrix> {
-        if self.layout == Layout::Tiled {
-            return Ok(self);
-        }
+        assert_eq!(self.layout, Layout::Rows, "a matrix is tiled once");
         if kernels.constant("tiled_rows") != TILED_ROWS || kernels.constant("tiled_piece") != TILED_PIECE {
             return Err(GpuError::Other("the kernels' tiled layout is not weights.rs's".into()));
         }
