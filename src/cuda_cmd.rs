@@ -153,9 +153,9 @@ pub fn open_batch_backend(
     tracing::info!(
         "GPU memory: {} slots ({:.1} GB of DeltaNet state), {} snapshot buffers ({:.1} GB), {} KV pages of {} tokens ({} tokens, {:.1} GB); {:.1} GB free after loading",
         capacity.max_seqs,
-        (model.state.recurrent.iter().chain(&model.state.conv_ring).map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
+        (model.state.recurrent.iter().map(|b| b.bytes()).sum::<usize>() + model.state.conv_ring.iter().map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
         capacity.snapshots,
-        (model.state.snapshot_recurrent.iter().chain(&model.state.snapshot_ring).map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
+        (model.state.snapshot_recurrent.iter().map(|b| b.bytes()).sum::<usize>() + model.state.snapshot_ring.iter().map(|b| b.bytes()).sum::<usize>()) as f64 / 1e9,
         capacity.kv_pages,
         lily_cuda::pages::KV_PAGE,
         capacity.kv_pages * lily_cuda::pages::KV_PAGE,

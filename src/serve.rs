@@ -48,6 +48,6 @@ fn backend_factory(device: Device, dir: PathBuf) -> BackendFactory {
     })
 }
 
-/// Sequences a GPU serves at once unless `--max-seqs` says otherwise: each holds ~63 MB of DeltaNet state at the
-/// full shape (16 GB for 256), and the aggregate rate still grows up to this many.
+/// Sequences a GPU serves at once unless `--max-seqs` says otherwise: each holds ~35 MB of DeltaNet state at the
+/// full shape (9 GB for 256), and the aggregate rate still grows up to this many.
 const DEFAULT_CUDA_MAX_SEQS: usize = 256;

@@ -18,6 +18,26 @@ __device__ __forceinline__ bf16 float_to_bf16(float f) {
     if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16)((b >> 16) | 0x40u);
     return (bf16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
+// IEEE binary16 as raw bits: the storage of the DeltaNet recurrent state, which is computed in f32. Stored in half,
+// whose 11 significant bits keep a long generation's logits close to an f32 state's (bf16's 8 do not: the state's
+// rounding errors accumulate over the steps; bench/RESULTS.md has the measurement), the state costs half the memory
+// and half the traffic of the batched step. An entry beyond half's range is saturated to the largest finite value
+// rather than becoming infinite; NaN stays NaN.
+typedef unsigned short f16;
+__device__ __forceinline__ float f16_to_float(f16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ f16 float_to_f16(float f) {
+    f16 h;
+    asm("cvt.rn.satfinite.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+// Two adjacent state entries: (lo, hi) from and to one 32-bit word, lo at the lower address.
+__device__ __forceinline__ float2 f16x2_to_float2(u32 w) { return make_float2(f16_to_float((f16)w), f16_to_float((f16)(w >> 16))); }
+__device__ __forceinline__ u32 float2_to_f16x2(float lo, float hi) { return (u32)float_to_f16(lo) | (u32)float_to_f16(hi) << 16; }
+
 // A (scale, bias) pair: scale in the low half (the lower address), bias in the high half.
 __device__ __forceinline__ float2 pair_to_float2(u32 p) {
     return make_float2(__uint_as_float(p << 16), __uint_as_float(p & 0xffff0000u));

@@ -1,9 +1,10 @@
 // One decode step of a Gated DeltaNet layer, fused: the causal conv update of the new q/k/v input, SiLU, the
-// l2-norms, the gates and the delta-rule update of the f32 state; writes the raw output o (the gated RMSNorm is
+// l2-norms, the gates and the delta-rule update of the state (stored as f16, updated in f32); writes the raw output o (the gated RMSNorm is
 // applied in front of the output projection, which needs the whole head).
 //
 // Grid (value heads, SPLIT, rows): a block owns DV / SPLIT state columns of one value head (the columns of the
-// recurrence are independent) for batch row blockIdx.z. Row b is a token of the sequence in slot slots[b] at
+// recurrence are independent) for batch row blockIdx.z; a thread holds two adjacent columns (one 32-bit word of each
+// state row it owns), so a warp reads and writes 128 contiguous bytes of a row. Row b is a token of the sequence in slot slots[b] at
 // position positions[b]: its proj row is proj + b * DN_PROJ_ROW, its output row core + b * LIN_V_DIM, and its state
 // is the slot's (slot s at s times the size of one sequence's ring and recurrent state). The conv keeps the last
 // CONV_K inputs in a ring indexed by position % CONV_K, so the ring row written this step is one no block reads this
@@ -11,7 +12,7 @@
 //
 // Two instances: `deltanet_step` for one sequence cuts a head into DELTANET_SPLIT = 4 blocks (128 blocks a layer,
 // about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, into
-// DELTANET_ROWS_SPLIT = 2, so a block reads and writes 256 contiguous bytes of each state row rather than 128.
+// DELTANET_ROWS_SPLIT = 2, so a block reads and writes 128 contiguous bytes of each state row rather than 64.
 
 #ifndef DELTANET_SPLIT
 #define DELTANET_SPLIT 4
@@ -54,11 +55,12 @@ struct ConvTaps {
 template <int SPLIT>
 __device__ __forceinline__ void deltanet_step_split(const int* positions, const int* slots, const float* proj,
                                                     float* ring, const float* conv_w, const float* a_log,
-                                                    const float* dt_bias, float* state, float* core) {
+                                                    const float* dt_bias, f16* state, float* core) {
     constexpr int COLS_PER_BLOCK = DV / SPLIT;
-    constexpr int ROW_GROUPS = DELTANET_THREADS / COLS_PER_BLOCK;
+    constexpr int PAIRS = COLS_PER_BLOCK / 2;
+    constexpr int ROW_GROUPS = DELTANET_THREADS / PAIRS;
     constexpr int ROWS_PER_THREAD = DK / ROW_GROUPS;
-    static_assert(DV % SPLIT == 0 && DK % ROW_GROUPS == 0, "state columns and rows split evenly");
+    static_assert(DV % SPLIT == 0 && COLS_PER_BLOCK % 2 == 0 && DK % ROW_GROUPS == 0, "state columns and rows split evenly");
     __shared__ float q[DK], k[DK];
     __shared__ float v[COLS_PER_BLOCK];
     __shared__ float red[ROW_GROUPS][COLS_PER_BLOCK];
@@ -76,12 +78,12 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     const int c_qk = t < DK ? key_head * DK + t : LIN_K_DIM + key_head * DK + (t - DK);
     const int c_v = 2 * LIN_K_DIM + head * DV + col0 + t % COLS_PER_BLOCK;
 
-    // State columns col0 + j, rows i0 .. i0 + ROWS_PER_THREAD.
-    const int j = t % COLS_PER_BLOCK, group = t / COLS_PER_BLOCK, i0 = group * ROWS_PER_THREAD;
-    float* s = state + (size_t)head * DK * DV + col0 + j;
-    float col[ROWS_PER_THREAD];
+    // State columns col0 + j, j + 1 (j = 2 * (t % PAIRS)), rows i0 .. i0 + ROWS_PER_THREAD.
+    const int j = 2 * (t % PAIRS), group = t / PAIRS, i0 = group * ROWS_PER_THREAD;
+    u32* s = (u32*)(state + (size_t)head * DK * DV + col0 + j);
+    float2 col[ROWS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = s[(size_t)(i0 + r) * DV];
+    for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = f16x2_to_float2(s[(size_t)(i0 + r) * (DV / 2)]);
     ConvTaps taps_qk, taps_v;
     taps_qk.load(ring, conv_w, c_qk, position);
     if (t < COLS_PER_BLOCK) taps_v.load(ring, conv_w, c_v, position);
@@ -112,45 +114,57 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     const float decay = expf(-expf(a_log_h) * softplusf_(a_in + dt_bias_h));
     __syncthreads();
 
-    float kv = 0.f;
+    float2 kv = make_float2(0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
-        col[r] *= decay;
-        kv += col[r] * k[i0 + r];
+        col[r].x *= decay;
+        col[r].y *= decay;
+        kv.x += col[r].x * k[i0 + r];
+        kv.y += col[r].y * k[i0 + r];
     }
-    red[group][j] = kv;
+    red[group][j] = kv.x;
+    red[group][j + 1] = kv.y;
     __syncthreads();
-    float kv_mem = 0.f;
+    float2 kv_mem = make_float2(0.f, 0.f);
 #pragma unroll
-    for (int gi = 0; gi < ROW_GROUPS; gi++) kv_mem += red[gi][j];
-    const float u = (v[j] - kv_mem) * beta;
-    float o = 0.f;
+    for (int gi = 0; gi < ROW_GROUPS; gi++) {
+        kv_mem.x += red[gi][j];
+        kv_mem.y += red[gi][j + 1];
+    }
+    const float u0 = (v[j] - kv_mem.x) * beta, u1 = (v[j + 1] - kv_mem.y) * beta;
+    float2 o = make_float2(0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
-        col[r] += k[i0 + r] * u;
-        o += col[r] * q[i0 + r];
-        s[(size_t)(i0 + r) * DV] = col[r];
+        col[r].x += k[i0 + r] * u0;
+        col[r].y += k[i0 + r] * u1;
+        o.x += col[r].x * q[i0 + r];
+        o.y += col[r].y * q[i0 + r];
+        s[(size_t)(i0 + r) * (DV / 2)] = float2_to_f16x2(col[r].x, col[r].y);
     }
     __syncthreads();
-    red[group][j] = o;
+    red[group][j] = o.x;
+    red[group][j + 1] = o.y;
     __syncthreads();
     if (group == 0) {
-        float out = 0.f;
+        float2 out = make_float2(0.f, 0.f);
 #pragma unroll
-        for (int gi = 0; gi < ROW_GROUPS; gi++) out += red[gi][j];
-        core[head * DV + col0 + j] = out;
+        for (int gi = 0; gi < ROW_GROUPS; gi++) {
+            out.x += red[gi][j];
+            out.y += red[gi][j + 1];
+        }
+        *(float2*)&core[head * DV + col0 + j] = out;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
     deltanet_step(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
-                  const float* a_log, const float* dt_bias, float* state, float* core) {
+                  const float* a_log, const float* dt_bias, f16* state, float* core) {
     deltanet_step_split<DELTANET_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core);
 }
 
 extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
     deltanet_step_rows(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
-                       const float* a_log, const float* dt_bias, float* state, float* core) {
+                       const float* a_log, const float* dt_bias, f16* state, float* core) {
     deltanet_step_split<DELTANET_ROWS_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core);
 }
 

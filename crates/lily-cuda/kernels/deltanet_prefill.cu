@@ -18,8 +18,8 @@
 //    T and P for the state pass.
 //  deltanet_prefill_state, grid (value heads, STATE_SPLIT), 256 threads: the only sequential part, over the chunks in
 //    order. A block owns COLS = 32 columns of one head's state (the columns of the recurrence are independent),
-//    in registers (f32) and as a tf32 operand copy in shared memory; per chunk it computes [q; k] S, X, V' = T X,
-//    o and the next S. The next chunk's operands stream in with cp.async while the current one is computed, each
+//    read from its f16 storage into registers (f32) and stored back after the last chunk, and keeps a tf32 operand
+//    copy in shared memory; per chunk it computes [q; k] S, X, V' = T X, o and the next S. The next chunk's operands stream in with cp.async while the current one is computed, each
 //    buffer refilled as soon as its last reader is done. o overwrites v in place.
 //  deltanet_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
 //    into the bf16 rows of the output projection, and the conv ring's update (after the chunks kernel read it).
@@ -27,7 +27,8 @@
 // Precision: every matrix product runs on tensor cores in tf32 (mma.m16n8k8, f32 accumulation): k k^T, q k^T,
 // the off-diagonal blocks of T, [q; k] S, T X, P V' and k^T V'. Operands are rounded to nearest tf32 (11
 // significant bits, relative error <= 2^-11) where they are stored for a product; the state, the conv, norms,
-// gates, decays and every elementwise step stay f32, and the state is rounded only in its operand copy.
+// gates, decays and every elementwise step stay f32, and the state is rounded only in its operand copy (and to f16
+// when it is stored at the end of the call).
 //
 // Scratch (from the host's DeltaNetScratch), with padded = chunks * 64 (tokens past t are zeros, with g = beta = 0,
 // which leaves T, the decays and the state untouched):
@@ -357,14 +358,14 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
 }
 
 // Grid (LIN_V_HEADS, STATE_SPLIT), PREFILL_THREADS threads, deltanet_state_shared_bytes of dynamic shared memory.
-// state: f32 [LIN_V_HEADS][DK][DV], read and written. v_o: v in, o out (same layout).
+// state: f16 [LIN_V_HEADS][DK][DV], read and written. v_o: v in, o out (same layout).
 //
 // Warp roles per chunk: [q; k] S with warp w on rows 16 (w % 4) of q (w < 4) or k (w >= 4); warps 4-7 turn
 // their k S rows into X, warps 0-3 keep e^c q S as the start of their o rows; T X on (16-row, 16-column) tiles;
 // warps 0-3 add P V' to their o rows; each warp updates state rows 16 w .. 16 w + 15, which it holds throughout.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     deltanet_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
-                      const float* inverse, const float* attn, int t, float* state) {
+                      const float* inverse, const float* attn, int t, f16* state) {
     wait_previous();
     extern __shared__ float4 state_shared[];
     float* qs = (float*)state_shared;   // [CHUNK][DK]
@@ -419,11 +420,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 
     // This warp's state rows 16 warp + (g, g + 8), columns col0 + 8 n + (t2, t2 + 1).
     float s_rows[COLS / 8][4];
-    float* state_block = state + (size_t)head * DK * DV + col0;
+    f16* state_block = state + (size_t)head * DK * DV + col0;
 #pragma unroll
     for (int n = 0; n < COLS / 8; n++) {
-        const float2 lo = *(const float2*)&state_block[(16 * warp + g) * DV + 8 * n + t2];
-        const float2 hi = *(const float2*)&state_block[(16 * warp + g + 8) * DV + 8 * n + t2];
+        const float2 lo = f16x2_to_float2(*(const u32*)&state_block[(16 * warp + g) * DV + 8 * n + t2]);
+        const float2 hi = f16x2_to_float2(*(const u32*)&state_block[(16 * warp + g + 8) * DV + 8 * n + t2]);
         s_rows[n][0] = lo.x;
         s_rows[n][1] = lo.y;
         s_rows[n][2] = hi.x;
@@ -574,8 +575,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 
 #pragma unroll
     for (int n = 0; n < COLS / 8; n++) {
-        *(float2*)&state_block[(16 * warp + g) * DV + 8 * n + t2] = make_float2(s_rows[n][0], s_rows[n][1]);
-        *(float2*)&state_block[(16 * warp + g + 8) * DV + 8 * n + t2] = make_float2(s_rows[n][2], s_rows[n][3]);
+        *(u32*)&state_block[(16 * warp + g) * DV + 8 * n + t2] = float2_to_f16x2(s_rows[n][0], s_rows[n][1]);
+        *(u32*)&state_block[(16 * warp + g + 8) * DV + 8 * n + t2] = float2_to_f16x2(s_rows[n][2], s_rows[n][3]);
     }
 }
 

@@ -20,7 +20,7 @@ extern "C" __global__ void synth_scale_bias(u32* out, u64 n, u64 seed, u64 strea
     }
 }
 
-// Benchmark state: lo + (hi - lo) * u, as f32 or bf16.
+// Benchmark state: lo + (hi - lo) * u, as f32, bf16 or f16.
 extern "C" __global__ void fill_uniform_f32(float* out, u64 n, u64 seed, u64 stream, float lo, float hi) {
     wait_previous();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
@@ -30,4 +30,9 @@ extern "C" __global__ void fill_uniform_bf16(bf16* out, u64 n, u64 seed, u64 str
     wait_previous();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = float_to_bf16(lo + (hi - lo) * uniform_at(seed, stream, i));
+}
+extern "C" __global__ void fill_uniform_f16(f16* out, u64 n, u64 seed, u64 stream, float lo, float hi) {
+    wait_previous();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = float_to_f16(lo + (hi - lo) * uniform_at(seed, stream, i));
 }

@@ -14,7 +14,7 @@ use lily_model::sampling::{Sampler, SamplingParams};
 use lily_model::Config;
 use lily_model::ForwardError;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::driver::{check, DevBuf, DevPtr, Gpu, GpuError, Graph, HostCell, Result};
 use crate::kernels::sampling::{self, RowParams};
@@ -69,14 +69,14 @@ pub struct DeviceState {
     /// Per DeltaNet layer: `[max_seqs][conv_k][conv_dim]`; ring row `position % conv_k` holds that position's
     /// input.
     pub conv_ring: Vec<DevBuf<f32>>,
-    /// Per DeltaNet layer: `[max_seqs][value_heads][key_dim][value_dim]`.
-    pub recurrent: Vec<DevBuf<f32>>,
+    /// Per DeltaNet layer: `[max_seqs][value_heads][key_dim][value_dim]`, f16 (the kernels compute in f32).
+    pub recurrent: Vec<DevBuf<f16>>,
     /// Snapshot buffers: the DeltaNet state of a sequence saved at some length, to start others from.
     pub snapshots: usize,
     /// Per DeltaNet layer: `[snapshots][conv_k][conv_dim]` and `[snapshots][value_heads][key_dim][value_dim]`,
     /// laid out as the slots' `conv_ring` and `recurrent`.
     pub snapshot_ring: Vec<DevBuf<f32>>,
-    pub snapshot_recurrent: Vec<DevBuf<f32>>,
+    pub snapshot_recurrent: Vec<DevBuf<f16>>,
 }
 
 /// Where a sequence's DeltaNet state is: in a slot, or in a snapshot buffer.
@@ -92,7 +92,7 @@ impl DeviceState {
         c.linear_conv_kernel_dim * c.linear_conv_dim()
     }
 
-    /// Floats of one slot's recurrent state in a layer.
+    /// Values of one slot's recurrent state in a layer.
     pub fn recurrent_len(&self, c: &Config) -> usize {
         c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     }
@@ -104,13 +104,13 @@ impl DeviceState {
     }
 
     /// DeltaNet layer `layer`: slot `seq`'s recurrent state.
-    pub fn recurrent_state(&self, layer: usize, seq: usize) -> DevPtr<f32> {
+    pub fn recurrent_state(&self, layer: usize, seq: usize) -> DevPtr<f16> {
         let len = self.recurrent[layer].len() / self.max_seqs;
         self.recurrent[layer].at(seq * len)
     }
 
     /// DeltaNet layer `layer`: the conv ring and the recurrent state at `at`.
-    pub fn deltanet_state(&self, layer: usize, at: StateAt) -> (DevPtr<f32>, DevPtr<f32>) {
+    pub fn deltanet_state(&self, layer: usize, at: StateAt) -> (DevPtr<f32>, DevPtr<f16>) {
         match at {
             StateAt::Slot(seq) => (self.ring(layer, seq), self.recurrent_state(layer, seq)),
             StateAt::Snapshot(n) => {
@@ -306,7 +306,11 @@ impl CudaModel {
                 .map(|_| f32s(max_seqs * c.linear_conv_kernel_dim * c.linear_conv_dim()))
                 .collect::<Result<_>>()?,
             recurrent: (0..c.num_linear_layers())
-                .map(|_| f32s(max_seqs * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim))
+                .map(|_| {
+                    gpu.alloc_zeroed::<f16>(
+                        max_seqs * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+                    )
+                })
                 .collect::<Result<_>>()?,
             snapshots: capacity.snapshots,
             snapshot_ring: (0..c.num_linear_layers())
@@ -693,8 +697,11 @@ impl CudaModel {
         for l in 0..self.state.conv_ring.len() {
             let s = &self.state;
             self.gpu.memset_u8(s.ring(l, slot), 0, s.ring_len(c) * 4)?;
-            self.gpu
-                .memset_u8(s.recurrent_state(l, slot), 0, s.recurrent_len(c) * 4)?;
+            self.gpu.memset_u8(
+                s.recurrent_state(l, slot),
+                0,
+                s.recurrent_len(c) * std::mem::size_of::<f16>(),
+            )?;
         }
         Ok(())
     }
@@ -742,12 +749,10 @@ impl CudaModel {
             }
         }
         for (ring, rec) in self.state.conv_ring.iter().zip(&self.state.recurrent) {
-            for (buf, bound) in [(ring, 1.0), (rec, 0.05)] {
-                let (n, stream) = (buf.len(), next_stream());
-                if n > 0 {
-                    synth::fill_uniform_f32(l, dims(n), buf.ptr(), n as u64, seed, stream, -bound, bound)?;
-                }
-            }
+            let (n, stream) = (ring.len(), next_stream());
+            synth::fill_uniform_f32(l, dims(n), ring.ptr(), n as u64, seed, stream, -1.0, 1.0)?;
+            let (n, stream) = (rec.len(), next_stream());
+            synth::fill_uniform_f16(l, dims(n), rec.ptr(), n as u64, seed, stream, -0.05, 0.05)?;
         }
         self.gpu.upload(self.state.position.ptr(), &[depth as i32])
     }

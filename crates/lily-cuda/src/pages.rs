@@ -30,12 +30,12 @@ impl Capacity {
         }
     }
 
-    /// GPU bytes of one slot's DeltaNet state (and of one snapshot's): f32 recurrent state and conv ring of every
-    /// DeltaNet layer.
+    /// GPU bytes of one slot's DeltaNet state (and of one snapshot's): the f16 recurrent state and the f32 conv
+    /// ring of every DeltaNet layer.
     pub fn deltanet_bytes_per_seq(c: &Config) -> usize {
         let recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
         let ring = c.linear_conv_kernel_dim * c.linear_conv_dim();
-        c.num_linear_layers() * (recurrent + ring) * 4
+        c.num_linear_layers() * (recurrent * 2 + ring * 4)
     }
 
     /// GPU bytes of one KV page: bf16 keys and values of KV_PAGE positions in every attention layer.
@@ -292,10 +292,10 @@ mod tests {
     #[test]
     fn state_sizes_at_the_full_shape() {
         let c = Config::full_shape();
-        // 30 DeltaNet layers of 32 x 128 x 128 f32 state and a 4 x 8192 f32 ring: about 63 MB a sequence.
+        // 30 DeltaNet layers of 32 x 128 x 128 f16 state and a 4 x 8192 f32 ring: about 35 MB a sequence.
         assert_eq!(
             Capacity::deltanet_bytes_per_seq(&c),
-            30 * (32 * 128 * 128 + 4 * 8192) * 4
+            30 * (32 * 128 * 128 * 2 + 4 * 8192 * 4)
         );
         // 10 attention layers, K and V, 64 positions of 2 x 256 bf16: 1.25 MiB a page, 20 KiB a token.
         assert_eq!(Capacity::kv_bytes_per_page(&c), 10 * 2 * 64 * 512 * 2);

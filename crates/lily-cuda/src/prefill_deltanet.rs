@@ -2,7 +2,7 @@
 //! launches of kernels/deltanet_prefill.cu (chunk-parallel preparation, the sequential state pass, the gated
 //! norm), their scratch, and their check against the CPU twin.
 
-use half::bf16;
+use half::{bf16, f16};
 use lily_model::cpu::deltanet::CHUNK;
 use lily_model::Config;
 
@@ -54,7 +54,7 @@ impl DeltaNetScratch {
     }
 
     /// Queues the mixer for tokens at positions `start .. start + t`: `proj` f32 `[t][proj row]` in, `ring` (conv
-    /// inputs, slot = position % taps) and `state` (f32 `[value heads][k dim][v dim]`) read and left as decode
+    /// inputs, slot = position % taps) and `state` (f16 `[value heads][k dim][v dim]`) read and left as decode
     /// would leave them, `out` bf16 `[t][linear value dim]`: the gated norm of each head's output, the input of
     /// the output projection.
     #[allow(clippy::too_many_arguments)]
@@ -66,7 +66,7 @@ impl DeltaNetScratch {
         start: usize,
         proj: DevPtr<f32>,
         ring: DevPtr<f32>,
-        state: DevPtr<f32>,
+        state: DevPtr<f16>,
         weights: &GpuGatedDeltaNet,
         out: DevPtr<bf16>,
     ) -> Result<()> {

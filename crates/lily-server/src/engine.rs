@@ -324,7 +324,7 @@ pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 2048;
 /// prefill call.
 pub const DEFAULT_SNAPSHOT_INTERVAL: usize = 2048;
 
-/// Snapshots one prompt's prefill stops for at most (a snapshot of the full model's recurrent state is ~63 MB).
+/// Snapshots one prompt's prefill stops for at most (a snapshot of the full model's recurrent state is ~35 MB on the GPU).
 const MAX_SNAPSHOTS_PER_PROMPT: usize = 12;
 
 /// Prefill calls one iteration makes at most (a call of a few tokens costs a good part of a long one's time): a

@@ -1,8 +1,8 @@
 //! The decode step's Gated DeltaNet (kernels/deltanet.cu), for a batch of rows each in its own sequence slot: the
-//! causal conv over the ring of recent inputs, the gates and the delta-rule update of the recurrent state; and the
+//! causal conv over the ring of recent inputs, the gates and the delta-rule update of the recurrent state (f16); and the
 //! gated RMSNorm of the output rows.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::signature::launchers;
 use super::KernelFile;
@@ -26,7 +26,7 @@ launchers! {
         conv1d: DevPtr<f32>,
         a_log: DevPtr<f32>,
         dt_bias: DevPtr<f32>,
-        state: DevPtr<f32>,
+        state: DevPtr<f16>,
         core: DevPtr<f32>,
     );
     /// `deltanet_step` for a batched step of many rows: the same computation, a head in `deltanet_rows_split`
@@ -39,7 +39,7 @@ launchers! {
         conv1d: DevPtr<f32>,
         a_log: DevPtr<f32>,
         dt_bias: DevPtr<f32>,
-        state: DevPtr<f32>,
+        state: DevPtr<f16>,
         core: DevPtr<f32>,
     );
     /// The gated RMSNorm of each head of `rows` core rows (z from the proj rows) into bf16 `out`.

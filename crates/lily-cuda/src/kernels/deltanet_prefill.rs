@@ -1,7 +1,7 @@
 //! The prefill's Gated DeltaNet (kernels/deltanet_prefill.cu): chunk-parallel preparation, the sequential pass
 //! over the chunks' states, and the gated norm of the output.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::signature::launchers;
 use super::KernelFile;
@@ -46,7 +46,7 @@ launchers! {
         inverse: DevPtr<f32>,
         attn: DevPtr<f32>,
         t: i32,
-        state: DevPtr<f32>,
+        state: DevPtr<f16>,
     );
     /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
     deltanet_prefill_norm(

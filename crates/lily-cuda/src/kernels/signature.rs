@@ -4,7 +4,7 @@
 //! [`Signature::check_layout`]), and in a CPU test against the `extern "C"` declarations of the `.cu` files (see
 //! [`check_against_sources`]).
 
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::driver::DevPtr;
 
@@ -101,6 +101,9 @@ impl DeviceType for u64 {
 }
 impl DeviceType for bf16 {
     const C_NAME: &'static str = "bf16";
+}
+impl DeviceType for f16 {
+    const C_NAME: &'static str = "f16";
 }
 
 /// A value a launcher passes to a kernel: its C type, its size and alignment in the parameter buffer, and its

@@ -1,7 +1,7 @@
 //! Random fills on the GPU (kernels/synth.cu): generated weights in the checkpoint's layout, and uniform values
 //! for benchmark state.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::signature::launchers;
 use super::KernelFile;
@@ -23,4 +23,6 @@ launchers! {
     fill_uniform_f32(out: DevPtr<f32>, n: u64, seed: u64, stream: u64, lo: f32, hi: f32);
     /// `n` uniform values in `lo .. hi`, as bf16.
     fill_uniform_bf16(out: DevPtr<bf16>, n: u64, seed: u64, stream: u64, lo: f32, hi: f32);
+    /// `n` uniform values in `lo .. hi`, as f16.
+    fill_uniform_f16(out: DevPtr<f16>, n: u64, seed: u64, stream: u64, lo: f32, hi: f32);
 }

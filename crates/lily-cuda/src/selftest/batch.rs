@@ -11,7 +11,7 @@ use lily_model::rng::Rng;
 use lily_model::weights::{GatedDeltaNet, Mixer, Weights};
 use lily_model::Config;
 
-use super::{download_f32, normals, poison, rel_err, shuffled, Report};
+use super::{download_f16, download_f32, normals, poison, rel_err, shuffled, to_f16, widen_f16, Report, F16_STATE_TOL};
 use crate::batch::{attention_merge, attention_parts, AttentionParts};
 use crate::driver::Result;
 use crate::kernels::{attention, deltanet, ATTN_SPLITS};
@@ -116,10 +116,11 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         let proj_dim = conv_dim + v_dim + 2 * nv;
         let proj = normals(&mut rng, ROWS * proj_dim, 1.0);
         let ring = normals(&mut rng, SLOTS * ring_len, 1.0);
-        let state = normals(&mut rng, SLOTS * state_len, 0.05);
+        let state = to_f16(&normals(&mut rng, SLOTS * state_len, 0.05));
         let proj_buf = g.upload_new(&proj)?;
         let ring_buf = g.upload_new(&ring)?;
         let state_buf = g.upload_new(&state)?;
+        let state = widen_f16(&state);
         let core_buf = g.alloc::<f32>(ROWS * v_dim)?;
         poison(g, &core_buf)?;
         let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
@@ -163,8 +164,8 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         // The slots no row names must come back unchanged, so the whole buffer is compared.
         report.check(
             "deltanet_step, batched: each slot's recurrent state",
-            rel_err(&download_f32(g, &state_buf, SLOTS * state_len)?, &expected_state),
-            1e-4,
+            rel_err(&download_f16(g, &state_buf, SLOTS * state_len)?, &expected_state),
+            F16_STATE_TOL,
         );
         report.check(
             "deltanet_step, batched: each slot's conv ring",
