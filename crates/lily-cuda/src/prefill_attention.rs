@@ -18,6 +18,10 @@ const QUERY_TILE: usize = 16;
 const KEY_TILE: usize = crate::pages::KV_PAGE;
 /// Fewest key tiles a chunk takes when the keys are split: each part costs a Q tile load and a 128-row f32 write.
 const MIN_CHUNK_TILES: usize = 8;
+/// What a key chunk's part costs beside its tiles, in key tiles of one block: its 128 rows of f32 output written
+/// and read back by the merge (256 KiB through memory, ~85 ns of the whole GPU's bandwidth) against a key tile's
+/// ~3.5 us on one SM of 132.
+const PART_COST_TILES: f64 = 1.0 / 40.0;
 /// Threads of the row kernels (prep, merge): one warp per (token, head).
 const ROW_THREADS: u32 = 256;
 
@@ -28,28 +32,86 @@ pub(crate) struct KeySplit {
     pub(crate) splits: usize,
 }
 
-/// Chunks wanted for `t` tokens: one (the whole causal range of each query tile) while query tiles x KV heads
-/// fill the SMs; otherwise enough for about two blocks per SM.
-fn wanted_splits(t: usize, kv_heads: usize, sm_count: usize) -> usize {
+/// The most chunks considered for `t` tokens: one (the whole causal range of each query tile) while query tiles x
+/// KV heads fill the SMs; otherwise up to four blocks per SM.
+fn max_splits(t: usize, kv_heads: usize, sm_count: usize) -> usize {
     let blocks = t.div_ceil(QUERY_TILE) * kv_heads;
     if blocks >= sm_count {
         1
     } else {
-        (2 * sm_count).div_ceil(blocks)
+        (4 * sm_count).div_ceil(blocks)
     }
 }
 
-/// The wanted chunks, none shorter than MIN_CHUNK_TILES tiles (so never more than wanted).
+/// The split of the keys for `t` tokens at positions `start ..` whose estimated time is least. A block (one SM)
+/// works through its chunk's tiles in turn and the blocks start longest first, so the estimate places the blocks'
+/// tile counts longest first, each on the SM that frees first, and adds PART_COST_TILES for each part written. Too
+/// few chunks leave SMs idle at the end (420 tokens after 16K keys are 54 blocks of ~260 tiles; in 5 chunks they
+/// are 270 blocks, two rounds of 132 SMs and a third for 6), too many cost their parts' traffic. Chunks are at
+/// least MIN_CHUNK_TILES tiles.
 pub(crate) fn key_split(t: usize, start: usize, kv_heads: usize, sm_count: usize) -> KeySplit {
     let key_tiles = (start + t).div_ceil(KEY_TILE);
-    let splits = wanted_splits(t, kv_heads, sm_count)
-        .min(key_tiles / MIN_CHUNK_TILES)
-        .max(1);
-    let chunk_tiles = key_tiles.div_ceil(splits);
-    KeySplit {
-        chunk: chunk_tiles * KEY_TILE,
-        splits: key_tiles.div_ceil(chunk_tiles),
+    let query_tiles = t.div_ceil(QUERY_TILE);
+    // Key tiles query tile i reaches (its last token's position and all before it).
+    let reach: Vec<usize> = (0..query_tiles)
+        .map(|i| (start + (QUERY_TILE * (i + 1)).min(t)).div_ceil(KEY_TILE))
+        .collect();
+    let mut best = (
+        f64::INFINITY,
+        KeySplit {
+            chunk: key_tiles * KEY_TILE,
+            splits: 1,
+        },
+    );
+    let most = max_splits(t, kv_heads, sm_count).min((key_tiles / MIN_CHUNK_TILES).max(1));
+    let mut last_chunk = 0;
+    let mut blocks = Vec::new();
+    for wanted in 1..=most {
+        let chunk_tiles = key_tiles.div_ceil(wanted);
+        if chunk_tiles == last_chunk {
+            continue;
+        }
+        last_chunk = chunk_tiles;
+        let splits = key_tiles.div_ceil(chunk_tiles);
+        blocks.clear();
+        for &r in &reach {
+            for _ in 0..kv_heads {
+                blocks.extend(std::iter::repeat_n(chunk_tiles, r / chunk_tiles));
+                if r % chunk_tiles > 0 {
+                    blocks.push(r % chunk_tiles);
+                }
+            }
+        }
+        let parts = if splits > 1 { blocks.len() } else { 0 };
+        let cost = longest_first_makespan(&mut blocks, sm_count) as f64 + parts as f64 * PART_COST_TILES;
+        if cost < best.0 {
+            best = (
+                cost,
+                KeySplit {
+                    chunk: chunk_tiles * KEY_TILE,
+                    splits,
+                },
+            );
+        }
     }
+    best.1
+}
+
+/// The time `lengths` take on `workers` when each, longest first, goes to the worker that frees first.
+fn longest_first_makespan(lengths: &mut [usize], workers: usize) -> usize {
+    use std::cmp::Reverse;
+    if lengths.len() <= workers {
+        return lengths.iter().copied().max().unwrap_or(0);
+    }
+    lengths.sort_unstable_by(|a, b| b.cmp(a));
+    let mut free_at: std::collections::BinaryHeap<Reverse<usize>> = (0..workers).map(|_| Reverse(0)).collect();
+    let mut end = 0;
+    for &len in lengths.iter() {
+        let Reverse(at) = free_at.pop().expect("workers > 0");
+        end = end.max(at + len);
+        free_at.push(Reverse(at + len));
+    }
+    end
 }
 
 /// The attention's buffers for up to `max_tokens` tokens a call.
@@ -62,6 +124,8 @@ pub struct AttentionScratch {
     pub(crate) part_o: DevBuf<f32>,
     /// f32 `[split][token][heads][2]`: a key chunk's row max (log2 units) and sum of exponentials.
     pub(crate) part_ml: DevBuf<f32>,
+    /// The last call's (tokens, start) and key split: every attention layer of a prefill chunk asks for the same.
+    last_split: std::cell::Cell<Option<(usize, usize, KeySplit)>>,
 }
 
 impl AttentionScratch {
@@ -69,7 +133,7 @@ impl AttentionScratch {
         let c = config;
         // The most part rows any call may need (a call with one chunk writes none).
         let part_rows = (1..=max_tokens)
-            .map(|t| match wanted_splits(t, c.num_key_value_heads, gpu.sm_count) {
+            .map(|t| match max_splits(t, c.num_key_value_heads, gpu.sm_count) {
                 1 => 0,
                 splits => splits * t,
             })
@@ -81,6 +145,7 @@ impl AttentionScratch {
             q: gpu.alloc(max_tokens * c.q_dim())?,
             part_o: gpu.alloc(part_rows * c.q_dim())?,
             part_ml: gpu.alloc(part_rows * c.num_attention_heads * 2)?,
+            last_split: std::cell::Cell::new(None),
         })
     }
 
@@ -128,7 +193,14 @@ impl AttentionScratch {
             v_pool,
             pages,
         )?;
-        let split = key_split(t, start, kv_heads, self.sm_count);
+        let split = match self.last_split.get() {
+            Some((t0, start0, split)) if (t0, start0) == (t, start) => split,
+            _ => {
+                let split = key_split(t, start, kv_heads, self.sm_count);
+                self.last_split.set(Some((t, start, split)));
+                split
+            }
+        };
         let group = heads / kv_heads;
         let shared = (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2;
         let grid = ((t.div_ceil(QUERY_TILE) * kv_heads) as u32, split.splits as u32, 1);
@@ -184,9 +256,15 @@ mod tests {
                 s.splits * s.chunk >= start + t && (s.splits - 1) * s.chunk < start + t,
                 "{t} {start}: {s:?}"
             );
-            assert!(s.splits <= wanted_splits(t, kv_heads, sms));
+            assert!(s.splits <= max_splits(t, kv_heads, sms));
         }
         assert_eq!(key_split(4096, 32_768, 2, 132).splits, 1);
         assert!(key_split(130, 1001, 2, 132).splits > 1);
+        // 420 tokens after 16K: 54 blocks without a split, each of ~260 key tiles. Five chunks would make 270
+        // blocks, two rounds of 132 SMs and a third for 6; the split chosen must keep its last round three
+        // quarters full.
+        let s = key_split(420, 16_384, 2, 132);
+        let blocks = 54 * s.splits;
+        assert!(blocks * 4 >= blocks.div_ceil(132) * 132 * 3, "{s:?}: {blocks} blocks");
     }
 }
