@@ -4,21 +4,22 @@
 //
 // Grid (value heads, SPLIT, rows): a block owns DV / SPLIT state columns of one value head (the columns of the
 // recurrence are independent) for batch row blockIdx.z; a thread holds two adjacent columns (one 32-bit word of each
-// state row it owns), so a warp reads and writes 128 contiguous bytes of a row. Row b is a token of the sequence in slot slots[b] at
-// position positions[b]: its proj row is proj + b * DN_PROJ_ROW, its output row core + b * LIN_V_DIM, and its state
-// is the slot's (slot s at s times the size of one sequence's ring and recurrent state). The conv keeps the last
-// CONV_K inputs in a ring indexed by position % CONV_K, so the ring row written this step is one no block reads this
-// step.
+// state row it owns), so a warp reads and writes 128 contiguous bytes of a row. Row b is a token of the sequence in
+// slot slots[b] at position positions[b]: its proj row is proj + b * DN_PROJ_ROW, its output row core + b *
+// LIN_V_DIM, and its state is the slot's (slot s at s times the size of one sequence's ring and recurrent state).
+// The conv keeps the last CONV_K inputs in a ring indexed by position % CONV_K, so the ring row written this step is
+// one no block reads this step.
 //
 // Two instances: `deltanet_step` for one sequence cuts a head into DELTANET_SPLIT = 4 blocks (128 blocks a layer,
-// about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, into
-// DELTANET_ROWS_SPLIT = 2, so a block reads and writes 128 contiguous bytes of each state row rather than 64.
+// about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, takes a whole head a
+// block (DELTANET_ROWS_SPLIT = 1), so each thread has 32 state rows' loads in flight: the step streams the
+// state, and more bytes requested at once bring it closer to the memory's rate.
 
 #ifndef DELTANET_SPLIT
 #define DELTANET_SPLIT 4
 #endif
 #ifndef DELTANET_ROWS_SPLIT
-#define DELTANET_ROWS_SPLIT 2
+#define DELTANET_ROWS_SPLIT 1
 #endif
 #define DELTANET_THREADS 256
 #define DK LIN_HEAD_DIM

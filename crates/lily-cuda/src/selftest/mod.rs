@@ -469,8 +469,14 @@ fn compare_prefill(
     Ok(())
 }
 
+/// Relative gap (of the largest logit) between the CPU's two best logits below which the GPU's greedy choice may
+/// differ from the CPU's over a long comparison: a tie to within rounding, which any change of summation order
+/// may flip (the logits' errors themselves reach ~1e-2 of the largest logit at routing near-ties).
+const GREEDY_NEAR_TIE: f32 = 1e-3;
+
 /// Prefills the same random prompt on both, then decodes `steps` greedy tokens (the CPU's choice fed to both),
-/// comparing logits at every step; with `same_tokens`, also requires the GPU's greedy choice to equal the CPU's.
+/// comparing logits at every step; with `same_tokens`, also requires the GPU's greedy choice to equal the CPU's
+/// except at near-ties of GREEDY_NEAR_TIE, at most one step in a hundred.
 fn compare_models(
     mut cpu: CpuBackend,
     mut gpu: CudaBackend,
@@ -501,6 +507,7 @@ fn compare_models(
     let mut compared = 0;
     let mut mismatches = 0;
     let mut first_mismatch = None;
+    let mut widest_gap = 0.0f32;
     // The worst error of each hundred decode steps: how the GPU's f16 recurrent state drifts from the CPU's f32.
     let mut by_hundred: Vec<f64> = Vec::new();
     let mut greedy = lily_model::sampling::Sampler::new(Default::default());
@@ -515,7 +522,9 @@ fn compare_models(
             mismatches += 1;
             let l = cpu.logits().map_err(fe)?;
             let scale = l.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            first_mismatch.get_or_insert((step, (l[cpu_token as usize] - l[gpu_token as usize]) / scale));
+            let gap = (l[cpu_token as usize] - l[gpu_token as usize]) / scale;
+            first_mismatch.get_or_insert((step, gap));
+            widest_gap = widest_gap.max(gap);
         }
         if step + 1 == steps {
             break;
@@ -569,13 +578,16 @@ fn compare_models(
         "determinism (race check)",
     );
     let detail = match first_mismatch {
-        Some((step, gap)) => format!("{mismatches} of {compared} differ, first at step {step} (CPU logits of the two tokens {gap:.1e} apart, relative)"),
+        Some((step, gap)) => format!(
+            "{mismatches} of {compared} differ, first at step {step} (CPU logits of the two tokens {gap:.1e} apart, \
+             relative; the widest gap of a differing step {widest_gap:.1e})"
+        ),
         None => format!("0 of {compared} differ"),
     };
     if same_tokens {
         report.check_eq(
-            &format!("greedy tokens identical for {steps} steps"),
-            mismatches == 0,
+            &format!("greedy tokens identical for {steps} steps (up to exact near-ties, at most 1 in 100)"),
+            widest_gap <= GREEDY_NEAR_TIE && 100 * mismatches <= compared,
             &detail,
         );
     } else {
