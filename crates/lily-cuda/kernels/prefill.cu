@@ -1,10 +1,19 @@
 // Prefill glue around the matrix products (gemm.cu): the chunk's embedding rows, RMSNorm rows into the bf16 input
 // of the next product, the router's logits for few tokens, every token's routing, a stable counting sort of the
 // (token, slot) entries by expert with the tile list of the grouped expert products, and the MoE's combine into
-// the residual stream.
+// the residual stream (on its own, or inside the next RMSNorm).
 
 #define ROW_THREADS 256
 #define SORT_THREADS 256
+
+// Column c of row r's MoE output: the sum over its slots of expert_out[r * MOE_SLOTS + slot] (each already
+// weighted; the shared expert's last), in slot order.
+__device__ __forceinline__ float combined_experts(const float* expert_out, size_t r, int c) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < MOE_SLOTS; k++) s += expert_out[(r * MOE_SLOTS + k) * HIDDEN + c];
+    return s;
+}
 
 // hidden[r] = the dequantized embedding row of tokens[start + r]. Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* tokens, int start, Q4 table,
@@ -20,19 +29,26 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 }
 
 // out[r] = bf16(rmsnorm(hidden[r]) * norm), and where `out_lo` is not null what that rounding lost, also in bf16
-// (the router's products take both: routing is decided by small differences between logits). Grid (t).
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(const float* hidden, const float* norm,
-                                                                      bf16* out, bf16* out_lo) {
+// (the router's products take both: routing is decided by small differences between logits). Where `expert_out`
+// is not null, the previous MoE block's expert rows are first added to hidden[r] and written back, exactly as
+// moe_combine adds them: the residual stream's update and the next norm in one launch. Grid (t).
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hidden, const float* expert_out,
+                                                                      const float* norm, bf16* out, bf16* out_lo) {
     wait_previous();
     constexpr int PER = (HIDDEN + ROW_THREADS - 1) / ROW_THREADS;
     __shared__ float scratch[32];
-    const float* h = hidden + (size_t)blockIdx.x * HIDDEN;
+    const size_t r = blockIdx.x;
+    float* h = hidden + r * HIDDEN;
     float v[PER];
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         const int c = threadIdx.x + i * ROW_THREADS;
         v[i] = c < HIDDEN ? h[c] : 0.f;
+        if (expert_out && c < HIDDEN) {
+            v[i] += combined_experts(expert_out, r, c);
+            h[c] = v[i];
+        }
         s += v[i] * v[i];
     }
     const float inv = 1.f / sqrtf(block_sum(s, scratch) / HIDDEN + RMS_EPS);
@@ -322,14 +338,9 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
 }
 
 // hidden[r] += the sum over slots of expert_out[r * MOE_SLOTS + slot] (each already weighted; the shared expert's
-// last). Grid (t).
+// last), for the rows whose next kernel is not an rmsnorm_rows that adds them itself. Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) moe_combine(float* hidden, const float* expert_out) {
     wait_previous();
     const size_t r = blockIdx.x;
-    for (int c = threadIdx.x; c < HIDDEN; c += ROW_THREADS) {
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < MOE_SLOTS; k++) s += expert_out[(r * MOE_SLOTS + k) * HIDDEN + c];
-        hidden[r * HIDDEN + c] += s;
-    }
+    for (int c = threadIdx.x; c < HIDDEN; c += ROW_THREADS) hidden[r * HIDDEN + c] += combined_experts(expert_out, r, c);
 }

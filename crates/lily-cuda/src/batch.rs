@@ -196,15 +196,11 @@ pub fn enqueue_step(
     let (heads, kv_heads, head_dim) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let splits = attention_splits(t, kv_heads, l.gpu.sm_count) as i32;
     prefill::embed_rows(l, rows, b.tokens(), 0, w.embed_tokens.q4(), s.hidden.ptr())?;
+    // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
+    let mut experts = DevPtr::NULL;
     for (i, layer) in w.layers.iter().enumerate() {
-        prefill::rmsnorm_rows(
-            l,
-            rows,
-            s.hidden.ptr(),
-            layer.input_layernorm.ptr(),
-            s.normed.ptr(),
-            DevPtr::NULL,
-        )?;
+        let norm = layer.input_layernorm.ptr();
+        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), experts, norm, s.normed.ptr(), DevPtr::NULL)?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
@@ -271,21 +267,32 @@ pub fn enqueue_step(
             }
         }
         enqueue_moe(l, c, layer, s, t)?;
+        experts = s.expert_out.ptr();
     }
-    enqueue_head(l, w, s.hidden.ptr(), s, b, t)
+    enqueue_head(l, w, s.hidden.ptr(), experts, s, b, t)
 }
 
-/// The final norm and lm_head of `t` hidden rows at `hidden` into `b.logits`.
+/// The final norm and lm_head of `t` hidden rows at `hidden` (the last MoE rows `experts` added first, unless
+/// null) into `b.logits`.
 fn enqueue_head(
     l: &mut Launcher,
     w: &GpuWeights,
     hidden: DevPtr<f32>,
+    experts: DevPtr<f32>,
     s: &PrefillScratch,
     b: &StepScratch,
     t: usize,
 ) -> Result<()> {
     let rows = Dims::linear(t as u32, ROW_THREADS);
-    prefill::rmsnorm_rows(l, rows, hidden, w.final_norm.ptr(), s.normed.ptr(), DevPtr::NULL)?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        hidden,
+        experts,
+        w.final_norm.ptr(),
+        s.normed.ptr(),
+        DevPtr::NULL,
+    )?;
     gemm::gemm(l, s.normed.ptr(), t, &w.lm_head, b.logits.ptr(), false)
 }
 
@@ -515,7 +522,15 @@ impl CudaBatchBackend {
             m.gpu.upload_async(self.prefill_tokens.ptr().cast::<u32>(), tokens)?;
             m.enqueue_prefill_slot(slot, start, tokens.len(), self.prefill_tokens.ptr(), cuts)?;
             let l = &mut m.launcher(None);
-            enqueue_head(l, &m.weights, m.state.hidden.ptr(), &m.prefill, &self.step, 1)?;
+            enqueue_head(
+                l,
+                &m.weights,
+                m.state.hidden.ptr(),
+                DevPtr::NULL,
+                &m.prefill,
+                &self.step,
+                1,
+            )?;
             // The upload above reads `tokens` before returning, but the stream must be done with the staging buffer
             // before the next call writes it again.
             m.gpu.sync()

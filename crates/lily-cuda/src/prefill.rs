@@ -138,9 +138,19 @@ pub fn enqueue_chunk(
     );
     let rows = Dims::linear(t as u32, ROW_THREADS);
     prefill::embed_rows(l, rows, tokens, 0, w.embed_tokens.q4(), s.hidden.ptr())?;
+    // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
+    let mut experts = DevPtr::NULL;
     for (i, layer) in w.layers.iter().enumerate() {
         let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
-        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), layer.input_layernorm.ptr(), normed, no_lo)?;
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            experts,
+            layer.input_layernorm.ptr(),
+            normed,
+            no_lo,
+        )?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
@@ -168,7 +178,9 @@ pub fn enqueue_chunk(
             }
         }
         enqueue_moe(l, c, layer, s, t)?;
+        experts = s.expert_out.ptr();
     }
+    prefill::moe_combine(l, rows, s.hidden.ptr(), experts)?;
     let h = c.hidden_size;
     l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)
 }
@@ -204,26 +216,20 @@ fn deltanet_mixer(
     Ok(())
 }
 
-/// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden` (added to them): the post-attention norm,
-/// the router, the sort of the (row, slot) entries by expert (the shared expert is each row's last slot), the
-/// grouped expert products and the combination. A prefill chunk and a batched decode step both run it, one row a token.
+/// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden`: the post-attention norm, the router, the
+/// sort of the (row, slot) entries by expert (the shared expert is each row's last slot) and the grouped expert
+/// products, whose weighted rows it leaves in `s.expert_out` for the next norm (or `moe_combine`) to add to the
+/// rows. A prefill chunk and a batched decode step both run it, one row a token.
 pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &PrefillScratch, t: usize) -> Result<()> {
     let rows = Dims::linear(t as u32, ROW_THREADS);
     let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
-    prefill::rmsnorm_rows(
-        l,
-        rows,
-        s.hidden.ptr(),
-        layer.post_attention_layernorm.ptr(),
-        normed,
-        normed_lo,
-    )?;
+    let norm = layer.post_attention_layernorm.ptr();
+    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), DevPtr::NULL, norm, normed, normed_lo)?;
     router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
     route_and_sort(l, c, s, t)?;
     let sorted = s.sorted(l.kernels, c, t);
     let (act, expert_out) = (s.act.ptr(), s.expert_out.ptr());
-    gemm::moe_experts(l, normed, &sorted, s.route_w.ptr(), &layer.experts(), act, expert_out)?;
-    prefill::moe_combine(l, rows, s.hidden.ptr(), s.expert_out.ptr())
+    gemm::moe_experts(l, normed, &sorted, s.route_w.ptr(), &layer.experts(), act, expert_out)
 }
 
 /// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32); more take the tensor-core

@@ -18,8 +18,15 @@ pub const FILE: KernelFile<'static> = KernelFile {
 launchers! {
     /// `hidden[r] = embed_tokens[tokens[start + r]]`, dequantized.
     embed_rows(tokens: DevPtr<i32>, start: i32, table: Q4, hidden: DevPtr<f32>);
-    /// `out[r] = bf16(rmsnorm(hidden[r]) * norm)`, and what that rounding lost into `out_lo` unless it is null.
-    rmsnorm_rows(hidden: DevPtr<f32>, norm: DevPtr<f32>, out: DevPtr<bf16>, out_lo: DevPtr<bf16>);
+    /// `out[r] = bf16(rmsnorm(hidden[r]) * norm)`, and what that rounding lost into `out_lo` unless it is null;
+    /// unless `expert_out` is null, the MoE rows that `moe_combine` would add are added to `hidden` first.
+    rmsnorm_rows(
+        hidden: DevPtr<f32>,
+        expert_out: DevPtr<f32>,
+        norm: DevPtr<f32>,
+        out: DevPtr<bf16>,
+        out_lo: DevPtr<bf16>,
+    );
     /// `logits[t][e] = router[e] . (x_hi[t] + x_lo[t])` in f32 for the experts' and the shared gate's rows, `t < m`;
     /// grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens).
     router_rows(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);

@@ -6,7 +6,7 @@ use lily_model::cpu::moe::{route, route_margin};
 use lily_model::rng::Rng;
 
 use super::{download_f32, normals, poison, rel_err, Report};
-use crate::driver::{Gpu, Result};
+use crate::driver::{DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
 use crate::kernels::{prefill, Kernels};
 use crate::launch::{Dims, Launcher};
@@ -56,7 +56,15 @@ pub(crate) fn check(
     poison(gpu, &s.normed)?;
     poison(gpu, &s.normed_lo)?;
     let norm = gw.layers[0].input_layernorm.ptr();
-    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), norm, s.normed.ptr(), s.normed_lo.ptr())?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        DevPtr::NULL,
+        norm,
+        s.normed.ptr(),
+        s.normed_lo.ptr(),
+    )?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;
     gpu.download(s.normed_lo.ptr(), &mut lo)?;
@@ -147,12 +155,63 @@ pub(crate) fn check(
             hidden[i] + (0..slots).map(|j| expert_out[(r * slots + j) * h + col]).sum::<f32>()
         })
         .collect();
+    let combined = download_f32(gpu, &s.hidden, t * h)?;
     report.check(
         "moe_combine (weighted routed and shared outputs + residual)",
-        rel_err(&download_f32(gpu, &s.hidden, t * h)?, &expected),
+        rel_err(&combined, &expected),
         1e-5,
     );
+    // The same rows added by the next norm (the forward passes' way): the residual stream and the normed rows must
+    // be bit for bit what moe_combine and then the norm give.
+    let norm = gw.layers[0].input_layernorm.ptr();
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        DevPtr::NULL,
+        norm,
+        s.normed.ptr(),
+        DevPtr::NULL,
+    )?;
+    let mut separate = vec![bf16::ZERO; t * h];
+    gpu.download(s.normed.ptr(), &mut separate)?;
+    gpu.upload(s.hidden.ptr(), &hidden)?;
+    poison(gpu, &s.normed)?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        s.expert_out.ptr(),
+        norm,
+        s.normed.ptr(),
+        DevPtr::NULL,
+    )?;
+    let fused_hidden = download_f32(gpu, &s.hidden, t * h)?;
+    let mut fused = vec![bf16::ZERO; t * h];
+    gpu.download(s.normed.ptr(), &mut fused)?;
+    let same_hidden = fused_hidden
+        .iter()
+        .zip(&combined)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    let same_normed = fused.iter().zip(&separate).all(|(a, b)| a.to_bits() == b.to_bits());
+    report.check_eq(
+        "rmsnorm_rows adding the MoE rows == moe_combine, then rmsnorm_rows",
+        same_hidden && same_normed,
+        &format!(
+            "residual rows {}, normed rows {}",
+            bits_word(same_hidden),
+            bits_word(same_normed)
+        ),
+    );
     gpu.sync()
+}
+
+fn bits_word(same: bool) -> &'static str {
+    if same {
+        "bit for bit"
+    } else {
+        "DIFFER"
+    }
 }
 
 /// Token counts of the router check: one token, a few, a tile of 16 and one past it, the batched step's sizes up to
@@ -187,7 +246,15 @@ fn check_router(
     gpu.upload(s.hidden.ptr(), &normals(rng, s.chunk * h, 1.0))?;
     let norm = gw.layers[0].post_attention_layernorm.ptr();
     let rows = Dims::linear(s.chunk as u32, ROW_THREADS);
-    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), norm, s.normed.ptr(), s.normed_lo.ptr())?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        DevPtr::NULL,
+        norm,
+        s.normed.ptr(),
+        s.normed_lo.ptr(),
+    )?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; max_t * h], vec![bf16::ZERO; max_t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;
     gpu.download(s.normed_lo.ptr(), &mut lo)?;
