@@ -269,6 +269,9 @@ impl CudaModel {
         };
         let (max_seqs, pages_per_seq) = (capacity.max_seqs, pages_for(max_context));
         let pool_len = capacity.kv_pages * KV_PAGE * c.kv_dim();
+        // Values of one sequence's conv ring and recurrent state in a DeltaNet layer.
+        let ring_len = c.linear_conv_kernel_dim * c.linear_conv_dim();
+        let recurrent_len = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
         let state = DeviceState {
             max_seqs,
             pages_per_seq,
@@ -303,25 +306,17 @@ impl CudaModel {
                 .collect::<Result<_>>()?,
             page_table: gpu.alloc_zeroed(max_seqs * pages_per_seq)?,
             conv_ring: (0..c.num_linear_layers())
-                .map(|_| f32s(max_seqs * c.linear_conv_kernel_dim * c.linear_conv_dim()))
+                .map(|_| f32s(max_seqs * ring_len))
                 .collect::<Result<_>>()?,
             recurrent: (0..c.num_linear_layers())
-                .map(|_| {
-                    gpu.alloc_zeroed::<f16>(
-                        max_seqs * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
-                    )
-                })
+                .map(|_| gpu.alloc_zeroed::<f16>(max_seqs * recurrent_len))
                 .collect::<Result<_>>()?,
             snapshots: capacity.snapshots,
             snapshot_ring: (0..c.num_linear_layers())
-                .map(|_| gpu.alloc(capacity.snapshots * c.linear_conv_kernel_dim * c.linear_conv_dim()))
+                .map(|_| gpu.alloc(capacity.snapshots * ring_len))
                 .collect::<Result<_>>()?,
             snapshot_recurrent: (0..c.num_linear_layers())
-                .map(|_| {
-                    gpu.alloc(
-                        capacity.snapshots * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
-                    )
-                })
+                .map(|_| gpu.alloc(capacity.snapshots * recurrent_len))
                 .collect::<Result<_>>()?,
         };
         let slot = c.layer_slots();
@@ -696,12 +691,10 @@ impl CudaModel {
         let c = &self.config;
         for l in 0..self.state.conv_ring.len() {
             let s = &self.state;
-            self.gpu.memset_u8(s.ring(l, slot), 0, s.ring_len(c) * 4)?;
-            self.gpu.memset_u8(
-                s.recurrent_state(l, slot),
-                0,
-                s.recurrent_len(c) * std::mem::size_of::<f16>(),
-            )?;
+            let (ring_bytes, recurrent_bytes) =
+                (s.ring_len(c) * size_of::<f32>(), s.recurrent_len(c) * size_of::<f16>());
+            self.gpu.memset_u8(s.ring(l, slot), 0, ring_bytes)?;
+            self.gpu.memset_u8(s.recurrent_state(l, slot), 0, recurrent_bytes)?;
         }
         Ok(())
     }

@@ -56,15 +56,8 @@ pub(crate) fn check(
     poison(gpu, &s.normed)?;
     poison(gpu, &s.normed_lo)?;
     let norm = gw.layers[0].input_layernorm.ptr();
-    prefill::rmsnorm_rows(
-        l,
-        rows,
-        s.hidden.ptr(),
-        DevPtr::NULL,
-        norm,
-        s.normed.ptr(),
-        s.normed_lo.ptr(),
-    )?;
+    let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
+    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), DevPtr::NULL, norm, normed, normed_lo)?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;
     gpu.download(s.normed_lo.ptr(), &mut lo)?;
@@ -164,28 +157,13 @@ pub(crate) fn check(
     // The same rows added by the next norm (the forward passes' way): the residual stream and the normed rows must
     // be bit for bit what moe_combine and then the norm give.
     let norm = gw.layers[0].input_layernorm.ptr();
-    prefill::rmsnorm_rows(
-        l,
-        rows,
-        s.hidden.ptr(),
-        DevPtr::NULL,
-        norm,
-        s.normed.ptr(),
-        DevPtr::NULL,
-    )?;
+    let hidden_ptr = s.hidden.ptr();
+    prefill::rmsnorm_rows(l, rows, hidden_ptr, DevPtr::NULL, norm, normed, DevPtr::NULL)?;
     let mut separate = vec![bf16::ZERO; t * h];
     gpu.download(s.normed.ptr(), &mut separate)?;
     gpu.upload(s.hidden.ptr(), &hidden)?;
     poison(gpu, &s.normed)?;
-    prefill::rmsnorm_rows(
-        l,
-        rows,
-        s.hidden.ptr(),
-        s.expert_out.ptr(),
-        norm,
-        s.normed.ptr(),
-        DevPtr::NULL,
-    )?;
+    prefill::rmsnorm_rows(l, rows, hidden_ptr, s.expert_out.ptr(), norm, normed, DevPtr::NULL)?;
     let fused_hidden = download_f32(gpu, &s.hidden, t * h)?;
     let mut fused = vec![bf16::ZERO; t * h];
     gpu.download(s.normed.ptr(), &mut fused)?;
@@ -246,15 +224,8 @@ fn check_router(
     gpu.upload(s.hidden.ptr(), &normals(rng, s.chunk * h, 1.0))?;
     let norm = gw.layers[0].post_attention_layernorm.ptr();
     let rows = Dims::linear(s.chunk as u32, ROW_THREADS);
-    prefill::rmsnorm_rows(
-        l,
-        rows,
-        s.hidden.ptr(),
-        DevPtr::NULL,
-        norm,
-        s.normed.ptr(),
-        s.normed_lo.ptr(),
-    )?;
+    let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
+    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), DevPtr::NULL, norm, normed, normed_lo)?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; max_t * h], vec![bf16::ZERO; max_t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;
     gpu.download(s.normed_lo.ptr(), &mut lo)?;
