@@ -38,9 +38,6 @@
 #endif
 #define WROWS (GEMM_WARPS * 32)         // weight rows per block tile
 #define MOE_TILE_ROWS 64
-#ifndef MOE_SMALL_TILE_ROWS
-#define MOE_SMALL_TILE_ROWS 32
-#endif
 
 static_assert(HIDDEN % KT == 0 && MOE_INTER % KT == 0, "products run over whole quantization groups");
 static_assert(MOE_INTER % (WROWS / 2) == 0, "a gate/up block takes 128 columns of gate and of up");
@@ -583,42 +580,17 @@ extern "C" __global__ void __launch_bounds__(256)
 //
 // Two tilings. A long prompt has many entries per expert: 64-row tiles in two stages of a piece each (faster
 // than four stages of half a piece). A batched decode step or a short prompt has a few entries per expert (t
-// tokens give 8t / 256 on average), so the time goes into streaming each chosen expert's weights once: 32-row
-// tiles (their A tiles are small), 2 stages, 53 KB of shared memory and at most 85 registers a thread, so three
-// blocks share an SM: the dequantization's chains of dependent integer operations need the warps to hide their
-// latency.
+// tokens give 8t / 256 on average): the small tiling at the end of this file, on the integer tensor cores.
 // (These constants may be given as -D defines when tuning; see tuning_defines in src/kernels/mod.rs.)
 #ifndef MOE_GROUPS
 #define MOE_GROUPS 2
 #endif
 typedef Tile<MOE_TILE_ROWS, 2, 4, MOE_GROUPS, GEMM_STAGES / MOE_GROUPS, true> MoeGateUp;
 typedef Tile<MOE_TILE_ROWS, 1, 4, MOE_GROUPS, GEMM_STAGES / MOE_GROUPS, true> MoeDown;
-#ifndef MOE_SMALL_GATE_UP_GROUPS
-#define MOE_SMALL_GATE_UP_GROUPS 2
-#endif
-#ifndef MOE_SMALL_GATE_UP_STAGES
-#define MOE_SMALL_GATE_UP_STAGES (4 / MOE_SMALL_GATE_UP_GROUPS)
-#endif
-#ifndef MOE_SMALL_DOWN_GROUPS
-#define MOE_SMALL_DOWN_GROUPS 2
-#endif
-#ifndef MOE_SMALL_MIN_BLOCKS
-#define MOE_SMALL_MIN_BLOCKS 3
-#endif
-#ifndef MOE_SMALL_DOWN_STAGES
-#define MOE_SMALL_DOWN_STAGES (4 / MOE_SMALL_DOWN_GROUPS)
-#endif
-typedef Tile<MOE_SMALL_TILE_ROWS, 2, 4, MOE_SMALL_GATE_UP_GROUPS, MOE_SMALL_GATE_UP_STAGES, true> MoeGateUpSmall;
-typedef Tile<MOE_SMALL_TILE_ROWS, 1, 4, MOE_SMALL_DOWN_GROUPS, MOE_SMALL_DOWN_STAGES, true> MoeDownSmall;
 static_assert(HIDDEN % TILED_ROWS == 0 && MOE_INTER % TILED_ROWS == 0 && HIDDEN % TILED_PIECE == 0 &&
                   MOE_INTER % TILED_PIECE == 0 && WROWS == 2 * TILED_ROWS,
               "an expert is whole blocks of whole pieces; a gate/up item's rows of a matrix are one block, a down "
               "item's two (run_tile's two pitches)");
-static_assert(HIDDEN % (KT * MoeGateUpSmall::GROUPS) == 0 && MOE_INTER % (KT * MoeDownSmall::GROUPS) == 0,
-              "whole stages");
-
-// Read by the host (src/kernels/gemm.rs): the small tiling's height.
-__device__ int moe_small_tile_rows = MOE_SMALL_TILE_ROWS;
 
 // The shared expert is expert NUM_EXPERTS of the grouped products (see route_rows in prefill.cu): a token's
 // entries are token * MOE_SLOTS + slot, the shared expert's weights are its own matrices.
@@ -690,30 +662,321 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_down_tile<MoeDown>(blockIdx.y, blockIdx.x, act, entries, tiles, offsets, route_w, down, shared_down, out);
 }
 
-// The small tiling: gate/up and down in one persistent launch of a few blocks an SM. A block takes work items in
+// ---- The small tiling: few entries per expert, on the integer tensor cores ----
+// A batched decode step or a short prompt routes a few tokens to each expert, so its grouped products stream each
+// chosen expert's weights once for a handful of rows, and the time goes into the bytes and into turning 4-bit codes
+// into tensor-core operands. Here the codes stay integers, as in the decode's matrix-vector products: a weight
+// word's low nibbles (a mask) and high nibbles (a shift and a mask) are four u8 operands each of mma.m16n8k32,
+// against activations given as two signed 8-bit digits per input (Q8x2 below), so the products' integer sums are
+// exact and each group's (scale, bias) pair applies once per output: over a group, w . x = scale (s / 128)
+// (128 C0 + C1) + bias sum(x), where C0 and C1 are the digits' integer sums and s the activations' scale.
+//
+// Roles: the weight rows are A (m16: 16 rows a fragment), the tokens B (n8: 4 tokens x 2 digits, column 2j + d
+// is token j's digit d), so at a group's end lane (g, t) holds rows g and g + 8 of token t's two digit sums.
+//
+// Q8x2 rows. A row of k inputs is k / 64 groups of 128 bytes: word w of a group (its inputs 8w .. 8w + 7) is 16
+// bytes, digit 0 then digit 1, each as the bytes of the 4 even inputs, then of the 4 odd ones (the order in which
+// a weight word's low and high nibbles give A). x = s (d0 + d1 / 128) with s = max |x| / 127 over the group,
+// |d0| <= 127, |d1| <= 64 (the decode's staging with two of its three digits). Beside the codes, each group's pair
+// {s / 128, sum of the group's inputs}. The integer sums stay below 2^24, so 128 C0 + C1 converts to f32 exactly.
+#define Q8X2_GROUP_BYTES 128
+#define Q8X2_WORD_BYTES 16
+struct Q8x2 {
+    u32* codes;
+    float* pairs;
+};
+
+// Quantizes the 8 inputs `v` of word `word` of a group to Q8x2, with the other 7 words of the group on the 7 lanes
+// next to this one (lanes 8i .. 8i + 7 hold a group); every lane of the warp calls it. Writes the word's 16 bytes
+// to `code` and (word 0) the group's pair to `pair`, where `valid`.
+__device__ __forceinline__ void quantize_word_q8x2(const float (&v)[8], int word, bool valid, uint4* code,
+                                                   float2* pair) {
+    float mx = 0.f, sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) mx = fmaxf(mx, fabsf(v[i])), sum += v[i];
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    const float up = mx > 0.f ? 127.f / mx : 0.f;
+    u32 d[2][2] = {{0u, 0u}, {0u, 0u}};  // [digit][even inputs, odd inputs]
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float y = v[i] * up;  // |y| <= 127
+        const float q0 = rintf(y);
+        const float q1 = rintf((y - q0) * 128.f);  // the remainder is at most 1/2: |q1| <= 64
+        d[0][i & 1] |= byte_of(q0, i >> 1);
+        d[1][i & 1] |= byte_of(q1, i >> 1);
+    }
+    if (!valid) return;
+    *code = make_uint4(d[0][0], d[0][1], d[1][0], d[1][1]);
+    if (word == 0) *pair = make_float2(mx / 127.f / 128.f, sum);
+}
+
+// The small tiling's input: `rows` rows of HIDDEN inputs hi + lo (lo may be null) as Q8x2 rows (codes u32 [rows]
+// [HIDDEN / 2], pairs float2 [rows][HIDDEN / 64]); a thread a word.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_quantize_rows(const bf16* hi, const bf16* lo, int rows, Q8x2 out) {
+    wait_previous();
+    constexpr int WORDS = HIDDEN / 8;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool valid = i < rows * WORDS;
+    const int r = valid ? i / WORDS : 0, w = valid ? i % WORDS : 0;
+    const uint4 h = *(const uint4*)(hi + (size_t)r * HIDDEN + 8 * w);
+    const uint4 l = lo ? *(const uint4*)(lo + (size_t)r * HIDDEN + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float2 a = pair_to_float2(word_of(h, j)), b = pair_to_float2(word_of(l, j));  // bf16 pairs
+        v[2 * j] = a.x + b.x, v[2 * j + 1] = a.y + b.y;
+    }
+    quantize_word_q8x2(v, w % 8, valid, (uint4*)out.codes + (size_t)r * WORDS + w,
+                       (float2*)out.pairs + (size_t)r * (HIDDEN / GROUP) + w / 8);
+}
+
+// Tile and stages. A tile is up to SMALL_ROWS sorted entries of one expert; a work item (tile, column block) takes
+// 256 weight rows (gate/up: 128 of gate and the same 128 of up; down: 256 of down). A stage is one piece of the
+// tiled weights (two groups): the tile's activation codes (a token's 256 bytes, padded so the two tokens that a
+// half-warp's B loads read lie in different banks), their pairs, the 256 rows' codes (64 bytes a row, its four
+// 16-byte chunks swizzled by row so ldmatrix reads 8 rows without conflicts) and their two (scale, bias) pairs.
+#ifndef MOE_SMALL_TILE_ROWS
+#define MOE_SMALL_TILE_ROWS 16
+#endif
+#ifndef MOE_SMALL_STAGES
+#define MOE_SMALL_STAGES 4
+#endif
+#ifndef MOE_SMALL_MIN_BLOCKS
+#define MOE_SMALL_MIN_BLOCKS 2
+#endif
+constexpr int SMALL_ROWS = MOE_SMALL_TILE_ROWS;
+constexpr int SMALL_NF = SMALL_ROWS / 4;  // n8 fragments of 4 tokens
+constexpr int SMALL_A_ROW = 2 * Q8X2_GROUP_BYTES + 64;
+constexpr int SMALL_A_BYTES = SMALL_ROWS * SMALL_A_ROW;
+constexpr int SMALL_PAIR_BYTES = SMALL_ROWS * 2 * 8;
+constexpr int SMALL_B_BYTES = WROWS * 64;
+constexpr int SMALL_SB_BYTES = WROWS * 8;
+constexpr int SMALL_STAGE = SMALL_A_BYTES + SMALL_PAIR_BYTES + SMALL_B_BYTES + SMALL_SB_BYTES;
+constexpr int SMALL_SMEM = MOE_SMALL_STAGES * SMALL_STAGE;
+// The gate/up epilogue's SwiGLU tile (f32 [SMALL_ROWS][128], rows padded to 136 so a warp's stores, 4 tokens by 8
+// columns, hit 32 banks) reuses the stages.
+constexpr int SMALL_ACT_PITCH = 136;
+static_assert(SMALL_ROWS % 16 == 0 && SMALL_ROWS <= 64, "whole half-warps of tokens per stage copy and epilogue");
+static_assert(SMALL_ROWS * SMALL_ACT_PITCH * 4 <= SMALL_SMEM && MOE_SMALL_STAGES >= 2, "the SwiGLU tile fits");
+static_assert(TILED_PIECE == 2 * GROUP && TILED_PIECE_WORDS == 16, "a stage is a piece: two groups, 64 bytes a row");
+
+// Read by the host (src/kernels/gemm.rs): the small tiling's height.
+__device__ int moe_small_tile_rows = SMALL_ROWS;
+
+// The first word and pair of one of an item's two blocks of 128 weight rows, and 16 (or 0: a block past the
+// matrix, zero-filled) bytes a copy.
+struct SmallBlock {
+    const u32* words;
+    const u32* pairs;
+    u32 bytes;
+};
+
+// acc[f][nf][h] = the item's products for weight row frag_row(f) + g + 8h and token 4 nf + t of the tile (lane
+// (g, t)), over K inputs. a_row(r) is the Q8x2 row (of `codes` and `pairs`) of the tile's token r < rows; block[b]
+// gives weight rows 128 b ..; warp w's two m16 fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same
+// columns of gate and of up) or 32 w and 32 w + 16 (down).
+template <int K, bool GATE_UP, class ARow>
+__device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int rows, ARow a_row, const u32* codes,
+                                               const float* pairs, const SmallBlock (&block)[2]) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < SMALL_SMEM) __trap();  // the host's shared memory is not the kernel's
+    constexpr int PIECES = K / TILED_PIECE, STAGES = MOE_SMALL_STAGES;
+    constexpr int ROW_BYTES = K * 2, ROW_PAIRS = K / GROUP;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane / 4, t = lane % 4;
+    const u32 smem0 = smem_addr(smem);
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int nf = 0; nf < SMALL_NF; nf++) acc[f][nf][0] = acc[f][nf][1] = 0.f;
+
+    // Copies of a stage: the tokens' codes, chunk c % 16 of token c / 16 for c = tid, tid + 256, ...; their pairs
+    // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 4: block j / 2);
+    // the pairs of rows 2 tid, 2 tid + 1 (threads below 128).
+    auto load = [&](int kt) {
+        const u32 stage = smem0 + (kt % STAGES) * SMALL_STAGE;
+#pragma unroll
+        for (int c = tid; c < SMALL_ROWS * 16; c += GEMM_THREADS) {
+            const int r = c / 16;
+            const unsigned char* src = (const unsigned char*)codes + (size_t)a_row(r < rows ? r : 0) * ROW_BYTES;
+            cp_async_16(stage + r * SMALL_A_ROW + (c % 16) * 16, src + kt * 2 * Q8X2_GROUP_BYTES + (c % 16) * 16,
+                        r < rows ? 16u : 0u);
+        }
+        if (tid < SMALL_ROWS)
+            cp_async_16(stage + SMALL_A_BYTES + tid * 16, pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS + 4 * kt,
+                        tid < rows ? 16u : 0u);
+        const u32 b_stage = stage + SMALL_A_BYTES + SMALL_PAIR_BYTES;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int row = tid / 4 + 64 * j, chunk = tid % 4;
+            const SmallBlock& b = block[j / 2];
+            cp_async_16(b_stage + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4),
+                        b.words + (size_t)kt * TILED_PIECE_STEP + (row % TILED_ROWS) * TILED_PIECE_WORDS + 4 * chunk,
+                        b.bytes);
+        }
+        if (tid < WROWS / 2) {
+            const int row = 2 * tid;
+            const SmallBlock& b = block[row / TILED_ROWS];
+            cp_async_16(b_stage + SMALL_B_BYTES + row * 8,
+                        b.pairs + (size_t)kt * TILED_PAIR_STEP + (row % TILED_ROWS) * TILED_PIECE_PAIRS, b.bytes);
+        }
+    };
+
+    int frag_row[2];
+    frag_row[0] = GATE_UP ? 16 * warp : 32 * warp;
+    frag_row[1] = GATE_UP ? TILED_ROWS + 16 * warp : 32 * warp + 16;
+    // ldmatrix.x4 of fragment f, group gi: lanes 8i .. 8i + 7 address matrix i, rows 8 (i % 2) .. + 7 of the
+    // fragment at chunk 2 gi + i / 2 (the group's k32 step i / 2), so r[0], r[1] are step 0's words of rows g and
+    // g + 8 and r[2], r[3] step 1's.
+    u32 ld_off[2][2];
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int gi = 0; gi < 2; gi++) {
+            const int row = frag_row[f] + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = 2 * gi + (lane >> 4);
+            ld_off[f][gi] = SMALL_A_BYTES + SMALL_PAIR_BYTES + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
+        }
+    constexpr u32 LOW = 0x0F0F0F0Fu;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < PIECES) load(s);
+        cp_async_commit();
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < PIECES; kt++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage kt has landed for every thread; stage kt - 1's buffer is free again
+        if (kt + STAGES - 1 < PIECES) load(kt + STAGES - 1);
+        cp_async_commit();
+        const int at = (kt % STAGES) * SMALL_STAGE;
+        const u32* sb = (const u32*)(smem + at + SMALL_A_BYTES + SMALL_PAIR_BYTES + SMALL_B_BYTES);
+#pragma unroll
+        for (int gi = 0; gi < 2; gi++) {
+            u32 a[2][2][4];  // [fragment][k32 step]: A's four registers
+            float2 wsb[2][2];  // [fragment][row g, g + 8]: (scale, bias)
+#pragma unroll
+            for (int f = 0; f < 2; f++) {
+                u32 w[4];
+                ldmatrix_x4(w, smem0 + at + ld_off[f][gi]);
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    a[f][s][0] = w[2 * s] & LOW, a[f][s][1] = w[2 * s + 1] & LOW;
+                    a[f][s][2] = (w[2 * s] >> 4) & LOW, a[f][s][3] = (w[2 * s + 1] >> 4) & LOW;
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) wsb[f][h] = pair_to_float2(sb[(frag_row[f] + g + 8 * h) * 2 + gi]);
+            }
+#pragma unroll
+            for (int nf = 0; nf < SMALL_NF; nf++) {
+                if (nf * 4 >= rows) break;  // warp-uniform: the fragments past the tile's tokens
+                // B: token 4 nf + g / 2's digit g % 2, words t (step 0) and 4 + t (step 1) of group gi.
+                const unsigned char* bp = smem + at + (nf * 4 + g / 2) * SMALL_A_ROW + gi * Q8X2_GROUP_BYTES +
+                                          t * Q8X2_WORD_BYTES + (g % 2) * 8;
+                const uint2 b0 = *(const uint2*)bp, b1 = *(const uint2*)(bp + 4 * Q8X2_WORD_BYTES);
+                const float2 xp = *(const float2*)(smem + at + SMALL_A_BYTES + (nf * 4 + t) * 16 + gi * 8);
+#pragma unroll
+                for (int f = 0; f < 2; f++) {
+                    int c[4] = {0, 0, 0, 0};
+                    mma_u4s8(c, a[f][0][0], a[f][0][1], a[f][0][2], a[f][0][3], b0.x, b0.y);
+                    mma_u4s8(c, a[f][1][0], a[f][1][1], a[f][1][2], a[f][1][3], b1.x, b1.y);
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        acc[f][nf][h] = fmaf(wsb[f][h].x * xp.x, (float)(c[2 * h] * 128 + c[2 * h + 1]),
+                                             fmaf(wsb[f][h].y, xp.y, acc[f][nf][h]));
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages (the gate/up epilogue reuses them)
+}
+
+// Expert e's block of 128 rows `row0` .. of a stacked tiled matrix (the shared expert's matrix for e = NUM_EXPERTS),
+// zero-filled past `rows`.
+__device__ __forceinline__ SmallBlock small_block(Q4 experts, Q4 shared, int e, int rows, int row0, int k) {
+    const WeightRow w = expert_row(experts, shared, e, rows, row0, row0 < rows, k);
+    return SmallBlock{w.packed, w.scale_bias, w.bytes};
+}
+
+// act (Q8x2, by sorted index i) = silu(gate_e x[token]) * (up_e x[token]) for the entries of tile `tile`, output
+// columns 128 cb ..: the products, the SwiGLU into shared memory, then each (token, group of 64 columns) quantized
+// by 8 lanes.
+__device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_codes, const float* x_pairs,
+                                               const int* entries, const int* tiles, const int* offsets, Q4 gate,
+                                               Q4 up, Q4 shared_gate, Q4 shared_up, u32* act_codes,
+                                               float* act_pairs) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+    const int rows = min(SMALL_ROWS, offsets[expert + 1] - first), n0 = cb * TILED_ROWS;
+    const SmallBlock block[2] = {small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
+                                 small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)};
+    float acc[2][SMALL_NF][2];
+    small_products<HIDDEN, true>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs,
+                                 block);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
+    float* act = (float*)smem;
+#pragma unroll
+    for (int nf = 0; nf < SMALL_NF; nf++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            act[(nf * 4 + t) * SMALL_ACT_PITCH + 16 * warp + g + 8 * h] = siluf_(acc[0][nf][h]) * acc[1][nf][h];
+    __syncthreads();
+    // Thread u: token u / 16, the item's group (u / 8) % 2, word u % 8.
+#pragma unroll
+    for (int u = threadIdx.x; u < SMALL_ROWS * 16; u += GEMM_THREADS) {
+        const int r = u / 16, group = (u / 8) % 2, word = u % 8;
+        const float4 lo = *(const float4*)(act + r * SMALL_ACT_PITCH + group * GROUP + word * 8);
+        const float4 hi = *(const float4*)(act + r * SMALL_ACT_PITCH + group * GROUP + word * 8 + 4);
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        const size_t row = (size_t)(first + (r < rows ? r : 0));
+        const int col_group = n0 / GROUP + group;
+        quantize_word_q8x2(v, word, r < rows,
+                           (uint4*)act_codes + row * (MOE_INTER / 8) + col_group * 8 + word,
+                           (float2*)act_pairs + row * (MOE_INTER / GROUP) + col_group);
+    }
+}
+
+// out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of tile `tile`, output columns
+// 256 cb ...
+__device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_codes, const float* act_pairs,
+                                            const int* entries, const int* tiles, const int* offsets,
+                                            const float* route_w, Q4 down, Q4 shared_down, float* out) {
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+    const int rows = min(SMALL_ROWS, offsets[expert + 1] - first), n0 = cb * WROWS;
+    const SmallBlock block[2] = {small_block(down, shared_down, expert, HIDDEN, n0, MOE_INTER),
+                                 small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)};
+    float acc[2][SMALL_NF][2];
+    small_products<MOE_INTER, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, block);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nf = 0; nf < SMALL_NF; nf++) {
+        const int r = nf * 4 + t;
+        if (r >= rows) continue;
+        const int entry = entries[first + r];
+        const float weight = route_w[entry];
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int col = n0 + 32 * warp + 16 * f + g + 8 * h;
+                if (col < HIDDEN) out[(size_t)entry * HIDDEN + col] = weight * acc[f][nf][h];
+            }
+    }
+}
+
+// The small tiling's gate/up and down in one persistent launch of a few blocks an SM. A block takes work items in
 // the order of a counter (work[0]): first the gate/up items (tile, column block), tile-major, then the down items
 // alike. A down item waits until its tile's gate/up items are done (work[1 + tile] counts them): each of those
 // was taken earlier by a block that is running, so the wait ends, and down items fill the SMs where the last
-// gate/up items leave them idle (two launches left up to a wave of blocks idle at each one's end). The host zeroes
-// `work` (1 + tiles ints) before the launch.
-constexpr int MOE_SMALL_SMEM = MoeGateUpSmall::SMEM > MoeDownSmall::SMEM ? MoeGateUpSmall::SMEM : MoeDownSmall::SMEM;
-__device__ int moe_small_smem = MOE_SMALL_SMEM;
+// gate/up items leave them idle. The host zeroes `work` (1 + tiles ints) before the launch.
+__device__ int moe_small_smem = SMALL_SMEM;
 __device__ int moe_small_blocks_per_sm = MOE_SMALL_MIN_BLOCKS;
 __device__ int moe_small_items_per_tile = MOE_GATE_UP_COLS + MOE_DOWN_COLS;
-
-// The two kinds of item as functions of their own, so each gets the registers it needs without the other's values
-// held across the item loop (inlined into one body they spilled four times as much).
-__device__ __noinline__ void moe_small_gate_up(int tile, int cb, const bf16* x, const int* entries, const int* tiles,
-                                               const int* offsets, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up,
-                                               bf16* act) {
-    moe_gate_up_tile<MoeGateUpSmall>(tile, cb, x, entries, tiles, offsets, gate, up, shared_gate, shared_up, act);
-}
-
-__device__ __noinline__ void moe_small_down(int tile, int cb, const bf16* act, const int* entries, const int* tiles,
-                                            const int* offsets, const float* route_w, Q4 down, Q4 shared_down,
-                                            float* out) {
-    moe_down_tile<MoeDownSmall>(tile, cb, act, entries, tiles, offsets, route_w, down, shared_down, out);
-}
 
 __device__ __forceinline__ int load_acquire(const int* p) {
     int v;
@@ -722,9 +985,9 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
-    moe_small(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-              const float* route_w, Q4 gate, Q4 up, Q4 down, Q4 shared_gate, Q4 shared_up, Q4 shared_down,
-              bf16* act, float* out, int* work) {
+    moe_small(Q8x2 x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+              const float* route_w, Q4 gate, Q4 up, Q4 down, Q4 shared_gate, Q4 shared_up, Q4 shared_down, Q8x2 act,
+              float* out, int* work) {
     __shared__ int taken;
     wait_previous();  // the tiles and the weights they pick come from the routing
     const int n_tiles = *tile_count;
@@ -737,9 +1000,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
         if (item >= items) return;
         if (item < gate_up_items) {
             const int tile = item / MOE_GATE_UP_COLS;
-            moe_small_gate_up(tile, item % MOE_GATE_UP_COLS, x, entries, tiles, offsets, gate, up, shared_gate,
-                              shared_up, act);
-            // Every thread's rows of act are visible on the GPU before the tile's count says so.
+            moe_small_gate_up(tile, item % MOE_GATE_UP_COLS, x.codes, x.pairs, entries, tiles, offsets, gate, up,
+                              shared_gate, shared_up, act.codes, act.pairs);
+            // Every thread's codes are visible on the GPU before the tile's count says so.
             __threadfence();
             __syncthreads();
             if (threadIdx.x == 0) atomicAdd(&done[tile], 1);
@@ -747,11 +1010,10 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
             const int down_item = item - gate_up_items, tile = down_item / MOE_DOWN_COLS;
             if (threadIdx.x == 0)
                 while (load_acquire(&done[tile]) < MOE_GATE_UP_COLS) __nanosleep(64);
-            __syncthreads();  // the tile's act rows are read with cp.async.cg, from L2
-            moe_small_down(tile, down_item % MOE_DOWN_COLS, act, entries, tiles, offsets, route_w, down, shared_down,
-                           out);
+            __syncthreads();  // the tile's codes are read with cp.async.cg, from L2
+            moe_small_down(tile, down_item % MOE_DOWN_COLS, act.codes, act.pairs, entries, tiles, offsets, route_w,
+                           down, shared_down, out);
         }
-        cp_async_wait<0>();
         __syncthreads();  // the item's shared memory and `taken` are free for the next one
     }
 }

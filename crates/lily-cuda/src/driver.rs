@@ -569,7 +569,7 @@ pub struct Args {
     len: usize,
 }
 
-const MAX_ARGS: usize = 16;
+pub(crate) const MAX_ARGS: usize = 16;
 
 impl Default for Args {
     fn default() -> Args {

@@ -11,15 +11,15 @@
 //! Few rows (a short prompt, a batched decode step) give few block tiles; there the dense products cut k into
 //! parts, one block per (tile, part), two blocks an SM, each writing its partial tile, and a second launch sums
 //! every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products
-//! of up to 512 tokens (a few entries per expert) take 32-row tiles whose pipeline stages each hold several
-//! quantization groups, gate/up and down in one persistent launch (`moe_small`, its shared memory read from the
-//! kernels' constants); longer prompts take 64-row tiles.
+//! of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the integer tensor cores,
+//! the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one persistent launch
+//! (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row tiles.
 
 use half::bf16;
 use lily_model::Config;
 
-use crate::driver::{DevPtr, Result};
-use crate::kernels::{gemm, Kernels};
+use crate::driver::{DevBuf, DevPtr, Gpu, Result};
+use crate::kernels::{gemm, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::weights::GpuMatrix;
 
@@ -167,9 +167,9 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, 
     Dims::new((x, y, parts as u32), THREADS).shared(shared_bytes(l.kernels, rows, bits))
 }
 
-/// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile,
-/// several quantization groups a pipeline stage): up to 16 entries per expert on average, so few experts fill
-/// more than one 32-row tile. Longer prompts take 64-row tiles.
+/// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile, the
+/// integer tensor cores): up to 16 entries per expert on average, about one 16-row tile each. Longer prompts take
+/// 64-row tiles.
 const MOE_SMALL_MAX_TOKENS: usize = 512;
 
 /// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`).
@@ -228,6 +228,35 @@ pub struct Sorted {
     pub work: DevPtr<i32>,
     pub max_tiles: usize,
     pub tile_rows: usize,
+    /// Tokens of the routing.
+    pub tokens: usize,
+}
+
+/// The small tiling's activations as Q8x2 rows (kernels/gemm.cu: two signed 8-bit digits an input, a (scale, sum)
+/// pair a group of 64 inputs) for routings of up to `MOE_SMALL_MAX_TOKENS` tokens: the experts' input by token
+/// (u32 `[tokens][hidden / 2]`, f32 `[tokens][hidden / 64][2]`) and the SwiGLU rows between the two products by
+/// sorted entry (`[tokens * moe_slots][moe inter / 2]`, `[..][moe inter / 64][2]`).
+pub struct SmallCodes {
+    pub tokens: usize,
+    pub x_codes: DevBuf<u32>,
+    pub x_pairs: DevBuf<f32>,
+    pub act_codes: DevBuf<u32>,
+    pub act_pairs: DevBuf<f32>,
+}
+
+impl SmallCodes {
+    /// Codes for routings of up to `tokens` tokens (at most the small tiling's).
+    pub fn new(gpu: &Gpu, c: &Config, tokens: usize) -> Result<SmallCodes> {
+        let tokens = tokens.min(MOE_SMALL_MAX_TOKENS);
+        let (h, inter, entries) = (c.hidden_size, c.moe_intermediate_size, tokens * moe_slots(c));
+        Ok(SmallCodes {
+            tokens,
+            x_codes: gpu.alloc(tokens * h / 2)?,
+            x_pairs: gpu.alloc(tokens * h / K_STEP * 2)?,
+            act_codes: gpu.alloc(entries * inter / 2)?,
+            act_pairs: gpu.alloc(entries * inter / K_STEP * 2)?,
+        })
+    }
 }
 
 impl Sorted {
@@ -246,24 +275,41 @@ impl Sorted {
     }
 }
 
-/// The grouped expert products of the sorted entries `s`: `act[i][:] = bf16(silu(gate_e x[token]) * (up_e
-/// x[token]))` for every sorted entry i (token = entries[i] / moe_slots, e its expert, the shared one for e =
-/// experts), then `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])`. `x` bf16 `[tokens][hidden]`, `act`
-/// bf16 `[tokens * moe_slots][moe inter]` by sorted entry, `out` f32 `[tokens * moe_slots][hidden]` and `route_w`
-/// f32 `[tokens * moe_slots]` by entry. The small tiling runs as one persistent launch of `moe_small_blocks_per_sm`
-/// blocks an SM (at most one per work item); the large one as a gate/up and a down launch of a block per (column
-/// block, possible tile), those past `*tile_count` returning at once.
+/// The grouped expert products of the sorted entries `s`: `act[i][:] = silu(gate_e x[token]) * (up_e x[token])`
+/// for every sorted entry i (token = entries[i] / moe_slots, e its expert, the shared one for e = experts), then
+/// `out[entries[i]][:] = route_w[entries[i]] * (down_e act[i])`. `x` bf16 `[tokens][hidden]` (plus `x_lo`, what
+/// rounding it to bf16 lost, which the small tiling adds; it may be null), `out` f32 `[tokens * moe_slots][hidden]`
+/// and `route_w` f32 `[tokens * moe_slots]` by entry. The large tiling keeps act in `act` (bf16 `[tokens *
+/// moe_slots][moe inter]` by sorted entry) and runs as a gate/up and a down launch of a block per (column block,
+/// possible tile), those past `*tile_count` returning at once; the small one quantizes x into `codes`, keeps act
+/// there and runs as one persistent launch of `moe_small_blocks_per_sm` blocks an SM (at most one per work item).
+#[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     l: &mut Launcher,
     x: DevPtr<bf16>,
+    x_lo: DevPtr<bf16>,
     s: &Sorted,
     route_w: DevPtr<f32>,
     m: &Experts,
     act: DevPtr<bf16>,
+    codes: &SmallCodes,
     out: DevPtr<f32>,
 ) -> Result<()> {
     let k = l.kernels;
     if s.small(k) {
+        assert!(
+            s.tokens <= codes.tokens,
+            "the small tiling's codes hold {} tokens, not {}",
+            codes.tokens,
+            s.tokens
+        );
+        let words = s.tokens * m.shared_gate.cols / 8;
+        let x_codes = Q8x2 {
+            codes: codes.x_codes.ptr(),
+            pairs: codes.x_pairs.ptr(),
+        };
+        let dims = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
+        gemm::moe_quantize_rows(l, dims, x, x_lo, s.tokens as i32, x_codes)?;
         let items = s.max_tiles * k.constant("moe_small_items_per_tile");
         let blocks = items.min(k.constant("moe_small_blocks_per_sm") * l.gpu.sm_count);
         let dims = Dims::linear(blocks as u32, THREADS).shared(k.constant("moe_small_smem") as u32);
@@ -276,7 +322,7 @@ pub fn moe_experts(
         return gemm::moe_small(
             l,
             dims,
-            x,
+            x_codes,
             s.entries,
             s.tiles,
             s.tile_count,
@@ -288,7 +334,10 @@ pub fn moe_experts(
             shared_gate,
             shared_up,
             shared_down,
-            act,
+            Q8x2 {
+                codes: codes.act_codes.ptr(),
+                pairs: codes.act_pairs.ptr(),
+            },
             out,
             s.work,
         );

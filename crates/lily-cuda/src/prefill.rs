@@ -52,8 +52,10 @@ pub struct PrefillScratch {
     pub(crate) tiles: DevBuf<i32>,
     pub(crate) tile_count: DevBuf<i32>,
     pub(crate) max_tiles: usize,
-    /// bf16 `[chunk * slots][moe inter]` by sorted entry.
+    /// bf16 `[chunk * slots][moe inter]` by sorted entry (the large tiling's).
     pub(crate) act: DevBuf<bf16>,
+    /// The small tiling's input and act as integer digits.
+    pub(crate) codes: gemm::SmallCodes,
     /// f32 `[chunk * slots][hidden]` by entry, weighted.
     pub(crate) expert_out: DevBuf<f32>,
     pub(crate) deltanet: DeltaNetScratch,
@@ -83,6 +85,7 @@ impl PrefillScratch {
             tile_count: gpu.alloc(1)?,
             max_tiles,
             act: gpu.alloc(chunk * k * c.moe_intermediate_size)?,
+            codes: gemm::SmallCodes::new(gpu, c, chunk)?,
             expert_out: gpu.alloc(chunk * k * h)?,
             deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
             attn: AttentionScratch::new(gpu, c, chunk)?,
@@ -101,6 +104,7 @@ impl PrefillScratch {
             work: self.counts.at(c.num_experts + 1),
             max_tiles: gemm::max_tiles(c, t, tile_rows).min(self.max_tiles),
             tile_rows,
+            tokens: t,
         }
     }
 }
@@ -229,7 +233,18 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     route_and_sort(l, c, s, t)?;
     let sorted = s.sorted(l.kernels, c, t);
     let (act, expert_out) = (s.act.ptr(), s.expert_out.ptr());
-    gemm::moe_experts(l, normed, &sorted, s.route_w.ptr(), &layer.experts(), act, expert_out)
+    let (route_w, codes) = (s.route_w.ptr(), &s.codes);
+    gemm::moe_experts(
+        l,
+        normed,
+        normed_lo,
+        &sorted,
+        route_w,
+        &layer.experts(),
+        act,
+        codes,
+        expert_out,
+    )
 }
 
 /// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32); more take the tensor-core

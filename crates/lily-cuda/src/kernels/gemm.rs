@@ -4,7 +4,7 @@
 use half::bf16;
 
 use super::signature::launchers;
-use super::{KernelFile, Q4};
+use super::{KernelFile, Q8x2, Q4};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
@@ -65,10 +65,12 @@ launchers! {
         shared_down: Q4,
         out: DevPtr<f32>,
     );
-    /// The small tiling's gate/up and down in one persistent launch (`work`: the item counter, then each
-    /// tile's finished gate/up items, zeroed before).
+    /// The small tiling's input: `rows` rows of `hi + lo` (`lo` may be null) as Q8x2 codes and group pairs.
+    moe_quantize_rows(hi: DevPtr<bf16>, lo: DevPtr<bf16>, rows: i32, out: Q8x2);
+    /// The small tiling's gate/up and down in one persistent launch on the integer tensor cores (`work`: the item
+    /// counter, then each tile's finished gate/up items, zeroed before).
     moe_small(
-        x: DevPtr<bf16>,
+        x: Q8x2,
         entries: DevPtr<i32>,
         tiles: DevPtr<i32>,
         tile_count: DevPtr<i32>,
@@ -80,7 +82,7 @@ launchers! {
         shared_gate: Q4,
         shared_up: Q4,
         shared_down: Q4,
-        act: DevPtr<bf16>,
+        act: Q8x2,
         out: DevPtr<f32>,
         work: DevPtr<i32>,
     );

@@ -11,7 +11,7 @@ use crate::driver::DevPtr;
 /// A parameter's C type as the kernels spell it (after `common.cuh`'s typedefs, without `const`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CType {
-    /// A value passed by copy: `int`, `float`, `u64` or the `Q4` struct.
+    /// A value passed by copy: `int`, `float`, `u64` or the `Q4` and `Q8x2` structs.
     Value(&'static str),
     /// A pointer to values of the named type.
     Pointer(&'static str),
@@ -168,6 +168,23 @@ impl KernelArg for Q4 {
     }
 }
 
+/// Rows of activations as the grouped expert products' small tiling takes them (gemm.cu's `Q8x2`): two 8-bit
+/// digits an input as u32 words, and a (scale, sum) f32 pair a group of 64 inputs.
+#[derive(Clone, Copy, Debug)]
+pub struct Q8x2 {
+    pub codes: DevPtr<u32>,
+    pub pairs: DevPtr<f32>,
+}
+
+impl KernelArg for Q8x2 {
+    const C_TYPE: CType = CType::Value("Q8x2");
+    const SIZE: usize = 16;
+    const ALIGN: usize = 8;
+    fn slot(self) -> [u64; 2] {
+        [self.codes.raw(), self.pairs.raw()]
+    }
+}
+
 /// Declares a kernel family's launchers: for each `name(param: Type, ...)`, a function `name(l, dims, param, ...)`
 /// that queues the kernel through the [`crate::launch::Launcher`], and the family's `KERNELS` table of
 /// [`Signature`]s that the load-time and CPU checks compare with the kernel.
@@ -275,6 +292,14 @@ pub fn check_against_sources(files: &[crate::kernels::KernelFile<'_>]) -> Vec<St
             }
         }
         for sig in file.kernels {
+            if sig.params.len() > crate::driver::MAX_ARGS {
+                problems.push(format!(
+                    "kernel {}: {} parameters, more than a launch passes ({})",
+                    sig.name,
+                    sig.params.len(),
+                    crate::driver::MAX_ARGS
+                ));
+            }
             match declared.iter().find(|(name, _)| name == sig.name) {
                 None => problems.push(format!("{}: no kernel {} for its launcher", file.name, sig.name)),
                 Some((_, types)) => {

@@ -8,8 +8,8 @@ use lily_model::rng::Rng;
 use lily_model::Config;
 
 use super::{download_f32, normals, poison, rel_err, Report};
-use crate::driver::{DevBuf, Gpu, Result};
-use crate::gemm::{gemm_planned, max_tiles, moe_experts, moe_slots, plan, Experts, Plan, Sorted, K_STEP};
+use crate::driver::{DevBuf, DevPtr, Gpu, Result};
+use crate::gemm::{gemm_planned, max_tiles, moe_experts, moe_slots, plan, Experts, Plan, SmallCodes, Sorted, K_STEP};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::weights::{upload, GpuMatrix};
@@ -21,7 +21,9 @@ use crate::weights::{upload, GpuMatrix};
 // is a sum of independent weight roundings, a few 1e-3 of the largest output on random data at k = 128 .. 4096.
 // f32 outputs: 5e-3. bf16 outputs (SwiGLU) add their own rounding (2^-9 of each
 // value) to that: 1e-2. The 8-bit path splits each weight into bf16 hi + lo (error ~2^-17) and leaves only
-// f32 summation: 1e-4.
+// f32 summation: 1e-4. The grouped products' small tiling takes exact weights and activations to two 8-bit digits
+// (each input within 2^-16 of its group's largest), so the same tolerances hold with room; its codes of a given
+// input are the CPU twin's bit for bit.
 
 const TOL_Q4: f64 = 5e-3;
 const TOL_Q4_BF16_OUT: f64 = 1e-2;
@@ -308,7 +310,9 @@ fn check_moe(
         work: work.ptr(),
         max_tiles,
         tile_rows,
+        tokens,
     };
+    let small = tile_rows == l.kernels.constant("moe_small_tile_rows");
     let rows_of = |e: usize| {
         entries[offsets[e] as usize..offsets[e + 1] as usize]
             .iter()
@@ -316,11 +320,14 @@ fn check_moe(
     };
 
     // Both products in one call; each against its twin: gate/up's act by sorted index from x, then down from the
-    // act the GPU wrote (bf16, as the down product reads it), by entry with its routing weight.
+    // act the GPU wrote (bf16, or the small tiling's codes, as the down product reads it), by entry with its routing
+    // weight.
     let (x_bits, x) = bf16_normals(rng, tokens * h);
     let x_buf = gpu.upload_new(&x_bits)?;
     let act = gpu.alloc::<bf16>(tokens * slots * inter)?;
     gpu.memset_u32(act.ptr(), NAN_BF16X2, act.bytes() / 4)?;
+    let codes = SmallCodes::new(gpu, config, tokens)?;
+    poison(gpu, &codes.act_pairs)?;
     let route_w: Vec<f32> = (0..tokens * slots).map(|_| rng.uniform()).collect();
     let route_buf = gpu.upload_new(&route_w)?;
     let out = gpu.alloc(tokens * slots * h)?;
@@ -328,12 +335,21 @@ fn check_moe(
     moe_experts(
         l,
         x_buf.ptr(),
+        DevPtr::NULL,
         &sorted,
         route_buf.ptr(),
         &m.experts(),
         act.ptr(),
+        &codes,
         out.ptr(),
     )?;
+    if small {
+        let (want, _) = quantize_q8x2(&x);
+        let got = download_u32(gpu, &codes.x_codes, want.len())?;
+        let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        let name = format!("moe_quantize_rows ({tokens} rows): codes as the CPU's");
+        report.check_eq(&name, differ == 0, &format!("{differ} of {} words differ", want.len()));
+    }
     let mut expected = vec![0.0; tokens * slots * inter];
     for e in 0..groups {
         let xs: Vec<f32> = rows_of(e)
@@ -351,8 +367,14 @@ fn check_moe(
             *d = silu(*g) * u;
         }
     }
-    let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows}, bf16 out)");
-    let act_in = download_bf16(gpu, &act, tokens * slots * inter)?;
+    let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows})");
+    let act_in = match small {
+        true => dequantize_q8x2(
+            &download_u32(gpu, &codes.act_codes, tokens * slots * inter / 2)?,
+            &download_f32(gpu, &codes.act_pairs, tokens * slots * inter / K_STEP * 2)?,
+        ),
+        false => download_bf16(gpu, &act, tokens * slots * inter)?,
+    };
     report.check(&name, rel_err(&act_in, &expected), TOL_Q4_BF16_OUT);
 
     let mut expected = vec![0.0; tokens * slots * h];
@@ -381,4 +403,47 @@ fn check_moe(
         TOL_Q4,
     );
     Ok(())
+}
+
+/// The CPU twin of the small tiling's Q8x2 rows (quantize_word_q8x2 in kernels/gemm.cu) for rows of whole groups:
+/// 4 words an 8 inputs (digit 0's bytes of the even inputs, of the odd ones, then digit 1's) and a (scale / 128,
+/// sum) pair a group of 64 inputs. (The sums are added in another order than on the GPU.)
+fn quantize_q8x2(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
+    let (mut codes, mut pairs) = (Vec::with_capacity(x.len() / 2), Vec::with_capacity(x.len() / 32));
+    for group in x.chunks(K_STEP) {
+        let mx = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let up = if mx > 0.0 { 127.0 / mx } else { 0.0 };
+        for word in group.chunks(8) {
+            let mut d = [[0u32; 2]; 2];
+            for (i, &v) in word.iter().enumerate() {
+                let y = v * up;
+                let q0 = y.round_ties_even();
+                let q1 = ((y - q0) * 128.0).round_ties_even();
+                d[0][i & 1] |= (q0 as i32 as u32 & 0xff) << (8 * (i >> 1));
+                d[1][i & 1] |= (q1 as i32 as u32 & 0xff) << (8 * (i >> 1));
+            }
+            codes.extend([d[0][0], d[0][1], d[1][0], d[1][1]]);
+        }
+        pairs.extend([mx / 127.0 / 128.0, group.iter().sum::<f32>()]);
+    }
+    (codes, pairs)
+}
+
+/// The inputs Q8x2 codes stand for: scale / 128 x (128 digit 0 + digit 1).
+fn dequantize_q8x2(codes: &[u32], pairs: &[f32]) -> Vec<f32> {
+    let digit = |word: u32, i: usize| (word >> (8 * (i >> 1))) as u8 as i8 as f32;
+    codes
+        .chunks(4)
+        .enumerate()
+        .flat_map(|(w, c)| {
+            let s = pairs[2 * (w / (K_STEP / 8))];
+            (0..8).map(move |i| s * (128.0 * digit(c[i & 1], i) + digit(c[2 + (i & 1)], i)))
+        })
+        .collect()
+}
+
+fn download_u32(gpu: &Gpu, buf: &DevBuf<u32>, n: usize) -> Result<Vec<u32>> {
+    let mut out = vec![0u32; n];
+    gpu.download(buf.ptr(), &mut out)?;
+    Ok(out)
 }
