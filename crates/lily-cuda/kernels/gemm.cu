@@ -765,8 +765,13 @@ static_assert(SMALL_ROWS % 16 == 0 && SMALL_ROWS <= 64, "whole half-warps of tok
 static_assert(SMALL_ROWS * SMALL_ACT_PITCH * 4 <= SMALL_SMEM && MOE_SMALL_STAGES >= 2, "the SwiGLU tile fits");
 static_assert(TILED_PIECE == 2 * GROUP && TILED_PIECE_WORDS == 16, "a stage is a piece: two groups, 64 bytes a row");
 
-// Read by the host (src/kernels/gemm.rs): the small tiling's height.
+// Read by the host (src/kernels/gemm.rs): the small tiling's height, and the most tokens a routing takes it for
+// (up to 16 entries an expert on average: about one tile each).
+#ifndef MOE_SMALL_MAX_TOKENS
+#define MOE_SMALL_MAX_TOKENS 512
+#endif
 __device__ int moe_small_tile_rows = SMALL_ROWS;
+__device__ int moe_small_max_tokens = MOE_SMALL_MAX_TOKENS;
 
 // The first word and pair of one of an item's two blocks of 128 weight rows, and 16 (or 0: a block past the
 // matrix, zero-filled) bytes a copy.

@@ -168,13 +168,14 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, 
 }
 
 /// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile, the
-/// integer tensor cores): up to 16 entries per expert on average, about one 16-row tile each. Longer prompts take
-/// 64-row tiles.
-const MOE_SMALL_MAX_TOKENS: usize = 512;
+/// integer tensor cores; the kernels' `moe_small_max_tokens`). Longer prompts take 64-row tiles.
+fn small_max_tokens(kernels: &Kernels) -> usize {
+    kernels.constant("moe_small_max_tokens")
+}
 
 /// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`).
 pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
-    match tokens <= MOE_SMALL_MAX_TOKENS {
+    match tokens <= small_max_tokens(kernels) {
         true => kernels.constant("moe_small_tile_rows"),
         false => kernels.constant("moe_tile_rows"),
     }
@@ -208,9 +209,9 @@ pub struct Experts<'a> {
 }
 
 /// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (the
-/// small tiling at `MOE_SMALL_MAX_TOKENS` tokens can make more tiles than the large one just past it).
+/// small tiling at its most tokens can make more tiles than the large one just past it).
 pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
-    let small = tokens.min(MOE_SMALL_MAX_TOKENS);
+    let small = tokens.min(small_max_tokens(kernels));
     let at = |t: usize| max_tiles(config, t, moe_tile_rows(kernels, t));
     at(small).max(at(tokens))
 }
@@ -233,7 +234,7 @@ pub struct Sorted {
 }
 
 /// The small tiling's activations as Q8x2 rows (kernels/gemm.cu: two signed 8-bit digits an input, a (scale, sum)
-/// pair a group of 64 inputs) for routings of up to `MOE_SMALL_MAX_TOKENS` tokens: the experts' input by token
+/// pair a group of 64 inputs) for routings of up to `moe_small_max_tokens` tokens: the experts' input by token
 /// (u32 `[tokens][hidden / 2]`, f32 `[tokens][hidden / 64][2]`) and the SwiGLU rows between the two products by
 /// sorted entry (`[tokens * moe_slots][moe inter / 2]`, `[..][moe inter / 64][2]`).
 pub struct SmallCodes {
@@ -246,8 +247,8 @@ pub struct SmallCodes {
 
 impl SmallCodes {
     /// Codes for routings of up to `tokens` tokens (at most the small tiling's).
-    pub fn new(gpu: &Gpu, c: &Config, tokens: usize) -> Result<SmallCodes> {
-        let tokens = tokens.min(MOE_SMALL_MAX_TOKENS);
+    pub fn new(gpu: &Gpu, kernels: &Kernels, c: &Config, tokens: usize) -> Result<SmallCodes> {
+        let tokens = tokens.min(small_max_tokens(kernels));
         let (h, inter, entries) = (c.hidden_size, c.moe_intermediate_size, tokens * moe_slots(c));
         Ok(SmallCodes {
             tokens,

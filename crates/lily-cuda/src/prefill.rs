@@ -85,7 +85,7 @@ impl PrefillScratch {
             tile_count: gpu.alloc(1)?,
             max_tiles,
             act: gpu.alloc(chunk * k * c.moe_intermediate_size)?,
-            codes: gemm::SmallCodes::new(gpu, c, chunk)?,
+            codes: gemm::SmallCodes::new(gpu, kernels, c, chunk)?,
             expert_out: gpu.alloc(chunk * k * h)?,
             deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
             attn: AttentionScratch::new(gpu, c, chunk)?,

@@ -21,6 +21,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_split_min_steps",
         "gemm_split_rows",
         "moe_small_tile_rows",
+        "moe_small_max_tokens",
         "moe_small_smem",
         "moe_small_blocks_per_sm",
         "moe_small_items_per_tile",

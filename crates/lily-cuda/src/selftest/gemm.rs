@@ -326,7 +326,7 @@ fn check_moe(
     let x_buf = gpu.upload_new(&x_bits)?;
     let act = gpu.alloc::<bf16>(tokens * slots * inter)?;
     gpu.memset_u32(act.ptr(), NAN_BF16X2, act.bytes() / 4)?;
-    let codes = SmallCodes::new(gpu, config, tokens)?;
+    let codes = SmallCodes::new(gpu, l.kernels, config, tokens)?;
     poison(gpu, &codes.act_pairs)?;
     let route_w: Vec<f32> = (0..tokens * slots).map(|_| rng.uniform()).collect();
     let route_buf = gpu.upload_new(&route_w)?;
