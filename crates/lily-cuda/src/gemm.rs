@@ -262,7 +262,7 @@ impl SmallCodes {
 
 impl Sorted {
     /// Whether the tiles are the small tiling's.
-    fn small(&self, kernels: &Kernels) -> bool {
+    pub(crate) fn small(&self, kernels: &Kernels) -> bool {
         let (small, large) = (
             kernels.constant("moe_small_tile_rows"),
             kernels.constant("moe_tile_rows"),

@@ -7,7 +7,7 @@ use lily_model::quant::{Blob, QMatrix, QView};
 use lily_model::rng::Rng;
 use lily_model::Config;
 
-use super::{download_f32, normals, poison, rel_err, Report};
+use super::{download, download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::{gemm_planned, max_tiles, moe_experts, moe_slots, plan, Experts, Plan, SmallCodes, Sorted, K_STEP};
 use crate::kernels::Kernels;
@@ -312,7 +312,7 @@ fn check_moe(
         tile_rows,
         tokens,
     };
-    let small = tile_rows == l.kernels.constant("moe_small_tile_rows");
+    let small = sorted.small(l.kernels);
     let rows_of = |e: usize| {
         entries[offsets[e] as usize..offsets[e + 1] as usize]
             .iter()
@@ -345,7 +345,7 @@ fn check_moe(
     )?;
     if small {
         let (want, _) = quantize_q8x2(&x);
-        let got = download_u32(gpu, &codes.x_codes, want.len())?;
+        let got = download::<u32>(gpu, &codes.x_codes, want.len())?;
         let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
         let name = format!("moe_quantize_rows ({tokens} rows): codes as the CPU's");
         report.check_eq(&name, differ == 0, &format!("{differ} of {} words differ", want.len()));
@@ -370,7 +370,7 @@ fn check_moe(
     let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows})");
     let act_in = match small {
         true => dequantize_q8x2(
-            &download_u32(gpu, &codes.act_codes, tokens * slots * inter / 2)?,
+            &download::<u32>(gpu, &codes.act_codes, tokens * slots * inter / 2)?,
             &download_f32(gpu, &codes.act_pairs, tokens * slots * inter / K_STEP * 2)?,
         ),
         false => download_bf16(gpu, &act, tokens * slots * inter)?,
@@ -440,10 +440,4 @@ fn dequantize_q8x2(codes: &[u32], pairs: &[f32]) -> Vec<f32> {
             (0..8).map(move |i| s * (128.0 * digit(c[i & 1], i) + digit(c[2 + (i & 1)], i)))
         })
         .collect()
-}
-
-fn download_u32(gpu: &Gpu, buf: &DevBuf<u32>, n: usize) -> Result<Vec<u32>> {
-    let mut out = vec![0u32; n];
-    gpu.download(buf.ptr(), &mut out)?;
-    Ok(out)
 }

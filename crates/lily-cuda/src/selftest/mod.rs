@@ -108,7 +108,12 @@ pub(crate) fn download_f16(gpu: &Gpu, buf: &DevBuf<f16>, n: usize) -> Result<Vec
 }
 
 pub(crate) fn download_f32(gpu: &Gpu, buf: &DevBuf<f32>, n: usize) -> Result<Vec<f32>> {
-    let mut out = vec![0.0f32; n];
+    download(gpu, buf, n)
+}
+
+/// The first `n` values of `buf`, as they are.
+pub(crate) fn download<T: bytemuck::Pod>(gpu: &Gpu, buf: &DevBuf<T>, n: usize) -> Result<Vec<T>> {
+    let mut out = vec![T::zeroed(); n];
     gpu.download(buf.ptr(), &mut out)?;
     Ok(out)
 }
