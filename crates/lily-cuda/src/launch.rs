@@ -4,27 +4,64 @@
 use crate::driver::{Args, Event, Gpu, Result};
 use crate::kernels::Kernels;
 
-/// Per-kernel GPU time, from events around every launch of un-captured work.
+/// Per-kernel GPU time, from events around every launch of un-captured work: by kernel name (`entries`) and by
+/// kernel name and grid (`shapes`, which tells one product's matrices from another's).
 #[derive(Default)]
 pub struct Profile {
     pub entries: Vec<(&'static str, f64, usize)>,
-    pending: Vec<(&'static str, Event, Event)>,
+    pub shapes: Vec<(Shape, f64, usize)>,
+    pending: Vec<(Shape, Event, Event)>,
+}
+
+/// A launch's kernel and grid.
+pub type Shape = (&'static str, (u32, u32, u32));
+
+/// Adds `ms` to the entry of `key`, or appends one.
+fn add<K: PartialEq>(entries: &mut Vec<(K, f64, usize)>, key: K, ms: f64) {
+    match entries.iter_mut().find(|e| e.0 == key) {
+        Some(e) => {
+            e.1 += ms;
+            e.2 += 1;
+        }
+        None => entries.push((key, ms, 1)),
+    }
 }
 
 impl Profile {
-    /// Waits for the recorded launches and adds their times to `entries`, by kernel name.
+    /// Waits for the recorded launches and adds their times to `entries` and `shapes`.
     pub fn collect(&mut self) -> Result<()> {
-        for (name, start, end) in std::mem::take(&mut self.pending) {
+        for (shape, start, end) in std::mem::take(&mut self.pending) {
             let ms = start.elapsed_ms(&end)? as f64;
-            match self.entries.iter_mut().find(|e| e.0 == name) {
-                Some(e) => {
-                    e.1 += ms;
-                    e.2 += 1;
-                }
-                None => self.entries.push((name, ms, 1)),
-            }
+            add(&mut self.entries, shape.0, ms);
+            add(&mut self.shapes, shape, ms);
         }
         Ok(())
+    }
+
+    /// The table of the collected times, by kernel, then the `shapes` longest (kernel, grid) pairs; each line
+    /// starts with `indent`.
+    pub fn report(&self, indent: &str, shapes: usize) -> String {
+        use std::fmt::Write;
+        let total: f64 = self.entries.iter().map(|e| e.1).sum();
+        let mut out = String::new();
+        let mut entries = self.entries.clone();
+        entries.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (name, ms, count) in entries {
+            let share = 100.0 * ms / total;
+            let _ = writeln!(out, "{indent}{name:<28} {ms:8.3} ms  {count:4} launches  {share:5.1}%");
+        }
+        let mut by_shape = self.shapes.clone();
+        by_shape.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let _ = writeln!(out, "{indent}by grid:");
+        for ((name, (x, y, z)), ms, count) in by_shape.into_iter().take(shapes) {
+            let grid = format!("{x}x{y}x{z}");
+            let each = 1e3 * ms / count as f64;
+            let _ = writeln!(
+                out,
+                "{indent}{name:<28} {grid:>12} {ms:8.3} ms  {count:4} launches  {each:7.1} us each"
+            );
+        }
+        out
     }
 }
 
@@ -84,7 +121,7 @@ impl<'a> Launcher<'a> {
                 self.gpu.record(&start)?;
                 launch(&mut args)?;
                 self.gpu.record(&end)?;
-                p.pending.push((name, start, end));
+                p.pending.push(((name, grid), start, end));
                 Ok(())
             }
         }

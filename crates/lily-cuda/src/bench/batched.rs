@@ -109,15 +109,8 @@ pub fn run(
                 )?;
                 p.collect()?;
                 let total: f64 = p.entries.iter().map(|e| e.1).sum();
-                let mut entries = p.entries.clone();
-                entries.sort_by(|a, b| b.1.total_cmp(&a.1));
                 println!("     one un-captured step of {rows} rows: {total:.2} ms of kernels");
-                for (name, ms, launches) in entries {
-                    println!(
-                        "     {name:<28} {ms:8.3} ms  {launches:4} launches  {:5.1}%",
-                        100.0 * ms / total
-                    );
-                }
+                print!("{}", p.report("     ", 24));
             }
             for slot in 0..rows {
                 backend.release(slot);

@@ -276,15 +276,7 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
 fn print_profile(what: &str, depth: usize, profile: crate::launch::Profile) {
     let total: f64 = profile.entries.iter().map(|e| e.1).sum();
     println!("\nper-kernel GPU time of {what} at depth {depth} (CUDA events; sum {total:.3} ms):");
-    let mut entries = profile.entries;
-    entries.sort_by(|a, b| b.1.total_cmp(&a.1));
-    for (name, ms, count) in entries {
-        println!(
-            "  {name:<18} {ms:8.3} ms  {count:4} launches  {:5.1}%",
-            100.0 * ms / total
-        );
-    }
-    println!();
+    println!("{}", profile.report("  ", 24));
 }
 
 pub fn to_json(plan: &Plan, device: &str, rows: &[Row]) -> serde_json::Value {
