@@ -714,25 +714,31 @@ __device__ __forceinline__ void quantize_word_q8x2(const float (&v)[8], int word
     if (word == 0) *pair = make_float2(mx / 127.f / 128.f, sum);
 }
 
-// The small tiling's input: `rows` rows of HIDDEN inputs hi + lo (lo may be null) as Q8x2 rows (codes u32 [rows]
-// [HIDDEN / 2], pairs float2 [rows][HIDDEN / 64]); a thread a word.
-extern "C" __global__ void __launch_bounds__(256)
-    moe_quantize_rows(const bf16* hi, const bf16* lo, int rows, Q8x2 out) {
-    wait_previous();
-    constexpr int WORDS = HIDDEN / 8;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    const bool valid = i < rows * WORDS;
-    const int r = valid ? i / WORDS : 0, w = valid ? i % WORDS : 0;
-    const uint4 h = *(const uint4*)(hi + (size_t)r * HIDDEN + 8 * w);
-    const uint4 l = lo ? *(const uint4*)(lo + (size_t)r * HIDDEN + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
+// `rows` rows of k inputs hi + lo (lo may be null; k whole groups) as Q8x2 rows (codes u32 [rows][k / 2], pairs
+// float2 [rows][k / 64]); a thread a word, the block's threads from `first` on (a multiple of 8: whole groups).
+__device__ __forceinline__ void quantize_rows_q8x2(int first, const bf16* hi, const bf16* lo, int rows, int k,
+                                                   u32* codes, float* pairs) {
+    const int words = k / 8;
+    const int i = first + threadIdx.x;
+    const bool valid = i < rows * words;
+    const int r = valid ? i / words : 0, w = valid ? i % words : 0;
+    const uint4 h = *(const uint4*)(hi + (size_t)r * k + 8 * w);
+    const uint4 l = lo ? *(const uint4*)(lo + (size_t)r * k + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
     float v[8];
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const float2 a = pair_to_float2(word_of(h, j)), b = pair_to_float2(word_of(l, j));  // bf16 pairs
         v[2 * j] = a.x + b.x, v[2 * j + 1] = a.y + b.y;
     }
-    quantize_word_q8x2(v, w % 8, valid, (uint4*)out.codes + (size_t)r * WORDS + w,
-                       (float2*)out.pairs + (size_t)r * (HIDDEN / GROUP) + w / 8);
+    quantize_word_q8x2(v, w % 8, valid, (uint4*)codes + (size_t)r * words + w,
+                       (float2*)pairs + (size_t)r * (k / GROUP) + w / 8);
+}
+
+// The small tiling's input: `rows` rows of HIDDEN inputs hi + lo (lo may be null) as Q8x2 rows.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_quantize_rows(const bf16* hi, const bf16* lo, int rows, Q8x2 out) {
+    wait_previous();
+    quantize_rows_q8x2(blockIdx.x * blockDim.x, hi, lo, rows, HIDDEN, out.codes, out.pairs);
 }
 
 // Tile and stages. A tile is up to SMALL_ROWS sorted entries of one expert; a work item (tile, column block) takes
@@ -781,17 +787,61 @@ struct SmallBlock {
     u32 bytes;
 };
 
+// The 256 weight rows of a small-tiling item, piece by piece (a piece: 128 inputs, 16 words and 2 (scale, bias)
+// pairs a row). `chunk` gives the source of 16-byte chunk c (0 .. 3) of item row `row` in piece kt and how many of
+// its bytes to copy (16, or 0 to zero-fill); `copy_pairs` copies the 256 rows' pairs of piece kt to `dst` (8 bytes
+// a row), each thread its share.
+// TiledRows: two blocks of 128 rows of a tiled matrix (the experts: a row's pairs of a piece lie beside the next
+// row's, so a thread copies two rows' pairs at once).
+struct TiledRows {
+    SmallBlock block[2];
+    __device__ __forceinline__ const u32* chunk(int kt, int row, int c, u32& bytes) const {
+        const SmallBlock& b = block[row / TILED_ROWS];
+        bytes = b.bytes;
+        return b.words + (size_t)kt * TILED_PIECE_STEP + (row % TILED_ROWS) * TILED_PIECE_WORDS + 4 * c;
+    }
+    __device__ __forceinline__ void copy_pairs(u32 dst, int kt) const {
+        if (threadIdx.x >= WROWS / 2) return;
+        const int row = 2 * threadIdx.x;
+        const SmallBlock& b = block[row / TILED_ROWS];
+        cp_async_16(dst + row * 8, b.pairs + (size_t)kt * TILED_PAIR_STEP + (row % TILED_ROWS) * TILED_PIECE_PAIRS,
+                    b.bytes);
+    }
+};
+
+// DenseRows: 256 rows of a row-major matrix (MLX order: a row's words, then separately its pairs) whose first row's
+// first word and pair of the item's first piece are `words` and `pairs`; `valid` of the rows lie in the matrix, the
+// others are zero-filled.
+struct DenseRows {
+    const u32* words;
+    const u32* pairs;
+    int valid, row_words, row_pairs;
+    __device__ __forceinline__ const u32* chunk(int kt, int row, int c, u32& bytes) const {
+        const bool in = row < valid;
+        bytes = in ? 16u : 0u;
+        return words + (size_t)(in ? row : 0) * row_words + kt * TILED_PIECE_WORDS + 4 * c;
+    }
+    __device__ __forceinline__ void copy_pairs(u32 dst, int kt) const {
+        const int row = threadIdx.x;  // GEMM_THREADS == WROWS: a thread a row
+        const bool in = row < valid;
+        cp_async_ca<8>(dst + row * 8, pairs + (size_t)(in ? row : 0) * row_pairs + kt * TILED_PIECE_PAIRS,
+                       in ? 8u : 0u);
+    }
+};
+
 // acc[f][nf][h] = the item's products for weight row frag_row(f) + g + 8h and token 4 nf + t of the tile (lane
-// (g, t)), over K inputs. a_row(r) is the Q8x2 row (of `codes` and `pairs`) of the tile's token r < rows; block[b]
-// gives weight rows 128 b ..; warp w's two m16 fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same
-// columns of gate and of up) or 32 w and 32 w + 16 (down).
-template <int K, bool GATE_UP, class ARow>
+// (g, t)), over `pieces` pieces. a_row(r) is the Q8x2 row (of `codes` and `pairs`, rows of `row_k` inputs, both
+// already at the item's first piece) of the tile's token r < rows; `w` gives the weight rows; warp w's two m16
+// fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same columns of gate and of up) or 32 w and 32 w + 16.
+// WEIGHTS_FIRST: the weights do not depend on the previous kernel (a dense product), so the prologue's weights are
+// requested before waiting for it (wait_previous); otherwise the caller has waited already.
+template <bool GATE_UP, bool WEIGHTS_FIRST, class ARow, class WRows>
 __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int rows, ARow a_row, const u32* codes,
-                                               const float* pairs, const SmallBlock (&block)[2]) {
+                                               const float* pairs, int row_k, int pieces, const WRows& w) {
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < SMALL_SMEM) __trap();  // the host's shared memory is not the kernel's
-    constexpr int PIECES = K / TILED_PIECE, STAGES = MOE_SMALL_STAGES;
-    constexpr int ROW_BYTES = K * 2, ROW_PAIRS = K / GROUP;
+    constexpr int STAGES = MOE_SMALL_STAGES;
+    const int PIECES = pieces, ROW_BYTES = row_k * 2, ROW_PAIRS = row_k / GROUP;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane / 4, t = lane % 4;
     const u32 smem0 = smem_addr(smem);
 #pragma unroll
@@ -800,9 +850,9 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
         for (int nf = 0; nf < SMALL_NF; nf++) acc[f][nf][0] = acc[f][nf][1] = 0.f;
 
     // Copies of a stage: the tokens' codes, chunk c % 16 of token c / 16 for c = tid, tid + 256, ...; their pairs
-    // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 4: block j / 2);
-    // the pairs of rows 2 tid, 2 tid + 1 (threads below 128).
-    auto load = [&](int kt) {
+    // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 4); the
+    // weight rows' pairs.
+    auto load_a = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * SMALL_STAGE;
 #pragma unroll
         for (int c = tid; c < SMALL_ROWS * 16; c += GEMM_THREADS) {
@@ -814,21 +864,21 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
         if (tid < SMALL_ROWS)
             cp_async_16(stage + SMALL_A_BYTES + tid * 16, pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS + 4 * kt,
                         tid < rows ? 16u : 0u);
-        const u32 b_stage = stage + SMALL_A_BYTES + SMALL_PAIR_BYTES;
+    };
+    auto load_b = [&](int kt) {
+        const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + SMALL_A_BYTES + SMALL_PAIR_BYTES;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int row = tid / 4 + 64 * j, chunk = tid % 4;
-            const SmallBlock& b = block[j / 2];
-            cp_async_16(b_stage + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4),
-                        b.words + (size_t)kt * TILED_PIECE_STEP + (row % TILED_ROWS) * TILED_PIECE_WORDS + 4 * chunk,
-                        b.bytes);
+            u32 bytes;
+            const u32* src = w.chunk(kt, row, chunk, bytes);
+            cp_async_16(b_stage + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4), src, bytes);
         }
-        if (tid < WROWS / 2) {
-            const int row = 2 * tid;
-            const SmallBlock& b = block[row / TILED_ROWS];
-            cp_async_16(b_stage + SMALL_B_BYTES + row * 8,
-                        b.pairs + (size_t)kt * TILED_PAIR_STEP + (row % TILED_ROWS) * TILED_PIECE_PAIRS, b.bytes);
-        }
+        w.copy_pairs(b_stage + SMALL_B_BYTES, kt);
+    };
+    auto load = [&](int kt) {
+        load_a(kt);
+        load_b(kt);
     };
 
     int frag_row[2];
@@ -847,9 +897,20 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
         }
     constexpr u32 LOW = 0x0F0F0F0Fu;
 
+    // The prologue's stages, each a cp.async group; with WEIGHTS_FIRST the first group also holds every prologue
+    // stage's weights (the k loop's first wait covers all of them).
+    if constexpr (WEIGHTS_FIRST) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if (s < PIECES) load_b(s);
+        wait_previous();
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < PIECES) load(s);
+        if (s < PIECES) {
+            if constexpr (WEIGHTS_FIRST) load_a(s);
+            else load(s);
+        }
         cp_async_commit();
     }
 #pragma unroll 1
@@ -918,11 +979,11 @@ __device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_co
     extern __shared__ __align__(128) unsigned char smem[];
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int rows = min(SMALL_ROWS, offsets[expert + 1] - first), n0 = cb * TILED_ROWS;
-    const SmallBlock block[2] = {small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
-                                 small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)};
+    const TiledRows w = {{small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
+                          small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)}};
     float acc[2][SMALL_NF][2];
-    small_products<HIDDEN, true>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs,
-                                 block);
+    small_products<true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs, HIDDEN,
+                         HIDDEN / TILED_PIECE, w);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     float* act = (float*)smem;
 #pragma unroll
@@ -953,10 +1014,11 @@ __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_cod
                                             const float* route_w, Q4 down, Q4 shared_down, float* out) {
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int rows = min(SMALL_ROWS, offsets[expert + 1] - first), n0 = cb * WROWS;
-    const SmallBlock block[2] = {small_block(down, shared_down, expert, HIDDEN, n0, MOE_INTER),
-                                 small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)};
+    const TiledRows w = {{small_block(down, shared_down, expert, HIDDEN, n0, MOE_INTER),
+                          small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)}};
     float acc[2][SMALL_NF][2];
-    small_products<MOE_INTER, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, block);
+    small_products<false, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, MOE_INTER,
+                          MOE_INTER / TILED_PIECE, w);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nf = 0; nf < SMALL_NF; nf++) {
@@ -1020,5 +1082,77 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
                            down, shared_down, out);
         }
         __syncthreads();  // the item's shared memory and `taken` are free for the next one
+    }
+}
+
+// ---- Dense products of few rows on the integer tensor cores ----
+// A batched decode step's projections (and a short prompt's) have few activation rows, so, as for the experts, the
+// time goes into streaming the 4-bit codes and turning them into operands; the small tiling's products serve them
+// too: the activations quantized once to Q8x2 rows (gemm_quantize_rows, into the module's own buffer below), then a
+// block per (256 weight rows, SMALL_ROWS activation rows, part of k) reads the row-major codes piece by piece
+// (DenseRows). Few blocks (few rows, or few weight rows as in the output projections) cut k into gridDim.z parts of
+// whole pieces; each part's tile goes to the split products' slots, and gemm_split_sum adds the parts in order.
+// One part writes (or adds to) `out` itself. The products are exact integer sums of exact weights and activations
+// to two 8-bit digits (as the experts'), so they are at least as close to the f32 product as the bf16 path.
+#ifndef GEMM_SMALL_MAX_ROWS
+#define GEMM_SMALL_MAX_ROWS 64
+#endif
+#ifndef GEMM_SMALL_MIN_PIECES
+#define GEMM_SMALL_MIN_PIECES 2
+#endif
+#define GEMM_SMALL_ROWS_CAP 512  // rows the codes buffer holds: the most GEMM_SMALL_MAX_ROWS may be
+#define GEMM_SMALL_MAX_K 4096
+static_assert(GEMM_SMALL_MAX_ROWS <= GEMM_SMALL_ROWS_CAP && SPLIT_ROWS % SMALL_ROWS == 0,
+              "the codes hold the rows; a tile of rows lies in one of the split products' row blocks");
+// Read by the host (src/gemm.rs): the most rows the plan gives these products, the most the buffer holds (the
+// self-test checks up to it), the widest k, and the fewest pieces of k a part takes.
+__device__ int gemm_small_max_rows = GEMM_SMALL_MAX_ROWS;
+__device__ int gemm_small_rows_cap = GEMM_SMALL_ROWS_CAP;
+__device__ int gemm_small_max_k = GEMM_SMALL_MAX_K;
+__device__ int gemm_small_min_pieces = GEMM_SMALL_MIN_PIECES;
+__device__ __align__(16) u32 gemm_small_codes[(size_t)GEMM_SMALL_ROWS_CAP * GEMM_SMALL_MAX_K / 2];
+__device__ __align__(16) float gemm_small_pairs[(size_t)GEMM_SMALL_ROWS_CAP * GEMM_SMALL_MAX_K / GROUP * 2];
+
+// The codes of gemm_q4_small's input: m rows of k inputs (whole pieces, at most GEMM_SMALL_MAX_K; m at most
+// GEMM_SMALL_ROWS_CAP), a thread a word.
+extern "C" __global__ void __launch_bounds__(256) gemm_quantize_rows(const bf16* a, int m, int k) {
+    wait_previous();
+    quantize_rows_q8x2(blockIdx.x * blockDim.x, a, nullptr, m, k, gemm_small_codes, gemm_small_pairs);
+}
+
+// out[m][n] = a[m][k] w[n][k]^T (+= where `accumulate` is 1) for the rows gemm_quantize_rows coded, 4-bit weights;
+// block (256 weight rows, SMALL_ROWS rows of a, part of k).
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
+    gemm_q4_small(int m, Q4 w, int n, int k, float* out, int accumulate) {
+    const int m0 = blockIdx.y * SMALL_ROWS, n0 = blockIdx.x * WROWS, rows = min(SMALL_ROWS, m - m0);
+    const int pieces = k / TILED_PIECE, parts = gridDim.z;
+    const int p0 = blockIdx.z * pieces / parts, p1 = (blockIdx.z + 1) * pieces / parts;
+    const DenseRows src = {w.packed + (size_t)n0 * (k / 8) + p0 * TILED_PIECE_WORDS,
+                           w.scale_bias + (size_t)n0 * (k / GROUP) + p0 * TILED_PIECE_PAIRS, min(WROWS, n - n0),
+                           k / 8, k / GROUP};
+    float acc[2][SMALL_NF][2];
+    // (small_products waits for gemm_quantize_rows's codes after requesting the first pieces' weights.)
+    small_products<false, true>(acc, rows, [&](int r) { return m0 + r; }, gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
+                          gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
+    const int tiles = gridDim.x * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
+#pragma unroll
+    for (int nf = 0; nf < SMALL_NF; nf++) {
+        const int r = m0 + nf * 4 + t;
+        if (r >= m0 + rows) continue;
+        float* slot = partial_slot(blockIdx.x + gridDim.x * (r / SPLIT_ROWS), blockIdx.z, tiles) +
+                      (r % SPLIT_ROWS) * WROWS;
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int c = 32 * warp + 16 * f + g + 8 * h;
+                if (parts > 1) {
+                    slot[c] = acc[f][nf][h];
+                } else if (n0 + c < n) {
+                    float* o = out + (size_t)r * n + n0 + c;
+                    *o = accumulate ? *o + acc[f][nf][h] : acc[f][nf][h];
+                }
+            }
     }
 }

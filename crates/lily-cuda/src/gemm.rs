@@ -8,9 +8,11 @@
 //! `gemm_stages` pipeline stages of an activation tile (rows x 64 bf16), the packed weight tile (256 rows x 64
 //! codes) and its 256 scale/bias pairs.
 //!
-//! Few rows (a short prompt, a batched decode step) give few block tiles; there the dense products cut k into
-//! parts, one block per (tile, part), two blocks an SM, each writing its partial tile, and a second launch sums
-//! every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products
+//! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
+//! dense products take the experts' integer small tiling (the rows coded as Q8x2 once, then a block per 256 weight
+//! rows, 16 activation rows and part of k); the 8-bit ones, and 4-bit ones up to 512 rows past that limit, cut k
+//! into parts of bf16 64-row tiles. Either way, where k is cut, each block writes its partial tile and a second
+//! launch sums every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products
 //! of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the integer tensor cores,
 //! the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one persistent launch
 //! (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row tiles.
@@ -62,23 +64,54 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
     (col_blocks as u32, m.div_ceil(rows) as u32, 1)
 }
 
-/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, or 64-row tiles with k cut into
-/// `parts` parts (the split kernels).
+/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, 64-row tiles with k cut into `parts`
+/// parts (the split kernels), or the integer small tiling with k in `parts` parts (4-bit, few rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Plan {
     Tiles(usize),
     Split(usize),
+    Small(usize),
+}
+
+/// Inputs of a piece of k in the small tiling (TILED_PIECE): its parts of k are whole pieces.
+const PIECE: usize = 2 * K_STEP;
+
+/// Whether the integer small tiling can take a 4-bit product of m rows and k inputs (its codes buffer's rows and
+/// width, whole pieces).
+pub(crate) fn small_fits(kernels: &Kernels, bits: u32, m: usize, k: usize) -> bool {
+    bits == 4
+        && m <= kernels.constant("gemm_small_rows_cap")
+        && k <= kernels.constant("gemm_small_max_k")
+        && k.is_multiple_of(PIECE)
+}
+
+/// The small tiling's parts of k for m rows, `col_blocks` blocks of weight rows and k inputs: one part where the
+/// blocks of (weight rows, activation rows) fill `moe_small_blocks_per_sm` blocks an SM; otherwise as many as fill
+/// them, each at least `gemm_small_min_pieces` pieces, within the split products' slots.
+fn small_parts(kernels: &Kernels, m: usize, col_blocks: usize, k: usize, sms: usize) -> usize {
+    let blocks = col_blocks * m.div_ceil(kernels.constant("moe_small_tile_rows"));
+    let slots = col_blocks * m.div_ceil(kernels.constant("gemm_split_rows"));
+    let target = kernels.constant("moe_small_blocks_per_sm") * sms;
+    (target / blocks)
+        .min(k / PIECE / kernels.constant("gemm_small_min_pieces").max(1))
+        .min(kernels.constant("gemm_split_blocks") / slots)
+        .max(1)
 }
 
 /// Rows up to which a product may be split (a batched step's rows, a short prompt or a small chunk); longer
 /// products keep the whole-k tiles.
 const SPLIT_MAX_M: usize = 512;
 
-/// The plan of a product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
-/// `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill
-/// `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split
-/// products' slots; otherwise (or where that leaves one part) whole-k tiles.
-pub(crate) fn plan(kernels: &Kernels, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
+/// The plan of a `bits`-bit product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
+/// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there. Up to `SPLIT_MAX_M` rows,
+/// while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill `gemm_split_blocks_per_sm`
+/// blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split products' slots; otherwise
+/// (or where that leaves one part) whole-k tiles.
+pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
+    let k = k_steps * K_STEP;
+    if m <= kernels.constant("gemm_small_max_rows") && small_fits(kernels, bits, m, k) {
+        return Plan::Small(small_parts(kernels, m, col_blocks, k, sms));
+    }
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
     if m <= SPLIT_MAX_M && tiles < sms {
@@ -104,6 +137,7 @@ pub fn gemm(
 ) -> Result<()> {
     let plan = plan(
         l.kernels,
+        w.bits,
         m,
         w.rows.div_ceil(WEIGHT_ROWS),
         w.cols / K_STEP,
@@ -121,8 +155,11 @@ pub(crate) fn gemm_planned(
     accumulate: bool,
     plan: Plan,
 ) -> Result<()> {
-    let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
     let (n, k) = (w.rows as i32, w.cols as i32);
+    if let Plan::Small(parts) = plan {
+        return gemm_small(l, a, m, w, out, accumulate, parts);
+    }
+    let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
     match (w.bits, plan) {
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
@@ -140,6 +177,45 @@ pub(crate) fn gemm_planned(
     }
 }
 
+/// The small tiling's product: `a` coded as Q8x2 rows into the kernels' own buffer, then a block per (256 weight
+/// rows, tile of activation rows, part of k), and the parts' sum where k is cut.
+fn gemm_small(
+    l: &mut Launcher,
+    a: DevPtr<bf16>,
+    m: usize,
+    w: &GpuMatrix,
+    out: DevPtr<f32>,
+    accumulate: bool,
+    parts: usize,
+) -> Result<()> {
+    let (n, k) = (w.rows, w.cols);
+    assert!(
+        m >= 1 && small_fits(l.kernels, w.bits, m, k),
+        "the small tiling takes no {}-bit product of {m} rows and k = {k}",
+        w.bits
+    );
+    let col_blocks = n.div_ceil(WEIGHT_ROWS);
+    let slots = col_blocks * m.div_ceil(l.kernels.constant("gemm_split_rows"));
+    assert!(
+        parts == 1 || (parts >= 2 && parts <= k / PIECE && slots * parts <= l.kernels.constant("gemm_split_blocks")),
+        "{parts} parts of {} pieces in {slots} tiles",
+        k / PIECE
+    );
+    let words = m * k / 8;
+    let quantize = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
+    gemm::gemm_quantize_rows(l, quantize, a, m as i32, k as i32)?;
+    let tiles = m.div_ceil(l.kernels.constant("moe_small_tile_rows"));
+    let dims = Dims::new((col_blocks as u32, tiles as u32, parts as u32), THREADS)
+        .shared(l.kernels.constant("moe_small_smem") as u32);
+    let acc = accumulate as i32;
+    gemm::gemm_q4_small(l, dims, m as i32, w.q4(), n as i32, k as i32, out, acc)?;
+    if parts > 1 {
+        let sum = sum_dims(m * n.div_ceil(4));
+        gemm::gemm_split_sum(l, sum, m as i32, n as i32, parts as i32, out, acc)?;
+    }
+    Ok(())
+}
+
 /// Threads of the split products' sum kernels, one per 4 output columns of a row.
 fn sum_dims(items: usize) -> Dims {
     Dims::linear(items.div_ceil(256) as u32, 256)
@@ -150,6 +226,7 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, 
     let (rows, parts) = match plan {
         Plan::Tiles(rows) => (rows, 1),
         Plan::Split(parts) => (l.kernels.constant("gemm_split_rows"), parts),
+        Plan::Small(_) => unreachable!("the small tiling has its own geometry"),
     };
     let (x, y, _) = dense_grid(m, k, col_blocks, rows);
     if let Plan::Split(parts) = plan {

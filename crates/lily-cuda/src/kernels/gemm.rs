@@ -25,6 +25,10 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_small_smem",
         "moe_small_blocks_per_sm",
         "moe_small_items_per_tile",
+        "gemm_small_max_rows",
+        "gemm_small_rows_cap",
+        "gemm_small_max_k",
+        "gemm_small_min_pieces",
     ],
 };
 
@@ -87,4 +91,9 @@ launchers! {
         out: DevPtr<f32>,
         work: DevPtr<i32>,
     );
+    /// The small tiling's dense input: `m` rows of `k` inputs of `a` as Q8x2 rows, into the kernels' own buffer.
+    gemm_quantize_rows(a: DevPtr<bf16>, m: i32, k: i32);
+    /// `out[m][n] = a[m][k] w[n][k]^T` (`+=` where `accumulate` is 1) on the integer tensor cores, for the rows
+    /// `gemm_quantize_rows` coded; with `gridDim.z` parts of k, the parts into the split products' slots instead.
+    gemm_q4_small(m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
 }

@@ -9,7 +9,9 @@ use lily_model::Config;
 
 use super::{download, download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
-use crate::gemm::{gemm_planned, max_tiles, moe_experts, moe_slots, plan, Experts, Plan, SmallCodes, Sorted, K_STEP};
+use crate::gemm::{
+    gemm_planned, max_tiles, moe_experts, moe_slots, plan, small_fits, Experts, Plan, SmallCodes, Sorted, K_STEP,
+};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::weights::{upload, GpuMatrix};
@@ -74,10 +76,11 @@ const FULL_SHARED_INTER: usize = 512;
 /// batched step's larger sizes.
 const SHORT_ROWS: [usize; 8] = [1, 3, 8, 16, 17, 64, 100, 256];
 
-/// Every plan a product of m rows (`col_blocks` weight-row blocks, `k_steps` steps of k) can be launched with:
-/// whole-k tiles of each height m allows; k in 2 and 3 parts (uneven where the steps are not a multiple of 3) and
-/// in one part a step, where the split kernels' slots hold them; and the plan `gemm` picks on this GPU.
-fn plans(kernels: &Kernels, sms: usize, m: usize, col_blocks: usize, k_steps: usize) -> Vec<Plan> {
+/// Every plan a `bits`-bit product of m rows (`col_blocks` weight-row blocks, `k_steps` steps of k) can be launched
+/// with: whole-k tiles of each height m allows; k in 2 and 3 parts (uneven where the steps are not a multiple of
+/// 3) and in one part a step, where the split kernels' slots hold them; where the small tiling takes the product,
+/// it with k whole and in 3 parts and in one part a piece; and the plan `gemm` picks on this GPU.
+fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, k_steps: usize) -> Vec<Plan> {
     let mut plans = vec![Plan::Tiles(64)];
     if m > 64 {
         plans.push(Plan::Tiles(128));
@@ -89,7 +92,16 @@ fn plans(kernels: &Kernels, sms: usize, m: usize, col_blocks: usize, k_steps: us
             plans.push(Plan::Split(parts));
         }
     }
-    let chosen = plan(kernels, m, col_blocks, k_steps, sms);
+    let pieces = k_steps / 2;
+    if small_fits(kernels, bits, m, k_steps * K_STEP) {
+        for parts in [1, 3, pieces] {
+            let fits = tiles * parts <= kernels.constant("gemm_split_blocks");
+            if parts <= pieces && fits && !plans.contains(&Plan::Small(parts)) {
+                plans.push(Plan::Small(parts));
+            }
+        }
+    }
+    let chosen = plan(kernels, bits, m, col_blocks, k_steps, sms);
     if !plans.contains(&chosen) {
         plans.push(chosen);
     }
@@ -100,6 +112,7 @@ fn plan_name(p: Plan) -> String {
     match p {
         Plan::Tiles(rows) => format!("{rows}-row tiles"),
         Plan::Split(parts) => format!("k in {parts} parts"),
+        Plan::Small(parts) => format!("integer small tiling, k in {parts} parts"),
     }
 }
 
@@ -144,7 +157,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         expected.iter_mut().zip(&init).for_each(|(e, i)| *e += i);
         let out = gpu.alloc(max_m * n)?;
         for m in ms {
-            for p in plans(kernels, sms, m, n.div_ceil(256), k / K_STEP) {
+            for p in plans(kernels, sms, bits, m, n.div_ceil(256), k / K_STEP) {
                 if accumulate {
                     gpu.upload(out.ptr(), &init[..m * n])?;
                 } else {
