@@ -293,6 +293,11 @@ pub struct BenchArgs {
     /// (comma-separated): each depth's context is a real prefill in every slot, `-n` steps of all rows are timed.
     #[arg(long, value_parser = parse_list)]
     pub batch: Vec<List>,
+    /// With --batch: steps of fewer rows than this run row by row through the single-sequence decode graphs (the
+    /// server's engine does so below lily_cuda::batch::SEQUENTIAL_BELOW rows); 0 times the batched step at every
+    /// row count.
+    #[arg(long)]
+    pub sequential_below: Option<usize>,
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
@@ -367,6 +372,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if !batches.is_empty() {
         println!("model: {model_name}; batched step");
         let mut backend = lily_cuda::batch::CudaBatchBackend::new(model)?;
+        if let Some(below) = args.sequential_below {
+            backend.sequential_below = below;
+        }
         let (n, r) = (args.generate, args.repetitions);
         return Ok(bench::batched::run(
             &mut backend,

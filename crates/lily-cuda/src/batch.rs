@@ -362,8 +362,9 @@ pub fn fit_capacity(
 }
 
 /// Steps of fewer rows than this run each row through the single-sequence decode graph (matrix-vector products,
-/// ~1.6 ms a token at the full shape) instead of the batched step, whose products cost more at small row counts.
-pub const SEQUENTIAL_BELOW: usize = 12;
+/// ~1.6 ms a token at the full shape) instead of the batched step, which costs ~3.3 ms at one row and ~3.6 at two
+/// but only ~3.8 at three (see bench/RESULTS.md).
+pub const SEQUENTIAL_BELOW: usize = 3;
 
 /// A snapshot the backend holds: its DeltaNet state in snapshot buffer `buffer`, its context in the KV pages the
 /// page allocator lists for that buffer.
