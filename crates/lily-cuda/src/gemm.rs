@@ -9,13 +9,14 @@
 //! codes) and its 256 scale/bias pairs.
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
-//! dense products take the experts' integer small tiling (the rows coded as Q8x2 once, then a block per 256 weight
+//! dense products (those of few blocks: not lm_head past 32 rows) take the experts' integer small tiling (the rows coded as Q8x2 once, then a block per 256 weight
 //! rows, 16 activation rows and part of k); the 8-bit ones, and 4-bit ones up to 512 rows past that limit, cut k
 //! into parts of bf16 64-row tiles. Either way, where k is cut, each block writes its partial tile and a second
-//! launch sums every output element's parts in order (see the split products in gemm.cu and [`Plan`]). The grouped products
-//! of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the integer tensor cores,
-//! the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one persistent launch
-//! (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row tiles.
+//! launch sums every output element's parts in order (see the split products in gemm.cu and [`Plan`]).
+//! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
+//! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
+//! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row
+//! tiles.
 
 use half::bf16;
 use lily_model::Config;
@@ -102,14 +103,25 @@ fn small_parts(kernels: &Kernels, m: usize, col_blocks: usize, k: usize, sms: us
 /// products keep the whole-k tiles.
 const SPLIT_MAX_M: usize = 512;
 
+/// Rounds of blocks over the SMs up to which a product takes the small tiling: its 16-row tiles read every weight once
+/// a tile, so a wide matrix of many row tiles is faster on the bf16 tiles (lm_head: on the H200 the small tiling wins
+/// at 32 rows, 1,940 blocks in 8 rounds of 264, and loses at 64 rows, 3,880 blocks).
+const SMALL_MAX_ROUNDS: usize = 8;
+
 /// The plan of a `bits`-bit product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
-/// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there. Up to `SPLIT_MAX_M` rows,
+/// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
+/// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows,
 /// while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill `gemm_split_blocks_per_sm`
 /// blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split products' slots; otherwise
 /// (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
     let k = k_steps * K_STEP;
-    if m <= kernels.constant("gemm_small_max_rows") && small_fits(kernels, bits, m, k) {
+    let small_blocks = col_blocks * m.div_ceil(kernels.constant("moe_small_tile_rows"));
+    let small_rounds = small_blocks.div_ceil(kernels.constant("moe_small_blocks_per_sm") * sms);
+    if m <= kernels.constant("gemm_small_max_rows")
+        && small_rounds <= SMALL_MAX_ROUNDS
+        && small_fits(kernels, bits, m, k)
+    {
         return Plan::Small(small_parts(kernels, m, col_blocks, k, sms));
     }
     let split_rows = kernels.constant("gemm_split_rows");
