@@ -982,8 +982,8 @@ __device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_co
     const TiledRows w = {{small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
                           small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)}};
     float acc[2][SMALL_NF][2];
-    small_products<true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs, HIDDEN,
-                         HIDDEN / TILED_PIECE, w);
+    small_products<true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs,
+                                HIDDEN, HIDDEN / TILED_PIECE, w);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     float* act = (float*)smem;
 #pragma unroll
@@ -1018,7 +1018,7 @@ __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_cod
                           small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)}};
     float acc[2][SMALL_NF][2];
     small_products<false, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, MOE_INTER,
-                          MOE_INTER / TILED_PIECE, w);
+                                 MOE_INTER / TILED_PIECE, w);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nf = 0; nf < SMALL_NF; nf++) {
@@ -1132,8 +1132,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
                            k / 8, k / GROUP};
     float acc[2][SMALL_NF][2];
     // (small_products waits for gemm_quantize_rows's codes after requesting the first pieces' weights.)
-    small_products<false, true>(acc, rows, [&](int r) { return m0 + r; }, gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
-                          gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src);
+    small_products<false, true>(acc, rows, [&](int r) { return m0 + r; },
+                                gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
+                                gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int tiles = gridDim.x * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
 #pragma unroll

@@ -9,10 +9,11 @@
 //! codes) and its 256 scale/bias pairs.
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
-//! dense products (those of few blocks: not lm_head past 32 rows) take the experts' integer small tiling (the rows coded as Q8x2 once, then a block per 256 weight
-//! rows, 16 activation rows and part of k); the 8-bit ones, and 4-bit ones up to 512 rows past that limit, cut k
-//! into parts of bf16 64-row tiles. Either way, where k is cut, each block writes its partial tile and a second
-//! launch sums every output element's parts in order (see the split products in gemm.cu and [`Plan`]).
+//! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
+//! as Q8x2 once, then a block per 256 weight rows, 16 activation rows and part of k. The 8-bit ones, and the other
+//! 4-bit ones up to 512 rows, cut k into parts of bf16 64-row tiles. Either way, where k is cut, each block writes
+//! its partial tile and a second launch sums every output element's parts in order (see the split products in
+//! gemm.cu and [`Plan`]).
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
 //! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row
@@ -90,13 +91,18 @@ pub(crate) fn small_fits(kernels: &Kernels, bits: u32, m: usize, k: usize) -> bo
 /// blocks of (weight rows, activation rows) fill `moe_small_blocks_per_sm` blocks an SM; otherwise as many as fill
 /// them, each at least `gemm_small_min_pieces` pieces, within the split products' slots.
 fn small_parts(kernels: &Kernels, m: usize, col_blocks: usize, k: usize, sms: usize) -> usize {
-    let blocks = col_blocks * m.div_ceil(kernels.constant("moe_small_tile_rows"));
+    let blocks = col_blocks * small_row_tiles(kernels, m);
     let slots = col_blocks * m.div_ceil(kernels.constant("gemm_split_rows"));
     let target = kernels.constant("moe_small_blocks_per_sm") * sms;
     (target / blocks)
         .min(k / PIECE / kernels.constant("gemm_small_min_pieces").max(1))
         .min(kernels.constant("gemm_split_blocks") / slots)
         .max(1)
+}
+
+/// The small tiling's tiles of activation rows for m rows (`moe_small_tile_rows` rows a tile).
+fn small_row_tiles(kernels: &Kernels, m: usize) -> usize {
+    m.div_ceil(kernels.constant("moe_small_tile_rows"))
 }
 
 /// Rows up to which a product may be split (a batched step's rows, a short prompt or a small chunk); longer
@@ -110,13 +116,13 @@ const SMALL_MAX_ROUNDS: usize = 8;
 
 /// The plan of a `bits`-bit product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
 /// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
-/// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows,
-/// while the 64-row tiles are fewer than the SMs, k is cut into as many parts as fill `gemm_split_blocks_per_sm`
-/// blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split products' slots; otherwise
-/// (or where that leaves one part) whole-k tiles.
+/// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the
+/// SMs, k is cut into as many parts as fill `gemm_split_blocks_per_sm` blocks an SM, each part at least
+/// `gemm_split_min_steps` k steps, within the split products' slots; otherwise (or where that leaves one part)
+/// whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
     let k = k_steps * K_STEP;
-    let small_blocks = col_blocks * m.div_ceil(kernels.constant("moe_small_tile_rows"));
+    let small_blocks = col_blocks * small_row_tiles(kernels, m);
     let small_rounds = small_blocks.div_ceil(kernels.constant("moe_small_blocks_per_sm") * sms);
     if m <= kernels.constant("gemm_small_max_rows")
         && small_rounds <= SMALL_MAX_ROUNDS
@@ -167,10 +173,10 @@ pub(crate) fn gemm_planned(
     accumulate: bool,
     plan: Plan,
 ) -> Result<()> {
-    let (n, k) = (w.rows as i32, w.cols as i32);
     if let Plan::Small(parts) = plan {
         return gemm_small(l, a, m, w, out, accumulate, parts);
     }
+    let (n, k) = (w.rows as i32, w.cols as i32);
     let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
     match (w.bits, plan) {
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
@@ -216,7 +222,7 @@ fn gemm_small(
     let words = m * k / 8;
     let quantize = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
     gemm::gemm_quantize_rows(l, quantize, a, m as i32, k as i32)?;
-    let tiles = m.div_ceil(l.kernels.constant("moe_small_tile_rows"));
+    let tiles = small_row_tiles(l.kernels, m);
     let dims = Dims::new((col_blocks as u32, tiles as u32, parts as u32), THREADS)
         .shared(l.kernels.constant("moe_small_smem") as u32);
     let acc = accumulate as i32;
