@@ -464,10 +464,20 @@ __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u
 #ifndef SPLIT_MIN_STEPS
 #define SPLIT_MIN_STEPS 2
 #endif
+// The host splits a product while its 64-row tiles take fewer than SPLIT_TILE_ROUNDS rounds over the SMs (one
+// tile an SM a round), into as many parts as fill SPLIT_ROUNDS rounds of SPLIT_BLOCKS_PER_SM blocks an SM.
+#ifndef SPLIT_TILE_ROUNDS
+#define SPLIT_TILE_ROUNDS 1
+#endif
+#ifndef SPLIT_ROUNDS
+#define SPLIT_ROUNDS 1
+#endif
 
 __device__ int gemm_split_blocks = SPLIT_BLOCKS;
 __device__ int gemm_split_blocks_per_sm = SPLIT_BLOCKS_PER_SM;
 __device__ int gemm_split_min_steps = SPLIT_MIN_STEPS;
+__device__ int gemm_split_tile_rounds = SPLIT_TILE_ROUNDS;
+__device__ int gemm_split_rounds = SPLIT_ROUNDS;
 __device__ int gemm_split_rows = SPLIT_ROWS;
 __device__ __align__(16) float gemm_partials[(size_t)SPLIT_BLOCKS * SPLIT_ROWS * WROWS];
 
@@ -788,24 +798,30 @@ struct SmallBlock {
 };
 
 // The 256 weight rows of a small-tiling item, piece by piece (a piece: 128 inputs, 16 words and 2 (scale, bias)
-// pairs a row). `chunk` gives the source of 16-byte chunk c (0 .. 3) of item row `row` in piece kt and how many of
-// its bytes to copy (16, or 0 to zero-fill); `copy_pairs` copies the 256 rows' pairs of piece kt to `dst` (8 bytes
-// a row), each thread its share.
+// pairs a row). `chunk` gives the source in the item's first piece of 16-byte chunk c (0 .. 3) of item row `row`
+// and how many of its bytes to copy (16, or 0 to zero-fill); a chunk's next piece lies PIECE_WORDS words later.
+// `pair_copy` gives this thread's share of the 256 rows' pairs in the first piece (its source, bytes and offset in
+// the stage's pairs, 8 bytes a row; false where the thread copies none); the next piece's lie PIECE_PAIRS words
+// later, and `copy_pair` issues the copy.
 // TiledRows: two blocks of 128 rows of a tiled matrix (the experts: a row's pairs of a piece lie beside the next
 // row's, so a thread copies two rows' pairs at once).
 struct TiledRows {
     SmallBlock block[2];
-    __device__ __forceinline__ const u32* chunk(int kt, int row, int c, u32& bytes) const {
+    static constexpr int PIECE_WORDS = TILED_PIECE_STEP, PIECE_PAIRS = TILED_PAIR_STEP;
+    __device__ __forceinline__ const u32* chunk(int row, int c, u32& bytes) const {
         const SmallBlock& b = block[row / TILED_ROWS];
         bytes = b.bytes;
-        return b.words + (size_t)kt * TILED_PIECE_STEP + (row % TILED_ROWS) * TILED_PIECE_WORDS + 4 * c;
+        return b.words + (row % TILED_ROWS) * TILED_PIECE_WORDS + 4 * c;
     }
-    __device__ __forceinline__ void copy_pairs(u32 dst, int kt) const {
-        if (threadIdx.x >= WROWS / 2) return;
+    __device__ __forceinline__ bool pair_copy(const u32*& src, u32& bytes, int& dst) const {
+        if (threadIdx.x >= WROWS / 2) return false;
         const int row = 2 * threadIdx.x;
         const SmallBlock& b = block[row / TILED_ROWS];
-        cp_async_16(dst + row * 8, b.pairs + (size_t)kt * TILED_PAIR_STEP + (row % TILED_ROWS) * TILED_PIECE_PAIRS,
-                    b.bytes);
+        src = b.pairs + (row % TILED_ROWS) * TILED_PIECE_PAIRS, bytes = b.bytes, dst = row * 8;
+        return true;
+    }
+    __device__ static __forceinline__ void copy_pair(u32 dst, const u32* src, u32 bytes) {
+        cp_async_16(dst, src, bytes);
     }
 };
 
@@ -816,16 +832,20 @@ struct DenseRows {
     const u32* words;
     const u32* pairs;
     int valid, row_words, row_pairs;
-    __device__ __forceinline__ const u32* chunk(int kt, int row, int c, u32& bytes) const {
+    static constexpr int PIECE_WORDS = TILED_PIECE_WORDS, PIECE_PAIRS = TILED_PIECE_PAIRS;
+    __device__ __forceinline__ const u32* chunk(int row, int c, u32& bytes) const {
         const bool in = row < valid;
         bytes = in ? 16u : 0u;
-        return words + (size_t)(in ? row : 0) * row_words + kt * TILED_PIECE_WORDS + 4 * c;
+        return words + (size_t)(in ? row : 0) * row_words + 4 * c;
     }
-    __device__ __forceinline__ void copy_pairs(u32 dst, int kt) const {
+    __device__ __forceinline__ bool pair_copy(const u32*& src, u32& bytes, int& dst) const {
         const int row = threadIdx.x;  // GEMM_THREADS == WROWS: a thread a row
         const bool in = row < valid;
-        cp_async_ca<8>(dst + row * 8, pairs + (size_t)(in ? row : 0) * row_pairs + kt * TILED_PIECE_PAIRS,
-                       in ? 8u : 0u);
+        src = pairs + (size_t)(in ? row : 0) * row_pairs, bytes = in ? 8u : 0u, dst = row * 8;
+        return true;
+    }
+    __device__ static __forceinline__ void copy_pair(u32 dst, const u32* src, u32 bytes) {
+        cp_async_ca<8>(dst, src, bytes);
     }
 };
 
@@ -851,30 +871,48 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
 
     // Copies of a stage: the tokens' codes, chunk c % 16 of token c / 16 for c = tid, tid + 256, ...; their pairs
     // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 4); the
-    // weight rows' pairs.
+    // weight rows' pairs. Each copy's source in the first piece, its byte count and its place in a stage are worked
+    // out once here; a piece only moves the sources along.
+    constexpr int A_COPIES = SMALL_ROWS * 16 / GEMM_THREADS;
+    static_assert(SMALL_ROWS * 16 % GEMM_THREADS == 0, "whole rounds of the threads copy a stage's codes");
+    const unsigned char* a_src[A_COPIES];
+    u32 a_bytes[A_COPIES];
+#pragma unroll
+    for (int i = 0; i < A_COPIES; i++) {
+        const int c = tid + i * GEMM_THREADS, r = c / 16;
+        a_src[i] = (const unsigned char*)codes + (size_t)a_row(r < rows ? r : 0) * ROW_BYTES + (c % 16) * 16;
+        a_bytes[i] = r < rows ? 16u : 0u;
+    }
+    const float* ap_src = pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS;
+    const u32 ap_bytes = tid < rows ? 16u : 0u;
+    const u32* b_src[4];
+    u32 b_bytes[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) b_src[j] = w.chunk(tid / 4 + 64 * j, tid % 4, b_bytes[j]);
+    // Rows 64 apart share their swizzle, so chunk j lands 64 rows (4,096 bytes) after chunk 0.
+    const u32 b_dst = (tid / 4) * 64 + (((tid % 4) ^ ((tid / 8) & 3)) << 4);
+    const u32* wp_src = nullptr;
+    u32 wp_bytes = 0;
+    int wp_dst = 0;
+    const bool wp_copies = w.pair_copy(wp_src, wp_bytes, wp_dst);
+
     auto load_a = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * SMALL_STAGE;
 #pragma unroll
-        for (int c = tid; c < SMALL_ROWS * 16; c += GEMM_THREADS) {
-            const int r = c / 16;
-            const unsigned char* src = (const unsigned char*)codes + (size_t)a_row(r < rows ? r : 0) * ROW_BYTES;
-            cp_async_16(stage + r * SMALL_A_ROW + (c % 16) * 16, src + kt * 2 * Q8X2_GROUP_BYTES + (c % 16) * 16,
-                        r < rows ? 16u : 0u);
+        for (int i = 0; i < A_COPIES; i++) {
+            const int c = tid + i * GEMM_THREADS;
+            cp_async_16(stage + (c / 16) * SMALL_A_ROW + (c % 16) * 16, a_src[i] + kt * 2 * Q8X2_GROUP_BYTES,
+                        a_bytes[i]);
         }
-        if (tid < SMALL_ROWS)
-            cp_async_16(stage + SMALL_A_BYTES + tid * 16, pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS + 4 * kt,
-                        tid < rows ? 16u : 0u);
+        if (tid < SMALL_ROWS) cp_async_16(stage + SMALL_A_BYTES + tid * 16, ap_src + 4 * kt, ap_bytes);
     };
     auto load_b = [&](int kt) {
         const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + SMALL_A_BYTES + SMALL_PAIR_BYTES;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int row = tid / 4 + 64 * j, chunk = tid % 4;
-            u32 bytes;
-            const u32* src = w.chunk(kt, row, chunk, bytes);
-            cp_async_16(b_stage + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4), src, bytes);
-        }
-        w.copy_pairs(b_stage + SMALL_B_BYTES, kt);
+        for (int j = 0; j < 4; j++)
+            cp_async_16(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
+        if (wp_copies)
+            WRows::copy_pair(b_stage + SMALL_B_BYTES + wp_dst, wp_src + (size_t)kt * WRows::PIECE_PAIRS, wp_bytes);
     };
     auto load = [&](int kt) {
         load_a(kt);

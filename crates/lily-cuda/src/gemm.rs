@@ -116,10 +116,10 @@ const SMALL_MAX_ROUNDS: usize = 8;
 
 /// The plan of a `bits`-bit product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
 /// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
-/// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows, while the 64-row tiles are fewer than the
-/// SMs, k is cut into as many parts as fill `gemm_split_blocks_per_sm` blocks an SM, each part at least
-/// `gemm_split_min_steps` k steps, within the split products' slots; otherwise (or where that leaves one part)
-/// whole-k tiles.
+/// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than
+/// `gemm_split_tile_rounds` rounds over the SMs (1: fewer tiles than SMs), k is cut into as many parts as fill
+/// `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps`
+/// k steps, within the split products' slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
     let k = k_steps * K_STEP;
     let small_blocks = col_blocks * small_row_tiles(kernels, m);
@@ -132,8 +132,9 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_
     }
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
-    if m <= SPLIT_MAX_M && tiles < sms {
-        let parts = (kernels.constant("gemm_split_blocks_per_sm") * sms / tiles)
+    if m <= SPLIT_MAX_M && tiles < kernels.constant("gemm_split_tile_rounds") * sms {
+        let target = kernels.constant("gemm_split_rounds") * kernels.constant("gemm_split_blocks_per_sm") * sms;
+        let parts = (target / tiles)
             .min(k_steps / kernels.constant("gemm_split_min_steps").max(1))
             .min(kernels.constant("gemm_split_blocks") / tiles);
         if parts >= 2 {

@@ -19,6 +19,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_split_blocks",
         "gemm_split_blocks_per_sm",
         "gemm_split_min_steps",
+        "gemm_split_tile_rounds",
+        "gemm_split_rounds",
         "gemm_split_rows",
         "moe_small_tile_rows",
         "moe_small_max_tokens",
