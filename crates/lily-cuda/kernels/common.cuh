@@ -65,6 +65,11 @@ template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
+// Copies `bytes` (16 or 0) of the 16 at `src` to shared address `dst` (cp.async, through L2 only), zero-filling
+// the rest.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
 
 struct Q4 {
     const u32* packed;

@@ -12,8 +12,9 @@
 //
 // Two instances: `deltanet_step` for one sequence cuts a head into DELTANET_SPLIT = 4 blocks (128 blocks a layer,
 // about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, takes a whole head a
-// block (DELTANET_ROWS_SPLIT = 1), so each thread has 32 state rows' loads in flight: the step streams the
-// state, and more bytes requested at once bring it closer to the memory's rate.
+// block (DELTANET_ROWS_SPLIT = 1) and stages its 32 KB of state in shared memory (cp.async, issued before the wait
+// for the previous kernel): the step streams the state, and with few registers a block six blocks an SM keep
+// more of it in flight while others compute.
 
 #ifndef DELTANET_SPLIT
 #define DELTANET_SPLIT 4
@@ -82,9 +83,34 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     // State columns col0 + j, j + 1 (j = 2 * (t % PAIRS)), rows i0 .. i0 + ROWS_PER_THREAD.
     const int j = 2 * (t % PAIRS), group = t / PAIRS, i0 = group * ROWS_PER_THREAD;
     u32* s = (u32*)(state + (size_t)head * DK * DV + col0 + j);
-    float2 col[ROWS_PER_THREAD];
+    // STAGED (the batched instance: a whole head a block, 32 KB of state) copies the block's state into shared
+    // memory with cp.async instead of holding it in registers: the registers then allow several blocks an SM, so
+    // more of the state is in flight while other blocks compute. The split instance holds its rows in registers.
+    constexpr bool STAGED = SPLIT == 1;
+    constexpr int STAGED_WORDS = STAGED ? DK * COLS_PER_BLOCK / 2 : 1;
+    __shared__ __align__(16) u32 staged[STAGED_WORDS];
+    float2 col[STAGED ? 1 : ROWS_PER_THREAD];
+    if constexpr (STAGED) {
+        static_assert(COLS_PER_BLOCK == DV && STAGED_WORDS % (4 * DELTANET_THREADS) == 0, "whole rows, 16 bytes a copy");
+        const u32* head_state = (const u32*)(state + (size_t)head * DK * DV);
+        const u32 base = (u32)__cvta_generic_to_shared(staged);
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = f16x2_to_float2(s[(size_t)(i0 + r) * (DV / 2)]);
+        for (int c = t; c < STAGED_WORDS / 4; c += DELTANET_THREADS) cp_async_16(base + 16 * c, head_state + 4 * c, 16u);
+        cp_async_commit();
+    } else {
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = f16x2_to_float2(s[(size_t)(i0 + r) * (DV / 2)]);
+    }
+    // Row r of this thread's two columns times the decay: from shared memory, or from its registers (which the
+    // first use below leaves decayed).
+    auto decayed = [&](int r, float decay) -> float2 {
+        if constexpr (STAGED) {
+            const float2 c = f16x2_to_float2(staged[(i0 + r) * (DV / 2) + j / 2]);
+            return make_float2(c.x * decay, c.y * decay);
+        } else {
+            return col[r];
+        }
+    };
     ConvTaps taps_qk, taps_v;
     taps_qk.load(ring, conv_w, c_qk, position);
     if (t < COLS_PER_BLOCK) taps_v.load(ring, conv_w, c_v, position);
@@ -113,15 +139,16 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     if (t < COLS_PER_BLOCK) ring[slot * LIN_CONV_DIM + c_v] = proj_v;
     const float beta = sigmoidf_(b_in);
     const float decay = expf(-expf(a_log_h) * softplusf_(a_in + dt_bias_h));
+    if constexpr (STAGED) cp_async_wait<0>();
     __syncthreads();
 
     float2 kv = make_float2(0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
-        col[r].x *= decay;
-        col[r].y *= decay;
-        kv.x += col[r].x * k[i0 + r];
-        kv.y += col[r].y * k[i0 + r];
+        if constexpr (!STAGED) col[r].x *= decay, col[r].y *= decay;
+        const float2 c = decayed(r, decay);
+        kv.x = fmaf(c.x, k[i0 + r], kv.x);
+        kv.y = fmaf(c.y, k[i0 + r], kv.y);
     }
     red[group][j] = kv.x;
     red[group][j + 1] = kv.y;
@@ -136,11 +163,12 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     float2 o = make_float2(0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
-        col[r].x += k[i0 + r] * u0;
-        col[r].y += k[i0 + r] * u1;
-        o.x += col[r].x * q[i0 + r];
-        o.y += col[r].y * q[i0 + r];
-        s[(size_t)(i0 + r) * (DV / 2)] = float2_to_f16x2(col[r].x, col[r].y);
+        float2 c = decayed(r, decay);
+        c.x = fmaf(k[i0 + r], u0, c.x);
+        c.y = fmaf(k[i0 + r], u1, c.y);
+        o.x = fmaf(c.x, q[i0 + r], o.x);
+        o.y = fmaf(c.y, q[i0 + r], o.y);
+        s[(size_t)(i0 + r) * (DV / 2)] = float2_to_f16x2(c.x, c.y);
     }
     __syncthreads();
     red[group][j] = o.x;

@@ -114,10 +114,6 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
     return v;
 }
 
-// Copies `bytes` (16 or 0) of the 16 at `src`, zero-filling the rest.
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, u32 bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
