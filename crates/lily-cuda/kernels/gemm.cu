@@ -680,46 +680,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // Roles: the weight rows are A (m16: 16 rows a fragment), the tokens B (n8: 4 tokens x 2 digits, column 2j + d
 // is token j's digit d), so at a group's end lane (g, t) holds rows g and g + 8 of token t's two digit sums.
 //
-// Q8x2 rows. A row of k inputs is k / 64 groups of 128 bytes: word w of a group (its inputs 8w .. 8w + 7) is 16
-// bytes, digit 0 then digit 1, each as the bytes of the 4 even inputs, then of the 4 odd ones (the order in which
-// a weight word's low and high nibbles give A). x = s (d0 + d1 / 128) with s = max |x| / 127 over the group,
-// |d0| <= 127, |d1| <= 64 (the decode's staging with two of its three digits). Beside the codes, each group's pair
-// {s / 128, sum of the group's inputs}. The integer sums stay below 2^24, so 128 C0 + C1 converts to f32 exactly.
-#define Q8X2_GROUP_BYTES 128
-#define Q8X2_WORD_BYTES 16
-struct Q8x2 {
-    u32* codes;
-    float* pairs;
-};
-
-// Quantizes the 8 inputs `v` of word `word` of a group to Q8x2, with the other 7 words of the group on the 7 lanes
-// next to this one (lanes 8i .. 8i + 7 hold a group); every lane of the warp calls it. Writes the word's 16 bytes
-// to `code` and (word 0) the group's pair to `pair`, where `valid`.
-__device__ __forceinline__ void quantize_word_q8x2(const float (&v)[8], int word, bool valid, uint4* code,
-                                                   float2* pair) {
-    float mx = 0.f, sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) mx = fmaxf(mx, fabsf(v[i])), sum += v[i];
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    }
-    const float up = mx > 0.f ? 127.f / mx : 0.f;
-    u32 d[2][2] = {{0u, 0u}, {0u, 0u}};  // [digit][even inputs, odd inputs]
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float y = v[i] * up;  // |y| <= 127
-        const float q0 = rintf(y);
-        const float q1 = rintf((y - q0) * 128.f);  // the remainder is at most 1/2: |q1| <= 64
-        d[0][i & 1] |= byte_of(q0, i >> 1);
-        d[1][i & 1] |= byte_of(q1, i >> 1);
-    }
-    if (!valid) return;
-    *code = make_uint4(d[0][0], d[0][1], d[1][0], d[1][1]);
-    if (word == 0) *pair = make_float2(mx / 127.f / 128.f, sum);
-}
-
 // `rows` rows of k inputs hi + lo (lo may be null; k whole groups) as Q8x2 rows (codes u32 [rows][k / 2], pairs
 // float2 [rows][k / 64]); a thread a word, the block's threads from `first` on (a multiple of 8: whole groups).
 __device__ __forceinline__ void quantize_rows_q8x2(int first, const bf16* hi, const bf16* lo, int rows, int k,

@@ -31,12 +31,17 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 // out[r] = bf16(rmsnorm(hidden[r]) * norm), and where `out_lo` is not null what that rounding lost, also in bf16
 // (the router's products take both: routing is decided by small differences between logits). Where `expert_out`
 // is not null, the previous MoE block's expert rows are first added to hidden[r] and written back, exactly as
-// moe_combine adds them: the residual stream's update and the next norm in one launch. Grid (t).
+// moe_combine adds them: the residual stream's update and the next norm in one launch. Where `codes.codes` is not
+// null, row r of out (+ out_lo) is also coded as Q8x2 into `codes`, as gemm_quantize_rows or moe_quantize_rows
+// would code it: the input of the integer small tiling without a launch of its own. Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hidden, const float* expert_out,
-                                                                      const float* norm, bf16* out, bf16* out_lo) {
+                                                                      const float* norm, bf16* out, bf16* out_lo,
+                                                                      Q8x2 codes) {
     wait_previous();
     constexpr int PER = (HIDDEN + ROW_THREADS - 1) / ROW_THREADS;
     __shared__ float scratch[32];
+    // The row's rounded values, hi + lo, for the coding: a thread then takes 8 consecutive inputs (a Q8x2 word).
+    __shared__ __align__(16) float rounded[HIDDEN];
     const size_t r = blockIdx.x;
     float* h = hidden + r * HIDDEN;
     float v[PER];
@@ -59,7 +64,25 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
         const float x = v[i] * inv * norm[c];
         const bf16 hi = float_to_bf16(x);
         out[(size_t)blockIdx.x * HIDDEN + c] = hi;
-        if (out_lo) out_lo[(size_t)blockIdx.x * HIDDEN + c] = float_to_bf16(x - bf16_to_float(hi));
+        const bf16 lo = float_to_bf16(x - bf16_to_float(hi));
+        if (out_lo) out_lo[(size_t)blockIdx.x * HIDDEN + c] = lo;
+        // The sum the separate coding kernels form from the stored rows (lo is 0 where it is not stored).
+        rounded[c] = bf16_to_float(hi) + (out_lo ? bf16_to_float(lo) : 0.f);
+    }
+    if (!codes.codes) return;  // uniform over the block
+    __syncthreads();
+    constexpr int WORDS = HIDDEN / 8;
+    static_assert(HIDDEN % GROUP == 0, "whole groups of inputs");
+#pragma unroll
+    for (int w0 = 0; w0 < WORDS; w0 += ROW_THREADS) {
+        const int w = w0 + threadIdx.x;
+        const bool valid = w < WORDS;  // every lane takes part in the group's shuffles
+        float x[8];
+        const float4 a = valid ? *(const float4*)&rounded[8 * w] : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 b = valid ? *(const float4*)&rounded[8 * w + 4] : make_float4(0.f, 0.f, 0.f, 0.f);
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+        quantize_word_q8x2(x, w % 8, valid, (uint4*)codes.codes + r * WORDS + w,
+                           (float2*)codes.pairs + r * (HIDDEN / GROUP) + w / 8);
     }
 }
 

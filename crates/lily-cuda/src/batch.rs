@@ -21,7 +21,7 @@ use lily_model::{Config, ForwardError};
 use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Graph, Result};
 use crate::gemm;
 use crate::kernels::sampling::RowParams;
-use crate::kernels::{attention, deltanet, prefill, ATTN_SPLITS};
+use crate::kernels::{attention, deltanet, prefill, Q8x2, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher};
 use crate::model::{Capacity, CudaModel, DeviceState, StateAt};
 use crate::pages::KV_PAGE;
@@ -200,10 +200,14 @@ pub fn enqueue_step(
     let mut experts = DevPtr::NULL;
     for (i, layer) in w.layers.iter().enumerate() {
         let norm = layer.input_layernorm.ptr();
-        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), experts, norm, s.normed.ptr(), DevPtr::NULL)?;
+        // The norm also codes its rows for the input projection where that takes the integer small tiling.
+        let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
+        let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
+        let norm_codes = codes.unwrap_or(Q8x2::NONE);
+        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), experts, norm, normed, no_lo, norm_codes)?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
-                gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
+                gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
                 let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
                 deltanet::deltanet_step_rows(
                     l,
@@ -232,7 +236,7 @@ pub fn enqueue_step(
                 gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
             }
             GpuMixer::Full(a) => {
-                gemm::gemm(l, s.normed.ptr(), t, &a.qkv, s.proj.ptr(), false)?;
+                gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;
                 let (k_pool, v_pool) = (state.k_pool[slot[i]].ptr(), state.v_pool[slot[i]].ptr());
                 let (table, per_seq) = (state.page_table.ptr(), state.pages_per_seq as i32);
                 attention::attn_prep(
@@ -292,6 +296,7 @@ fn enqueue_head(
         w.final_norm.ptr(),
         s.normed.ptr(),
         DevPtr::NULL,
+        Q8x2::NONE,
     )?;
     gemm::gemm(l, s.normed.ptr(), t, &w.lm_head, b.logits.ptr(), false)
 }

@@ -154,15 +154,51 @@ pub fn gemm(
     out: DevPtr<f32>,
     accumulate: bool,
 ) -> Result<()> {
-    let plan = plan(
+    let plan = plan_for(l, m, w);
+    gemm_planned(l, a, m, w, out, accumulate, plan)
+}
+
+fn plan_for(l: &Launcher, m: usize, w: &GpuMatrix) -> Plan {
+    plan(
         l.kernels,
         w.bits,
         m,
         w.rows.div_ceil(WEIGHT_ROWS),
         w.cols / K_STEP,
         l.gpu.sm_count,
-    );
-    gemm_planned(l, a, m, w, out, accumulate, plan)
+    )
+}
+
+/// Where a product of m rows by `w` reads its input as Q8x2 rows, if it takes the integer small tiling (the
+/// kernels' own buffer): the kernel that produces the input may code it there (`rmsnorm_rows`), and
+/// [`gemm_coded`] then runs the product without a coding launch of its own.
+pub fn small_codes(l: &Launcher, m: usize, w: &GpuMatrix) -> Option<Q8x2> {
+    matches!(plan_for(l, m, w), Plan::Small(_)).then(|| Q8x2 {
+        codes: l.kernels.buffer("gemm_small_codes"),
+        pairs: l.kernels.buffer("gemm_small_pairs"),
+    })
+}
+
+/// [`gemm`] of rows `a` that the kernel before coded into [`small_codes`] (`coded`; otherwise it is [`gemm`]).
+pub fn gemm_coded(
+    l: &mut Launcher,
+    a: DevPtr<bf16>,
+    m: usize,
+    w: &GpuMatrix,
+    out: DevPtr<f32>,
+    accumulate: bool,
+    coded: bool,
+) -> Result<()> {
+    match plan_for(l, m, w) {
+        Plan::Small(parts) if coded => gemm_small(l, a, m, w, out, accumulate, parts, false),
+        plan => {
+            assert!(
+                !coded,
+                "rows coded for the small tiling, but the product of {m} rows takes {plan:?}"
+            );
+            gemm_planned(l, a, m, w, out, accumulate, plan)
+        }
+    }
 }
 
 pub(crate) fn gemm_planned(
@@ -175,7 +211,7 @@ pub(crate) fn gemm_planned(
     plan: Plan,
 ) -> Result<()> {
     if let Plan::Small(parts) = plan {
-        return gemm_small(l, a, m, w, out, accumulate, parts);
+        return gemm_small(l, a, m, w, out, accumulate, parts, true);
     }
     let (n, k) = (w.rows as i32, w.cols as i32);
     let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
@@ -196,8 +232,10 @@ pub(crate) fn gemm_planned(
     }
 }
 
-/// The small tiling's product: `a` coded as Q8x2 rows into the kernels' own buffer, then a block per (256 weight
-/// rows, tile of activation rows, part of k), and the parts' sum where k is cut.
+/// The small tiling's product: `a` coded as Q8x2 rows into the kernels' own buffer (unless `code` is false: a
+/// kernel before did), then a block per (256 weight rows, tile of activation rows, part of k), and the parts' sum
+/// where k is cut.
+#[allow(clippy::too_many_arguments)]
 fn gemm_small(
     l: &mut Launcher,
     a: DevPtr<bf16>,
@@ -206,6 +244,7 @@ fn gemm_small(
     out: DevPtr<f32>,
     accumulate: bool,
     parts: usize,
+    code: bool,
 ) -> Result<()> {
     let (n, k) = (w.rows, w.cols);
     assert!(
@@ -220,9 +259,11 @@ fn gemm_small(
         "{parts} parts of {} pieces in {slots} tiles",
         k / PIECE
     );
-    let words = m * k / 8;
-    let quantize = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
-    gemm::gemm_quantize_rows(l, quantize, a, m as i32, k as i32)?;
+    if code {
+        let words = m * k / 8;
+        let quantize = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
+        gemm::gemm_quantize_rows(l, quantize, a, m as i32, k as i32)?;
+    }
     let tiles = small_row_tiles(l.kernels, m);
     let dims = Dims::new((col_blocks as u32, tiles as u32, parts as u32), THREADS)
         .shared(l.kernels.constant("moe_small_smem") as u32);
@@ -354,6 +395,14 @@ impl SmallCodes {
             act_pairs: gpu.alloc(entries * inter / K_STEP * 2)?,
         })
     }
+
+    /// The experts' input rows.
+    pub fn x(&self) -> Q8x2 {
+        Q8x2 {
+            codes: self.x_codes.ptr(),
+            pairs: self.x_pairs.ptr(),
+        }
+    }
 }
 
 impl Sorted {
@@ -380,6 +429,8 @@ impl Sorted {
 /// moe_slots][moe inter]` by sorted entry) and runs as a gate/up and a down launch of a block per (column block,
 /// possible tile), those past `*tile_count` returning at once; the small one quantizes x into `codes`, keeps act
 /// there and runs as one persistent launch of `moe_small_blocks_per_sm` blocks an SM (at most one per work item).
+/// `x_coded`: the kernel that produced x coded it into `codes` already ([`SmallCodes::x`]), so the small tiling
+/// does not.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     l: &mut Launcher,
@@ -390,6 +441,7 @@ pub fn moe_experts(
     m: &Experts,
     act: DevPtr<bf16>,
     codes: &SmallCodes,
+    x_coded: bool,
     out: DevPtr<f32>,
 ) -> Result<()> {
     let k = l.kernels;
@@ -400,13 +452,12 @@ pub fn moe_experts(
             codes.tokens,
             s.tokens
         );
-        let words = s.tokens * m.shared_gate.cols / 8;
-        let x_codes = Q8x2 {
-            codes: codes.x_codes.ptr(),
-            pairs: codes.x_pairs.ptr(),
-        };
-        let dims = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
-        gemm::moe_quantize_rows(l, dims, x, x_lo, s.tokens as i32, x_codes)?;
+        let x_codes = codes.x();
+        if !x_coded {
+            let words = s.tokens * m.shared_gate.cols / 8;
+            let dims = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
+            gemm::moe_quantize_rows(l, dims, x, x_lo, s.tokens as i32, x_codes)?;
+        }
         let items = s.max_tiles * k.constant("moe_small_items_per_tile");
         let blocks = items.min(k.constant("moe_small_blocks_per_sm") * l.gpu.sm_count);
         let dims = Dims::linear(blocks as u32, THREADS).shared(k.constant("moe_small_smem") as u32);

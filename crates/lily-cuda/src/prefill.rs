@@ -13,7 +13,7 @@ use lily_model::Config;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm;
-use crate::kernels::{prefill, Kernels};
+use crate::kernels::{prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::model::{DeviceState, StateAt};
 use crate::prefill_attention::AttentionScratch;
@@ -145,24 +145,19 @@ pub fn enqueue_chunk(
     // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
     let mut experts = DevPtr::NULL;
     for (i, layer) in w.layers.iter().enumerate() {
-        let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
-        prefill::rmsnorm_rows(
-            l,
-            rows,
-            s.hidden.ptr(),
-            experts,
-            layer.input_layernorm.ptr(),
-            normed,
-            no_lo,
-        )?;
+        // The norm also codes its rows for the input projection where that takes the integer small tiling.
+        let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
+        let (normed, no_lo, norm_codes) = (s.normed.ptr(), DevPtr::NULL, codes.unwrap_or(Q8x2::NONE));
+        let norm = layer.input_layernorm.ptr();
+        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), experts, norm, normed, no_lo, norm_codes)?;
         match &layer.mixer {
             GpuMixer::Linear(g) => {
-                gemm::gemm(l, s.normed.ptr(), t, &g.in_proj, s.proj.ptr(), false)?;
+                gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
                 deltanet_mixer(l, c, state, slot[i], s, g, seq, start, t, cuts)?;
                 gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
             }
             GpuMixer::Full(a) => {
-                gemm::gemm(l, s.normed.ptr(), t, &a.qkv, s.proj.ptr(), false)?;
+                gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;
                 let (k_pool, v_pool) = (state.k_pool[slot[i]].ptr(), state.v_pool[slot[i]].ptr());
                 let inv_freq = state.inv_freq.ptr();
                 s.attn.run(
@@ -228,10 +223,27 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     let rows = Dims::linear(t as u32, ROW_THREADS);
     let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
     let norm = layer.post_attention_layernorm.ptr();
-    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), DevPtr::NULL, norm, normed, normed_lo)?;
+    // Where the experts take the small tiling, the norm also codes its rows (hi + lo) as the tiling's input.
+    let sorted = s.sorted(l.kernels, c, t);
+    let coded = sorted.small(l.kernels);
+    assert!(
+        !coded || t <= s.codes.tokens,
+        "the small tiling's codes hold {} tokens, not {t}",
+        s.codes.tokens
+    );
+    let norm_codes = if coded { s.codes.x() } else { Q8x2::NONE };
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        DevPtr::NULL,
+        norm,
+        normed,
+        normed_lo,
+        norm_codes,
+    )?;
     router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
     route_and_sort(l, c, s, t)?;
-    let sorted = s.sorted(l.kernels, c, t);
     let (act, expert_out) = (s.act.ptr(), s.expert_out.ptr());
     let (route_w, codes) = (s.route_w.ptr(), &s.codes);
     gemm::moe_experts(
@@ -243,6 +255,7 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
         &layer.experts(),
         act,
         codes,
+        coded,
         expert_out,
     )
 }

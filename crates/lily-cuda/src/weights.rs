@@ -183,6 +183,16 @@ pub enum GpuMixer {
     Full(GpuAttention),
 }
 
+impl GpuMixer {
+    /// The product that takes the layer's normed input: the DeltaNet's in_proj or the attention's qkv.
+    pub fn input_projection(&self) -> &GpuMatrix {
+        match self {
+            GpuMixer::Linear(g) => &g.in_proj,
+            GpuMixer::Full(a) => &a.qkv,
+        }
+    }
+}
+
 pub struct GpuLayer {
     pub input_layernorm: DevBuf<f32>,
     pub post_attention_layernorm: DevBuf<f32>,

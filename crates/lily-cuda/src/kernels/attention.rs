@@ -15,6 +15,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         include_str!("../../kernels/attention.cu")
     ),
     kernels: KERNELS,
+    buffers: &[],
     constants: &["attn_rows_smem", "attn_merge_rows_max_splits"],
 };
 

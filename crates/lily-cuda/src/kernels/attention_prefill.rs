@@ -14,6 +14,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         include_str!("../../kernels/attention_prefill.cu")
     ),
     kernels: KERNELS,
+    buffers: &[],
     constants: &[],
 };
 

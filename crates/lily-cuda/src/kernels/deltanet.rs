@@ -12,6 +12,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "deltanet.cu",
     source: include_str!("../../kernels/deltanet.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &["deltanet_split", "deltanet_rows_split"],
 };
 

@@ -11,6 +11,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "deltanet_prefill.cu",
     source: include_str!("../../kernels/deltanet_prefill.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &[
         "deltanet_chunks_shared_bytes",
         "deltanet_state_shared_bytes",

@@ -11,6 +11,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "gemm.cu",
     source: include_str!("../../kernels/gemm.cu"),
     kernels: KERNELS,
+    buffers: &["gemm_small_codes", "gemm_small_pairs"],
     constants: &[
         "moe_tile_rows",
         "gemm_stages",

@@ -8,6 +8,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "layout.cu",
     source: include_str!("../../kernels/layout.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &["tiled_rows", "tiled_piece"],
 };
 

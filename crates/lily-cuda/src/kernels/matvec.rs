@@ -9,6 +9,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "matvec.cu",
     source: include_str!("../../kernels/matvec.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &["rows_per_block_hidden", "rows_per_block_linear_v", "rows_per_block_q"],
 };
 

@@ -43,6 +43,8 @@ pub struct KernelFile<'a> {
     pub source: &'static str,
     pub kernels: &'a [Signature<'a>],
     pub constants: &'static [&'static str],
+    /// Device buffers the file defines (`__device__` arrays) that other kernels are given the address of.
+    pub buffers: &'static [&'static str],
 }
 
 /// Every kernel family, in the order they are compiled and loaded.
@@ -260,6 +262,7 @@ pub struct Kernels {
     modules: Vec<sys::CUmodule>,
     functions: HashMap<&'static str, sys::CUfunction>,
     constants: HashMap<&'static str, i32>,
+    buffers: HashMap<&'static str, u64>,
 }
 
 unsafe impl Send for Kernels {}
@@ -273,6 +276,7 @@ impl Kernels {
             modules: Vec::new(),
             functions: HashMap::new(),
             constants: HashMap::new(),
+            buffers: HashMap::new(),
         };
         for file in FILES {
             let (name, source) = (file.name, file.source);
@@ -349,6 +353,14 @@ impl Kernels {
                 gpu.download(DevPtr::from_raw(ptr), &mut value)?;
                 kernels.constants.insert(c, value[0]);
             }
+            for b in file.buffers {
+                let cname = CString::new(*b).expect("buffer names have no NUL");
+                let (mut ptr, mut bytes) = (0u64, 0usize);
+                check("cuModuleGetGlobal", unsafe {
+                    sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr())
+                })?;
+                kernels.buffers.insert(b, ptr);
+            }
         }
         Ok(kernels)
     }
@@ -386,6 +398,16 @@ impl Kernels {
             )));
         }
         param_layout(self.get(name))
+    }
+
+    /// The device address of a file's buffer (one of its `buffers`).
+    pub fn buffer<T>(&self, name: &'static str) -> DevPtr<T> {
+        DevPtr::from_raw(
+            *self
+                .buffers
+                .get(name)
+                .unwrap_or_else(|| panic!("buffer {name} is not in FILES")),
+        )
     }
 
     pub fn constant(&self, name: &'static str) -> usize {

@@ -9,6 +9,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "moe.cu",
     source: include_str!("../../kernels/moe.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &["pairs_per_block", "gate_up_threads", "down_rows_per_block"],
 };
 

@@ -5,13 +5,14 @@
 use half::bf16;
 
 use super::signature::launchers;
-use super::{KernelFile, Q4};
+use super::{KernelFile, Q8x2, Q4};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
     name: "prefill.cu",
     source: include_str!("../../kernels/prefill.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &["router_strip_rows", "router_tile_tokens"],
 };
 
@@ -19,13 +20,15 @@ launchers! {
     /// `hidden[r] = embed_tokens[tokens[start + r]]`, dequantized.
     embed_rows(tokens: DevPtr<i32>, start: i32, table: Q4, hidden: DevPtr<f32>);
     /// `out[r] = bf16(rmsnorm(hidden[r]) * norm)`, and what that rounding lost into `out_lo` unless it is null;
-    /// unless `expert_out` is null, the MoE rows that `moe_combine` would add are added to `hidden` first.
+    /// unless `expert_out` is null, the MoE rows that `moe_combine` would add are added to `hidden` first; unless
+    /// `codes` is [`Q8x2::NONE`], `out` (+ `out_lo`) also coded as the small tiling's Q8x2 rows.
     rmsnorm_rows(
         hidden: DevPtr<f32>,
         expert_out: DevPtr<f32>,
         norm: DevPtr<f32>,
         out: DevPtr<bf16>,
         out_lo: DevPtr<bf16>,
+        codes: Q8x2,
     );
     /// `logits[t][e] = router[e] . (x_hi[t] + x_lo[t])` in f32 for the experts' and the shared gate's rows, `t < m`;
     /// grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens).

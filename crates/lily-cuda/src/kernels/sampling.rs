@@ -11,6 +11,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "sampling.cu",
     source: include_str!("../../kernels/sampling.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &[],
 };
 

@@ -176,6 +176,14 @@ pub struct Q8x2 {
     pub pairs: DevPtr<f32>,
 }
 
+impl Q8x2 {
+    /// No rows: a kernel given it codes none.
+    pub const NONE: Q8x2 = Q8x2 {
+        codes: DevPtr::NULL,
+        pairs: DevPtr::NULL,
+    };
+}
+
 impl KernelArg for Q8x2 {
     const C_TYPE: CType = CType::Value("Q8x2");
     const SIZE: usize = 16;

@@ -11,6 +11,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "synth.cu",
     source: include_str!("../../kernels/synth.cu"),
     kernels: KERNELS,
+    buffers: &[],
     constants: &[],
 };
 

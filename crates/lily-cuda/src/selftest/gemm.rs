@@ -354,6 +354,7 @@ fn check_moe(
         &m.experts(),
         act.ptr(),
         &codes,
+        false,
         out.ptr(),
     )?;
     if small {

@@ -5,10 +5,10 @@ use lily_model::cpu::linalg::{rmsnorm, sigmoid};
 use lily_model::cpu::moe::{route, route_margin};
 use lily_model::rng::Rng;
 
-use super::{download_f32, normals, poison, rel_err, Report};
-use crate::driver::{DevPtr, Gpu, Result};
+use super::{download, download_f32, normals, poison, rel_err, Report};
+use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
-use crate::kernels::{prefill, Kernels};
+use crate::kernels::{gemm, prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROUTER_ROWS_MAX_TOKENS, ROW_THREADS};
 use crate::weights::GpuWeights;
@@ -57,7 +57,16 @@ pub(crate) fn check(
     poison(gpu, &s.normed_lo)?;
     let norm = gw.layers[0].input_layernorm.ptr();
     let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
-    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), DevPtr::NULL, norm, normed, normed_lo)?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        DevPtr::NULL,
+        norm,
+        normed,
+        normed_lo,
+        Q8x2::NONE,
+    )?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; t * h], vec![bf16::ZERO; t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;
     gpu.download(s.normed_lo.ptr(), &mut lo)?;
@@ -77,6 +86,7 @@ pub(crate) fn check(
         rel_err(&both, &expected),
         2e-5,
     );
+    check_norm_coding(l, &s, norm, (t, h), report)?;
 
     check_router(l, w, gw, &s, &mut rng, report)?;
 
@@ -158,12 +168,30 @@ pub(crate) fn check(
     // be bit for bit what moe_combine and then the norm give.
     let norm = gw.layers[0].input_layernorm.ptr();
     let hidden_ptr = s.hidden.ptr();
-    prefill::rmsnorm_rows(l, rows, hidden_ptr, DevPtr::NULL, norm, normed, DevPtr::NULL)?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        hidden_ptr,
+        DevPtr::NULL,
+        norm,
+        normed,
+        DevPtr::NULL,
+        Q8x2::NONE,
+    )?;
     let mut separate = vec![bf16::ZERO; t * h];
     gpu.download(s.normed.ptr(), &mut separate)?;
     gpu.upload(s.hidden.ptr(), &hidden)?;
     poison(gpu, &s.normed)?;
-    prefill::rmsnorm_rows(l, rows, hidden_ptr, s.expert_out.ptr(), norm, normed, DevPtr::NULL)?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        hidden_ptr,
+        s.expert_out.ptr(),
+        norm,
+        normed,
+        DevPtr::NULL,
+        Q8x2::NONE,
+    )?;
     let fused_hidden = download_f32(gpu, &s.hidden, t * h)?;
     let mut fused = vec![bf16::ZERO; t * h];
     gpu.download(s.normed.ptr(), &mut fused)?;
@@ -182,6 +210,58 @@ pub(crate) fn check(
         ),
     );
     gpu.sync()
+}
+
+/// rmsnorm_rows coding its rows as Q8x2 as it writes them (the small tiling's input without a launch of its own)
+/// must give, bit for bit, what the separate coding kernel gives from the rows it stored: with what the rounding
+/// lost (the experts' input) and without it (a dense product's). `s.hidden` holds the t rows of h inputs to norm.
+fn check_norm_coding(
+    l: &mut Launcher,
+    s: &PrefillScratch,
+    norm: DevPtr<f32>,
+    (t, h): (usize, usize),
+    report: &mut Report,
+) -> Result<()> {
+    let gpu = l.gpu;
+    let alloc = || -> Result<(DevBuf<u32>, DevBuf<f32>)> { Ok((gpu.alloc(t * h / 2)?, gpu.alloc(t * h / 32)?)) };
+    let (fused, separate) = (alloc()?, alloc()?);
+    let q8x2 = |b: &(DevBuf<u32>, DevBuf<f32>)| Q8x2 {
+        codes: b.0.ptr(),
+        pairs: b.1.ptr(),
+    };
+    let rows = Dims::linear(t as u32, ROW_THREADS);
+    let words = Dims::linear((t * h / 8).div_ceil(256) as u32, 256);
+    for (lo, what) in [
+        (s.normed_lo.ptr(), "bf16 + what rounding lost"),
+        (DevPtr::NULL, "the bf16 rows"),
+    ] {
+        for b in [&fused, &separate] {
+            poison(gpu, &b.0)?;
+            poison(gpu, &b.1)?;
+        }
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            DevPtr::NULL,
+            norm,
+            s.normed.ptr(),
+            lo,
+            q8x2(&fused),
+        )?;
+        gemm::moe_quantize_rows(l, words, s.normed.ptr(), lo, t as i32, q8x2(&separate))?;
+        let same_codes = download(gpu, &fused.0, fused.0.len())? == download(gpu, &separate.0, separate.0.len())?;
+        let bits = |b: &DevBuf<f32>| -> Result<Vec<u32>> {
+            Ok(download(gpu, b, b.len())?.iter().map(|v| v.to_bits()).collect())
+        };
+        let same_pairs = bits(&fused.1)? == bits(&separate.1)?;
+        report.check_eq(
+            &format!("rmsnorm_rows coding its rows as Q8x2 == moe_quantize_rows after it ({what})"),
+            same_codes && same_pairs,
+            &format!("codes {}, pairs {}", bits_word(same_codes), bits_word(same_pairs)),
+        );
+    }
+    Ok(())
 }
 
 fn bits_word(same: bool) -> &'static str {
@@ -225,7 +305,16 @@ fn check_router(
     let norm = gw.layers[0].post_attention_layernorm.ptr();
     let rows = Dims::linear(s.chunk as u32, ROW_THREADS);
     let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
-    prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), DevPtr::NULL, norm, normed, normed_lo)?;
+    prefill::rmsnorm_rows(
+        l,
+        rows,
+        s.hidden.ptr(),
+        DevPtr::NULL,
+        norm,
+        normed,
+        normed_lo,
+        Q8x2::NONE,
+    )?;
     let (mut hi, mut lo) = (vec![bf16::ZERO; max_t * h], vec![bf16::ZERO; max_t * h]);
     gpu.download(s.normed.ptr(), &mut hi)?;
     gpu.download(s.normed_lo.ptr(), &mut lo)?;
