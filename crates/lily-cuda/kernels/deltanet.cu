@@ -13,8 +13,8 @@
 // Two instances: `deltanet_step` for one sequence cuts a head into DELTANET_SPLIT = 4 blocks (128 blocks a layer,
 // about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, takes a whole head a
 // block (DELTANET_ROWS_SPLIT = 1) and stages its 32 KB of state in shared memory (cp.async, issued before the wait
-// for the previous kernel): the step streams the state, and with few registers a block six blocks an SM keep
-// more of it in flight while others compute.
+// for the previous kernel): the step streams the state, and with 40 registers a thread six blocks fit an SM, which
+// keep more of it in flight while others compute.
 
 #ifndef DELTANET_SPLIT
 #define DELTANET_SPLIT 4
