@@ -11,10 +11,10 @@
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
 //! as Q8x2 once (by the norm that wrote them where it can: [`small_codes`]), then a block per 256 weight rows, 16
-//! activation rows and part of k. The 8-bit ones, and the other
-//! 4-bit ones up to 512 rows, cut k into parts of bf16 64-row tiles. Either way, where k is cut, each block writes
-//! its partial tile and a second launch sums every output element's parts in order (see the split products in
-//! gemm.cu and [`Plan`]).
+//! activation rows and part of k. The 8-bit ones, and the other 4-bit ones up to 512 rows, cut k into parts of
+//! bf16 64-row tiles. Either way, where k is cut, each block writes its partial tile and a second launch sums every
+//! output element's parts in order (see the split products in gemm.cu and [`Plan`]).
+//!
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
 //! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row

@@ -257,7 +257,17 @@ fn hash_str(mut h: u64, s: &str) -> u64 {
     mix64(h ^ s.len() as u64)
 }
 
-/// Loaded kernels, by name, and the modules' integer constants.
+/// The device address of a module's `__device__` variable `name`.
+fn module_global(module: sys::CUmodule, name: &str) -> Result<u64> {
+    let cname = CString::new(name).expect("variable names have no NUL");
+    let (mut ptr, mut bytes) = (0u64, 0usize);
+    check("cuModuleGetGlobal", unsafe {
+        sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr())
+    })?;
+    Ok(ptr)
+}
+
+/// Loaded kernels, by name, and the modules' integer constants and buffers.
 pub struct Kernels {
     modules: Vec<sys::CUmodule>,
     functions: HashMap<&'static str, sys::CUfunction>,
@@ -344,22 +354,12 @@ impl Kernels {
                 kernels.functions.insert(f, func);
             }
             for c in file.constants {
-                let cname = CString::new(*c).expect("constant names have no NUL");
-                let (mut ptr, mut bytes) = (0u64, 0usize);
-                check("cuModuleGetGlobal", unsafe {
-                    sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr())
-                })?;
                 let mut value = [0i32];
-                gpu.download(DevPtr::from_raw(ptr), &mut value)?;
+                gpu.download(DevPtr::from_raw(module_global(module, c)?), &mut value)?;
                 kernels.constants.insert(c, value[0]);
             }
             for b in file.buffers {
-                let cname = CString::new(*b).expect("buffer names have no NUL");
-                let (mut ptr, mut bytes) = (0u64, 0usize);
-                check("cuModuleGetGlobal", unsafe {
-                    sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, cname.as_ptr())
-                })?;
-                kernels.buffers.insert(b, ptr);
+                kernels.buffers.insert(b, module_global(module, b)?);
             }
         }
         Ok(kernels)
@@ -371,11 +371,8 @@ impl Kernels {
             return Err(GpuError::Other("the kernels were loaded without the timeline".into()));
         }
         for &module in &self.modules {
-            let (mut ptr, mut bytes) = (0u64, 0usize);
-            check("cuModuleGetGlobal", unsafe {
-                sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module, c"timeline".as_ptr())
-            })?;
-            gpu.upload(DevPtr::<u64>::from_raw(ptr), &[buf.raw()])?;
+            let timeline = DevPtr::<u64>::from_raw(module_global(module, "timeline")?);
+            gpu.upload(timeline, &[buf.raw()])?;
         }
         Ok(())
     }
