@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use half::bf16;
 
-use lily_model::backend::{check_cuts, BatchBackend, Pick, Slot, SnapshotId, StepRow};
+use lily_model::backend::{check_cuts, check_parts, BatchBackend, Pick, PrefillPart, Slot, SnapshotId, StepRow};
 use lily_model::{Config, ForwardError};
 
 use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Graph, Result};
@@ -25,7 +25,7 @@ use crate::kernels::{attention, deltanet, prefill, Q8x2, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher};
 use crate::model::{Capacity, CudaModel, DeviceState, StateAt};
 use crate::pages::KV_PAGE;
-use crate::prefill::{enqueue_moe, Cut, PrefillScratch, ROW_THREADS};
+use crate::prefill::{enqueue_moe, ChunkPart, Cut, PrefillScratch, PREFILL_PARTS, ROW_THREADS};
 use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights};
 
@@ -549,6 +549,50 @@ impl CudaBatchBackend {
         Ok(())
     }
 
+    /// `BatchBackend::prefill_parts` of two or more parts: one pass over all their tokens, the head over each
+    /// part's last row.
+    fn prefill_together(&mut self, parts: &[PrefillPart<'_>]) -> std::result::Result<(), ForwardError> {
+        check_parts(parts, self.max_prefill_parts(), self.model.prefill_chunk)?;
+        for p in parts {
+            self.check_slot(p.slot)?;
+            self.check_tokens(p.tokens.iter().copied())?;
+            self.check_room(p.slot, self.lens[p.slot] + p.tokens.len())?;
+        }
+        let passes: Vec<ChunkPart<'_>> = parts
+            .iter()
+            .map(|p| ChunkPart {
+                seq: p.slot,
+                start: self.lens[p.slot],
+                t: p.tokens.len(),
+                cuts: &[],
+            })
+            .collect();
+        let tokens: Vec<u32> = parts.iter().flat_map(|p| p.tokens.iter().copied()).collect();
+        self.model.gpu.bind().map_err(device_err)?;
+        let run = || -> Result<()> {
+            let m = &self.model;
+            for p in passes.iter().filter(|p| p.start == 0) {
+                m.reset_slot(p.seq)?;
+            }
+            // Ids below the vocabulary size (checked) have the same bytes as the kernels' i32.
+            m.gpu.upload_async(self.prefill_tokens.ptr().cast::<u32>(), &tokens)?;
+            m.enqueue_prefill_parts(&passes, self.prefill_tokens.ptr())?;
+            let l = &mut m.launcher(None);
+            let last = m.prefill.last.ptr();
+            enqueue_head(l, &m.weights, last, DevPtr::NULL, &m.prefill, &self.step, parts.len())?;
+            // The stream must be done with the staging buffer before the next call writes it again.
+            m.gpu.sync()
+        };
+        run().map_err(device_err)?;
+        for p in parts {
+            self.lens[p.slot] += p.tokens.len();
+        }
+        self.last_rows = parts.len();
+        self.single_greedy = false;
+        self.host_row = None;
+        Ok(())
+    }
+
     fn run_step(&mut self, t: usize) -> Result<()> {
         if !self.graphs.contains_key(&t) {
             let m = &self.model;
@@ -600,6 +644,15 @@ impl BatchBackend for CudaBatchBackend {
     }
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
         self.prefill_cut(slot, tokens, &[])
+    }
+    fn max_prefill_parts(&self) -> usize {
+        PREFILL_PARTS.min(self.step.max_rows).min(self.lens.len())
+    }
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> std::result::Result<(), ForwardError> {
+        match parts {
+            [part] => self.prefill_cut(part.slot, part.tokens, &[]),
+            _ => self.prefill_together(parts),
+        }
     }
     fn snapshots_in_prefill(&self) -> bool {
         true

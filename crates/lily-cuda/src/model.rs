@@ -22,7 +22,7 @@ use crate::kernels::{attention, deltanet, matvec, moe, synth, Kernels, ATTN_SPLI
 use crate::launch::{Dims, Launcher, Profile};
 pub use crate::pages::Capacity;
 use crate::pages::{pages_for, PageAllocator, PageCopy, KV_PAGE};
-use crate::prefill::{enqueue_chunk, Cut, PrefillScratch, PREFILL_CHUNK};
+use crate::prefill::{enqueue_chunk, ChunkPart, Cut, PrefillScratch, PREFILL_CHUNK, PREFILL_PARTS};
 use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights, Source};
 
@@ -579,6 +579,45 @@ impl CudaModel {
         self.enqueue_prefill_from(slot, start, count, tokens, cuts, None)
     }
 
+    /// Prefills several sequences in one pass (see [`enqueue_chunk`]): each part's tokens are at `tokens` (device
+    /// i32, the parts' one after another, at most one chunk in all), and each part's last hidden state is left in
+    /// row i of `prefill.last`. Every part's slot must hold its positions ([`CudaModel::reserve`]).
+    pub fn enqueue_prefill_parts(&self, parts: &[ChunkPart<'_>], tokens: DevPtr<i32>) -> Result<()> {
+        let t: usize = parts.iter().map(|p| p.t).sum();
+        if parts.is_empty() || parts.len() > PREFILL_PARTS || t > self.prefill_chunk {
+            return Err(GpuError::Other(format!(
+                "a prefill pass of {} parts and {t} tokens: 1 ..= {PREFILL_PARTS} parts, {} tokens",
+                parts.len(),
+                self.prefill_chunk
+            )));
+        }
+        if let Some(p) = parts
+            .iter()
+            .find(|p| p.seq >= self.state.max_seqs || p.start + p.t > self.pages.capacity(p.seq))
+        {
+            return Err(GpuError::Other(format!(
+                "prefill of positions {} .. {} in slot {}, which does not hold them",
+                p.start,
+                p.start + p.t,
+                p.seq
+            )));
+        }
+        let c = &self.config;
+        let mut launcher = self.launcher(None);
+        let (w, state, prefill) = (&self.weights, &self.state, &self.prefill);
+        enqueue_chunk(
+            &mut launcher,
+            c,
+            w,
+            state,
+            &self.slot,
+            prefill,
+            tokens,
+            parts,
+            prefill.last.ptr(),
+        )
+    }
+
     fn enqueue_prefill_from(
         &self,
         slot: usize,
@@ -609,6 +648,12 @@ impl CudaModel {
                     to: cut.to,
                 })
                 .collect();
+            let part = ChunkPart {
+                seq: slot,
+                start: start + done,
+                t,
+                cuts: &inside,
+            };
             enqueue_chunk(
                 &mut launcher,
                 &self.config,
@@ -617,10 +662,8 @@ impl CudaModel {
                 &self.slot,
                 &self.prefill,
                 tokens.offset(done),
-                slot,
-                start + done,
-                t,
-                &inside,
+                &[part],
+                self.state.hidden.ptr(),
             )?;
             done += t;
             if let Some(cut) = cuts.iter().find(|cut| cut.tokens == done) {

@@ -23,6 +23,9 @@ use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMatrix, GpuMixer, GpuWeights
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
 pub const PREFILL_CHUNK: usize = 8192;
 
+/// Sequences one pass takes at most (see [`ChunkPart`]).
+pub const PREFILL_PARTS: usize = 64;
+
 pub(crate) const ROW_THREADS: u32 = 256;
 
 /// A chunk's activations, allocated once for `chunk` tokens.
@@ -60,6 +63,8 @@ pub struct PrefillScratch {
     pub(crate) expert_out: DevBuf<f32>,
     pub(crate) deltanet: DeltaNetScratch,
     pub(crate) attn: AttentionScratch,
+    /// f32 `[PREFILL_PARTS][hidden]`: each part's last hidden row, the head's input.
+    pub(crate) last: DevBuf<f32>,
 }
 
 impl PrefillScratch {
@@ -89,6 +94,7 @@ impl PrefillScratch {
             expert_out: gpu.alloc(chunk * k * h)?,
             deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
             attn: AttentionScratch::new(gpu, c, chunk)?,
+            last: gpu.alloc(PREFILL_PARTS * h)?,
         })
     }
 
@@ -117,10 +123,21 @@ pub struct Cut {
     pub to: StateAt,
 }
 
-/// Runs the `t` (<= chunk) token ids at `tokens` (device i32), positions `start .. start + t` of the sequence in
-/// slot `seq`, through every layer, leaving the last token's hidden state in `state.hidden`, ready for the head.
-/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state). At `cuts`
-/// (ascending, inside the chunk) each DeltaNet mixer stops to copy its state out and goes on.
+/// One sequence's rows in a prefill pass: its next `t` tokens, positions `start .. start + t` of the sequence in
+/// slot `seq`. At `cuts` (ascending, inside the part) each DeltaNet mixer stops to copy the state out.
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkPart<'a> {
+    pub seq: usize,
+    pub start: usize,
+    pub t: usize,
+    pub cuts: &'a [Cut],
+}
+
+/// Runs the token ids at `tokens` (device i32: the parts' tokens one after another, <= chunk in all) through every
+/// layer, leaving each part's last hidden row at `last` (part i's at row i), ready for the head. The embedding,
+/// norms, products and MoE take every part's rows at once, so one pass reads the weights once for all of them;
+/// each mixer runs over one part's rows at a time, on that sequence's conv ring, recurrent state and KV pages.
+/// `slot[l]` is layer l's index among the layers of its kind (its KV pools or DeltaNet state).
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue_chunk(
     l: &mut Launcher,
@@ -130,16 +147,24 @@ pub fn enqueue_chunk(
     slot: &[usize],
     s: &PrefillScratch,
     tokens: DevPtr<i32>,
-    seq: usize,
-    start: usize,
-    t: usize,
-    cuts: &[Cut],
+    parts: &[ChunkPart<'_>],
+    last: DevPtr<f32>,
 ) -> Result<()> {
-    assert!(t >= 1 && t <= s.chunk, "a chunk takes 1 ..= {} tokens", s.chunk);
+    let t: usize = parts.iter().map(|p| p.t).sum();
     assert!(
-        cuts.iter().all(|cut| cut.tokens >= 1 && cut.tokens < t) && cuts.windows(2).all(|w| w[0].tokens < w[1].tokens),
-        "cuts inside a chunk of {t} tokens, ascending"
+        !parts.is_empty() && t <= s.chunk,
+        "a chunk takes 1 ..= {} tokens in parts",
+        s.chunk
     );
+    for p in parts {
+        assert!(
+            p.t >= 1
+                && p.cuts.iter().all(|cut| cut.tokens >= 1 && cut.tokens < p.t)
+                && p.cuts.windows(2).all(|w| w[0].tokens < w[1].tokens),
+            "a part of {} tokens with cuts inside it, ascending",
+            p.t
+        );
+    }
     let rows = Dims::linear(t as u32, ROW_THREADS);
     prefill::embed_rows(l, rows, tokens, 0, w.embed_tokens.q4(), s.hidden.ptr())?;
     // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
@@ -153,26 +178,25 @@ pub fn enqueue_chunk(
         match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
-                deltanet_mixer(l, c, state, slot[i], s, g, seq, start, t, cuts)?;
+                let mut row = 0;
+                for p in parts {
+                    deltanet_mixer(l, c, state, slot[i], s, g, row, p)?;
+                    row += p.t;
+                }
                 gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
             }
             GpuMixer::Full(a) => {
                 gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;
                 let (k_pool, v_pool) = (state.k_pool[slot[i]].ptr(), state.v_pool[slot[i]].ptr());
                 let inv_freq = state.inv_freq.ptr();
-                s.attn.run(
-                    l,
-                    c,
-                    t,
-                    start,
-                    s.proj.ptr(),
-                    a,
-                    inv_freq,
-                    k_pool,
-                    v_pool,
-                    state.page_row(seq),
-                    s.mixed.ptr(),
-                )?;
+                let mut row = 0;
+                for p in parts {
+                    let (proj, mixed) = (s.proj.at(row * a.qkv.rows), s.mixed.at(row * c.q_dim()));
+                    let pages = state.page_row(p.seq);
+                    s.attn
+                        .run(l, c, p.t, p.start, proj, a, inv_freq, k_pool, v_pool, pages, mixed)?;
+                    row += p.t;
+                }
                 gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
             }
         }
@@ -181,11 +205,16 @@ pub fn enqueue_chunk(
     }
     prefill::moe_combine(l, rows, s.hidden.ptr(), experts)?;
     let h = c.hidden_size;
-    l.gpu.copy(state.hidden.ptr(), s.hidden.at((t - 1) * h), h)
+    let mut row = 0;
+    for (i, p) in parts.iter().enumerate() {
+        row += p.t;
+        l.gpu.copy(last.offset(i * h), s.hidden.at((row - 1) * h), h)?;
+    }
+    Ok(())
 }
 
-/// The DeltaNet mixer of one layer over the chunk's `t` projected rows, in parts between the cuts: the state each
-/// part leaves is copied to its cut's snapshot buffer before the next part goes on from it.
+/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass), in pieces between
+/// its cuts: the state each piece leaves is copied to its cut's snapshot buffer before the next piece goes on.
 #[allow(clippy::too_many_arguments)]
 fn deltanet_mixer(
     l: &mut Launcher,
@@ -194,18 +223,17 @@ fn deltanet_mixer(
     layer: usize,
     s: &PrefillScratch,
     g: &GpuGatedDeltaNet,
-    seq: usize,
-    start: usize,
-    t: usize,
-    cuts: &[Cut],
+    row: usize,
+    part: &ChunkPart<'_>,
 ) -> Result<()> {
-    let (ring, recurrent) = (state.ring(layer, seq), state.recurrent_state(layer, seq));
+    let (ring, recurrent) = (state.ring(layer, part.seq), state.recurrent_state(layer, part.seq));
     let mut done = 0;
-    for end in cuts.iter().map(|cut| cut.tokens).chain([t]) {
-        let (proj, mixed) = (s.proj.at(done * proj_dim(c)), s.mixed.at(done * c.linear_value_dim()));
+    for end in part.cuts.iter().map(|cut| cut.tokens).chain([part.t]) {
+        let at = row + done;
+        let (proj, mixed) = (s.proj.at(at * proj_dim(c)), s.mixed.at(at * c.linear_value_dim()));
         s.deltanet
-            .run(l, c, end - done, start + done, proj, ring, recurrent, g, mixed)?;
-        if let Some(cut) = cuts.iter().find(|cut| cut.tokens == end) {
+            .run(l, c, end - done, part.start + done, proj, ring, recurrent, g, mixed)?;
+        if let Some(cut) = part.cuts.iter().find(|cut| cut.tokens == end) {
             let (ring_to, recurrent_to) = state.deltanet_state(layer, cut.to);
             l.gpu.copy(ring_to, ring, state.ring_len(c))?;
             l.gpu.copy(recurrent_to, recurrent, state.recurrent_len(c))?;

@@ -107,10 +107,19 @@ pub struct StepRow {
     pub token: u32,
 }
 
+/// One sequence's part of a [`BatchBackend::prefill_parts`] call: `tokens` go at the next positions of the sequence
+/// in `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillPart<'a> {
+    pub slot: Slot,
+    pub tokens: &'a [u32],
+}
+
 /// How the next token of one output row is chosen: as `sampler` would from that row's logits, among the tokens
 /// `allowed` lets through when given (bit `t % 32` of word `t / 32` set: token `t` allowed; at least one is).
 pub struct Pick<'a> {
-    /// Output row of the last call: 0 after `prefill`, the row's index in `rows` after `step`.
+    /// Output row of the last call: 0 after `prefill`, the part's index after `prefill_parts`, the row's index in
+    /// `rows` after `step`.
     pub row: usize,
     pub sampler: &'a mut Sampler,
     pub allowed: Option<&'a [u32]>,
@@ -158,6 +167,24 @@ pub trait BatchBackend: Send {
     /// Appends `tokens` (1 ..= `max_prefill_tokens`) to the sequence in `slot` (an empty slot starts afresh) and
     /// computes the last token's next-token logits as output row 0. The slot's reservation must cover the result.
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> Result<(), ForwardError>;
+    /// Sequences one `prefill_parts` call takes at most. This default (1) has the engine call `prefill` alone.
+    fn max_prefill_parts(&self) -> usize {
+        1
+    }
+    /// Prefills several sequences in one call, as `prefill` would each: part `i` appends its tokens to the sequence
+    /// in its slot (the parts name distinct slots, 1 ..= `max_prefill_parts` of them, `max_prefill_tokens` tokens in
+    /// all), and its last token's next-token logits are output row `i`. One pass over the parts' tokens together
+    /// reads every weight once for all of them, where a call each would read them once a part. This default takes
+    /// a single part.
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<(), ForwardError> {
+        match parts {
+            [part] => self.prefill(part.slot, part.tokens),
+            _ => Err(ForwardError::Device(format!(
+                "this backend prefills one sequence a call, not {}",
+                parts.len()
+            ))),
+        }
+    }
     /// Makes `to` (empty, reserved for at least `len(from)` tokens) a copy of the sequence in `from`, so that the
     /// choices of one request share one prefill.
     fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError>;
@@ -264,6 +291,35 @@ pub fn check_cuts(tokens: usize, cuts: &[usize]) -> Result<(), ForwardError> {
         return Err(ForwardError::Device(format!(
             "snapshots inside a prefill of {tokens} tokens cannot be after {cuts:?}"
         )));
+    }
+    Ok(())
+}
+
+/// Checks a [`BatchBackend::prefill_parts`] call's shape: 1 ..= `max_parts` parts of at least one token each, in
+/// distinct slots, `max_tokens` tokens in all at most.
+pub fn check_parts(parts: &[PrefillPart<'_>], max_parts: usize, max_tokens: usize) -> Result<(), ForwardError> {
+    if parts.is_empty() || parts.len() > max_parts {
+        return Err(ForwardError::Device(format!(
+            "a prefill call takes 1 ..= {max_parts} sequences, not {}",
+            parts.len()
+        )));
+    }
+    if parts.iter().any(|p| p.tokens.is_empty()) {
+        return Err(ForwardError::EmptyPrompt);
+    }
+    let tokens: usize = parts.iter().map(|p| p.tokens.len()).sum();
+    if tokens > max_tokens {
+        return Err(ForwardError::Device(format!(
+            "a prefill call takes at most {max_tokens} tokens, not {tokens}"
+        )));
+    }
+    for (i, part) in parts.iter().enumerate() {
+        if parts[..i].iter().any(|p| p.slot == part.slot) {
+            return Err(ForwardError::Device(format!(
+                "slot {} appears twice in one prefill call",
+                part.slot
+            )));
+        }
     }
     Ok(())
 }

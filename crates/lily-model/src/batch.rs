@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::backend::{Backend, BatchBackend, ForwardError, Pick, Slot, SnapshotId, StepRow};
+use crate::backend::{check_parts, Backend, BatchBackend, ForwardError, Pick, PrefillPart, Slot, SnapshotId, StepRow};
 use crate::config::Config;
 use crate::cpu::model::{SavedState, PREFILL_SLICE};
 use crate::cpu::{CpuModel, State};
@@ -180,6 +180,31 @@ impl BatchBackend for CpuBatchBackend {
         let mut logits = std::mem::take(&mut self.logits);
         let result = state_for(&mut self.slots, self.max_context, slot, tokens.len())
             .and_then(|state| self.model.prefill(state, tokens, &mut logits[..vocab]));
+        self.logits = logits;
+        result
+    }
+    fn max_prefill_parts(&self) -> usize {
+        self.slots.len()
+    }
+    /// The parts one after another (the CPU gains nothing from one pass over them), each into its own output row;
+    /// every part is checked before the first is run, so a bad one changes nothing.
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<(), ForwardError> {
+        check_parts(parts, self.max_prefill_parts(), self.max_prefill_tokens())?;
+        for part in parts {
+            state_for(&mut self.slots, self.max_context, part.slot, part.tokens.len())?;
+        }
+        self.output_rows(parts.len());
+        let vocab = self.model.config().vocab_size;
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut result = Ok(());
+        for (i, part) in parts.iter().enumerate() {
+            let row = &mut logits[i * vocab..(i + 1) * vocab];
+            result = state_for(&mut self.slots, self.max_context, part.slot, part.tokens.len())
+                .and_then(|state| self.model.prefill(state, part.tokens, row));
+            if result.is_err() {
+                break;
+            }
+        }
         self.logits = logits;
         result
     }
@@ -476,14 +501,42 @@ mod tests {
         assert_eq!(batch.free_tokens(), 1024 - reserved);
         let mut sampler = Sampler::new(SamplingParams::default());
         let mut next = Vec::new();
+        // Each prompt's first half enters alone where it has one, the second halves together in one call (output
+        // row i for part i).
         for (slot, p) in prompts.iter().enumerate() {
-            // The prompt enters in two chunks where it can.
             let half = p.len() / 2;
             if half > 0 {
                 batch.prefill(slot, &p[..half]).unwrap();
             }
-            batch.prefill(slot, &p[half..]).unwrap();
-            next.push(sampler.sample(batch.logits(0).unwrap()));
+        }
+        let parts: Vec<PrefillPart> = prompts
+            .iter()
+            .enumerate()
+            .map(|(slot, p)| PrefillPart {
+                slot,
+                tokens: &p[p.len() / 2..],
+            })
+            .collect();
+        // A call naming a slot twice or growing a slot past its reservation is refused before any part runs.
+        let lens: Vec<usize> = (0..3).map(|slot| batch.len(slot)).collect();
+        let twice = [parts[1], parts[2], parts[1]];
+        assert!(matches!(batch.prefill_parts(&twice), Err(ForwardError::Device(_))));
+        let too_long = vec![1; 400];
+        let past = [
+            parts[0],
+            PrefillPart {
+                slot: 2,
+                tokens: &too_long,
+            },
+        ];
+        assert!(matches!(
+            batch.prefill_parts(&past),
+            Err(ForwardError::ContextFull { .. })
+        ));
+        assert_eq!(lens, (0..3).map(|slot| batch.len(slot)).collect::<Vec<_>>());
+        batch.prefill_parts(&parts).unwrap();
+        for i in 0..prompts.len() {
+            next.push(sampler.sample(batch.logits(i).unwrap()));
         }
         let mut got: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
         for _ in 1..steps {

@@ -13,7 +13,7 @@ pub mod sampling;
 pub mod synth;
 pub mod weights;
 
-pub use backend::{Backend, BatchBackend, CpuBackend, ForwardError, Pick, Slot, SnapshotId, StepRow};
+pub use backend::{Backend, BatchBackend, CpuBackend, ForwardError, Pick, PrefillPart, Slot, SnapshotId, StepRow};
 pub use batch::{CpuBatchBackend, SingleSlot};
 pub use config::Config;
 pub use weights::Weights;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use lily_chat::{Delta, FinalOutput, OutputOptions, OutputStream, Tokenizer, ToolCallIds};
 use lily_model::sampling::{Sampler, SamplingParams};
-use lily_model::{BatchBackend, ForwardError, Pick, Slot, SnapshotId, StepRow};
+use lily_model::{BatchBackend, ForwardError, Pick, PrefillPart, Slot, SnapshotId, StepRow};
 use lily_structured::{Constraint, Grammar};
 use serde_json::Value as Json;
 use tokio::sync::mpsc::UnboundedSender;
@@ -393,6 +393,24 @@ struct QueuedStep {
     /// When queuing it began and ended.
     started: Instant,
     launched: Instant,
+}
+
+/// One sequence's part of a prefill call: prompt tokens `done .. end` of the sequence in `slot`, snapshotted inside
+/// the pass after `cuts` of them (each relative to `done`); `echo` when its prompt's logprobs are asked for.
+struct Chunk {
+    slot: Slot,
+    job: u64,
+    done: usize,
+    end: usize,
+    cuts: Vec<usize>,
+    echo: Option<usize>,
+}
+
+/// What a chunk's results released: sequences to sample (slot, output row) and prompts now in, to snapshot.
+#[derive(Default)]
+struct ChunkDone {
+    ready: Vec<(Slot, usize)>,
+    prompts: Vec<(Slot, u64, usize)>,
 }
 
 /// A job the engine works on.
@@ -859,7 +877,7 @@ impl Engine {
         let mut left = self.options.max_prefill_tokens;
         let mut calls = 0;
         while left > 0 && calls < PREFILL_CALLS_PER_ITERATION {
-            let Some(tokens) = self.prefill_chunk(left) else {
+            let Some(tokens) = self.prefill_call(left) else {
                 break;
             };
             calls += 1;
@@ -868,25 +886,96 @@ impl Engine {
         calls > 0
     }
 
-    /// Prefills one chunk, of at most `limit` tokens, of the earliest admitted prompt; returns its tokens, `None`
-    /// when no prompt waits.
-    fn prefill_chunk(&mut self, limit: usize) -> Option<usize> {
-        let slot = (0..self.slots.len())
-            .filter(|&s| {
-                matches!(
-                    self.slots[s],
-                    Some(Seq {
+    /// The slots of sequences whose prompt is being prefilled, earliest admitted first.
+    fn prefill_order(&self) -> Vec<Slot> {
+        let mut order: Vec<(u64, Slot)> = (0..self.slots.len())
+            .filter_map(|s| match &self.slots[s] {
+                Some(
+                    seq @ Seq {
                         phase: Phase::Prefill { .. },
                         ..
-                    })
-                )
+                    },
+                ) => Some((seq.order, s)),
+                _ => None,
             })
-            .min_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))?;
-        let seq = self.slots[slot].as_ref().expect("chosen above");
+            .collect();
+        order.sort_unstable();
+        order.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Makes one prefill call of at most `limit` tokens: a chunk of the earliest admitted prompt, joined by chunks
+    /// of the prompts admitted after it where the backend takes several sequences a call, so that one pass reads
+    /// the weights for all of them. Returns its tokens, `None` when no prompt waits.
+    fn prefill_call(&mut self, limit: usize) -> Option<usize> {
+        let order = self.prefill_order();
+        let first = *order.first()?;
+        let Some(chunk) = self.plan_chunk(first, limit, true) else {
+            return Some(0);
+        };
+        let limit = limit.min(self.backend.max_prefill_tokens().max(1));
+        let max_parts = self.backend.max_prefill_parts();
+        let mut chunks = vec![chunk];
+        // A chunk that snapshots inside its pass or echoes its prompt's logprobs goes alone; others join it while
+        // the budget lasts. One that shares more of its prompt with a chunk in the call than it holds waits for
+        // the prefix cache to give it that part instead.
+        let joinable = |c: &Chunk| c.cuts.is_empty() && c.echo.is_none();
+        if joinable(&chunks[0]) {
+            for &slot in &order[1..] {
+                let used: usize = chunks.iter().map(|c| c.end - c.done).sum();
+                if chunks.len() >= max_parts || used >= limit || self.would_share(slot, &chunks) {
+                    break;
+                }
+                match self.plan_chunk(slot, limit - used, false) {
+                    Some(chunk) if joinable(&chunk) => chunks.push(chunk),
+                    Some(_) => break,
+                    None => {}
+                }
+            }
+        }
+        let tokens = chunks.iter().map(|c| c.end - c.done).sum();
+        match chunks.len() {
+            1 => self.run_chunk(chunks.pop().expect("one chunk")),
+            _ => self.run_chunks(chunks),
+        }
+        Some(tokens)
+    }
+
+    /// Whether, with the prefix cache on, the prompt in `slot` could start from a snapshot that a sequence in
+    /// `chunks` leaves (at one of its snapshot points or its prompt's end, within the prefix the two prompts share
+    /// and past what the slot holds): prefilled in the same call, that shared part would be computed twice, so the
+    /// sequence waits for the cache instead.
+    fn would_share(&self, slot: Slot, chunks: &[Chunk]) -> bool {
+        let Some(seq) = self.slots[slot].as_ref() else {
+            return false;
+        };
+        let Phase::Prefill { done } = seq.phase else {
+            return false;
+        };
+        let prompt = &seq.spec.prompt;
+        seq.prompt_hashes.is_some()
+            && chunks.iter().any(|c| {
+                let other = self.slots[c.slot].as_ref().expect("a planned sequence");
+                let shared = prompt
+                    .iter()
+                    .zip(other.spec.prompt.iter())
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                other.prompt_hashes.is_some()
+                    && (other.snapshot_at.iter().copied())
+                        .chain([other.spec.prompt.len()])
+                        .any(|p| p > done && p <= shared && p < prompt.len())
+            })
+    }
+
+    /// Plans the next prefill call's part of the prompt in `slot`, at most `limit` tokens: where it starts (after
+    /// what the prefix cache can give it now), where it ends and the snapshots it takes. With `cut_inside`, where
+    /// the backend snapshots inside a pass, the snapshot points before its end are taken in it; otherwise, or past
+    /// them, it ends at the next point. `None` when the job failed.
+    fn plan_chunk(&mut self, slot: Slot, limit: usize, cut_inside: bool) -> Option<Chunk> {
+        let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
         let Phase::Prefill { mut done } = seq.phase else {
             unreachable!("chosen for its phase")
         };
-        let prompt = seq.spec.prompt.clone();
         let echo = seq.spec.request.prompt_logprobs;
         let job = seq.job;
         if seq.prompt_hashes.is_some() {
@@ -895,18 +984,16 @@ impl Engine {
                 Ok(restored) => done = restored,
                 Err(e) => {
                     self.fail_job(job, forward_error(e));
-                    return Some(0);
+                    return None;
                 }
             }
         }
-        let seq = self.slots[slot].as_ref().expect("chosen above");
-        let reach = prompt
-            .len()
+        let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
+        let len = seq.spec.prompt.len();
+        let reach = len
             .min(done + limit.max(1))
             .min(done + self.backend.max_prefill_tokens().max(1));
-        // The snapshot points this call reaches whose prefix the cache lacks. Where the backend snapshots inside a
-        // pass, those before the call's reach are taken in it (as many as it has room for); otherwise, or past
-        // them, the call stops at the next point.
+        // The snapshot points this call reaches whose prefix the cache lacks.
         let points: Vec<usize> = seq
             .snapshot_at
             .iter()
@@ -914,35 +1001,53 @@ impl Engine {
             .filter(|&p| p > done && p <= reach && !self.cached_prefix(seq, p))
             .collect();
         let inside = points.iter().filter(|&&p| p < reach).count();
-        let cuts = match self.backend.snapshots_in_prefill() {
+        let cuts = match cut_inside && self.backend.snapshots_in_prefill() {
             true => self.make_snapshot_room(inside),
             false => 0,
         };
-        let mut end = points.get(cuts).copied().unwrap_or(reach);
-        let mut cuts: Vec<usize> = points[..cuts].iter().map(|&p| p - done).collect();
+        let end = points.get(cuts).copied().unwrap_or(reach);
+        let cuts: Vec<usize> = points[..cuts].iter().map(|&p| p - done).collect();
         // A prompt whose logprobs are asked for enters one token at a time (its first token here, the others in
         // steps), so that every position's logits come out of the forward pass that generation uses.
-        if echo.is_some() {
-            (cuts, end) = (Vec::new(), 1);
-        }
+        let (cuts, end) = match echo {
+            Some(_) => (Vec::new(), 1),
+            None => (cuts, end),
+        };
+        Some(Chunk {
+            slot,
+            job,
+            done,
+            end,
+            cuts,
+            echo,
+        })
+    }
+
+    /// Runs one sequence's chunk in a prefill call of its own and takes its results.
+    fn run_chunk(&mut self, chunk: Chunk) {
+        let Chunk {
+            slot,
+            job,
+            done,
+            end,
+            ref cuts,
+            echo,
+        } = chunk;
+        let prompt = self.slots[slot]
+            .as_ref()
+            .expect("a planned sequence")
+            .spec
+            .prompt
+            .clone();
         let started = Instant::now();
         let result = match cuts.is_empty() {
             true => self.backend.prefill(slot, &prompt[done..end]).map(|()| Vec::new()),
-            false => self.backend.prefill_snapshot(slot, &prompt[done..end], &cuts),
+            false => self.backend.prefill_snapshot(slot, &prompt[done..end], cuts),
         };
-        tracing::debug!(
-            tokens = end - done,
-            cuts = ?cuts,
-            since_arrival_ms = self
-                .jobs
-                .get(&job)
-                .map_or(0.0, |a| (started - a.job.arrived).as_secs_f64() * 1e3),
-            ms = started.elapsed().as_secs_f64() * 1e3,
-            "prefill call"
-        );
+        self.trace_prefill(std::slice::from_ref(&chunk), started);
         match result {
             Ok(ids) => {
-                for (id, cut) in ids.into_iter().zip(&cuts) {
+                for (id, cut) in ids.into_iter().zip(cuts) {
                     if let Some(id) = id {
                         let tokens = &prompt[..done + cut];
                         match self.prompt_hash(slot, tokens.len()) {
@@ -955,49 +1060,132 @@ impl Engine {
             }
             Err(e) => {
                 self.fail_job(job, forward_error(e));
-                return Some(0);
+                return;
             }
         }
-        let snapshots = self.slots[slot].as_ref().is_some_and(|q| q.prompt_hashes.is_some());
-        let at_point = self.slots[slot].as_ref().is_some_and(|q| q.snapshot_at.contains(&end));
-        let snapshot = echo.is_none() && (at_point || (snapshots && end == prompt.len()));
-        if let Some(hash) = self.prompt_hash(slot, end).filter(|_| snapshot && end < prompt.len()) {
-            self.save_snapshot(slot, &prompt[..end], hash);
-        }
-        match echo {
-            Some(top) if prompt.len() > 1 => {
-                let entry = match self.backend.logits(0) {
-                    Ok(logits) => logits::logprobs(logits, prompt[1], top),
-                    Err(e) => {
-                        self.fail_job(job, forward_error(e));
-                        return Some(0);
-                    }
-                };
-                let seq = self.slots[slot].as_mut().expect("chosen above");
-                seq.phase = Phase::Echo {
-                    next: 1,
-                    entries: vec![entry],
-                };
-            }
-            None if end < prompt.len() => {
-                let seq = self.slots[slot].as_mut().expect("chosen above");
-                seq.phase = Phase::Prefill { done: end };
-            }
-            _ => {
-                let order = self.slots[slot].as_ref().map(|q| q.order);
-                let ready = self.prompt_done(slot, Vec::new(), 0);
-                self.sample_and_emit(&ready);
-                // The snapshot of the whole prompt is taken once its first token is out: copying the sequence's
-                // state is no part of what the client waits for, and the slot holds that state until its next
-                // step. A sequence that finished with that token has been snapshotted as it finished.
-                let unchanged =
-                    self.slots[slot].as_ref().is_some_and(|q| Some(q.order) == order) && self.backend.len(slot) == end;
-                if let Some(hash) = self.prompt_hash(slot, end).filter(|_| snapshot && unchanged) {
-                    self.save_snapshot(slot, &prompt[..end], hash);
+        if let Some(top) = echo.filter(|_| prompt.len() > 1) {
+            let entry = match self.backend.logits(0) {
+                Ok(logits) => logits::logprobs(logits, prompt[1], top),
+                Err(e) => {
+                    self.fail_job(job, forward_error(e));
+                    return;
                 }
+            };
+            let seq = self.slots[slot].as_mut().expect("a planned sequence");
+            seq.phase = Phase::Echo {
+                next: 1,
+                entries: vec![entry],
+            };
+            return;
+        }
+        let done = self.chunk_done(&chunk, 0);
+        self.sample_and_emit(&done.ready);
+        self.snapshot_prompts(done.prompts);
+    }
+
+    /// Runs the chunks of several sequences in one prefill call and takes their results; none of them snapshots
+    /// inside the pass or echoes its prompt.
+    fn run_chunks(&mut self, chunks: Vec<Chunk>) {
+        let prompts: Vec<Arc<Vec<u32>>> = chunks
+            .iter()
+            .map(|c| {
+                self.slots[c.slot]
+                    .as_ref()
+                    .expect("a planned sequence")
+                    .spec
+                    .prompt
+                    .clone()
+            })
+            .collect();
+        let parts: Vec<PrefillPart<'_>> = chunks
+            .iter()
+            .zip(&prompts)
+            .map(|(c, prompt)| PrefillPart {
+                slot: c.slot,
+                tokens: &prompt[c.done..c.end],
+            })
+            .collect();
+        let started = Instant::now();
+        let result = self.backend.prefill_parts(&parts);
+        self.trace_prefill(&chunks, started);
+        if let Err(e) = result {
+            let error = forward_error(e);
+            for c in &chunks {
+                self.fail_job(c.job, error.clone());
+            }
+            return;
+        }
+        let mut ready = Vec::new();
+        let mut prompts = Vec::new();
+        for (row, chunk) in chunks.iter().enumerate() {
+            // A sequence whose job an earlier part's handling failed has left its slot.
+            if self.slots[chunk.slot].as_ref().is_none_or(|q| q.job != chunk.job) {
+                continue;
+            }
+            let done = self.chunk_done(chunk, row);
+            ready.extend(done.ready);
+            prompts.extend(done.prompts);
+        }
+        self.sample_and_emit(&ready);
+        self.snapshot_prompts(prompts);
+    }
+
+    fn trace_prefill(&self, chunks: &[Chunk], started: Instant) {
+        let since_arrival_ms = |c: &Chunk| {
+            self.jobs
+                .get(&c.job)
+                .map_or(0.0, |a| (started - a.job.arrived).as_secs_f64() * 1e3)
+        };
+        tracing::debug!(
+            tokens = ?chunks.iter().map(|c| c.end - c.done).collect::<Vec<_>>(),
+            cuts = ?chunks.iter().map(|c| c.cuts.len()).sum::<usize>(),
+            since_arrival_ms = ?chunks.iter().map(since_arrival_ms).collect::<Vec<_>>(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "prefill call"
+        );
+    }
+
+    /// Takes a chunk whose prefill is in (its next-token logits in output `row`): snapshots the prompt where the
+    /// chunk ends at a snapshot point inside it, and moves the sequence on. Returns the sequences to sample, and
+    /// the prompts that are in now, to be snapshotted once their first tokens are out.
+    fn chunk_done(&mut self, chunk: &Chunk, row: usize) -> ChunkDone {
+        let (slot, end) = (chunk.slot, chunk.end);
+        let seq = self.slots[slot].as_ref().expect("a planned sequence");
+        let prompt = seq.spec.prompt.clone();
+        let snapshots = seq.prompt_hashes.is_some();
+        let at_point = seq.snapshot_at.contains(&end);
+        let snapshot = chunk.echo.is_none() && (at_point || (snapshots && end == prompt.len()));
+        if end < prompt.len() {
+            if let Some(hash) = self.prompt_hash(slot, end).filter(|_| snapshot) {
+                self.save_snapshot(slot, &prompt[..end], hash);
+            }
+            let seq = self.slots[slot].as_mut().expect("a planned sequence");
+            seq.phase = Phase::Prefill { done: end };
+            return ChunkDone::default();
+        }
+        let order = seq.order;
+        let ready = self.prompt_done(slot, Vec::new(), row);
+        let prompts = match snapshot {
+            true => vec![(slot, order, end)],
+            false => Vec::new(),
+        };
+        ChunkDone { ready, prompts }
+    }
+
+    /// Snapshots each listed prompt (slot, the sequence's admission order, its prompt's length) whose first token
+    /// is out: copying the sequence's state is no part of what the client waits for, and the slot holds that state
+    /// until its next step. A sequence that finished with that token has been snapshotted as it finished.
+    fn snapshot_prompts(&mut self, prompts: Vec<(Slot, u64, usize)>) {
+        for (slot, order, end) in prompts {
+            let Some(seq) = self.slots[slot].as_ref() else {
+                continue;
+            };
+            let unchanged = seq.order == order && self.backend.len(slot) == end;
+            let prompt = seq.spec.prompt[..end].to_vec();
+            if let Some(hash) = self.prompt_hash(slot, end).filter(|_| unchanged) {
+                self.save_snapshot(slot, &prompt, hash);
             }
         }
-        Some(end - done)
     }
 
     /// Restarts the sequence in `slot`, whose first `done` prompt tokens are in, from the prefix cache's snapshot of

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use lily_chat::{Delta, FinishReason, ToolCallIds};
 use lily_model::sampling::SamplingParams;
-use lily_model::{BatchBackend, Config, ForwardError, Slot, SnapshotId, StepRow};
+use lily_model::{BatchBackend, Config, ForwardError, PrefillPart, Slot, SnapshotId, StepRow};
 use lily_server::engine::{
     Engine, EngineHandle, EngineOptions, EngineShared, Event, Job, JobQueue, OutputKind, RequestSpec, SequenceSpec,
     SubmitError,
@@ -34,8 +34,11 @@ struct FakeSlots {
     reserved: Vec<usize>,
     /// Broken promises of the engine (reserve before use, distinct rows, forks into empty slots ...).
     violations: Vec<String>,
-    /// The most rows a step had.
+    /// The most rows a step had, and the most sequences a prefill call had.
     widest_step: usize,
+    widest_prefill: usize,
+    /// Prompt tokens prefilled in all.
+    prefilled: usize,
     /// Snapshots: the tokens of the sequence each saved.
     snapshots: BTreeMap<SnapshotId, Vec<u32>>,
     next_snapshot: SnapshotId,
@@ -72,6 +75,8 @@ struct FakeBatch {
     /// Whether it says its steps are only queued (as a GPU's are), so that the engine queues the next step before
     /// it handles the last one's tokens and snapshots or frees slots while a step is queued.
     queues: bool,
+    /// Sequences a prefill call takes at most (1: the trait's default, `prefill` alone).
+    parts: usize,
     slots: Arc<Mutex<FakeSlots>>,
     /// The slot contents' hashes behind each output row of the last call.
     rows: Vec<u64>,
@@ -96,6 +101,7 @@ impl FakeBatch {
             max_snapshots: 0,
             in_pass: false,
             queues: false,
+            parts: 1,
             slots: Arc::new(Mutex::new(slots)),
             rows: Vec::new(),
             logits,
@@ -167,7 +173,39 @@ impl BatchBackend for FakeBatch {
             return Err(self.fail(&mut s, format!("prefill past the reservation of slot {slot}")));
         }
         s.tokens[slot].extend_from_slice(tokens);
+        s.prefilled += tokens.len();
         self.rows = vec![hash(&s.tokens[slot])];
+        Ok(())
+    }
+    fn max_prefill_parts(&self) -> usize {
+        self.parts
+    }
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<(), ForwardError> {
+        let mut s = self.slots.lock().unwrap();
+        let total: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        let mut seen: Vec<Slot> = parts.iter().map(|p| p.slot).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        if parts.is_empty() || parts.len() > self.parts || seen.len() != parts.len() || total > self.max_prefill {
+            let what = format!("a prefill call of {} parts, {total} tokens", parts.len());
+            return Err(self.fail(&mut s, what));
+        }
+        for p in parts {
+            if p.tokens.is_empty() || s.tokens[p.slot].len() + p.tokens.len() > s.reserved[p.slot] {
+                return Err(self.fail(
+                    &mut s,
+                    format!("a prefill part past the reservation of slot {}", p.slot),
+                ));
+            }
+        }
+        s.widest_prefill = s.widest_prefill.max(parts.len());
+        s.prefilled += total;
+        self.rows.clear();
+        for p in parts {
+            s.tokens[p.slot].extend_from_slice(p.tokens);
+            let h = hash(&s.tokens[p.slot]);
+            self.rows.push(h);
+        }
         Ok(())
     }
     fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError> {
@@ -548,13 +586,14 @@ fn workload(seed: u64, count: usize) -> Vec<Request> {
 #[test]
 fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
     let mut stopped = 0;
-    for (seed, queues) in [(1, false), (2, false), (3, false), (1, true), (4, true)] {
+    for (seed, queues, parts) in [(1, false, 1), (2, false, 3), (3, false, 1), (1, true, 3), (4, true, 1)] {
         let requests = workload(seed, 40);
         // Four slots, a pool of 1024 tokens (a long prompt with its max_tokens takes half), steps of at most three
-        // rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration; with `queues`,
-        // the engine queues steps ahead.
+        // rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration, in calls of up to
+        // `parts` sequences; with `queues`, the engine queues steps ahead.
         let mut backend = FakeBatch::new(4, 1024, 3, 50);
         backend.queues = queues;
+        backend.parts = parts;
         let running = start(backend, 32, 32);
         let answers: Vec<Answer> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
@@ -569,9 +608,18 @@ fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let widest = running.slots.lock().unwrap().widest_step;
+        let (widest, widest_prefill) = {
+            let s = running.slots.lock().unwrap();
+            (s.widest_step, s.widest_prefill)
+        };
         running.stop();
         assert!(widest > 1, "seed {seed}: the steps batched sequences (widest {widest})");
+        if parts > 1 {
+            assert!(
+                widest_prefill > 1,
+                "seed {seed}: no prefill call took several sequences"
+            );
+        }
 
         let mut done = 0;
         for (request, answer) in requests.iter().zip(&answers) {
@@ -662,14 +710,16 @@ fn a_sequence_is_the_same_beside_others(queues: bool) {
 #[test]
 fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
     let mut restores_total = 0;
-    for (seed, in_pass, queues) in [
-        (5, false, false),
-        (6, false, false),
-        (7, false, false),
-        (7, true, false),
-        (8, true, false),
-        (5, false, true),
-        (8, true, true),
+    for (seed, in_pass, queues, parts) in [
+        (5, false, false, 1),
+        (6, false, false, 1),
+        (7, false, false, 1),
+        (7, true, false, 1),
+        (8, true, false, 1),
+        (5, false, true, 1),
+        (8, true, true, 1),
+        (6, false, false, 4),
+        (8, true, true, 4),
     ] {
         let mut r = Rand(seed);
         let systems: Vec<Vec<u32>> = (0..3)
@@ -703,6 +753,7 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
         backend.max_snapshots = 12;
         backend.in_pass = in_pass;
         backend.queues = queues;
+        backend.parts = parts;
         let options = EngineOptions {
             max_prefill_tokens: 32,
             prefix_cache: true,
@@ -758,11 +809,20 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
 /// others restore it before their first chunk.
 #[test]
 fn concurrent_requests_with_one_prompt_prefill_it_once() {
-    let mut backend = FakeBatch::new(8, 8192, 8, 64);
+    for (parts, chunk) in [(1, 64), (8, 1024)] {
+        one_prompt_prefilled_once(parts, chunk);
+    }
+}
+
+/// A backend taking `parts` sequences a prefill call of `chunk` tokens (room for the whole shared prompt and more)
+/// must not have the waiting ones prefill the shared part beside the first.
+fn one_prompt_prefilled_once(parts: usize, chunk: usize) {
+    let mut backend = FakeBatch::new(8, 8192, 8, chunk);
     backend.max_snapshots = 32;
+    backend.parts = parts;
     let prefills = backend.slots.clone();
     let options = EngineOptions {
-        max_prefill_tokens: 64,
+        max_prefill_tokens: chunk,
         prefix_cache: true,
         snapshot_interval: 0,
     };
@@ -788,12 +848,21 @@ fn concurrent_requests_with_one_prompt_prefill_it_once() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let restores = prefills.lock().unwrap().restores;
+    let (restores, prefilled) = {
+        let s = prefills.lock().unwrap();
+        (s.restores, s.prefilled)
+    };
     running.stop();
+    // The shared part once, each request's own ten tokens and the message start once each.
+    assert_eq!(
+        prefilled,
+        system.len() + requests.len() * 11,
+        "parts {parts}: prompt tokens prefilled"
+    );
     let cached: Vec<usize> = answers.iter().map(|(_, c)| *c).collect();
     // All but the first take the shared part from the cache.
     let hits = cached.iter().filter(|&&c| c >= 600).count();
-    assert!(hits >= 7, "cached tokens per request: {cached:?}");
+    assert!(hits >= 7, "parts {parts}: cached tokens per request: {cached:?}");
     assert!(restores >= 7);
     for (answer, _) in &answers {
         assert!(matches!(answer, Answer::Done(_)), "{answer:?}");

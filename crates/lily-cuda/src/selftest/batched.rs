@@ -2,7 +2,7 @@
 //! different steps give the same greedy tokens as each alone, and their logits stay within the end-to-end
 //! tolerance of the CPU backend's; `fork` continues a sequence as the original does.
 
-use lily_model::backend::{Backend, BatchBackend, CpuBackend, Pick, StepRow};
+use lily_model::backend::{Backend, BatchBackend, CpuBackend, Pick, PrefillPart, StepRow};
 use lily_model::cpu::CpuModel;
 use lily_model::rng::Rng;
 use lily_model::sampling::Sampler;
@@ -62,17 +62,44 @@ fn greedy(backend: &mut CudaBatchBackend, rows: &[usize]) -> Result<Vec<u32>> {
     backend.sample(&mut picks).map_err(fe)
 }
 
-/// Runs `seqs` through `backend`: sequence i is prefilled (in chunks of at most `max_prefill_tokens`) at step
-/// `joins`, then takes one greedy token per step until it has `generate` tokens, and leaves (its slot released).
+/// Runs `seqs` through `backend`: sequence i is prefilled (in chunks of at most `max_prefill_tokens`, or in one
+/// pass with others joining at the same step where they fit one call) at step `joins`, then takes one greedy token
+/// per step until it has `generate` tokens, and leaves (its slot released).
 fn run(backend: &mut CudaBatchBackend, seqs: &mut [Seq], generate: usize) -> Result<()> {
     let chunk = backend.max_prefill_tokens();
     let mut step = 0;
     while seqs.iter().any(|s| s.tokens.len() < generate) {
-        for s in seqs.iter_mut().filter(|s| s.joins == step) {
-            let needed = s.prompt.len() + generate;
-            if !backend.reserve(s.slot, needed).map_err(fe)? {
+        let joining: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].joins == step).collect();
+        for &i in &joining {
+            let needed = seqs[i].prompt.len() + generate;
+            if !backend.reserve(seqs[i].slot, needed).map_err(fe)? {
                 return Err(GpuError::Other(format!("no KV pages for {needed} tokens")));
             }
+        }
+        // The prompts that join at this step go through one prefill pass where they fit one call together.
+        let (mut together, mut used) = (Vec::new(), 0);
+        for &i in &joining {
+            if used + seqs[i].prompt.len() <= chunk && together.len() < backend.max_prefill_parts() {
+                used += seqs[i].prompt.len();
+                together.push(i);
+            }
+        }
+        if together.len() > 1 {
+            let parts: Vec<PrefillPart> = together
+                .iter()
+                .map(|&i| PrefillPart {
+                    slot: seqs[i].slot,
+                    tokens: &seqs[i].prompt,
+                })
+                .collect();
+            backend.prefill_parts(&parts).map_err(fe)?;
+            let chosen = greedy(backend, &(0..together.len()).collect::<Vec<_>>())?;
+            for (&i, token) in together.iter().zip(chosen) {
+                seqs[i].tokens.push(token);
+            }
+        }
+        for &i in joining.iter().filter(|&i| together.len() < 2 || !together.contains(i)) {
+            let s = &mut seqs[i];
             for piece in s.prompt.chunks(chunk) {
                 backend.prefill(s.slot, piece).map_err(fe)?;
             }
@@ -180,9 +207,13 @@ pub fn check(
         ),
     );
     let mut cpu = CpuBackend::new(CpuModel::new(weights), 4096);
-    for (passes, below) in [("batched pass", 0), ("single-row graphs", usize::MAX)] {
+    for (passes, below, together) in [
+        ("batched pass", 0, true),
+        ("batched pass", 0, false),
+        ("single-row graphs", usize::MAX, false),
+    ] {
         backend.sequential_below = below;
-        logits_vs_cpu(backend, &mut cpu, &mut rng, passes, report)?;
+        logits_vs_cpu(backend, &mut cpu, &mut rng, passes, together, report)?;
     }
     backend.sequential_below = sequential_below;
 
@@ -207,12 +238,14 @@ pub fn check(
     Ok(())
 }
 
-/// The logits of a batch of three (prompts of 1, 40 and 300 tokens, then two steps) against the CPU backend.
+/// The logits of a batch of three (prompts of 1, 40 and 300 tokens, prefilled one by one or `together` in one
+/// pass, then two steps) against the CPU backend.
 fn logits_vs_cpu(
     backend: &mut CudaBatchBackend,
     cpu: &mut CpuBackend,
     rng: &mut Rng,
     passes: &str,
+    together: bool,
     report: &mut Report,
 ) -> Result<()> {
     let vocab = backend.config().vocab_size as u64;
@@ -236,12 +269,26 @@ fn logits_vs_cpu(
             worst = worst.max(err);
         }
     };
-    let mut cpu_logits = Vec::new();
+    // With `together`, the three prompts go through one prefill pass (`prefill_parts`), each into its own row.
     for (i, p) in prompts.iter().enumerate() {
         backend.reserve(i, p.len() + 2).map_err(fe)?;
-        backend.prefill(i, p).map_err(fe)?;
+    }
+    if together {
+        let parts: Vec<PrefillPart> = prompts
+            .iter()
+            .enumerate()
+            .map(|(slot, tokens)| PrefillPart { slot, tokens })
+            .collect();
+        backend.prefill_parts(&parts).map_err(fe)?;
+    }
+    let mut cpu_logits = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        if !together {
+            backend.prefill(i, p).map_err(fe)?;
+        }
         cpu.prefill(p).map_err(fe)?;
-        let err = rel_err(backend.logits(0).map_err(fe)?, cpu.logits().map_err(fe)?);
+        let row = if together { i } else { 0 };
+        let err = rel_err(backend.logits(row).map_err(fe)?, cpu.logits().map_err(fe)?);
         compare(i, "the prompt", err, cpu.route_margin(), &mut stopped);
         let mut row = Vec::new();
         for token in [7u32, 11] {
@@ -259,8 +306,13 @@ fn logits_vs_cpu(
             compare(r.slot, &format!("step {}", step + 1), err, *margin, &mut stopped);
         }
     }
+    let prefill = if together {
+        "3 prompts in one prefill"
+    } else {
+        "prefills"
+    };
     report.check(
-        &format!("batched backend, {passes}: prefill, 2 steps of 3 rows vs CPU"),
+        &format!("batched backend, {passes}: {prefill}, 2 steps of 3 rows vs CPU"),
         worst,
         tol,
     );
