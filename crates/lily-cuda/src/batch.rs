@@ -301,6 +301,9 @@ fn enqueue_head(
     gemm::gemm(l, s.normed.ptr(), t, &w.lm_head, b.logits.ptr(), false)
 }
 
+/// Prompt tokens an engine iteration prefills by default on the GPU (see `BatchBackend::prefill_budget`).
+const PREFILL_BUDGET: usize = 8192;
+
 /// Device bytes of the prefill chunk's scratch per token, rounded up (the full shape needs ~230 kB).
 const PREFILL_SCRATCH_PER_TOKEN: usize = 300 << 10;
 /// Device memory kept free beside the model's buffers: the context, the compiled kernels, captured graphs.
@@ -644,6 +647,11 @@ impl BatchBackend for CudaBatchBackend {
     }
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
         self.prefill_cut(slot, tokens, &[])
+    }
+    /// 8192, where a pass of 1,000-token prompts served at 256 at once gave the most output tokens (2048 and 4096
+    /// gave less; see bench/RESULTS.md), capped by the prefill chunk: one such pass takes ~0.25 s on an H200.
+    fn prefill_budget(&self) -> usize {
+        PREFILL_BUDGET.min(self.model.prefill_chunk)
     }
     fn max_prefill_parts(&self) -> usize {
         PREFILL_PARTS.min(self.step.max_rows).min(self.lens.len())

@@ -167,6 +167,12 @@ pub trait BatchBackend: Send {
     /// Appends `tokens` (1 ..= `max_prefill_tokens`) to the sequence in `slot` (an empty slot starts afresh) and
     /// computes the last token's next-token logits as output row 0. The slot's reservation must cover the result.
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> Result<(), ForwardError>;
+    /// Prompt tokens an engine iteration prefills when its user names no budget: more make short prompts arriving
+    /// together share longer passes, fewer keep a long prompt's chunks from holding the running sequences' next
+    /// tokens back. This default (2048) suits a backend that prefills a few thousand tokens a second at most.
+    fn prefill_budget(&self) -> usize {
+        2048
+    }
     /// Sequences one `prefill_parts` call takes at most. This default (1) has the engine call `prefill` alone.
     fn max_prefill_parts(&self) -> usize {
         1

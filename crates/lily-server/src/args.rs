@@ -87,9 +87,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub kv_tokens: Option<usize>,
     /// Prompt tokens prefilled per engine iteration at most: a long prompt enters in chunks of this size between
-    /// the running sequences' steps.
-    #[arg(long, default_value_t = crate::engine::DEFAULT_MAX_PREFILL_TOKENS)]
-    pub max_prefill_tokens: usize,
+    /// the running sequences' steps, and short prompts arriving together share one prefill pass. Default: 8192 on
+    /// a GPU, 2048 on the CPU.
+    #[arg(long)]
+    pub max_prefill_tokens: Option<usize>,
     /// Turn the prefix cache off: every prompt is prefilled in full.
     #[arg(long)]
     pub no_prefix_cache: bool,

@@ -1,12 +1,12 @@
 //! The engine: one OS thread that owns the batch backend and runs many sequences at once (continuous batching).
 //! Jobs come first-in first-out from a bounded queue; each iteration admits sequences into free slots, prefills
-//! one chunk of a prompt, advances every running sequence by one token in one batched step, and streams
+//! chunks of the waiting prompts, advances every running sequence by one token in one batched step, and streams
 //! per-token events back through a tokio channel. See [`Engine`] for the order of an iteration.
 //!
 //! Cancellation: every iteration checks each job's cancel flag (set when the client's response is dropped, i.e.
 //! it disconnected), whether its event receiver is gone, and the server-wide cancel flag (set at shutdown once
-//! the grace period is over). A cancelled job's slots are freed within one iteration, which is one prefill chunk
-//! and one step; a job whose client hangs up while it waits leaves the queue at once.
+//! the grace period is over). A cancelled job's slots are freed within one iteration, which is the prefill budget's
+//! calls and one step; a job whose client hangs up while it waits leaves the queue at once.
 //!
 //! A sequence's tokens do not depend on the batch around it: its sampler (and the seeded counter in it) is its
 //! own, and each row of a step is computed from its own slot's state.
@@ -297,9 +297,10 @@ impl Drop for EngineHandle {
 /// How the engine schedules work on its backend.
 #[derive(Debug, Clone, Copy)]
 pub struct EngineOptions {
-    /// Prompt tokens one iteration may prefill (one chunk of one prompt), so that a long prompt arriving delays the
-    /// running sequences' next tokens by one chunk's time at most.
-    pub max_prefill_tokens: usize,
+    /// Prompt tokens one iteration may prefill (chunks of the earliest admitted prompts), so that a long prompt
+    /// arriving delays the running sequences' next tokens by one chunk's time at most. `None`: the backend's
+    /// [`BatchBackend::prefill_budget`].
+    pub max_prefill_tokens: Option<usize>,
     /// Reuse the state of prompts seen before (the prefix cache): snapshots of sequences are kept in the backend
     /// and a new prompt starts from the longest one that begins it.
     pub prefix_cache: bool,
@@ -310,18 +311,15 @@ pub struct EngineOptions {
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
-            max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
+            max_prefill_tokens: None,
             prefix_cache: true,
             snapshot_interval: DEFAULT_SNAPSHOT_INTERVAL,
         }
     }
 }
 
-/// The default of `--max-prefill-tokens`.
-pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 2048;
-
-/// The default of `--prefix-cache-interval`: the default prefill chunk, so that these snapshots cost no extra
-/// prefill call.
+/// The default of `--prefix-cache-interval`: the CPU's default prefill budget, so that these snapshots cost no
+/// extra prefill call there (a GPU takes them inside its prefill passes).
 pub const DEFAULT_SNAPSHOT_INTERVAL: usize = 2048;
 
 /// Snapshots one prompt's prefill stops for at most (a snapshot of the full model's recurrent state is ~35 MB on the GPU).
@@ -339,7 +337,8 @@ const PREFILL_CALLS_PER_ITERATION: usize = 4;
 ///    context; sequences of one job that share a prompt enter together, the first prefills it and the others are
 ///    forked from it,
 /// 3. prefills chunks of the earliest admitted prompts, `max_prefill_tokens` in all and in at most
-///    `PREFILL_CALLS_PER_ITERATION` calls,
+///    `PREFILL_CALLS_PER_ITERATION` calls; where the backend takes several sequences a call, the chunks of the
+///    prompts after the earliest one join its call,
 /// 4. runs one `step` over every sequence that has a token to append,
 /// 5. samples each sequence whose next-token logits are ready and sends its events.
 ///
@@ -483,6 +482,10 @@ impl Engine {
         let message_start = tokenizer.token_to_id("<|im_start|>");
         // Built with every slot empty, so the pool's free tokens are all it holds.
         let fits = backend.max_context().min(backend.free_tokens());
+        let budget = options
+            .max_prefill_tokens
+            .unwrap_or_else(|| backend.prefill_budget())
+            .max(1);
         let slots = (0..backend.max_seqs()).map(|_| None).collect();
         shared.queue.set_room(backend.max_seqs());
         Engine {
@@ -492,7 +495,7 @@ impl Engine {
             call_ids,
             shared,
             options: EngineOptions {
-                max_prefill_tokens: options.max_prefill_tokens.max(1),
+                max_prefill_tokens: Some(budget),
                 ..options
             },
             fits,
@@ -874,7 +877,7 @@ impl Engine {
 
     /// Prefills chunks of the earliest admitted prompts within the iteration's budget; true when there was one.
     fn prefill_chunks(&mut self) -> bool {
-        let mut left = self.options.max_prefill_tokens;
+        let mut left = self.options.max_prefill_tokens.unwrap_or(1);
         let mut calls = 0;
         while left > 0 && calls < PREFILL_CALLS_PER_ITERATION {
             let Some(tokens) = self.prefill_call(left) else {

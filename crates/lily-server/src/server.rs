@@ -526,6 +526,15 @@ fn load(
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
     let backend = factory(context, &config.pool).context("loading the weights")?;
     let context = backend.max_context();
+    let engine = EngineOptions {
+        max_prefill_tokens: Some(
+            config
+                .engine
+                .max_prefill_tokens
+                .unwrap_or_else(|| backend.prefill_budget()),
+        ),
+        ..config.engine
+    };
     let structured = LazyStructured::new(tokenizer.clone(), backend.config().vocab_size);
     let ready = Ready {
         tokenizer: tokenizer.clone(),
@@ -536,8 +545,8 @@ fn load(
         backend_name: backend.describe(),
         max_seqs: backend.max_seqs(),
         kv_tokens: backend.free_tokens(),
-        max_prefill_tokens: config.engine.max_prefill_tokens,
-        prefix_cache: config.engine.prefix_cache,
+        max_prefill_tokens: engine.max_prefill_tokens.unwrap_or(1),
+        prefix_cache: engine.prefix_cache,
         limits: RequestLimits {
             max_choices: config.max_choices,
             max_request_tokens: config
@@ -570,7 +579,7 @@ fn load(
         tokenizer,
         config.tool_call_ids,
         shared,
-        config.engine,
+        engine,
     )))
 }
 
@@ -651,7 +660,10 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
         kv_tokens: args.kv_tokens,
         prefix_cache_bytes,
     };
-    anyhow::ensure!(args.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1");
+    anyhow::ensure!(
+        args.max_prefill_tokens != Some(0),
+        "--max-prefill-tokens must be at least 1"
+    );
     config.engine = EngineOptions {
         max_prefill_tokens: args.max_prefill_tokens,
         prefix_cache: prefix_cache_bytes != Some(0),

@@ -480,7 +480,7 @@ struct Running {
 /// An engine without the prefix cache taking `max_prefill_tokens` an iteration.
 fn start(backend: FakeBatch, max_queue: usize, max_prefill_tokens: usize) -> Running {
     let options = EngineOptions {
-        max_prefill_tokens,
+        max_prefill_tokens: Some(max_prefill_tokens),
         prefix_cache: false,
         ..EngineOptions::default()
     };
@@ -755,7 +755,7 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
         backend.queues = queues;
         backend.parts = parts;
         let options = EngineOptions {
-            max_prefill_tokens: 32,
+            max_prefill_tokens: Some(32),
             prefix_cache: true,
             snapshot_interval: 48,
         };
@@ -822,7 +822,7 @@ fn one_prompt_prefilled_once(parts: usize, chunk: usize) {
     backend.parts = parts;
     let prefills = backend.slots.clone();
     let options = EngineOptions {
-        max_prefill_tokens: chunk,
+        max_prefill_tokens: Some(chunk),
         prefix_cache: true,
         snapshot_interval: 0,
     };
@@ -879,7 +879,7 @@ fn a_prompt_is_snapshotted_whole_and_extended_from_there() {
         backend.max_snapshots = 8;
         backend.in_pass = in_pass;
         let options = EngineOptions {
-            max_prefill_tokens: 64,
+            max_prefill_tokens: Some(64),
             prefix_cache: true,
             snapshot_interval: 0,
         };
