@@ -205,12 +205,14 @@ def main():
         "tpot_ms_p99": ms(percentile(tpot, 99)),
         "itl_ms_p50": ms(percentile(itl, 50)),
         "itl_ms_p99": ms(percentile(itl, 99)),
+        "itl_ms_max": ms(max(itl)) if itl else None,
         "stream_tok_s_per_request_p50": round(1000.0 / ms(percentile(tpot, 50)), 1) if tpot else None,
     }
     print(f"requests: {len(ok)} completed, {len(errors)} failed in {duration:.2f} s (concurrency {args.concurrency})")
     print(f"output {report['output_tok_s']} tok/s, total {report['total_tok_s']} tok/s")
     print(f"TTFT ms p50 {report['ttft_ms_p50']} p99 {report['ttft_ms_p99']}; "
-          f"TPOT ms p50 {report['tpot_ms_p50']} p99 {report['tpot_ms_p99']}")
+          f"TPOT ms p50 {report['tpot_ms_p50']} p99 {report['tpot_ms_p99']}; "
+          f"ITL ms p99 {report['itl_ms_p99']} max {report['itl_ms_max']}")
     for e in errors[:5]:
         print(f"error: {e}", file=sys.stderr)
     line = json.dumps(report)
