@@ -291,6 +291,7 @@ pub struct BenchArgs {
     pub seed: u64,
     /// Time the batched decode step of the server's engine instead, with this many sequences at once
     /// (comma-separated): each depth's context is a real prefill in every slot, `-n` steps of all rows are timed.
+    /// With `-p`, the prefill of this many prompts of each size instead: one a call, then joined into passes.
     #[arg(long, value_parser = parse_list)]
     pub batch: Vec<List>,
     /// With --batch: steps of fewer rows than this run row by row through the single-sequence decode graphs (the
@@ -376,6 +377,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             backend.sequential_below = below;
         }
         let (n, r) = (args.generate, args.repetitions);
+        if !prompts.is_empty() {
+            return Ok(bench::batched::run_prefill(&mut backend, &batches, &prompts, r)?);
+        }
         return Ok(bench::batched::run(
             &mut backend,
             &batches,

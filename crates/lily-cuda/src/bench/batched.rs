@@ -2,11 +2,12 @@
 //! slots are filled by a real prefill of `depth` random tokens each (at least one), then `-n` steps of all B rows
 //! (greedy, sampled on the GPU) are timed `-r` times after one warm-up step (which captures the step's graph).
 //! Reports the step time and the aggregate tokens per second, and with `--profile` the per-kernel GPU time of one
-//! un-captured step.
+//! un-captured step. With `-p P,...` it times instead the prefill of B prompts of P random tokens each, one prompt a
+//! call and joined into passes of up to the backend's prefill budget (as the server's engine joins them).
 
 use std::time::Instant;
 
-use lily_model::backend::{BatchBackend, Pick, StepRow};
+use lily_model::backend::{BatchBackend, Pick, PrefillPart, StepRow};
 use lily_model::rng::Rng;
 use lily_model::sampling::Sampler;
 
@@ -118,4 +119,100 @@ pub fn run(
         }
     }
     Ok(())
+}
+
+/// Times the prefill of `rows` prompts of each of `prompts` tokens for each of `batches`, `repetitions` times after
+/// a warm-up: one prompt a call (in chunks of `max_prefill_tokens`), then joined, whole prompts into passes of up
+/// to `prefill_budget` tokens; prints one table row each.
+pub fn run_prefill(
+    backend: &mut CudaBatchBackend,
+    batches: &[usize],
+    prompts: &[usize],
+    repetitions: usize,
+) -> Result<()> {
+    let mut rng = Rng::new(0x9f11);
+    let vocab = backend.config().vocab_size as u64;
+    let budget = backend.prefill_budget().min(backend.max_prefill_tokens());
+    println!("| test | prompts | calls | ms | t/s |");
+    println!("| --- | ---: | --- | ---: | ---: |");
+    for &len in prompts {
+        for &rows in batches {
+            if rows == 0 || rows > backend.max_seqs() || len == 0 {
+                return Err(GpuError::Other(format!(
+                    "{rows} prompts of {len} tokens: the backend has {} slots",
+                    backend.max_seqs()
+                )));
+            }
+            let texts: Vec<Vec<u32>> = (0..rows)
+                .map(|_| (0..len).map(|_| (rng.next_u64() % vocab) as u32).collect())
+                .collect();
+            for joined in [false, true] {
+                let mut samples = Vec::new();
+                let mut calls = 0;
+                for rep in 0..=repetitions {
+                    for slot in 0..rows {
+                        backend.release(slot);
+                        if !backend.reserve(slot, len + 1).map_err(fe)? {
+                            return Err(GpuError::Other(format!(
+                                "no KV pages for {rows} prompts of {len} tokens"
+                            )));
+                        }
+                    }
+                    let start = Instant::now();
+                    calls = prefill_all(backend, &texts, joined, budget)?;
+                    if rep > 0 {
+                        samples.push(start.elapsed().as_secs_f64());
+                    }
+                }
+                let (time, std) = mean_std(&samples);
+                let how = if joined { "joined" } else { "one a call" };
+                println!(
+                    "| pp{len} x{rows} | {rows} | {calls} ({how}) | {:.1} ± {:.1} | {:.0} |",
+                    time * 1e3,
+                    std * 1e3,
+                    (rows * len) as f64 / time
+                );
+            }
+            for slot in 0..rows {
+                backend.release(slot);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Prefills `texts[i]` into slot i, one prompt a call or `joined` into passes of whole prompts of up to `budget`
+/// tokens (a longer prompt alone, in chunks); returns the calls made. Each call waits for its pass.
+fn prefill_all(backend: &mut CudaBatchBackend, texts: &[Vec<u32>], joined: bool, budget: usize) -> Result<usize> {
+    let chunk = backend.max_prefill_tokens();
+    let (mut calls, mut next) = (0, 0);
+    while next < texts.len() {
+        let (mut end, mut tokens) = (next, 0);
+        while joined
+            && end < texts.len()
+            && end - next < backend.max_prefill_parts()
+            && tokens + texts[end].len() <= budget
+        {
+            tokens += texts[end].len();
+            end += 1;
+        }
+        if end - next >= 2 {
+            let parts: Vec<PrefillPart> = (next..end)
+                .map(|slot| PrefillPart {
+                    slot,
+                    tokens: &texts[slot],
+                })
+                .collect();
+            backend.prefill_parts(&parts).map_err(fe)?;
+            calls += 1;
+            next = end;
+            continue;
+        }
+        for piece in texts[next].chunks(chunk) {
+            backend.prefill(next, piece).map_err(fe)?;
+            calls += 1;
+        }
+        next += 1;
+    }
+    Ok(calls)
 }
