@@ -552,22 +552,76 @@ impl CudaBatchBackend {
         Ok(())
     }
 
-    /// `BatchBackend::prefill_parts` of two or more parts: one pass over all their tokens, the head over each
-    /// part's last row.
-    fn prefill_together(&mut self, parts: &[PrefillPart<'_>]) -> std::result::Result<(), ForwardError> {
+    /// Free snapshot buffers for up to `count` cuts (fewer where fewer are free), taken off the free list by
+    /// [`CudaBatchBackend::keep_snapshots`] once the pass that fills them has run.
+    fn snapshot_buffers(&self, count: usize) -> Vec<usize> {
+        let taken = count.min(self.free_snapshot_buffers.len());
+        self.free_snapshot_buffers[self.free_snapshot_buffers.len() - taken..].to_vec()
+    }
+
+    /// Records the snapshots a pass took of `slot` (which held `start` tokens before it) at `cuts` into `buffers`
+    /// (one a cut, fewer where the buffers ran out): each takes a reference on the KV pages of the positions
+    /// before its cut. Returns a snapshot id a cut, `None` past the buffers.
+    fn keep_snapshots(
+        &mut self,
+        slot: Slot,
+        start: usize,
+        cuts: &[usize],
+        buffers: &[usize],
+    ) -> Vec<Option<SnapshotId>> {
+        let mut ids = vec![None; cuts.len()];
+        for (id, (&cut, &buffer)) in ids.iter_mut().zip(cuts.iter().zip(buffers)) {
+            self.free_snapshot_buffers.retain(|&b| b != buffer);
+            self.model.pages.snapshot(slot, start + cut, buffer);
+            *id = Some(self.next_snapshot);
+            self.snapshots.insert(
+                self.next_snapshot,
+                Snapshot {
+                    buffer,
+                    len: start + cut,
+                },
+            );
+            self.next_snapshot += 1;
+        }
+        ids
+    }
+
+    /// `BatchBackend::prefill_parts` of two or more parts: one pass over all their tokens, each part's DeltaNet
+    /// state copied out at its cuts inside it, the head over each part's last row.
+    fn prefill_together(
+        &mut self,
+        parts: &[PrefillPart<'_>],
+    ) -> std::result::Result<Vec<Vec<Option<SnapshotId>>>, ForwardError> {
         check_parts(parts, self.max_prefill_parts(), self.model.prefill_chunk)?;
         for p in parts {
             self.check_slot(p.slot)?;
             self.check_tokens(p.tokens.iter().copied())?;
             self.check_room(p.slot, self.lens[p.slot] + p.tokens.len())?;
         }
+        // The free buffers go to the cuts in order: the earlier parts' cuts first.
+        let buffers = self.snapshot_buffers(parts.iter().map(|p| p.cuts.len()).sum());
+        let mut free = buffers.iter();
+        let cuts: Vec<Vec<Cut>> = parts
+            .iter()
+            .map(|p| {
+                (p.cuts.iter().zip(free.by_ref()))
+                    .map(|(&tokens, &buffer)| Cut {
+                        tokens,
+                        to: StateAt::Snapshot(buffer),
+                    })
+                    .collect()
+            })
+            .collect();
+        let starts: Vec<usize> = parts.iter().map(|p| self.lens[p.slot]).collect();
         let passes: Vec<ChunkPart<'_>> = parts
             .iter()
-            .map(|p| ChunkPart {
+            .zip(&cuts)
+            .zip(&starts)
+            .map(|((p, cuts), &start)| ChunkPart {
                 seq: p.slot,
-                start: self.lens[p.slot],
+                start,
                 t: p.tokens.len(),
-                cuts: &[],
+                cuts,
             })
             .collect();
         let tokens: Vec<u32> = parts.iter().flat_map(|p| p.tokens.iter().copied()).collect();
@@ -593,7 +647,18 @@ impl CudaBatchBackend {
         self.last_rows = parts.len();
         self.single_greedy = false;
         self.host_row = None;
-        Ok(())
+        let mut ids = Vec::with_capacity(parts.len());
+        for ((p, cuts), &start) in parts.iter().zip(&cuts).zip(&starts) {
+            let buffers: Vec<usize> = cuts
+                .iter()
+                .map(|cut| match cut.to {
+                    StateAt::Snapshot(buffer) => buffer,
+                    StateAt::Slot(_) => unreachable!("cuts go to snapshot buffers"),
+                })
+                .collect();
+            ids.push(self.keep_snapshots(p.slot, start, p.cuts, &buffers));
+        }
+        Ok(ids)
     }
 
     fn run_step(&mut self, t: usize) -> Result<()> {
@@ -656,9 +721,12 @@ impl BatchBackend for CudaBatchBackend {
     fn max_prefill_parts(&self) -> usize {
         PREFILL_PARTS.min(self.step.max_rows).min(self.lens.len())
     }
-    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> std::result::Result<(), ForwardError> {
+    fn prefill_parts(
+        &mut self,
+        parts: &[PrefillPart<'_>],
+    ) -> std::result::Result<Vec<Vec<Option<SnapshotId>>>, ForwardError> {
         match parts {
-            [part] => self.prefill_cut(part.slot, part.tokens, &[]),
+            [part] => Ok(vec![self.prefill_snapshot(part.slot, part.tokens, part.cuts)?]),
             _ => self.prefill_together(parts),
         }
     }
@@ -677,8 +745,7 @@ impl BatchBackend for CudaBatchBackend {
         cuts: &[usize],
     ) -> std::result::Result<Vec<Option<SnapshotId>>, ForwardError> {
         check_cuts(tokens.len(), cuts)?;
-        let taken = cuts.len().min(self.free_snapshot_buffers.len());
-        let buffers = self.free_snapshot_buffers[self.free_snapshot_buffers.len() - taken..].to_vec();
+        let buffers = self.snapshot_buffers(cuts.len());
         let passes: Vec<Cut> = cuts
             .iter()
             .zip(&buffers)
@@ -689,21 +756,7 @@ impl BatchBackend for CudaBatchBackend {
             .collect();
         let start = self.len(slot);
         self.prefill_cut(slot, tokens, &passes)?;
-        let mut ids = vec![None; cuts.len()];
-        for (id, (&cut, &buffer)) in ids.iter_mut().zip(cuts.iter().zip(&buffers)) {
-            self.free_snapshot_buffers.retain(|&b| b != buffer);
-            self.model.pages.snapshot(slot, start + cut, buffer);
-            *id = Some(self.next_snapshot);
-            self.snapshots.insert(
-                self.next_snapshot,
-                Snapshot {
-                    buffer,
-                    len: start + cut,
-                },
-            );
-            self.next_snapshot += 1;
-        }
-        Ok(ids)
+        Ok(self.keep_snapshots(slot, start, cuts, &buffers))
     }
     fn fork(&mut self, from: Slot, to: Slot) -> std::result::Result<(), ForwardError> {
         self.check_slot(from)?;

@@ -108,11 +108,13 @@ pub struct StepRow {
 }
 
 /// One sequence's part of a [`BatchBackend::prefill_parts`] call: `tokens` go at the next positions of the sequence
-/// in `slot`.
+/// in `slot`, and the sequence is snapshotted as it stands after the first `cut` of them for each of `cuts`
+/// (ascending, each in 1 .. tokens.len(); see `BatchBackend::prefill_snapshot`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefillPart<'a> {
     pub slot: Slot,
     pub tokens: &'a [u32],
+    pub cuts: &'a [usize],
 }
 
 /// How the next token of one output row is chosen: as `sampler` would from that row's logits, among the tokens
@@ -177,14 +179,15 @@ pub trait BatchBackend: Send {
     fn max_prefill_parts(&self) -> usize {
         1
     }
-    /// Prefills several sequences in one call, as `prefill` would each: part `i` appends its tokens to the sequence
-    /// in its slot (the parts name distinct slots, 1 ..= `max_prefill_parts` of them, `max_prefill_tokens` tokens in
-    /// all), and its last token's next-token logits are output row `i`. One pass over the parts' tokens together
-    /// reads every weight once for all of them, where a call each would read them once a part. This default takes
-    /// a single part.
-    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<(), ForwardError> {
+    /// Prefills several sequences in one call, as `prefill_snapshot` would each: part `i` appends its tokens to the
+    /// sequence in its slot (the parts name distinct slots, 1 ..= `max_prefill_parts` of them, `max_prefill_tokens`
+    /// tokens in all) and snapshots it at its cuts, and its last token's next-token logits are output row `i`.
+    /// Returns each part's snapshots, `None` where the backend had no room. One pass over the parts' tokens
+    /// together reads every weight once for all of them, where a call each would read them once a part. This
+    /// default takes a single part.
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<Vec<Vec<Option<SnapshotId>>>, ForwardError> {
         match parts {
-            [part] => self.prefill(part.slot, part.tokens),
+            [part] => Ok(vec![self.prefill_snapshot(part.slot, part.tokens, part.cuts)?]),
             _ => Err(ForwardError::Device(format!(
                 "this backend prefills one sequence a call, not {}",
                 parts.len()
@@ -301,8 +304,8 @@ pub fn check_cuts(tokens: usize, cuts: &[usize]) -> Result<(), ForwardError> {
     Ok(())
 }
 
-/// Checks a [`BatchBackend::prefill_parts`] call's shape: 1 ..= `max_parts` parts of at least one token each, in
-/// distinct slots, `max_tokens` tokens in all at most.
+/// Checks a [`BatchBackend::prefill_parts`] call's shape: 1 ..= `max_parts` parts of at least one token each with
+/// their cuts inside them, in distinct slots, `max_tokens` tokens in all at most.
 pub fn check_parts(parts: &[PrefillPart<'_>], max_parts: usize, max_tokens: usize) -> Result<(), ForwardError> {
     if parts.is_empty() || parts.len() > max_parts {
         return Err(ForwardError::Device(format!(
@@ -312,6 +315,9 @@ pub fn check_parts(parts: &[PrefillPart<'_>], max_parts: usize, max_tokens: usiz
     }
     if parts.iter().any(|p| p.tokens.is_empty()) {
         return Err(ForwardError::EmptyPrompt);
+    }
+    for p in parts {
+        check_cuts(p.tokens.len(), p.cuts)?;
     }
     let tokens: usize = parts.iter().map(|p| p.tokens.len()).sum();
     if tokens > max_tokens {

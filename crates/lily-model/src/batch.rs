@@ -186,9 +186,10 @@ impl BatchBackend for CpuBatchBackend {
     fn max_prefill_parts(&self) -> usize {
         self.slots.len()
     }
-    /// The parts one after another (the CPU gains nothing from one pass over them), each into its own output row;
-    /// every part is checked before the first is run, so a bad one changes nothing.
-    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<(), ForwardError> {
+    /// The parts one after another (the CPU gains nothing from one pass over them), each into its own output row
+    /// and snapshotted between the pieces of its cuts; every part is checked before the first is run, so a bad one
+    /// changes nothing.
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<Vec<Vec<Option<SnapshotId>>>, ForwardError> {
         check_parts(parts, self.max_prefill_parts(), self.max_prefill_tokens())?;
         for part in parts {
             state_for(&mut self.slots, self.max_context, part.slot, part.tokens.len())?;
@@ -196,15 +197,25 @@ impl BatchBackend for CpuBatchBackend {
         self.output_rows(parts.len());
         let vocab = self.model.config().vocab_size;
         let mut logits = std::mem::take(&mut self.logits);
-        let mut result = Ok(());
-        for (i, part) in parts.iter().enumerate() {
-            let row = &mut logits[i * vocab..(i + 1) * vocab];
-            result = state_for(&mut self.slots, self.max_context, part.slot, part.tokens.len())
-                .and_then(|state| self.model.prefill(state, part.tokens, row));
-            if result.is_err() {
-                break;
+        let mut run = || -> Result<Vec<Vec<Option<SnapshotId>>>, ForwardError> {
+            let mut ids = Vec::with_capacity(parts.len());
+            for (i, part) in parts.iter().enumerate() {
+                let row = &mut logits[i * vocab..(i + 1) * vocab];
+                let mut part_ids = Vec::with_capacity(part.cuts.len());
+                let mut done = 0;
+                for &end in part.cuts.iter().chain([&part.tokens.len()]) {
+                    let state = state_for(&mut self.slots, self.max_context, part.slot, end - done)?;
+                    self.model.prefill(state, &part.tokens[done..end], row)?;
+                    if end < part.tokens.len() {
+                        part_ids.push(self.snapshot(part.slot)?);
+                    }
+                    done = end;
+                }
+                ids.push(part_ids);
             }
-        }
+            Ok(ids)
+        };
+        let result = run();
         self.logits = logits;
         result
     }
@@ -485,7 +496,7 @@ mod tests {
             .collect();
         let steps = 6;
         let expected: Vec<Vec<u32>> = prompts.iter().map(|p| alone(p, steps)).collect();
-        let mut batch = CpuBatchBackend::new(model, 1024, 4, 1024);
+        let mut batch = CpuBatchBackend::new(model, 1024, 4, 1024).with_snapshot_budget(1 << 30);
         assert_eq!(batch.free_tokens(), 1024);
         for (slot, p) in prompts.iter().enumerate() {
             assert!(batch.reserve(slot, p.len() + steps).unwrap());
@@ -515,6 +526,8 @@ mod tests {
             .map(|(slot, p)| PrefillPart {
                 slot,
                 tokens: &p[p.len() / 2..],
+                // The second prompt is also snapshotted inside its part, which must not change its tokens.
+                cuts: if slot == 1 { &[10] } else { &[] },
             })
             .collect();
         // A call naming a slot twice or growing a slot past its reservation is refused before any part runs.
@@ -527,6 +540,7 @@ mod tests {
             PrefillPart {
                 slot: 2,
                 tokens: &too_long,
+                cuts: &[],
             },
         ];
         assert!(matches!(
@@ -534,7 +548,13 @@ mod tests {
             Err(ForwardError::ContextFull { .. })
         ));
         assert_eq!(lens, (0..3).map(|slot| batch.len(slot)).collect::<Vec<_>>());
-        batch.prefill_parts(&parts).unwrap();
+        let ids = batch.prefill_parts(&parts).unwrap();
+        assert!(
+            matches!(ids.as_slice(), [a, b, c] if a.is_empty() && c.is_empty() && matches!(b.as_slice(), [Some(_)])),
+            "{ids:?}"
+        );
+        let snapshot_len = batch.snapshots.values().map(|s| s.position).collect::<Vec<_>>();
+        assert_eq!(snapshot_len, vec![70 / 2 + 10]);
         for i in 0..prompts.len() {
             next.push(sampler.sample(batch.logits(i).unwrap()));
         }

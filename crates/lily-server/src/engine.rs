@@ -912,23 +912,24 @@ impl Engine {
     fn prefill_call(&mut self, limit: usize) -> Option<usize> {
         let order = self.prefill_order();
         let first = *order.first()?;
-        let Some(chunk) = self.plan_chunk(first, limit, true) else {
+        let Some(chunk) = self.plan_chunk(first, limit, 0) else {
             return Some(0);
         };
         let limit = limit.min(self.backend.max_prefill_tokens().max(1));
         let max_parts = self.backend.max_prefill_parts();
         let mut chunks = vec![chunk];
-        // A chunk that snapshots inside its pass or echoes its prompt's logprobs goes alone; others join it while
-        // the budget lasts. One that shares more of its prompt with a chunk in the call than it holds waits for
-        // the prefix cache to give it that part instead.
-        let joinable = |c: &Chunk| c.cuts.is_empty() && c.echo.is_none();
+        // A chunk that echoes its prompt's logprobs goes alone; others join the call while the budget lasts. One
+        // that could start from a snapshot a chunk in the call leaves waits for the prefix cache to give it that
+        // part instead.
+        let joinable = |c: &Chunk| c.echo.is_none();
         if joinable(&chunks[0]) {
             for &slot in &order[1..] {
                 let used: usize = chunks.iter().map(|c| c.end - c.done).sum();
                 if chunks.len() >= max_parts || used >= limit || self.would_share(slot, &chunks) {
                     break;
                 }
-                match self.plan_chunk(slot, limit - used, false) {
+                let taken = chunks.iter().map(|c| c.cuts.len()).sum();
+                match self.plan_chunk(slot, limit - used, taken) {
                     Some(chunk) if joinable(&chunk) => chunks.push(chunk),
                     Some(_) => break,
                     None => {}
@@ -971,10 +972,11 @@ impl Engine {
     }
 
     /// Plans the next prefill call's part of the prompt in `slot`, at most `limit` tokens: where it starts (after
-    /// what the prefix cache can give it now), where it ends and the snapshots it takes. With `cut_inside`, where
-    /// the backend snapshots inside a pass, the snapshot points before its end are taken in it; otherwise, or past
-    /// them, it ends at the next point. `None` when the job failed.
-    fn plan_chunk(&mut self, slot: Slot, limit: usize, cut_inside: bool) -> Option<Chunk> {
+    /// what the prefix cache can give it now), where it ends and the snapshots it takes. Where the backend
+    /// snapshots inside a pass, the snapshot points before its end are taken in it while the backend has room for
+    /// them beside the `taken` that the call's earlier parts take; otherwise, or past them, it ends at the next
+    /// point. `None` when the job failed.
+    fn plan_chunk(&mut self, slot: Slot, limit: usize, taken: usize) -> Option<Chunk> {
         let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
         let Phase::Prefill { mut done } = seq.phase else {
             unreachable!("chosen for its phase")
@@ -1004,8 +1006,8 @@ impl Engine {
             .filter(|&p| p > done && p <= reach && !self.cached_prefix(seq, p))
             .collect();
         let inside = points.iter().filter(|&&p| p < reach).count();
-        let cuts = match cut_inside && self.backend.snapshots_in_prefill() {
-            true => self.make_snapshot_room(inside),
+        let cuts = match self.backend.snapshots_in_prefill() {
+            true => self.make_snapshot_room(taken + inside).saturating_sub(taken),
             false => 0,
         };
         let end = points.get(cuts).copied().unwrap_or(reach);
@@ -1049,18 +1051,7 @@ impl Engine {
         };
         self.trace_prefill(std::slice::from_ref(&chunk), started);
         match result {
-            Ok(ids) => {
-                for (id, cut) in ids.into_iter().zip(cuts) {
-                    if let Some(id) = id {
-                        let tokens = &prompt[..done + cut];
-                        match self.prompt_hash(slot, tokens.len()) {
-                            Some(hash) => self.cache.insert_hashed(id, tokens, hash),
-                            None => self.cache.insert(id, tokens),
-                        }
-                    }
-                }
-                self.cache_gauges();
-            }
+            Ok(ids) => self.cache_snapshots(&chunk, &prompt, ids),
             Err(e) => {
                 self.fail_job(job, forward_error(e));
                 return;
@@ -1086,8 +1077,8 @@ impl Engine {
         self.snapshot_prompts(done.prompts);
     }
 
-    /// Runs the chunks of several sequences in one prefill call and takes their results; none of them snapshots
-    /// inside the pass or echoes its prompt.
+    /// Runs the chunks of several sequences in one prefill call and takes their results; none of them echoes its
+    /// prompt.
     fn run_chunks(&mut self, chunks: Vec<Chunk>) {
         let prompts: Vec<Arc<Vec<u32>>> = chunks
             .iter()
@@ -1106,17 +1097,24 @@ impl Engine {
             .map(|(c, prompt)| PrefillPart {
                 slot: c.slot,
                 tokens: &prompt[c.done..c.end],
+                cuts: &c.cuts,
             })
             .collect();
         let started = Instant::now();
         let result = self.backend.prefill_parts(&parts);
         self.trace_prefill(&chunks, started);
-        if let Err(e) = result {
-            let error = forward_error(e);
-            for c in &chunks {
-                self.fail_job(c.job, error.clone());
+        let ids = match result {
+            Ok(ids) => ids,
+            Err(e) => {
+                let error = forward_error(e);
+                for c in &chunks {
+                    self.fail_job(c.job, error.clone());
+                }
+                return;
             }
-            return;
+        };
+        for ((chunk, prompt), ids) in chunks.iter().zip(&prompts).zip(ids) {
+            self.cache_snapshots(chunk, prompt, ids);
         }
         let mut ready = Vec::new();
         let mut prompts = Vec::new();
@@ -1131,6 +1129,21 @@ impl Engine {
         }
         self.sample_and_emit(&ready);
         self.snapshot_prompts(prompts);
+    }
+
+    /// Puts the snapshots a prefill call took at a chunk's cuts (`None` where the backend had no room) into the
+    /// prefix cache.
+    fn cache_snapshots(&mut self, chunk: &Chunk, prompt: &[u32], ids: Vec<Option<SnapshotId>>) {
+        for (id, cut) in ids.into_iter().zip(&chunk.cuts) {
+            if let Some(id) = id {
+                let tokens = &prompt[..chunk.done + cut];
+                match self.prompt_hash(chunk.slot, tokens.len()) {
+                    Some(hash) => self.cache.insert_hashed(id, tokens, hash),
+                    None => self.cache.insert(id, tokens),
+                }
+            }
+        }
+        self.cache_gauges();
     }
 
     fn trace_prefill(&self, chunks: &[Chunk], started: Instant) {

@@ -39,6 +39,8 @@ struct FakeSlots {
     widest_prefill: usize,
     /// Prompt tokens prefilled in all.
     prefilled: usize,
+    /// Cuts that prefill calls of several sequences took.
+    joined_cuts: usize,
     /// Snapshots: the tokens of the sequence each saved.
     snapshots: BTreeMap<SnapshotId, Vec<u32>>,
     next_snapshot: SnapshotId,
@@ -180,7 +182,8 @@ impl BatchBackend for FakeBatch {
     fn max_prefill_parts(&self) -> usize {
         self.parts
     }
-    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<(), ForwardError> {
+    /// Each part's pieces between its cuts one after another, a snapshot at each cut (as `snapshot` takes one).
+    fn prefill_parts(&mut self, parts: &[PrefillPart<'_>]) -> Result<Vec<Vec<Option<SnapshotId>>>, ForwardError> {
         let mut s = self.slots.lock().unwrap();
         let total: usize = parts.iter().map(|p| p.tokens.len()).sum();
         let mut seen: Vec<Slot> = parts.iter().map(|p| p.slot).collect();
@@ -197,16 +200,34 @@ impl BatchBackend for FakeBatch {
                     format!("a prefill part past the reservation of slot {}", p.slot),
                 ));
             }
+            let inside = p.cuts.iter().all(|&c| c >= 1 && c < p.tokens.len());
+            if !inside || !p.cuts.windows(2).all(|w| w[0] < w[1]) || (!self.in_pass && !p.cuts.is_empty()) {
+                return Err(self.fail(&mut s, format!("cuts {:?} in a part of {}", p.cuts, p.tokens.len())));
+            }
         }
         s.widest_prefill = s.widest_prefill.max(parts.len());
         s.prefilled += total;
+        if parts.len() > 1 {
+            s.joined_cuts += parts.iter().map(|p| p.cuts.len()).sum::<usize>();
+        }
+        drop(s);
         self.rows.clear();
+        let mut ids = Vec::with_capacity(parts.len());
         for p in parts {
-            s.tokens[p.slot].extend_from_slice(p.tokens);
-            let h = hash(&s.tokens[p.slot]);
+            let mut part_ids = Vec::new();
+            let mut done = 0;
+            for &end in p.cuts.iter().chain([&p.tokens.len()]) {
+                self.slots.lock().unwrap().tokens[p.slot].extend_from_slice(&p.tokens[done..end]);
+                if end < p.tokens.len() {
+                    part_ids.push(self.snapshot(p.slot)?);
+                }
+                done = end;
+            }
+            ids.push(part_ids);
+            let h = hash(&self.slots.lock().unwrap().tokens[p.slot]);
             self.rows.push(h);
         }
-        Ok(())
+        Ok(ids)
     }
     fn fork(&mut self, from: Slot, to: Slot) -> Result<(), ForwardError> {
         let mut s = self.slots.lock().unwrap();
@@ -773,8 +794,23 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let restores = running.slots.lock().unwrap().restores;
+        let (restores, widest_prefill, joined_cuts) = {
+            let s = running.slots.lock().unwrap();
+            (s.restores, s.widest_prefill, s.joined_cuts)
+        };
         running.stop();
+        if parts > 1 {
+            assert!(
+                widest_prefill > 1,
+                "seed {seed}: no prefill call took several sequences"
+            );
+        }
+        if parts > 1 && in_pass {
+            assert!(
+                joined_cuts > 0,
+                "seed {seed}: no call of several sequences snapshotted inside its pass"
+            );
+        }
         let mut cached_total = 0;
         for (request, (answer, cached)) in requests.iter().zip(&answers) {
             match answer {

@@ -201,6 +201,7 @@ fn prefill_all(backend: &mut CudaBatchBackend, texts: &[Vec<u32>], joined: bool,
                 .map(|slot| PrefillPart {
                     slot,
                     tokens: &texts[slot],
+                    cuts: &[],
                 })
                 .collect();
             backend.prefill_parts(&parts).map_err(fe)?;

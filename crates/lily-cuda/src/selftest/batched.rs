@@ -90,6 +90,7 @@ fn run(backend: &mut CudaBatchBackend, seqs: &mut [Seq], generate: usize) -> Res
                 .map(|&i| PrefillPart {
                     slot: seqs[i].slot,
                     tokens: &seqs[i].prompt,
+                    cuts: &[],
                 })
                 .collect();
             backend.prefill_parts(&parts).map_err(fe)?;
@@ -277,7 +278,11 @@ fn logits_vs_cpu(
         let parts: Vec<PrefillPart> = prompts
             .iter()
             .enumerate()
-            .map(|(slot, tokens)| PrefillPart { slot, tokens })
+            .map(|(slot, tokens)| PrefillPart {
+                slot,
+                tokens,
+                cuts: &[],
+            })
             .collect();
         backend.prefill_parts(&parts).map_err(fe)?;
     }

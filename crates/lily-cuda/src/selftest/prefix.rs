@@ -10,7 +10,7 @@
 //! check relies on too); against a fresh one that prefilled the whole sequence in one call, to the default model's
 //! tolerance for a prefill in chunks against one pass (6e-2, as in `compare_prefill`).
 
-use lily_model::backend::{BatchBackend, StepRow};
+use lily_model::backend::{BatchBackend, PrefillPart, StepRow};
 use lily_model::rng::Rng;
 use lily_model::ForwardError;
 
@@ -84,11 +84,27 @@ fn in_pass(backend: &mut CudaBatchBackend, rng: &mut Rng, report: &mut Report) -
     let prompt = random_tokens(rng, vocab, n);
     let continuation = random_tokens(rng, vocab, 77);
     let room = n + 128;
-    let (cut_slot, twin, restored) = (0, 1, [2, 3, 4, 5]);
+    let (cut_slot, twin, restored, beside) = (0, 1, [2, 3, 4, 5], 6);
     let free_before = backend.free_tokens();
     reserve(backend, cut_slot, room)?;
     reserve(backend, twin, room)?;
-    let in_pass = backend.prefill_snapshot(cut_slot, &prompt, &cuts).map_err(fe)?;
+    // The cut sequence shares its pass with another prompt, cut too (the server joins prompts so).
+    let other = random_tokens(rng, vocab, 150);
+    reserve(backend, beside, other.len())?;
+    let parts = [
+        PrefillPart {
+            slot: cut_slot,
+            tokens: &prompt,
+            cuts: &cuts,
+        },
+        PrefillPart {
+            slot: beside,
+            tokens: &other,
+            cuts: &[60],
+        },
+    ];
+    let mut joined = backend.prefill_parts(&parts).map_err(fe)?;
+    let in_pass = joined.swap_remove(0);
     let cut_logits = backend.logits(0).map_err(fe)?.to_vec();
     let mut between = Vec::new();
     let mut done = 0;
@@ -98,7 +114,7 @@ fn in_pass(backend: &mut CudaBatchBackend, rng: &mut Rng, report: &mut Report) -
         done = cut;
     }
     let twin_logits = prefill(backend, twin, &prompt[done..])?;
-    let ids: Option<Vec<usize>> = in_pass.iter().chain(&between).copied().collect();
+    let ids: Option<Vec<usize>> = in_pass.iter().chain(&between).chain(&joined[0]).copied().collect();
     let Some(ids) = ids else {
         return Err(GpuError::Other("no snapshot buffer".into()));
     };
@@ -113,11 +129,20 @@ fn in_pass(backend: &mut CudaBatchBackend, rng: &mut Rng, report: &mut Report) -
         lengths.push(backend.len(slot));
     }
     let expected: Vec<usize> = cuts.iter().chain(&cuts).copied().collect();
+    let beside_restored = 7;
+    let beside_len = match backend
+        .restore(ids[2 * cuts.len()], beside_restored, room)
+        .map_err(fe)?
+    {
+        true => Some(backend.len(beside_restored)),
+        false => None,
+    };
     report.check_eq(
-        "prefix snapshots inside a pass: their lengths, restored",
-        lengths == expected && backend.len(cut_slot) == n,
+        "prefix snapshots inside a pass of two prompts: their lengths, restored",
+        lengths == expected && backend.len(cut_slot) == n && beside_len == Some(60),
         &format!(
-            "restored at {lengths:?} tokens (cuts at {cuts:?}); the cut sequence holds {} of {n}",
+            "restored at {lengths:?} tokens (cuts at {cuts:?}); the cut sequence holds {} of {n}; the other \
+             prompt's snapshot {beside_len:?} (cut at 60)",
             backend.len(cut_slot)
         ),
     );
@@ -137,7 +162,7 @@ fn in_pass(backend: &mut CudaBatchBackend, rng: &mut Rng, report: &mut Report) -
         rel_err(&cut_logits, &twin_logits),
         ONE_PASS_TOL,
     );
-    for slot in [cut_slot, twin].into_iter().chain(restored) {
+    for slot in [cut_slot, twin, beside, beside_restored].into_iter().chain(restored) {
         backend.release(slot);
     }
     for id in ids {
