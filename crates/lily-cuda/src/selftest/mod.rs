@@ -187,12 +187,12 @@ pub fn run_all(options: &Options) -> Result<usize> {
     )?;
     compare_models(cpu, gpu, seed, 400, 3e-2, true, &mut report)?;
 
-    println!("-- batched backend: default model, 64 slots --");
+    println!("-- batched backend: default model, 64 slots, 8 snapshot buffers --");
     let weights = Weights::load(&dir).map_err(|e| GpuError::Other(e.to_string()))?;
     let capacity = crate::model::Capacity {
         max_seqs: 64,
         kv_pages: 64 * crate::pages::pages_for(8192),
-        snapshots: 4,
+        snapshots: 8,
     };
     let model = CudaModel::new(
         Gpu::open()?,
