@@ -314,9 +314,13 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let batches: Vec<usize> = args.batch.into_iter().flat_map(|l| l.0).collect();
     let longest = prompts.iter().copied().max().unwrap_or(0).max(args.generate);
-    let max_context = depths.iter().max().copied().unwrap_or(0).max(1)
+    let mut max_context = depths.iter().max().copied().unwrap_or(0).max(1)
         + longest * (1 + if batches.is_empty() { 0 } else { args.repetitions })
         + 1;
+    if !batches.is_empty() && !prompts.is_empty() {
+        // The prefill chunk is capped by the context: give the joined passes the server's budget.
+        max_context = max_context.max(lily_cuda::batch::PREFILL_BUDGET);
+    }
     if args.timeline {
         lily_cuda::kernels::enable_timeline();
     }

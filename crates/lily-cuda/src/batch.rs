@@ -302,7 +302,7 @@ fn enqueue_head(
 }
 
 /// Prompt tokens an engine iteration prefills by default on the GPU (see `BatchBackend::prefill_budget`).
-const PREFILL_BUDGET: usize = 8192;
+pub const PREFILL_BUDGET: usize = 8192;
 
 /// Device bytes of the prefill chunk's scratch per token, rounded up (the full shape needs ~230 kB).
 const PREFILL_SCRATCH_PER_TOKEN: usize = 300 << 10;
