@@ -937,10 +937,7 @@ impl Engine {
             }
         }
         let tokens = chunks.iter().map(|c| c.end - c.done).sum();
-        match chunks.len() {
-            1 => self.run_chunk(chunks.pop().expect("one chunk")),
-            _ => self.run_chunks(chunks),
-        }
+        self.run_chunks(chunks);
         Some(tokens)
     }
 
@@ -1028,57 +1025,8 @@ impl Engine {
         })
     }
 
-    /// Runs one sequence's chunk in a prefill call of its own and takes its results.
-    fn run_chunk(&mut self, chunk: Chunk) {
-        let Chunk {
-            slot,
-            job,
-            done,
-            end,
-            ref cuts,
-            echo,
-        } = chunk;
-        let prompt = self.slots[slot]
-            .as_ref()
-            .expect("a planned sequence")
-            .spec
-            .prompt
-            .clone();
-        let started = Instant::now();
-        let result = match cuts.is_empty() {
-            true => self.backend.prefill(slot, &prompt[done..end]).map(|()| Vec::new()),
-            false => self.backend.prefill_snapshot(slot, &prompt[done..end], cuts),
-        };
-        self.trace_prefill(std::slice::from_ref(&chunk), started);
-        match result {
-            Ok(ids) => self.cache_snapshots(&chunk, &prompt, ids),
-            Err(e) => {
-                self.fail_job(job, forward_error(e));
-                return;
-            }
-        }
-        if let Some(top) = echo.filter(|_| prompt.len() > 1) {
-            let entry = match self.backend.logits(0) {
-                Ok(logits) => logits::logprobs(logits, prompt[1], top),
-                Err(e) => {
-                    self.fail_job(job, forward_error(e));
-                    return;
-                }
-            };
-            let seq = self.slots[slot].as_mut().expect("a planned sequence");
-            seq.phase = Phase::Echo {
-                next: 1,
-                entries: vec![entry],
-            };
-            return;
-        }
-        let done = self.chunk_done(&chunk, 0);
-        self.sample_and_emit(&done.ready);
-        self.snapshot_prompts(done.prompts);
-    }
-
-    /// Runs the chunks of several sequences in one prefill call and takes their results; none of them echoes its
-    /// prompt.
+    /// Runs the chunks of one prefill call (one sequence's, or several joined) and takes their results: a chunk
+    /// that echoes its prompt (always alone) goes on in steps, the others move their sequences on.
     fn run_chunks(&mut self, chunks: Vec<Chunk>) {
         let prompts: Vec<Arc<Vec<u32>>> = chunks
             .iter()
@@ -1116,19 +1064,38 @@ impl Engine {
         for ((chunk, prompt), ids) in chunks.iter().zip(&prompts).zip(ids) {
             self.cache_snapshots(chunk, prompt, ids);
         }
-        let mut ready = Vec::new();
-        let mut prompts = Vec::new();
+        let (mut ready, mut in_prompts) = (Vec::new(), Vec::new());
         for (row, chunk) in chunks.iter().enumerate() {
             // A sequence whose job an earlier part's handling failed has left its slot.
             if self.slots[chunk.slot].as_ref().is_none_or(|q| q.job != chunk.job) {
                 continue;
             }
+            if let Some(top) = chunk.echo.filter(|_| prompts[row].len() > 1) {
+                self.start_echo(chunk, row, top);
+                continue;
+            }
             let done = self.chunk_done(chunk, row);
             ready.extend(done.ready);
-            prompts.extend(done.prompts);
+            in_prompts.extend(done.prompts);
         }
         self.sample_and_emit(&ready);
-        self.snapshot_prompts(prompts);
+        self.snapshot_prompts(in_prompts);
+    }
+
+    /// A chunk echoing its prompt's logprobs (its first token in, its logits in output `row`): the logprob of the
+    /// prompt's second token, among the `top` most likely, and the sequence goes on one prompt token a step.
+    fn start_echo(&mut self, chunk: &Chunk, row: usize, top: usize) {
+        let seq = self.slots[chunk.slot].as_ref().expect("a planned sequence");
+        let second = seq.spec.prompt[1];
+        let entry = match self.backend.logits(row) {
+            Ok(logits) => logits::logprobs(logits, second, top),
+            Err(e) => return self.fail_job(chunk.job, forward_error(e)),
+        };
+        let seq = self.slots[chunk.slot].as_mut().expect("a planned sequence");
+        seq.phase = Phase::Echo {
+            next: 1,
+            entries: vec![entry],
+        };
     }
 
     /// Puts the snapshots a prefill call took at a chunk's cuts (`None` where the backend had no room) into the
