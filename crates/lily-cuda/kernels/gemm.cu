@@ -434,6 +434,228 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     dense<8>(a, m, w, n, k, out, accumulate);
 }
 
+// ---- Dense 4-bit products on the warpgroup tensor cores (Hopper, sm_90a) ----
+// The same product as gemm_q4 with 128-row tiles, for the GPUs that have wgmma: mma.sync reaches about a third of
+// Hopper's tensor throughput, the asynchronous warpgroup MMA most of it. A block (two warpgroups, 256 threads)
+// computes 128 activation rows by 256 weight rows, warpgroup w the rows 64 w .. 64 w + 63, with
+// wgmma.m64n256k16 (128 f32 accumulators a thread). Both operands come from shared memory in the 128-byte
+// swizzled K-major layout (a row of 64 bf16 is 128 bytes; 16-byte chunk c of row r lies at chunk c ^ (r % 8);
+// eight rows make a 1,024-byte atom), which is the layout the activation tiles already have.
+//
+// Per k step of one quantization group: cp.async brings the activation tile and the packed weight rows (32 bytes
+// and one (scale, bias) pair a row; thread i copies weight row i) GEMM_WGMMA_STAGES - 2 steps ahead; thread i
+// turns its own row's 64 codes into bf16 (scale * q + bias, as gemm_q4 does) in one of three B buffers; a fence
+// hands the shared memory writes to the asynchronous proxy and a barrier makes them everyone's; then each
+// warpgroup issues its four k16 MMAs and, before the next step, waits until at most this step's are in flight.
+// So step kt's dequantization overlaps step kt - 1's MMAs. The buffers are safe to refill: a stage is reloaded two
+// steps after its MMAs were issued and a B buffer three, and every thread has passed a barrier since both
+// warpgroups waited for those MMAs.
+#ifndef GEMM_WGMMA
+#define GEMM_WGMMA 1
+#endif
+#ifndef GEMM_WGMMA_STAGES
+#define GEMM_WGMMA_STAGES 4
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && GEMM_WGMMA
+#define WGMMA_BUILT 1
+#else
+#define WGMMA_BUILT 0
+#endif
+constexpr int WG_ROWS = 128;
+constexpr int WG_A = WG_ROWS * KT * 2;            // activation tile, bf16, swizzled
+constexpr int WG_CODES = WROWS * KT / 2;          // packed 4-bit weights, 32 bytes a row
+constexpr int WG_STAGE = WG_A + WG_CODES + WROWS * 4;
+constexpr int WG_B = WROWS * KT * 2;              // dequantized weights, bf16, swizzled
+constexpr int WG_B_BUFFERS = 3;
+// (1,024 bytes more than the tiles: the kernel rounds its start up to an atom's alignment.)
+constexpr int WG_SMEM = GEMM_WGMMA_STAGES * WG_STAGE + WG_B_BUFFERS * WG_B + 1024;
+static_assert(WG_STAGE % 1024 == 0 && WG_A % 1024 == 0 && GEMM_WGMMA_STAGES >= 3,
+              "every operand tile starts on a 1,024-byte swizzle atom; a stage is refilled two steps after use");
+// Read by the host (src/gemm.rs): whether this build has the kernel (sm_90a), and its shared memory.
+__device__ int gemm_wgmma = WGMMA_BUILT;
+__device__ int gemm_wgmma_smem = WG_SMEM;
+
+#if WGMMA_BUILT
+// A shared memory operand of wgmma: its start (the tile's 1,024-byte aligned base plus the k16 step's 32-byte
+// offset in the 128-byte rows), 1,024 bytes between groups of eight rows, 128-byte swizzle.
+__device__ __forceinline__ u64 wgmma_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// d += A (64 x 16) B (16 x 256)^T, asynchronously; scale_d 0 ignores d.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMAs.
+__device__ __forceinline__ void wgmma_hold(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+#if WGMMA_BUILT
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < WG_SMEM) __trap();  // the host's shared memory is not the kernel's
+    const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
+    unsigned char* smem = smem_raw + (smem0 - raw0);
+    const int tid = threadIdx.x, m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
+    const int rows = min(WG_ROWS, m - m0);
+    constexpr int STAGES = GEMM_WGMMA_STAGES;
+
+    // Copies: chunk tid % 8 of activation rows tid / 8 + 32 i (zero-filled past the tile's rows); weight row tid's
+    // 32 bytes of codes and its pair (zero-filled past n, so those columns come out 0 and are not stored).
+    const int a_chunk = tid % 8, a_first = tid / 8;
+    const bf16* a_src[4];
+    u32 a_bytes[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = a_first + 32 * i;
+        a_src[i] = a + (size_t)(m0 + (r < rows ? r : 0)) * k + a_chunk * 8;
+        a_bytes[i] = r < rows ? 16u : 0u;
+    }
+    const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);  // rows 32 apart share the swizzle
+    const bool w_valid = n0 + tid < n;
+    const u32* w_src = w.packed + (size_t)(w_valid ? n0 + tid : 0) * (k / 8);
+    const u32* sb_src = w.scale_bias + (size_t)(w_valid ? n0 + tid : 0) * (k / KT);
+    const u32 w_bytes = w_valid ? 16u : 0u;
+    auto load_w = [&](int kt) {
+        const u32 stage = smem0 + (kt % STAGES) * WG_STAGE + WG_A;
+        cp_async_16(stage + tid * 32, w_src + kt * 8, w_bytes);
+        cp_async_16(stage + tid * 32 + 16, w_src + kt * 8 + 4, w_bytes);
+        cp_async_4(stage + WG_CODES + tid * 4, sb_src + kt, w_bytes / 4);
+    };
+    auto load_a = [&](int kt) {
+        const u32 stage = smem0 + (kt % STAGES) * WG_STAGE;
+#pragma unroll
+        for (int i = 0; i < 4; i++) cp_async_16(stage + a_dst + i * 32 * 128, a_src[i] + kt * KT, a_bytes[i]);
+    };
+
+    // The prologue's weights before the wait for the activations' producer, then its activations, a group a stage.
+    const int k_tiles = k / KT;
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; s++)
+        if (s < k_tiles) load_w(s);
+    wait_previous();
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; s++) {
+        if (s < k_tiles) load_a(s);
+        cp_async_commit();
+    }
+
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) d[i] = 0.f;
+    const int wg = tid / 128;
+    const u32 b0 = smem0 + STAGES * WG_STAGE;
+    const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
+    const u32 b_row = tid * 128, b_swizzle = tid % 8;
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; kt++) {
+        cp_async_wait<STAGES - 3>();  // this thread's copies of stage kt have landed
+        const int stage = kt % STAGES;
+        const unsigned char* codes = smem + stage * WG_STAGE + WG_A + tid * 32;
+        const uint4 lo = *(const uint4*)codes, hi = *(const uint4*)(codes + 16);
+        const u32 sb = *(const u32*)(smem + stage * WG_STAGE + WG_A + WG_CODES + tid * 4);
+        const u32 scale2 = __byte_perm(sb, sb, 0x1010), bias2 = __byte_perm(sb, sb, 0x3232);
+        const u32 b_buf = b0 + (kt % WG_B_BUFFERS) * WG_B;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const u32 word = word_of(c < 4 ? lo : hi, c % 4);
+            u32 v[4];
+#pragma unroll
+            for (int t = 0; t < 4; t++) v[t] = dequant_q4(word, sel[t], scale2, bias2);
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(b_buf + b_row + ((c ^ b_swizzle) << 4)),
+                         "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                         : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes and copies, for wgmma
+        __syncthreads();
+        if (kt + STAGES - 2 < k_tiles) {
+            load_w(kt + STAGES - 2);
+            load_a(kt + STAGES - 2);
+        }
+        cp_async_commit();
+        const u32 a_tile = smem0 + stage * WG_STAGE + wg * 64 * 128;
+        wgmma_fence();
+        wgmma_hold(d);
+#pragma unroll
+        for (int s = 0; s < KT / 16; s++) wgmma_m64n256k16(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+        wgmma_commit();
+        wgmma_wait<1>();
+        wgmma_hold(d);
+    }
+    wgmma_wait<0>();
+    wgmma_hold(d);
+
+    // Accumulator layout: warp q of the warpgroup holds rows 16 q .. 16 q + 15; lane (g, t) of it rows g and g + 8
+    // at columns 8 j + 2 t, + 1 of every n8 block j (registers 4 j .. 4 j + 3).
+    const int lane = tid % WARP, g = lane / 4, t = lane % 4, q = (tid % 128) / WARP;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = wg * 64 + q * 16 + g + 8 * h;
+        if (r >= rows) continue;
+        float* o = out + (size_t)(m0 + r) * n;
+#pragma unroll
+        for (int j = 0; j < WROWS / 8; j++) {
+            const int col = n0 + 8 * j + 2 * t;
+            const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+            if (n % 2 == 0) {  // col even: the pair is whole and 8-byte aligned
+                if (col >= n) continue;
+                float2 v = make_float2(v0, v1);
+                if (accumulate) {
+                    const float2 prev = *(const float2*)(o + col);
+                    v.x += prev.x, v.y += prev.y;
+                }
+                *(float2*)(o + col) = v;
+            } else {
+                if (col < n) o[col] = accumulate ? o[col] + v0 : v0;
+                if (col + 1 < n) o[col + 1] = accumulate ? o[col + 1] + v1 : v1;
+            }
+        }
+    }
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
+}
+
 __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u1) {
     return (u32)float_to_bf16(siluf_(g0) * u0) | (u32)float_to_bf16(siluf_(g1) * u1) << 16;
 }

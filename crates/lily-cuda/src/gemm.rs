@@ -67,11 +67,13 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
     (col_blocks as u32, m.div_ceil(rows) as u32, 1)
 }
 
-/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, 64-row tiles with k cut into `parts`
-/// parts (the split kernels), or the integer small tiling with k in `parts` parts (4-bit, few rows).
+/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, 128-row tiles on the warpgroup tensor
+/// cores (4-bit, where the kernels were built for Hopper), 64-row tiles with k cut into `parts` parts (the split
+/// kernels), or the integer small tiling with k in `parts` parts (4-bit, few rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Plan {
     Tiles(usize),
+    Wgmma,
     Split(usize),
     Small(usize),
 }
@@ -142,7 +144,15 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_
             return Plan::Split(parts);
         }
     }
-    Plan::Tiles(tile_rows(m, col_blocks, sms))
+    match tile_rows(m, col_blocks, sms) {
+        128 if wgmma_fits(kernels, bits) => Plan::Wgmma,
+        rows => Plan::Tiles(rows),
+    }
+}
+
+/// Whether the warpgroup kernel takes a `bits`-bit product: 4-bit, in a build for Hopper.
+pub(crate) fn wgmma_fits(kernels: &Kernels, bits: u32) -> bool {
+    bits == 4 && kernels.constant("gemm_wgmma") == 1
 }
 
 /// `out[m][n] = a[m][k] w[n][k]^T` (or `+=` with `accumulate`), `a` bf16 and `out` f32 row-major, n = w.rows,
@@ -218,6 +228,7 @@ pub(crate) fn gemm_planned(
     match (w.bits, plan) {
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (4, Plan::Wgmma) => gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (bits, Plan::Split(parts)) => {
             let split = match bits {
                 4 => gemm::gemm_q4_split,
@@ -284,6 +295,10 @@ fn sum_dims(items: usize) -> Dims {
 /// The geometry of a planned dense product: (column blocks, row blocks, parts of k) and its shared memory.
 fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, plan: Plan) -> Dims {
     let (rows, parts) = match plan {
+        Plan::Wgmma => {
+            let (x, y, _) = dense_grid(m, k, col_blocks, 128);
+            return Dims::new((x, y, 1), THREADS).shared(l.kernels.constant("gemm_wgmma_smem") as u32);
+        }
         Plan::Tiles(rows) => (rows, 1),
         Plan::Split(parts) => (l.kernels.constant("gemm_split_rows"), parts),
         Plan::Small(_) => unreachable!("the small tiling has its own geometry"),

@@ -10,7 +10,8 @@ use lily_model::Config;
 use super::{download, download_f32, normals, poison, rel_err, Report};
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::{
-    gemm_planned, max_tiles, moe_experts, moe_slots, plan, small_fits, Experts, Plan, SmallCodes, Sorted, K_STEP,
+    gemm_planned, max_tiles, moe_experts, moe_slots, plan, small_fits, wgmma_fits, Experts, Plan, SmallCodes, Sorted,
+    K_STEP,
 };
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
@@ -84,6 +85,9 @@ fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, 
     let mut plans = vec![Plan::Tiles(64)];
     if m > 64 {
         plans.push(Plan::Tiles(128));
+        if wgmma_fits(kernels, bits) {
+            plans.push(Plan::Wgmma);
+        }
     }
     let tiles = m.div_ceil(kernels.constant("gemm_split_rows")) * col_blocks;
     for parts in [2, 3, k_steps] {
@@ -111,6 +115,7 @@ fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, 
 fn plan_name(p: Plan) -> String {
     match p {
         Plan::Tiles(rows) => format!("{rows}-row tiles"),
+        Plan::Wgmma => "128-row tiles on wgmma".into(),
         Plan::Split(parts) => format!("k in {parts} parts"),
         Plan::Small(parts) => format!("integer small tiling, k in {parts} parts"),
     }
