@@ -474,6 +474,12 @@ static_assert(WG_STAGE % 1024 == 0 && WG_A % 1024 == 0 && GEMM_WGMMA_STAGES >= 3
 // Read by the host (src/gemm.rs): whether this build has the kernel (sm_90a), and its shared memory.
 __device__ int gemm_wgmma = WGMMA_BUILT;
 __device__ int gemm_wgmma_smem = WG_SMEM;
+// The host's estimate of a 128-row tile's time here against gemm_q4's, in percent, where it weighs 128-row tiles
+// against more 64-row ones (4,096-token prefill on the H200: 31.3 ms against 41.6 for the dense products).
+#ifndef GEMM_WGMMA_COST
+#define GEMM_WGMMA_COST 75
+#endif
+__device__ int gemm_wgmma_cost = GEMM_WGMMA_COST;
 
 #if WGMMA_BUILT
 // A shared memory operand of wgmma: its start (the tile's 1,024-byte aligned base plus the k16 step's 32-byte

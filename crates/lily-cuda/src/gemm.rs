@@ -6,7 +6,9 @@
 //! gate/up pair: 128 rows of each) by 64 or 128 activation rows, grid (weight-row blocks, activation-row blocks)
 //! for the dense products and (column blocks, tiles) for the grouped ones; dynamic shared memory holds
 //! `gemm_stages` pipeline stages of an activation tile (rows x 64 bf16), the packed weight tile (256 rows x 64
-//! codes) and its 256 scale/bias pairs.
+//! codes) and its 256 scale/bias pairs. On Hopper the 4-bit products in 128-row tiles take the warpgroup MMA
+//! (`gemm_q4_wgmma`, which also keeps three dequantized bf16 weight tiles there); the mma.sync kernels are the
+//! path of every other GPU.
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
@@ -43,10 +45,11 @@ fn shared_bytes(kernels: &Kernels, rows: usize, bits: u32) -> u32 {
 
 /// Activation rows per block tile of a dense product: 64 up to m = 64; beyond, 128 unless 64-row tiles finish in
 /// fewer rounds of blocks over the SMs (one block per SM; a 64-row tile is taken to cost 0.6 of a 128-row one:
-/// half the products, the same dequantization).
-fn tile_rows(m: usize, col_blocks: usize, sms: usize) -> usize {
+/// half the products, the same dequantization). `wide_cost` is what a 128-row tile costs against the mma.sync one:
+/// 1, or `gemm_wgmma_cost` / 100 where the warpgroup kernel takes it.
+fn tile_rows(m: usize, col_blocks: usize, sms: usize, wide_cost: f64) -> usize {
     let rounds = |rows: usize| (m.div_ceil(rows) * col_blocks).div_ceil(sms) as f64;
-    if m <= 64 || rounds(64) * 0.6 < rounds(128) {
+    if m <= 64 || rounds(64) * 0.6 < rounds(128) * wide_cost {
         64
     } else {
         128
@@ -144,7 +147,11 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_
             return Plan::Split(parts);
         }
     }
-    match tile_rows(m, col_blocks, sms) {
+    let wide_cost = match wgmma_fits(kernels, bits) {
+        true => kernels.constant("gemm_wgmma_cost") as f64 / 100.0,
+        false => 1.0,
+    };
+    match tile_rows(m, col_blocks, sms, wide_cost) {
         128 if wgmma_fits(kernels, bits) => Plan::Wgmma,
         rows => Plan::Tiles(rows),
     }

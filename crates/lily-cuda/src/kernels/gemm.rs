@@ -34,6 +34,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_small_min_pieces",
         "gemm_wgmma",
         "gemm_wgmma_smem",
+        "gemm_wgmma_cost",
     ],
 };
 
