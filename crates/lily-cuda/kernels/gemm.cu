@@ -480,6 +480,11 @@ __device__ int gemm_wgmma_smem = WG_SMEM;
 #define GEMM_WGMMA_COST 75
 #endif
 __device__ int gemm_wgmma_cost = GEMM_WGMMA_COST;
+// Whether the host takes gemm_q4_wgmma_split for the split products of more than 64 rows (1) or gemm_q4_split (0).
+#ifndef GEMM_WGMMA_SPLIT
+#define GEMM_WGMMA_SPLIT 1
+#endif
+__device__ int gemm_wgmma_split = GEMM_WGMMA_SPLIT;
 
 #if WGMMA_BUILT
 // A shared memory operand of wgmma: its start (the tile's 1,024-byte aligned base plus the k16 step's 32-byte
@@ -534,15 +539,17 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[128]) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
-    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
 #if WGMMA_BUILT
+// Block (256 weight rows n0 .., 128 activation rows m0 ..) of out = a w^T over the k steps [step0, step0 + steps) of
+// k inputs; store(r, col, v0, v1) for every row r < rows of the tile and even column col (of the matrix's n) below
+// the tile's end.
+template <int NMAT, bool TILED, bool WEIGHTS_FIRST, class ARow, class WRow, class Store>
+__device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow a_row, WRow w_row, Store store) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     if (dynamic_smem_bytes() < WG_SMEM) __trap();  // the host's shared memory is not the kernel's
     const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (smem0 - raw0);
-    const int tid = threadIdx.x, m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
-    const int rows = min(WG_ROWS, m - m0);
+    const int tid = threadIdx.x;
     constexpr int STAGES = GEMM_WGMMA_STAGES;
 
     // Copies: chunk tid % 8 of activation rows tid / 8 + 32 i (zero-filled past the tile's rows); weight row tid's
@@ -553,19 +560,20 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = a_first + 32 * i;
-        a_src[i] = a + (size_t)(m0 + (r < rows ? r : 0)) * k + a_chunk * 8;
+        a_src[i] = a_row(r < rows ? r : 0) + step0 * KT + a_chunk * 8;
         a_bytes[i] = r < rows ? 16u : 0u;
     }
     const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);  // rows 32 apart share the swizzle
-    const bool w_valid = n0 + tid < n;
-    const u32* w_src = w.packed + (size_t)(w_valid ? n0 + tid : 0) * (k / 8);
-    const u32* sb_src = w.scale_bias + (size_t)(w_valid ? n0 + tid : 0) * (k / KT);
-    const u32 w_bytes = w_valid ? 16u : 0u;
+    const WeightRow wr = w_row(tid);
+    // A step's words and pair of the row: of one group in a row-major matrix, of half a piece in a tiled one.
+    auto step_words = [](int kt) { return TILED ? (kt / 2) * TILED_PIECE_STEP + (kt % 2) * (KT / 8) : kt * (KT / 8); };
+    auto step_pairs = [](int kt) { return TILED ? (kt / 2) * TILED_PAIR_STEP + kt % 2 : kt; };
     auto load_w = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * WG_STAGE + WG_A;
-        cp_async_16(stage + tid * 32, w_src + kt * 8, w_bytes);
-        cp_async_16(stage + tid * 32 + 16, w_src + kt * 8 + 4, w_bytes);
-        cp_async_4(stage + WG_CODES + tid * 4, sb_src + kt, w_bytes / 4);
+        const u32* src = wr.packed + step_words(step0 + kt);
+        cp_async_16(stage + tid * 32, src, wr.bytes);
+        cp_async_16(stage + tid * 32 + 16, src + 4, wr.bytes);
+        cp_async_4(stage + WG_CODES + tid * 4, wr.scale_bias + step_pairs(step0 + kt), wr.bytes / 4);
     };
     auto load_a = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * WG_STAGE;
@@ -573,15 +581,20 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
         for (int i = 0; i < 4; i++) cp_async_16(stage + a_dst + i * 32 * 128, a_src[i] + kt * KT, a_bytes[i]);
     };
 
-    // The prologue's weights before the wait for the activations' producer, then its activations, a group a stage.
-    const int k_tiles = k / KT;
+    // The prologue, a group a stage; with WEIGHTS_FIRST its weights before the wait for the activations' producer.
+    const int k_tiles = steps;
+    if constexpr (WEIGHTS_FIRST) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 2; s++)
-        if (s < k_tiles) load_w(s);
-    wait_previous();
+        for (int s = 0; s < STAGES - 2; s++)
+            if (s < k_tiles) load_w(s);
+        wait_previous();
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 2; s++) {
-        if (s < k_tiles) load_a(s);
+        if (s < k_tiles) {
+            if constexpr (!WEIGHTS_FIRST) load_w(s);
+            load_a(s);
+        }
         cp_async_commit();
     }
 
@@ -589,6 +602,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 128; i++) d[i] = 0.f;
     const int wg = tid / 128;
+    const bool wg_rows = wg * 64 < rows;  // a warpgroup whose 64 rows are all past the tile's skips its MMAs
     const u32 b0 = smem0 + STAGES * WG_STAGE;
     const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
     const u32 b_row = tid * 128, b_swizzle = tid % 8;
@@ -621,8 +635,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
         const u32 a_tile = smem0 + stage * WG_STAGE + wg * 64 * 128;
         wgmma_fence();
         wgmma_hold(d);
+        if (wg_rows) {
 #pragma unroll
-        for (int s = 0; s < KT / 16; s++) wgmma_m64n256k16(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+            for (int s = 0; s < KT / 16; s++)
+                wgmma_m64n256k16(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+        }
         wgmma_commit();
         wgmma_wait<1>();
         wgmma_hold(d);
@@ -637,25 +654,43 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     for (int h = 0; h < 2; h++) {
         const int r = wg * 64 + q * 16 + g + 8 * h;
         if (r >= rows) continue;
-        float* o = out + (size_t)(m0 + r) * n;
+        if constexpr (NMAT == 1) {
 #pragma unroll
-        for (int j = 0; j < WROWS / 8; j++) {
-            const int col = n0 + 8 * j + 2 * t;
-            const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-            if (n % 2 == 0) {  // col even: the pair is whole and 8-byte aligned
-                if (col >= n) continue;
-                float2 v = make_float2(v0, v1);
-                if (accumulate) {
-                    const float2 prev = *(const float2*)(o + col);
-                    v.x += prev.x, v.y += prev.y;
-                }
-                *(float2*)(o + col) = v;
-            } else {
-                if (col < n) o[col] = accumulate ? o[col] + v0 : v0;
-                if (col + 1 < n) o[col + 1] = accumulate ? o[col + 1] + v1 : v1;
-            }
+            for (int j = 0; j < WROWS / 8; j++) store(r, 8 * j + 2 * t, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < WROWS / 16; j++)
+                store(r, 8 * j + 2 * t, d[4 * j + 2 * h], d[4 * j + 2 * h + 1], d[4 * (j + 16) + 2 * h],
+                      d[4 * (j + 16) + 2 * h + 1]);
         }
     }
+}
+#endif
+
+// gemm_q4 in 128-row tiles: block (256 weight rows, 128 activation rows).
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+#if WGMMA_BUILT
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
+    wgmma_tile<1, false, true>(
+        min(WG_ROWS, m - m0), 0, k / KT, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
+        [&](int r, int c, float v0, float v1) {
+        const int col = n0 + c;
+        float* o = out + (size_t)(m0 + r) * n;
+        if (n % 2 == 0) {  // col even: the pair is whole and 8-byte aligned
+            if (col >= n) return;
+            float2 v = make_float2(v0, v1);
+            if (accumulate) {
+                const float2 prev = *(const float2*)(o + col);
+                v.x += prev.x, v.y += prev.y;
+            }
+            *(float2*)(o + col) = v;
+        } else {
+            if (col < n) o[col] = accumulate ? o[col] + v0 : v0;
+            if (col + 1 < n) o[col + 1] = accumulate ? o[col + 1] + v1 : v1;
+        }
+    });
 #else
     wait_previous();
     __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
@@ -754,6 +789,29 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     gemm_q8_split(const bf16* a, int m, Q4 w, int n, int k) {
     dense_split<8>(a, m, w, n, k);
+}
+
+// gemm_q4_split on the warpgroup tensor cores: block (256 weight rows, 128 activation rows, part of k), whose
+// partial tile goes to the split products' slots as two 64-row tiles (row r of block row y is slot row
+// (128 y + r) % 64 of tile row (128 y + r) / 64), so gemm_split_sum adds the parts as it adds gemm_q4_split's.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma_split(const bf16* a, int m, Q4 w, int n, int k) {
+#if WGMMA_BUILT
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
+    const int2 steps = split_steps(k / KT);
+    const int tiles = gridDim.x * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
+    wgmma_tile<1, false, true>(
+        min(WG_ROWS, m - m0), steps.x, steps.y - steps.x, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
+        [&](int r, int c, float v0, float v1) {
+            const int row = m0 + r;
+            float* slot = partial_slot(blockIdx.x + gridDim.x * (row / SPLIT_ROWS), blockIdx.z, tiles);
+            *(float2*)(slot + (row % SPLIT_ROWS) * WROWS + c) = make_float2(v0, v1);
+        });
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
 }
 
 // The sum over `parts` parts, in order, of the 4 partial columns `col` .. `col` + 3 of tile column block `cb` at
@@ -894,6 +952,64 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     wait_previous();
     if ((int)blockIdx.y >= *tile_count) return;
     moe_down_tile<MoeDown>(blockIdx.y, blockIdx.x, act, entries, tiles, offsets, route_w, down, shared_down, out);
+}
+
+// The large tiling on the warpgroup tensor cores (Hopper): tiles of 128 sorted entries (the sort's tile height is
+// moe_wgmma_tile_rows there), the blocks of moe_gate_up and moe_down, each a wgmma_tile; a warpgroup whose 64 rows of
+// a tile are all empty skips its MMAs, so a tile costs its rows in steps of 64. Gate/up: warpgroup accumulator
+// blocks 0-15 are 128 columns of gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU.
+#ifndef MOE_WGMMA
+#define MOE_WGMMA 1
+#endif
+__device__ int moe_wgmma = WGMMA_BUILT && MOE_WGMMA;
+__device__ int moe_wgmma_tile_rows = WG_ROWS;
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    moe_gate_up_wgmma(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                      Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+    wait_previous();  // the tiles and the weights they pick come from the routing
+#if WGMMA_BUILT
+    if ((int)blockIdx.y >= *tile_count) return;
+    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
+    const int n0 = blockIdx.x * (WROWS / 2);
+    wgmma_tile<2, true, false>(
+        min(WG_ROWS, offsets[expert + 1] - first), 0, HIDDEN / KT,
+        [&](int r) { return x + (size_t)(entries[first + r] / MOE_SLOTS) * HIDDEN; },
+        [&](int i) {
+            const bool is_up = i >= WROWS / 2;
+            return expert_row(is_up ? up : gate, is_up ? shared_up : shared_gate, expert, MOE_INTER,
+                              n0 + i % (WROWS / 2), true, HIDDEN);
+        },
+        [&](int r, int c, float g0, float g1, float u0, float u1) {
+            *(u32*)(act + (size_t)(first + r) * MOE_INTER + n0 + c) = swiglu_pair(g0, g1, u0, u1);
+        });
+#else
+    __trap();  // built without wgmma: the host never launches it (moe_wgmma is 0)
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    moe_down_wgmma(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                   const float* route_w, Q4 down, Q4 shared_down, float* out) {
+    wait_previous();
+#if WGMMA_BUILT
+    if ((int)blockIdx.y >= *tile_count) return;
+    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
+    const int n0 = blockIdx.x * WROWS;
+    wgmma_tile<1, true, false>(
+        min(WG_ROWS, offsets[expert + 1] - first), 0, MOE_INTER / KT,
+        [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
+        [&](int i) { return expert_row(down, shared_down, expert, HIDDEN, n0 + i, n0 + i < HIDDEN, MOE_INTER); },
+        [&](int r, int c, float v0, float v1) {
+            const int col = n0 + c;
+            if (col >= HIDDEN) return;
+            const int entry = entries[first + r];
+            const float weight = route_w[entry];
+            *(float2*)(out + (size_t)entry * HIDDEN + col) = make_float2(weight * v0, weight * v1);
+        });
+#else
+    __trap();  // built without wgmma: the host never launches it (moe_wgmma is 0)
+#endif
 }
 
 // ---- The small tiling: few entries per expert, on the integer tensor cores ----

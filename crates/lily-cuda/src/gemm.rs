@@ -77,6 +77,7 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
 pub(crate) enum Plan {
     Tiles(usize),
     Wgmma,
+    WgmmaSplit(usize),
     Split(usize),
     Small(usize),
 }
@@ -139,6 +140,16 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
     if m <= SPLIT_MAX_M && tiles < kernels.constant("gemm_split_tile_rounds") * sms {
+        // On wgmma: 128-row tiles, one block an SM, as many parts as fill `gemm_split_rounds` rounds.
+        if m > 64 && wgmma_fits(kernels, bits) && kernels.constant("gemm_wgmma_split") == 1 {
+            let wide = m.div_ceil(2 * split_rows) * col_blocks;
+            let parts = (kernels.constant("gemm_split_rounds") * sms / wide)
+                .min(k_steps / kernels.constant("gemm_split_min_steps").max(1))
+                .min(kernels.constant("gemm_split_blocks") / tiles);
+            if parts >= 2 {
+                return Plan::WgmmaSplit(parts);
+            }
+        }
         let target = kernels.constant("gemm_split_rounds") * kernels.constant("gemm_split_blocks_per_sm") * sms;
         let parts = (target / tiles)
             .min(k_steps / kernels.constant("gemm_split_min_steps").max(1))
@@ -236,11 +247,12 @@ pub(crate) fn gemm_planned(
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (4, Plan::Wgmma) => gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
-        (bits, Plan::Split(parts)) => {
-            let split = match bits {
-                4 => gemm::gemm_q4_split,
-                8 => gemm::gemm_q8_split,
-                _ => panic!("no {bits}-bit product"),
+        (bits, Plan::Split(parts) | Plan::WgmmaSplit(parts)) => {
+            let split = match (bits, plan) {
+                (4, Plan::WgmmaSplit(_)) => gemm::gemm_q4_wgmma_split,
+                (4, _) => gemm::gemm_q4_split,
+                (8, Plan::Split(_)) => gemm::gemm_q8_split,
+                _ => panic!("no {bits}-bit product as {plan:?}"),
             };
             split(l, dims, a, m as i32, w.q4(), n, k)?;
             let sum = sum_dims(m * w.rows.div_ceil(4));
@@ -302,9 +314,20 @@ fn sum_dims(items: usize) -> Dims {
 /// The geometry of a planned dense product: (column blocks, row blocks, parts of k) and its shared memory.
 fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, plan: Plan) -> Dims {
     let (rows, parts) = match plan {
-        Plan::Wgmma => {
+        Plan::Wgmma | Plan::WgmmaSplit(_) => {
+            let parts = match plan {
+                Plan::WgmmaSplit(parts) => parts,
+                _ => 1,
+            };
             let (x, y, _) = dense_grid(m, k, col_blocks, 128);
-            return Dims::new((x, y, 1), THREADS).shared(l.kernels.constant("gemm_wgmma_smem") as u32);
+            // The partial tiles are 64-row tiles in the split products' slots.
+            let tiles = m.div_ceil(l.kernels.constant("gemm_split_rows")) * col_blocks;
+            assert!(
+                parts == 1 || (parts <= k / K_STEP && tiles * parts <= l.kernels.constant("gemm_split_blocks")),
+                "{parts} parts of {} k steps in {tiles} tiles",
+                k / K_STEP
+            );
+            return Dims::new((x, y, parts as u32), THREADS).shared(l.kernels.constant("gemm_wgmma_smem") as u32);
         }
         Plan::Tiles(rows) => (rows, 1),
         Plan::Split(parts) => (l.kernels.constant("gemm_split_rows"), parts),
@@ -332,10 +355,13 @@ fn small_max_tokens(kernels: &Kernels) -> usize {
     kernels.constant("moe_small_max_tokens")
 }
 
-/// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`).
+/// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`): the
+/// small tiling's up to `moe_small_max_tokens`, beyond it the warpgroup kernels' where the build has them, otherwise
+/// the mma.sync large tiling's.
 pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
     match tokens <= small_max_tokens(kernels) {
         true => kernels.constant("moe_small_tile_rows"),
+        false if kernels.constant("moe_wgmma") == 1 => kernels.constant("moe_wgmma_tile_rows"),
         false => kernels.constant("moe_tile_rows"),
     }
 }
@@ -430,16 +456,18 @@ impl SmallCodes {
 impl Sorted {
     /// Whether the tiles are the small tiling's.
     pub(crate) fn small(&self, kernels: &Kernels) -> bool {
-        let (small, large) = (
-            kernels.constant("moe_small_tile_rows"),
-            kernels.constant("moe_tile_rows"),
-        );
+        let small = kernels.constant("moe_small_tile_rows");
         assert!(
-            self.tile_rows == small || self.tile_rows == large,
+            self.tile_rows == small || self.tile_rows == kernels.constant("moe_tile_rows") || self.wgmma(kernels),
             "no grouped product takes {}-row tiles",
             self.tile_rows
         );
         self.tile_rows == small
+    }
+
+    /// Whether the tiles are the warpgroup kernels' (a build for Hopper).
+    pub(crate) fn wgmma(&self, kernels: &Kernels) -> bool {
+        kernels.constant("moe_wgmma") == 1 && self.tile_rows == kernels.constant("moe_wgmma_tile_rows")
     }
 }
 
@@ -512,9 +540,16 @@ pub fn moe_experts(
             s.work,
         );
     }
-    let shared = shared_bytes(k, s.tile_rows, 4);
     let grid = |col_blocks: &'static str| (k.constant(col_blocks) as u32, s.max_tiles as u32, 1);
-    gemm::moe_gate_up(
+    let (shared, gate_up, down): (u32, GateUpLauncher, DownLauncher) = match s.wgmma(k) {
+        true => (
+            k.constant("gemm_wgmma_smem") as u32,
+            gemm::moe_gate_up_wgmma,
+            gemm::moe_down_wgmma,
+        ),
+        false => (shared_bytes(k, s.tile_rows, 4), gemm::moe_gate_up, gemm::moe_down),
+    };
+    gate_up(
         l,
         Dims::new(grid("moe_gate_up_col_blocks"), THREADS).shared(shared),
         x,
@@ -528,7 +563,7 @@ pub fn moe_experts(
         m.shared_up.tiled_q4(),
         act,
     )?;
-    gemm::moe_down(
+    down(
         l,
         Dims::new(grid("moe_down_col_blocks"), THREADS).shared(shared),
         act,
@@ -542,3 +577,33 @@ pub fn moe_experts(
         out,
     )
 }
+
+/// The large tiling's gate/up launchers (mma.sync and wgmma take the same arguments).
+type GateUpLauncher = fn(
+    &mut Launcher,
+    Dims,
+    DevPtr<bf16>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    DevPtr<bf16>,
+) -> Result<()>;
+/// The large tiling's down launchers.
+type DownLauncher = fn(
+    &mut Launcher,
+    Dims,
+    DevPtr<bf16>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<f32>,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    DevPtr<f32>,
+) -> Result<()>;

@@ -35,6 +35,9 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_wgmma",
         "gemm_wgmma_smem",
         "gemm_wgmma_cost",
+        "gemm_wgmma_split",
+        "moe_wgmma",
+        "moe_wgmma_tile_rows",
     ],
 };
 
@@ -47,6 +50,8 @@ launchers! {
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `gemm_q4`'s partial products over `gridDim.z` parts of k, into the split products' slots (few rows).
     gemm_q4_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
+    /// `gemm_q4_split` in 128-row tiles on the warpgroup tensor cores (Hopper builds only).
+    gemm_q4_wgmma_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
     /// The same with 8-bit weights.
     gemm_q8_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
     /// `out[m][n]` (`+=` where `accumulate` is 1) = the sum in order of the `parts` partial products of a split
@@ -68,6 +73,31 @@ launchers! {
     );
     /// The large tiling's down products (the shared expert's too), scaled by the routing weights, by entry.
     moe_down(
+        act: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        down: Q4,
+        shared_down: Q4,
+        out: DevPtr<f32>,
+    );
+    /// `moe_gate_up` in 128-row tiles on the warpgroup tensor cores (Hopper builds only: `moe_wgmma` is 1).
+    moe_gate_up_wgmma(
+        x: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        gate: Q4,
+        up: Q4,
+        shared_gate: Q4,
+        shared_up: Q4,
+        act: DevPtr<bf16>,
+    );
+    /// `moe_down` in 128-row tiles on the warpgroup tensor cores (Hopper builds only).
+    moe_down_wgmma(
         act: DevPtr<bf16>,
         entries: DevPtr<i32>,
         tiles: DevPtr<i32>,
