@@ -481,8 +481,10 @@ __device__ int gemm_wgmma_smem = WG_SMEM;
 #endif
 __device__ int gemm_wgmma_cost = GEMM_WGMMA_COST;
 // Whether the host takes gemm_q4_wgmma_split for the split products of more than 64 rows (1) or gemm_q4_split (0).
+// Off: on the H200 it gained nothing in a batched step (14.28 against 14.19 ms at 128 rows, 19.44 both at 256); the
+// selftest checks it on Hopper either way.
 #ifndef GEMM_WGMMA_SPLIT
-#define GEMM_WGMMA_SPLIT 1
+#define GEMM_WGMMA_SPLIT 0
 #endif
 __device__ int gemm_wgmma_split = GEMM_WGMMA_SPLIT;
 
@@ -958,10 +960,14 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // moe_wgmma_tile_rows there), the blocks of moe_gate_up and moe_down, each a wgmma_tile; a warpgroup whose 64 rows of
 // a tile are all empty skips its MMAs, so a tile costs its rows in steps of 64. Gate/up: warpgroup accumulator
 // blocks 0-15 are 128 columns of gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU.
+// Off unless MOE_WGMMA=1: at 4,096 tokens on the H200 it took 26.3 ms for gate/up and 22.1 for down against
+// mma.sync's 25.2 and 16.5 (its tiles are emptier, one block an SM, and every thread dequantizes a whole step's
+// row before the MMAs can start). The selftest checks it on Hopper either way (moe_wgmma_built).
 #ifndef MOE_WGMMA
-#define MOE_WGMMA 1
+#define MOE_WGMMA 0
 #endif
 __device__ int moe_wgmma = WGMMA_BUILT && MOE_WGMMA;
+__device__ int moe_wgmma_built = WGMMA_BUILT;
 __device__ int moe_wgmma_tile_rows = WG_ROWS;
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)

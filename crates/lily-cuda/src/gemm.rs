@@ -465,9 +465,10 @@ impl Sorted {
         self.tile_rows == small
     }
 
-    /// Whether the tiles are the warpgroup kernels' (a build for Hopper).
+    /// Whether the tiles are the warpgroup kernels' (a build for Hopper; the sort takes their height where
+    /// `moe_wgmma` is 1, the selftest also where it is not).
     pub(crate) fn wgmma(&self, kernels: &Kernels) -> bool {
-        kernels.constant("moe_wgmma") == 1 && self.tile_rows == kernels.constant("moe_wgmma_tile_rows")
+        kernels.constant("moe_wgmma_built") == 1 && self.tile_rows == kernels.constant("moe_wgmma_tile_rows")
     }
 }
 

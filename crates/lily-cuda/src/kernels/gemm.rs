@@ -37,6 +37,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_wgmma_cost",
         "gemm_wgmma_split",
         "moe_wgmma",
+        "moe_wgmma_built",
         "moe_wgmma_tile_rows",
     ],
 };

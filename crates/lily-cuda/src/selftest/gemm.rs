@@ -221,8 +221,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         kernels.constant("moe_small_tile_rows"),
         kernels.constant("moe_tile_rows"),
     ];
-    // On Hopper also the warpgroup kernels' (what prompts past 512 tokens take there).
-    if kernels.constant("moe_wgmma") == 1 {
+    // On Hopper also the warpgroup kernels' (which prompts past 512 tokens take there with MOE_WGMMA=1).
+    if kernels.constant("moe_wgmma_built") == 1 {
         tilings.push(kernels.constant("moe_wgmma_tile_rows"));
     }
     for tokens in [1, 3, 16, 300] {
