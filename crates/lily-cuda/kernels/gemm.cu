@@ -542,9 +542,11 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[128]) {
 #endif
 
 #if WGMMA_BUILT
-// Block (256 weight rows n0 .., 128 activation rows m0 ..) of out = a w^T over the k steps [step0, step0 + steps) of
-// k inputs; store(r, col, v0, v1) for every row r < rows of the tile and even column col (of the matrix's n) below
-// the tile's end.
+// One block tile: 128 activation rows (`rows` of them valid, row r starting at a_row(r)) times 256 weight rows
+// (row i from w_row(i); TILED: a tiled matrix's, whose steps lie piece by piece) over the k steps [step0, step0 +
+// steps). Then store(r, c, v0, v1) for every valid row r and even column c of the tile (NMAT = 2: store(r, c, gate
+// pair, up pair), where w_row gave 128 rows of gate, then the same 128 of up). WEIGHTS_FIRST: the weights do not
+// depend on the previous kernel, so the prologue's are requested before waiting for it; otherwise the caller waited.
 template <int NMAT, bool TILED, bool WEIGHTS_FIRST, class ARow, class WRow, class Store>
 __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow a_row, WRow w_row, Store store) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
