@@ -936,30 +936,13 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // blocks 0-15 are 128 columns of gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU.
 // Off unless MOE_WGMMA=1: at 4,096 tokens on the H200 it took 26.3 ms for gate/up and 22.1 for down against
 // mma.sync's 25.2 and 16.5 (its tiles are emptier, one block an SM, and every thread dequantizes a whole step's
-// row before the MMAs can start). The selftest checks it on Hopper either way (moe_wgmma_built).
+// row before the MMAs can start). Its branches (the skip, the return of blocks past the routing's tiles) also make
+// ptxas serialize its wgmma; without them (every block and warpgroup running its MMAs, on zero rows where it has
+// none) it was slower still: 30.7 and 23.6 ms. The selftest checks it on Hopper either way (moe_wgmma_built).
 #ifndef MOE_WGMMA
 #define MOE_WGMMA 0
 #endif
 __device__ int moe_wgmma = WGMMA_BUILT && MOE_WGMMA;
-// Whether a block past the routing's tiles returns at once and a warpgroup of a tile whose 64 rows are all empty
-// skips its MMAs (1), or both run their MMAs on zero rows and store nothing (0): either branch makes ptxas
-// serialize the kernel's wgmma (see wgmma_tile).
-#ifndef MOE_WGMMA_SKIP
-#define MOE_WGMMA_SKIP 1
-#endif
-
-// Block row blockIdx.y's tile of the grouped products: its expert, first sorted entry and rows, or (past the
-// routing's tile count) expert 0, entry 0 and no rows.
-struct Live {
-    bool live;
-    int expert, first, rows;
-};
-__device__ __forceinline__ Live live_tile(const int* tiles, const int* tile_count, const int* offsets) {
-    const int y = blockIdx.y;
-    if (y >= *tile_count) return Live{false, 0, 0, 0};
-    const int expert = tiles[2 * y], first = tiles[2 * y + 1];
-    return Live{true, expert, first, min(WG_ROWS, offsets[expert + 1] - first)};
-}
 __device__ int moe_wgmma_built = WGMMA_BUILT;
 __device__ int moe_wgmma_tile_rows = WG_ROWS;
 
@@ -968,12 +951,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
                       Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
     wait_previous();  // the tiles and the weights they pick come from the routing
 #if WGMMA_BUILT
-    const Live tile = live_tile(tiles, tile_count, offsets);
-    if (MOE_WGMMA_SKIP && !tile.live) return;
-    const int expert = tile.expert, first = tile.first;
+    if ((int)blockIdx.y >= *tile_count) return;
+    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int n0 = blockIdx.x * (WROWS / 2);
-    wgmma_tile<2, true, false, MOE_WGMMA_SKIP>(
-        tile.rows, HIDDEN / KT,
+    wgmma_tile<2, true, false, true>(
+        min(WG_ROWS, offsets[expert + 1] - first), HIDDEN / KT,
         [&](int r) { return x + (size_t)(entries[first + r] / MOE_SLOTS) * HIDDEN; },
         [&](int i) {
             const bool is_up = i >= WROWS / 2;
@@ -993,12 +975,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
                    const float* route_w, Q4 down, Q4 shared_down, float* out) {
     wait_previous();
 #if WGMMA_BUILT
-    const Live tile = live_tile(tiles, tile_count, offsets);
-    if (MOE_WGMMA_SKIP && !tile.live) return;
-    const int expert = tile.expert, first = tile.first;
+    if ((int)blockIdx.y >= *tile_count) return;
+    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int n0 = blockIdx.x * WROWS;
-    wgmma_tile<1, true, false, MOE_WGMMA_SKIP>(
-        tile.rows, MOE_INTER / KT,
+    wgmma_tile<1, true, false, true>(
+        min(WG_ROWS, offsets[expert + 1] - first), MOE_INTER / KT,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
         [&](int i) { return expert_row(down, shared_down, expert, HIDDEN, n0 + i, n0 + i < HIDDEN, MOE_INTER); },
         [&](int r, int c, float v0, float v1) {
