@@ -480,6 +480,14 @@ __device__ int gemm_wgmma_smem = WG_SMEM;
 #define GEMM_WGMMA_COST 75
 #endif
 __device__ int gemm_wgmma_cost = GEMM_WGMMA_COST;
+// Whether the host takes gemm_q4_wgmma_split for the split products of more than 64 rows (1) or gemm_q4_split (0).
+// Off: on the H200 it gained nothing in a batched step (14.28 against 14.19 ms at 128 rows, 19.44 both at 256), but
+// that was measured while a branch around the MMAs had ptxas serialize them (see wgmma_tile); the selftest checks
+// it on Hopper either way.
+#ifndef GEMM_WGMMA_SPLIT
+#define GEMM_WGMMA_SPLIT 0
+#endif
+__device__ int gemm_wgmma_split = GEMM_WGMMA_SPLIT;
 
 #if WGMMA_BUILT
 // A shared memory operand of wgmma: its start (the tile's 1,024-byte aligned base plus the k16 step's 32-byte
@@ -536,14 +544,15 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[128]) {
 
 #if WGMMA_BUILT
 // One block tile: 128 activation rows (`rows` of them valid, row r starting at a_row(r)) times 256 weight rows
-// (row i from w_row(i); TILED: a tiled matrix's, whose steps lie piece by piece) over `steps` k steps. Then store(r, c, v0, v1) for every valid row r and even column c of the tile (NMAT = 2: store(r, c, gate
+// (row i from w_row(i); TILED: a tiled matrix's, whose steps lie piece by piece) over the k steps [step0, step0 +
+// steps). Then store(r, c, v0, v1) for every valid row r and even column c of the tile (NMAT = 2: store(r, c, gate
 // pair, up pair), where w_row gave 128 rows of gate, then the same 128 of up). WEIGHTS_FIRST: the weights do not
 // depend on the previous kernel, so the prologue's are requested before waiting for it; otherwise the caller waited.
 // SKIP_EMPTY: a warpgroup whose 64 rows all lie past `rows` issues no MMAs. The branch around the MMAs makes ptxas
 // serialize every wgmma of the kernel (its C7520 note), so the dense products, whose tiles are full but for the
 // last, do not take it.
 template <int NMAT, bool TILED, bool WEIGHTS_FIRST, bool SKIP_EMPTY, class ARow, class WRow, class Store>
-__device__ __forceinline__ void wgmma_tile(int rows, int steps, ARow a_row, WRow w_row, Store store) {
+__device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow a_row, WRow w_row, Store store) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     if (dynamic_smem_bytes() < WG_SMEM) __trap();  // the host's shared memory is not the kernel's
     const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
@@ -559,7 +568,7 @@ __device__ __forceinline__ void wgmma_tile(int rows, int steps, ARow a_row, WRow
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = a_first + 32 * i;
-        a_src[i] = a_row(r < rows ? r : 0) + a_chunk * 8;
+        a_src[i] = a_row(r < rows ? r : 0) + step0 * KT + a_chunk * 8;
         a_bytes[i] = r < rows ? 16u : 0u;
     }
     const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);  // rows 32 apart share the swizzle
@@ -569,10 +578,10 @@ __device__ __forceinline__ void wgmma_tile(int rows, int steps, ARow a_row, WRow
     auto step_pairs = [](int kt) { return TILED ? (kt / 2) * TILED_PAIR_STEP + kt % 2 : kt; };
     auto load_w = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * WG_STAGE + WG_A;
-        const u32* src = wr.packed + step_words(kt);
+        const u32* src = wr.packed + step_words(step0 + kt);
         cp_async_16(stage + tid * 32, src, wr.bytes);
         cp_async_16(stage + tid * 32 + 16, src + 4, wr.bytes);
-        cp_async_4(stage + WG_CODES + tid * 4, wr.scale_bias + step_pairs(kt), wr.bytes / 4);
+        cp_async_4(stage + WG_CODES + tid * 4, wr.scale_bias + step_pairs(step0 + kt), wr.bytes / 4);
     };
     auto load_a = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * WG_STAGE;
@@ -672,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #if WGMMA_BUILT
     const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
     wgmma_tile<1, false, true, false>(
-        min(WG_ROWS, m - m0), k / KT, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        min(WG_ROWS, m - m0), 0, k / KT, [&](int r) { return a + (size_t)(m0 + r) * k; },
         [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
         [&](int r, int c, float v0, float v1) {
         const int col = n0 + c;
@@ -788,6 +797,29 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     gemm_q8_split(const bf16* a, int m, Q4 w, int n, int k) {
     dense_split<8>(a, m, w, n, k);
+}
+
+// gemm_q4_split on the warpgroup tensor cores: block (256 weight rows, 128 activation rows, part of k), whose
+// partial tile goes to the split products' slots as two 64-row tiles (row r of block row y is slot row
+// (128 y + r) % 64 of tile row (128 y + r) / 64), so gemm_split_sum adds the parts as it adds gemm_q4_split's.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma_split(const bf16* a, int m, Q4 w, int n, int k) {
+#if WGMMA_BUILT
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
+    const int2 steps = split_steps(k / KT);
+    const int tiles = gridDim.x * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
+    wgmma_tile<1, false, true, false>(
+        min(WG_ROWS, m - m0), steps.x, steps.y - steps.x, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
+        [&](int r, int c, float v0, float v1) {
+            const int row = m0 + r;
+            float* slot = partial_slot(blockIdx.x + gridDim.x * (row / SPLIT_ROWS), blockIdx.z, tiles);
+            *(float2*)(slot + (row % SPLIT_ROWS) * WROWS + c) = make_float2(v0, v1);
+        });
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
 }
 
 // The sum over `parts` parts, in order, of the 4 partial columns `col` .. `col` + 3 of tile column block `cb` at
@@ -955,7 +987,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int n0 = blockIdx.x * (WROWS / 2);
     wgmma_tile<2, true, false, true>(
-        min(WG_ROWS, offsets[expert + 1] - first), HIDDEN / KT,
+        min(WG_ROWS, offsets[expert + 1] - first), 0, HIDDEN / KT,
         [&](int r) { return x + (size_t)(entries[first + r] / MOE_SLOTS) * HIDDEN; },
         [&](int i) {
             const bool is_up = i >= WROWS / 2;
@@ -979,7 +1011,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int n0 = blockIdx.x * WROWS;
     wgmma_tile<1, true, false, true>(
-        min(WG_ROWS, offsets[expert + 1] - first), MOE_INTER / KT,
+        min(WG_ROWS, offsets[expert + 1] - first), 0, MOE_INTER / KT,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
         [&](int i) { return expert_row(down, shared_down, expert, HIDDEN, n0 + i, n0 + i < HIDDEN, MOE_INTER); },
         [&](int r, int c, float v0, float v1) {

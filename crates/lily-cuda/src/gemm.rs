@@ -77,6 +77,7 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
 pub(crate) enum Plan {
     Tiles(usize),
     Wgmma,
+    WgmmaSplit(usize),
     Split(usize),
     Small(usize),
 }
@@ -139,6 +140,16 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
     if m <= SPLIT_MAX_M && tiles < kernels.constant("gemm_split_tile_rounds") * sms {
+        // On wgmma: 128-row tiles, one block an SM, as many parts as fill `gemm_split_rounds` rounds.
+        if m > 64 && wgmma_fits(kernels, bits) && kernels.constant("gemm_wgmma_split") == 1 {
+            let wide = m.div_ceil(2 * split_rows) * col_blocks;
+            let parts = (kernels.constant("gemm_split_rounds") * sms / wide)
+                .min(k_steps / kernels.constant("gemm_split_min_steps").max(1))
+                .min(kernels.constant("gemm_split_blocks") / tiles);
+            if parts >= 2 {
+                return Plan::WgmmaSplit(parts);
+            }
+        }
         let target = kernels.constant("gemm_split_rounds") * kernels.constant("gemm_split_blocks_per_sm") * sms;
         let parts = (target / tiles)
             .min(k_steps / kernels.constant("gemm_split_min_steps").max(1))
@@ -236,10 +247,11 @@ pub(crate) fn gemm_planned(
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (4, Plan::Wgmma) => gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
-        (bits, Plan::Split(parts)) => {
-            let split = match bits {
-                4 => gemm::gemm_q4_split,
-                8 => gemm::gemm_q8_split,
+        (bits, Plan::Split(parts) | Plan::WgmmaSplit(parts)) => {
+            let split = match (bits, plan) {
+                (4, Plan::WgmmaSplit(_)) => gemm::gemm_q4_wgmma_split,
+                (4, _) => gemm::gemm_q4_split,
+                (8, Plan::Split(_)) => gemm::gemm_q8_split,
                 _ => panic!("no {bits}-bit product as {plan:?}"),
             };
             split(l, dims, a, m as i32, w.q4(), n, k)?;
@@ -302,9 +314,20 @@ fn sum_dims(items: usize) -> Dims {
 /// The geometry of a planned dense product: (column blocks, row blocks, parts of k) and its shared memory.
 fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, plan: Plan) -> Dims {
     let (rows, parts) = match plan {
-        Plan::Wgmma => {
+        Plan::Wgmma | Plan::WgmmaSplit(_) => {
+            let parts = match plan {
+                Plan::WgmmaSplit(parts) => parts,
+                _ => 1,
+            };
             let (x, y, _) = dense_grid(m, k, col_blocks, 128);
-            return Dims::new((x, y, 1), THREADS).shared(l.kernels.constant("gemm_wgmma_smem") as u32);
+            // The partial tiles are 64-row tiles in the split products' slots.
+            let tiles = m.div_ceil(l.kernels.constant("gemm_split_rows")) * col_blocks;
+            assert!(
+                parts == 1 || (parts <= k / K_STEP && tiles * parts <= l.kernels.constant("gemm_split_blocks")),
+                "{parts} parts of {} k steps in {tiles} tiles",
+                k / K_STEP
+            );
+            return Dims::new((x, y, parts as u32), THREADS).shared(l.kernels.constant("gemm_wgmma_smem") as u32);
         }
         Plan::Tiles(rows) => (rows, 1),
         Plan::Split(parts) => (l.kernels.constant("gemm_split_rows"), parts),

@@ -35,6 +35,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_wgmma",
         "gemm_wgmma_smem",
         "gemm_wgmma_cost",
+        "gemm_wgmma_split",
         "moe_wgmma",
         "moe_wgmma_built",
         "moe_wgmma_tile_rows",
@@ -50,6 +51,8 @@ launchers! {
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `gemm_q4`'s partial products over `gridDim.z` parts of k, into the split products' slots (few rows).
     gemm_q4_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
+    /// `gemm_q4_split` in 128-row tiles on the warpgroup tensor cores (Hopper builds only).
+    gemm_q4_wgmma_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
     /// The same with 8-bit weights.
     gemm_q8_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
     /// `out[m][n]` (`+=` where `accumulate` is 1) = the sum in order of the `parts` partial products of a split

@@ -105,6 +105,14 @@ fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, 
             }
         }
     }
+    if m > 64 && wgmma_fits(kernels, bits) {
+        for parts in [2, 3, k_steps] {
+            let fits = tiles * parts <= kernels.constant("gemm_split_blocks");
+            if parts <= k_steps && fits && !plans.contains(&Plan::WgmmaSplit(parts)) {
+                plans.push(Plan::WgmmaSplit(parts));
+            }
+        }
+    }
     let chosen = plan(kernels, bits, m, col_blocks, k_steps, sms);
     if !plans.contains(&chosen) {
         plans.push(chosen);
@@ -116,6 +124,7 @@ fn plan_name(p: Plan) -> String {
     match p {
         Plan::Tiles(rows) => format!("{rows}-row tiles"),
         Plan::Wgmma => "128-row tiles on wgmma".into(),
+        Plan::WgmmaSplit(parts) => format!("128-row tiles on wgmma, k in {parts} parts"),
         Plan::Split(parts) => format!("k in {parts} parts"),
         Plan::Small(parts) => format!("integer small tiling, k in {parts} parts"),
     }
