@@ -94,7 +94,11 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
 // weights (dequantized) and inputs are staged in shared memory while the next stage's are fetched into registers.
 // Thread (part p, quad q) owns rows rq + 4i and tokens tq + 4j (rq = q / 4, tq = q % 4, i, j < 4) over the
 // inputs 4 (p + 16 s) .. + 3 of each stage; the RT_PARTS parts of each output are then summed in order of p.
-// Every sum runs in one fixed order, so the logits do not depend on timing. Grid (row strips, token tiles).
+// Every sum runs in one fixed order, so the logits do not depend on timing. Grid (row strips, token tiles, parts
+// of k): a launch of few blocks would leave most SMs idle and wait on each stage's fetch in turn, so k is cut into
+// RT_K_PARTS parts of whole stages; each part's block writes its tile to `router_partials`, and the last of a
+// tile's blocks to finish (a ticket) adds the parts in order of part. The parts do not depend on the number of
+// tokens, so neither do a token's logits.
 #define RT_THREADS ROW_THREADS
 #define RT_ROWS 16
 #define RT_TOKENS 16
@@ -111,9 +115,29 @@ static_assert(RT_PARTS == 16 && RT_ROWS * RT_TOKENS == RT_THREADS, "one summed o
 static_assert(RT_ROWS == RT_TOKENS, "both tiles are staged the same way");
 static_assert(RT_PARTS * RT_ROWS * (RT_TOKENS + 1) <= 2 * RT_ROWS * RT_STRIDE, "the parts fit the tiles' memory");
 
+#ifndef RT_SPLIT
+#define RT_SPLIT 4
+#endif
+constexpr int RT_STAGES = HIDDEN / RT_KC;
+// The most parts, at most RT_SPLIT (a power of two), that cut the stages evenly.
+__host__ __device__ constexpr int rt_k_parts(int split) {
+    while (split > 1 && RT_STAGES % split != 0) split /= 2;
+    return split;
+}
+constexpr int RT_K_PARTS = rt_k_parts(RT_SPLIT);
+// The most tokens a launch takes (the host's ROUTER_ROWS_MAX_TOKENS) and so the most tiles of a launch.
+#define RT_MAX_TOKENS 256
+constexpr int RT_MAX_TILES = ((RT_OUT + RT_ROWS - 1) / RT_ROWS) * (RT_MAX_TOKENS / RT_TOKENS);
+static_assert(RT_MAX_TOKENS % RT_TOKENS == 0, "whole token tiles");
+__device__ float router_partials[(size_t)RT_MAX_TILES * RT_K_PARTS * RT_ROWS * RT_TOKENS];
+// A tile's count of finished parts; its last part resets it, so every launch finds it zero.
+__device__ int router_tickets[RT_MAX_TILES];
+
 // Read by the host (the constants of src/kernels/prefill.rs).
 __device__ int router_strip_rows = RT_ROWS;
 __device__ int router_tile_tokens = RT_TOKENS;
+__device__ int router_k_parts = RT_K_PARTS;
+__device__ int router_max_tokens = RT_MAX_TOKENS;
 
 // An 8-bit code as a float: byte `e` of `word` under the exponent of 2^23, minus 2^23 (exact).
 __device__ __forceinline__ float code_byte(u32 word, int e) {
@@ -123,7 +147,9 @@ __device__ __forceinline__ float code_byte(u32 word, int e) {
 extern "C" __global__ void __launch_bounds__(RT_THREADS) router_rows(const bf16* x_hi, const bf16* x_lo, int m,
                                                                     Q4 router, float* logits) {
     wait_previous();
-    constexpr int STAGES = HIDDEN / RT_KC, PER_ROW = RT_KC / 4;
+    if (m > RT_MAX_TOKENS || gridDim.z != RT_K_PARTS) __trap();  // the host's plan is not the kernel's
+    constexpr int PER_ROW = RT_KC / 4;
+    const int stage0 = blockIdx.z * (RT_STAGES / RT_K_PARTS), stage1 = stage0 + RT_STAGES / RT_K_PARTS;
     __shared__ __align__(16) float tiles[2 * RT_ROWS * RT_STRIDE];
     float* w_tile = tiles;
     float* x_tile = tiles + RT_ROWS * RT_STRIDE;
@@ -169,12 +195,12 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) router_rows(const bf16*
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
-    fetch(0);
-    for (int stage = 0; stage < STAGES; stage++) {
+    fetch(stage0);
+    for (int stage = stage0; stage < stage1; stage++) {
         __syncthreads();  // the previous stage's products are done with the tiles
         store();
         __syncthreads();
-        if (stage + 1 < STAGES) fetch(stage + 1);
+        if (stage + 1 < stage1) fetch(stage + 1);
         if (!active) continue;
 #pragma unroll
         for (int s = 0; s < RT_ITEMS; s++) {
@@ -206,11 +232,31 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) router_rows(const bf16*
         for (int j = 0; j < 4; j++) part[(p * RT_ROWS + rq + 4 * i) * (RT_TOKENS + 1) + tq + 4 * j] = acc[i][j];
     __syncthreads();
     const int r = tid % RT_ROWS, t = tid / RT_ROWS;
-    if (r >= rows || t >= tokens) return;
+    const bool valid = r < rows && t < tokens;
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < RT_PARTS; k++) v += part[(k * RT_ROWS + r) * (RT_TOKENS + 1) + t];
-    logits[(size_t)(tok0 + t) * RT_OUT + row0 + r] = v;
+    float* out = logits + (size_t)(tok0 + t) * RT_OUT + row0 + r;
+    if constexpr (RT_K_PARTS == 1) {
+        if (valid) *out = v;
+    } else {
+        // This part's tile, then a ticket: every thread's store is visible on the GPU before the count says so.
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float* parts = router_partials + (size_t)tile * RT_K_PARTS * RT_THREADS;
+        parts[blockIdx.z * RT_THREADS + tid] = v;
+        __threadfence();
+        __syncthreads();
+        __shared__ bool last;
+        if (tid == 0) last = atomicAdd(&router_tickets[tile], 1) == RT_K_PARTS - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        float sum = 0.f;
+#pragma unroll
+        for (int z = 0; z < RT_K_PARTS; z++) sum += __ldcg(parts + z * RT_THREADS + tid);
+        if (valid) *out = sum;
+        if (tid == 0) router_tickets[tile] = 0;
+    }
 }
 
 // Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.

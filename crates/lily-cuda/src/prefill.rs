@@ -313,11 +313,20 @@ pub(crate) fn router_logits(
         router.bits == 8 && router.rows == c.num_experts + 1 && router.cols == c.hidden_size,
         "router_rows takes the 8-bit [experts + 1][hidden] router"
     );
-    let (strip, tile) = (
+    let (strip, tile, parts) = (
         l.kernels.constant("router_strip_rows"),
         l.kernels.constant("router_tile_tokens"),
+        l.kernels.constant("router_k_parts"),
     );
-    let grid = (router.rows.div_ceil(strip) as u32, t.div_ceil(tile) as u32, 1);
+    assert!(
+        t <= l.kernels.constant("router_max_tokens"),
+        "router_rows takes at most its kernels' router_max_tokens rows"
+    );
+    let grid = (
+        router.rows.div_ceil(strip) as u32,
+        t.div_ceil(tile) as u32,
+        parts as u32,
+    );
     prefill::router_rows(
         l,
         Dims::new(grid, ROW_THREADS),
