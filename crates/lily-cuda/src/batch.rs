@@ -302,7 +302,7 @@ fn enqueue_head(
 }
 
 /// Prompt tokens an engine iteration prefills by default on the GPU (see `BatchBackend::prefill_budget`).
-pub const PREFILL_BUDGET: usize = 8192;
+pub const PREFILL_BUDGET: usize = 16384;
 
 /// Device bytes of the prefill chunk's scratch per token, rounded up (the full shape needs ~230 kB).
 const PREFILL_SCRATCH_PER_TOKEN: usize = 300 << 10;
@@ -713,8 +713,9 @@ impl BatchBackend for CudaBatchBackend {
     fn prefill(&mut self, slot: Slot, tokens: &[u32]) -> std::result::Result<(), ForwardError> {
         self.prefill_cut(slot, tokens, &[])
     }
-    /// 8192, where a pass of 1,000-token prompts served at 256 at once gave the most output tokens (2048 and 4096
-    /// gave less; see bench/RESULTS.md), capped by the prefill chunk: one such pass takes ~0.25 s on an H200.
+    /// 16384, where a pass of 1,000-token prompts served at 256 at once gave the most output tokens (2048, 4096
+    /// and 8192 gave less; see bench/RESULTS.md), capped by the prefill chunk: one such pass takes ~0.45 s on an
+    /// H200, which bounds how long the running sequences wait for their next token while prompts enter.
     fn prefill_budget(&self) -> usize {
         PREFILL_BUDGET.min(self.model.prefill_chunk)
     }

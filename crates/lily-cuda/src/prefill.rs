@@ -21,7 +21,7 @@ use crate::prefill_deltanet::{proj_dim, DeltaNetScratch};
 use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMatrix, GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
-pub const PREFILL_CHUNK: usize = 8192;
+pub const PREFILL_CHUNK: usize = 16384;
 
 /// Sequences one pass takes at most (see [`ChunkPart`]).
 pub const PREFILL_PARTS: usize = 64;

@@ -87,7 +87,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub kv_tokens: Option<usize>,
     /// Prompt tokens prefilled per engine iteration at most: a long prompt enters in chunks of this size between
-    /// the running sequences' steps, and short prompts arriving together share one prefill pass. Default: 8192 on
+    /// the running sequences' steps, and short prompts arriving together share one prefill pass. Default: 16384 on
     /// a GPU, 2048 on the CPU.
     #[arg(long)]
     pub max_prefill_tokens: Option<usize>,
