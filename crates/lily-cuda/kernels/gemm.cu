@@ -449,12 +449,13 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // warpgroup issues its four k16 MMAs and, before the next step, waits until at most this step's are in flight.
 // So step kt's dequantization overlaps step kt - 1's MMAs. The buffers are safe to refill: a stage is reloaded two
 // steps after its MMAs were issued and a B buffer three, and every thread has passed a barrier since both
-// warpgroups waited for those MMAs.
+// warpgroups waited for those MMAs. Tiles of 192 or 128 weight rows (more blocks for products with few) spread
+// each step's dequantization over all the threads instead (see wgmma_tile).
 #ifndef GEMM_WGMMA
 #define GEMM_WGMMA 1
 #endif
 #ifndef GEMM_WGMMA_STAGES
-#define GEMM_WGMMA_STAGES 4
+#define GEMM_WGMMA_STAGES 5
 #endif
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && GEMM_WGMMA
 #define WGMMA_BUILT 1
@@ -496,38 +497,57 @@ __device__ __forceinline__ u64 wgmma_desc(u32 addr) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
-// d += A (64 x 16) B (16 x 256)^T, asynchronously; scale_d 0 ignores d.
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+// d += A (64 x 16) B (16 x N)^T, asynchronously, for N = 256, 192 or 128 (N / 2 f32 accumulators a thread);
+// scale_d 0 ignores d.
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
+    static_assert(N == 256 || N == 192 || N == 128, "a tile width the kernels instantiate");
+    if constexpr (N == 256) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+            "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+            "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+            "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+            "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+            "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+            : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64),
+              WG_D8(72), WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    } else if constexpr (N == 192) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+            "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+            "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
+            "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+            : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64),
+              WG_D8(72), WG_D8(80), WG_D8(88)
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+            "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
 }
+#undef WG_D8
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -536,9 +556,10 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMAs.
-__device__ __forceinline__ void wgmma_hold(float (&d)[128]) {
+template <int R>
+__device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
 #pragma unroll
-    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 #endif
 
@@ -551,8 +572,12 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[128]) {
 // SKIP_EMPTY: a warpgroup whose 64 rows all lie past `rows` issues no MMAs. The branch around the MMAs makes ptxas
 // serialize every wgmma of the kernel (its C7520 note), so the dense products, whose tiles are full but for the
 // last, do not take it.
-template <int NMAT, bool TILED, bool WEIGHTS_FIRST, bool SKIP_EMPTY, class ARow, class WRow, class Store>
+// BN: the weight rows of the tile (256, or 192 or 128 for NMAT = 1: narrower tiles make more blocks where a product
+// has too few to fill the SMs); thread i < BN copies and dequantizes weight row i.
+template <int NMAT, bool TILED, bool WEIGHTS_FIRST, bool SKIP_EMPTY, int BN = WROWS, class ARow, class WRow,
+          class Store>
 __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow a_row, WRow w_row, Store store) {
+    static_assert(BN == WROWS || NMAT == 1, "gate/up tiles are 128 rows of each matrix");
     extern __shared__ __align__(128) unsigned char smem_raw[];
     if (dynamic_smem_bytes() < WG_SMEM) __trap();  // the host's shared memory is not the kernel's
     const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
@@ -572,11 +597,13 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
         a_bytes[i] = r < rows ? 16u : 0u;
     }
     const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);  // rows 32 apart share the swizzle
-    const WeightRow wr = w_row(tid);
+    const bool w_thread = tid < BN;  // warp-uniform: BN is a multiple of 64
+    const WeightRow wr = w_row(w_thread ? tid : 0);
     // A step's words and pair of the row: of one group in a row-major matrix, of half a piece in a tiled one.
     auto step_words = [](int kt) { return TILED ? (kt / 2) * TILED_PIECE_STEP + (kt % 2) * (KT / 8) : kt * (KT / 8); };
     auto step_pairs = [](int kt) { return TILED ? (kt / 2) * TILED_PAIR_STEP + kt % 2 : kt; };
     auto load_w = [&](int kt) {
+        if (!w_thread) return;
         const u32 stage = smem0 + (kt % STAGES) * WG_STAGE + WG_A;
         const u32* src = wr.packed + step_words(step0 + kt);
         cp_async_16(stage + tid * 32, src, wr.bytes);
@@ -606,32 +633,63 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
         cp_async_commit();
     }
 
-    float d[128];
+    float d[BN / 2];
 #pragma unroll
-    for (int i = 0; i < 128; i++) d[i] = 0.f;
+    for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
     const int wg = tid / 128;
-    const bool wg_rows = !SKIP_EMPTY || wg * 64 < rows;
+    // Passed through a shuffle so ptxas knows the branch around the MMAs is warp-uniform (it does not serialize them).
+    const bool wg_rows = !SKIP_EMPTY || __shfl_sync(0xffffffffu, wg * 64 < rows, 0);
     const u32 b0 = smem0 + STAGES * WG_STAGE;
     const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
     const u32 b_row = tid * 128, b_swizzle = tid % 8;
+    // SPREAD (tiles narrower than the threads): every thread dequantizes code word tid % 8 (a 16-byte chunk of
+    // bf16) of weight rows tid / 8 + 32 i, so the step's dequantization is spread over all eight warps, not left to the first BN / 32.
+    // Rows copied by other threads are read only after a barrier: each step waits for its own copies of the next
+    // stage before the step's barrier, one step earlier than a thread that reads only its own row.
+    constexpr bool SPREAD = BN < WROWS;
+    static_assert(!SPREAD || STAGES >= 4, "the copies run two steps ahead of the barrier that shows them");
+    if constexpr (SPREAD) {
+        cp_async_wait<STAGES - 3>();  // stage 0, for every thread after the barrier
+        __syncthreads();
+    }
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; kt++) {
-        cp_async_wait<STAGES - 3>();  // this thread's copies of stage kt have landed
+        if constexpr (!SPREAD) cp_async_wait<STAGES - 3>();  // this thread's copies of stage kt have landed
         const int stage = kt % STAGES;
-        const unsigned char* codes = smem + stage * WG_STAGE + WG_A + tid * 32;
-        const uint4 lo = *(const uint4*)codes, hi = *(const uint4*)(codes + 16);
-        const u32 sb = *(const u32*)(smem + stage * WG_STAGE + WG_A + WG_CODES + tid * 4);
-        const u32 scale2 = __byte_perm(sb, sb, 0x1010), bias2 = __byte_perm(sb, sb, 0x3232);
         const u32 b_buf = b0 + (kt % WG_B_BUFFERS) * WG_B;
+        if constexpr (SPREAD) {
+            const unsigned char* st = smem + stage * WG_STAGE + WG_A;
+            const int c = tid % 8, swizzle = (tid / 8) % 8;
 #pragma unroll
-        for (int c = 0; c < 8; c++) {
-            const u32 word = word_of(c < 4 ? lo : hi, c % 4);
-            u32 v[4];
+            for (int i = 0; i < BN / 32; i++) {
+                const int row = tid / 8 + 32 * i;
+                const u32 word = *(const u32*)(st + row * 32 + c * 4), sb = *(const u32*)(st + WG_CODES + row * 4);
+                const u32 scale2 = __byte_perm(sb, sb, 0x1010), bias2 = __byte_perm(sb, sb, 0x3232);
+                u32 v[4];
 #pragma unroll
-            for (int t = 0; t < 4; t++) v[t] = dequant_q4(word, sel[t], scale2, bias2);
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(b_buf + b_row + ((c ^ b_swizzle) << 4)),
-                         "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
-                         : "memory");
+                for (int t = 0; t < 4; t++) v[t] = dequant_q4(word, sel[t], scale2, bias2);
+                const u32 dst = b_buf + row * 128 + ((c ^ swizzle) << 4);
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v[0]), "r"(v[1]), "r"(v[2]),
+                             "r"(v[3])
+                             : "memory");
+            }
+            cp_async_wait<STAGES - 4>();  // this thread's copies of stage kt + 1, for every thread after the barrier
+        } else if (w_thread) {
+            const unsigned char* codes = smem + stage * WG_STAGE + WG_A + tid * 32;
+            const uint4 lo = *(const uint4*)codes, hi = *(const uint4*)(codes + 16);
+            const u32 sb = *(const u32*)(smem + stage * WG_STAGE + WG_A + WG_CODES + tid * 4);
+            const u32 scale2 = __byte_perm(sb, sb, 0x1010), bias2 = __byte_perm(sb, sb, 0x3232);
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                const u32 word = word_of(c < 4 ? lo : hi, c % 4);
+                u32 v[4];
+#pragma unroll
+                for (int t = 0; t < 4; t++) v[t] = dequant_q4(word, sel[t], scale2, bias2);
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(b_buf + b_row +
+                                                                              ((c ^ b_swizzle) << 4)),
+                             "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                             : "memory");
+            }
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes and copies, for wgmma
         __syncthreads();
@@ -646,7 +704,7 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
         if (wg_rows) {
 #pragma unroll
             for (int s = 0; s < KT / 16; s++)
-                wgmma_m64n256k16(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+                wgmma_m64k16<BN>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -664,7 +722,7 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
         if (r >= rows) continue;
         if constexpr (NMAT == 1) {
 #pragma unroll
-            for (int j = 0; j < WROWS / 8; j++) store(r, 8 * j + 2 * t, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            for (int j = 0; j < BN / 8; j++) store(r, 8 * j + 2 * t, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         } else {
 #pragma unroll
             for (int j = 0; j < WROWS / 16; j++)
@@ -675,12 +733,13 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
 }
 #endif
 
-// gemm_q4 in 128-row tiles: block (256 weight rows, 128 activation rows).
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
-    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+// gemm_q4 in 128-row tiles: block (`cols` weight rows, 128 activation rows), cols 256, 192 or 128 (the host picks
+// the width whose blocks cover the SMs in the fewest rounds).
 #if WGMMA_BUILT
-    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
-    wgmma_tile<1, false, true, false>(
+template <int BN>
+__device__ __forceinline__ void dense_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * BN;
+    wgmma_tile<1, false, true, false, BN>(
         min(WG_ROWS, m - m0), 0, k / KT, [&](int r) { return a + (size_t)(m0 + r) * k; },
         [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
         [&](int r, int c, float v0, float v1) {
@@ -699,6 +758,16 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
             if (col + 1 < n) o[col + 1] = accumulate ? o[col + 1] + v1 : v1;
         }
     });
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate, int cols) {
+#if WGMMA_BUILT
+    if (cols == 128) dense_wgmma<128>(a, m, w, n, k, out, accumulate);
+    else if (cols == 192) dense_wgmma<192>(a, m, w, n, k, out, accumulate);
+    else if (cols == 256) dense_wgmma<256>(a, m, w, n, k, out, accumulate);
+    else __trap();  // a width the host never gives
 #else
     wait_previous();
     __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
@@ -924,14 +993,16 @@ __device__ __forceinline__ void moe_gate_up_tile(int tile, int cb, const bf16* x
 
 // out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of tile `tile`, output
 // columns from column block `cb`.
+// `part`: the tile's part of T::BM entries this block takes (tiles taller than T::BM: the warpgroup gate/up's).
 template <class T>
-__device__ __forceinline__ void moe_down_tile(int tile, int cb, const bf16* act, const int* entries,
+__device__ __forceinline__ void moe_down_tile(int tile, int part, int cb, const bf16* act, const int* entries,
                                               const int* tiles, const int* offsets, const float* route_w, Q4 down,
                                               Q4 shared_down, float* out) {
-    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
-    const int n0 = cb * T::BN;
+    const int expert = tiles[2 * tile], first = tiles[2 * tile + 1] + part * T::BM;
+    const int n0 = cb * T::BN, rows = min(T::BM, offsets[expert + 1] - first);
+    if (rows <= 0) return;  // a partial tile's parts past its entries
     run_tile<T, false>(
-        min(T::BM, offsets[expert + 1] - first), MOE_INTER,
+        rows, MOE_INTER,
         [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
         [&](int, int c) { return expert_row(down, shared_down, expert, HIDDEN, n0 + c, n0 + c < HIDDEN, MOE_INTER); },
         [&](int r, int c, float v0, float v1) {
@@ -944,7 +1015,8 @@ __device__ __forceinline__ void moe_down_tile(int tile, int cb, const bf16* act,
 }
 
 // The large tiling: one launch for gate/up, then one for down, block (column block, tile); blocks past the
-// routing's tile count return at once.
+// routing's tile count return at once. Down also takes the warpgroup gate/up's 128-row tiles, as gridDim.z parts
+// of 64 rows.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_gate_up(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
                 Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
@@ -959,31 +1031,37 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
              const float* route_w, Q4 down, Q4 shared_down, float* out) {
     wait_previous();
     if ((int)blockIdx.y >= *tile_count) return;
-    moe_down_tile<MoeDown>(blockIdx.y, blockIdx.x, act, entries, tiles, offsets, route_w, down, shared_down, out);
+    moe_down_tile<MoeDown>(blockIdx.y, blockIdx.z, blockIdx.x, act, entries, tiles, offsets, route_w, down,
+                           shared_down, out);
 }
 
-// The large tiling on the warpgroup tensor cores (Hopper): tiles of 128 sorted entries (the sort's tile height is
-// moe_wgmma_tile_rows there), the blocks of moe_gate_up and moe_down, each a wgmma_tile; a warpgroup whose 64 rows of
-// a tile are all empty skips its MMAs, so a tile costs its rows in steps of 64. Gate/up: warpgroup accumulator
-// blocks 0-15 are 128 columns of gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU.
-// Off unless MOE_WGMMA=1: at 4,096 tokens on the H200 it took 26.3 ms for gate/up and 22.1 for down against
-// mma.sync's 25.2 and 16.5 (its tiles are emptier, one block an SM, and every thread dequantizes a whole step's
-// row before the MMAs can start). Its branches (the skip, the return of blocks past the routing's tiles) also make
-// ptxas serialize its wgmma; without them (every block and warpgroup running its MMAs, on zero rows where it has
-// none) it was slower still: 30.7 and 23.6 ms. The selftest checks it on Hopper either way (moe_wgmma_built).
+// The large tiling's gate/up on the warpgroup tensor cores (Hopper): tiles of 128 sorted entries (the sort's tile
+// height is moe_wgmma_tile_rows there), a block a wgmma_tile; a warpgroup whose 64 rows of a tile are all empty
+// skips its MMAs, so a tile costs its rows in steps of 64. Warpgroup accumulator blocks 0-15 are 128 columns of
+// gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU. Down stays on mma.sync (moe_down, a
+// 128-row tile as two parts of 64 rows): its k of 512 is eight wgmma steps, too few to cover a tile's prologue and
+// epilogue at one block an SM. Routings of at least MOE_WGMMA_MIN_TOKENS tokens take these tiles where the build
+// has wgmma (MOE_WGMMA=0 keeps mma.sync's 64-row tiles for both); the selftest checks them on Hopper either way.
+// Shorter routings keep the 64-row tiles: at 2,048 tokens an expert has ~72 entries, which fill one 128-row tile
+// to 56% and two 64-row ones to 56% too, but mma.sync runs two blocks an SM.
 #ifndef MOE_WGMMA
-#define MOE_WGMMA 0
+#define MOE_WGMMA 1
+#endif
+#ifndef MOE_WGMMA_MIN_TOKENS
+#define MOE_WGMMA_MIN_TOKENS 8192
 #endif
 __device__ int moe_wgmma = WGMMA_BUILT && MOE_WGMMA;
 __device__ int moe_wgmma_built = WGMMA_BUILT;
 __device__ int moe_wgmma_tile_rows = WG_ROWS;
+__device__ int moe_wgmma_min_tokens = MOE_WGMMA_MIN_TOKENS;
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     moe_gate_up_wgmma(const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
                       Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
     wait_previous();  // the tiles and the weights they pick come from the routing
 #if WGMMA_BUILT
-    if ((int)blockIdx.y >= *tile_count) return;
+    // The count comes through a shuffle so ptxas knows the return is warp-uniform and does not serialize the MMAs.
+    if ((int)blockIdx.y >= __shfl_sync(0xffffffffu, *tile_count, 0)) return;
     const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int n0 = blockIdx.x * (WROWS / 2);
     wgmma_tile<2, true, false, true>(
@@ -996,30 +1074,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
         },
         [&](int r, int c, float g0, float g1, float u0, float u1) {
             *(u32*)(act + (size_t)(first + r) * MOE_INTER + n0 + c) = swiglu_pair(g0, g1, u0, u1);
-        });
-#else
-    __trap();  // built without wgmma: the host never launches it (moe_wgmma is 0)
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
-    moe_down_wgmma(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-                   const float* route_w, Q4 down, Q4 shared_down, float* out) {
-    wait_previous();
-#if WGMMA_BUILT
-    if ((int)blockIdx.y >= *tile_count) return;
-    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
-    const int n0 = blockIdx.x * WROWS;
-    wgmma_tile<1, true, false, true>(
-        min(WG_ROWS, offsets[expert + 1] - first), 0, MOE_INTER / KT,
-        [&](int r) { return act + (size_t)(first + r) * MOE_INTER; },
-        [&](int i) { return expert_row(down, shared_down, expert, HIDDEN, n0 + i, n0 + i < HIDDEN, MOE_INTER); },
-        [&](int r, int c, float v0, float v1) {
-            const int col = n0 + c;
-            if (col >= HIDDEN) return;
-            const int entry = entries[first + r];
-            const float weight = route_w[entry];
-            *(float2*)(out + (size_t)entry * HIDDEN + col) = make_float2(weight * v0, weight * v1);
         });
 #else
     __trap();  // built without wgmma: the host never launches it (moe_wgmma is 0)

@@ -7,8 +7,9 @@
 //! for the dense products and (column blocks, tiles) for the grouped ones; dynamic shared memory holds
 //! `gemm_stages` pipeline stages of an activation tile (rows x 64 bf16), the packed weight tile (256 rows x 64
 //! codes) and its 256 scale/bias pairs. On Hopper the 4-bit products in 128-row tiles take the warpgroup MMA
-//! (`gemm_q4_wgmma`, which also keeps three dequantized bf16 weight tiles there); the mma.sync kernels are the
-//! path of every other GPU.
+//! (`gemm_q4_wgmma`, which also keeps three dequantized bf16 weight tiles there; its blocks cover 256, 192 or 128
+//! weight rows, whichever fills the SMs best), and so does the experts' gate/up for long routings; the mma.sync
+//! kernels are the path of every other GPU.
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
@@ -20,7 +21,8 @@
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
 //! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row
-//! tiles.
+//! tiles, and from `moe_wgmma_min_tokens` tokens on Hopper 128-row tiles whose gate/up runs on the warpgroup MMA
+//! and whose down runs on mma.sync in two 64-row parts.
 
 use half::bf16;
 use lily_model::Config;
@@ -70,13 +72,13 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
     (col_blocks as u32, m.div_ceil(rows) as u32, 1)
 }
 
-/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, 128-row tiles on the warpgroup tensor
-/// cores (4-bit, where the kernels were built for Hopper), 64-row tiles with k cut into `parts` parts (the split
-/// kernels), or the integer small tiling with k in `parts` parts (4-bit, few rows).
+/// How a dense product is launched: whole-k block tiles of 64 or 128 rows, 128-row tiles of `cols` weight rows on
+/// the warpgroup tensor cores (4-bit, where the kernels were built for Hopper), 64-row tiles with k cut into `parts`
+/// parts (the split kernels), or the integer small tiling with k in `parts` parts (4-bit, few rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Plan {
     Tiles(usize),
-    Wgmma,
+    Wgmma(usize),
     WgmmaSplit(usize),
     Split(usize),
     Small(usize),
@@ -121,14 +123,14 @@ const SPLIT_MAX_M: usize = 512;
 /// at 32 rows, 1,940 blocks in 8 rounds of 264, and loses at 64 rows, 3,880 blocks).
 const SMALL_MAX_ROUNDS: usize = 8;
 
-/// The plan of a `bits`-bit product of m rows with `col_blocks` weight-row blocks and `k_steps` steps of k. Up to
+/// The plan of a `bits`-bit product of m rows, n weight rows (`col_blocks` blocks of 256) and `k_steps` steps of k. Up to
 /// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
 /// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than
 /// `gemm_split_tile_rounds` rounds over the SMs (1: fewer tiles than SMs), k is cut into as many parts as fill
 /// `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps`
 /// k steps, within the split products' slots; otherwise (or where that leaves one part) whole-k tiles.
-pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_steps: usize, sms: usize) -> Plan {
-    let k = k_steps * K_STEP;
+pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: usize, sms: usize) -> Plan {
+    let (k, col_blocks) = (k_steps * K_STEP, n.div_ceil(WEIGHT_ROWS));
     let small_blocks = col_blocks * small_row_tiles(kernels, m);
     let small_rounds = small_blocks.div_ceil(kernels.constant("moe_small_blocks_per_sm") * sms);
     if m <= kernels.constant("gemm_small_max_rows")
@@ -163,9 +165,23 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, col_blocks: usize, k_
         false => 1.0,
     };
     match tile_rows(m, col_blocks, sms, wide_cost) {
-        128 if wgmma_fits(kernels, bits) => Plan::Wgmma,
+        128 if wgmma_fits(kernels, bits) => Plan::Wgmma(wgmma_cols(m, n, sms)),
         rows => Plan::Tiles(rows),
     }
+}
+
+/// The weight rows of a warpgroup tile for a product of m rows and n columns: 256 unless a narrower tile (192 or
+/// 128) covers the SMs in rounds of blocks whose time (taken as proportional to the width: the kernel is bound by
+/// its MMAs) is under 0.9 of the 256-wide tiles'. A batched step's input projections, 49 x 2 blocks of 256 on 132
+/// SMs, leave a quarter of the SMs idle; 65 x 2 of 192 fill them.
+fn wgmma_cols(m: usize, n: usize, sms: usize) -> usize {
+    let time = |cols: usize| (m.div_ceil(128) * n.div_ceil(cols)).div_ceil(sms) * cols;
+    let wide = time(256) as f64;
+    [192, 128]
+        .into_iter()
+        .filter(|&c| (time(c) as f64) < 0.9 * wide)
+        .min_by_key(|&c| time(c))
+        .unwrap_or(256)
 }
 
 /// Whether the warpgroup kernel takes a `bits`-bit product: 4-bit, in a build for Hopper.
@@ -187,14 +203,7 @@ pub fn gemm(
 }
 
 fn plan_for(l: &Launcher, m: usize, w: &GpuMatrix) -> Plan {
-    plan(
-        l.kernels,
-        w.bits,
-        m,
-        w.rows.div_ceil(WEIGHT_ROWS),
-        w.cols / K_STEP,
-        l.gpu.sm_count,
-    )
+    plan(l.kernels, w.bits, m, w.rows, w.cols / K_STEP, l.gpu.sm_count)
 }
 
 /// Where a product of m rows by `w` reads its input as Q8x2 rows, if it takes the integer small tiling (the
@@ -242,11 +251,14 @@ pub(crate) fn gemm_planned(
         return gemm_small(l, a, m, w, out, accumulate, parts, true);
     }
     let (n, k) = (w.rows as i32, w.cols as i32);
-    let dims = planned_dims(l, m, w.cols, w.rows.div_ceil(WEIGHT_ROWS), w.bits, plan);
+    let dims = planned_dims(l, m, w.cols, w.rows, w.bits, plan);
     match (w.bits, plan) {
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
-        (4, Plan::Wgmma) => gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (4, Plan::Wgmma(cols)) => {
+            let acc = accumulate as i32;
+            gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, acc, cols as i32)
+        }
         (bits, Plan::Split(parts) | Plan::WgmmaSplit(parts)) => {
             let split = match (bits, plan) {
                 (4, Plan::WgmmaSplit(_)) => gemm::gemm_q4_wgmma_split,
@@ -312,14 +324,16 @@ fn sum_dims(items: usize) -> Dims {
 }
 
 /// The geometry of a planned dense product: (column blocks, row blocks, parts of k) and its shared memory.
-fn planned_dims(l: &Launcher, m: usize, k: usize, col_blocks: usize, bits: u32, plan: Plan) -> Dims {
+fn planned_dims(l: &Launcher, m: usize, k: usize, n: usize, bits: u32, plan: Plan) -> Dims {
+    let col_blocks = n.div_ceil(WEIGHT_ROWS);
     let (rows, parts) = match plan {
-        Plan::Wgmma | Plan::WgmmaSplit(_) => {
-            let parts = match plan {
-                Plan::WgmmaSplit(parts) => parts,
-                _ => 1,
+        Plan::Wgmma(_) | Plan::WgmmaSplit(_) => {
+            let (parts, cols) = match plan {
+                Plan::WgmmaSplit(parts) => (parts, WEIGHT_ROWS),
+                Plan::Wgmma(cols) => (1, cols),
+                _ => unreachable!(),
             };
-            let (x, y, _) = dense_grid(m, k, col_blocks, 128);
+            let (x, y, _) = dense_grid(m, k, n.div_ceil(cols), 128);
             // The partial tiles are 64-row tiles in the split products' slots.
             let tiles = m.div_ceil(l.kernels.constant("gemm_split_rows")) * col_blocks;
             assert!(
@@ -356,13 +370,15 @@ fn small_max_tokens(kernels: &Kernels) -> usize {
 }
 
 /// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`): the
-/// small tiling's up to `moe_small_max_tokens`, beyond it the warpgroup kernels' where the build has them, otherwise
-/// the mma.sync large tiling's.
+/// small tiling's up to `moe_small_max_tokens`; from `moe_wgmma_min_tokens` on the warpgroup gate/up's where the
+/// build has it (`moe_wgmma`); otherwise the mma.sync large tiling's.
 pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
-    match tokens <= small_max_tokens(kernels) {
-        true => kernels.constant("moe_small_tile_rows"),
-        false if kernels.constant("moe_wgmma") == 1 => kernels.constant("moe_wgmma_tile_rows"),
-        false => kernels.constant("moe_tile_rows"),
+    if tokens <= small_max_tokens(kernels) {
+        kernels.constant("moe_small_tile_rows")
+    } else if kernels.constant("moe_wgmma") == 1 && tokens >= kernels.constant("moe_wgmma_min_tokens") {
+        kernels.constant("moe_wgmma_tile_rows")
+    } else {
+        kernels.constant("moe_tile_rows")
     }
 }
 
@@ -393,12 +409,13 @@ pub struct Experts<'a> {
     pub shared_down: &'a GpuMatrix,
 }
 
-/// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (the
-/// small tiling at its most tokens can make more tiles than the large one just past it).
+/// Tiles a scratch for routings of up to `tokens` tokens must hold: the most of any token count's tiling (a
+/// tiling at its most tokens can make more tiles than the taller one just past it).
 pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
     let small = tokens.min(small_max_tokens(kernels));
+    let large = tokens.min(kernels.constant("moe_wgmma_min_tokens").saturating_sub(1).max(small));
     let at = |t: usize| max_tiles(config, t, moe_tile_rows(kernels, t));
-    at(small).max(at(tokens))
+    at(small).max(at(large)).max(at(tokens))
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
@@ -541,18 +558,18 @@ pub fn moe_experts(
             s.work,
         );
     }
-    let grid = |col_blocks: &'static str| (k.constant(col_blocks) as u32, s.max_tiles as u32, 1);
-    let (shared, gate_up, down): (u32, GateUpLauncher, DownLauncher) = match s.wgmma(k) {
-        true => (
-            k.constant("gemm_wgmma_smem") as u32,
-            gemm::moe_gate_up_wgmma,
-            gemm::moe_down_wgmma,
-        ),
-        false => (shared_bytes(k, s.tile_rows, 4), gemm::moe_gate_up, gemm::moe_down),
+    // Down runs on mma.sync in 64-row tiles, a taller tile (the warpgroup gate/up's) as parts of 64 rows.
+    let down_rows = k.constant("moe_tile_rows");
+    let grid =
+        |col_blocks: &'static str, parts: usize| (k.constant(col_blocks) as u32, s.max_tiles as u32, parts as u32);
+    let (gate_up, gate_up_shared): (GateUpLauncher, u32) = match s.wgmma(k) {
+        true => (gemm::moe_gate_up_wgmma, k.constant("gemm_wgmma_smem") as u32),
+        false => (gemm::moe_gate_up, shared_bytes(k, s.tile_rows, 4)),
     };
+    assert_eq!(s.tile_rows % down_rows, 0, "down takes whole parts of a tile");
     gate_up(
         l,
-        Dims::new(grid("moe_gate_up_col_blocks"), THREADS).shared(shared),
+        Dims::new(grid("moe_gate_up_col_blocks", 1), THREADS).shared(gate_up_shared),
         x,
         s.entries,
         s.tiles,
@@ -564,9 +581,9 @@ pub fn moe_experts(
         m.shared_up.tiled_q4(),
         act,
     )?;
-    down(
+    gemm::moe_down(
         l,
-        Dims::new(grid("moe_down_col_blocks"), THREADS).shared(shared),
+        Dims::new(grid("moe_down_col_blocks", s.tile_rows / down_rows), THREADS).shared(shared_bytes(k, down_rows, 4)),
         act,
         s.entries,
         s.tiles,
@@ -594,17 +611,24 @@ type GateUpLauncher = fn(
     crate::kernels::Q4,
     DevPtr<bf16>,
 ) -> Result<()>;
-/// The large tiling's down launchers.
-type DownLauncher = fn(
-    &mut Launcher,
-    Dims,
-    DevPtr<bf16>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<f32>,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    DevPtr<f32>,
-) -> Result<()>;
+
+#[cfg(test)]
+mod tests {
+    use super::wgmma_cols;
+
+    #[test]
+    fn warpgroup_tiles_narrow_only_where_they_fill_more_sms() {
+        let sms = 132;
+        // A 256-row step: the DeltaNet input projections (12,352 columns) and attention's (9,216) have 98 and 72
+        // blocks of 256; 130 and 96 blocks of 192 take one round at three quarters of the width.
+        assert_eq!(wgmma_cols(256, 12_352, sms), 192);
+        assert_eq!(wgmma_cols(256, 9_216, sms), 192);
+        // 128 rows: 97 blocks of 128 fit in one round.
+        assert_eq!(wgmma_cols(128, 12_352, sms), 128);
+        // A long prompt and lm_head take as many rounds of narrower blocks: 256 stays.
+        assert_eq!(wgmma_cols(4_096, 12_352, sms), 256);
+        assert_eq!(wgmma_cols(256, 248_320, sms), 256);
+        // Many rounds already: 256 stays unless a narrower width saves a tenth.
+        assert_eq!(wgmma_cols(16_384, 2_048, sms), 256);
+    }
+}

@@ -39,14 +39,16 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_wgmma",
         "moe_wgmma_built",
         "moe_wgmma_tile_rows",
+        "moe_wgmma_min_tokens",
     ],
 };
 
 launchers! {
     /// `out[m][n] = a[m][k] w[n][k]^T` (`+=` where `accumulate` is 1), 4-bit weights.
     gemm_q4(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
-    /// `gemm_q4` in 128-row tiles on the warpgroup tensor cores (Hopper builds only: `gemm_wgmma` is 1).
-    gemm_q4_wgmma(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `gemm_q4` in 128-row tiles of `cols` (256, 192 or 128) weight rows on the warpgroup tensor cores (Hopper
+    /// builds only: `gemm_wgmma` is 1).
+    gemm_q4_wgmma(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32, cols: i32);
     /// The same with 8-bit weights.
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `gemm_q4`'s partial products over `gridDim.z` parts of k, into the split products' slots (few rows).
@@ -96,18 +98,6 @@ launchers! {
         shared_gate: Q4,
         shared_up: Q4,
         act: DevPtr<bf16>,
-    );
-    /// `moe_down` in 128-row tiles on the warpgroup tensor cores (Hopper builds only).
-    moe_down_wgmma(
-        act: DevPtr<bf16>,
-        entries: DevPtr<i32>,
-        tiles: DevPtr<i32>,
-        tile_count: DevPtr<i32>,
-        offsets: DevPtr<i32>,
-        route_w: DevPtr<f32>,
-        down: Q4,
-        shared_down: Q4,
-        out: DevPtr<f32>,
     );
     /// The small tiling's input: `rows` rows of `hi + lo` (`lo` may be null) as Q8x2 codes and group pairs.
     moe_quantize_rows(hi: DevPtr<bf16>, lo: DevPtr<bf16>, rows: i32, out: Q8x2);

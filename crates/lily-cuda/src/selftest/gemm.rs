@@ -77,16 +77,17 @@ const FULL_SHARED_INTER: usize = 512;
 /// batched step's larger sizes.
 const SHORT_ROWS: [usize; 8] = [1, 3, 8, 16, 17, 64, 100, 256];
 
-/// Every plan a `bits`-bit product of m rows (`col_blocks` weight-row blocks, `k_steps` steps of k) can be launched
-/// with: whole-k tiles of each height m allows; k in 2 and 3 parts (uneven where the steps are not a multiple of
+/// Every plan a `bits`-bit product of m rows (n weight rows, `k_steps` steps of k) can be launched with: whole-k
+/// tiles of each height m allows (on wgmma each of its widths); k in 2 and 3 parts (uneven where the steps are not a multiple of
 /// 3) and in one part a step, where the split kernels' slots hold them; where the small tiling takes the product,
 /// it with k whole and in 3 parts and in one part a piece; and the plan `gemm` picks on this GPU.
-fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, k_steps: usize) -> Vec<Plan> {
+fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, n: usize, k_steps: usize) -> Vec<Plan> {
+    let col_blocks = n.div_ceil(256);
     let mut plans = vec![Plan::Tiles(64)];
     if m > 64 {
         plans.push(Plan::Tiles(128));
         if wgmma_fits(kernels, bits) {
-            plans.push(Plan::Wgmma);
+            plans.extend([256, 192, 128].map(Plan::Wgmma));
         }
     }
     let tiles = m.div_ceil(kernels.constant("gemm_split_rows")) * col_blocks;
@@ -113,7 +114,7 @@ fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, 
             }
         }
     }
-    let chosen = plan(kernels, bits, m, col_blocks, k_steps, sms);
+    let chosen = plan(kernels, bits, m, n, k_steps, sms);
     if !plans.contains(&chosen) {
         plans.push(chosen);
     }
@@ -123,7 +124,7 @@ fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, col_blocks: usize, 
 fn plan_name(p: Plan) -> String {
     match p {
         Plan::Tiles(rows) => format!("{rows}-row tiles"),
-        Plan::Wgmma => "128-row tiles on wgmma".into(),
+        Plan::Wgmma(cols) => format!("128-row tiles of {cols} columns on wgmma"),
         Plan::WgmmaSplit(parts) => format!("128-row tiles on wgmma, k in {parts} parts"),
         Plan::Split(parts) => format!("k in {parts} parts"),
         Plan::Small(parts) => format!("integer small tiling, k in {parts} parts"),
@@ -171,7 +172,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         expected.iter_mut().zip(&init).for_each(|(e, i)| *e += i);
         let out = gpu.alloc(max_m * n)?;
         for m in ms {
-            for p in plans(kernels, sms, bits, m, n.div_ceil(256), k / K_STEP) {
+            for p in plans(kernels, sms, bits, m, n, k / K_STEP) {
                 if accumulate {
                     gpu.upload(out.ptr(), &init[..m * n])?;
                 } else {
@@ -221,7 +222,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         kernels.constant("moe_small_tile_rows"),
         kernels.constant("moe_tile_rows"),
     ];
-    // On Hopper also the warpgroup kernels' (which prompts past 512 tokens take there with MOE_WGMMA=1).
+    // On Hopper also the warpgroup gate/up's 128-row tiles (routings of moe_wgmma_min_tokens or more take them).
     if kernels.constant("moe_wgmma_built") == 1 {
         tilings.push(kernels.constant("moe_wgmma_tile_rows"));
     }
