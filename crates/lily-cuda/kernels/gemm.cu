@@ -597,7 +597,7 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
         a_bytes[i] = r < rows ? 16u : 0u;
     }
     const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);  // rows 32 apart share the swizzle
-    const bool w_thread = tid < BN;  // warp-uniform: BN is a multiple of 64
+    const bool w_thread = BN == WROWS || tid < BN;  // warp-uniform: BN is a multiple of 64
     const WeightRow wr = w_row(w_thread ? tid : 0);
     // A step's words and pair of the row: of one group in a row-major matrix, of half a piece in a tiled one.
     auto step_words = [](int kt) { return TILED ? (kt / 2) * TILED_PIECE_STEP + (kt % 2) * (KT / 8) : kt * (KT / 8); };
@@ -762,11 +762,21 @@ __device__ __forceinline__ void dense_wgmma(const bf16* a, int m, Q4 w, int n, i
 #endif
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
-    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate, int cols) {
+    gemm_q4_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+#if WGMMA_BUILT
+    dense_wgmma<WROWS>(a, m, w, n, k, out, accumulate);
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
+}
+
+// The narrower tiles in a kernel of their own, so the 256-wide kernel's code is only its own.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma_narrow(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate, int cols) {
 #if WGMMA_BUILT
     if (cols == 128) dense_wgmma<128>(a, m, w, n, k, out, accumulate);
     else if (cols == 192) dense_wgmma<192>(a, m, w, n, k, out, accumulate);
-    else if (cols == 256) dense_wgmma<256>(a, m, w, n, k, out, accumulate);
     else __trap();  // a width the host never gives
 #else
     wait_previous();

@@ -255,9 +255,12 @@ pub(crate) fn gemm_planned(
     match (w.bits, plan) {
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (4, Plan::Wgmma(WEIGHT_ROWS)) => {
+            gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32)
+        }
         (4, Plan::Wgmma(cols)) => {
             let acc = accumulate as i32;
-            gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, acc, cols as i32)
+            gemm::gemm_q4_wgmma_narrow(l, dims, a, m as i32, w.q4(), n, k, out, acc, cols as i32)
         }
         (bits, Plan::Split(parts) | Plan::WgmmaSplit(parts)) => {
             let split = match (bits, plan) {

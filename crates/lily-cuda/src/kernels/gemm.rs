@@ -46,9 +46,20 @@ pub const FILE: KernelFile<'static> = KernelFile {
 launchers! {
     /// `out[m][n] = a[m][k] w[n][k]^T` (`+=` where `accumulate` is 1), 4-bit weights.
     gemm_q4(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
-    /// `gemm_q4` in 128-row tiles of `cols` (256, 192 or 128) weight rows on the warpgroup tensor cores (Hopper
-    /// builds only: `gemm_wgmma` is 1).
-    gemm_q4_wgmma(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32, cols: i32);
+    /// `gemm_q4` in 128-row tiles of 256 weight rows on the warpgroup tensor cores (Hopper builds only:
+    /// `gemm_wgmma` is 1).
+    gemm_q4_wgmma(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `gemm_q4_wgmma` in tiles of `cols` (192 or 128) weight rows: more blocks for products with few.
+    gemm_q4_wgmma_narrow(
+        a: DevPtr<bf16>,
+        m: i32,
+        w: Q4,
+        n: i32,
+        k: i32,
+        out: DevPtr<f32>,
+        accumulate: i32,
+        cols: i32,
+    );
     /// The same with 8-bit weights.
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `gemm_q4`'s partial products over `gridDim.z` parts of k, into the split products' slots (few rows).
