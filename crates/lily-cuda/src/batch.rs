@@ -342,7 +342,7 @@ pub fn fit_capacity(
 ) -> Result<Capacity> {
     let free = gpu.free_memory()?;
     let snapshots = fit_snapshots(gpu, c, weight_bytes, snapshot_bytes)?;
-    let chunk = crate::prefill::PREFILL_CHUNK.min(max_context);
+    let chunk = crate::prefill::scratch_rows(max_context, max_seqs);
     let state_per_seq = Capacity::deltanet_bytes_per_seq(c);
     let fixed = weight_bytes
         + (max_seqs + snapshots) * state_per_seq

@@ -218,6 +218,12 @@ impl CudaModel {
                 "the model needs at least one slot and a context of one token".into(),
             ));
         }
+        if capacity.max_seqs > PREFILL_CHUNK {
+            return Err(GpuError::Other(format!(
+                "{} sequences at once is more than a batched step takes ({PREFILL_CHUNK})",
+                capacity.max_seqs
+            )));
+        }
         if c.shared_expert_intermediate_size != c.moe_intermediate_size
             || c.head_dim != 256
             || c.num_attention_heads / c.num_key_value_heads != 8
@@ -320,7 +326,7 @@ impl CudaModel {
                 .collect::<Result<_>>()?,
         };
         let slot = c.layer_slots();
-        let chunk = PREFILL_CHUNK.min(max_context);
+        let chunk = crate::prefill::scratch_rows(max_context, capacity.max_seqs);
         let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
         let sampler = SampleRows::new(&gpu, 1, c.vocab_size)?;
         gpu.sync()?;

@@ -23,6 +23,14 @@ use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMatrix, GpuMixer, GpuWeights
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
 pub const PREFILL_CHUNK: usize = 16384;
 
+/// Rows of the prefill scratch for sequences of up to `max_context` tokens and `max_seqs` slots: a chunk (at most
+/// [`PREFILL_CHUNK`], and no more than a sequence's context), but at least one row a slot, because a batched decode
+/// step of every slot runs on the same scratch. More slots than [`PREFILL_CHUNK`] are refused where the model is
+/// built.
+pub fn scratch_rows(max_context: usize, max_seqs: usize) -> usize {
+    PREFILL_CHUNK.min(max_context.max(max_seqs))
+}
+
 /// Sequences one pass takes at most (see [`ChunkPart`]).
 pub const PREFILL_PARTS: usize = 64;
 
@@ -365,4 +373,19 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.tiles.ptr(),
         s.tile_count.ptr(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{scratch_rows, PREFILL_CHUNK};
+
+    #[test]
+    fn the_scratch_holds_a_step_of_every_slot_and_a_chunk_of_a_context() {
+        // More slots than a sequence's context: a batched step of every slot still fits.
+        assert_eq!(scratch_rows(64, 256), 256);
+        // A long context: one chunk, whatever the slots.
+        assert_eq!(scratch_rows(262_144, 256), PREFILL_CHUNK);
+        // A short context and one slot: no more rows than the context.
+        assert_eq!(scratch_rows(100, 1), 100);
+    }
 }
