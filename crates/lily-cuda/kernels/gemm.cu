@@ -643,9 +643,9 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
     const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
     const u32 b_row = tid * 128, b_swizzle = tid % 8;
     // SPREAD (tiles narrower than the threads): every thread dequantizes code word tid % 8 (a 16-byte chunk of
-    // bf16) of weight rows tid / 8 + 32 i, so the step's dequantization is spread over all eight warps, not left to the first BN / 32.
-    // Rows copied by other threads are read only after a barrier: each step waits for its own copies of the next
-    // stage before the step's barrier, one step earlier than a thread that reads only its own row.
+    // bf16) of weight rows tid / 8 + 32 i, so the step's dequantization is spread over all eight warps, not left to
+    // the first BN / 32. Rows copied by other threads are read only after a barrier: each step waits for its own
+    // copies of the next stage before the step's barrier, one step earlier than a thread that reads only its own row.
     constexpr bool SPREAD = BN < WROWS;
     static_assert(!SPREAD || STAGES >= 4, "the copies run two steps ahead of the barrier that shows them");
     if constexpr (SPREAD) {

@@ -123,12 +123,12 @@ const SPLIT_MAX_M: usize = 512;
 /// at 32 rows, 1,940 blocks in 8 rounds of 264, and loses at 64 rows, 3,880 blocks).
 const SMALL_MAX_ROUNDS: usize = 8;
 
-/// The plan of a `bits`-bit product of m rows, n weight rows (`col_blocks` blocks of 256) and `k_steps` steps of k. Up to
-/// `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
+/// The plan of a `bits`-bit product of m rows, n weight rows (`col_blocks` blocks of 256) and `k_steps` steps of k. Up
+/// to `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
 /// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than
 /// `gemm_split_tile_rounds` rounds over the SMs (1: fewer tiles than SMs), k is cut into as many parts as fill
-/// `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps`
-/// k steps, within the split products' slots; otherwise (or where that leaves one part) whole-k tiles.
+/// `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k
+/// steps, within the split products' slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: usize, sms: usize) -> Plan {
     let (k, col_blocks) = (k_steps * K_STEP, n.div_ceil(WEIGHT_ROWS));
     let small_blocks = col_blocks * small_row_tiles(kernels, m);
@@ -170,10 +170,10 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: us
     }
 }
 
-/// The weight rows of a warpgroup tile for a product of m rows and n columns: 256 unless a narrower tile (192 or
-/// 128) covers the SMs in rounds of blocks whose time (taken as proportional to the width: the kernel is bound by
-/// its MMAs) is under 0.9 of the 256-wide tiles'. A batched step's input projections, 49 x 2 blocks of 256 on 132
-/// SMs, leave a quarter of the SMs idle; 65 x 2 of 192 fill them.
+/// The weight rows of a warpgroup tile for a product of m rows and n columns: 256 unless a narrower tile (192 or 128)
+/// covers the SMs in rounds of blocks whose time (taken as proportional to the width, as a step's MMAs and
+/// dequantization are) is under 0.9 of the 256-wide tiles'. A batched step's input projections, 49 x 2 blocks of 256 on
+/// 132 SMs, leave a quarter of the SMs idle; 65 x 2 of 192 fill them.
 fn wgmma_cols(m: usize, n: usize, sms: usize) -> usize {
     let time = |cols: usize| (m.div_ceil(128) * n.div_ceil(cols)).div_ceil(sms) * cols;
     let wide = time(256) as f64;

@@ -77,10 +77,10 @@ const FULL_SHARED_INTER: usize = 512;
 /// batched step's larger sizes.
 const SHORT_ROWS: [usize; 8] = [1, 3, 8, 16, 17, 64, 100, 256];
 
-/// Every plan a `bits`-bit product of m rows (n weight rows, `k_steps` steps of k) can be launched with: whole-k
-/// tiles of each height m allows (on wgmma each of its widths); k in 2 and 3 parts (uneven where the steps are not a multiple of
-/// 3) and in one part a step, where the split kernels' slots hold them; where the small tiling takes the product,
-/// it with k whole and in 3 parts and in one part a piece; and the plan `gemm` picks on this GPU.
+/// Every plan a `bits`-bit product of m rows (n weight rows, `k_steps` steps of k) can be launched with: whole-k tiles
+/// of each height m allows (on wgmma each of its widths); k in 2 and 3 parts (uneven where the steps are not a multiple
+/// of 3) and in one part a step, where the split kernels' slots hold them; where the small tiling takes the product, it
+/// with k whole and in 3 parts and in one part a piece; and the plan `gemm` picks on this GPU.
 fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, n: usize, k_steps: usize) -> Vec<Plan> {
     let col_blocks = n.div_ceil(256);
     let mut plans = vec![Plan::Tiles(64)];
