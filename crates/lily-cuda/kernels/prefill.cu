@@ -125,7 +125,8 @@ __host__ __device__ constexpr int rt_k_parts(int split) {
     return split;
 }
 constexpr int RT_K_PARTS = rt_k_parts(RT_SPLIT);
-// The most tokens a launch takes (the host's ROUTER_ROWS_MAX_TOKENS) and so the most tiles of a launch.
+// The most tokens a launch takes (the host reads it as router_max_tokens and sends no more) and so the most tiles
+// of a launch.
 #define RT_MAX_TOKENS 256
 constexpr int RT_MAX_TILES = ((RT_OUT + RT_ROWS - 1) / RT_ROWS) * (RT_MAX_TOKENS / RT_TOKENS);
 static_assert(RT_MAX_TOKENS % RT_TOKENS == 0, "whole token tiles");

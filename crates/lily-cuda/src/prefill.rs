@@ -296,13 +296,16 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     )
 }
 
-/// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32); more take the tensor-core
-/// products, whose large tiles then pay off.
-pub(crate) const ROUTER_ROWS_MAX_TOKENS: usize = 256;
+/// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32): the kernels'
+/// `router_max_tokens`, the most its partial sums hold (256). More take the tensor-core products, whose large
+/// tiles then pay off.
+pub(crate) fn router_rows_max_tokens(kernels: &Kernels) -> usize {
+    kernels.constant("router_max_tokens")
+}
 
 /// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1). Routing follows
 /// small differences between logits, so the router sees the normed input to about 16 bits: up to
-/// `ROUTER_ROWS_MAX_TOKENS` rows in one f32 launch, beyond as two tensor-core products (the bf16 part, then the
+/// [`router_rows_max_tokens`] rows in one f32 launch, beyond as two tensor-core products (the bf16 part, then the
 /// remainder added).
 pub(crate) fn router_logits(
     l: &mut Launcher,
@@ -313,7 +316,7 @@ pub(crate) fn router_logits(
     t: usize,
     logits: DevPtr<f32>,
 ) -> Result<()> {
-    if t > ROUTER_ROWS_MAX_TOKENS {
+    if t > router_rows_max_tokens(l.kernels) {
         gemm::gemm(l, normed, t, router, logits, false)?;
         return gemm::gemm(l, normed_lo, t, router, logits, true);
     }
@@ -325,10 +328,6 @@ pub(crate) fn router_logits(
         l.kernels.constant("router_strip_rows"),
         l.kernels.constant("router_tile_tokens"),
         l.kernels.constant("router_k_parts"),
-    );
-    assert!(
-        t <= l.kernels.constant("router_max_tokens"),
-        "router_rows takes at most its kernels' router_max_tokens rows"
     );
     let grid = (
         router.rows.div_ceil(strip) as u32,

@@ -10,7 +10,7 @@ use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
 use crate::kernels::{gemm, prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
-use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROUTER_ROWS_MAX_TOKENS, ROW_THREADS};
+use crate::prefill::{route_and_sort, router_logits, router_rows_max_tokens, PrefillScratch, ROW_THREADS};
 use crate::weights::GpuWeights;
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
@@ -273,7 +273,7 @@ fn bits_word(same: bool) -> &'static str {
 }
 
 /// Token counts of the router check: one token, a few, a tile of 16 and one past it, the batched step's sizes up to
-/// `ROUTER_ROWS_MAX_TOKENS` (`router_rows`), and one past that (the tensor-core products).
+/// `router_rows_max_tokens` (256, `router_rows`), and one past that (the tensor-core products).
 const ROUTER_TOKENS: [usize; 8] = [1, 3, 16, 17, 64, 200, 256, 257];
 
 /// Tolerances of the router's logits (max error over max |reference|). `router_rows` forms each 8-bit weight
@@ -349,7 +349,7 @@ fn check_router(
         let (normed, normed_lo, logits) = (s.normed.ptr(), s.normed_lo.ptr(), s.router_logits.ptr());
         router_logits(l, c, &gw.layers[0].router, normed, normed_lo, t, logits)?;
         let got = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
-        let (kernel, tol) = match t <= ROUTER_ROWS_MAX_TOKENS {
+        let (kernel, tol) = match t <= router_rows_max_tokens(l.kernels) {
             true => ("router_rows", TOL_ROUTER_ROWS),
             false => ("router as two gemm_q8", TOL_ROUTER_GEMM),
         };
