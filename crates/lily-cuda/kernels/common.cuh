@@ -46,6 +46,23 @@ __device__ __forceinline__ float2 pair_to_float2(u32 p) {
 #define GROUP 64
 #define WARP 32
 
+// d += a b for a 16x16 bf16 A fragment and a 16x8 bf16 B fragment (b0, b1), f32 accumulators (mma.sync m16n8k16).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bf16x2 of (lo, hi), each rounded to nearest even; lo in the low half (the lower address / column).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
 // A token's expert slots: its TOP_K routed experts, then the shared expert, which every product takes as one more
 // expert of the same width (number NUM_EXPERTS in the grouped products' sort), weighted by its sigmoid gate.
 #define MOE_SLOTS (TOP_K + 1)

@@ -86,177 +86,150 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
     }
 }
 
-// ---- The router's logits for few rows (a batched decode step, a short prompt), on the CUDA cores in f32 ----
+// ---- The router's logits (a batched decode step's rows, a prompt's chunk), on the tensor cores ----
 // logits[t][e] = router[e] . x[t] for the NUM_EXPERTS + 1 router rows (the routed experts', then the shared
 // expert's gate), x[t] = x_hi[t] + x_lo[t] (the normed input and what its rounding to bf16 lost: about 17
-// significant bits), every 8-bit weight formed exactly in f32 as scale * q + bias. A block takes a strip of
-// RT_ROWS router rows and a tile of RT_TOKENS tokens over all of k, in stages of RT_KC inputs: the stage's
-// weights (dequantized) and inputs are staged in shared memory while the next stage's are fetched into registers.
-// Thread (part p, quad q) owns rows rq + 4i and tokens tq + 4j (rq = q / 4, tq = q % 4, i, j < 4) over the
-// inputs 4 (p + 16 s) .. + 3 of each stage; the RT_PARTS parts of each output are then summed in order of p.
-// Every sum runs in one fixed order, so the logits do not depend on timing. Grid (row strips, token tiles, parts
-// of k): a launch of few blocks would leave most SMs idle and wait on each stage's fetch in turn, so k is cut into
-// RT_K_PARTS parts of whole stages; each part's block writes its tile to `router_partials`, and the last of a
-// tile's blocks to finish (a ticket) adds the parts in order of part. The parts do not depend on the number of
-// tokens, so neither do a token's logits.
-#define RT_THREADS ROW_THREADS
+// significant bits). Routing follows small differences between logits, so no input is rounded further: the 8-bit
+// codes q are exact in bf16 (8 significant bits), mma.sync m16n8k16 sums q * x_hi and q * x_lo into one f32
+// fragment per group of 64 inputs, a second pair of products with an A of ones sums the group's x, and each group
+// then adds scale * sum(q x) + bias * sum(x) to the f32 result (w = scale * q + bias).
+//
+// A block takes a strip of RT_ROWS router rows and a tile of RT_TOKENS tokens over all of k; its RT_WARPS warps
+// each sum RT_GROUPS consecutive groups (the weight rows the A fragment, the tokens two n8 B fragments), fetching
+// the next group's operands into registers while the tensor cores take the current one, and the warps' results are
+// added in order of warp. Each sum has one fixed order whatever the number of tokens or the token's place in its
+// tile, so a token's logits do not depend on the batch around it. Lane (g, t) loads 16 consecutive inputs of a
+// group, 16 t .. 16 t + 15, and feeds them to its step s as the fragment's k pairs (2 t, 2 t + 1) = inputs
+// 16 t + 4 s + 0, 1 and (2 t + 8, 2 t + 9) = inputs 16 t + 4 s + 2, 3: the same permutation of k on both operands,
+// so one 16-byte load brings a row's codes of the whole group and two its inputs.
 #define RT_ROWS 16
 #define RT_TOKENS 16
 #define RT_OUT (NUM_EXPERTS + 1)
-#define RT_PARTS (RT_THREADS / ((RT_ROWS / 4) * (RT_TOKENS / 4)))
-#define RT_KC (HIDDEN < 256 ? HIDDEN : 256)
-// Rows of the staged tiles are padded by 8 floats: the float4s a warp reads then fall in distinct banks.
-#define RT_STRIDE (RT_KC + 8)
-// Float4s of each operand a thread stages per stage, and steps s of its products per stage.
-#define RT_ITEMS (RT_KC / 64)
+#define RT_WARPS (HIDDEN / GROUP < 8 ? HIDDEN / GROUP : 8)
+#define RT_THREADS (RT_WARPS * WARP)
+constexpr int RT_GROUPS = HIDDEN / GROUP / RT_WARPS;
+static_assert(HIDDEN % (GROUP * RT_WARPS) == 0, "every warp sums whole groups of 64 inputs");
+static_assert(RT_ROWS == 16 && RT_TOKENS == 16, "one m16 fragment of rows, two n8 fragments of tokens");
 
-static_assert(HIDDEN % RT_KC == 0 && RT_KC % 64 == 0, "the router's stages are whole groups of 64 inputs");
-static_assert(RT_PARTS == 16 && RT_ROWS * RT_TOKENS == RT_THREADS, "one summed output a thread");
-static_assert(RT_ROWS == RT_TOKENS, "both tiles are staged the same way");
-static_assert(RT_PARTS * RT_ROWS * (RT_TOKENS + 1) <= 2 * RT_ROWS * RT_STRIDE, "the parts fit the tiles' memory");
-
-#ifndef RT_SPLIT
-#define RT_SPLIT 4
+// Blocks an SM holds at once: one takes 194 registers a thread and no spills; two (128 registers) spill a little.
+#ifndef RT_MIN_BLOCKS
+#define RT_MIN_BLOCKS 1
 #endif
-constexpr int RT_STAGES = HIDDEN / RT_KC;
-// The most parts, at most RT_SPLIT (a power of two), that cut the stages evenly.
-__host__ __device__ constexpr int rt_k_parts(int split) {
-    while (split > 1 && RT_STAGES % split != 0) split /= 2;
-    return split;
-}
-constexpr int RT_K_PARTS = rt_k_parts(RT_SPLIT);
-// The most tokens a launch takes (the host reads it as router_max_tokens and sends no more) and so the most tiles
-// of a launch.
-#define RT_MAX_TOKENS 256
-constexpr int RT_MAX_TILES = ((RT_OUT + RT_ROWS - 1) / RT_ROWS) * (RT_MAX_TOKENS / RT_TOKENS);
-static_assert(RT_MAX_TOKENS % RT_TOKENS == 0, "whole token tiles");
-__device__ float router_partials[(size_t)RT_MAX_TILES * RT_K_PARTS * RT_ROWS * RT_TOKENS];
-// A tile's count of finished parts; its last part resets it, so every launch finds it zero.
-__device__ int router_tickets[RT_MAX_TILES];
 
 // Read by the host (the constants of src/kernels/prefill.rs).
 __device__ int router_strip_rows = RT_ROWS;
 __device__ int router_tile_tokens = RT_TOKENS;
-__device__ int router_k_parts = RT_K_PARTS;
-__device__ int router_max_tokens = RT_MAX_TOKENS;
+__device__ int router_threads = RT_THREADS;
 
-// An 8-bit code as a float: byte `e` of `word` under the exponent of 2^23, minus 2^23 (exact).
-__device__ __forceinline__ float code_byte(u32 word, int e) {
-    return __uint_as_float(0x4B000000u | ((word >> (8 * e)) & 0xffu)) - 8388608.f;
+// Codes 2 h and 2 h + 1 of `word` (four 8-bit codes) as bf16x2, exactly: each byte under the exponent of 2^23,
+// minus 2^23, then rounded to bf16 (which holds every integer below 256).
+__device__ __forceinline__ u32 codes_bf16x2(u32 word, int h) {
+    const float a = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650 + 2 * h)) - 8388608.f;
+    const float b = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7651 + 2 * h)) - 8388608.f;
+    return pack_bf16x2(a, b);
 }
 
-extern "C" __global__ void __launch_bounds__(RT_THREADS) router_rows(const bf16* x_hi, const bf16* x_lo, int m,
-                                                                    Q4 router, float* logits) {
-    wait_previous();
-    if (m > RT_MAX_TOKENS || gridDim.z != RT_K_PARTS) __trap();  // the host's plan is not the kernel's
-    constexpr int PER_ROW = RT_KC / 4;
-    const int stage0 = blockIdx.z * (RT_STAGES / RT_K_PARTS), stage1 = stage0 + RT_STAGES / RT_K_PARTS;
-    __shared__ __align__(16) float tiles[2 * RT_ROWS * RT_STRIDE];
-    float* w_tile = tiles;
-    float* x_tile = tiles + RT_ROWS * RT_STRIDE;
-    const int tid = threadIdx.x;
+// One group's operands of lane (g, t): rows g and g + 8's 16 codes and (scale, bias) pairs, and for tokens g and
+// 8 + g of the tile 16 inputs of x_hi and of x_lo (two 16-byte halves each).
+struct RouterGroup {
+    uint4 codes[2];
+    u32 pairs[2];
+    uint4 hi[2][2], lo[2][2];
+};
+
+extern "C" __global__ void __launch_bounds__(RT_THREADS, RT_MIN_BLOCKS) router_rows(const bf16* x_hi, const bf16* x_lo, int m,
+                                                                       Q4 router, float* logits) {
+    if (blockDim.x != RT_THREADS) __trap();  // the host's plan is not the kernel's
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int row0 = blockIdx.x * RT_ROWS, tok0 = blockIdx.y * RT_TOKENS;
     const int rows = min(RT_ROWS, RT_OUT - row0), tokens = min(RT_TOKENS, m - tok0);
-
-    // Staging: item u of a thread is float4 c of tile row r (flat index tid + RT_THREADS u), so a warp fetches
-    // consecutive words of one row. Rows past the strip or the tile read the last valid one (never stored).
-    u32 codes[RT_ITEMS], pairs[RT_ITEMS];
-    uint2 hi[RT_ITEMS], lo[RT_ITEMS];
-    auto fetch = [&](int stage) {
+    // Rows past the strip and tokens past the tile read the last valid one (their sums are never stored).
+    size_t code0[2], pair0[2], x0[2];
 #pragma unroll
-        for (int u = 0; u < RT_ITEMS; u++) {
-            const int flat = tid + RT_THREADS * u, r = flat / PER_ROW, k = stage * RT_KC + 4 * (flat % PER_ROW);
-            const size_t w_row = row0 + min(r, rows - 1), x_row = tok0 + min(r, tokens - 1);
-            codes[u] = router.packed[w_row * (HIDDEN / 4) + k / 4];
-            pairs[u] = router.scale_bias[w_row * (HIDDEN / GROUP) + k / GROUP];
-            hi[u] = *reinterpret_cast<const uint2*>(x_hi + x_row * HIDDEN + k);
-            lo[u] = *reinterpret_cast<const uint2*>(x_lo + x_row * HIDDEN + k);
+    for (int h = 0; h < 2; h++) {
+        const size_t row = row0 + min(g + 8 * h, rows - 1), token = tok0 + min(g + 8 * h, tokens - 1);
+        code0[h] = row * (HIDDEN / 4) + 4 * t, pair0[h] = row * (HIDDEN / GROUP), x0[h] = token * HIDDEN + 16 * t;
+    }
+    const int group0 = warp * RT_GROUPS;
+    auto load_weights = [&](RouterGroup& q, int group) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            q.codes[h] = __ldg((const uint4*)(router.packed + code0[h] + group * (GROUP / 4)));
+            q.pairs[h] = __ldg(router.scale_bias + pair0[h] + group);
         }
     };
-    auto store = [&]() {
+    auto load_inputs = [&](RouterGroup& q, int group) {
 #pragma unroll
-        for (int u = 0; u < RT_ITEMS; u++) {
-            const int flat = tid + RT_THREADS * u, at = (flat / PER_ROW) * RT_STRIDE + 4 * (flat % PER_ROW);
-            const float2 f = pair_to_float2(pairs[u]);
-            *reinterpret_cast<float4*>(w_tile + at) =
-                make_float4(fmaf(code_byte(codes[u], 0), f.x, f.y), fmaf(code_byte(codes[u], 1), f.x, f.y),
-                            fmaf(code_byte(codes[u], 2), f.x, f.y), fmaf(code_byte(codes[u], 3), f.x, f.y));
-            const auto half = [](u32 v, int upper) { return __uint_as_float(upper ? v & 0xffff0000u : v << 16); };
-            *reinterpret_cast<float4*>(x_tile + at) =
-                make_float4(half(hi[u].x, 0) + half(lo[u].x, 0), half(hi[u].x, 1) + half(lo[u].x, 1),
-                            half(hi[u].y, 0) + half(lo[u].y, 0), half(hi[u].y, 1) + half(lo[u].y, 1));
-        }
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                q.hi[f][u] = *(const uint4*)(x_hi + x0[f] + group * GROUP + 8 * u);
+                q.lo[f][u] = *(const uint4*)(x_lo + x0[f] + group * GROUP + 8 * u);
+            }
     };
 
-    const int q = tid % 16, p = tid / 16, rq = q / 4, tq = q % 4;
-    // Threads whose first row or token is past the strip or the tile have nothing to compute.
-    const bool active = rq < rows && tq < tokens;
-    float acc[4][4];
+    // The first group's weights do not depend on the previous kernel: they are requested before waiting for it.
+    RouterGroup cur, next;
+    load_weights(cur, group0);
+    wait_previous();
+    load_inputs(cur, group0);
+    float acc[2][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int f = 0; f < 2; f++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
-    fetch(stage0);
-    for (int stage = stage0; stage < stage1; stage++) {
-        __syncthreads();  // the previous stage's products are done with the tiles
-        store();
-        __syncthreads();
-        if (stage + 1 < stage1) fetch(stage + 1);
-        if (!active) continue;
+        for (int i = 0; i < 4; i++) acc[f][i] = 0.f;
+    const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
 #pragma unroll
-        for (int s = 0; s < RT_ITEMS; s++) {
-            const int k = 4 * (p + 16 * s);
-            float4 w[4], x[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) w[i] = *reinterpret_cast<const float4*>(w_tile + (rq + 4 * i) * RT_STRIDE + k);
-#pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = *reinterpret_cast<const float4*>(x_tile + (tq + 4 * j) * RT_STRIDE + k);
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    float a = acc[i][j];
-                    a = fmaf(w[i].x, x[j].x, a);
-                    a = fmaf(w[i].y, x[j].y, a);
-                    a = fmaf(w[i].z, x[j].z, a);
-                    acc[i][j] = fmaf(w[i].w, x[j].w, a);
-                }
+    for (int i = 0; i < RT_GROUPS; i++) {
+        if (i + 1 < RT_GROUPS) {
+            load_weights(next, group0 + i + 1);
+            load_inputs(next, group0 + i + 1);
         }
+        float qx[2][4], sx[2][4];  // [token fragment]: sum(q x) and sum(x) over the group
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) qx[f][j] = sx[f][j] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            const u32 a[4] = {codes_bf16x2(word_of(cur.codes[0], s), 0), codes_bf16x2(word_of(cur.codes[1], s), 0),
+                              codes_bf16x2(word_of(cur.codes[0], s), 1), codes_bf16x2(word_of(cur.codes[1], s), 1)};
+#pragma unroll
+            for (int f = 0; f < 2; f++) {
+                const u32 h0 = word_of(cur.hi[f][s / 2], 2 * (s % 2)), h1 = word_of(cur.hi[f][s / 2], 2 * (s % 2) + 1);
+                const u32 l0 = word_of(cur.lo[f][s / 2], 2 * (s % 2)), l1 = word_of(cur.lo[f][s / 2], 2 * (s % 2) + 1);
+                mma_bf16(qx[f], a, h0, h1);
+                mma_bf16(qx[f], a, l0, l1);
+                mma_bf16(sx[f], ones, h0, h1);
+                mma_bf16(sx[f], ones, l0, l1);
+            }
+        }
+        // Fragment entry j: row g + 8 (j / 2), token 2 t + j % 2 of the fragment.
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float2 sb = pair_to_float2(cur.pairs[h]);
+#pragma unroll
+            for (int f = 0; f < 2; f++)
+#pragma unroll
+                for (int j = 2 * h; j < 2 * h + 2; j++)
+                    acc[f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], acc[f][j]));
+        }
+        if (i + 1 < RT_GROUPS) cur = next;
     }
 
-    // The parts of each output, [part][row][token] (rows padded to RT_TOKENS + 1), summed in order of part.
+    // The warps' sums, [warp][token][row], added in order of warp.
+    __shared__ float part[RT_WARPS][RT_TOKENS * RT_ROWS];
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) part[warp][(8 * f + 2 * t + j % 2) * RT_ROWS + g + 8 * (j / 2)] = acc[f][j];
     __syncthreads();
-    float* part = tiles;
+    for (int o = threadIdx.x; o < RT_TOKENS * RT_ROWS; o += RT_THREADS) {
+        const int token = o / RT_ROWS, r = o % RT_ROWS;
+        float v = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) part[(p * RT_ROWS + rq + 4 * i) * (RT_TOKENS + 1) + tq + 4 * j] = acc[i][j];
-    __syncthreads();
-    const int r = tid % RT_ROWS, t = tid / RT_ROWS;
-    const bool valid = r < rows && t < tokens;
-    float v = 0.f;
-#pragma unroll
-    for (int k = 0; k < RT_PARTS; k++) v += part[(k * RT_ROWS + r) * (RT_TOKENS + 1) + t];
-    float* out = logits + (size_t)(tok0 + t) * RT_OUT + row0 + r;
-    if constexpr (RT_K_PARTS == 1) {
-        if (valid) *out = v;
-    } else {
-        // This part's tile, then a ticket: every thread's store is visible on the GPU before the count says so.
-        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-        float* parts = router_partials + (size_t)tile * RT_K_PARTS * RT_THREADS;
-        parts[blockIdx.z * RT_THREADS + tid] = v;
-        __threadfence();
-        __syncthreads();
-        __shared__ bool last;
-        if (tid == 0) last = atomicAdd(&router_tickets[tile], 1) == RT_K_PARTS - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        float sum = 0.f;
-#pragma unroll
-        for (int z = 0; z < RT_K_PARTS; z++) sum += __ldcg(parts + z * RT_THREADS + tid);
-        if (valid) *out = sum;
-        if (tid == 0) router_tickets[tile] = 0;
+        for (int w = 0; w < RT_WARPS; w++) v += part[w][o];
+        if (r < rows && token < tokens) logits[(size_t)(tok0 + token) * RT_OUT + row0 + r] = v;
     }
 }
 

@@ -296,17 +296,10 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     )
 }
 
-/// Tokens up to which the router's logits come from `router_rows` (CUDA cores, f32): the kernels'
-/// `router_max_tokens`, the most its partial sums hold (256). More take the tensor-core products, whose large
-/// tiles then pay off.
-pub(crate) fn router_rows_max_tokens(kernels: &Kernels) -> usize {
-    kernels.constant("router_max_tokens")
-}
-
-/// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1). Routing follows
-/// small differences between logits, so the router sees the normed input to about 16 bits: up to
-/// [`router_rows_max_tokens`] rows in one f32 launch, beyond as two tensor-core products (the bf16 part, then the
-/// remainder added).
+/// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1), one launch of
+/// `router_rows` at every count (a batched step's rows and a prompt's chunk alike). Routing follows small
+/// differences between logits, so the router sees the normed input to about 16 bits (the bf16 part and what its
+/// rounding lost), and a token's logits do not depend on the rows beside it.
 pub(crate) fn router_logits(
     l: &mut Launcher,
     c: &Config,
@@ -316,27 +309,19 @@ pub(crate) fn router_logits(
     t: usize,
     logits: DevPtr<f32>,
 ) -> Result<()> {
-    if t > router_rows_max_tokens(l.kernels) {
-        gemm::gemm(l, normed, t, router, logits, false)?;
-        return gemm::gemm(l, normed_lo, t, router, logits, true);
-    }
     assert!(
         router.bits == 8 && router.rows == c.num_experts + 1 && router.cols == c.hidden_size,
         "router_rows takes the 8-bit [experts + 1][hidden] router"
     );
-    let (strip, tile, parts) = (
+    let (strip, tile, threads) = (
         l.kernels.constant("router_strip_rows"),
         l.kernels.constant("router_tile_tokens"),
-        l.kernels.constant("router_k_parts"),
+        l.kernels.constant("router_threads"),
     );
-    let grid = (
-        router.rows.div_ceil(strip) as u32,
-        t.div_ceil(tile) as u32,
-        parts as u32,
-    );
+    let grid = (router.rows.div_ceil(strip) as u32, t.div_ceil(tile) as u32, 1);
     prefill::router_rows(
         l,
-        Dims::new(grid, ROW_THREADS),
+        Dims::new(grid, threads as u32),
         normed,
         normed_lo,
         t as i32,

@@ -13,12 +13,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     source: include_str!("../../kernels/prefill.cu"),
     kernels: KERNELS,
     buffers: &[],
-    constants: &[
-        "router_strip_rows",
-        "router_tile_tokens",
-        "router_k_parts",
-        "router_max_tokens",
-    ],
+    constants: &["router_strip_rows", "router_tile_tokens", "router_threads"],
 };
 
 launchers! {
@@ -35,9 +30,9 @@ launchers! {
         out_lo: DevPtr<bf16>,
         codes: Q8x2,
     );
-    /// `logits[t][e] = router[e] . (x_hi[t] + x_lo[t])` in f32 for the experts' and the shared gate's rows, `t < m`;
-    /// grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens, `router_k_parts` parts of
-    /// k), `m` at most `router_max_tokens`.
+    /// `logits[t][e] = router[e] . (x_hi[t] + x_lo[t])` with f32 sums for the experts' and the shared gate's rows,
+    /// `t < m`; grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens), `router_threads`
+    /// threads a block.
     router_rows(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
     /// Each token's top-k experts and weights, then the shared expert (number `experts`) and its gate, and the
     /// count of entries per expert.

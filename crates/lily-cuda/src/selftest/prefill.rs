@@ -10,7 +10,7 @@ use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
 use crate::kernels::{gemm, prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
-use crate::prefill::{route_and_sort, router_logits, router_rows_max_tokens, PrefillScratch, ROW_THREADS};
+use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROW_THREADS};
 use crate::weights::GpuWeights;
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
@@ -272,15 +272,13 @@ fn bits_word(same: bool) -> &'static str {
     }
 }
 
-/// Token counts of the router check: one token, a few, a tile of 16 and one past it, the batched step's sizes up to
-/// `router_rows_max_tokens` (256, `router_rows`), and one past that (the tensor-core products).
-const ROUTER_TOKENS: [usize; 8] = [1, 3, 16, 17, 64, 200, 256, 257];
+/// Token counts of the router check: one token, a few, a tile of 16 and one past it, the batched step's sizes, and a
+/// prompt's chunk of 300 (not a whole tile).
+const ROUTER_TOKENS: [usize; 8] = [1, 3, 16, 17, 64, 200, 256, 300];
 
-/// Tolerances of the router's logits (max error over max |reference|). `router_rows` forms each 8-bit weight
-/// exactly and sums 2048 f32 products in its own order: 1e-5. The tensor-core products round each weight to bf16
-/// hi + lo (about 2^-17): 1e-4, as the gemm check states.
+/// Tolerance of the router's logits (max error over max |reference|). `router_rows` takes each 8-bit code and both
+/// parts of the input exactly and sums their products in f32, scaled once a group of 64: 1e-5.
 const TOL_ROUTER_ROWS: f64 = 1e-5;
-const TOL_ROUTER_GEMM: f64 = 1e-4;
 
 /// The router's logits of layer 0 over the normed rows the RMSNorm left in `s.normed` and `s.normed_lo`, at every
 /// count of `ROUTER_TOKENS`, against an f64 twin of the same input (the bf16 part plus the remainder) and the
@@ -344,15 +342,15 @@ fn check_router(
         })
         .collect();
 
+    // The logits of the first token at each count, which must not depend on the count.
+    let mut first_rows: Vec<(usize, Vec<f32>)> = Vec::new();
     for t in ROUTER_TOKENS {
         poison(gpu, &s.router_logits)?;
         let (normed, normed_lo, logits) = (s.normed.ptr(), s.normed_lo.ptr(), s.router_logits.ptr());
         router_logits(l, c, &gw.layers[0].router, normed, normed_lo, t, logits)?;
         let got = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
-        let (kernel, tol) = match t <= router_rows_max_tokens(l.kernels) {
-            true => ("router_rows", TOL_ROUTER_ROWS),
-            false => ("router as two gemm_q8", TOL_ROUTER_GEMM),
-        };
+        let (kernel, tol) = ("router_rows", TOL_ROUTER_ROWS);
+        first_rows.push((t, got[..e + 1].to_vec()));
         let err = rel_err(&got[..t * (e + 1)], &expected[..t * (e + 1)]);
         report.check(&format!("{kernel} ({t} tokens, {} rows, k {h})", e + 1), err, tol);
         report.check_eq(
@@ -387,5 +385,12 @@ fn check_router(
             &format!("{differ} tokens differ, {near_ties} near-ties excused"),
         );
     }
+    let (t0, row0) = &first_rows[0];
+    let differ: Vec<usize> = first_rows.iter().filter(|(_, r)| r != row0).map(|(t, _)| *t).collect();
+    report.check_eq(
+        &format!("router_rows: the first token's logits at {t0} tokens and every larger count, bit for bit"),
+        differ.is_empty(),
+        &format!("differ at {differ:?} tokens"),
+    );
     Ok(())
 }
