@@ -1,5 +1,5 @@
-// Prefill matrix products on the tensor cores: bf16 activations times MLX-quantized weight rows (4-bit; 8-bit
-// for the router), mma.sync m16n8k16 with f32 accumulation. The weights are read packed, as the decode kernels
+// Prefill matrix products on the tensor cores: bf16 activations times MLX-quantized weight rows (4-bit or 8-bit),
+// mma.sync m16n8k16 with f32 accumulation. The weights are read packed, as the decode kernels
 // read them; each warp dequantizes its own slice straight into mma B fragments (no dequantized copy anywhere).
 //
 // Tiling. A block of 8 warps computes BM activation rows (128, or 64 for small m and the MoE tiles) against

@@ -1,7 +1,7 @@
 // Prefill glue around the matrix products (gemm.cu): the chunk's embedding rows, RMSNorm rows into the bf16 input
-// of the next product, the router's logits for few tokens, every token's routing, a stable counting sort of the
-// (token, slot) entries by expert with the tile list of the grouped expert products, and the MoE's combine into
-// the residual stream (on its own, or inside the next RMSNorm).
+// of the next product, the router's logits, every token's routing, a stable counting sort of the (token, slot)
+// entries by expert with the tile list of the grouped expert products, and the MoE's combine into the residual
+// stream (on its own, or inside the next RMSNorm).
 
 #define ROW_THREADS 256
 #define SORT_THREADS 256

@@ -1,6 +1,5 @@
-//! The prefill's glue (kernels/prefill.cu): embedding rows, RMSNorm rows into bf16, the router's logits for few
-//! tokens, the routing and the stable sort of (token, slot) entries by expert, and the MoE combine into the
-//! residual stream.
+//! The prefill's glue (kernels/prefill.cu): embedding rows, RMSNorm rows into bf16, the router's logits, the
+//! routing and the stable sort of (token, slot) entries by expert, and the MoE combine into the residual stream.
 
 use half::bf16;
 
