@@ -38,36 +38,67 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
                                                                       const float* norm, bf16* out, bf16* out_lo,
                                                                       Q8x2 codes) {
     wait_previous();
-    constexpr int PER = (HIDDEN + ROW_THREADS - 1) / ROW_THREADS;
     __shared__ float scratch[32];
     // The row's rounded values, hi + lo, for the coding: a thread then takes 8 consecutive inputs (a Q8x2 word).
     __shared__ __align__(16) float rounded[HIDDEN];
     const size_t r = blockIdx.x;
     float* h = hidden + r * HIDDEN;
-    float v[PER];
+    // Thread u takes the row's runs of 4 consecutive columns 4 (u + ROW_THREADS j), so a warp's float4 loads cover
+    // 512 contiguous bytes, and all of a thread's loads (its runs of the row and of every expert slot) are issued
+    // before the first is used: none waits behind a branch or a store.
+    constexpr int RUNS = (HIDDEN / 4 + ROW_THREADS - 1) / ROW_THREADS;
+    static_assert(HIDDEN % 4 == 0, "whole runs of 4 columns");
+    float4 v[RUNS];
+    bool in[RUNS];
+#pragma unroll
+    for (int j = 0; j < RUNS; j++) {
+        const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
+        in[j] = c0 < HIDDEN;
+        v[j] = in[j] ? *(const float4*)(h + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (expert_out) {
+        float4 e[RUNS][MOE_SLOTS];
+#pragma unroll
+        for (int j = 0; j < RUNS; j++) {
+            const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
+#pragma unroll
+            for (int k = 0; k < MOE_SLOTS; k++)
+                e[j][k] = in[j] ? *(const float4*)(expert_out + (r * MOE_SLOTS + k) * HIDDEN + c0)
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < RUNS; j++) {
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);  // in slot order, as combined_experts
+#pragma unroll
+            for (int k = 0; k < MOE_SLOTS; k++)
+                sum.x += e[j][k].x, sum.y += e[j][k].y, sum.z += e[j][k].z, sum.w += e[j][k].w;
+            v[j].x += sum.x, v[j].y += sum.y, v[j].z += sum.z, v[j].w += sum.w;
+            if (in[j]) *(float4*)(h + 4 * (threadIdx.x + j * ROW_THREADS)) = v[j];
+        }
+    }
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int c = threadIdx.x + i * ROW_THREADS;
-        v[i] = c < HIDDEN ? h[c] : 0.f;
-        if (expert_out && c < HIDDEN) {
-            v[i] += combined_experts(expert_out, r, c);
-            h[c] = v[i];
-        }
-        s += v[i] * v[i];
-    }
+    for (int j = 0; j < RUNS; j++) s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     const float inv = 1.f / sqrtf(block_sum(s, scratch) / HIDDEN + RMS_EPS);
 #pragma unroll
-    for (int i = 0; i < PER; i++) {
-        const int c = threadIdx.x + i * ROW_THREADS;
-        if (c >= HIDDEN) continue;
-        const float x = v[i] * inv * norm[c];
-        const bf16 hi = float_to_bf16(x);
-        out[(size_t)blockIdx.x * HIDDEN + c] = hi;
-        const bf16 lo = float_to_bf16(x - bf16_to_float(hi));
-        if (out_lo) out_lo[(size_t)blockIdx.x * HIDDEN + c] = lo;
-        // The sum the separate coding kernels form from the stored rows (lo is 0 where it is not stored).
-        rounded[c] = bf16_to_float(hi) + (out_lo ? bf16_to_float(lo) : 0.f);
+    for (int j = 0; j < RUNS; j++) {
+        if (!in[j]) continue;
+        const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
+        const float4 g = *(const float4*)(norm + c0);
+        const float x[4] = {v[j].x * inv * g.x, v[j].y * inv * g.y, v[j].z * inv * g.z, v[j].w * inv * g.w};
+        u32 hi2[2], lo2[2];
+        float rd[4];  // the sum the separate coding kernels form from the stored rows (lo is 0 where not stored)
+#pragma unroll
+        for (int q = 0; q < 4; q += 2) {
+            const bf16 h0 = float_to_bf16(x[q]), h1 = float_to_bf16(x[q + 1]);
+            const bf16 l0 = float_to_bf16(x[q] - bf16_to_float(h0)), l1 = float_to_bf16(x[q + 1] - bf16_to_float(h1));
+            hi2[q / 2] = (u32)h0 | (u32)h1 << 16, lo2[q / 2] = (u32)l0 | (u32)l1 << 16;
+            rd[q] = bf16_to_float(h0) + (out_lo ? bf16_to_float(l0) : 0.f);
+            rd[q + 1] = bf16_to_float(h1) + (out_lo ? bf16_to_float(l1) : 0.f);
+        }
+        *(uint2*)(out + r * HIDDEN + c0) = make_uint2(hi2[0], hi2[1]);
+        if (out_lo) *(uint2*)(out_lo + r * HIDDEN + c0) = make_uint2(lo2[0], lo2[1]);
+        *(float4*)&rounded[c0] = make_float4(rd[0], rd[1], rd[2], rd[3]);
     }
     if (!codes.codes) return;  // uniform over the block
     __syncthreads();
