@@ -136,34 +136,32 @@ __device__ __forceinline__ void copy_tile(float* tile, const float* src, int str
 }
 
 // The causal conv + SiLU of conv channel c over the chunk's tokens tok0 .. tok0 + CHUNK (zeros past t), as
-// decode's conv_channel: out(r, value) per token. Inputs before the call's first token come from the ring.
+// decode's conv_channel: out(r, value) per token. Inputs before the call's first token come from the ring. Every
+// input is loaded before the first output is stored: an output stored to global memory might alias a later input
+// for all the compiler knows, so interleaving them would leave one load at a time in flight (a trip to L2 a token).
 template <typename Out>
 __device__ __forceinline__ void conv_chunk(const float* proj, const float* ring, const float* conv_w, int c, int tok0,
                                            int t, int start, Out out) {
-    float w[CONV_K], window[CONV_K - 1];  // window: the raw inputs of the CONV_K - 1 previous tokens, oldest first
+    // x: the raw inputs of the CONV_K - 1 tokens before the chunk, oldest first, then the chunk's own.
+    float w[CONV_K], x[CONV_K - 1 + CHUNK];
 #pragma unroll
     for (int j = 0; j < CONV_K; j++) w[j] = conv_w[c * CONV_K + j];
 #pragma unroll
     for (int j = 0; j < CONV_K - 1; j++) {
         const int tok = tok0 - (CONV_K - 1) + j;
-        window[j] = tok >= 0 ? proj[(size_t)tok * PROJ_DIM + c]
-                             : ring[((start + tok + CONV_K) % CONV_K) * LIN_CONV_DIM + c];
+        x[j] = tok >= 0 ? proj[(size_t)tok * PROJ_DIM + c] : ring[((start + tok + CONV_K) % CONV_K) * LIN_CONV_DIM + c];
     }
 #pragma unroll
+    for (int r = 0; r < CHUNK; r++) x[CONV_K - 1 + r] = tok0 + r < t ? proj[(size_t)(tok0 + r) * PROJ_DIM + c] : 0.f;
+#pragma unroll
     for (int r = 0; r < CHUNK; r++) {
-        const bool real = tok0 + r < t;
-        const float x = real ? proj[(size_t)(tok0 + r) * PROJ_DIM + c] : 0.f;
-        float acc = w[CONV_K - 1] * x;
+        float acc = w[CONV_K - 1] * x[CONV_K - 1 + r];
 #pragma unroll
-        for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * window[j];
-#pragma unroll
-        for (int j = 0; j < CONV_K - 2; j++) window[j] = window[j + 1];
-        window[CONV_K - 2] = x;
-        out(r, real ? siluf_(acc) : 0.f);
+        for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * x[r + j];
+        out(r, tok0 + r < t ? siluf_(acc) : 0.f);
     }
 }
 
-// Grid (chunks, LIN_K_HEADS), PREFILL_THREADS threads, deltanet_chunks_shared_bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     deltanet_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
                        const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,
