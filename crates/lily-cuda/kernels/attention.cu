@@ -328,6 +328,15 @@ static_assert(HEAD_DIM % 16 == 0 && ATTN_MIN_CHUNK % KV_PAGE == 0, "whole k16 st
 // Read by the host: the kernel's dynamic shared memory.
 __device__ int attn_rows_smem = ROWS_SMEM;
 
+// Blocks an SM that the host's split of a batched step's contexts aims for (attention_splits in batch.rs): rows x
+// KV heads x parts ~ this many times the SMs. A block takes its SM's shared memory alone, so each block an SM is a
+// wave of its own that pays its first tiles' latency again: one wave, each block walking a longer part, is the
+// fastest (two are as fast at 64 rows and more, eight are slower).
+#ifndef ATTN_ROWS_BLOCKS_PER_SM
+#define ATTN_ROWS_BLOCKS_PER_SM 1
+#endif
+__device__ int attn_rows_blocks_per_sm = ATTN_ROWS_BLOCKS_PER_SM;
+
 // Two floats as bf16 pairs: `hi` rounded to nearest even, `lo` the rounded remainder (x ~ hi + lo to ~2^-16 of x),
 // `a` in the low half of each (the lower address / column).
 __device__ __forceinline__ void split_bf16x2(float a, float b, u32& hi, u32& lo) {

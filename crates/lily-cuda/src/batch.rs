@@ -79,10 +79,11 @@ impl StepScratch {
     }
 }
 
-/// Parts the attention splits each row's context into in a step of `rows` rows: enough blocks for about four per
-/// SM over all rows and KV heads, at most ATTN_SPLITS (one row alone takes them all, as the single-sequence step).
-pub fn attention_splits(rows: usize, kv_heads: usize, sm_count: usize) -> usize {
-    (4 * sm_count).div_ceil(rows * kv_heads).clamp(1, ATTN_SPLITS)
+/// Parts the attention splits each row's context into in a step of `rows` rows: enough blocks for about `per_sm`
+/// an SM (the kernels' `attn_rows_blocks_per_sm`) over all rows and KV heads, at most ATTN_SPLITS (one row alone
+/// takes them all, as the single-sequence step).
+pub fn attention_splits(rows: usize, kv_heads: usize, sm_count: usize, per_sm: usize) -> usize {
+    (per_sm * sm_count).div_ceil(rows * kv_heads).clamp(1, ATTN_SPLITS)
 }
 
 /// What the attention's parts of a batched step read and write (see `attn_partial` in kernels/attention.cu).
@@ -194,7 +195,8 @@ pub fn enqueue_step(
     let rows = Dims::linear(t as u32, ROW_THREADS);
     let (positions, slots, t32) = (b.positions(), b.slots(), t as u32);
     let (heads, kv_heads, head_dim) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let splits = attention_splits(t, kv_heads, l.gpu.sm_count) as i32;
+    let per_sm = l.kernels.constant("attn_rows_blocks_per_sm");
+    let splits = attention_splits(t, kv_heads, l.gpu.sm_count, per_sm) as i32;
     prefill::embed_rows(l, rows, b.tokens(), 0, w.embed_tokens.q4(), s.hidden.ptr())?;
     // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
     let mut experts = DevPtr::NULL;

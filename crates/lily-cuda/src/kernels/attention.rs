@@ -16,7 +16,11 @@ pub const FILE: KernelFile<'static> = KernelFile {
     ),
     kernels: KERNELS,
     buffers: &[],
-    constants: &["attn_rows_smem", "attn_merge_rows_max_splits"],
+    constants: &[
+        "attn_rows_smem",
+        "attn_rows_blocks_per_sm",
+        "attn_merge_rows_max_splits",
+    ],
 };
 
 launchers! {
