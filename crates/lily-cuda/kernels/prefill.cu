@@ -147,11 +147,23 @@ static_assert(RT_ROWS == 16 && RT_TOKENS == 16, "one m16 fragment of rows, two n
 #ifndef RT_MIN_BLOCKS
 #define RT_MIN_BLOCKS 2
 #endif
+// router_rows_tall, for many tokens: a block takes RT_TALL_STRIPS strips of its tile, so that each token's inputs
+// come from L2 once per RT_TALL_STRIPS strips instead of once per strip (the plain kernel's 17 strips each fetch
+// the tile's 128 KiB of inputs, which binds it to L2's speed at long prompts). At 1 block an SM (250 registers) it
+// is faster from 256 tokens on; counts of RT_TALL_MIN_TOKENS or more take it (0: never).
+#ifndef RT_TALL_STRIPS
+#define RT_TALL_STRIPS 3
+#endif
+#ifndef RT_TALL_MIN_TOKENS
+#define RT_TALL_MIN_TOKENS 256
+#endif
 
 // Read by the host (the constants of src/kernels/prefill.rs).
 __device__ int router_strip_rows = RT_ROWS;
 __device__ int router_tile_tokens = RT_TOKENS;
 __device__ int router_threads = RT_THREADS;
+__device__ int router_tall_strips = RT_TALL_STRIPS;
+__device__ int router_tall_min_tokens = RT_TALL_MIN_TOKENS;
 
 // Codes 2 h and 2 h + 1 of `word` (four 8-bit codes) as bf16x2, exactly: each byte under the exponent of 2^23,
 // minus 2^23, then rounded to bf16 (which holds every integer below 256).
@@ -161,36 +173,47 @@ __device__ __forceinline__ u32 codes_bf16x2(u32 word, int h) {
     return pack_bf16x2(a, b);
 }
 
-// One group's operands of lane (g, t): rows g and g + 8's 16 codes and (scale, bias) pairs, and for tokens g and
-// 8 + g of the tile 16 inputs of x_hi and of x_lo (two 16-byte halves each).
+// One group's operands of lane (g, t) for STRIPS strips: each strip's rows g and g + 8's 16 codes and (scale,
+// bias) pairs, and for tokens g and 8 + g of the tile 16 inputs of x_hi and of x_lo (two 16-byte halves each).
+template <int STRIPS>
 struct RouterGroup {
-    uint4 codes[2];
-    u32 pairs[2];
+    uint4 codes[STRIPS][2];
+    u32 pairs[STRIPS][2];
     uint4 hi[2][2], lo[2][2];
 };
 
-extern "C" __global__ void __launch_bounds__(RT_THREADS, RT_MIN_BLOCKS) router_rows(const bf16* x_hi, const bf16* x_lo, int m,
-                                                                       Q4 router, float* logits) {
+// The body of router_rows (STRIPS 1) and router_rows_tall: a block takes STRIPS consecutive strips of RT_ROWS
+// router rows (rows past the last read the last row; their sums are never stored). Every logit is summed the
+// same way in both, so the two give the same bits.
+template <int STRIPS>
+__device__ __forceinline__ void router_strips(const bf16* x_hi, const bf16* x_lo, int m, Q4 router, float* logits) {
     if (blockDim.x != RT_THREADS) __trap();  // the host's plan is not the kernel's
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
-    const int row0 = blockIdx.x * RT_ROWS, tok0 = blockIdx.y * RT_TOKENS;
-    const int rows = min(RT_ROWS, RT_OUT - row0), tokens = min(RT_TOKENS, m - tok0);
-    // Rows past the strip and tokens past the tile read the last valid one (their sums are never stored).
-    size_t code0[2], pair0[2], x0[2];
+    const int row0 = blockIdx.x * RT_ROWS * STRIPS, tok0 = blockIdx.y * RT_TOKENS;
+    const int tokens = min(RT_TOKENS, m - tok0);
+    // Tokens past the tile read the last valid one (their sums are never stored).
+    size_t code0[STRIPS][2], pair0[STRIPS][2], x0[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const size_t row = row0 + min(g + 8 * h, rows - 1), token = tok0 + min(g + 8 * h, tokens - 1);
-        code0[h] = row * (HIDDEN / 4) + 4 * t, pair0[h] = row * (HIDDEN / GROUP), x0[h] = token * HIDDEN + 16 * t;
+#pragma unroll
+        for (int s = 0; s < STRIPS; s++) {
+            const size_t row = min(row0 + s * RT_ROWS + g + 8 * h, RT_OUT - 1);
+            code0[s][h] = row * (HIDDEN / 4) + 4 * t, pair0[s][h] = row * (HIDDEN / GROUP);
+        }
+        const size_t token = tok0 + min(g + 8 * h, tokens - 1);
+        x0[h] = token * HIDDEN + 16 * t;
     }
     const int group0 = warp * RT_GROUPS;
-    auto load_weights = [&](RouterGroup& q, int group) {
+    auto load_weights = [&](RouterGroup<STRIPS>& q, int group) {
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            q.codes[h] = __ldg((const uint4*)(router.packed + code0[h] + group * (GROUP / 4)));
-            q.pairs[h] = __ldg(router.scale_bias + pair0[h] + group);
-        }
+        for (int s = 0; s < STRIPS; s++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                q.codes[s][h] = __ldg((const uint4*)(router.packed + code0[s][h] + group * (GROUP / 4)));
+                q.pairs[s][h] = __ldg(router.scale_bias + pair0[s][h] + group);
+            }
     };
-    auto load_inputs = [&](RouterGroup& q, int group) {
+    auto load_inputs = [&](RouterGroup<STRIPS>& q, int group) {
 #pragma unroll
         for (int f = 0; f < 2; f++)
 #pragma unroll
@@ -201,15 +224,17 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, RT_MIN_BLOCKS) router_r
     };
 
     // The first group's weights do not depend on the previous kernel: they are requested before waiting for it.
-    RouterGroup cur, next;
+    RouterGroup<STRIPS> cur, next;
     load_weights(cur, group0);
     wait_previous();
     load_inputs(cur, group0);
-    float acc[2][4];
+    float acc[STRIPS][2][4];
 #pragma unroll
-    for (int f = 0; f < 2; f++)
+    for (int s = 0; s < STRIPS; s++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc[f][i] = 0.f;
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[s][f][i] = 0.f;
     const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
 #pragma unroll
     for (int i = 0; i < RT_GROUPS; i++) {
@@ -217,52 +242,83 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, RT_MIN_BLOCKS) router_r
             load_weights(next, group0 + i + 1);
             load_inputs(next, group0 + i + 1);
         }
-        float qx[2][4], sx[2][4];  // [token fragment]: sum(q x) and sum(x) over the group
+        // [token fragment]: sum(x) over the group, the same for every strip.
+        float sx[2][4];
 #pragma unroll
         for (int f = 0; f < 2; f++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) qx[f][j] = sx[f][j] = 0.f;
+            for (int j = 0; j < 4; j++) sx[f][j] = 0.f;
 #pragma unroll
-        for (int s = 0; s < 4; s++) {
-            const u32 a[4] = {codes_bf16x2(word_of(cur.codes[0], s), 0), codes_bf16x2(word_of(cur.codes[1], s), 0),
-                              codes_bf16x2(word_of(cur.codes[0], s), 1), codes_bf16x2(word_of(cur.codes[1], s), 1)};
+        for (int s = 0; s < 4; s++)
 #pragma unroll
             for (int f = 0; f < 2; f++) {
                 const u32 h0 = word_of(cur.hi[f][s / 2], 2 * (s % 2)), h1 = word_of(cur.hi[f][s / 2], 2 * (s % 2) + 1);
                 const u32 l0 = word_of(cur.lo[f][s / 2], 2 * (s % 2)), l1 = word_of(cur.lo[f][s / 2], 2 * (s % 2) + 1);
-                mma_bf16(qx[f], a, h0, h1);
-                mma_bf16(qx[f], a, l0, l1);
                 mma_bf16(sx[f], ones, h0, h1);
                 mma_bf16(sx[f], ones, l0, l1);
             }
-        }
-        // Fragment entry j: row g + 8 (j / 2), token 2 t + j % 2 of the fragment.
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float2 sb = pair_to_float2(cur.pairs[h]);
+        for (int strip = 0; strip < STRIPS; strip++) {
+            float qx[2][4];  // [token fragment]: sum(q x) over the group
 #pragma unroll
             for (int f = 0; f < 2; f++)
 #pragma unroll
-                for (int j = 2 * h; j < 2 * h + 2; j++)
-                    acc[f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], acc[f][j]));
+                for (int j = 0; j < 4; j++) qx[f][j] = 0.f;
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const uint4* codes = cur.codes[strip];
+                const u32 a[4] = {codes_bf16x2(word_of(codes[0], s), 0), codes_bf16x2(word_of(codes[1], s), 0),
+                                  codes_bf16x2(word_of(codes[0], s), 1), codes_bf16x2(word_of(codes[1], s), 1)};
+#pragma unroll
+                for (int f = 0; f < 2; f++) {
+                    const u32 h0 = word_of(cur.hi[f][s / 2], 2 * (s % 2)), h1 = word_of(cur.hi[f][s / 2], 2 * (s % 2) + 1);
+                    const u32 l0 = word_of(cur.lo[f][s / 2], 2 * (s % 2)), l1 = word_of(cur.lo[f][s / 2], 2 * (s % 2) + 1);
+                    mma_bf16(qx[f], a, h0, h1);
+                    mma_bf16(qx[f], a, l0, l1);
+                }
+            }
+            // Fragment entry j: row g + 8 (j / 2), token 2 t + j % 2 of the fragment.
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float2 sb = pair_to_float2(cur.pairs[strip][h]);
+#pragma unroll
+                for (int f = 0; f < 2; f++)
+#pragma unroll
+                    for (int j = 2 * h; j < 2 * h + 2; j++)
+                        acc[strip][f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], acc[strip][f][j]));
+            }
         }
         if (i + 1 < RT_GROUPS) cur = next;
     }
 
-    // The warps' sums, [warp][token][row], added in order of warp.
-    __shared__ float part[RT_WARPS][RT_TOKENS * RT_ROWS];
+    // The warps' sums, [warp][token][row of the block's strips], added in order of warp.
+    constexpr int ROWS = RT_ROWS * STRIPS;
+    __shared__ float part[RT_WARPS][RT_TOKENS * ROWS];
 #pragma unroll
-    for (int f = 0; f < 2; f++)
+    for (int s = 0; s < STRIPS; s++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) part[warp][(8 * f + 2 * t + j % 2) * RT_ROWS + g + 8 * (j / 2)] = acc[f][j];
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                part[warp][(8 * f + 2 * t + j % 2) * ROWS + s * RT_ROWS + g + 8 * (j / 2)] = acc[s][f][j];
     __syncthreads();
-    for (int o = threadIdx.x; o < RT_TOKENS * RT_ROWS; o += RT_THREADS) {
-        const int token = o / RT_ROWS, r = o % RT_ROWS;
+    for (int o = threadIdx.x; o < RT_TOKENS * ROWS; o += RT_THREADS) {
+        const int token = o / ROWS, r = o % ROWS;
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < RT_WARPS; w++) v += part[w][o];
-        if (r < rows && token < tokens) logits[(size_t)(tok0 + token) * RT_OUT + row0 + r] = v;
+        if (row0 + r < RT_OUT && token < tokens) logits[(size_t)(tok0 + token) * RT_OUT + row0 + r] = v;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(RT_THREADS, RT_MIN_BLOCKS)
+    router_rows(const bf16* x_hi, const bf16* x_lo, int m, Q4 router, float* logits) {
+    router_strips<1>(x_hi, x_lo, m, router, logits);
+}
+
+extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
+    router_rows_tall(const bf16* x_hi, const bf16* x_lo, int m, Q4 router, float* logits) {
+    router_strips<RT_TALL_STRIPS>(x_hi, x_lo, m, router, logits);
 }
 
 // Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.

@@ -297,9 +297,10 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
 }
 
 /// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1), one launch of
-/// `router_rows` at every count (a batched step's rows and a prompt's chunk alike). Routing follows small
-/// differences between logits, so the router sees the normed input to about 16 bits (the bf16 part and what its
-/// rounding lost), and a token's logits do not depend on the rows beside it.
+/// `router_rows` (or `router_rows_tall` from `router_tall_min_tokens` tokens, which gives the same bits) at every
+/// count (a batched step's rows and a prompt's chunk alike). Routing follows small differences between logits, so
+/// the router sees the normed input to about 16 bits (the bf16 part and what its rounding lost), and a token's
+/// logits do not depend on the rows beside it.
 pub(crate) fn router_logits(
     l: &mut Launcher,
     c: &Config,
@@ -308,6 +309,23 @@ pub(crate) fn router_logits(
     normed_lo: DevPtr<bf16>,
     t: usize,
     logits: DevPtr<f32>,
+) -> Result<()> {
+    let min = l.kernels.constant("router_tall_min_tokens");
+    let tall = min > 0 && t >= min;
+    router_logits_as(l, c, router, normed, normed_lo, t, logits, tall)
+}
+
+/// [`router_logits`] on the kernel of its choice: `router_rows_tall` where `tall`, else `router_rows`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn router_logits_as(
+    l: &mut Launcher,
+    c: &Config,
+    router: &GpuMatrix,
+    normed: DevPtr<bf16>,
+    normed_lo: DevPtr<bf16>,
+    t: usize,
+    logits: DevPtr<f32>,
+    tall: bool,
 ) -> Result<()> {
     assert!(
         router.bits == 8 && router.rows == c.num_experts + 1 && router.cols == c.hidden_size,
@@ -318,16 +336,15 @@ pub(crate) fn router_logits(
         l.kernels.constant("router_tile_tokens"),
         l.kernels.constant("router_threads"),
     );
-    let grid = (router.rows.div_ceil(strip) as u32, t.div_ceil(tile) as u32, 1);
-    prefill::router_rows(
-        l,
-        Dims::new(grid, threads as u32),
-        normed,
-        normed_lo,
-        t as i32,
-        router.q4(),
-        logits,
-    )
+    let strips = router.rows.div_ceil(strip);
+    let tiles = t.div_ceil(tile) as u32;
+    if tall {
+        let per_block = l.kernels.constant("router_tall_strips");
+        let dims = Dims::new((strips.div_ceil(per_block) as u32, tiles, 1), threads as u32);
+        return prefill::router_rows_tall(l, dims, normed, normed_lo, t as i32, router.q4(), logits);
+    }
+    let dims = Dims::new((strips as u32, tiles, 1), threads as u32);
+    prefill::router_rows(l, dims, normed, normed_lo, t as i32, router.q4(), logits)
 }
 
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of

@@ -12,7 +12,13 @@ pub const FILE: KernelFile<'static> = KernelFile {
     source: include_str!("../../kernels/prefill.cu"),
     kernels: KERNELS,
     buffers: &[],
-    constants: &["router_strip_rows", "router_tile_tokens", "router_threads"],
+    constants: &[
+        "router_strip_rows",
+        "router_tile_tokens",
+        "router_threads",
+        "router_tall_strips",
+        "router_tall_min_tokens",
+    ],
 };
 
 launchers! {
@@ -33,6 +39,9 @@ launchers! {
     /// `t < m`; grid (strips of `router_strip_rows` rows, tiles of `router_tile_tokens` tokens), `router_threads`
     /// threads a block.
     router_rows(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
+    /// `router_rows` with `router_tall_strips` strips a block (grid x: groups of that many strips): the same bits,
+    /// each tile's inputs fetched once per group of strips, for long prompts.
+    router_rows_tall(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
     /// Each token's top-k experts and weights, then the shared expert (number `experts`) and its gate, and the
     /// count of entries per expert.
     route_rows(logits: DevPtr<f32>, t: i32, route_ids: DevPtr<i32>, route_w: DevPtr<f32>, counts: DevPtr<i32>);
