@@ -162,6 +162,7 @@ __device__ __forceinline__ void conv_chunk(const float* proj, const float* ring,
     }
 }
 
+// Grid (chunks, LIN_K_HEADS), PREFILL_THREADS threads, deltanet_chunks_shared_bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     deltanet_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
                        const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,

@@ -236,6 +236,10 @@ __device__ __forceinline__ void router_strips(const bf16* x_hi, const bf16* x_lo
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[s][f][i] = 0.f;
     const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
+    // Step s's B fragment (two words) of token fragment f from a group's 16 inputs a lane holds (hi or lo).
+    auto b_words = [](const uint4 (&x)[2][2], int f, int s, u32& w0, u32& w1) {
+        w0 = word_of(x[f][s / 2], 2 * (s % 2)), w1 = word_of(x[f][s / 2], 2 * (s % 2) + 1);
+    };
 #pragma unroll
     for (int i = 0; i < RT_GROUPS; i++) {
         if (i + 1 < RT_GROUPS) {
@@ -252,8 +256,8 @@ __device__ __forceinline__ void router_strips(const bf16* x_hi, const bf16* x_lo
         for (int s = 0; s < 4; s++)
 #pragma unroll
             for (int f = 0; f < 2; f++) {
-                const u32 h0 = word_of(cur.hi[f][s / 2], 2 * (s % 2)), h1 = word_of(cur.hi[f][s / 2], 2 * (s % 2) + 1);
-                const u32 l0 = word_of(cur.lo[f][s / 2], 2 * (s % 2)), l1 = word_of(cur.lo[f][s / 2], 2 * (s % 2) + 1);
+                u32 h0, h1, l0, l1;
+                b_words(cur.hi, f, s, h0, h1), b_words(cur.lo, f, s, l0, l1);
                 mma_bf16(sx[f], ones, h0, h1);
                 mma_bf16(sx[f], ones, l0, l1);
             }
@@ -271,8 +275,8 @@ __device__ __forceinline__ void router_strips(const bf16* x_hi, const bf16* x_lo
                                   codes_bf16x2(word_of(codes[0], s), 1), codes_bf16x2(word_of(codes[1], s), 1)};
 #pragma unroll
                 for (int f = 0; f < 2; f++) {
-                    const u32 h0 = word_of(cur.hi[f][s / 2], 2 * (s % 2)), h1 = word_of(cur.hi[f][s / 2], 2 * (s % 2) + 1);
-                    const u32 l0 = word_of(cur.lo[f][s / 2], 2 * (s % 2)), l1 = word_of(cur.lo[f][s / 2], 2 * (s % 2) + 1);
+                    u32 h0, h1, l0, l1;
+                    b_words(cur.hi, f, s, h0, h1), b_words(cur.lo, f, s, l0, l1);
                     mma_bf16(qx[f], a, h0, h1);
                     mma_bf16(qx[f], a, l0, l1);
                 }

@@ -278,7 +278,8 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
         normed_lo,
         norm_codes,
     )?;
-    router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr())?;
+    let tall = router_takes_tall(l, t);
+    router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr(), tall)?;
     route_and_sort(l, c, s, t)?;
     let (act, expert_out) = (s.act.ptr(), s.expert_out.ptr());
     let (route_w, codes) = (s.route_w.ptr(), &s.codes);
@@ -296,28 +297,19 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
     )
 }
 
-/// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1), one launch of
-/// `router_rows` (or `router_rows_tall` from `router_tall_min_tokens` tokens, which gives the same bits) at every
-/// count (a batched step's rows and a prompt's chunk alike). Routing follows small differences between logits, so
-/// the router sees the normed input to about 16 bits (the bf16 part and what its rounding lost), and a token's
-/// logits do not depend on the rows beside it.
-pub(crate) fn router_logits(
-    l: &mut Launcher,
-    c: &Config,
-    router: &GpuMatrix,
-    normed: DevPtr<bf16>,
-    normed_lo: DevPtr<bf16>,
-    t: usize,
-    logits: DevPtr<f32>,
-) -> Result<()> {
+/// Whether the router's logits of `t` tokens take `router_rows_tall` (from the kernels' `router_tall_min_tokens`
+/// tokens; 0: never) rather than `router_rows`. The two give the same bits.
+pub(crate) fn router_takes_tall(l: &Launcher, t: usize) -> bool {
     let min = l.kernels.constant("router_tall_min_tokens");
-    let tall = min > 0 && t >= min;
-    router_logits_as(l, c, router, normed, normed_lo, t, logits, tall)
+    min > 0 && t >= min
 }
 
-/// [`router_logits`] on the kernel of its choice: `router_rows_tall` where `tall`, else `router_rows`.
+/// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1), one launch of
+/// `router_rows_tall` where `tall`, else `router_rows`, at every count (a batched step's rows and a prompt's chunk
+/// alike). Routing follows small differences between logits, so the router sees the normed input to about 16 bits
+/// (the bf16 part and what its rounding lost), and a token's logits do not depend on the rows beside it.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn router_logits_as(
+pub(crate) fn router_logits(
     l: &mut Launcher,
     c: &Config,
     router: &GpuMatrix,

@@ -10,7 +10,7 @@ use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
 use crate::kernels::{gemm, prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
-use crate::prefill::{route_and_sort, router_logits_as, PrefillScratch, ROW_THREADS};
+use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROW_THREADS};
 use crate::weights::GpuWeights;
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
@@ -348,7 +348,7 @@ fn check_router(
         poison(gpu, &s.router_logits)?;
         let (normed, normed_lo, logits) = (s.normed.ptr(), s.normed_lo.ptr(), s.router_logits.ptr());
         let router = &gw.layers[0].router;
-        router_logits_as(l, c, router, normed, normed_lo, t, logits, false)?;
+        router_logits(l, c, router, normed, normed_lo, t, logits, false)?;
         let got = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
         let (kernel, tol) = ("router_rows", TOL_ROUTER_ROWS);
         first_rows.push((t, got[..e + 1].to_vec()));
@@ -361,7 +361,7 @@ fn check_router(
         );
         // The long prompts' kernel, several strips a block: the same bits, and no row past the count written.
         poison(gpu, &s.router_logits)?;
-        router_logits_as(l, c, router, normed, normed_lo, t, logits, true)?;
+        router_logits(l, c, router, normed, normed_lo, t, logits, true)?;
         let tall = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
         let differ = (0..t * (e + 1))
             .filter(|&i| tall[i].to_bits() != got[i].to_bits())
