@@ -298,6 +298,272 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
     }
 }
 
+// ---- attn_prefill on the warpgroup tensor cores (sm_90a) ----
+// attn_prefill_wgmma computes what attn_prefill does, with the same grid, arguments, outputs and per-row ownership
+// (warp w: query head w of the KV head's group, rows g and g + 8 its tokens g and g + 8 of the tile), on wgmma: the
+// block's 128 rows (16 tokens x 8 heads) are two warpgroups of 64, S = Q K^T takes Q and the key tile straight from
+// shared memory (m64n64k16, sixteen k16 steps over the 256 dims), and O += P V takes P from the registers that held
+// S and V^T from shared memory (m64n256k16, four k16 steps over the tile's 64 keys), so no warp loads K or V
+// fragments of its own. The key and value tiles (a page each) are double-buffered through cp.async; the value tile
+// is transposed into V^T (dims as rows, 128 bytes of keys a row: wgmma's K-major B) by ldmatrix.trans and
+// stmatrix. Operand tiles are 128-byte rows in 1,024-byte swizzle atoms: Q and K as four k-blocks of 64 dims
+// ([k-block][row][128 B]), V^T as one.
+//
+// Shared memory (dynamic, 1,024-aligned): Q 64 KiB, K 2 x 32 KiB, V 2 x 32 KiB, V^T 32 KiB: 224 KiB, one block an
+// SM. Off unless ATTN_PREFILL_WGMMA is 1 (the host reads attn_prefill_wgmma_built).
+#ifndef ATTN_PREFILL_WGMMA
+#define ATTN_PREFILL_WGMMA 0
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && ATTN_PREFILL_WGMMA
+#define APW_BUILT 1
+#else
+#define APW_BUILT 0
+#endif
+#define APW_ROWS (GQA * QUERY_TILE)              // 128 rows: (head, token), head major
+#define APW_Q_BYTES (APW_ROWS * ROW_BYTES)       // 64 KiB
+#define APW_KV_BYTES (KEY_TILE * ROW_BYTES)      // 32 KiB a key or value tile
+#define APW_SMEM (APW_Q_BYTES + 5 * APW_KV_BYTES + 1024)
+static_assert(APW_ROWS == 2 * 64 && PF_THREADS == 256, "two warpgroups of 64 rows");
+static_assert(KEY_TILE == 64 && HEAD_DIM == 256, "a key tile is one 128-byte row of V^T; four k-blocks of Q and K");
+__device__ int attn_prefill_wgmma_built = APW_BUILT;
+__device__ int attn_prefill_wgmma_smem = APW_SMEM;
+
+// Where 16-byte chunk c (0 .. ROW_CHUNKS) of row r of a ROWS-row operand tile lies: k-block c / 8, then the row's
+// 128 bytes with the chunk swizzled.
+template <int ROWS>
+__device__ __forceinline__ u32 apw_at(int r, int c) {
+    return (c / 8) * (ROWS * 128) + r * 128 + (((c % 8) ^ (r & 7)) << 4);
+}
+
+#if APW_BUILT
+// s = A (64 x 16, shared) B (64 x 16, shared)^T (+ s unless scale_d is 0): 32 f32 a thread.
+#define APW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                  "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void apw_m64n64k16(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+// d += A (64 x 16, registers: the mma.sync A fragment of each warp's 16 rows) B (256 x 16, shared)^T: 128 f32.
+__device__ __forceinline__ void apw_m64n256k16_rs(float (&d)[128], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24), APW_D8(32), APW_D8(40), APW_D8(48), APW_D8(56),
+          APW_D8(64), APW_D8(72), APW_D8(80), APW_D8(88), APW_D8(96), APW_D8(104), APW_D8(112), APW_D8(120)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+#undef APW_D8
+
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
+    attn_prefill_wgmma(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int* pages, const float* proj,
+                       int tokens, int start, int chunk, bf16* out, float* part_o, float* part_ml) {
+    wait_previous();
+#if APW_BUILT
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw0 = shared_address(smem_raw), q_smem = (raw0 + 1023) & ~1023u;
+    const u32 k_smem = q_smem + APW_Q_BYTES;      // two tiles
+    const u32 v_smem = k_smem + 2 * APW_KV_BYTES;  // two tiles, as copied
+    const u32 vt_smem = v_smem + 2 * APW_KV_BYTES;  // the current value tile, transposed
+    const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
+    const int kv_head = blockIdx.x % N_KV_HEADS;
+    const int tok0 = (tiles - 1 - (int)blockIdx.x / N_KV_HEADS) * QUERY_TILE;
+    const int key_begin = blockIdx.y * chunk;
+    const int key_end = min(key_begin + chunk, start + min(tok0 + QUERY_TILE, tokens));
+    if (key_begin >= key_end) return;
+    const int key_tiles = (key_end - key_begin + KEY_TILE - 1) / KEY_TILE;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, wg = warp / 4;
+    const int head = kv_head * GQA + warp;
+
+    // Q rows (16 head + token), tokens past the end zero; 16 chunks a thread.
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int c = threadIdx.x + i * PF_THREADS;
+        const int row = c / ROW_CHUNKS, chunk16 = c % ROW_CHUNKS;
+        const int token = tok0 + row % QUERY_TILE;
+        const bool valid = token < tokens;
+        const bf16* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
+        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 8, valid);
+    }
+    // One key and one value tile (key0 a multiple of KEY_TILE: one page); keys past key_end read as zero.
+    auto load_tiles = [&](int buf, int key0) {
+        const size_t page = (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int c = threadIdx.x + i * PF_THREADS;
+            const int row = c / ROW_CHUNKS, chunk16 = c % ROW_CHUNKS;
+            const bool valid = key0 + row < key_end;
+            const size_t at = page + (size_t)(valid ? row : 0) * KV_DIM + chunk16 * 8;
+            const u32 dst = apw_at<KEY_TILE>(row, chunk16) + buf * APW_KV_BYTES;
+            cp_async_16(k_smem + dst, k_pool + at, valid);
+            cp_async_16(v_smem + dst, v_pool + at, valid);
+        }
+    };
+    load_tiles(0, key_begin);
+    cp_async_commit();
+
+    const int g = lane / 4, c = lane % 4;
+    const int limit0 = min(start + tok0 + g, key_end - 1), limit1 = min(start + tok0 + g + 8, key_end - 1);
+    const int first_masked_from = min(start + tok0, key_end - 1);
+    // Transposition of the value tile: warp w takes dim chunks 4 w .. 4 w + 3 (32 dims) of every key chunk; lane L
+    // addresses row L % 8 of 8x8 block L / 8.
+    const int t_block = lane / 8, t_row = lane % 8, t_dims = 4 * warp + t_block;
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.f;
+    float row_max[2] = {-INF_F, -INF_F};  // log2 units
+    float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
+    const u32 q_wg = q_smem + wg * 64 * 128;
+
+    for (int it = 0; it < key_tiles; it++) {
+        const int key0 = key_begin + it * KEY_TILE, buf = it & 1;
+        cp_async_wait<0>();  // Q (first) and this tile's keys and values, this thread's copies
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();     // ... everyone's; every warpgroup is past the last tile's MMAs
+        if (it + 1 < key_tiles) load_tiles(buf ^ 1, key0 + KEY_TILE);
+        cp_async_commit();
+        // V^T: block (key chunk kc, dim chunk t_dims) read transposed, stored as rows of dims.
+        const u32 v_tile = v_smem + buf * APW_KV_BYTES;
+#pragma unroll
+        for (int kc = 0; kc < KEY_TILE / 8; kc++) {
+            u32 r[4];
+            ldmatrix_x4_trans(r, v_tile + apw_at<KEY_TILE>(8 * kc + t_row, t_dims));
+            const int dim = 8 * t_dims + t_row;
+            stmatrix_x4(vt_smem + dim * 128 + ((kc ^ (dim & 7)) << 4), r);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+
+        // S = Q K^T for this warpgroup's 64 rows.
+        float s[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) s[i] = 0.f;
+        const u32 k_tile = k_smem + buf * APW_KV_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ks++) {
+            const u32 kb = ks / 4, step = 32 * (ks % 4);
+            apw_m64n64k16(s, wgmma_desc(q_wg + kb * APW_ROWS * 128 + step),
+                          wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(s);
+
+        // Accumulator j of the n8 block n: row g + 8 (j / 2), key 8 n + 2 c + j % 2 (as mma.sync's).
+        if (key0 + KEY_TILE - 1 > first_masked_from) {
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = key0 + n * 8 + 2 * c + e;
+                    if (key > limit0) s[4 * n + e] = -INF_F;
+                    if (key > limit1) s[4 * n + 2 + e] = -INF_F;
+                }
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float m = -INF_F;
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; n++) m = fmaxf(m, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const float new_max = fmaxf(row_max[r], m * LOG2E);
+            const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
+            alpha[r] = exp2_approx(row_max[r] - base);
+            row_max[r] = new_max;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; n++) {
+                s[4 * n + 2 * r] = exp2_approx(fmaf(s[4 * n + 2 * r], LOG2E, -base));
+                s[4 * n + 2 * r + 1] = exp2_approx(fmaf(s[4 * n + 2 * r + 1], LOG2E, -base));
+                sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
+        }
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n++) {
+            o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+        }
+        // P as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1 (k 8..15).
+        u32 p[KEY_TILE / 16][4];
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) {
+            p[j][0] = pack_bf16x2(s[8 * j], s[8 * j + 1]);
+            p[j][1] = pack_bf16x2(s[8 * j + 2], s[8 * j + 3]);
+            p[j][2] = pack_bf16x2(s[8 * j + 4], s[8 * j + 5]);
+            p[j][3] = pack_bf16x2(s[8 * j + 6], s[8 * j + 7]);
+        }
+        // O += P V: V^T's 128-byte rows hold the tile's 64 keys, a k16 step 32 bytes.
+        wgmma_fence();
+        wgmma_hold(o);
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs(o, p[j], wgmma_desc(vt_smem + 32 * j));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(o);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    const bool single_chunk = gridDim.y == 1;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int token = tok0 + g + 8 * r;
+        if (token >= tokens) continue;
+        if (single_chunk) {
+            const float inv_sum = 1.f / row_sum[r];
+            const float* gate = proj + (size_t)token * PROJ_ROW + head * 2 * HEAD_DIM + HEAD_DIM;
+            bf16* dst = out + (size_t)token * Q_DIM + head * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n++) {
+                const int d = n * 8 + 2 * c;
+                const float2 gt = *(const float2*)(gate + d);
+                *(u32*)(dst + d) = pack_bf16x2(o[4 * n + 2 * r] * inv_sum * sigmoidf_(gt.x),
+                                               o[4 * n + 2 * r + 1] * inv_sum * sigmoidf_(gt.y));
+            }
+        } else {
+            const size_t part = ((size_t)blockIdx.y * tokens + token) * N_HEADS + head;
+            float* dst = part_o + part * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n++)
+                *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
+            if (c == 0) *(float2*)(part_ml + part * 2) = make_float2(row_max[r], row_sum[r]);
+        }
+    }
+#else
+    __trap();  // built without it: the host never launches it (attn_prefill_wgmma_built is 0)
+#endif
+}
+
 // Grid ceil(tokens * N_HEADS / 8) blocks of 256 threads, one warp per (token, query head), a lane holding 8 dims:
 // combines the chunks attn_prefill wrote for the token's query tile and applies the gate.
 extern "C" __global__ void __launch_bounds__(256)

@@ -546,6 +546,27 @@ struct ResidualOut {
     __device__ __forceinline__ void store(int r, float v, float, float old) const { hidden[r] = old + v; }
 };
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The warpgroup MMAs' plumbing (sm_90a), shared by the products and the prefill's attention. A shared memory
+// operand of wgmma: its start (a tile's 1,024-byte aligned base plus the k16 step's 32-byte offset in its 128-byte
+// rows), 1,024 bytes between groups of eight rows, 128-byte swizzle (a row's 16-byte chunk c at c ^ (row % 8)).
+__device__ __forceinline__ u64 wgmma_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMAs.
+template <int R>
+__device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
 // Counter-based random numbers, the twin of lily_model::rng (synthetic weights and sampling draw the same
 // numbers on CPU and GPU).
 __device__ __forceinline__ u64 mix64(u64 z) {

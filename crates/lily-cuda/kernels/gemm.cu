@@ -474,12 +474,6 @@ __device__ int gemm_wgmma_cost = GEMM_WGMMA_COST;
 __device__ int gemm_wgmma_split = GEMM_WGMMA_SPLIT;
 
 #if WGMMA_BUILT
-// A shared memory operand of wgmma: its start (the tile's 1,024-byte aligned base plus the k16 step's 32-byte
-// offset in the 128-byte rows), 1,024 bytes between groups of eight rows, 128-byte swizzle.
-__device__ __forceinline__ u64 wgmma_desc(u32 addr) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-
 // d += A (64 x 16) B (16 x N)^T, asynchronously, for N = 256, 192 or 128 (N / 2 f32 accumulators a thread);
 // scale_d 0 ignores d.
 #define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
@@ -532,18 +526,6 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 
 }
 #undef WG_D8
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMAs.
-template <int R>
-__device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
 #endif
 
 #if WGMMA_BUILT

@@ -114,6 +114,23 @@ fn longest_first_makespan(lengths: &mut [usize], workers: usize) -> usize {
     end
 }
 
+/// `attn_prefill`'s launcher type, which `attn_prefill_wgmma`'s shares.
+type AttnKernel = fn(
+    &mut Launcher,
+    Dims,
+    DevPtr<bf16>,
+    DevPtr<bf16>,
+    DevPtr<bf16>,
+    DevPtr<i32>,
+    DevPtr<f32>,
+    i32,
+    i32,
+    i32,
+    DevPtr<bf16>,
+    DevPtr<f32>,
+    DevPtr<f32>,
+) -> Result<()>;
+
 /// The attention's buffers for up to `max_tokens` tokens a call.
 pub struct AttentionScratch {
     pub(crate) max_tokens: usize,
@@ -202,9 +219,19 @@ impl AttentionScratch {
             }
         };
         let group = heads / kv_heads;
-        let shared = (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2;
         let grid = ((t.div_ceil(QUERY_TILE) * kv_heads) as u32, split.splits as u32, 1);
-        attention_prefill::attn_prefill(
+        // The warpgroup kernel where this build has it (sm_90a with ATTN_PREFILL_WGMMA=1): the same grid and outputs.
+        let (kernel, shared): (AttnKernel, usize) = match l.kernels.constant("attn_prefill_wgmma_built") {
+            1 => (
+                attention_prefill::attn_prefill_wgmma,
+                l.kernels.constant("attn_prefill_wgmma_smem"),
+            ),
+            _ => (
+                attention_prefill::attn_prefill,
+                (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2,
+            ),
+        };
+        kernel(
             l,
             Dims::new(grid, (group * 32) as u32).shared(shared as u32),
             self.q.ptr(),

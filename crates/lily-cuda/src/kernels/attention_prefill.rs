@@ -15,7 +15,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     ),
     kernels: KERNELS,
     buffers: &[],
-    constants: &[],
+    constants: &["attn_prefill_wgmma_built", "attn_prefill_wgmma_smem"],
 };
 
 launchers! {
@@ -35,6 +35,21 @@ launchers! {
     );
     /// Causal attention over key chunks of `chunk` keys: gated output into `out` (one chunk) or parts.
     attn_prefill(
+        q: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
+        proj: DevPtr<f32>,
+        tokens: i32,
+        start: i32,
+        chunk: i32,
+        out: DevPtr<bf16>,
+        part_o: DevPtr<f32>,
+        part_ml: DevPtr<f32>,
+    );
+    /// `attn_prefill` on the warpgroup tensor cores (sm_90a builds with ATTN_PREFILL_WGMMA=1): the same grid,
+    /// arguments and outputs, `attn_prefill_wgmma_smem` bytes of shared memory a block.
+    attn_prefill_wgmma(
         q: DevPtr<bf16>,
         k_pool: DevPtr<bf16>,
         v_pool: DevPtr<bf16>,

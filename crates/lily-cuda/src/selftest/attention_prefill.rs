@@ -165,8 +165,12 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and the
         // output to bf16 (<= 2^-8 of each value): a few 1e-3 of the largest output; a wrong key or mask is O(1).
         let split = key_split(t, start, kv_heads, gpu.sm_count);
+        let kernel = match kernels.constant("attn_prefill_wgmma_built") {
+            1 => "attn_prefill_wgmma",
+            _ => "attn_prefill",
+        };
         let name = format!(
-            "attn_prefill t={t} start={start} ({} key chunk(s)): gated output",
+            "{kernel} t={t} start={start} ({} key chunk(s)): gated output",
             split.splits
         );
         report.check(&name, rel_err(&bf16_to_f32(&out_gpu), &expected), 1e-2);
