@@ -310,9 +310,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 // ([k-block][row][128 B]), V^T as one.
 //
 // Shared memory (dynamic, 1,024-aligned): Q 64 KiB, K 2 x 32 KiB, V 2 x 32 KiB, V^T 32 KiB: 224 KiB, one block an
-// SM. Off unless ATTN_PREFILL_WGMMA is 1 (the host reads attn_prefill_wgmma_built).
+// SM. sm_90a builds have it unless ATTN_PREFILL_WGMMA is 0; the host reads attn_prefill_wgmma_built and runs
+// attn_prefill where it is 0 (other GPUs).
 #ifndef ATTN_PREFILL_WGMMA
-#define ATTN_PREFILL_WGMMA 0
+#define ATTN_PREFILL_WGMMA 1
 #endif
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && ATTN_PREFILL_WGMMA
 #define APW_BUILT 1

@@ -143,6 +143,9 @@ pub struct AttentionScratch {
     pub(crate) part_ml: DevBuf<f32>,
     /// The last call's (tokens, start) and key split: every attention layer of a prefill chunk asks for the same.
     last_split: std::cell::Cell<Option<(usize, usize, KeySplit)>>,
+    /// Run `attn_prefill` even where this build has `attn_prefill_wgmma`, so that the selftest checks the kernel
+    /// other GPUs run as well.
+    pub(crate) portable: std::cell::Cell<bool>,
 }
 
 impl AttentionScratch {
@@ -163,6 +166,7 @@ impl AttentionScratch {
             part_o: gpu.alloc(part_rows * c.q_dim())?,
             part_ml: gpu.alloc(part_rows * c.num_attention_heads * 2)?,
             last_split: std::cell::Cell::new(None),
+            portable: std::cell::Cell::new(false),
         })
     }
 
@@ -220,13 +224,14 @@ impl AttentionScratch {
         };
         let group = heads / kv_heads;
         let grid = ((t.div_ceil(QUERY_TILE) * kv_heads) as u32, split.splits as u32, 1);
-        // The warpgroup kernel where this build has it (sm_90a with ATTN_PREFILL_WGMMA=1): the same grid and outputs.
-        let (kernel, shared): (AttnKernel, usize) = match l.kernels.constant("attn_prefill_wgmma_built") {
-            1 => (
+        // The warpgroup kernel where this build has it (sm_90a): the same grid and outputs.
+        let wgmma = l.kernels.constant("attn_prefill_wgmma_built") == 1 && !self.portable.get();
+        let (kernel, shared): (AttnKernel, usize) = match wgmma {
+            true => (
                 attention_prefill::attn_prefill_wgmma,
                 l.kernels.constant("attn_prefill_wgmma_smem"),
             ),
-            _ => (
+            false => (
                 attention_prefill::attn_prefill,
                 (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2,
             ),

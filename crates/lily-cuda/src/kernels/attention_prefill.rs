@@ -47,7 +47,7 @@ launchers! {
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
     );
-    /// `attn_prefill` on the warpgroup tensor cores (sm_90a builds with ATTN_PREFILL_WGMMA=1): the same grid,
+    /// `attn_prefill` on the warpgroup tensor cores (sm_90a builds, unless ATTN_PREFILL_WGMMA=0): the same grid,
     /// arguments and outputs, `attn_prefill_wgmma_smem` bytes of shared memory a block.
     attn_prefill_wgmma(
         q: DevPtr<bf16>,

@@ -73,7 +73,14 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let out_buf = gpu.alloc(max_tokens * q_dim)?;
     let mut launcher = Launcher::new(gpu, kernels);
 
-    for (t, start) in cases {
+    // Every case through `attn_prefill_wgmma` where this build has it, and through `attn_prefill` (other GPUs').
+    let wgmma_built = kernels.constant("attn_prefill_wgmma_built") == 1;
+    let kernel_cases = [true, false]
+        .into_iter()
+        .filter(|&wgmma| wgmma_built || !wgmma)
+        .flat_map(|wgmma| cases.map(|case| (wgmma, case)));
+    for (wgmma, (t, start)) in kernel_cases {
+        scratch.portable.set(!wgmma);
         let len = start + t;
         let proj = normals(&mut rng, t * row, 1.0);
         // Random keys and values before `start`, NaN where this call must write.
@@ -165,9 +172,9 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and the
         // output to bf16 (<= 2^-8 of each value): a few 1e-3 of the largest output; a wrong key or mask is O(1).
         let split = key_split(t, start, kv_heads, gpu.sm_count);
-        let kernel = match kernels.constant("attn_prefill_wgmma_built") {
-            1 => "attn_prefill_wgmma",
-            _ => "attn_prefill",
+        let kernel = match wgmma {
+            true => "attn_prefill_wgmma",
+            false => "attn_prefill",
         };
         let name = format!(
             "{kernel} t={t} start={start} ({} key chunk(s)): gated output",
