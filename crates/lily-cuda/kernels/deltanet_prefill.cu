@@ -24,6 +24,12 @@
 //  deltanet_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
 //    into the bf16 rows of the output projection, and the conv ring's update (after the chunks kernel read it).
 //
+// A snapshot cut: given `cut` (1 .. t - 1, 0 for none), the chunks kernel writes the conv ring as the call's first
+// `cut` tokens leave it to cut_ring, and the state kernel the state after them to cut_state, in the same pass. The
+// state after token p of a chunk is the chunk's update with p in place of the chunk's end,
+//   S_p = e^(c_p) S + sum_{s <= p} e^(c_p - c_s) k_s V'_s^T,
+// since V'_s depends on the chunk's rows up to s only (T is lower triangular); at the chunk's end it is the update.
+//
 // Precision: every matrix product runs on tensor cores in tf32 (mma.m16n8k8, f32 accumulation): k k^T, q k^T,
 // the off-diagonal blocks of T, [q; k] S, T X, P V' and k^T V'. Operands are rounded to nearest tf32 (11
 // significant bits, relative error <= 2^-11) where they are stored for a product; the state, the conv, norms,
@@ -50,7 +56,7 @@ static_assert(HEADS_PER_KEY == 2 && HEADS_PER_KEY * DV == PREFILL_THREADS, "a ch
 static_assert(CHUNK == 2 * WARP && PREFILL_WARPS == 8, "the chunk's scan and tiles assume 64 tokens, 8 warps");
 
 #define CHUNKS_SHARED_FLOATS (2 * CHUNK * DK + 2 * CHUNK * CHUNK)
-#define STATE_SHARED_FLOATS (3 * CHUNK * DK + 2 * CHUNK * CHUNK + 4 * CHUNK * COLS + DK * COLS + 4 * CHUNK)
+#define STATE_SHARED_FLOATS (3 * CHUNK * DK + 2 * CHUNK * CHUNK + 5 * CHUNK * COLS + DK * COLS + 4 * CHUNK)
 extern "C" __device__ const int deltanet_chunks_shared_bytes = CHUNKS_SHARED_FLOATS * 4;
 extern "C" __device__ const int deltanet_state_shared_bytes = STATE_SHARED_FLOATS * 4;
 extern "C" __device__ const int deltanet_state_split = STATE_SPLIT;
@@ -166,7 +172,8 @@ __device__ __forceinline__ void conv_chunk(const float* proj, const float* ring,
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     deltanet_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
                        const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,
-                       float* decay_out, float* beta_out, float* inverse_out, float* attn_out) {
+                       float* decay_out, float* beta_out, float* inverse_out, float* attn_out, int cut,
+                       float* cut_ring) {
     wait_previous();
     extern __shared__ float4 chunks_shared[];
     float* qs = (float*)chunks_shared;  // [CHUNK][DK] q, then A of both value heads
@@ -192,6 +199,18 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
         float* v_dst = v_out + ((size_t)head * padded + tok0) * DV + j;
         conv_chunk(proj, ring, conv_w, 2 * LIN_K_DIM + head * DV + j, tok0, t, start,
                    [&](int r, float x) { v_dst[(size_t)r * DV] = x; });
+        // The ring at a cut in this chunk: this thread's two channels' raw inputs of the tokens cut - CONV_K ..
+        // cut - 1 at their slots, those before the call from the ring (read before the norm kernel rewrites it).
+        if (cut > tok0 && cut <= tok0 + CHUNK) {
+            const int channels[2] = {c, 2 * LIN_K_DIM + head * DV + j};
+#pragma unroll
+            for (int m = 0; m < CONV_K; m++) {
+                const int tok = cut - CONV_K + m, slot = (start + tok + CONV_K) % CONV_K;
+                for (int ch : channels)
+                    cut_ring[slot * LIN_CONV_DIM + ch] =
+                        tok >= 0 ? proj[(size_t)tok * PROJ_DIM + ch] : ring[slot * LIN_CONV_DIM + ch];
+            }
+        }
     }
     // Gates (thread: value head tid / CHUNK, token tid % CHUNK) and their inclusive scan over the chunk: within
     // each warp's 32 tokens, then the first half's total added to the second.
@@ -362,9 +381,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
 // Warp roles per chunk: [q; k] S with warp w on rows 16 (w % 4) of q (w < 4) or k (w >= 4); warps 4-7 turn
 // their k S rows into X, warps 0-3 keep e^c q S as the start of their o rows; T X on (16-row, 16-column) tiles;
 // warps 0-3 add P V' to their o rows; each warp updates state rows 16 w .. 16 w + 15, which it holds throughout.
+// In the chunk of a cut, the V' phase also keeps e^(c_p - c_s) V'_s for the rows s <= p before the cut (zero past
+// it), and each warp writes its rows of S_p to cut_state before the chunk's own update.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     deltanet_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
-                      const float* inverse, const float* attn, int t, f16* state) {
+                      const float* inverse, const float* attn, int t, f16* state, int cut, f16* cut_state) {
     wait_previous();
     extern __shared__ float4 state_shared[];
     float* qs = (float*)state_shared;   // [CHUNK][DK]
@@ -375,7 +396,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     float* xs = vs + CHUNK * COLS;      // [CHUNK][COLS] X
     float* vps = xs + CHUNK * COLS;     // [CHUNK][COLS] V'
     float* vds = vps + CHUNK * COLS;    // [CHUNK][COLS] e^(c_last - c_s) V'_s
-    float* ss = vds + CHUNK * COLS;     // [DK][COLS] S, tf32
+    float* vcs = vds + CHUNK * COLS;    // [CHUNK][COLS] e^(c_p - c_s) V'_s up to a cut's row p, zero after
+    float* ss = vcs + CHUNK * COLS;     // [DK][COLS] S, tf32
     float* decay_s = ss + DK * COLS;    // [2][CHUNK] c, by chunk parity
     float* beta_s = decay_s + 2 * CHUNK;  // [2][CHUNK] beta, by chunk parity
     const int chunks = (t + CHUNK - 1) / CHUNK, padded = chunks * CHUNK;
@@ -442,6 +464,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
         const float* kt = ks + (n & 1) * CHUNK * DK;
         const float* c = decay_s + (n & 1) * CHUNK;
         const float* bt = beta_s + (n & 1) * CHUNK;
+        // The cut's rows in this chunk (1 .. CHUNK when the cut falls in it; the same for the whole block).
+        const int cut_rows = cut - n * CHUNK;
+        const bool cut_here = cut_rows >= 1 && cut_rows <= CHUNK;
         cp_async_wait<4>();
         __syncthreads();
 
@@ -519,6 +544,17 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 const float scaled[4] = {vacc[j][0] * w0, vacc[j][1] * w0, vacc[j][2] * w1, vacc[j][3] * w1};
                 store_c<COLS>(vds, m0, n0 + 8 * j, scaled, 1.f);
             }
+            if (cut_here) {
+                const float at_cut = c[cut_rows - 1];
+                const int r0 = m0 + g, r1 = r0 + 8;
+                const float u0 = r0 < cut_rows ? expf(at_cut - c[r0]) : 0.f;
+                const float u1 = r1 < cut_rows ? expf(at_cut - c[r1]) : 0.f;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const float scaled[4] = {vacc[j][0] * u0, vacc[j][1] * u0, vacc[j][2] * u1, vacc[j][3] * u1};
+                    store_c<COLS>(vcs, m0, n0 + 8 * j, scaled, 1.f);
+                }
+            }
         }
         __syncthreads();
         load_t(n + 1);
@@ -543,6 +579,32 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 if (tok < t) *(float2*)&v_head[(size_t)tok * DV + col0 + 8 * j + t2] = make_float2(acc[j][0], acc[j][1]);
                 if (tok + 8 < t)
                     *(float2*)&v_head[(size_t)(tok + 8) * DV + col0 + 8 * j + t2] = make_float2(acc[j][2], acc[j][3]);
+            }
+        }
+        // S_p at a cut in this chunk: e^(c_p) S + k^T (e^(c_p - c) V'), rows past p zero.
+        if (cut_here) {
+            const float keep = expf(c[cut_rows - 1]);
+            float at_cut[COLS / 8][4];
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) at_cut[j][i] = s_rows[j][i] * keep;
+#pragma unroll 2
+            for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+                u32 a[4];
+                load_a_transposed<DK>(a, kt, 16 * warp, k0);
+#pragma unroll
+                for (int j = 0; j < COLS / 8; j++) {
+                    u32 b[2];
+                    load_b<COLS>(b, vcs, k0, 8 * j);
+                    mma_tf32(at_cut[j], a, b);
+                }
+            }
+            f16* cut_block = cut_state + (size_t)head * DK * DV + col0;
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++) {
+                *(u32*)&cut_block[(16 * warp + g) * DV + 8 * j + t2] = float2_to_f16x2(at_cut[j][0], at_cut[j][1]);
+                *(u32*)&cut_block[(16 * warp + g + 8) * DV + 8 * j + t2] = float2_to_f16x2(at_cut[j][2], at_cut[j][3]);
             }
         }
         // S <- e^(c_last) S + k^T (e^(c_last - c) V').

@@ -17,7 +17,7 @@ use crate::kernels::{prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::model::{DeviceState, StateAt};
 use crate::prefill_attention::AttentionScratch;
-use crate::prefill_deltanet::{proj_dim, DeltaNetScratch};
+use crate::prefill_deltanet::{proj_dim, DeltaNetCut, DeltaNetScratch};
 use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMatrix, GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
@@ -221,8 +221,9 @@ pub fn enqueue_chunk(
     Ok(())
 }
 
-/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass), in pieces between
-/// its cuts: the state each piece leaves is copied to its cut's snapshot buffer before the next piece goes on.
+/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass). Each call takes
+/// one cut inside it in its pass and ends at the next cut, whose state it leaves and which is copied: one call for
+/// one or two cuts, two for three or four.
 #[allow(clippy::too_many_arguments)]
 fn deltanet_mixer(
     l: &mut Launcher,
@@ -236,12 +237,33 @@ fn deltanet_mixer(
 ) -> Result<()> {
     let (ring, recurrent) = (state.ring(layer, part.seq), state.recurrent_state(layer, part.seq));
     let mut done = 0;
-    for end in part.cuts.iter().map(|cut| cut.tokens).chain([part.t]) {
+    let mut cuts = part.cuts.iter();
+    while done < part.t {
+        let (inside, at_end) = (cuts.next(), cuts.next());
+        let end = at_end.map_or(part.t, |cut| cut.tokens);
+        let inside = inside.map(|cut| {
+            let (ring, state) = state.deltanet_state(layer, cut.to);
+            DeltaNetCut {
+                tokens: cut.tokens - done,
+                ring,
+                state,
+            }
+        });
         let at = row + done;
         let (proj, mixed) = (s.proj.at(at * proj_dim(c)), s.mixed.at(at * c.linear_value_dim()));
-        s.deltanet
-            .run(l, c, end - done, part.start + done, proj, ring, recurrent, g, mixed)?;
-        if let Some(cut) = part.cuts.iter().find(|cut| cut.tokens == end) {
+        s.deltanet.run(
+            l,
+            c,
+            end - done,
+            part.start + done,
+            proj,
+            ring,
+            recurrent,
+            g,
+            mixed,
+            inside,
+        )?;
+        if let Some(cut) = at_end {
             let (ring_to, recurrent_to) = state.deltanet_state(layer, cut.to);
             l.gpu.copy(ring_to, ring, state.ring_len(c))?;
             l.gpu.copy(recurrent_to, recurrent, state.recurrent_len(c))?;

@@ -19,6 +19,15 @@ pub(crate) fn proj_dim(c: &Config) -> usize {
     c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads
 }
 
+/// A snapshot taken inside a call: the conv ring (f32) and the state (f16) as the call's first `tokens` tokens
+/// (1 ..= t - 1) leave them, written to `ring` and `state` (laid out as the slot's own).
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetCut {
+    pub tokens: usize,
+    pub ring: DevPtr<f32>,
+    pub state: DevPtr<f16>,
+}
+
 /// One call's intermediate values, for up to `max_tokens` tokens (rounded up to whole chunks of 64); the layouts
 /// are in deltanet_prefill.cu's top comment.
 pub struct DeltaNetScratch {
@@ -56,7 +65,7 @@ impl DeltaNetScratch {
     /// Queues the mixer for tokens at positions `start .. start + t`: `proj` f32 `[t][proj row]` in, `ring` (conv
     /// inputs, slot = position % taps) and `state` (f16 `[value heads][k dim][v dim]`) read and left as decode
     /// would leave them, `out` bf16 `[t][linear value dim]`: the gated norm of each head's output, the input of
-    /// the output projection.
+    /// the output projection. With `cut`, the state after its first `cut.tokens` tokens is copied out in the pass.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -69,12 +78,21 @@ impl DeltaNetScratch {
         state: DevPtr<f16>,
         weights: &GpuGatedDeltaNet,
         out: DevPtr<bf16>,
+        cut: Option<DeltaNetCut>,
     ) -> Result<()> {
         assert!(
             t >= 1 && t <= self.max_tokens,
             "a DeltaNet prefill call takes 1 ..= {} tokens",
             self.max_tokens
         );
+        assert!(
+            cut.is_none_or(|cut| cut.tokens >= 1 && cut.tokens < t),
+            "a cut inside a DeltaNet prefill call of {t} tokens at {cut:?}"
+        );
+        let (cut_at, cut_ring, cut_state) = match cut {
+            Some(cut) => (cut.tokens as i32, cut.ring, cut.state),
+            None => (0, DevPtr::NULL, DevPtr::NULL),
+        };
         let (t32, start32) = (t as i32, start as i32);
         let value_heads = config.linear_num_value_heads;
         let chunks_shared = l.kernels.constant("deltanet_chunks_shared_bytes") as u32;
@@ -101,6 +119,8 @@ impl DeltaNetScratch {
             self.beta.ptr(),
             self.inverse.ptr(),
             self.attn.ptr(),
+            cut_at,
+            cut_ring,
         )?;
         deltanet_prefill::deltanet_prefill_state(
             l,
@@ -114,6 +134,8 @@ impl DeltaNetScratch {
             self.attn.ptr(),
             t32,
             state,
+            cut_at,
+            cut_state,
         )?;
         deltanet_prefill::deltanet_prefill_norm(
             l,

@@ -20,7 +20,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
 };
 
 launchers! {
-    /// The conv, l2 norms, gates and each chunk's (I + A)^-1 and intra-chunk attention.
+    /// The conv, l2 norms, gates and each chunk's (I + A)^-1 and intra-chunk attention; the conv ring at `cut`
+    /// (tokens into the call, 0 for none) into `cut_ring`.
     deltanet_prefill_chunks(
         proj: DevPtr<f32>,
         t: i32,
@@ -36,8 +37,11 @@ launchers! {
         beta_out: DevPtr<f32>,
         inverse_out: DevPtr<f32>,
         attn_out: DevPtr<f32>,
+        cut: i32,
+        cut_ring: DevPtr<f32>,
     );
-    /// The state carried through the chunks in order; each chunk's output over `v_o`.
+    /// The state carried through the chunks in order; each chunk's output over `v_o`; the state at `cut` (tokens
+    /// into the call, 0 for none) into `cut_state`.
     deltanet_prefill_state(
         q: DevPtr<f32>,
         k: DevPtr<f32>,
@@ -48,6 +52,8 @@ launchers! {
         attn: DevPtr<f32>,
         t: i32,
         state: DevPtr<f16>,
+        cut: i32,
+        cut_state: DevPtr<f16>,
     );
     /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
     deltanet_prefill_norm(

@@ -1,7 +1,7 @@
 //! `lily selftest`'s check of the prefill's Gated DeltaNet mixer (src/prefill_deltanet.rs, kernels/deltanet_prefill.cu)
 //! against its CPU twin.
 
-use half::bf16;
+use half::{bf16, f16};
 use lily_model::cpu::deltanet::{chunked, conv_sequence, l2norm};
 use lily_model::cpu::linalg::{rmsnorm_in_place, sigmoid, silu, softplus};
 use lily_model::rng::Rng;
@@ -12,7 +12,7 @@ use super::{download_f16, download_f32, normals, poison, rel_err, to_f16, widen_
 use crate::driver::{Gpu, Result};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
-use crate::prefill_deltanet::{proj_dim, DeltaNetScratch};
+use crate::prefill_deltanet::{proj_dim, DeltaNetCut, DeltaNetScratch};
 use crate::weights::{GpuGatedDeltaNet, GpuMatrix};
 
 /// The mixer's own weights, on the CPU.
@@ -149,42 +149,74 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let ring_buf = gpu.alloc(taps * conv_dim)?;
     let state_buf = gpu.alloc(nv * dk * dv)?;
     let out_buf = gpu.alloc::<bf16>(max_tokens * value_dim)?;
-    // Uploads the inputs, runs `calls` (token counts) one after another, returns what the GPU left.
-    let mut run_gpu =
-        |proj: &[f32], start: usize, ring: &[f32], state: &[f32], calls: &[usize]| -> Result<MixerResult> {
-            let t: usize = calls.iter().sum();
-            gpu.upload(proj_buf.ptr(), proj)?;
-            gpu.upload(ring_buf.ptr(), ring)?;
-            gpu.upload(state_buf.ptr(), &to_f16(state))?;
-            gpu.memset_u32(out_buf.ptr(), 0x7fc0_7fc0, out_buf.bytes() / 4)?;
-            let s = &scratch;
-            for buf in [&s.q, &s.k, &s.v_o, &s.decay, &s.beta, &s.inverse, &s.attn] {
-                poison(gpu, buf)?;
-            }
-            let mut done = 0;
-            for &n in calls {
-                scratch.run(
-                    &mut launcher,
-                    c,
-                    n,
-                    start + done,
-                    proj_buf.at(done * p),
-                    ring_buf.ptr(),
-                    state_buf.ptr(),
-                    &weights,
-                    out_buf.at(done * value_dim),
-                )?;
-                done += n;
-            }
-            gpu.sync()?;
-            let mut out = vec![bf16::ZERO; t * value_dim];
-            gpu.download(out_buf.ptr(), &mut out)?;
-            Ok(MixerResult {
+    let cut_ring_buf = gpu.alloc(taps * conv_dim)?;
+    let cut_state_buf = gpu.alloc::<f16>(nv * dk * dv)?;
+    // Uploads the inputs, runs `calls` (token counts) one after another, the first with a snapshot cut after `cut`
+    // tokens if given, returns what the GPU left: the call's result and the cut's (state and ring; no output).
+    let mut run_gpu = |proj: &[f32],
+                       start: usize,
+                       ring: &[f32],
+                       state: &[f32],
+                       calls: &[usize],
+                       cut: Option<usize>|
+     -> Result<(MixerResult, MixerResult)> {
+        let t: usize = calls.iter().sum();
+        gpu.upload(proj_buf.ptr(), proj)?;
+        gpu.upload(ring_buf.ptr(), ring)?;
+        gpu.upload(state_buf.ptr(), &to_f16(state))?;
+        gpu.memset_u32(out_buf.ptr(), 0x7fc0_7fc0, out_buf.bytes() / 4)?;
+        let s = &scratch;
+        for buf in [
+            &s.q,
+            &s.k,
+            &s.v_o,
+            &s.decay,
+            &s.beta,
+            &s.inverse,
+            &s.attn,
+            &cut_ring_buf,
+        ] {
+            poison(gpu, buf)?;
+        }
+        poison(gpu, &cut_state_buf)?;
+        let mut done = 0;
+        for (i, &n) in calls.iter().enumerate() {
+            let cut = cut.filter(|_| i == 0).map(|tokens| DeltaNetCut {
+                tokens,
+                ring: cut_ring_buf.ptr(),
+                state: cut_state_buf.ptr(),
+            });
+            scratch.run(
+                &mut launcher,
+                c,
+                n,
+                start + done,
+                proj_buf.at(done * p),
+                ring_buf.ptr(),
+                state_buf.ptr(),
+                &weights,
+                out_buf.at(done * value_dim),
+                cut,
+            )?;
+            done += n;
+        }
+        gpu.sync()?;
+        let mut out = vec![bf16::ZERO; t * value_dim];
+        gpu.download(out_buf.ptr(), &mut out)?;
+        let at_cut = MixerResult {
+            out: Vec::new(),
+            state: download_f16(gpu, &cut_state_buf, nv * dk * dv)?,
+            ring: download_f32(gpu, &cut_ring_buf, taps * conv_dim)?,
+        };
+        Ok((
+            MixerResult {
                 out: out.iter().map(|v| v.to_f32()).collect(),
                 state: download_f16(gpu, &state_buf, nv * dk * dv)?,
                 ring: download_f32(gpu, &ring_buf, taps * conv_dim)?,
-            })
-        };
+            },
+            at_cut,
+        ))
+    };
 
     for new_sequence in [true, false] {
         let mut worst = [(0.0f64, 0usize); 3];
@@ -203,7 +235,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                     widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05))),
                 )
             };
-            let got = run_gpu(&proj, start, &ring, &state, &[t])?;
+            let (got, _) = run_gpu(&proj, start, &ring, &state, &[t], None)?;
             let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
             let errors = [
                 rel_err(&got.out, &want.out),
@@ -240,7 +272,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let proj = normals(&mut rng, 190 * p, 1.0);
         let ring = normals(&mut rng, taps * conv_dim, 1.0);
         let state = widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05)));
-        let got = run_gpu(&proj, start, &ring, &state, &[100, 90])?;
+        let (got, _) = run_gpu(&proj, start, &ring, &state, &[100, 90], None)?;
         let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
         report.check(
             "deltanet_prefill 100 + 90 tokens == 190: output",
@@ -257,6 +289,65 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             rel_err(&got.ring, &want.ring),
             0.0,
         );
+    }
+
+    // Snapshot cuts inside a call: the state and ring after the first `cut` tokens, written in the pass, against
+    // the CPU twin of those tokens alone (mid-chunk, at a chunk's end, one token before the call's end, from
+    // position 0 and from elsewhere), and the call's own result as without the cut.
+    {
+        let mut worst = [(0.0f64, 0usize, 0usize); 5];
+        for (t, cut, new_sequence) in [
+            (3, 1, true),
+            (100, 37, false),
+            (200, 64, false),
+            (300, 150, true),
+            (130, 129, false),
+        ] {
+            let start = if new_sequence {
+                0
+            } else {
+                64 * (rng.next_u64() % 40) as usize + 1 + (rng.next_u64() % 63) as usize
+            };
+            let proj = normals(&mut rng, t * p, 1.0);
+            let (ring, state) = if new_sequence {
+                (vec![0.0; taps * conv_dim], vec![0.0; nv * dk * dv])
+            } else {
+                (
+                    normals(&mut rng, taps * conv_dim, 1.0),
+                    widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05))),
+                )
+            };
+            let (got, at_cut) = run_gpu(&proj, start, &ring, &state, &[t], Some(cut))?;
+            let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
+            let want_cut = cpu_mixer(c, &w, &proj[..cut * p], start, &ring, &state);
+            let errors = [
+                rel_err(&at_cut.state, &want_cut.state),
+                rel_err(&at_cut.ring, &want_cut.ring),
+                rel_err(&got.out, &want.out),
+                rel_err(&got.state, &want.state),
+                rel_err(&got.ring, &want.ring),
+            ];
+            for (slot, e) in worst.iter_mut().zip(errors) {
+                if e >= slot.0 {
+                    *slot = (e, t, cut);
+                }
+            }
+        }
+        let what = [
+            "state at the cut",
+            "conv ring at the cut",
+            "output",
+            "recurrent state",
+            "conv ring",
+        ];
+        let tolerances = [STATE_TOL, 0.0, OUT_TOL, STATE_TOL, 0.0];
+        for ((what, tol), (e, t, cut)) in what.iter().zip(tolerances).zip(worst) {
+            report.check(
+                &format!("deltanet_prefill with a cut inside: {what} (worst t = {t}, cut {cut})"),
+                e,
+                tol,
+            );
+        }
     }
 
     // Speed: one 4096-token call, after a warm-up call (no step depends on the values, so zeros will do).
@@ -276,6 +367,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 state_buf.ptr(),
                 &weights,
                 out.ptr(),
+                None,
             )
         };
         call()?;
