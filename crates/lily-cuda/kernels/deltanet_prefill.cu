@@ -141,17 +141,12 @@ __device__ __forceinline__ void copy_tile(float* tile, const float* src, int str
     }
 }
 
-// The causal conv + SiLU of conv channel c over the chunk's tokens tok0 .. tok0 + CHUNK (zeros past t), as
-// decode's conv_channel: out(r, value) per token. Inputs before the call's first token come from the ring. Every
-// input is loaded before the first output is stored: an output stored to global memory might alias a later input
-// for all the compiler knows, so interleaving them would leave one load at a time in flight (a trip to L2 a token).
-template <typename Out>
-__device__ __forceinline__ void conv_chunk(const float* proj, const float* ring, const float* conv_w, int c, int tok0,
-                                           int t, int start, Out out) {
-    // x: the raw inputs of the CONV_K - 1 tokens before the chunk, oldest first, then the chunk's own.
-    float w[CONV_K], x[CONV_K - 1 + CHUNK];
-#pragma unroll
-    for (int j = 0; j < CONV_K; j++) w[j] = conv_w[c * CONV_K + j];
+// The raw conv inputs of channel c for the chunk's tokens tok0 .. tok0 + CHUNK: those of the CONV_K - 1 tokens
+// before it (from the ring before the call's first token), then its own (zero past t). The caller loads every
+// input before it stores an output: an output stored to global memory might alias a later input for all the
+// compiler knows, so interleaving them would leave one load at a time in flight (a trip to L2 a token).
+__device__ __forceinline__ void conv_inputs(const float* proj, const float* ring, int c, int tok0, int t, int start,
+                                            float (&x)[CONV_K - 1 + CHUNK]) {
 #pragma unroll
     for (int j = 0; j < CONV_K - 1; j++) {
         const int tok = tok0 - (CONV_K - 1) + j;
@@ -159,14 +154,31 @@ __device__ __forceinline__ void conv_chunk(const float* proj, const float* ring,
     }
 #pragma unroll
     for (int r = 0; r < CHUNK; r++) x[CONV_K - 1 + r] = tok0 + r < t ? proj[(size_t)(tok0 + r) * PROJ_DIM + c] : 0.f;
+}
+
+// The causal conv + SiLU of one channel over `count` tokens whose raw inputs are staged in shared memory
+// (in(r) for token r), `before` the raw inputs of the CONV_K - 1 tokens before the first: out(r, value) per token,
+// zero from token `valid` on. A rolled loop: unrolled over the chunk, the conv's divisions alone would be enough
+// code that a block's single pass through it waits on instruction fetch.
+template <typename In, typename Out>
+__device__ __forceinline__ void conv_staged(const float (&w)[CONV_K], float (&before)[CONV_K - 1], int count, int valid,
+                                            In in, Out out) {
+#pragma unroll 4
+    for (int r = 0; r < count; r++) {
+        const float xr = in(r);
+        float acc = w[CONV_K - 1] * xr;
 #pragma unroll
-    for (int r = 0; r < CHUNK; r++) {
-        float acc = w[CONV_K - 1] * x[CONV_K - 1 + r];
+        for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * before[j];
+        float y = 0.f;
+        if (r < valid) y = siluf_(acc);
+        out(r, y);
 #pragma unroll
-        for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * x[r + j];
-        out(r, tok0 + r < t ? siluf_(acc) : 0.f);
+        for (int j = 0; j < CONV_K - 2; j++) before[j] = before[j + 1];
+        before[CONV_K - 2] = xr;
     }
 }
+
+static_assert(CHUNK / 2 * PREFILL_THREADS <= 2 * CHUNK * CHUNK, "half a chunk of v inputs fits in kk and qk");
 
 // Grid (chunks, LIN_K_HEADS), PREFILL_THREADS threads, deltanet_chunks_shared_bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
@@ -194,21 +206,53 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
         float* dst = tid < DK ? qs : ks;
         const int i = tid % DK;
         const int c = (tid < DK ? 0 : LIN_K_DIM) + key_head * DK + i;
-        conv_chunk(proj, ring, conv_w, c, tok0, t, start, [&](int r, float x) { dst[at<DK>(r, i)] = x; });
         const int head = key_head * HEADS_PER_KEY + tid / DV, j = tid % DV;
         float* v_dst = v_out + ((size_t)head * padded + tok0) * DV + j;
-        conv_chunk(proj, ring, conv_w, 2 * LIN_K_DIM + head * DV + j, tok0, t, start,
-                   [&](int r, float x) { v_dst[(size_t)r * DV] = x; });
+        // Both channels' inputs are loaded whole before anything is stored (see conv_inputs), q's or k's staged in
+        // their tile and convolved there in place, then v's staged through kk and qk (free until k k^T) as
+        // [CHUNK / 2][PREFILL_THREADS], half the chunk at a time, and written to v_out.
+        const int cv = 2 * LIN_K_DIM + head * DV + j, valid = min(CHUNK, t - tok0);
+        float w[CONV_K], wv[CONV_K], x[CONV_K - 1 + CHUNK], before[CONV_K - 1];
+#pragma unroll
+        for (int m = 0; m < CONV_K; m++) w[m] = conv_w[c * CONV_K + m], wv[m] = conv_w[cv * CONV_K + m];
+        conv_inputs(proj, ring, c, tok0, t, start, x);
+#pragma unroll
+        for (int r = 0; r < CHUNK; r++) dst[at<DK>(r, i)] = x[CONV_K - 1 + r];
+#pragma unroll
+        for (int m = 0; m < CONV_K - 1; m++) before[m] = x[m];
+        conv_inputs(proj, ring, cv, tok0, t, start, x);
+        conv_staged(w, before, CHUNK, valid, [&](int r) { return dst[at<DK>(r, i)]; },
+                    [&](int r, float y) { dst[at<DK>(r, i)] = y; });
+        float* stage = kk + tid;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            constexpr int HALF = CHUNK / 2;
+#pragma unroll
+            for (int r = 0; r < HALF; r++) stage[r * PREFILL_THREADS] = x[CONV_K - 1 + HALF * half + r];
+#pragma unroll
+            for (int m = 0; m < CONV_K - 1; m++) before[m] = x[HALF * half + m];
+            conv_staged(wv, before, HALF, valid - HALF * half, [&](int r) { return stage[r * PREFILL_THREADS]; },
+                        [&](int r, float y) { v_dst[(size_t)(HALF * half + r) * DV] = y; });
+        }
         // The ring at a cut in this chunk: this thread's two channels' raw inputs of the tokens cut - CONV_K ..
         // cut - 1 at their slots, those before the call from the ring (read before the norm kernel rewrites it).
+        // Loads first, then stores, as in the conv.
         if (cut > tok0 && cut <= tok0 + CHUNK) {
             const int channels[2] = {c, 2 * LIN_K_DIM + head * DV + j};
+            float kept[CONV_K][2];
 #pragma unroll
             for (int m = 0; m < CONV_K; m++) {
                 const int tok = cut - CONV_K + m, slot = (start + tok + CONV_K) % CONV_K;
-                for (int ch : channels)
-                    cut_ring[slot * LIN_CONV_DIM + ch] =
-                        tok >= 0 ? proj[(size_t)tok * PROJ_DIM + ch] : ring[slot * LIN_CONV_DIM + ch];
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+                    kept[m][n] = tok >= 0 ? proj[(size_t)tok * PROJ_DIM + channels[n]]
+                                          : ring[slot * LIN_CONV_DIM + channels[n]];
+            }
+#pragma unroll
+            for (int m = 0; m < CONV_K; m++) {
+                const int slot = (start + cut - CONV_K + m + CONV_K) % CONV_K;
+#pragma unroll
+                for (int n = 0; n < 2; n++) cut_ring[slot * LIN_CONV_DIM + channels[n]] = kept[m][n];
             }
         }
     }
