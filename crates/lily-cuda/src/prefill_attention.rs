@@ -1,6 +1,7 @@
 //! The gated full-attention mixer of the prefill, between the q/k/v input projection and o_proj (kernels in
 //! kernels/attention_prefill.cu): q/k norms, partial RoPE and the KV cache write (`attn_prefill_prep`), causal flash
-//! attention on tensor cores for 16 query tokens x the 8 query heads of a KV head per block (`attn_prefill`), and,
+//! attention on tensor cores for 16 query tokens x the 8 query heads of a KV head per block (`attn_prefill_wgmma`
+//! on warpgroup MMAs where the build is sm_90a, `attn_prefill` on mma.sync elsewhere), and,
 //! when those blocks alone would leave SMs idle, the key range split into chunks whose parts `attn_prefill_merge`
 //! combines with the output gate.
 
