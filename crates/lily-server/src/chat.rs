@@ -247,6 +247,20 @@ pub fn render_tokens(
     Ok((text, tokens))
 }
 
+/// Tokenizes an assistant message of content `reply` as a chat's next request renders it, between two user
+/// messages, so that the tokenizer's segment cache holds its text when that request comes: a chat client sends the
+/// reply back with its next question, and only the question is then new text to encode. What the template renders
+/// around the message is cached too and is a few tokens; errors are of no consequence here.
+pub fn warm_reply(ready: &Ready, reply: String) {
+    let user = || serde_json::json!({"role": "user", "content": ""});
+    let messages = vec![
+        user(),
+        serde_json::json!({"role": "assistant", "content": reply}),
+        user(),
+    ];
+    let _ = render_tokens(ready, messages, &[], Map::new(), false);
+}
+
 fn collect_strings<'a>(value: &'a Json, out: &mut Vec<&'a str>) {
     match value {
         Json::String(text) => out.push(text),
@@ -538,6 +552,8 @@ pub struct ChatResponder {
     /// Non-streaming: all logprobs and outputs per choice.
     all_logprobs: Vec<Vec<ChatLogprobEntry>>,
     outputs: Vec<Option<FinalOutput>>,
+    /// The one choice's content, once finished without tool calls: what the next turn sends back.
+    pub reply: Option<String>,
 }
 
 impl ChatResponder {
@@ -559,6 +575,18 @@ impl ChatResponder {
             pending: vec![Vec::new(); n],
             all_logprobs: vec![Vec::new(); n],
             outputs: vec![None; n],
+            reply: None,
+        }
+    }
+
+    /// Keeps a lone choice's finished content as the reply the next turn will send back.
+    fn keep_reply(&mut self, output: &FinalOutput) {
+        if self.outputs.len() == 1
+            && output.tool_calls.is_empty()
+            && !output.content_is_reasoning
+            && !output.content.is_empty()
+        {
+            self.reply = Some(output.content.clone());
         }
     }
 
@@ -642,6 +670,7 @@ impl ChatResponder {
                 cached_tokens,
             } => {
                 self.cached_tokens += cached_tokens;
+                self.keep_reply(&output);
                 self.start(index, &mut out);
                 for delta in output.deltas {
                     if let Some(d) = self.to_delta(delta) {
@@ -703,6 +732,7 @@ impl ChatResponder {
             } => {
                 self.cached_tokens += cached_tokens;
                 self.completion_tokens += output.completion_tokens;
+                self.keep_reply(&output);
                 self.outputs[index] = Some(output);
                 None
             }

@@ -21,6 +21,7 @@ pub const PREFIX_HIT_TOKENS: &str = "lily_prefix_cache_hit_tokens_total";
 pub const PREFIX_EVICTIONS: &str = "lily_prefix_cache_evictions_total";
 pub const PREFIX_SNAPSHOTS: &str = "lily_prefix_cache_snapshots";
 pub const PREFIX_BYTES: &str = "lily_prefix_cache_bytes";
+pub const SEGMENT_CACHE_BYTES: &str = "lily_tokenizer_segment_cache_bytes";
 
 const METADATA: Metadata<'static> = Metadata::new("lily_server", Level::INFO, Some("lily_server::metrics"));
 
@@ -43,6 +44,7 @@ pub struct Metrics {
     pub prefix_cache_evictions: Counter,
     pub prefix_cache_snapshots: Gauge,
     pub prefix_cache_bytes: Gauge,
+    pub segment_cache_bytes: Gauge,
 }
 
 impl Metrics {
@@ -135,6 +137,11 @@ impl Metrics {
             Some(Unit::Bytes),
             SharedString::const_str("Memory the prefix cache's snapshots hold that no running sequence shares."),
         );
+        recorder.describe_gauge(
+            KeyName::from_const_str(SEGMENT_CACHE_BYTES),
+            Some(Unit::Bytes),
+            SharedString::const_str("Memory the tokenizer's cache of prompt segments (text and ids) holds."),
+        );
         let key = |name: &'static str| Key::from_static_name(name);
         Metrics {
             prompt_tokens: recorder.register_counter(&key(PROMPT_TOKENS), &METADATA),
@@ -153,6 +160,7 @@ impl Metrics {
             prefix_cache_evictions: recorder.register_counter(&key(PREFIX_EVICTIONS), &METADATA),
             prefix_cache_snapshots: recorder.register_gauge(&key(PREFIX_SNAPSHOTS), &METADATA),
             prefix_cache_bytes: recorder.register_gauge(&key(PREFIX_BYTES), &METADATA),
+            segment_cache_bytes: recorder.register_gauge(&key(SEGMENT_CACHE_BYTES), &METADATA),
             recorder,
             handle,
         }

@@ -159,6 +159,10 @@ async fn health(State(state): State<AppStateRef>) -> Response {
 }
 
 async fn metrics(State(state): State<AppStateRef>) -> Response {
+    if let Some(ready) = state.ready.get() {
+        let bytes = ready.tokenizer.segment_cache_bytes();
+        state.metrics.segment_cache_bytes.set(bytes as f64);
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         state.metrics.render(),
@@ -399,6 +403,11 @@ trait Responder: Send + 'static {
     fn stream_event(&mut self, event: Event) -> (Vec<String>, bool);
     /// Not streaming: `Some` once the response is complete (or failed).
     fn collect_event(&mut self, event: Event) -> Option<Result<Self::Response, ApiError>>;
+    /// Once the response is complete: the reply a client will send back in its next request, if any, whose
+    /// tokenizing can be done now, while the client reads the answer.
+    fn take_reply(&mut self) -> Option<String> {
+        None
+    }
 }
 
 impl Responder for ChatResponder {
@@ -408,6 +417,9 @@ impl Responder for ChatResponder {
     }
     fn collect_event(&mut self, event: Event) -> Option<Result<ChatCompletion, ApiError>> {
         ChatResponder::collect_event(self, event)
+    }
+    fn take_reply(&mut self) -> Option<String> {
+        self.reply.take()
     }
 }
 
@@ -419,6 +431,18 @@ impl Responder for CompletionResponder {
     fn collect_event(&mut self, event: Event) -> Option<Result<Completion, ApiError>> {
         CompletionResponder::collect_event(self, event)
     }
+}
+
+/// Tokenizes `reply` as the next request of the conversation will hold it, on a blocking thread, so that the
+/// segment cache has it by then (see [`chat::warm_reply`]).
+fn warm_reply(state: &AppStateRef, reply: Option<String>) {
+    let Some(reply) = reply else { return };
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || {
+        if let Some(ready) = state.ready.get() {
+            chat::warm_reply(ready, reply);
+        }
+    });
 }
 
 /// The one handler behind both completion endpoints: read the body, prepare the request off the async threads
@@ -449,8 +473,12 @@ where
         if stream {
             let span = tracing::Span::current();
             let mut first = true;
+            let state = state.clone();
             Ok(sse_response(receiver, guard, move |event| {
                 let (data, done) = responder.stream_event(event);
+                if done {
+                    warm_reply(&state, responder.take_reply());
+                }
                 if first && !data.is_empty() {
                     first = false;
                     span.in_scope(|| {
@@ -464,6 +492,7 @@ where
             }))
         } else {
             let completion = collect(receiver, guard, |event| responder.collect_event(event)).await?;
+            warm_reply(&state, responder.take_reply());
             Ok(Json(completion).into_response())
         }
     };

@@ -168,3 +168,66 @@ async fn eviction_under_a_small_budget_keeps_answers_exact() {
     small.shutdown().await;
     plain.shutdown().await;
 }
+
+/// A chat reply is tokenized for the next turn while the client reads it: the next request's rendering of that
+/// reply then finds it in the tokenizer's segment cache, which grows by the new question only
+/// (`lily_tokenizer_segment_cache_bytes`). Both ways a reply is sent, whole and streamed.
+#[tokio::test]
+async fn a_chat_reply_is_tokenized_for_the_next_turn() {
+    let reply: String = (0..40).map(|i| format!("word{i}")).collect::<Vec<_>>().join(" ");
+    let s = TestServer::fake(common::config(), common::Script::text(&reply)).await;
+    // The gauge once its value holds still (the reply is tokenized on a blocking thread after the response).
+    let settled = || async {
+        let mut last = -1.0;
+        for _ in 0..100 {
+            let now = s.metric("lily_tokenizer_segment_cache_bytes").await.unwrap();
+            if now == last {
+                return now;
+            }
+            last = now;
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        }
+        panic!("the segment cache did not settle");
+    };
+    for stream in [false, true] {
+        let question = format!("First question, streamed {stream}?");
+        let body = json!({
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": stream,
+            "chat_template_kwargs": {"enable_thinking": false},
+        });
+        let content = if stream {
+            let (status, data) = s.stream("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200);
+            common::chunks(&data)
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+                .collect::<String>()
+        } else {
+            let (status, r) = s.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{r}");
+            r["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+        };
+        assert_eq!(content, reply);
+        let before = settled().await;
+        let next = json!({
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": content},
+                {"role": "user", "content": "And then?"},
+            ],
+            "add_generation_prompt": true,
+        });
+        let (status, r) = s.post("/tokenize", &next).await;
+        assert_eq!(status, 200, "{r}");
+        let grown = settled().await - before;
+        assert!(
+            grown < reply.len() as f64,
+            "streamed {stream}: the cache grew by {grown} bytes for the next turn, the reply is {} bytes",
+            reply.len()
+        );
+    }
+    s.shutdown().await;
+}
