@@ -303,15 +303,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 // (warp w: query head w of the KV head's group, rows g and g + 8 its tokens g and g + 8 of the tile), on wgmma: the
 // block's 128 rows (16 tokens x 8 heads) are two warpgroups of 64, S = Q K^T takes Q and the key tile straight from
 // shared memory (m64n64k16, sixteen k16 steps over the 256 dims), and O += P V takes P from the registers that held
-// S and V^T from shared memory (m64n256k16, four k16 steps over the tile's 64 keys), so no warp loads K or V
-// fragments of its own. The key and value tiles (a page each) are double-buffered through cp.async; the value tile
-// is transposed into V^T (dims as rows, 128 bytes of keys a row: wgmma's K-major B) by ldmatrix.trans and
-// stmatrix. Operand tiles are 128-byte rows in 1,024-byte swizzle atoms: Q and K as four k-blocks of 64 dims
-// ([k-block][row][128 B]), V^T as one.
+// S and the value tile from shared memory as copied, read transposed (m64n256k16, four k16 steps over the tile's 64
+// keys), so no warp loads K or V fragments of its own. Each iteration issues S for its key tile and then O += P V
+// for the tile before, and runs the softmax of S while the second product is on the tensor cores. Key tiles are
+// copied two tiles ahead (three buffers), value tiles one ahead (two), all through cp.async. Operand tiles are
+// 128-byte rows in 1,024-byte swizzle atoms, four k-blocks of 64 dims ([k-block][row][128 B]).
 //
-// Shared memory (dynamic, 1,024-aligned): Q 64 KiB, K 2 x 32 KiB, V 2 x 32 KiB, V^T 32 KiB: 224 KiB, one block an
-// SM. sm_90a builds have it unless ATTN_PREFILL_WGMMA is 0; the host reads attn_prefill_wgmma_built and runs
-// attn_prefill where it is 0 (other GPUs).
+// Shared memory (dynamic, 1,024-aligned): Q 64 KiB, K 3 x 32 KiB, V 2 x 32 KiB: 224 KiB, one block an SM. sm_90a
+// builds have it unless ATTN_PREFILL_WGMMA is 0; the host reads attn_prefill_wgmma_built and runs attn_prefill
+// where it is 0 (other GPUs).
 #ifndef ATTN_PREFILL_WGMMA
 #define ATTN_PREFILL_WGMMA 1
 #endif
@@ -325,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 #define APW_KV_BYTES (KEY_TILE * ROW_BYTES)      // 32 KiB a key or value tile
 #define APW_SMEM (APW_Q_BYTES + 5 * APW_KV_BYTES + 1024)
 static_assert(APW_ROWS == 2 * 64 && PF_THREADS == 256, "two warpgroups of 64 rows");
-static_assert(KEY_TILE == 64 && HEAD_DIM == 256, "a key tile is one 128-byte row of V^T; four k-blocks of Q and K");
+static_assert(KEY_TILE == 64 && HEAD_DIM == 256, "a key tile is 64 rows of four k-blocks");
 __device__ int attn_prefill_wgmma_built = APW_BUILT;
 __device__ int attn_prefill_wgmma_smem = APW_SMEM;
 
@@ -350,8 +350,9 @@ __device__ __forceinline__ void apw_m64n64k16(float (&d)[32], u64 desc_a, u64 de
         : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
-// d += A (64 x 16, registers: the mma.sync A fragment of each warp's 16 rows) B (256 x 16, shared)^T: 128 f32.
-__device__ __forceinline__ void apw_m64n256k16_rs(float (&d)[128], const u32 (&a)[4], u64 desc_b) {
+// d += A (64 x 16, registers: the mma.sync A fragment of each warp's 16 rows) B (16 x 256, shared, rows of 256
+// dims: the value tile as copied, which wgmma reads transposed): 128 f32.
+__device__ __forceinline__ void apw_m64n256k16_rs_t(float (&d)[128], const u32 (&a)[4], u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
@@ -363,17 +364,26 @@ __device__ __forceinline__ void apw_m64n256k16_rs(float (&d)[128], const u32 (&a
         "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
         "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
         "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
         : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24), APW_D8(32), APW_D8(40), APW_D8(48), APW_D8(56),
           APW_D8(64), APW_D8(72), APW_D8(80), APW_D8(88), APW_D8(96), APW_D8(104), APW_D8(112), APW_D8(120)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 #undef APW_D8
 
-__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
-                 "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
+// The descriptor of 16 keys x 256 dims of a value tile at `addr` (rows of keys, 64 dims a 128-byte swizzled row, the
+// four 64-dim blocks KEY_TILE rows apart) as wgmma's MN-major B: 64 dims a row, the next 64 dims 8 KiB on (LBO), the
+// next 8 keys 1 KiB on (SBO).
+__device__ __forceinline__ u64 apw_v_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((KEY_TILE * 128) >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+           ((u64)1 << 62);
+}
+// Keeps P's registers, which an issued O += P V reads, from being reused before the wait for it.
+__device__ __forceinline__ void apw_hold(u32 (&p)[KEY_TILE / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < KEY_TILE / 16; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) asm volatile("" : "+r"(p[j][i])::"memory");
 }
 #endif
 
@@ -384,9 +394,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 #if APW_BUILT
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw0 = shared_address(smem_raw), q_smem = (raw0 + 1023) & ~1023u;
-    const u32 k_smem = q_smem + APW_Q_BYTES;      // two tiles
-    const u32 v_smem = k_smem + 2 * APW_KV_BYTES;  // two tiles, as copied
-    const u32 vt_smem = v_smem + 2 * APW_KV_BYTES;  // the current value tile, transposed
+    const u32 k_smem = q_smem + APW_Q_BYTES;      // three key tiles
+    const u32 v_smem = k_smem + 3 * APW_KV_BYTES;  // two value tiles
     const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
     const int kv_head = blockIdx.x % N_KV_HEADS;
     const int tok0 = (tiles - 1 - (int)blockIdx.x / N_KV_HEADS) * QUERY_TILE;
@@ -407,29 +416,32 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         const bf16* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
         cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 8, valid);
     }
-    // One key and one value tile (key0 a multiple of KEY_TILE: one page); keys past key_end read as zero.
-    auto load_tiles = [&](int buf, int key0) {
-        const size_t page = (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM;
+    // Key tile `tile` (keys key_begin + KEY_TILE * tile ..: one page) or its value tile from `pool` into the
+    // 32 KiB buffer at `buf`; keys past key_end read as zero. Thread i copies chunk i % 32 of rows i / 32 + 8 j,
+    // which lie 1,024 bytes apart in the buffer (rows 8 apart share their swizzle).
+    const int copy_row = threadIdx.x / ROW_CHUNKS, copy_chunk = threadIdx.x % ROW_CHUNKS;
+    const u32 copy_dst = apw_at<KEY_TILE>(copy_row, copy_chunk);
+    auto load_tile = [&](const bf16* pool, u32 buf, int tile) {
+        const int key0 = key_begin + tile * KEY_TILE;
+        const bf16* src =
+            pool + (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM + copy_chunk * 8;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int c = threadIdx.x + i * PF_THREADS;
-            const int row = c / ROW_CHUNKS, chunk16 = c % ROW_CHUNKS;
+        for (int j = 0; j < KEY_TILE / 8; j++) {
+            const int row = copy_row + 8 * j;
             const bool valid = key0 + row < key_end;
-            const size_t at = page + (size_t)(valid ? row : 0) * KV_DIM + chunk16 * 8;
-            const u32 dst = apw_at<KEY_TILE>(row, chunk16) + buf * APW_KV_BYTES;
-            cp_async_16(k_smem + dst, k_pool + at, valid);
-            cp_async_16(v_smem + dst, v_pool + at, valid);
+            cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid);
         }
     };
-    load_tiles(0, key_begin);
+    // Copy groups: (Q, key tile 0), (key tile 1), then in iteration it (value tile it), (key tile it + 2). Key tile
+    // it goes to K buffer it % 3, value tile it to V buffer it % 2.
+    load_tile(k_pool, k_smem, 0);
+    cp_async_commit();
+    if (key_tiles > 1) load_tile(k_pool, k_smem + APW_KV_BYTES, 1);
     cp_async_commit();
 
     const int g = lane / 4, c = lane % 4;
     const int limit0 = min(start + tok0 + g, key_end - 1), limit1 = min(start + tok0 + g + 8, key_end - 1);
     const int first_masked_from = min(start + tok0, key_end - 1);
-    // Transposition of the value tile: warp w takes dim chunks 4 w .. 4 w + 3 (32 dims) of every key chunk; lane L
-    // addresses row L % 8 of 8x8 block L / 8.
-    const int t_block = lane / 8, t_row = lane % 8, t_dims = 4 * warp + t_block;
 
     float o[128];
 #pragma unroll
@@ -437,31 +449,25 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
     float row_max[2] = {-INF_F, -INF_F};  // log2 units
     float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
     const u32 q_wg = q_smem + wg * 64 * 128;
+    // P of the tile before as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1.
+    u32 p[KEY_TILE / 16][4];
 
+    // Iteration it issues S = Q K^T for key tile it and then O += P V for tile it - 1, so the tensor cores work on
+    // the second while the softmax of the first runs; O is rescaled once the second is done.
     for (int it = 0; it < key_tiles; it++) {
-        const int key0 = key_begin + it * KEY_TILE, buf = it & 1;
-        cp_async_wait<0>();  // Q (first) and this tile's keys and values, this thread's copies
+        const int key0 = key_begin + it * KEY_TILE;
+        cp_async_wait<1>();  // Q, key tile it and value tile it - 1 (this thread's copies; key tile it + 1 may fly)
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();     // ... everyone's; every warpgroup is past the last tile's MMAs
-        if (it + 1 < key_tiles) load_tiles(buf ^ 1, key0 + KEY_TILE);
+        __syncthreads();  // ... everyone's; every warpgroup is done with key tile it - 1 and value tile it - 2
+        load_tile(v_pool, v_smem + (it % 2) * APW_KV_BYTES, it);
         cp_async_commit();
-        // V^T: block (key chunk kc, dim chunk t_dims) read transposed, stored as rows of dims.
-        const u32 v_tile = v_smem + buf * APW_KV_BYTES;
-#pragma unroll
-        for (int kc = 0; kc < KEY_TILE / 8; kc++) {
-            u32 r[4];
-            ldmatrix_x4_trans(r, v_tile + apw_at<KEY_TILE>(8 * kc + t_row, t_dims));
-            const int dim = 8 * t_dims + t_row;
-            stmatrix_x4(vt_smem + dim * 128 + ((kc ^ (dim & 7)) << 4), r);
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
+        if (it + 2 < key_tiles) load_tile(k_pool, k_smem + ((it + 2) % 3) * APW_KV_BYTES, it + 2);
+        cp_async_commit();
 
-        // S = Q K^T for this warpgroup's 64 rows.
         float s[32];
 #pragma unroll
         for (int i = 0; i < 32; i++) s[i] = 0.f;
-        const u32 k_tile = k_smem + buf * APW_KV_BYTES;
+        const u32 k_tile = k_smem + (it % 3) * APW_KV_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ks++) {
@@ -470,7 +476,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
                           wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        if (it > 0) {
+            const u32 v_tile = v_smem + ((it - 1) % 2) * APW_KV_BYTES;
+#pragma unroll
+            for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         wgmma_hold(s);
 
         // Accumulator j of the n8 block n: row g + 8 (j / 2), key 8 n + 2 c + j % 2 (as mma.sync's).
@@ -506,13 +520,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
             }
             row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
+        // O += P V of the tile before is done: O and P are free again.
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        apw_hold(p);
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n++) {
             o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
             o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
         }
-        // P as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1 (k 8..15).
-        u32 p[KEY_TILE / 16][4];
 #pragma unroll
         for (int j = 0; j < KEY_TILE / 16; j++) {
             p[j][0] = pack_bf16x2(s[8 * j], s[8 * j + 1]);
@@ -520,11 +536,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
             p[j][2] = pack_bf16x2(s[8 * j + 4], s[8 * j + 5]);
             p[j][3] = pack_bf16x2(s[8 * j + 6], s[8 * j + 7]);
         }
-        // O += P V: V^T's 128-byte rows hold the tile's 64 keys, a k16 step 32 bytes.
+    }
+    // O += P V of the last tile, once its values have landed for every thread.
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    {
+        const u32 v_tile = v_smem + ((key_tiles - 1) % 2) * APW_KV_BYTES;
         wgmma_fence();
         wgmma_hold(o);
 #pragma unroll
-        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs(o, p[j], wgmma_desc(vt_smem + 32 * j));
+        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(o);
