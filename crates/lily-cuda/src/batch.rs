@@ -776,10 +776,11 @@ impl BatchBackend for CudaBatchBackend {
         let partial = self.model.pages.share_prefix(from, to, len);
         let m = &self.model;
         let copy = || -> Result<()> {
-            m.copy_deltanet_state(StateAt::Slot(from), StateAt::Slot(to))?;
+            let mut spans = m.deltanet_state_spans(StateAt::Slot(from), StateAt::Slot(to));
             if let Some(page) = partial {
-                m.copy_page(page)?;
+                spans.extend(m.page_spans(page));
             }
+            m.copy_spans(&spans)?;
             m.upload_page_row(to)?;
             m.gpu.sync()
         };
@@ -951,10 +952,11 @@ impl BatchBackend for CudaBatchBackend {
         self.model.gpu.bind().map_err(device_err)?;
         let m = &self.model;
         let copy = || -> Result<()> {
+            let mut spans = m.deltanet_state_spans(StateAt::Snapshot(buffer), StateAt::Slot(slot));
             if let Some(page) = partial {
-                m.copy_page(page)?;
+                spans.extend(m.page_spans(page));
             }
-            m.copy_deltanet_state(StateAt::Snapshot(buffer), StateAt::Slot(slot))?;
+            m.copy_spans(&spans)?;
             m.upload_page_row(slot)
         };
         if let Err(e) = copy() {

@@ -18,7 +18,7 @@ use half::{bf16, f16};
 
 use crate::driver::{check, DevBuf, DevPtr, Gpu, GpuError, Graph, HostCell, Result};
 use crate::kernels::sampling::{self, RowParams};
-use crate::kernels::{attention, deltanet, matvec, moe, synth, Kernels, ATTN_SPLITS};
+use crate::kernels::{attention, deltanet, layout, matvec, moe, synth, Kernels, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher, Profile};
 pub use crate::pages::Capacity;
 use crate::pages::{pages_for, PageAllocator, PageCopy, KV_PAGE};
@@ -177,8 +177,19 @@ pub struct CudaModel {
     pub sampler: SampleRows,
     /// Tokens a prefill chunk takes (at most `prefill.chunk`; lowered by tests to force several chunks).
     pub prefill_chunk: usize,
+    /// u64 `[COPY_SPANS][3]`: the (source, destination, bytes) table of a `copy_spans` launch.
+    copy_table: DevBuf<u64>,
     pub gpu: Gpu,
 }
+
+/// Spans a `copy_spans` launch takes: a sequence's DeltaNet state (two a DeltaNet layer) and a KV page (two an
+/// attention layer) fit in one.
+const COPY_SPANS: usize = 128;
+/// Blocks of `copy_spans` a span: a recurrent state of 1 MiB is 64 rounds of 256 threads x 16 bytes among them.
+const COPY_SPAN_BLOCKS: u32 = 64;
+
+/// A copy on the device: (source address, destination address, bytes), as `copy_spans` reads it.
+pub type Span = [u64; 3];
 
 fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
@@ -329,6 +340,7 @@ impl CudaModel {
         let chunk = crate::prefill::scratch_rows(max_context, capacity.max_seqs);
         let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
         let sampler = SampleRows::new(&gpu, 1, c.vocab_size)?;
+        let copy_table = gpu.alloc_zeroed(3 * COPY_SPANS)?;
         gpu.sync()?;
         Ok(CudaModel {
             gpu,
@@ -343,6 +355,7 @@ impl CudaModel {
             prefill,
             sampler,
             prefill_chunk: chunk,
+            copy_table,
         })
     }
 
@@ -690,7 +703,7 @@ impl CudaModel {
             return Ok(false);
         }
         let new = &self.pages.pages(slot)[held..];
-        self.gpu.upload(self.state.page_row(slot).offset(held), new)?;
+        self.gpu.upload_async(self.state.page_row(slot).offset(held), new)?;
         Ok(true)
     }
 
@@ -702,32 +715,55 @@ impl CudaModel {
         }
     }
 
-    /// Uploads slot `slot`'s whole page-table row as the allocator holds it.
+    /// Queues the upload of slot `slot`'s whole page-table row as the allocator holds it.
     pub fn upload_page_row(&self, slot: usize) -> Result<()> {
-        self.gpu.upload(self.state.page_row(slot), self.pages.pages(slot))
+        self.gpu.upload_async(self.state.page_row(slot), self.pages.pages(slot))
     }
 
-    /// Queues a copy of KV page `copy.from` into page `copy.to` in every attention layer's K and V pools.
-    pub fn copy_page(&self, copy: PageCopy) -> Result<()> {
-        let page = KV_PAGE * self.config.kv_dim();
-        let (from, to) = (copy.from as usize * page, copy.to as usize * page);
-        for pool in self.state.k_pool.iter().chain(&self.state.v_pool) {
-            self.gpu.copy(pool.at(to), pool.at(from), page)?;
+    /// Queues the copies of `spans`, `COPY_SPANS` a launch, each launch's table uploaded through the stream first.
+    pub fn copy_spans(&self, spans: &[Span]) -> Result<()> {
+        for part in spans.chunks(COPY_SPANS) {
+            let table: Vec<u64> = part.iter().flatten().copied().collect();
+            self.gpu.upload_async(self.copy_table.ptr(), &table)?;
+            let dims = Dims::new((COPY_SPAN_BLOCKS, part.len() as u32, 1), 256);
+            layout::copy_spans(&mut self.launcher(None), dims, self.copy_table.ptr(), part.len() as i32)?;
         }
         Ok(())
+    }
+
+    /// The spans that copy KV page `copy.from` into page `copy.to` in every attention layer's K and V pools.
+    pub fn page_spans(&self, copy: PageCopy) -> Vec<Span> {
+        let page = KV_PAGE * self.config.kv_dim();
+        let (from, to) = (copy.from as usize * page, copy.to as usize * page);
+        let bytes = (page * size_of::<bf16>()) as u64;
+        self.state
+            .k_pool
+            .iter()
+            .chain(&self.state.v_pool)
+            .map(|pool| [pool.at(from).raw(), pool.at(to).raw(), bytes])
+            .collect()
+    }
+
+    /// The spans that copy the DeltaNet conv and recurrent state of every layer from `from` to `to`.
+    pub fn deltanet_state_spans(&self, from: StateAt, to: StateAt) -> Vec<Span> {
+        let s = &self.state;
+        let ring_bytes = (s.ring_len(&self.config) * size_of::<f32>()) as u64;
+        let recurrent_bytes = (s.recurrent_len(&self.config) * size_of::<f16>()) as u64;
+        (0..s.conv_ring.len())
+            .flat_map(|layer| {
+                let ((ring_from, recurrent_from), (ring_to, recurrent_to)) =
+                    (s.deltanet_state(layer, from), s.deltanet_state(layer, to));
+                [
+                    [ring_from.raw(), ring_to.raw(), ring_bytes],
+                    [recurrent_from.raw(), recurrent_to.raw(), recurrent_bytes],
+                ]
+            })
+            .collect()
     }
 
     /// Queues a copy of the DeltaNet conv and recurrent state of every layer from `from` to `to`.
     pub fn copy_deltanet_state(&self, from: StateAt, to: StateAt) -> Result<()> {
-        let s = &self.state;
-        let (ring_len, recurrent_len) = (s.ring_len(&self.config), s.recurrent_len(&self.config));
-        for layer in 0..s.conv_ring.len() {
-            let ((ring_from, recurrent_from), (ring_to, recurrent_to)) =
-                (s.deltanet_state(layer, from), s.deltanet_state(layer, to));
-            self.gpu.copy(ring_to, ring_from, ring_len)?;
-            self.gpu.copy(recurrent_to, recurrent_from, recurrent_len)?;
-        }
-        Ok(())
+        self.copy_spans(&self.deltanet_state_spans(from, to))
     }
 
     /// KV pages no slot holds.

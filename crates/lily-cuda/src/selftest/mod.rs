@@ -637,6 +637,47 @@ fn launcher_checks(gpu: &Gpu, kernels: &crate::kernels::Kernels, report: &mut Re
     Ok(())
 }
 
+/// `copy_spans` against the same copies on the host: random bytes, 200 spans (two launches' tables) alternating
+/// between whole 16-byte words at 16-byte offsets and odd lengths at odd offsets; every destination byte outside
+/// the spans keeps its value.
+fn check_copy_spans(model: &CudaModel, rng: &mut Rng, report: &mut Report) -> Result<()> {
+    let g = &model.gpu;
+    let len = 1 << 20;
+    let src: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+    let mut expected: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+    let (from_buf, to_buf) = (g.upload_new(&src)?, g.upload_new(&expected)?);
+    let mut spans = Vec::new();
+    let mut end = 0usize;
+    while spans.len() < 200 {
+        let words = spans.len() % 2 == 0;
+        let (bytes, to) = match words {
+            true => (
+                16 * (rng.next_u64() % 256) as usize,
+                (end + 16 * (rng.next_u64() % 4) as usize).next_multiple_of(16),
+            ),
+            false => ((rng.next_u64() % 4000) as usize, end + (rng.next_u64() % 20) as usize),
+        };
+        let mut from = (rng.next_u64() % (len - bytes) as u64) as usize;
+        if words {
+            from -= from % 16;
+        }
+        assert!(to + bytes <= len, "the spans fit the buffer");
+        expected[to..to + bytes].copy_from_slice(&src[from..from + bytes]);
+        spans.push([from_buf.at(from).raw(), to_buf.at(to).raw(), bytes as u64]);
+        end = to + bytes;
+    }
+    model.copy_spans(&spans)?;
+    let mut out = vec![0u8; len];
+    g.download(to_buf.ptr(), &mut out)?;
+    let wrong = out.iter().zip(&expected).filter(|(a, b)| a != b).count();
+    report.check_eq(
+        "copy_spans: 200 spans, words and odd bytes, vs host copies",
+        wrong == 0,
+        &format!("{wrong} of {len} bytes differ"),
+    );
+    Ok(())
+}
+
 fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report) -> Result<()> {
     let c = &model.config;
     let g = &model.gpu;
@@ -662,6 +703,8 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
     prefill::check(g, &model.kernels, w, &model.weights, seed, report)?;
     println!("   sampler:");
     sample_rows::check(g, &model.kernels, c, seed, report)?;
+    println!("   state copies:");
+    check_copy_spans(model, &mut rng, report)?;
     println!("   decode:");
 
     // Synthetic weights: the GPU's in-place generation (and for an expert matrix, its tiling by `tile_rows`)
