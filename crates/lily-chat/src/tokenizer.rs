@@ -60,6 +60,25 @@ impl SpecialTokens {
     }
 }
 
+/// The characters the added tokens start with. With one (every added token of Qwen's tokenizer starts with `<`)
+/// a scan for it is `str::find` of one character, which searches the bytes with memchr; with several, each
+/// character is compared with them.
+#[derive(Debug, Clone)]
+enum AddedFirst {
+    One(char),
+    Any(Vec<char>),
+}
+
+impl AddedFirst {
+    /// The byte offset of the first character in `text` that an added token starts with.
+    fn find(&self, text: &str) -> Option<usize> {
+        match self {
+            AddedFirst::One(c) => text.find(*c),
+            AddedFirst::Any(chars) => text.find(|c| chars.contains(&c)),
+        }
+    }
+}
+
 /// A character that flags the special-token text after it as plain text in a rendered prompt: one from Unicode's
 /// private use area that the text being marked does not contain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +91,10 @@ impl PlainMarker {
         const LAST: u32 = 0xF8FF;
         let mut used = vec![false; (LAST - FIRST + 1) as usize];
         for text in texts {
+            // Characters from U+E000 on are the UTF-8 sequences that start with 0xEE or 0xEF: most texts hold none.
+            if !(text.as_bytes().contains(&0xEE) || text.as_bytes().contains(&0xEF)) {
+                continue;
+            }
             for c in text.chars() {
                 if (FIRST..=LAST).contains(&(c as u32)) {
                     used[(c as u32 - FIRST) as usize] = true;
@@ -171,7 +194,7 @@ pub struct Tokenizer {
     /// Every added token's text and id, longest text first (so that a scan finds the longest match).
     added: Vec<(String, u32)>,
     /// The characters the added tokens start with.
-    added_first: Vec<char>,
+    added_first: AddedFirst,
     /// No added token holds a newline, so long texts may be encoded in pieces cut at newlines.
     newline_cuts: bool,
     /// Every added token is matched in the raw text and takes no whitespace around it (none is `normalized`,
@@ -245,9 +268,13 @@ impl Tokenizer {
             .map(|(id, token)| (token.content, id))
             .collect();
         added.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        let mut added_first: Vec<char> = added.iter().filter_map(|(t, _)| t.chars().next()).collect();
-        added_first.sort_unstable();
-        added_first.dedup();
+        let mut first: Vec<char> = added.iter().filter_map(|(t, _)| t.chars().next()).collect();
+        first.sort_unstable();
+        first.dedup();
+        let added_first = match first[..] {
+            [one] => AddedFirst::One(one),
+            _ => AddedFirst::Any(first),
+        };
         let newline_cuts = !added.iter().any(|(t, _)| t.contains('\n'));
         let vocab_size = inner.get_vocab_size(true);
         Ok(Self {
@@ -301,15 +328,18 @@ impl Tokenizer {
     pub fn mark_plain<'a>(&self, text: &'a str, marker: PlainMarker) -> Cow<'a, str> {
         let mut out = String::new();
         let mut copied = 0;
-        for (at, _) in text.match_indices(|c| self.added_first.contains(&c)) {
-            if at < copied {
-                continue;
-            }
-            if let Some((token, _)) = self.added_token_at(text, at) {
-                out.push_str(&text[copied..at]);
-                out.push(marker.0);
-                out.push_str(token);
-                copied = at + token.len();
+        let mut at = 0;
+        while let Some(next) = self.added_first.find(&text[at..]) {
+            at += next;
+            match self.added_token_at(text, at) {
+                Some((token, _)) => {
+                    out.push_str(&text[copied..at]);
+                    out.push(marker.0);
+                    out.push_str(token);
+                    copied = at + token.len();
+                    at = copied;
+                }
+                None => at += text[at..].chars().next().map_or(1, char::len_utf8),
             }
         }
         if copied == 0 {
@@ -377,7 +407,7 @@ impl Tokenizer {
         let marked = |at: usize| marker.is_some_and(|m| text[..at].ends_with(m.0));
         let mut segment_start = 0;
         let mut at = 0;
-        while let Some(next) = text[at..].find(|c| self.added_first.contains(&c)) {
+        while let Some(next) = self.added_first.find(&text[at..]) {
             at += next;
             match self.added_token_at(text, at) {
                 Some((token, id)) if !marked(at) => {
