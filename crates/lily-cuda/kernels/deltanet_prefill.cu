@@ -24,9 +24,10 @@
 //  deltanet_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
 //    into the bf16 rows of the output projection, and the conv ring's update (after the chunks kernel read it).
 //
-// A snapshot cut: given `cut` (1 .. t - 1, 0 for none), the chunks kernel writes the conv ring as the call's first
-// `cut` tokens leave it to cut_ring, and the state kernel the state after them to cut_state, in the same pass. The
-// state after token p of a chunk is the chunk's update with p in place of the chunk's end,
+// Snapshot cuts: given `cut` (1 .. t - 1, 0 for none), the chunks kernel writes the conv ring as the call's first
+// `cut` tokens leave it to cut_ring, and the state kernel the state after them to cut_state, in the same pass; a
+// second cut (`cut2`, cut_ring2, cut_state2) may come in a later chunk than the first. The state after token p of a
+// chunk is the chunk's update with p in place of the chunk's end,
 //   S_p = e^(c_p) S + sum_{s <= p} e^(c_p - c_s) k_s V'_s^T,
 // since V'_s depends on the chunk's rows up to s only (T is lower triangular); at the chunk's end it is the update.
 //
@@ -185,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     deltanet_prefill_chunks(const float* proj, int t, int start, const float* ring, const float* conv_w,
                        const float* a_log, const float* dt_bias, float* q_out, float* k_out, float* v_out,
                        float* decay_out, float* beta_out, float* inverse_out, float* attn_out, int cut,
-                       float* cut_ring) {
+                       float* cut_ring, int cut2, float* cut_ring2) {
     wait_previous();
     extern __shared__ float4 chunks_shared[];
     float* qs = (float*)chunks_shared;  // [CHUNK][DK] q, then A of both value heads
@@ -237,12 +238,16 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
         // The ring at a cut in this chunk: this thread's two channels' raw inputs of the tokens cut - CONV_K ..
         // cut - 1 at their slots, those before the call from the ring (read before the norm kernel rewrites it).
         // Loads first, then stores, as in the conv.
-        if (cut > tok0 && cut <= tok0 + CHUNK) {
+#pragma unroll 1
+        for (int which = 0; which < 2; which++) {
+            const int at = which == 0 ? cut : cut2;
+            float* to = which == 0 ? cut_ring : cut_ring2;
+            if (!(at > tok0 && at <= tok0 + CHUNK)) continue;
             const int channels[2] = {c, 2 * LIN_K_DIM + head * DV + j};
             float kept[CONV_K][2];
 #pragma unroll
             for (int m = 0; m < CONV_K; m++) {
-                const int tok = cut - CONV_K + m, slot = (start + tok + CONV_K) % CONV_K;
+                const int tok = at - CONV_K + m, slot = (start + tok + CONV_K) % CONV_K;
 #pragma unroll
                 for (int n = 0; n < 2; n++)
                     kept[m][n] = tok >= 0 ? proj[(size_t)tok * PROJ_DIM + channels[n]]
@@ -250,9 +255,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
             }
 #pragma unroll
             for (int m = 0; m < CONV_K; m++) {
-                const int slot = (start + cut - CONV_K + m + CONV_K) % CONV_K;
+                const int slot = (start + at - CONV_K + m + CONV_K) % CONV_K;
 #pragma unroll
-                for (int n = 0; n < 2; n++) cut_ring[slot * LIN_CONV_DIM + channels[n]] = kept[m][n];
+                for (int n = 0; n < 2; n++) to[slot * LIN_CONV_DIM + channels[n]] = kept[m][n];
             }
         }
     }
@@ -426,10 +431,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
 // their k S rows into X, warps 0-3 keep e^c q S as the start of their o rows; T X on (16-row, 16-column) tiles;
 // warps 0-3 add P V' to their o rows; each warp updates state rows 16 w .. 16 w + 15, which it holds throughout.
 // In the chunk of a cut, the V' phase also keeps e^(c_p - c_s) V'_s for the rows s <= p before the cut (zero past
-// it), and each warp writes its rows of S_p to cut_state before the chunk's own update.
+// it), and each warp writes its rows of S_p to cut_state (cut_state2 for the second cut) before the chunk's own
+// update. The two cuts lie in different chunks.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     deltanet_prefill_state(const float* q, const float* k, float* v_o, const float* decay, const float* beta,
-                      const float* inverse, const float* attn, int t, f16* state, int cut, f16* cut_state) {
+                      const float* inverse, const float* attn, int t, f16* state, int cut, f16* cut_state,
+                      int cut2, f16* cut_state2) {
     wait_previous();
     extern __shared__ float4 state_shared[];
     float* qs = (float*)state_shared;   // [CHUNK][DK]
@@ -508,8 +515,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
         const float* kt = ks + (n & 1) * CHUNK * DK;
         const float* c = decay_s + (n & 1) * CHUNK;
         const float* bt = beta_s + (n & 1) * CHUNK;
-        // The cut's rows in this chunk (1 .. CHUNK when the cut falls in it; the same for the whole block).
-        const int cut_rows = cut - n * CHUNK;
+        // The rows of a cut in this chunk (1 .. CHUNK when one falls in it; the same for the whole block).
+        const int first_rows = cut - n * CHUNK, second_rows = cut2 - n * CHUNK;
+        const bool first_here = first_rows >= 1 && first_rows <= CHUNK;
+        const int cut_rows = first_here ? first_rows : second_rows;
         const bool cut_here = cut_rows >= 1 && cut_rows <= CHUNK;
         cp_async_wait<4>();
         __syncthreads();
@@ -644,7 +653,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                     mma_tf32(at_cut[j], a, b);
                 }
             }
-            f16* cut_block = cut_state + (size_t)head * DK * DV + col0;
+            f16* cut_block = (first_here ? cut_state : cut_state2) + (size_t)head * DK * DV + col0;
 #pragma unroll
             for (int j = 0; j < COLS / 8; j++) {
                 *(u32*)&cut_block[(16 * warp + g) * DV + 8 * j + t2] = float2_to_f16x2(at_cut[j][0], at_cut[j][1]);

@@ -569,7 +569,7 @@ pub struct Args {
     len: usize,
 }
 
-pub(crate) const MAX_ARGS: usize = 16;
+pub(crate) const MAX_ARGS: usize = 20;
 
 impl Default for Args {
     fn default() -> Args {

@@ -17,7 +17,7 @@ use crate::kernels::{prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::model::{DeviceState, StateAt};
 use crate::prefill_attention::AttentionScratch;
-use crate::prefill_deltanet::{proj_dim, DeltaNetCut, DeltaNetScratch};
+use crate::prefill_deltanet::{cuts_share_a_chunk, proj_dim, DeltaNetCut, DeltaNetScratch};
 use crate::weights::{GpuGatedDeltaNet, GpuLayer, GpuMatrix, GpuMixer, GpuWeights};
 
 /// Tokens a chunk takes at most (activation memory grows linearly with it: ~200 kB a token at the full shape).
@@ -221,9 +221,9 @@ pub fn enqueue_chunk(
     Ok(())
 }
 
-/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass). Each call takes
-/// one cut inside it in its pass and ends at the next cut, whose state it leaves and which is copied: one call for
-/// one or two cuts, two for three or four.
+/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass). A call takes up
+/// to two cuts inside it in its pass (in different chunks of the call) and ends at the next cut, whose state it
+/// leaves and which is copied: one call for up to three cuts in different chunks.
 #[allow(clippy::too_many_arguments)]
 fn deltanet_mixer(
     l: &mut Launcher,
@@ -237,18 +237,26 @@ fn deltanet_mixer(
 ) -> Result<()> {
     let (ring, recurrent) = (state.ring(layer, part.seq), state.recurrent_state(layer, part.seq));
     let mut done = 0;
-    let mut cuts = part.cuts.iter();
+    let mut cuts = part.cuts.iter().peekable();
     while done < part.t {
-        let (inside, at_end) = (cuts.next(), cuts.next());
-        let end = at_end.map_or(part.t, |cut| cut.tokens);
-        let inside = inside.map(|cut| {
+        let mut inside: Vec<DeltaNetCut> = Vec::with_capacity(2);
+        while inside.len() < 2 {
+            let Some(cut) = cuts.next_if(|cut| {
+                inside
+                    .last()
+                    .is_none_or(|first| !cuts_share_a_chunk(first.tokens, cut.tokens - done))
+            }) else {
+                break;
+            };
             let (ring, state) = state.deltanet_state(layer, cut.to);
-            DeltaNetCut {
+            inside.push(DeltaNetCut {
                 tokens: cut.tokens - done,
                 ring,
                 state,
-            }
-        });
+            });
+        }
+        let at_end = cuts.next();
+        let end = at_end.map_or(part.t, |cut| cut.tokens);
         let at = row + done;
         let (proj, mixed) = (s.proj.at(at * proj_dim(c)), s.mixed.at(at * c.linear_value_dim()));
         s.deltanet.run(
@@ -261,7 +269,7 @@ fn deltanet_mixer(
             recurrent,
             g,
             mixed,
-            inside,
+            &inside,
         )?;
         if let Some(cut) = at_end {
             let (ring_to, recurrent_to) = state.deltanet_state(layer, cut.to);

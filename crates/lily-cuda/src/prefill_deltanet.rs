@@ -19,6 +19,12 @@ pub(crate) fn proj_dim(c: &Config) -> usize {
     c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads
 }
 
+/// Whether cuts after `a` and after `b` tokens of a call fall in the same chunk of it (tokens 64 c + 1 ..= 64 c +
+/// 64 end chunk c): the state pass writes at most one cut's state a chunk.
+pub(crate) fn cuts_share_a_chunk(a: usize, b: usize) -> bool {
+    (a - 1) / CHUNK == (b - 1) / CHUNK
+}
+
 /// A snapshot taken inside a call: the conv ring (f32) and the state (f16) as the call's first `tokens` tokens
 /// (1 ..= t - 1) leave them, written to `ring` and `state` (laid out as the slot's own).
 #[derive(Clone, Copy, Debug)]
@@ -65,7 +71,8 @@ impl DeltaNetScratch {
     /// Queues the mixer for tokens at positions `start .. start + t`: `proj` f32 `[t][proj row]` in, `ring` (conv
     /// inputs, slot = position % taps) and `state` (f16 `[value heads][k dim][v dim]`) read and left as decode
     /// would leave them, `out` bf16 `[t][linear value dim]`: the gated norm of each head's output, the input of
-    /// the output projection. With `cut`, the state after its first `cut.tokens` tokens is copied out in the pass.
+    /// the output projection. At each of `cuts` (at most two, ascending, inside the call, in different chunks: see
+    /// [`cuts_share_a_chunk`]) the state after its first `cut.tokens` tokens is copied out in the pass.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -78,7 +85,7 @@ impl DeltaNetScratch {
         state: DevPtr<f16>,
         weights: &GpuGatedDeltaNet,
         out: DevPtr<bf16>,
-        cut: Option<DeltaNetCut>,
+        cuts: &[DeltaNetCut],
     ) -> Result<()> {
         assert!(
             t >= 1 && t <= self.max_tokens,
@@ -86,13 +93,18 @@ impl DeltaNetScratch {
             self.max_tokens
         );
         assert!(
-            cut.is_none_or(|cut| cut.tokens >= 1 && cut.tokens < t),
-            "a cut inside a DeltaNet prefill call of {t} tokens at {cut:?}"
+            cuts.len() <= 2
+                && cuts.iter().all(|cut| cut.tokens >= 1 && cut.tokens < t)
+                && cuts
+                    .windows(2)
+                    .all(|w| w[0].tokens < w[1].tokens && !cuts_share_a_chunk(w[0].tokens, w[1].tokens)),
+            "cuts inside a DeltaNet prefill call of {t} tokens: at most two, in different chunks: {cuts:?}"
         );
-        let (cut_at, cut_ring, cut_state) = match cut {
+        let cut = |i: usize| match cuts.get(i) {
             Some(cut) => (cut.tokens as i32, cut.ring, cut.state),
             None => (0, DevPtr::NULL, DevPtr::NULL),
         };
+        let ((cut_at, cut_ring, cut_state), (cut2_at, cut2_ring, cut2_state)) = (cut(0), cut(1));
         let (t32, start32) = (t as i32, start as i32);
         let value_heads = config.linear_num_value_heads;
         let chunks_shared = l.kernels.constant("deltanet_chunks_shared_bytes") as u32;
@@ -121,6 +133,8 @@ impl DeltaNetScratch {
             self.attn.ptr(),
             cut_at,
             cut_ring,
+            cut2_at,
+            cut2_ring,
         )?;
         deltanet_prefill::deltanet_prefill_state(
             l,
@@ -136,6 +150,8 @@ impl DeltaNetScratch {
             state,
             cut_at,
             cut_state,
+            cut2_at,
+            cut2_state,
         )?;
         deltanet_prefill::deltanet_prefill_norm(
             l,

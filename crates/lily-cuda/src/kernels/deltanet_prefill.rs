@@ -21,7 +21,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
 
 launchers! {
     /// The conv, l2 norms, gates and each chunk's (I + A)^-1 and intra-chunk attention; the conv ring at `cut`
-    /// (tokens into the call, 0 for none) into `cut_ring`.
+    /// (tokens into the call, 0 for none) into `cut_ring`, and at `cut2` into `cut_ring2`.
     deltanet_prefill_chunks(
         proj: DevPtr<f32>,
         t: i32,
@@ -39,9 +39,11 @@ launchers! {
         attn_out: DevPtr<f32>,
         cut: i32,
         cut_ring: DevPtr<f32>,
+        cut2: i32,
+        cut_ring2: DevPtr<f32>,
     );
     /// The state carried through the chunks in order; each chunk's output over `v_o`; the state at `cut` (tokens
-    /// into the call, 0 for none) into `cut_state`.
+    /// into the call, 0 for none) into `cut_state`, and at `cut2` (in a later chunk) into `cut_state2`.
     deltanet_prefill_state(
         q: DevPtr<f32>,
         k: DevPtr<f32>,
@@ -54,6 +56,8 @@ launchers! {
         state: DevPtr<f16>,
         cut: i32,
         cut_state: DevPtr<f16>,
+        cut2: i32,
+        cut_state2: DevPtr<f16>,
     );
     /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
     deltanet_prefill_norm(

@@ -149,17 +149,18 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let ring_buf = gpu.alloc(taps * conv_dim)?;
     let state_buf = gpu.alloc(nv * dk * dv)?;
     let out_buf = gpu.alloc::<bf16>(max_tokens * value_dim)?;
-    let cut_ring_buf = gpu.alloc(taps * conv_dim)?;
-    let cut_state_buf = gpu.alloc::<f16>(nv * dk * dv)?;
-    // Uploads the inputs, runs `calls` (token counts) one after another, the first with a snapshot cut after `cut`
-    // tokens if given, returns what the GPU left: the call's result and the cut's (state and ring; no output).
+    let cut_ring_bufs = [gpu.alloc(taps * conv_dim)?, gpu.alloc(taps * conv_dim)?];
+    let cut_state_bufs = [gpu.alloc::<f16>(nv * dk * dv)?, gpu.alloc::<f16>(nv * dk * dv)?];
+    // Uploads the inputs, runs `calls` (token counts) one after another, the first with snapshot cuts after each of
+    // `cuts` tokens (at most two), returns what the GPU left: the call's result and each cut's (state and ring; no
+    // output).
     let mut run_gpu = |proj: &[f32],
                        start: usize,
                        ring: &[f32],
                        state: &[f32],
                        calls: &[usize],
-                       cut: Option<usize>|
-     -> Result<(MixerResult, MixerResult)> {
+                       cuts: &[usize]|
+     -> Result<(MixerResult, Vec<MixerResult>)> {
         let t: usize = calls.iter().sum();
         gpu.upload(proj_buf.ptr(), proj)?;
         gpu.upload(ring_buf.ptr(), ring)?;
@@ -174,18 +175,28 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             &s.beta,
             &s.inverse,
             &s.attn,
-            &cut_ring_buf,
+            &cut_ring_bufs[0],
+            &cut_ring_bufs[1],
         ] {
             poison(gpu, buf)?;
         }
-        poison(gpu, &cut_state_buf)?;
+        for buf in &cut_state_bufs {
+            poison(gpu, buf)?;
+        }
         let mut done = 0;
         for (i, &n) in calls.iter().enumerate() {
-            let cut = cut.filter(|_| i == 0).map(|tokens| DeltaNetCut {
-                tokens,
-                ring: cut_ring_buf.ptr(),
-                state: cut_state_buf.ptr(),
-            });
+            let cuts: Vec<DeltaNetCut> = match i {
+                0 => cuts
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &tokens)| DeltaNetCut {
+                        tokens,
+                        ring: cut_ring_bufs[j].ptr(),
+                        state: cut_state_bufs[j].ptr(),
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
             scratch.run(
                 &mut launcher,
                 c,
@@ -196,18 +207,22 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 state_buf.ptr(),
                 &weights,
                 out_buf.at(done * value_dim),
-                cut,
+                &cuts,
             )?;
             done += n;
         }
         gpu.sync()?;
         let mut out = vec![bf16::ZERO; t * value_dim];
         gpu.download(out_buf.ptr(), &mut out)?;
-        let at_cut = MixerResult {
-            out: Vec::new(),
-            state: download_f16(gpu, &cut_state_buf, nv * dk * dv)?,
-            ring: download_f32(gpu, &cut_ring_buf, taps * conv_dim)?,
-        };
+        let at_cut = (0..cuts.len())
+            .map(|j| {
+                Ok(MixerResult {
+                    out: Vec::new(),
+                    state: download_f16(gpu, &cut_state_bufs[j], nv * dk * dv)?,
+                    ring: download_f32(gpu, &cut_ring_bufs[j], taps * conv_dim)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok((
             MixerResult {
                 out: out.iter().map(|v| v.to_f32()).collect(),
@@ -235,7 +250,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                     widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05))),
                 )
             };
-            let (got, _) = run_gpu(&proj, start, &ring, &state, &[t], None)?;
+            let (got, _) = run_gpu(&proj, start, &ring, &state, &[t], &[])?;
             let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
             let errors = [
                 rel_err(&got.out, &want.out),
@@ -272,7 +287,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let proj = normals(&mut rng, 190 * p, 1.0);
         let ring = normals(&mut rng, taps * conv_dim, 1.0);
         let state = widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05)));
-        let (got, _) = run_gpu(&proj, start, &ring, &state, &[100, 90], None)?;
+        let (got, _) = run_gpu(&proj, start, &ring, &state, &[100, 90], &[])?;
         let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
         report.check(
             "deltanet_prefill 100 + 90 tokens == 190: output",
@@ -293,15 +308,19 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
 
     // Snapshot cuts inside a call: the state and ring after the first `cut` tokens, written in the pass, against
     // the CPU twin of those tokens alone (mid-chunk, at a chunk's end, one token before the call's end, from
-    // position 0 and from elsewhere), and the call's own result as without the cut.
+    // position 0 and from elsewhere; one cut or two in different chunks), and the call's own result as without
+    // the cuts.
     {
         let mut worst = [(0.0f64, 0usize, 0usize); 5];
-        for (t, cut, new_sequence) in [
-            (3, 1, true),
-            (100, 37, false),
-            (200, 64, false),
-            (300, 150, true),
-            (130, 129, false),
+        for (t, cuts, new_sequence) in [
+            (3, &[1][..], true),
+            (100, &[37], false),
+            (200, &[64], false),
+            (300, &[150], true),
+            (130, &[129], false),
+            (420, &[158, 417], false),
+            (200, &[64, 65], true),
+            (130, &[1, 129], false),
         ] {
             let start = if new_sequence {
                 0
@@ -317,19 +336,21 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                     widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05))),
                 )
             };
-            let (got, at_cut) = run_gpu(&proj, start, &ring, &state, &[t], Some(cut))?;
+            let (got, at_cuts) = run_gpu(&proj, start, &ring, &state, &[t], cuts)?;
             let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
-            let want_cut = cpu_mixer(c, &w, &proj[..cut * p], start, &ring, &state);
-            let errors = [
-                rel_err(&at_cut.state, &want_cut.state),
-                rel_err(&at_cut.ring, &want_cut.ring),
-                rel_err(&got.out, &want.out),
-                rel_err(&got.state, &want.state),
-                rel_err(&got.ring, &want.ring),
-            ];
-            for (slot, e) in worst.iter_mut().zip(errors) {
-                if e >= slot.0 {
-                    *slot = (e, t, cut);
+            for (&cut, at_cut) in cuts.iter().zip(&at_cuts) {
+                let want_cut = cpu_mixer(c, &w, &proj[..cut * p], start, &ring, &state);
+                let errors = [
+                    rel_err(&at_cut.state, &want_cut.state),
+                    rel_err(&at_cut.ring, &want_cut.ring),
+                    rel_err(&got.out, &want.out),
+                    rel_err(&got.state, &want.state),
+                    rel_err(&got.ring, &want.ring),
+                ];
+                for (slot, e) in worst.iter_mut().zip(errors) {
+                    if e >= slot.0 {
+                        *slot = (e, t, cut);
+                    }
                 }
             }
         }
@@ -343,7 +364,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let tolerances = [STATE_TOL, 0.0, OUT_TOL, STATE_TOL, 0.0];
         for ((what, tol), (e, t, cut)) in what.iter().zip(tolerances).zip(worst) {
             report.check(
-                &format!("deltanet_prefill with a cut inside: {what} (worst t = {t}, cut {cut})"),
+                &format!("deltanet_prefill with cuts inside: {what} (worst t = {t}, cut {cut})"),
                 e,
                 tol,
             );
@@ -367,7 +388,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 state_buf.ptr(),
                 &weights,
                 out.ptr(),
-                None,
+                &[],
             )
         };
         call()?;
