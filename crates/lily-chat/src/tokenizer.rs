@@ -128,6 +128,65 @@ fn piece_end(text: &str) -> usize {
         .unwrap_or(text.len())
 }
 
+/// Bytes the cache of tokenized words may hold (see [`Tokenizer::encode_words`]): some 100,000 words.
+const WORD_CACHE_BYTES: usize = 16 << 20;
+
+/// The longest word the word cache keeps. Longer runs between word cuts (code, text in scripts written without
+/// spaces) are rarely seen twice and are encoded whole.
+const MAX_WORD_BYTES: usize = 64;
+
+/// The pre-tokenizer pattern (Qwen2's, which Qwen3.5/3.6 keep) for which [`word_spans`] cuts are proven: see there.
+const WORD_CUT_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The words of `text` as byte ranges: `text` cut at each space that follows an ASCII letter. The tokenizer's
+/// tokens never cross such a cut, and a word's tokens do not depend on the text around it, when the tokenizer is
+/// NFC, then [`WORD_CUT_PATTERN`] split into isolated matches, then byte-level BPE per match. Every character
+/// starts a match of that pattern, so its matches cover the text; the only alternatives that match a letter (a
+/// contraction, or an optional non-letter then letters and marks) end before a space, so the match holding the
+/// letter ends at the cut and the next match starts there, whatever precedes or follows. The pattern has no
+/// look-behind, and its one look-ahead reads past a whitespace run, never past a word's last letter. NFC neither
+/// composes nor reorders across a space, which is a starter of combining class 0 that combines with nothing.
+fn word_spans(text: &str, spans: &mut Vec<(usize, usize)>) {
+    let bytes = text.as_bytes();
+    let mut start = 0;
+    for at in 1..bytes.len() {
+        if bytes[at] == b' ' && bytes[at - 1].is_ascii_alphabetic() {
+            spans.push((start, at));
+            start = at;
+        }
+    }
+    if start < bytes.len() {
+        spans.push((start, bytes.len()));
+    }
+}
+
+/// Whether the parsed `tokenizer.json` is the pipeline [`word_spans`] is proven for: NFC (or no normalizer), the
+/// pattern split with isolated matches, byte-level mapping without its own regex, deterministic BPE, and no added
+/// token whose text holds a space after an ASCII letter (an added token found across a cut would end a word
+/// early).
+fn word_cuts_hold(json: &serde_json::Value, added: &[(String, u32)]) -> bool {
+    let normalizer = &json["normalizer"];
+    let nfc = normalizer.is_null() || normalizer["type"] == "NFC";
+    let pre = &json["pre_tokenizer"];
+    let steps = pre["pretokenizers"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let pipeline = pre["type"] == "Sequence"
+        && steps.len() == 2
+        && steps[0]["type"] == "Split"
+        && steps[0]["pattern"]["Regex"] == WORD_CUT_PATTERN
+        && steps[0]["behavior"] == "Isolated"
+        && steps[0]["invert"] == false
+        && steps[1]["type"] == "ByteLevel"
+        && steps[1]["add_prefix_space"] == false
+        && steps[1]["use_regex"] == false;
+    let model = &json["model"];
+    let bpe = model["type"] == "BPE" && model["dropout"].is_null();
+    let added_fit = !added.iter().any(|(text, _)| {
+        let b = text.as_bytes();
+        (1..b.len()).any(|at| b[at] == b' ' && b[at - 1].is_ascii_alphabetic())
+    });
+    nfc && pipeline && bpe && added_fit
+}
+
 /// The default of [`Tokenizer::set_segment_cache_bytes`]: room for the segments of a few hundred long conversations.
 pub const DEFAULT_SEGMENT_CACHE_BYTES: usize = 64 << 20;
 
@@ -202,6 +261,10 @@ pub struct Tokenizer {
     /// text starts and ends, and encodes the text between two of them on its own.
     exact_cuts: bool,
     segments: Mutex<SegmentCache>,
+    /// The tokenizer is one that [`word_spans`] cuts are exact for, so words may be encoded one at a time.
+    word_cuts: bool,
+    /// The tokens of words seen before (see [`Tokenizer::encode_words`]).
+    words: Mutex<SegmentCache>,
     /// `inner.get_vocab_size(true)`, counted once: the tokenizers crate counts it from its maps on every call.
     vocab_size: usize,
 }
@@ -276,6 +339,8 @@ impl Tokenizer {
             _ => AddedFirst::Any(first),
         };
         let newline_cuts = !added.iter().any(|(t, _)| t.contains('\n'));
+        let word_cuts = exact_cuts
+            && serde_json::from_slice::<serde_json::Value>(json).is_ok_and(|json| word_cuts_hold(&json, &added));
         let vocab_size = inner.get_vocab_size(true);
         Ok(Self {
             inner,
@@ -289,6 +354,12 @@ impl Tokenizer {
                 entries: lru::LruCache::unbounded(),
                 bytes: 0,
                 capacity: DEFAULT_SEGMENT_CACHE_BYTES,
+            }),
+            word_cuts,
+            words: Mutex::new(SegmentCache {
+                entries: lru::LruCache::unbounded(),
+                bytes: 0,
+                capacity: WORD_CACHE_BYTES,
             }),
             vocab_size,
         })
@@ -384,6 +455,11 @@ impl Tokenizer {
         self.segments().bytes
     }
 
+    /// The word cache; a panic elsewhere cannot leave it half updated, so a poisoned lock is used as it is.
+    fn words(&self) -> MutexGuard<'_, SegmentCache> {
+        self.words.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// The segment cache; a panic elsewhere cannot leave it half updated, so a poisoned lock is used as it is.
     fn segments(&self) -> MutexGuard<'_, SegmentCache> {
         self.segments.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -452,10 +528,109 @@ impl Tokenizer {
             return Ok(ids.len() <= limit);
         }
         let start = ids.len();
-        if !self.encode_bounded(&self.plain, &segment, limit, ids)? {
+        if !self.encode_words(&segment, limit, ids)? {
             return Ok(false);
         }
         self.segments().put(&segment, &ids[start..]);
+        Ok(true)
+    }
+
+    /// Appends the tokens of `text` (a segment, read by the plain tokenizer) to `ids`, a word at a time where the
+    /// tokenizer allows it ([`word_spans`]). A chat turn's new text is mostly words seen before: their tokens come
+    /// from the word cache, and pre-tokenizing (the regex, most of the tokenizers crate's time) is skipped. Where
+    /// at most half the words are new, each new word is encoded on its own; otherwise the whole text is encoded at
+    /// once and its tokens' offsets say which word each came from, so that the cache learns the words. False once
+    /// `ids` holds more than `limit` tokens.
+    fn encode_words(&self, text: &str, limit: usize, ids: &mut Vec<u32>) -> Result<bool, TokenizerError> {
+        if !self.word_cuts {
+            return self.encode_bounded(&self.plain, text, limit, ids);
+        }
+        let mut spans = Vec::new();
+        word_spans(text, &mut spans);
+        let start = ids.len();
+        let missing = {
+            let mut words = self.words();
+            spans.iter().filter(|&&(a, b)| !words.get(&text[a..b], ids)).count()
+        };
+        if missing == 0 {
+            return Ok(ids.len() <= limit);
+        }
+        ids.truncate(start);
+        if missing * 2 > spans.len() {
+            return self.encode_learning(text, &spans, limit, ids);
+        }
+        for &(a, b) in &spans {
+            let word = &text[a..b];
+            if self.words().get(word, ids) {
+                continue;
+            }
+            let encoding = self
+                .plain
+                .encode_fast(word, false)
+                .map_err(|error| TokenizerError::Encode(error.to_string()))?;
+            ids.extend_from_slice(encoding.get_ids());
+            if word.len() <= MAX_WORD_BYTES {
+                self.words().put(word, encoding.get_ids());
+            }
+            if ids.len() > limit {
+                return Ok(false);
+            }
+        }
+        Ok(ids.len() <= limit)
+    }
+
+    /// [`Tokenizer::encode_bounded`] with the plain tokenizer and byte offsets, caching the tokens of each word of
+    /// `spans` (`text`'s words) no longer than [`MAX_WORD_BYTES`] whose tokens' offsets all lie within it.
+    fn encode_learning(
+        &self,
+        text: &str,
+        spans: &[(usize, usize)],
+        limit: usize,
+        ids: &mut Vec<u32>,
+    ) -> Result<bool, TokenizerError> {
+        // The words to cache: (word, the range of its tokens in `ids`).
+        let mut learned: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        // The word the last token fell in, the index of its first token, and whether its tokens lie within it.
+        let (mut word, mut word_first, mut inside) = (0, ids.len(), true);
+        let mut rest = text;
+        let mut base = 0;
+        while !rest.is_empty() {
+            let cut = if rest.len() <= PIECE_BYTES || !self.newline_cuts {
+                rest.len()
+            } else {
+                piece_end(rest)
+            };
+            let encoding = self
+                .plain
+                .encode(&rest[..cut], false)
+                .map_err(|error| TokenizerError::Encode(error.to_string()))?;
+            for (&id, &(s, e)) in encoding.get_ids().iter().zip(encoding.get_offsets()) {
+                let (s, e) = (base + s, base + e);
+                while word + 1 < spans.len() && spans[word + 1].0 <= s {
+                    if inside && ids.len() > word_first {
+                        learned.push((word, word_first..ids.len()));
+                    }
+                    (word, word_first, inside) = (word + 1, ids.len(), true);
+                }
+                inside &= s < e && spans[word].0 <= s && e <= spans[word].1;
+                ids.push(id);
+            }
+            if ids.len() > limit {
+                return Ok(false);
+            }
+            base += cut;
+            rest = &rest[cut..];
+        }
+        if inside && ids.len() > word_first {
+            learned.push((word, word_first..ids.len()));
+        }
+        let mut words = self.words();
+        for (word, tokens) in learned {
+            let (a, b) = spans[word];
+            if b - a <= MAX_WORD_BYTES && !words.entries.contains(&text[a..b]) {
+                words.put(&text[a..b], &ids[tokens]);
+            }
+        }
         Ok(true)
     }
 
@@ -929,5 +1104,155 @@ mod tests {
             }
         });
         assert!(tokenizer.segment_cache_bytes() <= capacity);
+    }
+
+    /// The tokens of `text` by one encoding in the tokenizers crate, with none of this module's caches or cuts.
+    fn one_encoding(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
+        tokenizer.inner.encode_fast(text, false).unwrap().get_ids().to_vec()
+    }
+
+    #[test]
+    fn words_taken_from_the_word_cache_give_the_tokens_of_one_encoding() {
+        let tokenizer = bundled();
+        assert!(
+            tokenizer.word_cuts,
+            "the bundled tokenizer is the pipeline the word cuts are proven for"
+        );
+        tokenizer.set_segment_cache_bytes(0);
+        let document = document(400);
+        // Every word new: one encoding of the whole text, from whose offsets the word cache learns.
+        assert_eq!(
+            tokenizer.encode_limited(&document, usize::MAX).unwrap().unwrap(),
+            one_encoding(&tokenizer, &document)
+        );
+        // The same words in another order: every one but the first from the cache. Each word but the document's
+        // first starts with a space and each but its last ends with a letter, so joined in reverse order after a
+        // letter they are again the text's words.
+        let mut spans = Vec::new();
+        word_spans(&document, &mut spans);
+        let reversed: String = std::iter::once("A")
+            .chain(spans[1..spans.len() - 1].iter().rev().map(|&(a, b)| &document[a..b]))
+            .collect();
+        let mut again = Vec::new();
+        word_spans(&reversed, &mut again);
+        assert_eq!(again.len(), spans.len() - 1);
+        let hits = {
+            let mut cache = tokenizer.words();
+            again
+                .iter()
+                .filter(|&&(a, b)| cache.get(&reversed[a..b], &mut Vec::new()))
+                .count()
+        };
+        let long = again.iter().filter(|&&(a, b)| b - a > MAX_WORD_BYTES).count();
+        assert_eq!(
+            hits,
+            again.len() - 1 - long,
+            "every word but the first and the long ones is cached"
+        );
+        assert_eq!(
+            tokenizer.encode_limited(&reversed, usize::MAX).unwrap().unwrap(),
+            one_encoding(&tokenizer, &reversed)
+        );
+        let shuffled = reversed;
+        // A few new words among known ones: each new one encoded on its own.
+        let mixed = format!("{shuffled} zebra's quixotic\u{301} naïve 42x");
+        assert_eq!(
+            tokenizer.encode_limited(&mixed, usize::MAX).unwrap().unwrap(),
+            one_encoding(&tokenizer, &mixed)
+        );
+        assert!(tokenizer.words().entries.contains(" zebra's"), "a new word is learned");
+        // The limit holds on every path.
+        let whole = one_encoding(&tokenizer, &mixed);
+        assert_eq!(tokenizer.encode_limited(&mixed, whole.len() - 1).unwrap(), None);
+        assert_eq!(tokenizer.encode_limited(&shuffled, 10).unwrap(), None);
+        assert!(tokenizer.words().bytes <= WORD_CACHE_BYTES);
+    }
+
+    #[test]
+    fn a_tokenizer_with_another_pre_tokenizer_is_not_cut_into_words() {
+        let json: Json = serde_json::from_slice(
+            &zstd::decode_all(
+                std::fs::read(bundled_dir().join("tokenizer.json.zst"))
+                    .unwrap()
+                    .as_slice(),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert!(word_cuts_hold(&json, &[]));
+        let mut other = json.clone();
+        other["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = json!(r"\w+|\s+");
+        assert!(!word_cuts_hold(&other, &[]));
+        let mut other = json.clone();
+        other["normalizer"] = json!({"type": "NFKC"});
+        assert!(!word_cuts_hold(&other, &[]));
+        let mut other = json.clone();
+        other["model"]["dropout"] = json!(0.1);
+        assert!(!word_cuts_hold(&other, &[]));
+        assert!(!word_cuts_hold(&json, &[("my token".to_string(), 7)]));
+        let tokenizer = Tokenizer::from_json_bytes(&serde_json::to_vec(&other).unwrap()).unwrap();
+        assert!(!tokenizer.word_cuts);
+    }
+
+    /// Pieces whose joins test the word cuts: contractions, marks after spaces, runs of spaces and newlines,
+    /// digits, punctuation, scripts without spaces, emoji, control-token text and the private-use markers.
+    const PIECES: &[&str] = &[
+        "the",
+        " the",
+        "The",
+        "a",
+        "Z",
+        " ",
+        "  ",
+        "   ",
+        "\n",
+        "\r\n",
+        "\t",
+        " \n",
+        "'s",
+        "'S",
+        "'ll",
+        "'",
+        "é",
+        "e\u{301}",
+        "\u{301}",
+        " \u{301}",
+        "\u{308}",
+        "123",
+        "4",
+        ",",
+        "!?",
+        " -",
+        "床前",
+        "👩\u{200d}💻",
+        "<|im_end|>",
+        "<think>",
+        "\u{E000}",
+        "ß",
+        "İ",
+        "\u{a0}",
+        "\u{3000}",
+    ];
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(400))]
+
+        #[test]
+        fn texts_cut_into_words_give_the_tokens_of_one_encoding(
+            picks in proptest::collection::vec(0..PIECES.len(), 0..48),
+        ) {
+            static TOKENIZER: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+            let tokenizer = TOKENIZER.get_or_init(|| {
+                let tokenizer = bundled();
+                tokenizer.set_segment_cache_bytes(0);
+                tokenizer
+            });
+            let text: String = picks.iter().map(|&i| PIECES[i]).collect();
+            // Twice: the second time more of the words come from the cache.
+            for _ in 0..2 {
+                let ids = tokenizer.encode_limited(&text, usize::MAX).unwrap().unwrap();
+                proptest::prop_assert_eq!(&ids, &tokenizer.inner.encode(text.as_str(), false).unwrap().get_ids().to_vec());
+            }
+        }
     }
 }
