@@ -942,13 +942,16 @@ impl BatchBackend for CudaBatchBackend {
                 "restore into slot {slot}, which holds a sequence"
             )));
         }
+        let started = std::time::Instant::now();
         self.model.release(slot);
+        let released = started.elapsed();
         if tokens.max(len) > self.model.max_context {
             return Ok(false);
         }
         let Some(partial) = self.model.pages.restore(buffer, slot, len, tokens) else {
             return Ok(false);
         };
+        let paged = started.elapsed();
         self.model.gpu.bind().map_err(device_err)?;
         let m = &self.model;
         let copy = || -> Result<()> {
@@ -963,6 +966,13 @@ impl BatchBackend for CudaBatchBackend {
             self.model.release(slot);
             return Err(device_err(e));
         }
+        tracing::debug!(
+            release_ms = released.as_secs_f64() * 1e3,
+            pages_ms = (paged - released).as_secs_f64() * 1e3,
+            copy_ms = (started.elapsed() - paged).as_secs_f64() * 1e3,
+            free_pages = self.model.free_pages(),
+            "restored"
+        );
         self.lens[slot] = len;
         Ok(true)
     }

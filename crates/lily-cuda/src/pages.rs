@@ -70,6 +70,8 @@ pub struct PageCopy {
 pub struct PageAllocator {
     /// Free page ids; the lowest id is taken first (at the end of the vector).
     free: Vec<i32>,
+    /// The length of `free`'s sorted part (highest id first): pages freed since are pushed after it unsorted.
+    free_sorted: usize,
     /// Per slot, its pages in position order.
     slots: Vec<Vec<i32>>,
     /// Per snapshot buffer, the pages of the snapshot it holds (`None`: the buffer is unused).
@@ -88,6 +90,7 @@ impl PageAllocator {
         assert!(kv_pages <= i32::MAX as usize, "page ids are i32 on the device");
         PageAllocator {
             free: (0..kv_pages as i32).rev().collect(),
+            free_sorted: kv_pages,
             slots: vec![Vec::new(); max_seqs],
             snapshots: vec![None; snapshots],
             slot_refs: vec![0; kv_pages],
@@ -151,8 +154,27 @@ impl PageAllocator {
     }
 
     /// Keeps the lowest ids first in line, so a fresh single sequence gets the identity table again.
+    /// Only the pages pushed since the last sort are sorted, then merged into the sorted part from its end (where
+    /// the lowest ids are), so that a release costs a sort of its own pages, not of the whole free list (tens of
+    /// thousands of pages), and a slot that held none costs nothing.
     fn sort_free(&mut self) {
-        self.free.sort_unstable_by(|a, b| b.cmp(a));
+        let sorted = self.free_sorted.min(self.free.len());
+        let mut pushed = self.free.split_off(sorted);
+        pushed.sort_unstable_by(|a, b| b.cmp(a));
+        let (mut i, mut j) = (sorted, pushed.len());
+        self.free.resize(sorted + pushed.len(), 0);
+        let mut at = self.free.len();
+        while j > 0 {
+            at -= 1;
+            if i > 0 && self.free[i - 1] < pushed[j - 1] {
+                self.free[at] = self.free[i - 1];
+                i -= 1;
+            } else {
+                self.free[at] = pushed[j - 1];
+                j -= 1;
+            }
+        }
+        self.free_sorted = self.free.len();
     }
 
     /// Takes `n` free pages (at most `free_pages()`) for slot `slot`, appended to its row.
@@ -160,6 +182,7 @@ impl PageAllocator {
         let at = self.free.len() - n;
         // The lowest ids are at the end: take them in ascending order.
         let taken: Vec<i32> = self.free.drain(at..).rev().collect();
+        self.free_sorted = self.free_sorted.min(at);
         for &page in &taken {
             self.slot_refs[page as usize] = 1;
         }
@@ -373,8 +396,9 @@ mod tests {
                     assert!(pages_for(tokens) > 16 || pages_for(tokens) - before.len() > free);
                 }
             }
-            // Every page is exactly once either free or in one slot.
+            // Every page is exactly once either free or in one slot, and the free list is in order.
             assert_eq!(all_pages(&a), (0..pages as i32).collect::<Vec<_>>());
+            assert!(a.free.windows(2).all(|w| w[0] > w[1]), "lowest ids first in line");
             let held: BTreeSet<i32> = (0..slots).flat_map(|s| a.pages(s).to_vec()).collect();
             assert_eq!(held.len() + a.free_pages(), pages);
         }

@@ -651,10 +651,12 @@ impl Engine {
             let (prompt, work, caches) = (spec.prompt.clone(), spec.work(), self.caches(spec));
             let started = Instant::now();
             let hashes = (follows.is_none() && caches).then(|| PrefixHashes::new(&prompt));
+            let hashed = started.elapsed();
             let cached = match &hashes {
                 Some(hashes) => self.cache.lookup_hashed(&prompt, hashes, prompt.len() - 1),
                 None => None,
             };
+            let looked_up = started.elapsed();
             let restored = match self.take_room(slot, work, cached) {
                 Ok(Some(restored)) => restored,
                 Ok(None) => return false,
@@ -682,6 +684,8 @@ impl Engine {
                 tracing::debug!(
                     since_arrival_ms = (started - active.job.arrived).as_secs_f64() * 1e3,
                     ms = started.elapsed().as_secs_f64() * 1e3,
+                    hash_ms = hashed.as_secs_f64() * 1e3,
+                    lookup_ms = (looked_up - hashed).as_secs_f64() * 1e3,
                     cached = restored,
                     "admitted: prefix looked up, state restored"
                 );
