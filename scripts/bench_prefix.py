@@ -98,7 +98,10 @@ class Client:
         """One streamed request: (TTFT in seconds, the text, usage)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         start = time.perf_counter()
+        # The first chunk with text; failing that (one token whose bytes are not whole text yet, which the server
+        # holds back), the first chunk with a choice.
         first = None
+        first_choice = None
         text = []
         usage = None
         try:
@@ -120,6 +123,8 @@ class Client:
                 if "error" in event:
                     raise RuntimeError(f"POST {path}: {event['error']}")
                 for choice in event.get("choices") or []:
+                    if first_choice is None:
+                        first_choice = time.perf_counter() - start
                     piece = choice.get("text")
                     if piece is None:
                         delta = choice.get("delta") or {}
@@ -132,7 +137,7 @@ class Client:
                     usage = event["usage"]
         finally:
             conn.close()
-        return first, "".join(text), usage
+        return (first if first is not None else first_choice), "".join(text), usage
 
 
 TOOLS = [
