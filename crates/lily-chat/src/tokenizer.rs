@@ -455,6 +455,11 @@ impl Tokenizer {
         self.segments().bytes
     }
 
+    /// Bytes the word cache is counted for now: never more than its capacity (16 MiB).
+    pub fn word_cache_bytes(&self) -> usize {
+        self.words().bytes
+    }
+
     /// The word cache; a panic elsewhere cannot leave it half updated, so a poisoned lock is used as it is.
     fn words(&self) -> MutexGuard<'_, SegmentCache> {
         self.words.lock().unwrap_or_else(|poisoned| poisoned.into_inner())

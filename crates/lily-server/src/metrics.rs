@@ -22,6 +22,7 @@ pub const PREFIX_EVICTIONS: &str = "lily_prefix_cache_evictions_total";
 pub const PREFIX_SNAPSHOTS: &str = "lily_prefix_cache_snapshots";
 pub const PREFIX_BYTES: &str = "lily_prefix_cache_bytes";
 pub const SEGMENT_CACHE_BYTES: &str = "lily_tokenizer_segment_cache_bytes";
+pub const WORD_CACHE_BYTES: &str = "lily_tokenizer_word_cache_bytes";
 
 const METADATA: Metadata<'static> = Metadata::new("lily_server", Level::INFO, Some("lily_server::metrics"));
 
@@ -45,6 +46,7 @@ pub struct Metrics {
     pub prefix_cache_snapshots: Gauge,
     pub prefix_cache_bytes: Gauge,
     pub segment_cache_bytes: Gauge,
+    pub word_cache_bytes: Gauge,
 }
 
 impl Metrics {
@@ -142,6 +144,11 @@ impl Metrics {
             Some(Unit::Bytes),
             SharedString::const_str("Memory the tokenizer's cache of prompt segments (text and ids) holds."),
         );
+        recorder.describe_gauge(
+            KeyName::from_const_str(WORD_CACHE_BYTES),
+            Some(Unit::Bytes),
+            SharedString::const_str("Memory the tokenizer's cache of words (text and ids) holds."),
+        );
         let key = |name: &'static str| Key::from_static_name(name);
         Metrics {
             prompt_tokens: recorder.register_counter(&key(PROMPT_TOKENS), &METADATA),
@@ -161,6 +168,7 @@ impl Metrics {
             prefix_cache_snapshots: recorder.register_gauge(&key(PREFIX_SNAPSHOTS), &METADATA),
             prefix_cache_bytes: recorder.register_gauge(&key(PREFIX_BYTES), &METADATA),
             segment_cache_bytes: recorder.register_gauge(&key(SEGMENT_CACHE_BYTES), &METADATA),
+            word_cache_bytes: recorder.register_gauge(&key(WORD_CACHE_BYTES), &METADATA),
             recorder,
             handle,
         }

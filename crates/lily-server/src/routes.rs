@@ -162,6 +162,8 @@ async fn metrics(State(state): State<AppStateRef>) -> Response {
     if let Some(ready) = state.ready.get() {
         let bytes = ready.tokenizer.segment_cache_bytes();
         state.metrics.segment_cache_bytes.set(bytes as f64);
+        let bytes = ready.tokenizer.word_cache_bytes();
+        state.metrics.word_cache_bytes.set(bytes as f64);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

@@ -229,5 +229,8 @@ async fn a_chat_reply_is_tokenized_for_the_next_turn() {
             reply.len()
         );
     }
+    // The words of the questions are in the tokenizer's word cache, within its 16 MiB.
+    let words = s.metric("lily_tokenizer_word_cache_bytes").await.unwrap();
+    assert!(words > 0.0 && words <= (16 << 20) as f64, "word cache {words} bytes");
     s.shutdown().await;
 }
