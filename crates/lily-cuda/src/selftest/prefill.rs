@@ -25,7 +25,7 @@ pub(crate) fn check(
     report: &mut Report,
 ) -> Result<()> {
     let c = &w.config;
-    let (h, e, k, slots) = (c.hidden_size, c.num_experts, c.num_experts_per_tok, moe_slots(c));
+    let (h, slots) = (c.hidden_size, moe_slots(c));
     let mut rng = Rng::new(seed ^ 0x9ef111);
     let t = 301;
     let mut l = Launcher::new(gpu, kernels);
@@ -90,62 +90,10 @@ pub(crate) fn check(
 
     check_router(l, w, gw, &s, &mut rng, report)?;
 
-    // Routing, the stable sort by expert and the tiles.
-    let logits = normals(&mut rng, t * (e + 1), 2.0);
-    gpu.upload(s.router_logits.ptr(), &logits)?;
-    poison(gpu, &s.route_w)?;
-    poison(gpu, &s.entries)?;
-    let tile_rows = crate::gemm::moe_tile_rows(kernels, t);
-    route_and_sort(l, c, &s, t)?;
-    // Each token's slots: its top-k experts, then the shared expert (number e) with its sigmoid gate.
-    let (mut ids, mut weights) = (vec![0usize; t * slots], vec![0.0f32; t * slots]);
-    for r in 0..t {
-        let logits = &logits[r * (e + 1)..][..e + 1];
-        route(
-            &logits[..e],
-            k,
-            &mut ids[r * slots..][..k],
-            &mut weights[r * slots..][..k],
-        );
-        ids[r * slots + k] = e;
-        weights[r * slots + k] = sigmoid(logits[e]);
+    // Routing, the stable sort by expert and the tiles, at a short prompt's and a batched step's token counts too.
+    for t in [1, 13, 64, t] {
+        check_routing(gpu, l, c, &s, t, &mut rng, report)?;
     }
-    let mut gpu_ids = vec![0i32; t * slots];
-    gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
-    report.check_eq(
-        "route_rows: top-k experts of every token, then the shared expert",
-        gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b),
-        "",
-    );
-    report.check(
-        "route_rows: routing weights and the shared expert's gate",
-        rel_err(&download_f32(gpu, &s.route_w, t * slots)?, &weights),
-        1e-5,
-    );
-    let mut order: Vec<usize> = (0..t * slots).collect();
-    order.sort_by_key(|&i| ids[i]);
-    let mut offsets = vec![0i32; e + 2];
-    let mut tiles = Vec::new();
-    for x in 0..=e {
-        let n = ids.iter().filter(|&&i| i == x).count();
-        offsets[x + 1] = offsets[x] + n as i32;
-        tiles.extend((0..n.div_ceil(tile_rows)).flat_map(|j| [x as i32, offsets[x] + (j * tile_rows) as i32]));
-    }
-    let mut gpu_entries = vec![0i32; t * slots];
-    gpu.download(s.entries.ptr(), &mut gpu_entries)?;
-    let mut gpu_offsets = vec![0i32; e + 2];
-    gpu.download(s.offsets.ptr(), &mut gpu_offsets)?;
-    let mut gpu_count = [0i32];
-    gpu.download(s.tile_count.ptr(), &mut gpu_count)?;
-    let mut gpu_tiles = vec![0i32; tiles.len()];
-    gpu.download(s.tiles.ptr(), &mut gpu_tiles)?;
-    let sorted = gpu_entries.iter().zip(&order).all(|(a, b)| *a as usize == *b) && gpu_offsets == offsets;
-    report.check_eq("moe_sort: entries stably sorted by expert, offsets", sorted, "");
-    report.check_eq(
-        "moe_sort: tiles",
-        gpu_count[0] as usize * 2 == tiles.len() && gpu_tiles == tiles,
-        &format!("{} tiles", tiles.len() / 2),
-    );
 
     // Combine into the residual stream.
     let expert_out = normals(&mut rng, t * slots * h, 1.0);
@@ -404,6 +352,94 @@ fn check_router(
         &format!("router_rows: the first token's logits at {t0} tokens and every larger count, bit for bit"),
         differ.is_empty(),
         &format!("differ at {differ:?} tokens"),
+    );
+    Ok(())
+}
+
+/// Routing and the sort of `t` tokens' entries by expert (`route_and_sort`) against the CPU twin: exact ids,
+/// weights within 1e-5, entries, offsets, tiles and counts exact, and the small tiling's work counters after the
+/// counts zeroed.
+fn check_routing(
+    gpu: &Gpu,
+    l: &mut Launcher,
+    c: &lily_model::Config,
+    s: &PrefillScratch,
+    t: usize,
+    rng: &mut Rng,
+    report: &mut Report,
+) -> Result<()> {
+    let (e, k, slots) = (c.num_experts, c.num_experts_per_tok, moe_slots(c));
+    let kernels = l.kernels;
+    gpu.upload(s.counts.ptr(), &vec![-1i32; s.counts.len()])?;
+    let logits = normals(rng, t * (e + 1), 2.0);
+    gpu.upload(s.router_logits.ptr(), &logits)?;
+    poison(gpu, &s.route_w)?;
+    poison(gpu, &s.entries)?;
+    let tile_rows = crate::gemm::moe_tile_rows(kernels, t);
+    route_and_sort(l, c, s, t)?;
+    // Each token's slots: its top-k experts, then the shared expert (number e) with its sigmoid gate.
+    let (mut ids, mut weights) = (vec![0usize; t * slots], vec![0.0f32; t * slots]);
+    for r in 0..t {
+        let logits = &logits[r * (e + 1)..][..e + 1];
+        route(
+            &logits[..e],
+            k,
+            &mut ids[r * slots..][..k],
+            &mut weights[r * slots..][..k],
+        );
+        ids[r * slots + k] = e;
+        weights[r * slots + k] = sigmoid(logits[e]);
+    }
+    let mut gpu_ids = vec![0i32; t * slots];
+    gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
+    report.check_eq(
+        &format!("route_rows: top-k experts of every token, then the shared expert ({t} tokens)"),
+        gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b),
+        "",
+    );
+    report.check(
+        &format!("route_rows: routing weights and the shared expert's gate ({t} tokens)"),
+        rel_err(&download_f32(gpu, &s.route_w, t * slots)?, &weights),
+        1e-5,
+    );
+    let mut order: Vec<usize> = (0..t * slots).collect();
+    order.sort_by_key(|&i| ids[i]);
+    let mut offsets = vec![0i32; e + 2];
+    let mut tiles = Vec::new();
+    for x in 0..=e {
+        let n = ids.iter().filter(|&&i| i == x).count();
+        offsets[x + 1] = offsets[x] + n as i32;
+        tiles.extend((0..n.div_ceil(tile_rows)).flat_map(|j| [x as i32, offsets[x] + (j * tile_rows) as i32]));
+    }
+    let mut gpu_entries = vec![0i32; t * slots];
+    gpu.download(s.entries.ptr(), &mut gpu_entries)?;
+    let mut gpu_offsets = vec![0i32; e + 2];
+    gpu.download(s.offsets.ptr(), &mut gpu_offsets)?;
+    let mut gpu_count = [0i32];
+    gpu.download(s.tile_count.ptr(), &mut gpu_count)?;
+    let mut gpu_tiles = vec![0i32; tiles.len()];
+    gpu.download(s.tiles.ptr(), &mut gpu_tiles)?;
+    let sorted = gpu_entries.iter().zip(&order).all(|(a, b)| *a as usize == *b) && gpu_offsets == offsets;
+    report.check_eq(
+        &format!("moe_sort: entries stably sorted by expert, offsets ({t} tokens)"),
+        sorted,
+        "",
+    );
+    report.check_eq(
+        &format!("moe_sort: tiles ({t} tokens)"),
+        gpu_count[0] as usize * 2 == tiles.len() && gpu_tiles == tiles,
+        &format!("{} tiles", tiles.len() / 2),
+    );
+
+    let mut counts = vec![0i32; s.counts.len()];
+    gpu.download(s.counts.ptr(), &mut counts)?;
+    let expected_counts: Vec<i32> = (0..=e)
+        .map(|x| ids.iter().filter(|&&i| i == x).count() as i32)
+        .collect();
+    report.check_eq(
+        &format!("route_rows: counts, and the work counters after them zeroed ({t} tokens)"),
+        counts[..=e] == expected_counts[..] && counts[e + 1..].iter().all(|&v| v == 0),
+        "",
     );
     Ok(())
 }
