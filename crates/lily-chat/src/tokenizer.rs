@@ -138,32 +138,42 @@ const MAX_WORD_BYTES: usize = 64;
 /// The pre-tokenizer pattern (Qwen2's, which Qwen3.5/3.6 keep) for which [`word_spans`] cuts are proven: see there.
 const WORD_CUT_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// The words of `text` as byte ranges: `text` cut at each space that follows an ASCII letter. The tokenizer's
-/// tokens never cross such a cut, and a word's tokens do not depend on the text around it, when the tokenizer is
-/// NFC, then [`WORD_CUT_PATTERN`] split into isolated matches, then byte-level BPE per match. Every character
-/// starts a match of that pattern, so its matches cover the text; the only alternatives that match a letter (a
-/// contraction, or an optional non-letter then letters and marks) end before a space, so the match holding the
-/// letter ends at the cut and the next match starts there, whatever precedes or follows. The pattern has no
-/// look-behind, and its one look-ahead reads past a whitespace run, never past a word's last letter. NFC neither
-/// composes nor reorders across a space, which is a starter of combining class 0 that combines with nothing.
+/// The words of `text` as byte ranges: `text` cut before each space that follows a character other than
+/// whitespace. The tokenizer's tokens never cross such a cut, and a word's tokens do not depend on the text around
+/// it, when the tokenizer is NFC, then [`WORD_CUT_PATTERN`] split into isolated matches, then byte-level BPE per
+/// match. Every character starts a match of that pattern, so its matches cover the text. A match that holds a
+/// character other than whitespace and goes on past it is a contraction (no spaces), letters and marks after an
+/// optional non-letter, a run of symbols and punctuation before optional line ends, or a single digit: none takes a
+/// space after its first character, so the match holding the character before the cut ends at the cut and the next
+/// match starts there, whatever precedes or follows. The pattern has no look-behind, and its one look-ahead reads
+/// the character after a whitespace run, which lies inside the word (a word ends with a character other than
+/// whitespace). NFC neither composes nor reorders across a space, a starter of combining class 0 that combines with
+/// nothing. `char::is_whitespace` and the pattern's `\s` are both Unicode's White_Space.
 fn word_spans(text: &str, spans: &mut Vec<(usize, usize)>) {
-    let bytes = text.as_bytes();
     let mut start = 0;
-    for at in 1..bytes.len() {
-        if bytes[at] == b' ' && bytes[at - 1].is_ascii_alphabetic() {
+    for (at, _) in text.match_indices(' ') {
+        if at > 0 && !char_before(text, at).is_whitespace() {
             spans.push((start, at));
             start = at;
         }
     }
-    if start < bytes.len() {
-        spans.push((start, bytes.len()));
+    if start < text.len() {
+        spans.push((start, text.len()));
+    }
+}
+
+/// The character that ends at byte `at` of `text` (`at` is a character boundary past the first).
+fn char_before(text: &str, at: usize) -> char {
+    match text.as_bytes()[at - 1] {
+        b if b.is_ascii() => b as char,
+        _ => text[..at].chars().next_back().expect("at is past the first character"),
     }
 }
 
 /// Whether the parsed `tokenizer.json` is the pipeline [`word_spans`] is proven for: NFC (or no normalizer), the
 /// pattern split with isolated matches, byte-level mapping without its own regex, deterministic BPE, and no added
-/// token whose text holds a space after an ASCII letter (an added token found across a cut would end a word
-/// early).
+/// token whose text holds a space after a character other than whitespace (an added token found across a cut would
+/// end a word early).
 fn word_cuts_hold(json: &serde_json::Value, added: &[(String, u32)]) -> bool {
     let normalizer = &json["normalizer"];
     let nfc = normalizer.is_null() || normalizer["type"] == "NFC";
@@ -181,8 +191,9 @@ fn word_cuts_hold(json: &serde_json::Value, added: &[(String, u32)]) -> bool {
     let model = &json["model"];
     let bpe = model["type"] == "BPE" && model["dropout"].is_null();
     let added_fit = !added.iter().any(|(text, _)| {
-        let b = text.as_bytes();
-        (1..b.len()).any(|at| b[at] == b' ' && b[at - 1].is_ascii_alphabetic())
+        let mut spans = Vec::new();
+        word_spans(text, &mut spans);
+        spans.len() > 1
     });
     nfc && pipeline && bpe && added_fit
 }
@@ -1131,8 +1142,8 @@ mod tests {
             one_encoding(&tokenizer, &document)
         );
         // The same words in another order: every one but the first from the cache. Each word but the document's
-        // first starts with a space and each but its last ends with a letter, so joined in reverse order after a
-        // letter they are again the text's words.
+        // first starts with a space and each but its last ends with a character other than whitespace, so joined in
+        // reverse order after a letter they are again the text's words.
         let mut spans = Vec::new();
         word_spans(&document, &mut spans);
         let reversed: String = std::iter::once("A")
@@ -1237,6 +1248,18 @@ mod tests {
         "İ",
         "\u{a0}",
         "\u{3000}",
+        "\u{b}",
+        "\u{85}",
+        "\u{1c}",
+        "\u{200b}",
+        "\u{2028}",
+        "(",
+        "Ⅻ",
+        "٣",
+        "é ",
+        "! ",
+        "x.",
+        "\u{301} ",
     ];
 
     proptest::proptest! {
