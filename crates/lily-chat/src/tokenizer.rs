@@ -608,17 +608,10 @@ impl Tokenizer {
         let mut learned: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
         // The word the last token fell in, the index of its first token, and whether its tokens lie within it.
         let (mut word, mut word_first, mut inside) = (0, ids.len(), true);
-        let mut rest = text;
-        let mut base = 0;
-        while !rest.is_empty() {
-            let cut = if rest.len() <= PIECE_BYTES || !self.newline_cuts {
-                rest.len()
-            } else {
-                piece_end(rest)
-            };
+        for (base, piece) in self.pieces(text) {
             let encoding = self
                 .plain
-                .encode(&rest[..cut], false)
+                .encode(piece, false)
                 .map_err(|error| TokenizerError::Encode(error.to_string()))?;
             for (&id, &(s, e)) in encoding.get_ids().iter().zip(encoding.get_offsets()) {
                 let (s, e) = (base + s, base + e);
@@ -634,8 +627,6 @@ impl Tokenizer {
             if ids.len() > limit {
                 return Ok(false);
             }
-            base += cut;
-            rest = &rest[cut..];
         }
         if inside && ids.len() > word_first {
             learned.push((word, word_first..ids.len()));
@@ -650,10 +641,30 @@ impl Tokenizer {
         Ok(true)
     }
 
-    /// Appends the tokens of `text` to `ids`, encoding it in pieces of about [`PIECE_BYTES`] so that a long text
-    /// stops as soon as `ids` holds more than `limit` tokens (then false). Pieces are cut only right after a
-    /// newline that a letter follows: the pre-tokenizer splits there anyway (no pattern matches across it), NFC
-    /// does not combine across it and no added token spans it, so the pieces' tokens are the whole text's.
+    /// `text` in pieces of about [`PIECE_BYTES`], each with its byte offset in `text`, so that encoding a long
+    /// text can stop once it is past a limit. Pieces are cut only right after a newline that a letter follows: the
+    /// pre-tokenizer splits there anyway (no pattern matches across it), NFC does not combine across it and no
+    /// added token spans it, so the pieces' tokens are the whole text's. One piece where an added token holds a
+    /// newline.
+    fn pieces<'t>(&self, text: &'t str) -> impl Iterator<Item = (usize, &'t str)> {
+        let (newline_cuts, mut base) = (self.newline_cuts, 0);
+        std::iter::from_fn(move || {
+            let rest = &text[base..];
+            if rest.is_empty() {
+                return None;
+            }
+            let cut = if rest.len() <= PIECE_BYTES || !newline_cuts {
+                rest.len()
+            } else {
+                piece_end(rest)
+            };
+            base += cut;
+            Some((base - cut, &rest[..cut]))
+        })
+    }
+
+    /// Appends the tokens of `text` to `ids`, a piece ([`Tokenizer::pieces`]) at a time, so that a long text stops
+    /// as soon as `ids` holds more than `limit` tokens (then false).
     fn encode_bounded(
         &self,
         tokenizer: &tokenizers::Tokenizer,
@@ -661,21 +672,14 @@ impl Tokenizer {
         limit: usize,
         ids: &mut Vec<u32>,
     ) -> Result<bool, TokenizerError> {
-        let mut rest = text;
-        while !rest.is_empty() {
-            let cut = if rest.len() <= PIECE_BYTES || !self.newline_cuts {
-                rest.len()
-            } else {
-                piece_end(rest)
-            };
+        for (_, piece) in self.pieces(text) {
             let encoding = tokenizer
-                .encode_fast(&rest[..cut], false)
+                .encode_fast(piece, false)
                 .map_err(|error| TokenizerError::Encode(error.to_string()))?;
             ids.extend_from_slice(encoding.get_ids());
             if ids.len() > limit {
                 return Ok(false);
             }
-            rest = &rest[cut..];
         }
         Ok(true)
     }
