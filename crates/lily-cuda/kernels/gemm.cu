@@ -1113,10 +1113,19 @@ constexpr int SMALL_NF = SMALL_ROWS / 4;  // n8 fragments of 4 tokens
 constexpr int SMALL_A_ROW = 2 * Q8X2_GROUP_BYTES + 64;
 constexpr int SMALL_A_BYTES = SMALL_ROWS * SMALL_A_ROW;
 constexpr int SMALL_PAIR_BYTES = SMALL_ROWS * 2 * 8;
-constexpr int SMALL_B_BYTES = WROWS * 64;
-constexpr int SMALL_SB_BYTES = WROWS * 8;
-constexpr int SMALL_STAGE = SMALL_A_BYTES + SMALL_PAIR_BYTES + SMALL_B_BYTES + SMALL_SB_BYTES;
-constexpr int SMALL_SMEM = MOE_SMALL_STAGES * SMALL_STAGE;
+// A block covers 128 F weight rows, each warp F m16 fragments: F = 2 for the experts' items and the dense products'
+// wide blocks of 256 rows; F = 1 for the dense products' narrow blocks of 128 rows, of which more fit an SM. A stage
+// holds the tile's codes and their pairs, then the weight rows' codes and their pairs; STAGES of them.
+template <int F_, int STAGES_>
+struct SmallTile {
+    static constexpr int F = F_, STAGES = STAGES_;
+    static constexpr int W_ROWS = TILED_ROWS * F;
+    static constexpr int B_BYTES = W_ROWS * 64, SB_BYTES = W_ROWS * 8;
+    static constexpr int STAGE = SMALL_A_BYTES + SMALL_PAIR_BYTES + B_BYTES + SB_BYTES;
+    static constexpr int SMEM = STAGES * STAGE;
+};
+using SmallWide = SmallTile<2, MOE_SMALL_STAGES>;
+constexpr int SMALL_SMEM = SmallWide::SMEM;
 // The gate/up epilogue's SwiGLU tile (f32 [SMALL_ROWS][128], rows padded to 136 so a warp's stores, 4 tokens by 8
 // columns, hit 32 banks) reuses the stages.
 constexpr int SMALL_ACT_PITCH = 136;
@@ -1140,12 +1149,12 @@ struct SmallBlock {
     u32 bytes;
 };
 
-// The 256 weight rows of a small-tiling item, piece by piece (a piece: 128 inputs, 16 words and 2 (scale, bias)
-// pairs a row). `chunk` gives the source in the item's first piece of 16-byte chunk c (0 .. 3) of item row `row`
-// and how many of its bytes to copy (16, or 0 to zero-fill); a chunk's next piece lies PIECE_WORDS words later.
-// `pair_copy` gives this thread's share of the 256 rows' pairs in the first piece (its source, bytes and offset in
-// the stage's pairs, 8 bytes a row; false where the thread copies none); the next piece's lie PIECE_PAIRS words
-// later, and `copy_pair` issues the copy.
+// The weight rows of a small-tiling item (256) or narrow block (128), piece by piece (a piece: 128 inputs, 16 words
+// and 2 (scale, bias) pairs a row). `chunk` gives the source in the item's first piece of 16-byte chunk c (0 .. 3)
+// of item row `row` and how many of its bytes to copy (16, or 0 to zero-fill); a chunk's next piece lies
+// PIECE_WORDS words later. `pair_copy` gives this thread's share of the block's rows' pairs in the first piece (its
+// source, bytes and offset in the stage's pairs, 8 bytes a row; false where the thread copies none); the next
+// piece's lie PIECE_PAIRS words later, and `copy_pair` issues the copy.
 // TiledRows: two blocks of 128 rows of a tiled matrix (the experts: a row's pairs of a piece lie beside the next
 // row's, so a thread copies two rows' pairs at once).
 struct TiledRows {
@@ -1156,7 +1165,7 @@ struct TiledRows {
         bytes = b.bytes;
         return b.words + (row % TILED_ROWS) * TILED_PIECE_WORDS + 4 * c;
     }
-    __device__ __forceinline__ bool pair_copy(const u32*& src, u32& bytes, int& dst) const {
+    __device__ __forceinline__ bool pair_copy(const u32*& src, u32& bytes, int& dst, int) const {
         if (threadIdx.x >= WROWS / 2) return false;
         const int row = 2 * threadIdx.x;
         const SmallBlock& b = block[row / TILED_ROWS];
@@ -1181,8 +1190,9 @@ struct DenseRows {
         bytes = in ? 16u : 0u;
         return words + (size_t)(in ? row : 0) * row_words + 4 * c;
     }
-    __device__ __forceinline__ bool pair_copy(const u32*& src, u32& bytes, int& dst) const {
-        const int row = threadIdx.x;  // GEMM_THREADS == WROWS: a thread a row
+    __device__ __forceinline__ bool pair_copy(const u32*& src, u32& bytes, int& dst, int w_rows) const {
+        const int row = threadIdx.x;  // a thread a row of the block's w_rows (at most GEMM_THREADS)
+        if (row >= w_rows) return false;
         const bool in = row < valid;
         src = pairs + (size_t)(in ? row : 0) * row_pairs, bytes = in ? 8u : 0u, dst = row * 8;
         return true;
@@ -1195,25 +1205,28 @@ struct DenseRows {
 // acc[f][nf][h] = the item's products for weight row frag_row(f) + g + 8h and token 4 nf + t of the tile (lane
 // (g, t)), over `pieces` pieces. a_row(r) is the Q8x2 row (of `codes` and `pairs`, rows of `row_k` inputs, both
 // already at the item's first piece) of the tile's token r < rows; `w` gives the weight rows; warp w's two m16
-// fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same columns of gate and of up) or 32 w and 32 w + 16.
+// fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same columns of gate and of up) or 32 w and 32 w + 16
+// (Tile::F = 1: one fragment, at row 16 w).
 // WEIGHTS_FIRST: the weights do not depend on the previous kernel (a dense product), so the prologue's weights are
 // requested before waiting for it (wait_previous); otherwise the caller has waited already.
-template <bool GATE_UP, bool WEIGHTS_FIRST, class ARow, class WRows>
-__device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int rows, ARow a_row, const u32* codes,
-                                               const float* pairs, int row_k, int pieces, const WRows& w) {
+template <class Tile, bool GATE_UP, bool WEIGHTS_FIRST, class ARow, class WRows>
+__device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2], int rows, ARow a_row,
+                                               const u32* codes, const float* pairs, int row_k, int pieces,
+                                               const WRows& w) {
     extern __shared__ __align__(128) unsigned char smem[];
-    if (dynamic_smem_bytes() < SMALL_SMEM) __trap();  // the host's shared memory is not the kernel's
-    constexpr int STAGES = MOE_SMALL_STAGES;
+    if (dynamic_smem_bytes() < Tile::SMEM) __trap();  // the host's shared memory is not the kernel's
+    constexpr int F = Tile::F, STAGES = Tile::STAGES, SMALL_STAGE = Tile::STAGE, SMALL_B_BYTES = Tile::B_BYTES;
+    static_assert(F == 2 || !GATE_UP, "a gate/up item takes 128 rows of each matrix");
     const int PIECES = pieces, ROW_BYTES = row_k * 2, ROW_PAIRS = row_k / GROUP;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane / 4, t = lane % 4;
     const u32 smem0 = smem_addr(smem);
 #pragma unroll
-    for (int f = 0; f < 2; f++)
+    for (int f = 0; f < F; f++)
 #pragma unroll
         for (int nf = 0; nf < SMALL_NF; nf++) acc[f][nf][0] = acc[f][nf][1] = 0.f;
 
     // Copies of a stage: the tokens' codes, chunk c % 16 of token c / 16 for c = tid, tid + 256, ...; their pairs
-    // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 4); the
+    // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 2 F); the
     // weight rows' pairs. Each copy's source in the first piece, its byte count and its place in a stage are worked
     // out once here; a piece only moves the sources along.
     constexpr int A_COPIES = SMALL_ROWS * 16 / GEMM_THREADS;
@@ -1228,16 +1241,16 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
     }
     const float* ap_src = pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS;
     const u32 ap_bytes = tid < rows ? 16u : 0u;
-    const u32* b_src[4];
-    u32 b_bytes[4];
+    const u32* b_src[2 * F];
+    u32 b_bytes[2 * F];
 #pragma unroll
-    for (int j = 0; j < 4; j++) b_src[j] = w.chunk(tid / 4 + 64 * j, tid % 4, b_bytes[j]);
+    for (int j = 0; j < 2 * F; j++) b_src[j] = w.chunk(tid / 4 + 64 * j, tid % 4, b_bytes[j]);
     // Rows 64 apart share their swizzle, so chunk j lands 64 rows (4,096 bytes) after chunk 0.
     const u32 b_dst = (tid / 4) * 64 + (((tid % 4) ^ ((tid / 8) & 3)) << 4);
     const u32* wp_src = nullptr;
     u32 wp_bytes = 0;
     int wp_dst = 0;
-    const bool wp_copies = w.pair_copy(wp_src, wp_bytes, wp_dst);
+    const bool wp_copies = w.pair_copy(wp_src, wp_bytes, wp_dst, Tile::W_ROWS);
 
     auto load_a = [&](int kt) {
         const u32 stage = smem0 + (kt % STAGES) * SMALL_STAGE;
@@ -1252,7 +1265,7 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
     auto load_b = [&](int kt) {
         const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + SMALL_A_BYTES + SMALL_PAIR_BYTES;
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < 2 * F; j++)
             cp_async_16(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
         if (wp_copies)
             WRows::copy_pair(b_stage + SMALL_B_BYTES + wp_dst, wp_src + (size_t)kt * WRows::PIECE_PAIRS, wp_bytes);
@@ -1262,15 +1275,15 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
         load_b(kt);
     };
 
-    int frag_row[2];
-    frag_row[0] = GATE_UP ? 16 * warp : 32 * warp;
-    frag_row[1] = GATE_UP ? TILED_ROWS + 16 * warp : 32 * warp + 16;
+    int frag_row[F];
+    frag_row[0] = GATE_UP || F == 1 ? 16 * warp : 32 * warp;
+    if constexpr (F == 2) frag_row[1] = GATE_UP ? TILED_ROWS + 16 * warp : 32 * warp + 16;
     // ldmatrix.x4 of fragment f, group gi: lanes 8i .. 8i + 7 address matrix i, rows 8 (i % 2) .. + 7 of the
     // fragment at chunk 2 gi + i / 2 (the group's k32 step i / 2), so r[0], r[1] are step 0's words of rows g and
     // g + 8 and r[2], r[3] step 1's.
-    u32 ld_off[2][2];
+    u32 ld_off[F][2];
 #pragma unroll
-    for (int f = 0; f < 2; f++)
+    for (int f = 0; f < F; f++)
 #pragma unroll
         for (int gi = 0; gi < 2; gi++) {
             const int row = frag_row[f] + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = 2 * gi + (lane >> 4);
@@ -1304,10 +1317,10 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
         const u32* sb = (const u32*)(smem + at + SMALL_A_BYTES + SMALL_PAIR_BYTES + SMALL_B_BYTES);
 #pragma unroll
         for (int gi = 0; gi < 2; gi++) {
-            u32 a[2][2][4];  // [fragment][k32 step]: A's four registers
-            float2 wsb[2][2];  // [fragment][row g, g + 8]: (scale, bias)
+            u32 a[F][2][4];  // [fragment][k32 step]: A's four registers
+            float2 wsb[F][2];  // [fragment][row g, g + 8]: (scale, bias)
 #pragma unroll
-            for (int f = 0; f < 2; f++) {
+            for (int f = 0; f < F; f++) {
                 u32 w[4];
                 ldmatrix_x4(w, smem0 + at + ld_off[f][gi]);
 #pragma unroll
@@ -1327,7 +1340,7 @@ __device__ __forceinline__ void small_products(float (&acc)[2][SMALL_NF][2], int
                 const uint2 b0 = *(const uint2*)bp, b1 = *(const uint2*)(bp + 4 * Q8X2_WORD_BYTES);
                 const float2 xp = *(const float2*)(smem + at + SMALL_A_BYTES + (nf * 4 + t) * 16 + gi * 8);
 #pragma unroll
-                for (int f = 0; f < 2; f++) {
+                for (int f = 0; f < F; f++) {
                     int c[4] = {0, 0, 0, 0};
                     mma_u4s8(c, a[f][0][0], a[f][0][1], a[f][0][2], a[f][0][3], b0.x, b0.y);
                     mma_u4s8(c, a[f][1][0], a[f][1][1], a[f][1][2], a[f][1][3], b1.x, b1.y);
@@ -1363,8 +1376,8 @@ __device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_co
     const TiledRows w = {{small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
                           small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)}};
     float acc[2][SMALL_NF][2];
-    small_products<true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs,
-                                HIDDEN, HIDDEN / TILED_PIECE, w);
+    small_products<SmallWide, true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes,
+                                           x_pairs, HIDDEN, HIDDEN / TILED_PIECE, w);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     float* act = (float*)smem;
 #pragma unroll
@@ -1398,8 +1411,8 @@ __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_cod
     const TiledRows w = {{small_block(down, shared_down, expert, HIDDEN, n0, MOE_INTER),
                           small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)}};
     float acc[2][SMALL_NF][2];
-    small_products<false, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, MOE_INTER,
-                                 MOE_INTER / TILED_PIECE, w);
+    small_products<SmallWide, false, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs,
+                                            MOE_INTER, MOE_INTER / TILED_PIECE, w);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nf = 0; nf < SMALL_NF; nf++) {
@@ -1502,33 +1515,35 @@ extern "C" __global__ void __launch_bounds__(256) gemm_quantize_rows(const bf16*
 }
 
 // out[m][n] = a[m][k] w[n][k]^T (+= where `accumulate` is 1) for the rows gemm_quantize_rows coded, 4-bit weights;
-// block (256 weight rows, SMALL_ROWS rows of a, part of k).
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
-    gemm_q4_small(int m, Q4 w, int n, int k, float* out, int accumulate) {
-    const int m0 = blockIdx.y * SMALL_ROWS, n0 = blockIdx.x * WROWS, rows = min(SMALL_ROWS, m - m0);
+// block (Tile::W_ROWS weight rows, SMALL_ROWS rows of a, part of k). A part's tile goes to the split products'
+// slots, which are numbered by blocks of WROWS weight rows whatever the block's width.
+template <class Tile>
+__device__ __forceinline__ void gemm_q4_small_tile(int m, Q4 w, int n, int k, float* out, int accumulate) {
+    constexpr int F = Tile::F;
+    const int m0 = blockIdx.y * SMALL_ROWS, n0 = blockIdx.x * Tile::W_ROWS, rows = min(SMALL_ROWS, m - m0);
     const int pieces = k / TILED_PIECE, parts = gridDim.z;
     const int p0 = blockIdx.z * pieces / parts, p1 = (blockIdx.z + 1) * pieces / parts;
     const DenseRows src = {w.packed + (size_t)n0 * (k / 8) + p0 * TILED_PIECE_WORDS,
-                           w.scale_bias + (size_t)n0 * (k / GROUP) + p0 * TILED_PIECE_PAIRS, min(WROWS, n - n0),
-                           k / 8, k / GROUP};
-    float acc[2][SMALL_NF][2];
+                           w.scale_bias + (size_t)n0 * (k / GROUP) + p0 * TILED_PIECE_PAIRS,
+                           min(Tile::W_ROWS, n - n0), k / 8, k / GROUP};
+    float acc[F][SMALL_NF][2];
     // (small_products waits for gemm_quantize_rows's codes after requesting the first pieces' weights.)
-    small_products<false, true>(acc, rows, [&](int r) { return m0 + r; },
-                                gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
-                                gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src);
+    small_products<Tile, false, true>(acc, rows, [&](int r) { return m0 + r; },
+                                      gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
+                                      gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
-    const int tiles = gridDim.x * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
+    const int col_blocks = (n + WROWS - 1) / WROWS, tiles = col_blocks * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
 #pragma unroll
     for (int nf = 0; nf < SMALL_NF; nf++) {
         const int r = m0 + nf * 4 + t;
         if (r >= m0 + rows) continue;
-        float* slot = partial_slot(blockIdx.x + gridDim.x * (r / SPLIT_ROWS), blockIdx.z, tiles) +
-                      (r % SPLIT_ROWS) * WROWS;
+        float* slot = partial_slot(n0 / WROWS + col_blocks * (r / SPLIT_ROWS), blockIdx.z, tiles) +
+                      (r % SPLIT_ROWS) * WROWS + n0 % WROWS;
 #pragma unroll
-        for (int f = 0; f < 2; f++)
+        for (int f = 0; f < F; f++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int c = 32 * warp + 16 * f + g + 8 * h;
+                const int c = 16 * F * warp + 16 * f + g + 8 * h;
                 if (parts > 1) {
                     slot[c] = acc[f][nf][h];
                 } else if (n0 + c < n) {
@@ -1537,4 +1552,38 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
                 }
             }
     }
+}
+
+// The dense products' wide blocks: their shared memory and blocks an SM (read by the host, src/gemm.rs).
+#define GEMM_SMALL_WIDE_BLOCKS 2
+__device__ int gemm_small_smem = SmallWide::SMEM;
+__device__ int gemm_small_blocks_per_sm = GEMM_SMALL_WIDE_BLOCKS;
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, GEMM_SMALL_WIDE_BLOCKS)
+    gemm_q4_small(int m, Q4 w, int n, int k, float* out, int accumulate) {
+    gemm_q4_small_tile<SmallWide>(m, w, n, k, out, accumulate);
+}
+
+// The narrow blocks: 128 weight rows, a fragment a warp, so a block needs half the shared memory and registers and
+// GEMM_SMALL_NARROW_BLOCKS of them share an SM. Where a product's wide blocks leave SMs idle or few warps on each
+// (a batched step's projections), twice as many narrow ones keep more warps in flight to hide the loads' and the
+// integer products' latency, at the cost of reading the activation codes once per 128 weight rows, not 256.
+#ifndef GEMM_SMALL_NARROW
+#define GEMM_SMALL_NARROW 1
+#endif
+#ifndef GEMM_SMALL_NARROW_STAGES
+#define GEMM_SMALL_NARROW_STAGES 4
+#endif
+#ifndef GEMM_SMALL_NARROW_BLOCKS
+#define GEMM_SMALL_NARROW_BLOCKS 3
+#endif
+using SmallNarrow = SmallTile<1, GEMM_SMALL_NARROW_STAGES>;
+// Read by the host (src/gemm.rs): whether the plan takes the narrow blocks, their shared memory and blocks an SM.
+__device__ int gemm_small_narrow = GEMM_SMALL_NARROW;
+__device__ int gemm_small_narrow_smem = SmallNarrow::SMEM;
+__device__ int gemm_small_narrow_blocks_per_sm = GEMM_SMALL_NARROW_BLOCKS;
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, GEMM_SMALL_NARROW_BLOCKS)
+    gemm_q4_small_narrow(int m, Q4 w, int n, int k, float* out, int accumulate) {
+    gemm_q4_small_tile<SmallNarrow>(m, w, n, k, out, accumulate);
 }

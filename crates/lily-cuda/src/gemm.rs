@@ -13,10 +13,11 @@
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
-//! as Q8x2 once (by the norm that wrote them where it can: [`small_codes`]), then a block per 256 weight rows, 16
-//! activation rows and part of k. The 8-bit ones, and the other 4-bit ones up to 512 rows, cut k into parts of
-//! bf16 64-row tiles. Either way, where k is cut, each block writes its partial tile and a second launch sums every
-//! output element's parts in order (see the split products in gemm.cu and [`Plan`]).
+//! as Q8x2 once (by the norm that wrote them where it can: [`small_codes`]), then a block per 256 weight rows (128
+//! where the 256-row blocks would leave the SMs' block slots empty), 16 activation rows and part of k. The 8-bit
+//! ones, and the other 4-bit ones up to 512 rows, cut k into parts of bf16 64-row tiles. Either way, where k is
+//! cut, each block writes its partial tile and a second launch sums every output element's parts in order (see the
+//! split products in gemm.cu and [`Plan`]).
 //!
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
@@ -74,14 +75,15 @@ fn dense_grid(m: usize, k: usize, col_blocks: usize, rows: usize) -> (u32, u32, 
 
 /// How a dense product is launched: whole-k block tiles of 64 or 128 rows, 128-row tiles of `cols` weight rows on
 /// the warpgroup tensor cores (4-bit, where the kernels were built for Hopper), 64-row tiles with k cut into `parts`
-/// parts (the split kernels), or the integer small tiling with k in `parts` parts (4-bit, few rows).
+/// parts (the split kernels), or the integer small tiling in blocks of `cols` weight rows (256, or 128: the narrow
+/// blocks) with k in `parts` parts (4-bit, few rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Plan {
     Tiles(usize),
     Wgmma(usize),
     WgmmaSplit(usize),
     Split(usize),
-    Small(usize),
+    Small { parts: usize, cols: usize },
 }
 
 /// Inputs of a piece of k in the small tiling (TILED_PIECE): its parts of k are whole pieces.
@@ -96,13 +98,21 @@ pub(crate) fn small_fits(kernels: &Kernels, bits: u32, m: usize, k: usize) -> bo
         && k.is_multiple_of(PIECE)
 }
 
-/// The small tiling's parts of k for m rows, `col_blocks` blocks of weight rows and k inputs: one part where the
-/// blocks of (weight rows, activation rows) fill `moe_small_blocks_per_sm` blocks an SM; otherwise as many as fill
-/// them, each at least `gemm_small_min_pieces` pieces, within the split products' slots.
-fn small_parts(kernels: &Kernels, m: usize, col_blocks: usize, k: usize, sms: usize) -> usize {
-    let blocks = col_blocks * small_row_tiles(kernels, m);
-    let slots = col_blocks * m.div_ceil(kernels.constant("gemm_split_rows"));
-    let target = kernels.constant("moe_small_blocks_per_sm") * sms;
+/// Blocks an SM of the small tiling's dense products in blocks of `cols` weight rows (256 or 128).
+fn small_blocks_per_sm(kernels: &Kernels, cols: usize) -> usize {
+    match cols {
+        WEIGHT_ROWS => kernels.constant("gemm_small_blocks_per_sm"),
+        _ => kernels.constant("gemm_small_narrow_blocks_per_sm"),
+    }
+}
+
+/// The small tiling's parts of k for m rows, n weight rows in blocks of `cols` and k inputs: one part where the
+/// blocks of (weight rows, activation rows) fill the SMs (as many blocks an SM as fit); otherwise as many as fill
+/// them, each at least `gemm_small_min_pieces` pieces, within the split products' slots (tiles of 256 columns).
+fn small_parts(kernels: &Kernels, m: usize, n: usize, cols: usize, k: usize, sms: usize) -> usize {
+    let blocks = n.div_ceil(cols) * small_row_tiles(kernels, m);
+    let slots = n.div_ceil(WEIGHT_ROWS) * m.div_ceil(kernels.constant("gemm_split_rows"));
+    let target = small_blocks_per_sm(kernels, cols) * sms;
     (target / blocks)
         .min(k / PIECE / kernels.constant("gemm_small_min_pieces").max(1))
         .min(kernels.constant("gemm_split_blocks") / slots)
@@ -125,19 +135,37 @@ const SMALL_MAX_ROUNDS: usize = 8;
 
 /// The plan of a `bits`-bit product of m rows, n weight rows (`col_blocks` blocks of 256) and `k_steps` steps of k. Up
 /// to `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
-/// than `SMALL_MAX_ROUNDS` rounds over the SMs. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than
+/// than `SMALL_MAX_ROUNDS` rounds over the SMs; in narrow blocks of 128 weight rows (`gemm_small_narrow`) where the
+/// 256-row blocks would not fill every block slot of the SMs once and the narrow ones cut k into as many parts or
+/// more. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than
 /// `gemm_split_tile_rounds` rounds over the SMs (1: fewer tiles than SMs), k is cut into as many parts as fill
 /// `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k
 /// steps, within the split products' slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: usize, sms: usize) -> Plan {
     let (k, col_blocks) = (k_steps * K_STEP, n.div_ceil(WEIGHT_ROWS));
     let small_blocks = col_blocks * small_row_tiles(kernels, m);
-    let small_rounds = small_blocks.div_ceil(kernels.constant("moe_small_blocks_per_sm") * sms);
+    let small_rounds = small_blocks.div_ceil(kernels.constant("gemm_small_blocks_per_sm") * sms);
     if m <= kernels.constant("gemm_small_max_rows")
         && small_rounds <= SMALL_MAX_ROUNDS
         && small_fits(kernels, bits, m, k)
     {
-        return Plan::Small(small_parts(kernels, m, col_blocks, k, sms));
+        // Narrow blocks where the wide ones would leave block slots of the SMs empty (few warps on each SM), unless
+        // they take longer parts of k (fewer parts for their more blocks).
+        let wide = small_parts(kernels, m, n, WEIGHT_ROWS, k, sms);
+        let narrow = small_parts(kernels, m, n, WEIGHT_ROWS / 2, k, sms);
+        if kernels.constant("gemm_small_narrow") == 1
+            && small_blocks < kernels.constant("gemm_small_blocks_per_sm") * sms
+            && narrow >= wide
+        {
+            return Plan::Small {
+                parts: narrow,
+                cols: WEIGHT_ROWS / 2,
+            };
+        }
+        return Plan::Small {
+            parts: wide,
+            cols: WEIGHT_ROWS,
+        };
     }
     let split_rows = kernels.constant("gemm_split_rows");
     let tiles = m.div_ceil(split_rows) * col_blocks;
@@ -210,7 +238,7 @@ fn plan_for(l: &Launcher, m: usize, w: &GpuMatrix) -> Plan {
 /// kernels' own buffer): the kernel that produces the input may code it there (`rmsnorm_rows`), and
 /// [`gemm_coded`] then runs the product without a coding launch of its own.
 pub fn small_codes(l: &Launcher, m: usize, w: &GpuMatrix) -> Option<Q8x2> {
-    matches!(plan_for(l, m, w), Plan::Small(_)).then(|| Q8x2 {
+    matches!(plan_for(l, m, w), Plan::Small { .. }).then(|| Q8x2 {
         codes: l.kernels.buffer("gemm_small_codes"),
         pairs: l.kernels.buffer("gemm_small_pairs"),
     })
@@ -227,7 +255,7 @@ pub fn gemm_coded(
     coded: bool,
 ) -> Result<()> {
     match plan_for(l, m, w) {
-        Plan::Small(parts) if coded => gemm_small(l, a, m, w, out, accumulate, parts, false),
+        Plan::Small { parts, cols } if coded => gemm_small(l, a, m, w, out, accumulate, parts, cols, false),
         plan => {
             assert!(
                 !coded,
@@ -247,8 +275,8 @@ pub(crate) fn gemm_planned(
     accumulate: bool,
     plan: Plan,
 ) -> Result<()> {
-    if let Plan::Small(parts) = plan {
-        return gemm_small(l, a, m, w, out, accumulate, parts, true);
+    if let Plan::Small { parts, cols } = plan {
+        return gemm_small(l, a, m, w, out, accumulate, parts, cols, true);
     }
     let (n, k) = (w.rows as i32, w.cols as i32);
     let dims = planned_dims(l, m, w.cols, w.rows, w.bits, plan);
@@ -278,8 +306,8 @@ pub(crate) fn gemm_planned(
 }
 
 /// The small tiling's product: `a` coded as Q8x2 rows into the kernels' own buffer (unless `code` is false: a
-/// kernel before did), then a block per (256 weight rows, tile of activation rows, part of k), and the parts' sum
-/// where k is cut.
+/// kernel before did), then a block per (`cols` weight rows, tile of activation rows, part of k), and the parts'
+/// sum where k is cut.
 #[allow(clippy::too_many_arguments)]
 fn gemm_small(
     l: &mut Launcher,
@@ -289,9 +317,14 @@ fn gemm_small(
     out: DevPtr<f32>,
     accumulate: bool,
     parts: usize,
+    cols: usize,
     code: bool,
 ) -> Result<()> {
     let (n, k) = (w.rows, w.cols);
+    assert!(
+        cols == WEIGHT_ROWS || cols == WEIGHT_ROWS / 2,
+        "small blocks of {cols} weight rows"
+    );
     assert!(
         m >= 1 && small_fits(l.kernels, w.bits, m, k),
         "the small tiling takes no {}-bit product of {m} rows and k = {k}",
@@ -310,10 +343,15 @@ fn gemm_small(
         gemm::gemm_quantize_rows(l, quantize, a, m as i32, k as i32)?;
     }
     let tiles = small_row_tiles(l.kernels, m);
-    let dims = Dims::new((col_blocks as u32, tiles as u32, parts as u32), THREADS)
-        .shared(l.kernels.constant("moe_small_smem") as u32);
+    let blocks = (n.div_ceil(cols) as u32, tiles as u32, parts as u32);
     let acc = accumulate as i32;
-    gemm::gemm_q4_small(l, dims, m as i32, w.q4(), n as i32, k as i32, out, acc)?;
+    if cols == WEIGHT_ROWS {
+        let dims = Dims::new(blocks, THREADS).shared(l.kernels.constant("gemm_small_smem") as u32);
+        gemm::gemm_q4_small(l, dims, m as i32, w.q4(), n as i32, k as i32, out, acc)?;
+    } else {
+        let dims = Dims::new(blocks, THREADS).shared(l.kernels.constant("gemm_small_narrow_smem") as u32);
+        gemm::gemm_q4_small_narrow(l, dims, m as i32, w.q4(), n as i32, k as i32, out, acc)?;
+    }
     if parts > 1 {
         let sum = sum_dims(m * n.div_ceil(4));
         gemm::gemm_split_sum(l, sum, m as i32, n as i32, parts as i32, out, acc)?;
@@ -348,7 +386,7 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, n: usize, bits: u32, plan: Pla
         }
         Plan::Tiles(rows) => (rows, 1),
         Plan::Split(parts) => (l.kernels.constant("gemm_split_rows"), parts),
-        Plan::Small(_) => unreachable!("the small tiling has its own geometry"),
+        Plan::Small { .. } => unreachable!("the small tiling has its own geometry"),
     };
     let (x, y, _) = dense_grid(m, k, col_blocks, rows);
     if let Plan::Split(parts) = plan {

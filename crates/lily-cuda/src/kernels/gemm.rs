@@ -32,6 +32,11 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_small_rows_cap",
         "gemm_small_max_k",
         "gemm_small_min_pieces",
+        "gemm_small_narrow",
+        "gemm_small_blocks_per_sm",
+        "gemm_small_smem",
+        "gemm_small_narrow_smem",
+        "gemm_small_narrow_blocks_per_sm",
         "gemm_wgmma",
         "gemm_wgmma_smem",
         "gemm_wgmma_cost",
@@ -136,4 +141,6 @@ launchers! {
     /// `out[m][n] = a[m][k] w[n][k]^T` (`+=` where `accumulate` is 1) on the integer tensor cores, for the rows
     /// `gemm_quantize_rows` coded; with `gridDim.z` parts of k, the parts into the split products' slots instead.
     gemm_q4_small(m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `gemm_q4_small` in narrow blocks of 128 weight rows, more of them an SM.
+    gemm_q4_small_narrow(m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
 }

@@ -100,9 +100,11 @@ fn plans(kernels: &Kernels, sms: usize, bits: u32, m: usize, n: usize, k_steps: 
     let pieces = k_steps / 2;
     if small_fits(kernels, bits, m, k_steps * K_STEP) {
         for parts in [1, 3, pieces] {
-            let fits = tiles * parts <= kernels.constant("gemm_split_blocks");
-            if parts <= pieces && fits && !plans.contains(&Plan::Small(parts)) {
-                plans.push(Plan::Small(parts));
+            for cols in [256, 128] {
+                let fits = tiles * parts <= kernels.constant("gemm_split_blocks");
+                if parts <= pieces && fits && !plans.contains(&Plan::Small { parts, cols }) {
+                    plans.push(Plan::Small { parts, cols });
+                }
             }
         }
     }
@@ -127,7 +129,7 @@ fn plan_name(p: Plan) -> String {
         Plan::Wgmma(cols) => format!("128-row tiles of {cols} columns on wgmma"),
         Plan::WgmmaSplit(parts) => format!("128-row tiles on wgmma, k in {parts} parts"),
         Plan::Split(parts) => format!("k in {parts} parts"),
-        Plan::Small(parts) => format!("integer small tiling, k in {parts} parts"),
+        Plan::Small { parts, cols } => format!("integer small tiling of {cols} columns, k in {parts} parts"),
     }
 }
 
