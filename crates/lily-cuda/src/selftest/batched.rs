@@ -18,6 +18,23 @@ use crate::driver::{GpuError, Result};
 /// (two of 64 sequences parting at gaps of 1.9e-3 and 1.1e-2), so choices closer than 2e-2 may part.
 const NEAR_TIE: f32 = 2e-2;
 
+/// The GPU's end-to-end tolerance against the CPU on this check's random prompts (relative to the largest logit),
+/// as `logits_vs_cpu` holds it.
+const END_TO_END: f32 = 6e-2;
+
+/// The CPU's view of a sequence that parts between the batch and alone: its logits after `prompt` and `tokens` and
+/// the smallest top-8 routing margin over all of them (a margin under `ROUTING_NEAR_TIE` means a GPU path's rounding
+/// may have chosen another expert for some token there, which moves every later logit of the sequence).
+fn cpu_view(cpu: &mut CpuBackend, prompt: &[u32], tokens: &[u32]) -> Result<(Vec<f32>, f32)> {
+    cpu.prefill(prompt).map_err(fe)?;
+    let mut margin = cpu.route_margin();
+    for &token in tokens {
+        cpu.decode(token).map_err(fe)?;
+        margin = margin.min(cpu.route_margin());
+    }
+    Ok((cpu.logits().map_err(fe)?.to_vec(), margin))
+}
+
 /// The next-token logits of `prompt` followed by `tokens` (greedy decoding's inputs), run alone in `slot`.
 fn logits_after(backend: &mut CudaBatchBackend, slot: usize, prompt: &[u32], tokens: &[u32]) -> Result<Vec<f32>> {
     backend.release(slot);
@@ -173,8 +190,11 @@ pub fn check(
         &format!("{} of {free} tokens free after the run", backend.free_tokens()),
     );
     // The products may split their sums by the row count (see gemm.rs), so a row's logits can differ by rounding
-    // between batch sizes; where greedy choices differ, the two candidates must be that close (a near-tie).
-    let (mut same, mut worst_gap) = (0, 0.0f32);
+    // between batch sizes; where greedy choices differ, the two candidates must be that close (a near-tie), or the
+    // CPU's routing of the sequence must have had a near-tie (the rounding may then have flipped an expert, as
+    // `logits_vs_cpu` allows) and the two candidates be within the end-to-end tolerance of each other.
+    let mut cpu = CpuBackend::new(CpuModel::new(weights), longest + generate);
+    let (mut same, mut worst_gap, mut unexplained) = (0, 0.0f32, 0.0f32);
     for s in &seqs {
         let mut alone = [Seq {
             prompt: s.prompt.clone(),
@@ -190,24 +210,32 @@ pub fn check(
                 let logits = logits_after(backend, s.slot, &s.prompt, &alone[..at])?;
                 let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
                 let gap = (logits[alone[at] as usize] - logits[s.tokens[at] as usize]) / scale;
+                let (cpu_logits, margin) = cpu_view(&mut cpu, &s.prompt, &alone[..at])?;
+                let cpu_scale = cpu_logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
+                let cpu_gap = (cpu_logits[alone[at] as usize] - cpu_logits[s.tokens[at] as usize]) / cpu_scale;
                 println!(
-                    "     a sequence of {} prompt tokens differs at token {at}: gap {gap:.2e}",
-                    s.prompt.len()
+                    "     a sequence of {} prompt tokens differs at token {at}: gap {gap:.2e} (the CPU's {cpu_gap:.2e}; \
+                     its smallest routing margin over the sequence {margin:.1e}; alone vs the CPU {:.2e})",
+                    s.prompt.len(),
+                    rel_err(&logits, &cpu_logits),
                 );
                 worst_gap = worst_gap.max(gap);
+                if gap > NEAR_TIE && !(margin < super::ROUTING_NEAR_TIE && gap <= END_TO_END) {
+                    unexplained = unexplained.max(gap);
+                }
             }
         }
     }
     // Near-ties are rare: most sequences must give the same tokens in the batch as alone.
     report.check_eq(
         &format!("batched backend: {count} sequences (prompts 1 ..= {longest}) vs each alone"),
-        worst_gap <= NEAR_TIE && 8 * same >= 7 * count,
+        unexplained == 0.0 && 8 * same >= 7 * count,
         &format!(
             "{same} of {count} gave identical greedy tokens (at least 7 in 8 must); where not, the two choices were \
-             {worst_gap:.1e} apart (a near-tie: <= {NEAR_TIE:.0e} of the largest logit)"
+             {worst_gap:.1e} apart (a near-tie: <= {NEAR_TIE:.0e} of the largest logit, or <= {END_TO_END:.0e} after \
+             a routing near-tie of the CPU's; {unexplained:.1e} was neither)"
         ),
     );
-    let mut cpu = CpuBackend::new(CpuModel::new(weights), 4096);
     for (passes, below, together) in [
         ("batched pass", 0, true),
         ("batched pass", 0, false),
@@ -257,7 +285,7 @@ fn logits_vs_cpu(
     // Where the CPU's routing had a near-tie (its top-8 margin under ROUTING_NEAR_TIE), the GPU's bf16 activations
     // may choose another expert and the logits part for a reason that is not an error: that sequence is compared
     // up to there, as `compare_models` does.
-    let tol = 6e-2;
+    let tol = END_TO_END as f64;
     let (mut worst, mut stopped) = (0.0f64, vec![None; prompts.len()]);
     let mut compare = |seq: usize, at: &str, err: f64, margin: f32, stopped: &mut Vec<Option<String>>| {
         if stopped[seq].is_some() {
