@@ -1483,9 +1483,10 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
 // A batched decode step's projections (and a short prompt's) have few activation rows, so, as for the experts, the
 // time goes into streaming the 4-bit codes and turning them into operands; the small tiling's products serve them
 // too: the activations quantized once to Q8x2 rows (into the module's own buffer below, by gemm_quantize_rows or by
-// the rmsnorm_rows that produced them), then a block per (256 weight rows, SMALL_ROWS activation rows, part of k) reads the row-major codes piece by piece
-// (DenseRows). Few blocks (few rows, or few weight rows as in the output projections) cut k into gridDim.z parts of
-// whole pieces; each part's tile goes to the split products' slots, and gemm_split_sum adds the parts in order.
+// the rmsnorm_rows that produced them), then a block per (256 weight rows, or 128 in the narrow blocks below;
+// SMALL_ROWS activation rows; part of k) reads the row-major codes piece by piece (DenseRows). Few blocks (few
+// rows, or few weight rows as in the output projections) cut k into gridDim.z parts of whole pieces; each part's
+// tile goes to the split products' slots, and gemm_split_sum adds the parts in order.
 // One part writes (or adds to) `out` itself. The products are exact integer sums of exact weights and activations
 // to two 8-bit digits (as the experts'), so they are at least as close to the f32 product as the bf16 path.
 #ifndef GEMM_SMALL_MAX_ROWS

@@ -137,10 +137,10 @@ const SMALL_MAX_ROUNDS: usize = 8;
 /// to `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
 /// than `SMALL_MAX_ROUNDS` rounds over the SMs; in narrow blocks of 128 weight rows (`gemm_small_narrow`) where the
 /// 256-row blocks would not fill every block slot of the SMs once and the narrow ones cut k into as many parts or
-/// more. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than
-/// `gemm_split_tile_rounds` rounds over the SMs (1: fewer tiles than SMs), k is cut into as many parts as fill
-/// `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k
-/// steps, within the split products' slots; otherwise (or where that leaves one part) whole-k tiles.
+/// more. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than `gemm_split_tile_rounds` rounds over the
+/// SMs (1: fewer tiles than SMs), k is cut into as many parts as fill `gemm_split_rounds` rounds of
+/// `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split
+/// products' slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: usize, sms: usize) -> Plan {
     let (k, col_blocks) = (k_steps * K_STEP, n.div_ceil(WEIGHT_ROWS));
     let small_blocks = col_blocks * small_row_tiles(kernels, m);
