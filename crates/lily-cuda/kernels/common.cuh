@@ -87,6 +87,16 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
+// The same for bytes a kernel reads once (the experts' weights in a batched step): L2 is asked to evict them before
+// other lines, so they pass through without pushing out what the step reads again soon (the dense products' weights,
+// which each row tile reads, and the activations).
+__device__ __forceinline__ void cp_async_16_once(u32 dst, const void* src, u32 bytes) {
+    asm volatile(
+        "{\n\t.reg .b64 policy;\n\tcreatepolicy.fractional.L2::evict_first.b64 policy, 1.0;\n\t"
+        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, policy;\n\t}" ::"r"(dst),
+        "l"(src), "r"(bytes)
+        : "memory");
+}
 
 struct Q4 {
     const u32* packed;

@@ -1157,8 +1157,18 @@ struct SmallBlock {
 // piece's lie PIECE_PAIRS words later, and `copy_pair` issues the copy.
 // TiledRows: two blocks of 128 rows of a tiled matrix (the experts: a row's pairs of a piece lie beside the next
 // row's, so a thread copies two rows' pairs at once).
+// The experts' weights are read once a step, so their copies ask L2 to evict them first (see cp_async_16_once);
+// MOE_SMALL_EVICT_FIRST=0 copies them as any other bytes.
+#ifndef MOE_SMALL_EVICT_FIRST
+#define MOE_SMALL_EVICT_FIRST 1
+#endif
+__device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32 bytes) {
+    if (MOE_SMALL_EVICT_FIRST) cp_async_16_once(dst, src, bytes);
+    else cp_async_16(dst, src, bytes);
+}
 struct TiledRows {
     SmallBlock block[2];
+    static constexpr bool STREAM = true;
     static constexpr int PIECE_WORDS = TILED_PIECE_STEP, PIECE_PAIRS = TILED_PAIR_STEP;
     __device__ __forceinline__ const u32* chunk(int row, int c, u32& bytes) const {
         const SmallBlock& b = block[row / TILED_ROWS];
@@ -1173,7 +1183,7 @@ struct TiledRows {
         return true;
     }
     __device__ static __forceinline__ void copy_pair(u32 dst, const u32* src, u32 bytes) {
-        cp_async_16(dst, src, bytes);
+        cp_async_16_stream(dst, src, bytes);
     }
 };
 
@@ -1181,6 +1191,7 @@ struct TiledRows {
 // first word and pair of the item's first piece are `words` and `pairs`; `valid` of the rows lie in the matrix, the
 // others are zero-filled.
 struct DenseRows {
+    static constexpr bool STREAM = false;
     const u32* words;
     const u32* pairs;
     int valid, row_words, row_pairs;
@@ -1207,12 +1218,14 @@ struct DenseRows {
 // already at the item's first piece) of the tile's token r < rows; `w` gives the weight rows; warp w's two m16
 // fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same columns of gate and of up) or 32 w and 32 w + 16
 // (Tile::F = 1: one fragment, at row 16 w).
-// WEIGHTS_FIRST: the weights do not depend on the previous kernel (a dense product), so the prologue's weights are
-// requested before waiting for it (wait_previous); otherwise the caller has waited already.
-template <class Tile, bool GATE_UP, bool WEIGHTS_FIRST, class ARow, class WRows>
+// The weights never depend on what the activations wait for, so the prologue requests its stages' weights first,
+// then calls before() (a dense product: wait_previous for the codes; a down item: its tile's gate/up items), and
+// only then reads a_row and requests the activations: each item's first weights are on their way without waiting
+// for the routing's entries or for other blocks.
+template <class Tile, bool GATE_UP, class ARow, class WRows, class Before>
 __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2], int rows, ARow a_row,
                                                const u32* codes, const float* pairs, int row_k, int pieces,
-                                               const WRows& w) {
+                                               const WRows& w, Before before) {
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < Tile::SMEM) __trap();  // the host's shared memory is not the kernel's
     constexpr int F = Tile::F, STAGES = Tile::STAGES, SMALL_STAGE = Tile::STAGE, SMALL_B_BYTES = Tile::B_BYTES;
@@ -1233,14 +1246,8 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
     static_assert(SMALL_ROWS * 16 % GEMM_THREADS == 0, "whole rounds of the threads copy a stage's codes");
     const unsigned char* a_src[A_COPIES];
     u32 a_bytes[A_COPIES];
-#pragma unroll
-    for (int i = 0; i < A_COPIES; i++) {
-        const int c = tid + i * GEMM_THREADS, r = c / 16;
-        a_src[i] = (const unsigned char*)codes + (size_t)a_row(r < rows ? r : 0) * ROW_BYTES + (c % 16) * 16;
-        a_bytes[i] = r < rows ? 16u : 0u;
-    }
-    const float* ap_src = pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS;
-    const u32 ap_bytes = tid < rows ? 16u : 0u;
+    const float* ap_src = nullptr;
+    u32 ap_bytes = 0;
     const u32* b_src[2 * F];
     u32 b_bytes[2 * F];
 #pragma unroll
@@ -1265,8 +1272,13 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
     auto load_b = [&](int kt) {
         const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + SMALL_A_BYTES + SMALL_PAIR_BYTES;
 #pragma unroll
-        for (int j = 0; j < 2 * F; j++)
-            cp_async_16(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
+        for (int j = 0; j < 2 * F; j++) {
+            if constexpr (WRows::STREAM)
+                cp_async_16_stream(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS,
+                                   b_bytes[j]);
+            else
+                cp_async_16(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
+        }
         if (wp_copies)
             WRows::copy_pair(b_stage + SMALL_B_BYTES + wp_dst, wp_src + (size_t)kt * WRows::PIECE_PAIRS, wp_bytes);
     };
@@ -1291,20 +1303,23 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
         }
     constexpr u32 LOW = 0x0F0F0F0Fu;
 
-    // The prologue's stages, each a cp.async group; with WEIGHTS_FIRST the first group also holds every prologue
-    // stage's weights (the k loop's first wait covers all of them).
-    if constexpr (WEIGHTS_FIRST) {
+    // The prologue's stages, each a cp.async group; the first group also holds every prologue stage's weights,
+    // requested before `before` (the k loop's first wait covers all of them).
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; s++)
-            if (s < PIECES) load_b(s);
-        wait_previous();
+    for (int s = 0; s < STAGES - 1; s++)
+        if (s < PIECES) load_b(s);
+    before();
+#pragma unroll
+    for (int i = 0; i < A_COPIES; i++) {
+        const int c = tid + i * GEMM_THREADS, r = c / 16;
+        a_src[i] = (const unsigned char*)codes + (size_t)a_row(r < rows ? r : 0) * ROW_BYTES + (c % 16) * 16;
+        a_bytes[i] = r < rows ? 16u : 0u;
     }
+    ap_src = pairs + (size_t)a_row(tid < rows ? tid : 0) * 2 * ROW_PAIRS;
+    ap_bytes = tid < rows ? 16u : 0u;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < PIECES) {
-            if constexpr (WEIGHTS_FIRST) load_a(s);
-            else load(s);
-        }
+        if (s < PIECES) load_a(s);
         cp_async_commit();
     }
 #pragma unroll 1
@@ -1376,8 +1391,8 @@ __device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_co
     const TiledRows w = {{small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
                           small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)}};
     float acc[2][SMALL_NF][2];
-    small_products<SmallWide, true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes,
-                                           x_pairs, HIDDEN, HIDDEN / TILED_PIECE, w);
+    small_products<SmallWide, true>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs,
+                                    HIDDEN, HIDDEN / TILED_PIECE, w, [] {});
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     float* act = (float*)smem;
 #pragma unroll
@@ -1401,18 +1416,31 @@ __device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_co
     }
 }
 
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // out[entries[i]][:] = route_w[entries[i]] * (down_e act[i]) for the sorted indices i of tile `tile`, output columns
-// 256 cb ...
+// 256 cb ..., once the tile's gate/up items are done (`done`, their count, reaches MOE_GATE_UP_COLS): each of those
+// was taken before this item by a block that is running, so the wait ends. The first pieces' weights are requested
+// before the wait.
 __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_codes, const float* act_pairs,
                                             const int* entries, const int* tiles, const int* offsets,
-                                            const float* route_w, Q4 down, Q4 shared_down, float* out) {
+                                            const float* route_w, Q4 down, Q4 shared_down, float* out,
+                                            const int* done) {
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int rows = min(SMALL_ROWS, offsets[expert + 1] - first), n0 = cb * WROWS;
     const TiledRows w = {{small_block(down, shared_down, expert, HIDDEN, n0, MOE_INTER),
                           small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)}};
     float acc[2][SMALL_NF][2];
-    small_products<SmallWide, false, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs,
-                                            MOE_INTER, MOE_INTER / TILED_PIECE, w);
+    small_products<SmallWide, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, MOE_INTER,
+                                     MOE_INTER / TILED_PIECE, w, [&] {
+                                         if (threadIdx.x == 0)
+                                             while (load_acquire(done) < MOE_GATE_UP_COLS) __nanosleep(64);
+                                         __syncthreads();  // the tile's codes are read with cp.async.cg, from L2
+                                     });
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nf = 0; nf < SMALL_NF; nf++) {
@@ -1432,18 +1460,19 @@ __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_cod
 
 // The small tiling's gate/up and down in one persistent launch of a few blocks an SM. A block takes work items in
 // the order of a counter (work[0]): first the gate/up items (tile, column block), tile-major, then the down items
-// alike. A down item waits until its tile's gate/up items are done (work[1 + tile] counts them): each of those
-// was taken earlier by a block that is running, so the wait ends, and down items fill the SMs where the last
-// gate/up items leave them idle. The host zeroes `work` (1 + tiles ints) before the launch.
+// alike. A down item waits until its tile's gate/up items are done (work[1 + tile] counts them; see moe_small_down),
+// and down items fill the SMs where the last gate/up items leave them idle. A block takes its next item from the
+// counter as it starts the current one, so the counter's round trip is hidden behind the item's work. No wait can
+// last forever: the lowest-numbered item taken and not done is always some block's current item (a block's next
+// item comes after its current one), and every item it may wait for comes before it, so is done
+// (MOE_SMALL_AHEAD=0 takes the next item after the current one). The host zeroes `work` (1 + tiles ints) before the
+// launch.
+#ifndef MOE_SMALL_AHEAD
+#define MOE_SMALL_AHEAD 1
+#endif
 __device__ int moe_small_smem = SMALL_SMEM;
 __device__ int moe_small_blocks_per_sm = MOE_SMALL_MIN_BLOCKS;
 __device__ int moe_small_items_per_tile = MOE_GATE_UP_COLS + MOE_DOWN_COLS;
-
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     moe_small(Q8x2 x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
@@ -1454,11 +1483,14 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     const int n_tiles = *tile_count;
     const int gate_up_items = n_tiles * MOE_GATE_UP_COLS, items = gate_up_items + n_tiles * MOE_DOWN_COLS;
     int* done = work + 1;
+    if (threadIdx.x == 0) taken = atomicAdd(work, 1);
+    __syncthreads();
     for (;;) {
-        if (threadIdx.x == 0) taken = atomicAdd(work, 1);
-        __syncthreads();
         const int item = taken;
         if (item >= items) return;
+        // Thread 0 takes the next item now and publishes it after this one (the atomic's result is not read before).
+        int next = items;
+        if (MOE_SMALL_AHEAD && threadIdx.x == 0) next = atomicAdd(work, 1);
         if (item < gate_up_items) {
             const int tile = item / MOE_GATE_UP_COLS;
             moe_small_gate_up(tile, item % MOE_GATE_UP_COLS, x.codes, x.pairs, entries, tiles, offsets, gate, up,
@@ -1469,13 +1501,12 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
             if (threadIdx.x == 0) atomicAdd(&done[tile], 1);
         } else {
             const int down_item = item - gate_up_items, tile = down_item / MOE_DOWN_COLS;
-            if (threadIdx.x == 0)
-                while (load_acquire(&done[tile]) < MOE_GATE_UP_COLS) __nanosleep(64);
-            __syncthreads();  // the tile's codes are read with cp.async.cg, from L2
             moe_small_down(tile, down_item % MOE_DOWN_COLS, act.codes, act.pairs, entries, tiles, offsets, route_w,
-                           down, shared_down, out);
+                           down, shared_down, out, &done[tile]);
         }
         __syncthreads();  // the item's shared memory and `taken` are free for the next one
+        if (threadIdx.x == 0) taken = MOE_SMALL_AHEAD ? next : atomicAdd(work, 1);
+        __syncthreads();
     }
 }
 
@@ -1529,9 +1560,9 @@ __device__ __forceinline__ void gemm_q4_small_tile(int m, Q4 w, int n, int k, fl
                            min(Tile::W_ROWS, n - n0), k / 8, k / GROUP};
     float acc[F][SMALL_NF][2];
     // (small_products waits for gemm_quantize_rows's codes after requesting the first pieces' weights.)
-    small_products<Tile, false, true>(acc, rows, [&](int r) { return m0 + r; },
-                                      gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
-                                      gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src);
+    small_products<Tile, false>(acc, rows, [&](int r) { return m0 + r; },
+                                gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
+                                gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src, [] { wait_previous(); });
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int col_blocks = (n + WROWS - 1) / WROWS, tiles = col_blocks * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
 #pragma unroll
