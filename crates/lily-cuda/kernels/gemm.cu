@@ -418,6 +418,19 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     dense<8>(a, m, w, n, k, out, accumulate);
 }
 
+// gemm_q4 in 64-row tiles only, two blocks an SM: the 64-row tile needs 128 registers (the 128-row one that gemm_q4
+// also holds needs 249), so a second block's warps hide the first's loads and dequantization. The host launches it
+// for every 64-row tiling of a 4-bit product (a batched step's lm_head: 970 blocks) where `gemm_rows64_two` is 1.
+#ifndef GEMM_ROWS64_TWO
+#define GEMM_ROWS64_TWO 1
+#endif
+__device__ int gemm_rows64_two = GEMM_ROWS64_TWO;
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    gemm_q4_rows64(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    dense_tile<Tile<64, 1, 4>>(a, m, w, n, k, out, accumulate);
+}
+
 // ---- Dense 4-bit products on the warpgroup tensor cores (Hopper, sm_90a) ----
 // The same product as gemm_q4 with 128-row tiles, for the GPUs that have wgmma: mma.sync reaches about a third of
 // Hopper's tensor throughput, the asynchronous warpgroup MMA most of it. A block (two warpgroups, 256 threads)

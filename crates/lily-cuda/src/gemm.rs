@@ -281,6 +281,9 @@ pub(crate) fn gemm_planned(
     let (n, k) = (w.rows as i32, w.cols as i32);
     let dims = planned_dims(l, m, w.cols, w.rows, w.bits, plan);
     match (w.bits, plan) {
+        (4, Plan::Tiles(64)) if l.kernels.constant("gemm_rows64_two") == 1 => {
+            gemm::gemm_q4_rows64(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32)
+        }
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (4, Plan::Wgmma(WEIGHT_ROWS)) => {

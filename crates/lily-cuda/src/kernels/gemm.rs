@@ -45,6 +45,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_wgmma_built",
         "moe_wgmma_tile_rows",
         "moe_wgmma_min_tokens",
+        "gemm_rows64_two",
     ],
 };
 
@@ -67,6 +68,8 @@ launchers! {
     );
     /// The same with 8-bit weights.
     gemm_q8(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `gemm_q4` in 64-row tiles at two blocks an SM (where `gemm_rows64_two` is 1).
+    gemm_q4_rows64(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `gemm_q4`'s partial products over `gridDim.z` parts of k, into the split products' slots (few rows).
     gemm_q4_split(a: DevPtr<bf16>, m: i32, w: Q4, n: i32, k: i32);
     /// `gemm_q4_split` in 128-row tiles on the warpgroup tensor cores (Hopper builds only).
