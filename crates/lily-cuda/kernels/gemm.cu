@@ -1167,7 +1167,7 @@ struct SmallBlock {
 // of item row `row` and how many of its bytes to copy (16, or 0 to zero-fill); a chunk's next piece lies
 // PIECE_WORDS words later. `pair_copy` gives this thread's share of the block's rows' pairs in the first piece (its
 // source, bytes and offset in the stage's pairs, 8 bytes a row; false where the thread copies none); the next
-// piece's lie PIECE_PAIRS words later, and `copy_pair` issues the copy.
+// piece's lie PIECE_PAIRS words later, and `copy_pair` issues the copy; `copy_chunk` issues a chunk's.
 // TiledRows: two blocks of 128 rows of a tiled matrix (the experts: a row's pairs of a piece lie beside the next
 // row's, so a thread copies two rows' pairs at once).
 // The experts' weights are read once a step, so their copies ask L2 to evict them first (see cp_async_16_once);
@@ -1175,13 +1175,8 @@ struct SmallBlock {
 #ifndef MOE_SMALL_EVICT_FIRST
 #define MOE_SMALL_EVICT_FIRST 1
 #endif
-__device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, u32 bytes) {
-    if (MOE_SMALL_EVICT_FIRST) cp_async_16_once(dst, src, bytes);
-    else cp_async_16(dst, src, bytes);
-}
 struct TiledRows {
     SmallBlock block[2];
-    static constexpr bool STREAM = true;
     static constexpr int PIECE_WORDS = TILED_PIECE_STEP, PIECE_PAIRS = TILED_PAIR_STEP;
     __device__ __forceinline__ const u32* chunk(int row, int c, u32& bytes) const {
         const SmallBlock& b = block[row / TILED_ROWS];
@@ -1195,16 +1190,17 @@ struct TiledRows {
         src = b.pairs + (row % TILED_ROWS) * TILED_PIECE_PAIRS, bytes = b.bytes, dst = row * 8;
         return true;
     }
-    __device__ static __forceinline__ void copy_pair(u32 dst, const u32* src, u32 bytes) {
-        cp_async_16_stream(dst, src, bytes);
+    __device__ static __forceinline__ void copy_chunk(u32 dst, const u32* src, u32 bytes) {
+        if (MOE_SMALL_EVICT_FIRST) cp_async_16_once(dst, src, bytes);
+        else cp_async_16(dst, src, bytes);
     }
+    __device__ static __forceinline__ void copy_pair(u32 dst, const u32* src, u32 bytes) { copy_chunk(dst, src, bytes); }
 };
 
 // DenseRows: 256 rows of a row-major matrix (MLX order: a row's words, then separately its pairs) whose first row's
 // first word and pair of the item's first piece are `words` and `pairs`; `valid` of the rows lie in the matrix, the
 // others are zero-filled.
 struct DenseRows {
-    static constexpr bool STREAM = false;
     const u32* words;
     const u32* pairs;
     int valid, row_words, row_pairs;
@@ -1221,6 +1217,7 @@ struct DenseRows {
         src = pairs + (size_t)(in ? row : 0) * row_pairs, bytes = in ? 8u : 0u, dst = row * 8;
         return true;
     }
+    __device__ static __forceinline__ void copy_chunk(u32 dst, const u32* src, u32 bytes) { cp_async_16(dst, src, bytes); }
     __device__ static __forceinline__ void copy_pair(u32 dst, const u32* src, u32 bytes) {
         cp_async_ca<8>(dst, src, bytes);
     }
@@ -1285,13 +1282,8 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
     auto load_b = [&](int kt) {
         const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + SMALL_A_BYTES + SMALL_PAIR_BYTES;
 #pragma unroll
-        for (int j = 0; j < 2 * F; j++) {
-            if constexpr (WRows::STREAM)
-                cp_async_16_stream(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS,
-                                   b_bytes[j]);
-            else
-                cp_async_16(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
-        }
+        for (int j = 0; j < 2 * F; j++)
+            WRows::copy_chunk(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
         if (wp_copies)
             WRows::copy_pair(b_stage + SMALL_B_BYTES + wp_dst, wp_src + (size_t)kt * WRows::PIECE_PAIRS, wp_bytes);
     };

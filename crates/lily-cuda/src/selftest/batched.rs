@@ -8,7 +8,7 @@ use lily_model::rng::Rng;
 use lily_model::sampling::Sampler;
 use lily_model::weights::Weights;
 
-use super::{rel_err, Report};
+use super::{logit_gap, rel_err, Report};
 use crate::batch::CudaBatchBackend;
 use crate::driver::{GpuError, Result};
 
@@ -208,11 +208,9 @@ pub fn check(
             None => same += 1,
             Some(at) => {
                 let logits = logits_after(backend, s.slot, &s.prompt, &alone[..at])?;
-                let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
-                let gap = (logits[alone[at] as usize] - logits[s.tokens[at] as usize]) / scale;
+                let gap = logit_gap(&logits, alone[at], s.tokens[at]);
                 let (cpu_logits, margin) = cpu_view(&mut cpu, &s.prompt, &alone[..at])?;
-                let cpu_scale = cpu_logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
-                let cpu_gap = (cpu_logits[alone[at] as usize] - cpu_logits[s.tokens[at] as usize]) / cpu_scale;
+                let cpu_gap = logit_gap(&cpu_logits, alone[at], s.tokens[at]);
                 println!(
                     "     a sequence of {} prompt tokens differs at token {at}: gap {gap:.2e} (the CPU's {cpu_gap:.2e}; \
                      its smallest routing margin over the sequence {margin:.1e}; alone vs the CPU {:.2e})",

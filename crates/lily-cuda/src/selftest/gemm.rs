@@ -220,17 +220,15 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         shared,
     };
     // Every tiling at every token count: the small one (what up to 512 tokens take) and the large one.
-    let mut tilings = vec![
-        kernels.constant("moe_small_tile_rows"),
-        kernels.constant("moe_tile_rows"),
-    ];
+    let small_rows = kernels.constant("moe_small_tile_rows");
+    let mut tilings = vec![small_rows, kernels.constant("moe_tile_rows")];
     // On Hopper also the warpgroup gate/up's 128-row tiles (routings of moe_wgmma_min_tokens or more take them).
     if kernels.constant("moe_wgmma_built") == 1 {
         tilings.push(kernels.constant("moe_wgmma_tile_rows"));
     }
     // The small tiling's codes hold the routings it takes (`moe_small_max_tokens`, a tuning constant), so it is
     // checked up to there.
-    let (small_rows, small_max) = (tilings[0], kernels.constant("moe_small_max_tokens"));
+    let small_max = kernels.constant("moe_small_max_tokens");
     for tokens in [1, 3, 16, 300] {
         for &tile_rows in tilings
             .iter()

@@ -60,6 +60,12 @@ impl Report {
     }
 }
 
+/// How far token `a`'s logit is above token `b`'s, relative to the largest logit: how close a greedy choice was.
+pub(crate) fn logit_gap(logits: &[f32], a: u32, b: u32) -> f32 {
+    let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
+    (logits[a as usize] - logits[b as usize]) / scale
+}
+
 /// max |a - b| / max |b|; infinite when a value is not finite.
 pub(crate) fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
     assert_eq!(gpu.len(), cpu.len());
@@ -359,8 +365,7 @@ fn compare_golden(
             let expected = greedy[ours.len()];
             if chosen != expected {
                 let logits = gpu.logits().map_err(fe)?;
-                let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
-                let gap = (logits[chosen as usize] - logits[expected as usize]) / scale;
+                let gap = logit_gap(logits, chosen, expected);
                 differing.push((p, ours.len(), gap));
                 break;
             }
