@@ -1124,19 +1124,25 @@ extern "C" __global__ void __launch_bounds__(256)
 constexpr int SMALL_ROWS = MOE_SMALL_TILE_ROWS;
 constexpr int SMALL_NF = SMALL_ROWS / 4;  // n8 fragments of 4 tokens
 constexpr int SMALL_A_ROW = 2 * Q8X2_GROUP_BYTES + 64;
-constexpr int SMALL_A_BYTES = SMALL_ROWS * SMALL_A_ROW;
-constexpr int SMALL_PAIR_BYTES = SMALL_ROWS * 2 * 8;
 // A block covers 128 F weight rows, each warp F m16 fragments: F = 2 for the experts' items and the dense products'
-// wide blocks of 256 rows; F = 1 for the dense products' narrow blocks of 128 rows, of which more fit an SM. A stage
-// holds the tile's codes and their pairs, then the weight rows' codes and their pairs; STAGES of them.
-template <int F_, int STAGES_>
+// wide blocks of 256 rows; F = 1 for the dense products' narrow blocks of 128 rows, of which more fit an SM. A tile
+// holds ROWS activation rows (SMALL_ROWS for the experts; the dense products may take taller tiles, which read each
+// weight from L2 once per ROWS rows). A stage holds the tile's codes and their pairs, then the weight rows' codes and
+// their pairs; STAGES of them.
+template <int F_, int STAGES_, int ROWS_ = SMALL_ROWS>
 struct SmallTile {
-    static constexpr int F = F_, STAGES = STAGES_;
+    static constexpr int F = F_, STAGES = STAGES_, ROWS = ROWS_;
+    static constexpr int NF = ROWS / 4;  // n8 fragments of 4 tokens
+    static constexpr int A_BYTES = ROWS * SMALL_A_ROW, PAIR_BYTES = ROWS * 2 * 8;
     static constexpr int W_ROWS = TILED_ROWS * F;
     static constexpr int B_BYTES = W_ROWS * 64, SB_BYTES = W_ROWS * 8;
-    static constexpr int STAGE = SMALL_A_BYTES + SMALL_PAIR_BYTES + B_BYTES + SB_BYTES;
+    static constexpr int STAGE = A_BYTES + PAIR_BYTES + B_BYTES + SB_BYTES;
     static constexpr int SMEM = STAGES * STAGE;
+    static_assert(ROWS % 16 == 0 && ROWS <= 64, "whole half-warps of tokens per stage copy");
 };
+// Whether BLOCKS blocks of a kernel with SMEM bytes of dynamic shared memory fit an SM (228 KB, 1 KB of which the
+// runtime reserves for each block).
+__host__ __device__ constexpr bool fits_sm(int smem, int blocks) { return blocks * (smem + 1024) <= 228 * 1024; }
 using SmallWide = SmallTile<2, MOE_SMALL_STAGES>;
 constexpr int SMALL_SMEM = SmallWide::SMEM;
 // The gate/up epilogue's SwiGLU tile (f32 [SMALL_ROWS][128], rows padded to 136 so a warp's stores, 4 tokens by 8
@@ -1224,7 +1230,9 @@ struct DenseRows {
 };
 
 // acc[f][nf][h] = the item's products for weight row frag_row(f) + g + 8h and token 4 nf + t of the tile (lane
-// (g, t)), over `pieces` pieces. a_row(r) is the Q8x2 row (of `codes` and `pairs`, rows of `row_k` inputs, both
+// (g, t)), over `pieces` pieces. FULL: the tile's `rows` are all Tile::ROWS, so every fragment is computed without a
+// check between them (which lets the compiler interleave the fragments' loads, products and sums); otherwise the
+// fragments past `rows` are skipped. a_row(r) is the Q8x2 row (of `codes` and `pairs`, rows of `row_k` inputs, both
 // already at the item's first piece) of the tile's token r < rows; `w` gives the weight rows; warp w's two m16
 // fragments start at rows 16 w and 128 + 16 w (GATE_UP: the same columns of gate and of up) or 32 w and 32 w + 16
 // (Tile::F = 1: one fragment, at row 16 w).
@@ -1232,13 +1240,14 @@ struct DenseRows {
 // then calls before() (a dense product: wait_previous for the codes; a down item: its tile's gate/up items), and
 // only then reads a_row and requests the activations: each item's first weights are on their way without waiting
 // for the routing's entries or for other blocks.
-template <class Tile, bool GATE_UP, class ARow, class WRows, class Before>
-__device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2], int rows, ARow a_row,
+template <class Tile, bool GATE_UP, bool FULL, class ARow, class WRows, class Before>
+__device__ __forceinline__ void small_products(float (&acc)[Tile::F][Tile::NF][2], int rows, ARow a_row,
                                                const u32* codes, const float* pairs, int row_k, int pieces,
                                                const WRows& w, Before before) {
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < Tile::SMEM) __trap();  // the host's shared memory is not the kernel's
     constexpr int F = Tile::F, STAGES = Tile::STAGES, SMALL_STAGE = Tile::STAGE, SMALL_B_BYTES = Tile::B_BYTES;
+    constexpr int ROWS = Tile::ROWS, NF = Tile::NF, A_BYTES = Tile::A_BYTES, AB_BYTES = A_BYTES + Tile::PAIR_BYTES;
     static_assert(F == 2 || !GATE_UP, "a gate/up item takes 128 rows of each matrix");
     const int PIECES = pieces, ROW_BYTES = row_k * 2, ROW_PAIRS = row_k / GROUP;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane / 4, t = lane % 4;
@@ -1246,14 +1255,14 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
 #pragma unroll
     for (int f = 0; f < F; f++)
 #pragma unroll
-        for (int nf = 0; nf < SMALL_NF; nf++) acc[f][nf][0] = acc[f][nf][1] = 0.f;
+        for (int nf = 0; nf < NF; nf++) acc[f][nf][0] = acc[f][nf][1] = 0.f;
 
     // Copies of a stage: the tokens' codes, chunk c % 16 of token c / 16 for c = tid, tid + 256, ...; their pairs
-    // (16 bytes a token, threads below SMALL_ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 2 F); the
+    // (16 bytes a token, threads below ROWS); chunk tid % 4 of weight rows tid / 4 + 64 j (j < 2 F); the
     // weight rows' pairs. Each copy's source in the first piece, its byte count and its place in a stage are worked
     // out once here; a piece only moves the sources along.
-    constexpr int A_COPIES = SMALL_ROWS * 16 / GEMM_THREADS;
-    static_assert(SMALL_ROWS * 16 % GEMM_THREADS == 0, "whole rounds of the threads copy a stage's codes");
+    constexpr int A_COPIES = ROWS * 16 / GEMM_THREADS;
+    static_assert(ROWS * 16 % GEMM_THREADS == 0, "whole rounds of the threads copy a stage's codes");
     const unsigned char* a_src[A_COPIES];
     u32 a_bytes[A_COPIES];
     const float* ap_src = nullptr;
@@ -1277,10 +1286,10 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
             cp_async_16(stage + (c / 16) * SMALL_A_ROW + (c % 16) * 16, a_src[i] + kt * 2 * Q8X2_GROUP_BYTES,
                         a_bytes[i]);
         }
-        if (tid < SMALL_ROWS) cp_async_16(stage + SMALL_A_BYTES + tid * 16, ap_src + 4 * kt, ap_bytes);
+        if (tid < ROWS) cp_async_16(stage + A_BYTES + tid * 16, ap_src + 4 * kt, ap_bytes);
     };
     auto load_b = [&](int kt) {
-        const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + SMALL_A_BYTES + SMALL_PAIR_BYTES;
+        const u32 b_stage = smem0 + (kt % STAGES) * SMALL_STAGE + AB_BYTES;
 #pragma unroll
         for (int j = 0; j < 2 * F; j++)
             WRows::copy_chunk(b_stage + b_dst + j * 64 * 64, b_src[j] + (size_t)kt * WRows::PIECE_WORDS, b_bytes[j]);
@@ -1304,7 +1313,7 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
 #pragma unroll
         for (int gi = 0; gi < 2; gi++) {
             const int row = frag_row[f] + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = 2 * gi + (lane >> 4);
-            ld_off[f][gi] = SMALL_A_BYTES + SMALL_PAIR_BYTES + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
+            ld_off[f][gi] = AB_BYTES + row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
         }
     constexpr u32 LOW = 0x0F0F0F0Fu;
 
@@ -1334,7 +1343,7 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
         if (kt + STAGES - 1 < PIECES) load(kt + STAGES - 1);
         cp_async_commit();
         const int at = (kt % STAGES) * SMALL_STAGE;
-        const u32* sb = (const u32*)(smem + at + SMALL_A_BYTES + SMALL_PAIR_BYTES + SMALL_B_BYTES);
+        const u32* sb = (const u32*)(smem + at + AB_BYTES + SMALL_B_BYTES);
 #pragma unroll
         for (int gi = 0; gi < 2; gi++) {
             u32 a[F][2][4];  // [fragment][k32 step]: A's four registers
@@ -1352,13 +1361,13 @@ __device__ __forceinline__ void small_products(float (&acc)[Tile::F][SMALL_NF][2
                 for (int h = 0; h < 2; h++) wsb[f][h] = pair_to_float2(sb[(frag_row[f] + g + 8 * h) * 2 + gi]);
             }
 #pragma unroll
-            for (int nf = 0; nf < SMALL_NF; nf++) {
-                if (nf * 4 >= rows) break;  // warp-uniform: the fragments past the tile's tokens
+            for (int nf = 0; nf < NF; nf++) {
+                if (!FULL && nf * 4 >= rows) break;  // warp-uniform: the fragments past the tile's tokens
                 // B: token 4 nf + g / 2's digit g % 2, words t (step 0) and 4 + t (step 1) of group gi.
                 const unsigned char* bp = smem + at + (nf * 4 + g / 2) * SMALL_A_ROW + gi * Q8X2_GROUP_BYTES +
                                           t * Q8X2_WORD_BYTES + (g % 2) * 8;
                 const uint2 b0 = *(const uint2*)bp, b1 = *(const uint2*)(bp + 4 * Q8X2_WORD_BYTES);
-                const float2 xp = *(const float2*)(smem + at + SMALL_A_BYTES + (nf * 4 + t) * 16 + gi * 8);
+                const float2 xp = *(const float2*)(smem + at + A_BYTES + (nf * 4 + t) * 16 + gi * 8);
 #pragma unroll
                 for (int f = 0; f < F; f++) {
                     int c[4] = {0, 0, 0, 0};
@@ -1396,8 +1405,8 @@ __device__ __noinline__ void moe_small_gate_up(int tile, int cb, const u32* x_co
     const TiledRows w = {{small_block(gate, shared_gate, expert, MOE_INTER, n0, HIDDEN),
                           small_block(up, shared_up, expert, MOE_INTER, n0, HIDDEN)}};
     float acc[2][SMALL_NF][2];
-    small_products<SmallWide, true>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes, x_pairs,
-                                    HIDDEN, HIDDEN / TILED_PIECE, w, [] {});
+    small_products<SmallWide, true, false>(acc, rows, [&](int r) { return entries[first + r] / MOE_SLOTS; }, x_codes,
+                                           x_pairs, HIDDEN, HIDDEN / TILED_PIECE, w, [] {});
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     float* act = (float*)smem;
 #pragma unroll
@@ -1440,12 +1449,12 @@ __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_cod
     const TiledRows w = {{small_block(down, shared_down, expert, HIDDEN, n0, MOE_INTER),
                           small_block(down, shared_down, expert, HIDDEN, n0 + TILED_ROWS, MOE_INTER)}};
     float acc[2][SMALL_NF][2];
-    small_products<SmallWide, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs, MOE_INTER,
-                                     MOE_INTER / TILED_PIECE, w, [&] {
-                                         if (threadIdx.x == 0)
-                                             while (load_acquire(done) < MOE_GATE_UP_COLS) __nanosleep(64);
-                                         __syncthreads();  // the tile's codes are read with cp.async.cg, from L2
-                                     });
+    small_products<SmallWide, false, false>(acc, rows, [&](int r) { return first + r; }, act_codes, act_pairs,
+                                            MOE_INTER, MOE_INTER / TILED_PIECE, w, [&] {
+                                                if (threadIdx.x == 0)
+                                                    while (load_acquire(done) < MOE_GATE_UP_COLS) __nanosleep(64);
+                                                __syncthreads();  // the tile's codes are read with cp.async.cg, from L2
+                                            });
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nf = 0; nf < SMALL_NF; nf++) {
@@ -1519,8 +1528,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
 // A batched decode step's projections (and a short prompt's) have few activation rows, so, as for the experts, the
 // time goes into streaming the 4-bit codes and turning them into operands; the small tiling's products serve them
 // too: the activations quantized once to Q8x2 rows (into the module's own buffer below, by gemm_quantize_rows or by
-// the rmsnorm_rows that produced them), then a block per (256 weight rows, or 128 in the narrow blocks below;
-// SMALL_ROWS activation rows; part of k) reads the row-major codes piece by piece (DenseRows). Few blocks (few
+// the rmsnorm_rows that produced them), then a block per (256 weight rows, or 128 in the narrow blocks below; a
+// tile of activation rows; part of k) reads the row-major codes piece by piece (DenseRows). Few blocks (few
 // rows, or few weight rows as in the output projections) cut k into gridDim.z parts of whole pieces; each part's
 // tile goes to the split products' slots, and gemm_split_sum adds the parts in order.
 // One part writes (or adds to) `out` itself. The products are exact integer sums of exact weights and activations
@@ -1533,8 +1542,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
 #endif
 #define GEMM_SMALL_ROWS_CAP 512  // rows the codes buffer holds: the most GEMM_SMALL_MAX_ROWS may be
 #define GEMM_SMALL_MAX_K 4096
-static_assert(GEMM_SMALL_MAX_ROWS <= GEMM_SMALL_ROWS_CAP && SPLIT_ROWS % SMALL_ROWS == 0,
-              "the codes hold the rows; a tile of rows lies in one of the split products' row blocks");
+static_assert(GEMM_SMALL_MAX_ROWS <= GEMM_SMALL_ROWS_CAP, "the codes hold the rows");
 // Read by the host (src/gemm.rs): the most rows the plan gives these products, the most the buffer holds (the
 // self-test checks up to it), the widest k, and the fewest pieces of k a part takes.
 __device__ int gemm_small_max_rows = GEMM_SMALL_MAX_ROWS;
@@ -1551,27 +1559,39 @@ extern "C" __global__ void __launch_bounds__(256) gemm_quantize_rows(const bf16*
     quantize_rows_q8x2(blockIdx.x * blockDim.x, a, nullptr, m, k, gemm_small_codes, gemm_small_pairs);
 }
 
+// GEMM_SMALL_FULL=0 takes every tile with the checks between fragments (the experts' path).
+#ifndef GEMM_SMALL_FULL
+#define GEMM_SMALL_FULL 1
+#endif
+
 // out[m][n] = a[m][k] w[n][k]^T (+= where `accumulate` is 1) for the rows gemm_quantize_rows coded, 4-bit weights;
-// block (Tile::W_ROWS weight rows, SMALL_ROWS rows of a, part of k). A part's tile goes to the split products'
-// slots, which are numbered by blocks of WROWS weight rows whatever the block's width.
+// block (Tile::W_ROWS weight rows, Tile::ROWS rows of a, part of k). A part's tile goes to the split products'
+// slots, which are numbered by blocks of WROWS weight rows whatever the block's width. A tile whose rows are all
+// valid (every tile but a product's last) takes the products without checks between the fragments.
 template <class Tile>
 __device__ __forceinline__ void gemm_q4_small_tile(int m, Q4 w, int n, int k, float* out, int accumulate) {
-    constexpr int F = Tile::F;
-    const int m0 = blockIdx.y * SMALL_ROWS, n0 = blockIdx.x * Tile::W_ROWS, rows = min(SMALL_ROWS, m - m0);
+    constexpr int F = Tile::F, ROWS = Tile::ROWS;
+    static_assert(SPLIT_ROWS % ROWS == 0, "a tile of rows lies in one of the split products' row blocks");
+    const int m0 = blockIdx.y * ROWS, n0 = blockIdx.x * Tile::W_ROWS, rows = min(ROWS, m - m0);
     const int pieces = k / TILED_PIECE, parts = gridDim.z;
     const int p0 = blockIdx.z * pieces / parts, p1 = (blockIdx.z + 1) * pieces / parts;
     const DenseRows src = {w.packed + (size_t)n0 * (k / 8) + p0 * TILED_PIECE_WORDS,
                            w.scale_bias + (size_t)n0 * (k / GROUP) + p0 * TILED_PIECE_PAIRS,
                            min(Tile::W_ROWS, n - n0), k / 8, k / GROUP};
-    float acc[F][SMALL_NF][2];
+    float acc[F][Tile::NF][2];
     // (small_products waits for gemm_quantize_rows's codes after requesting the first pieces' weights.)
-    small_products<Tile, false>(acc, rows, [&](int r) { return m0 + r; },
-                                gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4,
-                                gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS, k, p1 - p0, src, [] { wait_previous(); });
+    const auto a_row = [&](int r) { return m0 + r; };
+    const u32* codes = gemm_small_codes + p0 * 2 * Q8X2_GROUP_BYTES / 4;
+    const float* pairs = gemm_small_pairs + p0 * 2 * TILED_PIECE_PAIRS;
+    const auto before = [] { wait_previous(); };
+    if (GEMM_SMALL_FULL && rows == ROWS)
+        small_products<Tile, false, true>(acc, rows, a_row, codes, pairs, k, p1 - p0, src, before);
+    else
+        small_products<Tile, false, false>(acc, rows, a_row, codes, pairs, k, p1 - p0, src, before);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int col_blocks = (n + WROWS - 1) / WROWS, tiles = col_blocks * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
 #pragma unroll
-    for (int nf = 0; nf < SMALL_NF; nf++) {
+    for (int nf = 0; nf < Tile::NF; nf++) {
         const int r = m0 + nf * 4 + t;
         if (r >= m0 + rows) continue;
         float* slot = partial_slot(n0 / WROWS + col_blocks * (r / SPLIT_ROWS), blockIdx.z, tiles) +
@@ -1593,6 +1613,7 @@ __device__ __forceinline__ void gemm_q4_small_tile(int m, Q4 w, int n, int k, fl
 
 // The dense products' wide blocks: their shared memory and blocks an SM (read by the host, src/gemm.rs).
 #define GEMM_SMALL_WIDE_BLOCKS 2
+static_assert(fits_sm(SmallWide::SMEM, GEMM_SMALL_WIDE_BLOCKS), "the wide blocks fit an SM");
 __device__ int gemm_small_smem = SmallWide::SMEM;
 __device__ int gemm_small_blocks_per_sm = GEMM_SMALL_WIDE_BLOCKS;
 
@@ -1615,6 +1636,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, GEMM_SMALL_WIDE_BLOCK
 #define GEMM_SMALL_NARROW_BLOCKS 3
 #endif
 using SmallNarrow = SmallTile<1, GEMM_SMALL_NARROW_STAGES>;
+static_assert(fits_sm(SmallNarrow::SMEM, GEMM_SMALL_NARROW_BLOCKS), "the narrow blocks fit an SM");
 // Read by the host (src/gemm.rs): whether the plan takes the narrow blocks, their shared memory and blocks an SM.
 __device__ int gemm_small_narrow = GEMM_SMALL_NARROW;
 __device__ int gemm_small_narrow_smem = SmallNarrow::SMEM;
@@ -1623,4 +1645,34 @@ __device__ int gemm_small_narrow_blocks_per_sm = GEMM_SMALL_NARROW_BLOCKS;
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, GEMM_SMALL_NARROW_BLOCKS)
     gemm_q4_small_narrow(int m, Q4 w, int n, int k, float* out, int accumulate) {
     gemm_q4_small_tile<SmallNarrow>(m, w, n, k, out, accumulate);
+}
+
+// The tall narrow blocks: the narrow blocks' 128 weight rows for tiles of GEMM_SMALL_TALL_ROWS activation rows, which
+// the narrow blocks take where a product has more rows than one short tile (GEMM_SMALL_TALL=0: never). Each weight
+// is read from L2 once per tile, so half as often for the batched step's 64 rows; the longer tile's registers and
+// stages leave room for two blocks an SM.
+#ifndef GEMM_SMALL_TALL
+#define GEMM_SMALL_TALL 1
+#endif
+#ifndef GEMM_SMALL_TALL_ROWS
+#define GEMM_SMALL_TALL_ROWS 32
+#endif
+#ifndef GEMM_SMALL_TALL_STAGES
+#define GEMM_SMALL_TALL_STAGES 3
+#endif
+#ifndef GEMM_SMALL_TALL_BLOCKS
+#define GEMM_SMALL_TALL_BLOCKS 2
+#endif
+using SmallTall = SmallTile<1, GEMM_SMALL_TALL_STAGES, GEMM_SMALL_TALL_ROWS>;
+static_assert(fits_sm(SmallTall::SMEM, GEMM_SMALL_TALL_BLOCKS), "the tall blocks fit an SM");
+// Read by the host (src/gemm.rs): whether the narrow blocks take tall tiles, their height, shared memory and blocks
+// an SM.
+__device__ int gemm_small_tall = GEMM_SMALL_TALL;
+__device__ int gemm_small_tall_rows = GEMM_SMALL_TALL_ROWS;
+__device__ int gemm_small_tall_smem = SmallTall::SMEM;
+__device__ int gemm_small_tall_blocks_per_sm = GEMM_SMALL_TALL_BLOCKS;
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, GEMM_SMALL_TALL_BLOCKS)
+    gemm_q4_small_tall(int m, Q4 w, int n, int k, float* out, int accumulate) {
+    gemm_q4_small_tile<SmallTall>(m, w, n, k, out, accumulate);
 }

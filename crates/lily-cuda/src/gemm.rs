@@ -98,39 +98,84 @@ pub(crate) fn small_fits(kernels: &Kernels, bits: u32, m: usize, k: usize) -> bo
         && k.is_multiple_of(PIECE)
 }
 
-/// Blocks an SM of the small tiling's dense products in blocks of `cols` weight rows (256 or 128).
-fn small_blocks_per_sm(kernels: &Kernels, cols: usize) -> usize {
-    match cols {
-        WEIGHT_ROWS => kernels.constant("gemm_small_blocks_per_sm"),
-        _ => kernels.constant("gemm_small_narrow_blocks_per_sm"),
+/// The small tiling's dense products of m rows in blocks of `cols` weight rows (256 or 128): which kernel takes them
+/// and its tile height, shared memory and blocks an SM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SmallKernel {
+    /// `gemm_q4_small`: 256 weight rows, tiles of `moe_small_tile_rows` rows.
+    Wide,
+    /// `gemm_q4_small_narrow`: 128 weight rows, tiles of `moe_small_tile_rows` rows.
+    Narrow,
+    /// `gemm_q4_small_tall`: 128 weight rows, tiles of `gemm_small_tall_rows` rows, for products of more rows than
+    /// one short tile (where `gemm_small_tall` is 1).
+    Tall,
+}
+
+impl SmallKernel {
+    fn of(kernels: &Kernels, m: usize, cols: usize) -> SmallKernel {
+        match cols {
+            WEIGHT_ROWS => SmallKernel::Wide,
+            _ if kernels.constant("gemm_small_tall") == 1 && m > kernels.constant("moe_small_tile_rows") => {
+                SmallKernel::Tall
+            }
+            _ => SmallKernel::Narrow,
+        }
     }
+
+    fn smem(self, kernels: &Kernels) -> usize {
+        kernels.constant(match self {
+            SmallKernel::Wide => "gemm_small_smem",
+            SmallKernel::Narrow => "gemm_small_narrow_smem",
+            SmallKernel::Tall => "gemm_small_tall_smem",
+        })
+    }
+
+    fn blocks_per_sm(self, kernels: &Kernels) -> usize {
+        kernels.constant(match self {
+            SmallKernel::Wide => "gemm_small_blocks_per_sm",
+            SmallKernel::Narrow => "gemm_small_narrow_blocks_per_sm",
+            SmallKernel::Tall => "gemm_small_tall_blocks_per_sm",
+        })
+    }
+
+    fn tile_rows(self, kernels: &Kernels) -> usize {
+        kernels.constant(match self {
+            SmallKernel::Tall => "gemm_small_tall_rows",
+            _ => "moe_small_tile_rows",
+        })
+    }
+}
+
+/// Blocks an SM of the small tiling's dense products of m rows in blocks of `cols` weight rows (256 or 128).
+fn small_blocks_per_sm(kernels: &Kernels, m: usize, cols: usize) -> usize {
+    SmallKernel::of(kernels, m, cols).blocks_per_sm(kernels)
 }
 
 /// The small tiling's parts of k for m rows, n weight rows in blocks of `cols` and k inputs: one part where the
 /// blocks of (weight rows, activation rows) fill the SMs (as many blocks an SM as fit); otherwise as many as fill
 /// them, each at least `gemm_small_min_pieces` pieces, within the split products' slots (tiles of 256 columns).
 fn small_parts(kernels: &Kernels, m: usize, n: usize, cols: usize, k: usize, sms: usize) -> usize {
-    let blocks = n.div_ceil(cols) * small_row_tiles(kernels, m);
+    let blocks = n.div_ceil(cols) * small_row_tiles(kernels, m, cols);
     let slots = n.div_ceil(WEIGHT_ROWS) * m.div_ceil(kernels.constant("gemm_split_rows"));
-    let target = small_blocks_per_sm(kernels, cols) * sms;
+    let target = small_blocks_per_sm(kernels, m, cols) * sms;
     (target / blocks)
         .min(k / PIECE / kernels.constant("gemm_small_min_pieces").max(1))
         .min(kernels.constant("gemm_split_blocks") / slots)
         .max(1)
 }
 
-/// The small tiling's tiles of activation rows for m rows (`moe_small_tile_rows` rows a tile).
-fn small_row_tiles(kernels: &Kernels, m: usize) -> usize {
-    m.div_ceil(kernels.constant("moe_small_tile_rows"))
+/// The dense small tiling's tiles of activation rows for m rows in its blocks of `cols` weight rows (256 or 128).
+fn small_row_tiles(kernels: &Kernels, m: usize, cols: usize) -> usize {
+    m.div_ceil(SmallKernel::of(kernels, m, cols).tile_rows(kernels))
 }
 
 /// Rows up to which a product may be split (a batched step's rows, a short prompt or a small chunk); longer
 /// products keep the whole-k tiles.
 const SPLIT_MAX_M: usize = 512;
 
-/// Rounds of blocks over the SMs up to which a product takes the small tiling: its 16-row tiles read every weight once
-/// a tile, so a wide matrix of many row tiles is faster on the bf16 tiles (lm_head: on the H200 the small tiling wins
-/// at 32 rows, 1,940 blocks in 8 rounds of 264, and loses at 64 rows, 3,880 blocks).
+/// Rounds of blocks over the SMs up to which a product takes the small tiling: its tiles of a few rows read every
+/// weight once a tile, so a wide matrix of many row tiles is faster on the bf16 tiles (lm_head: on the H200 the small
+/// tiling wins at 32 rows, 1,940 blocks in 8 rounds of 264, and loses at 64 rows, 3,880 blocks).
 const SMALL_MAX_ROUNDS: usize = 8;
 
 /// The plan of a `bits`-bit product of m rows, n weight rows (`col_blocks` blocks of 256) and `k_steps` steps of k. Up
@@ -143,7 +188,7 @@ const SMALL_MAX_ROUNDS: usize = 8;
 /// products' slots; otherwise (or where that leaves one part) whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: usize, sms: usize) -> Plan {
     let (k, col_blocks) = (k_steps * K_STEP, n.div_ceil(WEIGHT_ROWS));
-    let small_blocks = col_blocks * small_row_tiles(kernels, m);
+    let small_blocks = col_blocks * small_row_tiles(kernels, m, WEIGHT_ROWS);
     let small_rounds = small_blocks.div_ceil(kernels.constant("gemm_small_blocks_per_sm") * sms);
     if m <= kernels.constant("gemm_small_max_rows")
         && small_rounds <= SMALL_MAX_ROUNDS
@@ -345,15 +390,15 @@ fn gemm_small(
         let quantize = Dims::linear(words.div_ceil(THREADS as usize) as u32, THREADS);
         gemm::gemm_quantize_rows(l, quantize, a, m as i32, k as i32)?;
     }
-    let tiles = small_row_tiles(l.kernels, m);
+    let tiles = small_row_tiles(l.kernels, m, cols);
     let blocks = (n.div_ceil(cols) as u32, tiles as u32, parts as u32);
-    let acc = accumulate as i32;
-    if cols == WEIGHT_ROWS {
-        let dims = Dims::new(blocks, THREADS).shared(l.kernels.constant("gemm_small_smem") as u32);
-        gemm::gemm_q4_small(l, dims, m as i32, w.q4(), n as i32, k as i32, out, acc)?;
-    } else {
-        let dims = Dims::new(blocks, THREADS).shared(l.kernels.constant("gemm_small_narrow_smem") as u32);
-        gemm::gemm_q4_small_narrow(l, dims, m as i32, w.q4(), n as i32, k as i32, out, acc)?;
+    let (acc, kernel) = (accumulate as i32, SmallKernel::of(l.kernels, m, cols));
+    let dims = Dims::new(blocks, THREADS).shared(kernel.smem(l.kernels) as u32);
+    let (m32, n32, k32) = (m as i32, n as i32, k as i32);
+    match kernel {
+        SmallKernel::Wide => gemm::gemm_q4_small(l, dims, m32, w.q4(), n32, k32, out, acc)?,
+        SmallKernel::Narrow => gemm::gemm_q4_small_narrow(l, dims, m32, w.q4(), n32, k32, out, acc)?,
+        SmallKernel::Tall => gemm::gemm_q4_small_tall(l, dims, m32, w.q4(), n32, k32, out, acc)?,
     }
     if parts > 1 {
         let sum = sum_dims(m * n.div_ceil(4));

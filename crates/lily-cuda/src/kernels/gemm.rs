@@ -37,6 +37,10 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_small_smem",
         "gemm_small_narrow_smem",
         "gemm_small_narrow_blocks_per_sm",
+        "gemm_small_tall",
+        "gemm_small_tall_rows",
+        "gemm_small_tall_smem",
+        "gemm_small_tall_blocks_per_sm",
         "gemm_wgmma",
         "gemm_wgmma_smem",
         "gemm_wgmma_cost",
@@ -146,4 +150,6 @@ launchers! {
     gemm_q4_small(m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
     /// `gemm_q4_small` in narrow blocks of 128 weight rows, more of them an SM.
     gemm_q4_small_narrow(m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
+    /// `gemm_q4_small_narrow` in taller tiles of activation rows (`gemm_small_tall_rows`).
+    gemm_q4_small_tall(m: i32, w: Q4, n: i32, k: i32, out: DevPtr<f32>, accumulate: i32);
 }
