@@ -180,9 +180,9 @@ const SMALL_MAX_ROUNDS: usize = 8;
 
 /// The plan of a `bits`-bit product of m rows, n weight rows (`col_blocks` blocks of 256) and `k_steps` steps of k. Up
 /// to `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
-/// than `SMALL_MAX_ROUNDS` rounds over the SMs; in narrow blocks of 128 weight rows (`gemm_small_narrow`) where the
-/// 256-row blocks would not fill every block slot of the SMs once and the narrow ones cut k into as many parts or
-/// more. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than `gemm_split_tile_rounds` rounds over the
+/// than `SMALL_MAX_ROUNDS` rounds over the SMs; in narrow blocks of 128 weight rows (`gemm_small_narrow`, in tall
+/// tiles past one short tile of rows: [`SmallKernel`]) where the 256-row blocks would not fill every block slot of
+/// the SMs once and the narrow ones cut k into as many parts or more. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than `gemm_split_tile_rounds` rounds over the
 /// SMs (1: fewer tiles than SMs), k is cut into as many parts as fill `gemm_split_rounds` rounds of
 /// `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split
 /// products' slots; otherwise (or where that leaves one part) whole-k tiles.
