@@ -146,18 +146,13 @@ impl SmallKernel {
     }
 }
 
-/// Blocks an SM of the small tiling's dense products of m rows in blocks of `cols` weight rows (256 or 128).
-fn small_blocks_per_sm(kernels: &Kernels, m: usize, cols: usize) -> usize {
-    SmallKernel::of(kernels, m, cols).blocks_per_sm(kernels)
-}
-
 /// The small tiling's parts of k for m rows, n weight rows in blocks of `cols` and k inputs: one part where the
 /// blocks of (weight rows, activation rows) fill the SMs (as many blocks an SM as fit); otherwise as many as fill
 /// them, each at least `gemm_small_min_pieces` pieces, within the split products' slots (tiles of 256 columns).
 fn small_parts(kernels: &Kernels, m: usize, n: usize, cols: usize, k: usize, sms: usize) -> usize {
     let blocks = n.div_ceil(cols) * small_row_tiles(kernels, m, cols);
     let slots = n.div_ceil(WEIGHT_ROWS) * m.div_ceil(kernels.constant("gemm_split_rows"));
-    let target = small_blocks_per_sm(kernels, m, cols) * sms;
+    let target = SmallKernel::of(kernels, m, cols).blocks_per_sm(kernels) * sms;
     (target / blocks)
         .min(k / PIECE / kernels.constant("gemm_small_min_pieces").max(1))
         .min(kernels.constant("gemm_split_blocks") / slots)
@@ -182,14 +177,16 @@ const SMALL_MAX_ROUNDS: usize = 8;
 /// to `gemm_small_max_rows` rows, 4-bit products whose k the small tiling takes go there unless their blocks take more
 /// than `SMALL_MAX_ROUNDS` rounds over the SMs; in narrow blocks of 128 weight rows (`gemm_small_narrow`, in tall
 /// tiles past one short tile of rows: [`SmallKernel`]) where the 256-row blocks would not fill every block slot of
-/// the SMs once and the narrow ones cut k into as many parts or more. Up to `SPLIT_MAX_M` rows, while the 64-row tiles take fewer than `gemm_split_tile_rounds` rounds over the
-/// SMs (1: fewer tiles than SMs), k is cut into as many parts as fill `gemm_split_rounds` rounds of
-/// `gemm_split_blocks_per_sm` blocks an SM, each part at least `gemm_split_min_steps` k steps, within the split
-/// products' slots; otherwise (or where that leaves one part) whole-k tiles.
+/// the SMs once and the narrow ones cut k into as many parts or more. Up to `SPLIT_MAX_M` rows, while the 64-row
+/// tiles take fewer than `gemm_split_tile_rounds` rounds over the SMs (1: fewer tiles than SMs), k is cut into as
+/// many parts as fill `gemm_split_rounds` rounds of `gemm_split_blocks_per_sm` blocks an SM, each part at least
+/// `gemm_split_min_steps` k steps, within the split products' slots; otherwise (or where that leaves one part)
+/// whole-k tiles.
 pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: usize, sms: usize) -> Plan {
     let (k, col_blocks) = (k_steps * K_STEP, n.div_ceil(WEIGHT_ROWS));
     let small_blocks = col_blocks * small_row_tiles(kernels, m, WEIGHT_ROWS);
-    let small_rounds = small_blocks.div_ceil(kernels.constant("gemm_small_blocks_per_sm") * sms);
+    let wide_slots = SmallKernel::Wide.blocks_per_sm(kernels) * sms;
+    let small_rounds = small_blocks.div_ceil(wide_slots);
     if m <= kernels.constant("gemm_small_max_rows")
         && small_rounds <= SMALL_MAX_ROUNDS
         && small_fits(kernels, bits, m, k)
@@ -198,10 +195,7 @@ pub(crate) fn plan(kernels: &Kernels, bits: u32, m: usize, n: usize, k_steps: us
         // they take longer parts of k (fewer parts for their more blocks).
         let wide = small_parts(kernels, m, n, WEIGHT_ROWS, k, sms);
         let narrow = small_parts(kernels, m, n, WEIGHT_ROWS / 2, k, sms);
-        if kernels.constant("gemm_small_narrow") == 1
-            && small_blocks < kernels.constant("gemm_small_blocks_per_sm") * sms
-            && narrow >= wide
-        {
+        if kernels.constant("gemm_small_narrow") == 1 && small_blocks < wide_slots && narrow >= wide {
             return Plan::Small {
                 parts: narrow,
                 cols: WEIGHT_ROWS / 2,
