@@ -199,11 +199,13 @@ extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
 
 // Grid (ceil(rows * LIN_V_HEADS / 8)), 256 threads: a warp per (row, value head), a lane holding 4 columns.
 // out[row][head * DV + j] = bf16(norm_w[j] * rmsnorm(core head)[j] * silu(z[j])), z at column LIN_CONV_DIM of the
-// row's proj: the gated RMSNorm in front of the batched step's out_proj product.
+// row's proj: the gated RMSNorm in front of the batched step's out_proj product. Where `codes.codes` is not null, the
+// rows are also coded as Q8x2 into `codes` (what out_proj's small tiling reads), so no gemm_quantize_rows is needed.
 #define GATED_NORM_THREADS 256
 extern "C" __global__ void __launch_bounds__(GATED_NORM_THREADS)
-    gated_norm_rows(const float* core, const float* proj, const float* norm_w, int rows, bf16* out) {
+    gated_norm_rows(const float* core, const float* proj, const float* norm_w, int rows, bf16* out, Q8x2 codes) {
     static_assert(DV == 4 * WARP && DN_PROJ_ROW % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
+    static_assert(DV % GROUP == 0, "a head's columns are whole groups of the codes");
     wait_previous();
     const int lane = threadIdx.x % WARP;
     const int item = blockIdx.x * (GATED_NORM_THREADS / WARP) + threadIdx.x / WARP;
@@ -217,4 +219,18 @@ extern "C" __global__ void __launch_bounds__(GATED_NORM_THREADS)
     const bf16 y2 = float_to_bf16(x.z * (inv * w.z) * siluf_(z.z)), y3 = float_to_bf16(x.w * (inv * w.w) * siluf_(z.w));
     *(uint2*)&out[(size_t)row * LIN_V_DIM + head * DV + 4 * lane] =
         make_uint2((u32)y0 | (u32)y1 << 16, (u32)y2 | (u32)y3 << 16);
+    if (!codes.codes) return;  // uniform: the output projection does not take the small tiling
+    // The bf16 outputs also as the small tiling's Q8x2 rows, the codes gemm_quantize_rows would make of them: a word
+    // (8 inputs) is two lanes' values, both lanes of a pair hold it whole, and the even lane writes it.
+    const float mine[4] = {bf16_to_float(y0), bf16_to_float(y1), bf16_to_float(y2), bf16_to_float(y3)};
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float theirs = __shfl_xor_sync(0xffffffffu, mine[i], 1);
+        v[i] = lane & 1 ? theirs : mine[i];
+        v[4 + i] = lane & 1 ? mine[i] : theirs;
+    }
+    const size_t word = (size_t)row * (LIN_V_DIM / 8) + head * (DV / 8) + lane / 2;
+    const size_t group = (size_t)row * (LIN_V_DIM / GROUP) + head * (DV / GROUP) + lane / 16;
+    quantize_word_q8x2<2>(v, (lane % 16) / 2, lane % 2 == 0, (uint4*)codes.codes + word, (float2*)codes.pairs + group);
 }

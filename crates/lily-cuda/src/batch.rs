@@ -226,6 +226,8 @@ pub fn enqueue_step(
                 )?;
                 let warps = t * c.linear_num_value_heads;
                 let dims = Dims::linear(warps.div_ceil(8) as u32, 256);
+                // The gated norm also codes its rows for out_proj where that takes the integer small tiling.
+                let out_codes = gemm::small_codes(l, t, &g.out_proj);
                 deltanet::gated_norm_rows(
                     l,
                     dims,
@@ -234,8 +236,10 @@ pub fn enqueue_step(
                     g.norm.ptr(),
                     t as i32,
                     s.mixed.ptr(),
+                    out_codes.unwrap_or(Q8x2::NONE),
                 )?;
-                gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
+                let coded = out_codes.is_some();
+                gemm::gemm_coded(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true, coded)?;
             }
             GpuMixer::Full(a) => {
                 gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;

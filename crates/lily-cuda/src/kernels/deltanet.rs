@@ -5,7 +5,7 @@
 use half::{bf16, f16};
 
 use super::signature::launchers;
-use super::KernelFile;
+use super::{KernelFile, Q8x2};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
@@ -43,12 +43,14 @@ launchers! {
         state: DevPtr<f16>,
         core: DevPtr<f32>,
     );
-    /// The gated RMSNorm of each head of `rows` core rows (z from the proj rows) into bf16 `out`.
+    /// The gated RMSNorm of each head of `rows` core rows (z from the proj rows) into bf16 `out`; unless `codes` is
+    /// [`Q8x2::NONE`], `out` also coded as the small tiling's Q8x2 rows.
     gated_norm_rows(
         core: DevPtr<f32>,
         proj: DevPtr<f32>,
         norm_w: DevPtr<f32>,
         rows: i32,
         out: DevPtr<bf16>,
+        codes: Q8x2,
     );
 }

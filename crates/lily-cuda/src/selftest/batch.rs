@@ -3,7 +3,7 @@
 //! shuffled order and the KV pages of each slot scattered through the pools by a shuffled page table.
 
 use half::bf16;
-use lily_model::config::LayerKind;
+use lily_model::config::{LayerKind, GROUP_SIZE};
 use lily_model::cpu::attention::{attend, rope};
 use lily_model::cpu::deltanet::{conv_step, l2norm, recurrent_step};
 use lily_model::cpu::linalg::{rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
@@ -11,10 +11,13 @@ use lily_model::rng::Rng;
 use lily_model::weights::{GatedDeltaNet, Mixer, Weights};
 use lily_model::Config;
 
-use super::{download_f16, download_f32, normals, poison, rel_err, shuffled, to_f16, widen_f16, Report, F16_STATE_TOL};
+use super::gemm::quantize_q8x2;
+use super::{
+    download, download_f16, download_f32, normals, poison, rel_err, shuffled, to_f16, widen_f16, Report, F16_STATE_TOL,
+};
 use crate::batch::{attention_merge, attention_parts, AttentionParts};
 use crate::driver::Result;
-use crate::kernels::{attention, deltanet, ATTN_SPLITS};
+use crate::kernels::{attention, deltanet, Q8x2, ATTN_SPLITS};
 
 /// Parts the batched attention check splits each row's context into (fewer than ATTN_SPLITS, as a batched step
 /// of many rows does).
@@ -174,7 +177,10 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         );
 
         // The gated norm of the GPU's output rows against the CPU's on the same rows.
+        // The rows are also coded as the small tiling's Q8x2 rows (what out_proj reads where it takes that tiling).
         let out_buf = g.upload_new(&vec![bf16::NAN; ROWS * v_dim])?;
+        let codes_buf = g.upload_new(&vec![0x5a5a_5a5a_u32; ROWS * v_dim / 2])?;
+        let pairs_buf = g.upload_new(&vec![f32::NAN; ROWS * v_dim / GROUP_SIZE * 2])?;
         deltanet::gated_norm_rows(
             &mut l,
             Dims::linear((ROWS * nv).div_ceil(8) as u32, 256),
@@ -183,9 +189,35 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             gd.norm.ptr(),
             ROWS as i32,
             out_buf.ptr(),
+            Q8x2 {
+                codes: codes_buf.ptr(),
+                pairs: pairs_buf.ptr(),
+            },
         )?;
         let mut out = vec![bf16::ZERO; ROWS * v_dim];
         g.download(out_buf.ptr(), &mut out)?;
+        // The codes are the CPU twin's of the bf16 rows bit for bit, the pairs' scales too; their sums are added in
+        // another order.
+        let rows_f32: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
+        let (want_codes, want_pairs) = quantize_q8x2(&rows_f32);
+        let got_codes = download(g, &codes_buf, want_codes.len())?;
+        let got_pairs = download(g, &pairs_buf, want_pairs.len())?;
+        let differ = got_codes.iter().zip(&want_codes).filter(|(a, b)| a != b).count();
+        let scales_differ = (0..want_pairs.len())
+            .step_by(2)
+            .filter(|&i| got_pairs[i] != want_pairs[i])
+            .count();
+        report.check_eq(
+            "gated_norm_rows: its rows' Q8x2 codes and scales as the CPU's",
+            differ == 0 && scales_differ == 0,
+            &format!("{differ} of {} words, {scales_differ} scales differ", want_codes.len()),
+        );
+        let sums = |p: &[f32]| p.iter().skip(1).step_by(2).copied().collect::<Vec<f32>>();
+        report.check(
+            "gated_norm_rows: its rows' Q8x2 group sums",
+            rel_err(&sums(&got_pairs), &sums(&want_pairs)),
+            1e-5,
+        );
         let mut expected = core.clone();
         for (b, row) in expected.chunks_exact_mut(v_dim).enumerate() {
             rmsnorm_in_place(row, &d.norm, c.rms_norm_eps);

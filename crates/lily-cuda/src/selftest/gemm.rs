@@ -447,7 +447,7 @@ fn check_moe(
 /// The CPU twin of the small tiling's Q8x2 rows (quantize_word_q8x2 in kernels/gemm.cu) for rows of whole groups:
 /// 4 words an 8 inputs (digit 0's bytes of the even inputs, of the odd ones, then digit 1's) and a (scale / 128,
 /// sum) pair a group of 64 inputs. (The sums are added in another order than on the GPU.)
-fn quantize_q8x2(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
+pub(super) fn quantize_q8x2(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
     let (mut codes, mut pairs) = (Vec::with_capacity(x.len() / 2), Vec::with_capacity(x.len() / 32));
     for group in x.chunks(K_STEP) {
         let mx = group.iter().fold(0f32, |m, v| m.max(v.abs()));
