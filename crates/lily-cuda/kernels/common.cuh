@@ -591,6 +591,37 @@ __device__ __forceinline__ float uniform_at(u64 seed, u64 stream, u64 index) {
     return (float)(hash3(seed, stream, index) >> 40) * (1.f / 16777216.f);
 }
 
+// ---- The split products' partial tiles (kernels/gemm.cu's gemm_partials) ----
+// A product whose k is cut into parts leaves each part's tile of SPLIT_TILE_ROWS output rows by SPLIT_TILE_COLS
+// columns in the slots: of `tiles` = ceil(n / SPLIT_TILE_COLS) x ceil(m / SPLIT_TILE_ROWS) tiles, part p's tile
+// (column block cb, row block r / SPLIT_TILE_ROWS) at slot p tiles + cb + ceil(n / SPLIT_TILE_COLS) (r /
+// SPLIT_TILE_ROWS), row r % SPLIT_TILE_ROWS, column col % SPLIT_TILE_COLS. gemm_split_sum adds the parts; a kernel
+// that reads the product's output next may add them itself (rmsnorm_rows).
+#define SPLIT_TILE_ROWS 64
+#define SPLIT_TILE_COLS 256
+#define SPLIT_SUM_BATCH 8
+// The sum over `parts` parts, in order, of output row r's columns col .. col + 3 (col % 4 == 0) of a product of m
+// rows and n columns whose parts start at `partials`. The loads of SPLIT_SUM_BATCH parts are in flight together (a
+// part's partial comes from L2), the adds in order, so every caller gets the same bits.
+__device__ __forceinline__ float4 split_parts_sum(const float* partials, int r, int col, int m, int n, int parts) {
+    const int col_blocks = (n + SPLIT_TILE_COLS - 1) / SPLIT_TILE_COLS;
+    const int tiles = col_blocks * ((m + SPLIT_TILE_ROWS - 1) / SPLIT_TILE_ROWS);
+    const int tile = col / SPLIT_TILE_COLS + col_blocks * (r / SPLIT_TILE_ROWS);
+    const float* at = partials + (size_t)tile * SPLIT_TILE_ROWS * SPLIT_TILE_COLS +
+                      (r % SPLIT_TILE_ROWS) * SPLIT_TILE_COLS + col % SPLIT_TILE_COLS;
+    const size_t part_stride = (size_t)tiles * SPLIT_TILE_ROWS * SPLIT_TILE_COLS;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int p0 = 0; p0 < parts; p0 += SPLIT_SUM_BATCH) {
+        float4 v[SPLIT_SUM_BATCH];
+#pragma unroll
+        for (int u = 0; u < SPLIT_SUM_BATCH; u++)
+            v[u] = p0 + u < parts ? __ldcg((const float4*)(at + (p0 + u) * part_stride)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < SPLIT_SUM_BATCH; u++) s.x += v[u].x, s.y += v[u].y, s.z += v[u].z, s.w += v[u].w;
+    }
+    return s;
+}
+
 // ---- Q8x2: activations as two 8-bit digits an input (the integer small tiling's input, kernels/gemm.cu) ----
 // Q8x2 rows. A row of k inputs is k / 64 groups of 128 bytes: word w of a group (its inputs 8w .. 8w + 7) is 16
 // bytes, digit 0 then digit 1, each as the bytes of the 4 even inputs, then of the 4 odd ones (the order in which

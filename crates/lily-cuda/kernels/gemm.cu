@@ -778,9 +778,8 @@ __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u
 // and dequantizes as the unsplit kernel does; only the order of the f32 sum over k changes (by parts, then within
 // each part).
 
-#define SPLIT_ROWS 64
+#define SPLIT_ROWS SPLIT_TILE_ROWS
 #define SPLIT_BLOCKS 1024
-#define SUM_BATCH 8
 // The host's plan: blocks of a split product per SM it aims for, and the fewest k steps a part takes.
 #ifndef SPLIT_BLOCKS_PER_SM
 #define SPLIT_BLOCKS_PER_SM 2
@@ -804,6 +803,7 @@ __device__ int gemm_split_tile_rounds = SPLIT_TILE_ROUNDS;
 __device__ int gemm_split_rounds = SPLIT_ROUNDS;
 __device__ int gemm_split_rows = SPLIT_ROWS;
 __device__ __align__(16) float gemm_partials[(size_t)SPLIT_BLOCKS * SPLIT_ROWS * WROWS];
+static_assert(WROWS == SPLIT_TILE_COLS, "the slots' tiles (common.cuh) are a block's weight rows wide");
 
 // This block's part of k: k steps [first, end) of k_tiles, every part at least one step (the host splits k_tiles
 // into at most k_tiles parts).
@@ -882,21 +882,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // The sum over `parts` parts, in order, of the 4 partial columns `col` .. `col` + 3 of tile column block `cb` at
 // output row r (columns numbered within the tile; the split launch had `col_blocks` x ceil(m / SPLIT_ROWS) tiles).
 __device__ __forceinline__ float4 split_sum(int r, int cb, int col, int col_blocks, int m, int parts) {
-    const int tiles = col_blocks * ((m + SPLIT_ROWS - 1) / SPLIT_ROWS);
-    const int tile = cb + col_blocks * (r / SPLIT_ROWS);
-    const size_t at = (size_t)(r % SPLIT_ROWS) * WROWS + col;
-    // The loads of SUM_BATCH parts are in flight together (a part's partial comes from L2), the adds in order.
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int p0 = 0; p0 < parts; p0 += SUM_BATCH) {
-        float4 v[SUM_BATCH];
-#pragma unroll
-        for (int u = 0; u < SUM_BATCH; u++)
-            v[u] = p0 + u < parts ? __ldcg((const float4*)(partial_slot(tile, p0 + u, tiles) + at))
-                                  : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int u = 0; u < SUM_BATCH; u++) s.x += v[u].x, s.y += v[u].y, s.z += v[u].z, s.w += v[u].w;
-    }
-    return s;
+    return split_parts_sum(gemm_partials, r, cb * WROWS + col, m, col_blocks * WROWS, parts);
 }
 
 // out[m][n] = the summed parts of gemm_q{4,8}_split (+= where `accumulate` is 1): thread i takes row

@@ -31,10 +31,14 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 // out[r] = bf16(rmsnorm(hidden[r]) * norm), and where `out_lo` is not null what that rounding lost, also in bf16
 // (the router's products take both: routing is decided by small differences between logits). Where `expert_out`
 // is not null, the previous MoE block's expert rows are first added to hidden[r] and written back, exactly as
-// moe_combine adds them: the residual stream's update and the next norm in one launch. Where `codes.codes` is not
-// null, row r of out (+ out_lo) is also coded as Q8x2 into `codes`, as gemm_quantize_rows or moe_quantize_rows
-// would code it: the input of the integer small tiling without a launch of its own. Grid (t).
+// moe_combine adds them: the residual stream's update and the next norm in one launch. Where `parts` is not 0, the
+// product before (whose output is hidden, HIDDEN columns, t rows) left its parts of k in the split slots at
+// `partials` (common.cuh): they are first added to hidden[r], in order, and written back, exactly as gemm_split_sum
+// with `accumulate` would add them (a launch less). Where `codes.codes` is not null, row r of out (+ out_lo) is also
+// coded as Q8x2 into `codes`, as gemm_quantize_rows or moe_quantize_rows would code it: the input of the integer
+// small tiling without a launch of its own. Grid (t).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hidden, const float* expert_out,
+                                                                      const float* partials, int parts,
                                                                       const float* norm, bf16* out, bf16* out_lo,
                                                                       Q8x2 codes) {
     wait_previous();
@@ -55,6 +59,16 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
         const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
         in[j] = c0 < HIDDEN;
         v[j] = in[j] ? *(const float4*)(h + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (parts) {
+#pragma unroll
+        for (int j = 0; j < RUNS; j++) {
+            if (!in[j]) continue;
+            const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
+            const float4 sum = split_parts_sum(partials, (int)r, c0, (int)gridDim.x, HIDDEN, parts);
+            v[j].x += sum.x, v[j].y += sum.y, v[j].z += sum.z, v[j].w += sum.w;
+            *(float4*)(h + c0) = v[j];
+        }
     }
     if (expert_out) {
         float4 e[RUNS][MOE_SLOTS];

@@ -206,8 +206,20 @@ pub fn enqueue_step(
         let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
         let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
         let norm_codes = codes.unwrap_or(Q8x2::NONE);
-        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), experts, norm, normed, no_lo, norm_codes)?;
-        match &layer.mixer {
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            experts,
+            DevPtr::NULL,
+            0,
+            norm,
+            normed,
+            no_lo,
+            norm_codes,
+        )?;
+        // The MoE's norm adds the output projection's parts of k, where the product leaves them.
+        let out_parts = match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
                 let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
@@ -239,7 +251,7 @@ pub fn enqueue_step(
                     out_codes.unwrap_or(Q8x2::NONE),
                 )?;
                 let coded = out_codes.is_some();
-                gemm::gemm_coded(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true, coded)?;
+                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), coded)?
             }
             GpuMixer::Full(a) => {
                 gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;
@@ -273,10 +285,10 @@ pub fn enqueue_step(
                 };
                 attention_parts(l, &parts, t, kv_heads, splits)?;
                 attention_merge(l, c, t, splits, &parts, s.proj.ptr(), s.mixed.ptr())?;
-                gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
+                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), false)?
             }
-        }
-        enqueue_moe(l, c, layer, s, t)?;
+        };
+        enqueue_moe(l, c, layer, s, t, out_parts)?;
         experts = s.expert_out.ptr();
     }
     enqueue_head(l, w, s.hidden.ptr(), experts, s, b, t)
@@ -299,6 +311,8 @@ fn enqueue_head(
         rows,
         hidden,
         experts,
+        DevPtr::NULL,
+        0,
         w.final_norm.ptr(),
         s.normed.ptr(),
         DevPtr::NULL,

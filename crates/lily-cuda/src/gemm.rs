@@ -294,7 +294,7 @@ pub fn gemm_coded(
     coded: bool,
 ) -> Result<()> {
     match plan_for(l, m, w) {
-        Plan::Small { parts, cols } if coded => gemm_small(l, a, m, w, out, accumulate, parts, cols, false),
+        Plan::Small { parts, cols } if coded => gemm_small(l, a, m, w, out, accumulate, parts, cols, false, true),
         plan => {
             assert!(
                 !coded,
@@ -302,6 +302,26 @@ pub fn gemm_coded(
             );
             gemm_planned(l, a, m, w, out, accumulate, plan)
         }
+    }
+}
+
+/// [`gemm_coded`] with `accumulate`, except that where the plan cuts k into parts in the integer small tiling, the
+/// parts stay in the split slots (`gemm_partials`) for the kernel that reads `out` next to add (`rmsnorm_rows`):
+/// returns how many, or 0 where `out` holds the product.
+pub fn gemm_coded_leaving_parts(
+    l: &mut Launcher,
+    a: DevPtr<bf16>,
+    m: usize,
+    w: &GpuMatrix,
+    out: DevPtr<f32>,
+    coded: bool,
+) -> Result<usize> {
+    match plan_for(l, m, w) {
+        Plan::Small { parts, cols } if parts > 1 => {
+            gemm_small(l, a, m, w, out, true, parts, cols, !coded, false)?;
+            Ok(parts)
+        }
+        _ => gemm_coded(l, a, m, w, out, true, coded).map(|()| 0),
     }
 }
 
@@ -315,7 +335,7 @@ pub(crate) fn gemm_planned(
     plan: Plan,
 ) -> Result<()> {
     if let Plan::Small { parts, cols } = plan {
-        return gemm_small(l, a, m, w, out, accumulate, parts, cols, true);
+        return gemm_small(l, a, m, w, out, accumulate, parts, cols, true, true);
     }
     let (n, k) = (w.rows as i32, w.cols as i32);
     let dims = planned_dims(l, m, w.cols, w.rows, w.bits, plan);
@@ -349,7 +369,7 @@ pub(crate) fn gemm_planned(
 
 /// The small tiling's product: `a` coded as Q8x2 rows into the kernels' own buffer (unless `code` is false: a
 /// kernel before did), then a block per (`cols` weight rows, tile of activation rows, part of k), and the parts'
-/// sum where k is cut.
+/// sum where k is cut (unless `sum` is false: a kernel after adds them).
 #[allow(clippy::too_many_arguments)]
 fn gemm_small(
     l: &mut Launcher,
@@ -361,6 +381,7 @@ fn gemm_small(
     parts: usize,
     cols: usize,
     code: bool,
+    sum: bool,
 ) -> Result<()> {
     let (n, k) = (w.rows, w.cols);
     assert!(
@@ -394,7 +415,7 @@ fn gemm_small(
         SmallKernel::Narrow => gemm::gemm_q4_small_narrow(l, dims, m32, w.q4(), n32, k32, out, acc)?,
         SmallKernel::Tall => gemm::gemm_q4_small_tall(l, dims, m32, w.q4(), n32, k32, out, acc)?,
     }
-    if parts > 1 {
+    if parts > 1 && sum {
         let sum = sum_dims(m * n.div_ceil(4));
         gemm::gemm_split_sum(l, sum, m as i32, n as i32, parts as i32, out, acc)?;
     }

@@ -182,8 +182,20 @@ pub fn enqueue_chunk(
         let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
         let (normed, no_lo, norm_codes) = (s.normed.ptr(), DevPtr::NULL, codes.unwrap_or(Q8x2::NONE));
         let norm = layer.input_layernorm.ptr();
-        prefill::rmsnorm_rows(l, rows, s.hidden.ptr(), experts, norm, normed, no_lo, norm_codes)?;
-        match &layer.mixer {
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            experts,
+            DevPtr::NULL,
+            0,
+            norm,
+            normed,
+            no_lo,
+            norm_codes,
+        )?;
+        // The MoE's norm adds the output projection's parts of k, where the product leaves them.
+        let out_parts = match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
                 let mut row = 0;
@@ -191,7 +203,7 @@ pub fn enqueue_chunk(
                     deltanet_mixer(l, c, state, slot[i], s, g, row, p)?;
                     row += p.t;
                 }
-                gemm::gemm(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), true)?;
+                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), false)?
             }
             GpuMixer::Full(a) => {
                 gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;
@@ -205,10 +217,10 @@ pub fn enqueue_chunk(
                         .run(l, c, p.t, p.start, proj, a, inv_freq, k_pool, v_pool, pages, mixed)?;
                     row += p.t;
                 }
-                gemm::gemm(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), true)?;
+                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), false)?
             }
-        }
-        enqueue_moe(l, c, layer, s, t)?;
+        };
+        enqueue_moe(l, c, layer, s, t, out_parts)?;
         experts = s.expert_out.ptr();
     }
     prefill::moe_combine(l, rows, s.hidden.ptr(), experts)?;
@@ -284,8 +296,17 @@ fn deltanet_mixer(
 /// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden`: the post-attention norm, the router, the
 /// sort of the (row, slot) entries by expert (the shared expert is each row's last slot) and the grouped expert
 /// products, whose weighted rows it leaves in `s.expert_out` for the next norm (or `moe_combine`) to add to the
-/// rows. A prefill chunk and a batched decode step both run it, one row a token.
-pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &PrefillScratch, t: usize) -> Result<()> {
+/// rows. A prefill chunk and a batched decode step both run it, one row a token. The norm first adds the `parts`
+/// parts of k that the mixer's output projection left in the split slots (0: none; see
+/// [`gemm::gemm_coded_leaving_parts`]).
+pub(crate) fn enqueue_moe(
+    l: &mut Launcher,
+    c: &Config,
+    layer: &GpuLayer,
+    s: &PrefillScratch,
+    t: usize,
+    parts: usize,
+) -> Result<()> {
     let rows = Dims::linear(t as u32, ROW_THREADS);
     let (normed, normed_lo) = (s.normed.ptr(), s.normed_lo.ptr());
     let norm = layer.post_attention_layernorm.ptr();
@@ -303,6 +324,8 @@ pub(crate) fn enqueue_moe(l: &mut Launcher, c: &Config, layer: &GpuLayer, s: &Pr
         rows,
         s.hidden.ptr(),
         DevPtr::NULL,
+        l.kernels.buffer("gemm_partials"),
+        parts as i32,
         norm,
         normed,
         normed_lo,

@@ -11,7 +11,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     name: "gemm.cu",
     source: include_str!("../../kernels/gemm.cu"),
     kernels: KERNELS,
-    buffers: &["gemm_small_codes", "gemm_small_pairs"],
+    buffers: &["gemm_small_codes", "gemm_small_pairs", "gemm_partials"],
     constants: &[
         "moe_tile_rows",
         "gemm_stages",

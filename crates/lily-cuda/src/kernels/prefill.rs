@@ -26,10 +26,14 @@ launchers! {
     embed_rows(tokens: DevPtr<i32>, start: i32, table: Q4, hidden: DevPtr<f32>);
     /// `out[r] = bf16(rmsnorm(hidden[r]) * norm)`, and what that rounding lost into `out_lo` unless it is null;
     /// unless `expert_out` is null, the MoE rows that `moe_combine` would add are added to `hidden` first; unless
-    /// `codes` is [`Q8x2::NONE`], `out` (+ `out_lo`) also coded as the small tiling's Q8x2 rows.
+    /// `parts` is 0, the parts of k that the product before left at `partials` (the split slots) are added to
+    /// `hidden` first, as `gemm_split_sum` would add them; unless `codes` is [`Q8x2::NONE`], `out` (+ `out_lo`) also
+    /// coded as the small tiling's Q8x2 rows.
     rmsnorm_rows(
         hidden: DevPtr<f32>,
         expert_out: DevPtr<f32>,
+        partials: DevPtr<f32>,
+        parts: i32,
         norm: DevPtr<f32>,
         out: DevPtr<bf16>,
         out_lo: DevPtr<bf16>,

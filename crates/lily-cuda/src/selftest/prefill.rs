@@ -62,6 +62,8 @@ pub(crate) fn check(
         rows,
         s.hidden.ptr(),
         DevPtr::NULL,
+        DevPtr::NULL,
+        0,
         norm,
         normed,
         normed_lo,
@@ -121,6 +123,8 @@ pub(crate) fn check(
         rows,
         hidden_ptr,
         DevPtr::NULL,
+        DevPtr::NULL,
+        0,
         norm,
         normed,
         DevPtr::NULL,
@@ -135,6 +139,8 @@ pub(crate) fn check(
         rows,
         hidden_ptr,
         s.expert_out.ptr(),
+        DevPtr::NULL,
+        0,
         norm,
         normed,
         DevPtr::NULL,
@@ -157,7 +163,77 @@ pub(crate) fn check(
             bits_word(same_normed)
         ),
     );
+    for m in [16, 64] {
+        check_norm_adding_parts(l, gw, &s, m, &hidden, &mut rng, report)?;
+    }
     gpu.sync()
+}
+
+/// rmsnorm_rows adding the parts of k that a split output projection left in the slots must give, bit for bit,
+/// the residual rows and normed rows that the product's own sum (gemm_split_sum) and then the norm give. The
+/// projection: the first layer's, on m random rows (a batched step's; the small tiling cuts k at 16 and 64 rows at
+/// both of the selftest's shapes, which the check requires).
+fn check_norm_adding_parts(
+    l: &mut Launcher,
+    gw: &GpuWeights,
+    s: &PrefillScratch,
+    m: usize,
+    hidden: &[f32],
+    rng: &mut Rng,
+    report: &mut Report,
+) -> Result<()> {
+    let gpu = l.gpu;
+    let layer = &gw.layers[0];
+    let w = match &layer.mixer {
+        crate::weights::GpuMixer::Linear(g) => &g.out_proj,
+        crate::weights::GpuMixer::Full(a) => &a.o_proj,
+    };
+    let (h, k) = (w.rows, w.cols);
+    let input: Vec<bf16> = normals(rng, m * k, 1.0).into_iter().map(bf16::from_f32).collect();
+    let input_buf = gpu.upload_new(&input)?;
+    let rows = Dims::linear(m as u32, ROW_THREADS);
+    let norm = layer.post_attention_layernorm.ptr();
+    let mut run = |leave: bool| -> Result<(usize, Vec<f32>, Vec<bf16>)> {
+        gpu.upload(s.hidden.ptr(), &hidden[..m * h])?;
+        poison(gpu, &s.normed)?;
+        let parts = match leave {
+            true => crate::gemm::gemm_coded_leaving_parts(l, input_buf.ptr(), m, w, s.hidden.ptr(), false)?,
+            false => crate::gemm::gemm(l, input_buf.ptr(), m, w, s.hidden.ptr(), true).map(|()| 0)?,
+        };
+        let partials = l.kernels.buffer("gemm_partials");
+        prefill::rmsnorm_rows(
+            l,
+            rows,
+            s.hidden.ptr(),
+            DevPtr::NULL,
+            partials,
+            parts as i32,
+            norm,
+            s.normed.ptr(),
+            DevPtr::NULL,
+            Q8x2::NONE,
+        )?;
+        let mut normed = vec![bf16::ZERO; m * h];
+        gpu.download(s.normed.ptr(), &mut normed)?;
+        Ok((parts, download_f32(gpu, &s.hidden, m * h)?, normed))
+    };
+    let (parts, fused_hidden, fused) = run(true)?;
+    let (_, summed_hidden, separate) = run(false)?;
+    let same_hidden = fused_hidden
+        .iter()
+        .zip(&summed_hidden)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    let same_normed = fused.iter().zip(&separate).all(|(a, b)| a.to_bits() == b.to_bits());
+    report.check_eq(
+        &format!("rmsnorm_rows adding an output projection's {parts} parts of k ({m} rows) == gemm_split_sum, then rmsnorm_rows"),
+        parts > 1 && same_hidden && same_normed,
+        &format!(
+            "{parts} parts left; residual rows {}, normed rows {}",
+            bits_word(same_hidden),
+            bits_word(same_normed)
+        ),
+    );
+    Ok(())
 }
 
 /// rmsnorm_rows coding its rows as Q8x2 as it writes them (the small tiling's input without a launch of its own)
@@ -192,6 +268,8 @@ fn check_norm_coding(
             rows,
             s.hidden.ptr(),
             DevPtr::NULL,
+            DevPtr::NULL,
+            0,
             norm,
             s.normed.ptr(),
             lo,
@@ -256,6 +334,8 @@ fn check_router(
         rows,
         s.hidden.ptr(),
         DevPtr::NULL,
+        DevPtr::NULL,
+        0,
         norm,
         normed,
         normed_lo,
