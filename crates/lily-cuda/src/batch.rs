@@ -25,7 +25,7 @@ use crate::kernels::{attention, deltanet, prefill, Q8x2, ATTN_SPLITS};
 use crate::launch::{Dims, Launcher};
 use crate::model::{Capacity, CudaModel, DeviceState, StateAt};
 use crate::pages::KV_PAGE;
-use crate::prefill::{enqueue_moe, ChunkPart, Cut, PrefillScratch, PREFILL_PARTS, ROW_THREADS};
+use crate::prefill::{enqueue_input_norm, enqueue_moe, ChunkPart, Cut, PrefillScratch, PREFILL_PARTS, ROW_THREADS};
 use crate::sample_rows::{self, SampleRows};
 use crate::weights::{GpuMixer, GpuWeights};
 
@@ -201,23 +201,7 @@ pub fn enqueue_step(
     // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
     let mut experts = DevPtr::NULL;
     for (i, layer) in w.layers.iter().enumerate() {
-        let norm = layer.input_layernorm.ptr();
-        // The norm also codes its rows for the input projection where that takes the integer small tiling.
-        let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
-        let (normed, no_lo) = (s.normed.ptr(), DevPtr::NULL);
-        let norm_codes = codes.unwrap_or(Q8x2::NONE);
-        prefill::rmsnorm_rows(
-            l,
-            rows,
-            s.hidden.ptr(),
-            experts,
-            DevPtr::NULL,
-            0,
-            norm,
-            normed,
-            no_lo,
-            norm_codes,
-        )?;
+        let (normed, codes) = (s.normed.ptr(), enqueue_input_norm(l, layer, s, t, experts)?);
         // The MoE's norm adds the output projection's parts of k, where the product leaves them.
         let out_parts = match &layer.mixer {
             GpuMixer::Linear(g) => {

@@ -178,22 +178,7 @@ pub fn enqueue_chunk(
     // The MoE rows of the layer before, which this layer's norm adds to the residual stream first.
     let mut experts = DevPtr::NULL;
     for (i, layer) in w.layers.iter().enumerate() {
-        // The norm also codes its rows for the input projection where that takes the integer small tiling.
-        let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
-        let (normed, no_lo, norm_codes) = (s.normed.ptr(), DevPtr::NULL, codes.unwrap_or(Q8x2::NONE));
-        let norm = layer.input_layernorm.ptr();
-        prefill::rmsnorm_rows(
-            l,
-            rows,
-            s.hidden.ptr(),
-            experts,
-            DevPtr::NULL,
-            0,
-            norm,
-            normed,
-            no_lo,
-            norm_codes,
-        )?;
+        let (normed, codes) = (s.normed.ptr(), enqueue_input_norm(l, layer, s, t, experts)?);
         // The MoE's norm adds the output projection's parts of k, where the product leaves them.
         let out_parts = match &layer.mixer {
             GpuMixer::Linear(g) => {
@@ -291,6 +276,32 @@ fn deltanet_mixer(
         done = end;
     }
     Ok(())
+}
+
+/// The input norm of layer `layer` over the `t` rows of `s.hidden` into `s.normed`, after adding `experts` (the
+/// MoE rows of the layer before, null for none) to them. Where the mixer's input projection takes the integer small
+/// tiling, the norm also codes its rows as that tiling's input: returns those codes, or `None`.
+pub(crate) fn enqueue_input_norm(
+    l: &mut Launcher,
+    layer: &GpuLayer,
+    s: &PrefillScratch,
+    t: usize,
+    experts: DevPtr<f32>,
+) -> Result<Option<Q8x2>> {
+    let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
+    prefill::rmsnorm_rows(
+        l,
+        Dims::linear(t as u32, ROW_THREADS),
+        s.hidden.ptr(),
+        experts,
+        DevPtr::NULL,
+        0,
+        layer.input_layernorm.ptr(),
+        s.normed.ptr(),
+        DevPtr::NULL,
+        codes.unwrap_or(Q8x2::NONE),
+    )?;
+    Ok(codes)
 }
 
 /// The sparse MoE block of layer `layer` over the `t` rows of `s.hidden`: the post-attention norm, the router, the

@@ -149,19 +149,11 @@ pub(crate) fn check(
     let fused_hidden = download_f32(gpu, &s.hidden, t * h)?;
     let mut fused = vec![bf16::ZERO; t * h];
     gpu.download(s.normed.ptr(), &mut fused)?;
-    let same_hidden = fused_hidden
-        .iter()
-        .zip(&combined)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    let same_normed = fused.iter().zip(&separate).all(|(a, b)| a.to_bits() == b.to_bits());
+    let (same, found) = same_rows((&fused_hidden, &combined), (&fused, &separate));
     report.check_eq(
         "rmsnorm_rows adding the MoE rows == moe_combine, then rmsnorm_rows",
-        same_hidden && same_normed,
-        &format!(
-            "residual rows {}, normed rows {}",
-            bits_word(same_hidden),
-            bits_word(same_normed)
-        ),
+        same,
+        &found,
     );
     for m in [16, 64] {
         check_norm_adding_parts(l, gw, &s, m, &hidden, &mut rng, report)?;
@@ -219,19 +211,11 @@ fn check_norm_adding_parts(
     };
     let (parts, fused_hidden, fused) = run(true)?;
     let (_, summed_hidden, separate) = run(false)?;
-    let same_hidden = fused_hidden
-        .iter()
-        .zip(&summed_hidden)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    let same_normed = fused.iter().zip(&separate).all(|(a, b)| a.to_bits() == b.to_bits());
+    let (same, found) = same_rows((&fused_hidden, &summed_hidden), (&fused, &separate));
     report.check_eq(
         &format!("rmsnorm_rows adding an output projection's {parts} parts of k ({m} rows) == gemm_split_sum, then rmsnorm_rows"),
-        parts > 1 && same_hidden && same_normed,
-        &format!(
-            "{parts} parts left; residual rows {}, normed rows {}",
-            bits_word(same_hidden),
-            bits_word(same_normed)
-        ),
+        parts > 1 && same,
+        &format!("{parts} parts left; {found}"),
     );
     Ok(())
 }
@@ -288,6 +272,19 @@ fn check_norm_coding(
         );
     }
     Ok(())
+}
+
+/// Whether a fused kernel's residual rows and normed rows are bit for bit those of the separate kernels (`(fused,
+/// separate)` each), and the finding in words.
+fn same_rows(hidden: (&[f32], &[f32]), normed: (&[bf16], &[bf16])) -> (bool, String) {
+    let same_hidden = hidden.0.iter().zip(hidden.1).all(|(a, b)| a.to_bits() == b.to_bits());
+    let same_normed = normed.0.iter().zip(normed.1).all(|(a, b)| a.to_bits() == b.to_bits());
+    let found = format!(
+        "residual rows {}, normed rows {}",
+        bits_word(same_hidden),
+        bits_word(same_normed)
+    );
+    (same_hidden && same_normed, found)
 }
 
 fn bits_word(same: bool) -> &'static str {
