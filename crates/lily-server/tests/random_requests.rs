@@ -190,15 +190,10 @@ async fn random_requests_get_answers_or_openai_errors_and_leave_nothing_behind()
     );
 
     // Nothing left behind: every request ended (the clients that hung up included) and a plain one is served.
-    let mut running = s.metric("lily_requests_running").await;
-    for _ in 0..100 {
-        if running == Some(0.0) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        running = s.metric("lily_requests_running").await;
-    }
-    assert_eq!(running, Some(0.0), "requests still running after the clients left");
+    eventually(Duration::from_secs(10), "no request left running", || async {
+        s.metric("lily_requests_running").await == Some(0.0)
+    })
+    .await;
     let (status, body) = s
         .post(
             "/v1/chat/completions",
