@@ -369,8 +369,8 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
             const int c = t + j * ROWS_THREADS, r = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
             const bool valid = tile + r < end;
             const size_t at = valid ? base + (size_t)r * KV_DIM + ch * 8 : base;
-            cp_async_16(k_dst + swizzled(r, ch), k_pool + at, valid);
-            cp_async_16(v_dst + swizzled(r, ch), v_pool + at, valid);
+            cp_async_16(k_dst + swizzled(r, ch), k_pool + at, valid ? 16u : 0u);
+            cp_async_16(v_dst + swizzled(r, ch), v_pool + at, valid ? 16u : 0u);
         }
     };
 #pragma unroll

@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         const int token = tok0 + row % QUERY_TILE;
         const bool valid = token < tokens;
         const bf16* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
-        cp_async_16(q_smem + swizzled(row, chunk16), src + chunk16 * 8, valid);
+        cp_async_16(q_smem + swizzled(row, chunk16), src + chunk16 * 8, valid ? 16u : 0u);
     }
     // One K or V tile (key0 a multiple of KEY_TILE: one page): keys past key_end read as zero (V's zeros keep
     // 0 * garbage out of the P V product).
@@ -152,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
             const int key = key0 + row;
             const bool valid = key < key_end;
             const bf16* src = page + (size_t)(valid ? row : 0) * KV_DIM;
-            cp_async_16(dst + swizzled(row, chunk16), src + chunk16 * 8, valid);
+            cp_async_16(dst + swizzled(row, chunk16), src + chunk16 * 8, valid ? 16u : 0u);
         }
     };
     cp_async_commit();
@@ -414,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         const int token = tok0 + row % QUERY_TILE;
         const bool valid = token < tokens;
         const bf16* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
-        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 8, valid);
+        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 8, valid ? 16u : 0u);
     }
     // Key tile `tile` (keys key_begin + KEY_TILE * tile ..: one page) or its value tile from `pool` into the
     // 32 KiB buffer at `buf`; keys past key_end read as zero. Thread i copies chunk i % 32 of rows i / 32 + 8 j,
@@ -429,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         for (int j = 0; j < KEY_TILE / 8; j++) {
             const int row = copy_row + 8 * j;
             const bool valid = key0 + row < key_end;
-            cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid);
+            cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid ? 16u : 0u);
         }
     };
     // Copy groups: (Q, key tile 0), (key tile 1), then in iteration it (value tile it), (key tile it + 2). Key tile
