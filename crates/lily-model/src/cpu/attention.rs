@@ -3,7 +3,10 @@
 
 use std::cell::RefCell;
 
+use half::bf16;
 use rayon::prelude::*;
+
+use super::numerics::{e4m3, AttentionRounding, Rounding, E4M3_MAX};
 
 thread_local! {
     /// Per thread, the scores of the query head it last attended with: reused so that a decode step allocates
@@ -38,6 +41,10 @@ pub fn attend(
     let group = heads / kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let kv_dim = kv_heads * head_dim;
+    let rounding = super::numerics::attention();
+    if rounding != AttentionRounding::Exact {
+        return attend_rounded(q, k_cache, v_cache, start, heads, kv_heads, head_dim, out, rounding);
+    }
     out.par_chunks_mut(head_dim).enumerate().for_each(|(index, o)| {
         let (t, h) = (index / heads, index % heads);
         let qh = &q[(t * heads + h) * head_dim..(t * heads + h + 1) * head_dim];
@@ -83,6 +90,80 @@ pub fn attend_head(
         }
     }
     SCORES.with(|s| *s.borrow_mut() = scores);
+}
+
+/// [`attend`] with its operands rounded as `rounding` says (the study switch of [`super::numerics`]): the same
+/// softmax, over rounded copies of the queries, keys and values, with each probability rounded before it weighs
+/// its value row and the row sum taken before the rounding (as a kernel sums the f32 probabilities).
+#[allow(clippy::too_many_arguments)]
+fn attend_rounded(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    start: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+    rounding: AttentionRounding,
+) {
+    /// Positions that share one scale of the values in e4m3 (a kernel's tile of keys).
+    const V_BLOCK: usize = 64;
+    let (group, kv_dim) = (heads / kv_heads, kv_heads * head_dim);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let (per_head, probability): (Rounding, fn(f32) -> f32) = match rounding {
+        AttentionRounding::Bf16 | AttentionRounding::Exact => (Rounding::Bf16, |p| bf16::from_f32(p).to_f32()),
+        AttentionRounding::E4m3 => (Rounding::E4m3 { group: head_dim }, e4m3),
+    };
+    let mut q = q.to_vec();
+    let mut k = k_cache.to_vec();
+    q.chunks_mut(head_dim).for_each(|h| per_head.round(h));
+    k.chunks_mut(head_dim).for_each(|h| per_head.round(h));
+    let positions = v_cache.len() / kv_dim;
+    let mut v = v_cache.to_vec();
+    match rounding {
+        AttentionRounding::E4m3 => {
+            for kvh in 0..kv_heads {
+                for block in (0..positions).step_by(V_BLOCK) {
+                    let rows = block..(block + V_BLOCK).min(positions);
+                    let at = |p: usize| p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim;
+                    let max = rows
+                        .clone()
+                        .flat_map(|p| v[at(p)].iter())
+                        .fold(0.0f32, |m, x| m.max(x.abs()));
+                    if max > 0.0 {
+                        let s = max / E4M3_MAX;
+                        for p in rows {
+                            v[at(p)].iter_mut().for_each(|x| *x = e4m3(*x / s) * s);
+                        }
+                    }
+                }
+            }
+        }
+        _ => Rounding::Bf16.round(&mut v),
+    }
+    let (q, k, v) = (&q, &k, &v);
+    out.par_chunks_mut(head_dim).enumerate().for_each(|(index, o)| {
+        let (t, h) = (index / heads, index % heads);
+        let kvh = h / group;
+        let qh = &q[(t * heads + h) * head_dim..(t * heads + h + 1) * head_dim];
+        let visible = start + t + 1;
+        let at = |p: usize| p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim;
+        let scores: Vec<f32> = (0..visible)
+            .map(|p| super::linalg::dot(qh, &k[at(p)]) * scale)
+            .collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+        let denom: f32 = weights.iter().sum();
+        o.fill(0.0);
+        for (p, w) in weights.iter().enumerate() {
+            let w = probability(*w);
+            for (o, v) in o.iter_mut().zip(&v[at(p)]) {
+                *o += w * v;
+            }
+        }
+        o.iter_mut().for_each(|x| *x /= denom);
+    });
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::gemm;
+use super::numerics::Rounding;
 use super::simd::{self, Path, QInput, Rows};
 use super::team::{Shared, Team};
 
@@ -206,6 +207,15 @@ thread_local! {
 /// products across all threads. A task runs its rows for every token of its product ([`gemm::gemm_rows`]), so
 /// that each row is read from memory and dequantized once.
 pub fn gemms(batch: &mut [Gemm]) {
+    let rounding = super::numerics::products();
+    if rounding != Rounding::Exact && batch.iter().any(|p| p.w.bits == 4) {
+        return gemms_rounded(batch, rounding);
+    }
+    gemms_exact(batch)
+}
+
+/// [`gemms`] on the inputs as they are.
+fn gemms_exact(batch: &mut [Gemm]) {
     let path = simd_path();
     let n = batch.len();
     let work: usize = batch.iter().map(|p| p.w.rows * p.xs.len()).sum();
@@ -250,6 +260,39 @@ pub fn gemms(batch: &mut [Gemm]) {
         }
         GEMM_SCRATCH.with(|s| *s.borrow_mut() = (dequantized, values));
     });
+}
+
+/// [`gemms`] with the inputs of the 4-bit products rounded first (the study switch of [`super::numerics`]).
+fn gemms_rounded(batch: &mut [Gemm], rounding: Rounding) {
+    let rounded: Vec<Vec<Vec<f32>>> = batch
+        .iter()
+        .map(|p| match p.w.bits {
+            4 => {
+                p.xs.iter()
+                    .map(|x| {
+                        let mut x = x.to_vec();
+                        rounding.round(&mut x);
+                        x
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        })
+        .collect();
+    let views: Vec<Vec<&[f32]>> = rounded
+        .iter()
+        .map(|rows| rows.iter().map(|r| r.as_slice()).collect())
+        .collect();
+    let mut exact: Vec<Gemm> = batch
+        .iter_mut()
+        .zip(&views)
+        .map(|(p, view)| Gemm {
+            w: p.w,
+            xs: if p.w.bits == 4 { view } else { p.xs },
+            out: &mut *p.out,
+        })
+        .collect();
+    gemms_exact(&mut exact);
 }
 
 /// [`qmatmul`] of one input with several matrices of the same width, in one parallel region: for one token with

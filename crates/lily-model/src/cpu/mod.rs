@@ -8,6 +8,7 @@ pub mod gemm;
 pub mod linalg;
 pub mod model;
 pub mod moe;
+pub mod numerics;
 pub mod simd;
 pub mod team;
 

@@ -1,0 +1,226 @@
+//! Emulated reduced-precision numerics for the CPU forward pass: a study switch that rounds the inputs of the 4-bit
+//! weight products, and the operands of the attention, the way a GPU kernel with narrower operands would, so that
+//! the logit error of a candidate kernel format can be measured on the CPU before the kernel is written
+//! (`cargo run --release -p lily-model --example numerics`).
+//!
+//! Both switches are process-wide and off ([`Rounding::Exact`], [`AttentionRounding::Exact`]) unless a caller sets
+//! them; off, the forward pass is bit for bit what it is without this module. The decode step's products (one
+//! token, quantized inputs of their own) do not read them: only the prompt path's products ([`super::linalg::gemms`])
+//! and its attention ([`super::attention::attend`]) do.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use half::bf16;
+
+/// How the inputs of the 4-bit weight products are rounded before the product (which then runs in f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rounding {
+    /// f32, as the CPU reference computes.
+    Exact,
+    /// Each input rounded to bf16 (to nearest, ties to even): the GPU prompt path's products today.
+    Bf16,
+    /// One signed 8-bit integer per input, scaled per group of `group` inputs by max |x| / 127 (an int8 tensor-core
+    /// product with the activations' group scale applied after each group).
+    Int8 { group: usize },
+    /// Two 8-bit digits per input, x = s (d0 + d1 / 128) with s = max |x| / 127 per group of `group` (the batched
+    /// decode step's Q8x2 input codes).
+    Int8x2 { group: usize },
+    /// FP8 e4m3 per input, scaled per group of `group` inputs so that the group's largest magnitude maps to 448 (the
+    /// largest e4m3 value); a group of 0 means the whole row (one scale per token).
+    E4m3 { group: usize },
+}
+
+/// How the attention's operands are rounded: the queries, keys and values as they enter the two products, and the
+/// softmax probabilities as they enter the second. Scores, the running maximum and the row sums stay f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionRounding {
+    Exact,
+    /// q, k, v and the probabilities in bf16 (the GPU's KV cache and attention kernels today).
+    Bf16,
+    /// q and k in e4m3 with a scale per (token, head); v in e4m3 with a scale per (head, block of 64 positions);
+    /// the probabilities (at most 1) in e4m3 without a scale, as FlashAttention-3's FP8 path feeds them.
+    E4m3,
+}
+
+static PRODUCTS: AtomicU32 = AtomicU32::new(0);
+static ATTENTION: AtomicU32 = AtomicU32::new(0);
+
+impl Rounding {
+    fn encode(self) -> u32 {
+        let (kind, group) = match self {
+            Rounding::Exact => (0, 0),
+            Rounding::Bf16 => (1, 0),
+            Rounding::Int8 { group } => (2, group),
+            Rounding::Int8x2 { group } => (3, group),
+            Rounding::E4m3 { group } => (4, group),
+        };
+        assert!(group < 1 << 24, "a rounding group of {group} inputs is too large");
+        kind | (group as u32) << 8
+    }
+
+    fn decode(bits: u32) -> Rounding {
+        let group = (bits >> 8) as usize;
+        match bits & 0xff {
+            0 => Rounding::Exact,
+            1 => Rounding::Bf16,
+            2 => Rounding::Int8 { group },
+            3 => Rounding::Int8x2 { group },
+            _ => Rounding::E4m3 { group },
+        }
+    }
+
+    /// Rounds one row of inputs in place.
+    pub fn round(self, row: &mut [f32]) {
+        let groups = |group: usize| if group == 0 { row.len().max(1) } else { group };
+        match self {
+            Rounding::Exact => {}
+            Rounding::Bf16 => row.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32()),
+            Rounding::Int8 { group } => row.chunks_mut(groups(group)).for_each(|g| int8_group(g, false)),
+            Rounding::Int8x2 { group } => row.chunks_mut(groups(group)).for_each(|g| int8_group(g, true)),
+            Rounding::E4m3 { group } => row.chunks_mut(groups(group)).for_each(e4m3_group),
+        }
+    }
+}
+
+/// Sets how the prompt path's 4-bit products round their inputs (process-wide).
+pub fn set_products(rounding: Rounding) {
+    PRODUCTS.store(rounding.encode(), Ordering::Relaxed);
+}
+
+/// How the prompt path's 4-bit products round their inputs.
+pub fn products() -> Rounding {
+    Rounding::decode(PRODUCTS.load(Ordering::Relaxed))
+}
+
+/// Sets how the prompt path's attention rounds its operands (process-wide).
+pub fn set_attention(rounding: AttentionRounding) {
+    let bits = match rounding {
+        AttentionRounding::Exact => 0,
+        AttentionRounding::Bf16 => 1,
+        AttentionRounding::E4m3 => 2,
+    };
+    ATTENTION.store(bits, Ordering::Relaxed);
+}
+
+/// How the prompt path's attention rounds its operands.
+pub fn attention() -> AttentionRounding {
+    match ATTENTION.load(Ordering::Relaxed) {
+        0 => AttentionRounding::Exact,
+        1 => AttentionRounding::Bf16,
+        _ => AttentionRounding::E4m3,
+    }
+}
+
+/// The largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Rounds `v` to the nearest e4m3 value (ties to even), saturating at +-448: 3 mantissa bits, normal exponents
+/// -6 ..= 8, subnormals in steps of 2^-9.
+pub fn e4m3(v: f32) -> f32 {
+    let a = v.abs();
+    if a == 0.0 || a.is_nan() {
+        return v;
+    }
+    // The spacing of e4m3 values around a: 2^(e - 3) for a normal a in [2^e, 2^(e + 1)), 2^-9 below 2^-6.
+    let exponent = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+    let step = ((exponent.max(-6) - 3) as f32).exp2();
+    let rounded = (a / step).round_ties_even() * step;
+    rounded.min(E4M3_MAX).copysign(v)
+}
+
+/// Rounds a group to e4m3 with one scale, max |x| / 448.
+fn e4m3_group(group: &mut [f32]) {
+    let max = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if max == 0.0 {
+        return;
+    }
+    let scale = max / E4M3_MAX;
+    group.iter_mut().for_each(|v| *v = e4m3(*v / scale) * scale);
+}
+
+/// Rounds a group to one (or, with `two_digits`, two) 8-bit digits with one scale, max |x| / 127.
+fn int8_group(group: &mut [f32], two_digits: bool) {
+    let max = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if max == 0.0 {
+        return;
+    }
+    let (up, scale) = (127.0 / max, max / 127.0);
+    for v in group.iter_mut() {
+        let y = *v * up;
+        let d0 = y.round_ties_even();
+        let d1 = if two_digits {
+            ((y - d0) * 128.0).round_ties_even()
+        } else {
+            0.0
+        };
+        *v = (d0 + d1 / 128.0) * scale;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_rounds_to_the_format_s_values() {
+        // Exact values stay, including the extremes and a subnormal.
+        for v in [0.0, 1.0, -1.5, 448.0, -448.0, 0.015625, 0.001953125, 240.0, 0.875] {
+            assert_eq!(e4m3(v), v, "{v}");
+        }
+        // Between 1 and 2 the step is 1/8; ties go to the even mantissa.
+        assert_eq!(e4m3(1.0 + 1.0 / 16.0), 1.0);
+        assert_eq!(e4m3(1.0 + 3.0 / 16.0), 1.25);
+        assert_eq!(e4m3(1.07), 1.125);
+        // Saturation, and subnormal steps of 2^-9 below 2^-6.
+        assert_eq!(e4m3(1000.0), 448.0);
+        assert_eq!(e4m3(-0.0025), -0.001953125);
+        assert_eq!(e4m3(0.0009), 0.0);
+        // The relative error of a normal value is at most half a step: 2^-4.
+        for i in 1..2000 {
+            let v = 0.02 * i as f32 + 0.0137;
+            assert!((e4m3(v) - v).abs() <= v / 16.0 + 1e-7, "{v} -> {}", e4m3(v));
+        }
+    }
+
+    #[test]
+    fn groups_round_with_their_own_scale() {
+        let row: Vec<f32> = (0..128)
+            .map(|i| ((i as f32) * 0.37).sin() * if i < 64 { 100.0 } else { 0.01 })
+            .collect();
+        for rounding in [
+            Rounding::Bf16,
+            Rounding::Int8 { group: 64 },
+            Rounding::Int8x2 { group: 64 },
+            Rounding::E4m3 { group: 64 },
+            Rounding::E4m3 { group: 0 },
+        ] {
+            let mut r = row.clone();
+            rounding.round(&mut r);
+            let worst = |range: std::ops::Range<usize>| {
+                let max = row[range.clone()].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                range.map(|i| (r[i] - row[i]).abs()).fold(0.0, f32::max) / max
+            };
+            // Each group's error relative to its own largest value.
+            let bound = match rounding {
+                Rounding::Bf16 => 1.0 / 256.0,
+                Rounding::Int8 { .. } => 0.5 / 127.0,
+                Rounding::Int8x2 { .. } => 0.5 / 127.0 / 128.0,
+                Rounding::E4m3 { .. } => 1.0 / 16.0,
+                Rounding::Exact => 0.0,
+            };
+            assert!(worst(0..64) <= bound * 1.0001, "{rounding:?}: {}", worst(0..64));
+            assert!(worst(64..128) <= bound * 1.0001, "{rounding:?}: {}", worst(64..128));
+            assert_eq!(Rounding::decode(rounding.encode()), rounding);
+        }
+        // Integers scale by the group's largest value: with one group for the row, the small half (10^4 times
+        // smaller) keeps only a few levels. e4m3 is a float: one scale for the row still holds the small half to
+        // 1/16 of itself, and only values below its range (2^-9 / 448 of the largest) vanish.
+        let mut one_group = row.clone();
+        Rounding::Int8 { group: 0 }.round(&mut one_group);
+        assert!(one_group[64..].iter().all(|&v| v == 0.0));
+        let mut tiny = row.clone();
+        tiny[100] = 1e-7;
+        Rounding::E4m3 { group: 0 }.round(&mut tiny);
+        assert_eq!(tiny[100], 0.0);
+    }
+}
