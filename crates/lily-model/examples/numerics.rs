@@ -57,12 +57,38 @@ const FORMATS: &[Format] = &[
     Format {
         name: "bf16 products, e4m3 attention",
         products: Rounding::Bf16,
-        attention: AttentionRounding::E4m3,
+        attention: AttentionRounding::E4m3 {
+            scores: true,
+            values: true,
+            rotated: false,
+        },
     },
     Format {
-        name: "int8/64 products, e4m3 attention",
-        products: Rounding::Int8 { group: 64 },
-        attention: AttentionRounding::E4m3,
+        name: "bf16 products, e4m3 attention, q and k rotated",
+        products: Rounding::Bf16,
+        attention: AttentionRounding::E4m3 {
+            scores: true,
+            values: true,
+            rotated: true,
+        },
+    },
+    Format {
+        name: "bf16 products, e4m3 scores (q, k rotated), bf16 values",
+        products: Rounding::Bf16,
+        attention: AttentionRounding::E4m3 {
+            scores: true,
+            values: false,
+            rotated: true,
+        },
+    },
+    Format {
+        name: "bf16 products, bf16 scores, e4m3 values (v, probabilities)",
+        products: Rounding::Bf16,
+        attention: AttentionRounding::E4m3 {
+            scores: false,
+            values: true,
+            rotated: false,
+        },
     },
 ];
 
@@ -115,26 +141,40 @@ fn compare(reference: &[f32], got: &[f32], vocab: usize) -> Errors {
         })
 }
 
-/// Runs `tokens` through the f32 path and through every format, a piece at a time; returns each format's errors.
-fn measure(model: &CpuModel, tokens: &[u32]) -> Vec<Errors> {
+/// Runs `tokens` through the f32 path and through every format, `PIECE` tokens at a time; returns each piece's
+/// errors of each format (`[piece][format]`).
+fn measure(model: &CpuModel, tokens: &[u32]) -> Vec<Vec<Errors>> {
     let vocab = model.config().vocab_size;
     let mut reference_state = model.new_state(tokens.len());
     let mut states: Vec<_> = FORMATS.iter().map(|_| model.new_state(tokens.len())).collect();
-    let mut errors = vec![Errors::default(); FORMATS.len()];
+    let mut pieces = Vec::new();
     for piece in tokens.chunks(PIECE) {
         numerics::set_products(Rounding::Exact);
         numerics::set_attention(AttentionRounding::Exact);
         let reference = model.prefill_all_logits(&mut reference_state, piece).unwrap();
-        for ((format, state), errors) in FORMATS.iter().zip(&mut states).zip(&mut errors) {
+        let mut errors = Vec::new();
+        for (format, state) in FORMATS.iter().zip(&mut states) {
             numerics::set_products(format.products);
             numerics::set_attention(format.attention);
             let got = model.prefill_all_logits(state, piece).unwrap();
-            errors.add(&compare(&reference, &got, vocab));
+            errors.push(compare(&reference, &got, vocab));
         }
+        pieces.push(errors);
     }
     numerics::set_products(Rounding::Exact);
     numerics::set_attention(AttentionRounding::Exact);
-    errors
+    pieces
+}
+
+/// Each format's errors over the given pieces.
+fn total<'a>(pieces: impl IntoIterator<Item = &'a Vec<Errors>>) -> Vec<Errors> {
+    let mut total = vec![Errors::default(); FORMATS.len()];
+    for piece in pieces {
+        for (t, e) in total.iter_mut().zip(piece) {
+            t.add(e);
+        }
+    }
+    total
 }
 
 /// A text the model writes itself: `len` tokens sampled at temperature 1 after `prompt`, prompt included.
@@ -212,12 +252,8 @@ fn main() -> anyhow::Result<()> {
     let model = CpuModel::new(Weights::load(&dir)?);
 
     let prompts = golden_prompts();
-    let mut golden = vec![Errors::default(); FORMATS.len()];
-    for prompt in &prompts {
-        for (total, e) in golden.iter_mut().zip(measure(&model, prompt)) {
-            total.add(&e);
-        }
-    }
+    let golden: Vec<Vec<Errors>> = prompts.iter().flat_map(|p| measure(&model, p)).collect();
+    let golden = total(&golden);
     let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
     print(
         &format!(
@@ -229,11 +265,32 @@ fn main() -> anyhow::Result<()> {
 
     if long > 0 {
         let text = sampled_text(&model, &prompts[0], long, seed);
-        let errors = measure(&model, &text);
+        let pieces = measure(&model, &text);
         print(
             &format!("A text of {long} tokens the model sampled after the first golden prompt (temperature 1, seed {seed}), against f32:"),
-            &errors,
+            &total(&pieces),
         );
+        // By depth: positions in [2^i * PIECE, 2^(i + 1) * PIECE), the first bucket from 0.
+        let mut buckets = vec![(0, 1)];
+        while buckets.last().unwrap().1 < pieces.len() {
+            let end = buckets.last().unwrap().1;
+            buckets.push((end, (2 * end).min(pieces.len())));
+        }
+        println!("\nMean KL (nats) of the same text by position:\n");
+        let header: Vec<String> = buckets
+            .iter()
+            .map(|(a, b)| format!("{}-{}", a * PIECE, (b * PIECE).min(text.len()) - 1))
+            .collect();
+        println!("| format | {} |", header.join(" | "));
+        println!("| --- |{}", " ---: |".repeat(buckets.len()));
+        let by_bucket: Vec<Vec<Errors>> = buckets.iter().map(|&(a, b)| total(&pieces[a..b])).collect();
+        for (f, format) in FORMATS.iter().enumerate() {
+            let cells: Vec<String> = by_bucket
+                .iter()
+                .map(|e| format!("{:.2e}", e[f].sum_kl / e[f].positions as f64))
+                .collect();
+            println!("| {} | {} |", format.name, cells.join(" | "));
+        }
     }
     Ok(())
 }

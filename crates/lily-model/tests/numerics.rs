@@ -27,7 +27,30 @@ fn formats_change_the_prompt_path_by_their_precision() {
         (Rounding::Bf16, AttentionRounding::Exact),
         (Rounding::E4m3 { group: 128 }, AttentionRounding::Exact),
         (Rounding::Exact, AttentionRounding::Bf16),
-        (Rounding::Exact, AttentionRounding::E4m3),
+        (
+            Rounding::Exact,
+            AttentionRounding::E4m3 {
+                scores: true,
+                values: true,
+                rotated: false,
+            },
+        ),
+        (
+            Rounding::Exact,
+            AttentionRounding::E4m3 {
+                scores: true,
+                values: false,
+                rotated: true,
+            },
+        ),
+        (
+            Rounding::Exact,
+            AttentionRounding::E4m3 {
+                scores: false,
+                values: true,
+                rotated: false,
+            },
+        ),
     ] {
         numerics::set_products(products);
         numerics::set_attention(attention);
@@ -47,7 +70,10 @@ fn formats_change_the_prompt_path_by_their_precision() {
         differences[0] < differences[1] && differences[1] < differences[2],
         "{differences:?}"
     );
-    assert!(differences[3] < differences[4], "{differences:?}");
+    assert!(
+        differences[3] < differences[4] && differences[3] < differences[5] && differences[3] < differences[6],
+        "{differences:?}"
+    );
 
     // Switched off again, the pass is the exact one.
     assert_eq!(logits(&model, &tokens), exact);

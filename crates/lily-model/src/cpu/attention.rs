@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::numerics::{e4m3, AttentionRounding, Rounding, E4M3_MAX};
+use super::numerics::{e4m3, rotate, AttentionRounding, Rounding, E4M3_MAX};
 
 thread_local! {
     /// Per thread, the scores of the query head it last attended with: reused so that a decode step allocates
@@ -111,36 +111,56 @@ fn attend_rounded(
     const V_BLOCK: usize = 64;
     let (group, kv_dim) = (heads / kv_heads, kv_heads * head_dim);
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let (per_head, probability): (Rounding, fn(f32) -> f32) = match rounding {
-        AttentionRounding::Bf16 | AttentionRounding::Exact => (Rounding::Bf16, |p| bf16::from_f32(p).to_f32()),
-        AttentionRounding::E4m3 => (Rounding::E4m3 { group: head_dim }, e4m3),
+    let (e4m3_scores, e4m3_values, rotated) = match rounding {
+        AttentionRounding::E4m3 {
+            scores,
+            values,
+            rotated,
+        } => (scores, values, rotated),
+        AttentionRounding::Exact | AttentionRounding::Bf16 => (false, false, false),
     };
     let mut q = q.to_vec();
     let mut k = k_cache.to_vec();
+    if rotated {
+        // The same signs for every head and call, from a fixed seed: a kernel would hold one such matrix.
+        let mut rng = crate::rng::Rng::new(0x4ad4);
+        let signs: Vec<f32> = (0..head_dim)
+            .map(|_| if rng.uniform() < 0.5 { -1.0 } else { 1.0 })
+            .collect();
+        q.chunks_mut(head_dim).for_each(|h| rotate(h, &signs));
+        k.chunks_mut(head_dim).for_each(|h| rotate(h, &signs));
+    }
+    let per_head = match e4m3_scores {
+        true => Rounding::E4m3 { group: head_dim },
+        false => Rounding::Bf16,
+    };
     q.chunks_mut(head_dim).for_each(|h| per_head.round(h));
     k.chunks_mut(head_dim).for_each(|h| per_head.round(h));
     let positions = v_cache.len() / kv_dim;
     let mut v = v_cache.to_vec();
-    match rounding {
-        AttentionRounding::E4m3 => {
-            for kvh in 0..kv_heads {
-                for block in (0..positions).step_by(V_BLOCK) {
-                    let rows = block..(block + V_BLOCK).min(positions);
-                    let at = |p: usize| p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim;
-                    let max = rows
-                        .clone()
-                        .flat_map(|p| v[at(p)].iter())
-                        .fold(0.0f32, |m, x| m.max(x.abs()));
-                    if max > 0.0 {
-                        let s = max / E4M3_MAX;
-                        for p in rows {
-                            v[at(p)].iter_mut().for_each(|x| *x = e4m3(*x / s) * s);
-                        }
+    let probability: fn(f32) -> f32 = match e4m3_values {
+        true => e4m3,
+        false => |p| bf16::from_f32(p).to_f32(),
+    };
+    if e4m3_values {
+        for kvh in 0..kv_heads {
+            for block in (0..positions).step_by(V_BLOCK) {
+                let rows = block..(block + V_BLOCK).min(positions);
+                let at = |p: usize| p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim;
+                let max = rows
+                    .clone()
+                    .flat_map(|p| v[at(p)].iter())
+                    .fold(0.0f32, |m, x| m.max(x.abs()));
+                if max > 0.0 {
+                    let s = max / E4M3_MAX;
+                    for p in rows {
+                        v[at(p)].iter_mut().for_each(|x| *x = e4m3(*x / s) * s);
                     }
                 }
             }
         }
-        _ => Rounding::Bf16.round(&mut v),
+    } else {
+        Rounding::Bf16.round(&mut v);
     }
     let (q, k, v) = (&q, &k, &v);
     out.par_chunks_mut(head_dim).enumerate().for_each(|(index, o)| {

@@ -37,9 +37,17 @@ pub enum AttentionRounding {
     Exact,
     /// q, k, v and the probabilities in bf16 (the GPU's KV cache and attention kernels today).
     Bf16,
-    /// q and k in e4m3 with a scale per (token, head); v in e4m3 with a scale per (head, block of 64 positions);
-    /// the probabilities (at most 1) in e4m3 without a scale, as FlashAttention-3's FP8 path feeds them.
-    E4m3,
+    /// FP8 e4m3 for the operands of the scores (`scores`: q and k, with a scale per token and head) and of the
+    /// output (`values`: v with a scale per head and block of 64 positions, and the probabilities, at most 1,
+    /// without a scale, as FlashAttention-3's FP8 path feeds them); bf16 for the product that is not. `rotated`
+    /// first turns each head of q and k by the same random orthogonal matrix (a Hadamard matrix times random
+    /// signs), which leaves the scores as they are but spreads a few large dimensions over all of them before the
+    /// rounding (FlashAttention-3's "incoherent processing").
+    E4m3 {
+        scores: bool,
+        values: bool,
+        rotated: bool,
+    },
 }
 
 static PRODUCTS: AtomicU32 = AtomicU32::new(0);
@@ -97,7 +105,11 @@ pub fn set_attention(rounding: AttentionRounding) {
     let bits = match rounding {
         AttentionRounding::Exact => 0,
         AttentionRounding::Bf16 => 1,
-        AttentionRounding::E4m3 => 2,
+        AttentionRounding::E4m3 {
+            scores,
+            values,
+            rotated,
+        } => 2 | (scores as u32) << 2 | (values as u32) << 3 | (rotated as u32) << 4,
     };
     ATTENTION.store(bits, Ordering::Relaxed);
 }
@@ -107,8 +119,32 @@ pub fn attention() -> AttentionRounding {
     match ATTENTION.load(Ordering::Relaxed) {
         0 => AttentionRounding::Exact,
         1 => AttentionRounding::Bf16,
-        _ => AttentionRounding::E4m3,
+        bits => AttentionRounding::E4m3 {
+            scores: bits & 4 != 0,
+            values: bits & 8 != 0,
+            rotated: bits & 16 != 0,
+        },
     }
+}
+
+/// Turns `x` (a power-of-two length) by the orthogonal matrix H diag(signs) / sqrt(n), H the Sylvester Hadamard
+/// matrix: x <- H (signs * x) / sqrt(n), by the fast Walsh-Hadamard transform. `signs` are +-1.
+pub fn rotate(x: &mut [f32], signs: &[f32]) {
+    let n = x.len();
+    assert!(n.is_power_of_two() && signs.len() == n);
+    x.iter_mut().zip(signs).for_each(|(v, s)| *v *= s);
+    let mut half = 1;
+    while half < n {
+        for block in x.chunks_exact_mut(2 * half) {
+            let (a, b) = block.split_at_mut(half);
+            for (a, b) in a.iter_mut().zip(b) {
+                (*a, *b) = (*a + *b, *a - *b);
+            }
+        }
+        half *= 2;
+    }
+    let norm = 1.0 / (n as f32).sqrt();
+    x.iter_mut().for_each(|v| *v *= norm);
 }
 
 /// The largest finite e4m3 value.
@@ -180,6 +216,29 @@ mod tests {
             let v = 0.02 * i as f32 + 0.0137;
             assert!((e4m3(v) - v).abs() <= v / 16.0 + 1e-7, "{v} -> {}", e4m3(v));
         }
+    }
+
+    #[test]
+    fn rotation_keeps_dot_products_and_spreads_a_spike() {
+        let mut rng = crate::rng::Rng::new(3);
+        let signs: Vec<f32> = (0..256).map(|_| if rng.uniform() < 0.5 { -1.0 } else { 1.0 }).collect();
+        let a: Vec<f32> = (0..256).map(|_| rng.normal()).collect();
+        let b: Vec<f32> = (0..256).map(|_| rng.normal()).collect();
+        let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(x, y)| x * y).sum::<f32>();
+        let (mut ra, mut rb) = (a.clone(), b.clone());
+        rotate(&mut ra, &signs);
+        rotate(&mut rb, &signs);
+        assert!(
+            (dot(&a, &b) - dot(&ra, &rb)).abs() < 1e-3,
+            "{} {}",
+            dot(&a, &b),
+            dot(&ra, &rb)
+        );
+        assert!((dot(&a, &a) - dot(&ra, &ra)).abs() < 1e-3);
+        let mut spike = vec![0.0; 256];
+        spike[17] = 16.0;
+        rotate(&mut spike, &signs);
+        assert!(spike.iter().all(|v| (v.abs() - 1.0).abs() < 1e-6));
     }
 
     #[test]
