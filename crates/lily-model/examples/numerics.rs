@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use lily_model::cpu::numerics::{self, AttentionRounding, Rounding};
+use lily_model::cpu::numerics::{self, AttentionRounding, Operand, Rounding};
 use lily_model::cpu::CpuModel;
 use lily_model::sampling::{argmax, Sampler, SamplingParams};
 use lily_model::{default_model, Weights};
@@ -28,67 +28,80 @@ struct Format {
     attention: AttentionRounding,
 }
 
+/// The attention's operands: q and k in `scores`, v and the probabilities in `values`.
+const fn attention(scores: Operand, values: Operand, rotated: bool) -> AttentionRounding {
+    AttentionRounding::Rounded {
+        scores,
+        values,
+        rotated,
+    }
+}
+
 const FORMATS: &[Format] = &[
     Format {
         name: "bf16 products, bf16 attention (the GPU prompt path today)",
         products: Rounding::Bf16,
-        attention: AttentionRounding::Bf16,
+        attention: AttentionRounding::BF16,
     },
     Format {
         name: "int8x2/64 products (the batched step's codes), bf16 attention",
         products: Rounding::Int8x2 { group: 64 },
-        attention: AttentionRounding::Bf16,
+        attention: AttentionRounding::BF16,
     },
     Format {
         name: "int8/64 products, bf16 attention",
         products: Rounding::Int8 { group: 64 },
-        attention: AttentionRounding::Bf16,
+        attention: AttentionRounding::BF16,
     },
     Format {
         name: "e4m3/128 products, bf16 attention",
         products: Rounding::E4m3 { group: 128 },
-        attention: AttentionRounding::Bf16,
+        attention: AttentionRounding::BF16,
     },
     Format {
         name: "e4m3/row products, bf16 attention",
         products: Rounding::E4m3 { group: 0 },
-        attention: AttentionRounding::Bf16,
+        attention: AttentionRounding::BF16,
     },
     Format {
         name: "bf16 products, e4m3 attention",
         products: Rounding::Bf16,
-        attention: AttentionRounding::E4m3 {
-            scores: true,
-            values: true,
-            rotated: false,
-        },
+        attention: attention(Operand::E4m3, Operand::E4m3, false),
     },
     Format {
         name: "bf16 products, e4m3 attention, q and k rotated",
         products: Rounding::Bf16,
-        attention: AttentionRounding::E4m3 {
-            scores: true,
-            values: true,
-            rotated: true,
-        },
+        attention: attention(Operand::E4m3, Operand::E4m3, true),
     },
     Format {
         name: "bf16 products, e4m3 scores (q, k rotated), bf16 values",
         products: Rounding::Bf16,
-        attention: AttentionRounding::E4m3 {
-            scores: true,
-            values: false,
-            rotated: true,
-        },
+        attention: attention(Operand::E4m3, Operand::Bf16, true),
     },
     Format {
         name: "bf16 products, bf16 scores, e4m3 values (v, probabilities)",
         products: Rounding::Bf16,
-        attention: AttentionRounding::E4m3 {
-            scores: false,
-            values: true,
-            rotated: false,
-        },
+        attention: attention(Operand::Bf16, Operand::E4m3, false),
+    },
+    Format {
+        name: "bf16 products, int8 attention (k smoothed; probabilities in 1/255)",
+        products: Rounding::Bf16,
+        attention: attention(Operand::Int8, Operand::Int8, false),
+    },
+    Format {
+        name: "bf16 products, int8 scores (k smoothed), bf16 values",
+        products: Rounding::Bf16,
+        attention: attention(Operand::Int8, Operand::Bf16, false),
+    },
+    Format {
+        name: "bf16 products, bf16 scores, int8 values (probabilities in 1/255)",
+        products: Rounding::Bf16,
+        attention: attention(Operand::Bf16, Operand::Int8, false),
+    },
+    Format {
+        name: "bf16 products, int8 scores (k smoothed), e4m3 values",
+        products: Rounding::Bf16,
+        attention: attention(Operand::Int8, Operand::E4m3, false),
     },
 ];
 

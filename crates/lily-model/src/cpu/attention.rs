@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::numerics::{e4m3, rotate, AttentionRounding, Rounding, E4M3_MAX};
+use super::numerics::{e4m3, rotate, AttentionRounding, Operand, Rounding};
 
 thread_local! {
     /// Per thread, the scores of the query head it last attended with: reused so that a decode step allocates
@@ -111,14 +111,15 @@ fn attend_rounded(
     const V_BLOCK: usize = 64;
     let (group, kv_dim) = (heads / kv_heads, kv_heads * head_dim);
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let (e4m3_scores, e4m3_values, rotated) = match rounding {
-        AttentionRounding::E4m3 {
-            scores,
-            values,
-            rotated,
-        } => (scores, values, rotated),
-        AttentionRounding::Exact | AttentionRounding::Bf16 => (false, false, false),
+    let AttentionRounding::Rounded {
+        scores,
+        values,
+        rotated,
+    } = rounding
+    else {
+        unreachable!("the exact attention is attend's own")
     };
+    let positions = v_cache.len() / kv_dim;
     let mut q = q.to_vec();
     let mut k = k_cache.to_vec();
     if rotated {
@@ -130,37 +131,52 @@ fn attend_rounded(
         q.chunks_mut(head_dim).for_each(|h| rotate(h, &signs));
         k.chunks_mut(head_dim).for_each(|h| rotate(h, &signs));
     }
-    let per_head = match e4m3_scores {
-        true => Rounding::E4m3 { group: head_dim },
-        false => Rounding::Bf16,
+    if scores == Operand::Int8 {
+        // Each KV head's mean key over the cache, subtracted from its keys.
+        for kvh in 0..kv_heads {
+            let mut mean = vec![0.0f32; head_dim];
+            for p in 0..positions {
+                let row = &k[p * kv_dim + kvh * head_dim..][..head_dim];
+                mean.iter_mut().zip(row).for_each(|(m, x)| *m += x / positions as f32);
+            }
+            for p in 0..positions {
+                let row = &mut k[p * kv_dim + kvh * head_dim..][..head_dim];
+                row.iter_mut().zip(&mean).for_each(|(x, m)| *x -= m);
+            }
+        }
+    }
+    let per_head = match scores {
+        Operand::Bf16 => Rounding::Bf16,
+        Operand::E4m3 => Rounding::E4m3 { group: head_dim },
+        Operand::Int8 => Rounding::Int8 { group: head_dim },
     };
     q.chunks_mut(head_dim).for_each(|h| per_head.round(h));
     k.chunks_mut(head_dim).for_each(|h| per_head.round(h));
-    let positions = v_cache.len() / kv_dim;
     let mut v = v_cache.to_vec();
-    let probability: fn(f32) -> f32 = match e4m3_values {
-        true => e4m3,
-        false => |p| bf16::from_f32(p).to_f32(),
+    let probability: fn(f32) -> f32 = match values {
+        Operand::Bf16 => |p| bf16::from_f32(p).to_f32(),
+        Operand::E4m3 => e4m3,
+        Operand::Int8 => |p| (p * 255.0).round_ties_even() / 255.0,
     };
-    if e4m3_values {
+    if values == Operand::Bf16 {
+        Rounding::Bf16.round(&mut v);
+    } else {
+        // One scale per KV head and block of positions.
         for kvh in 0..kv_heads {
             for block in (0..positions).step_by(V_BLOCK) {
-                let rows = block..(block + V_BLOCK).min(positions);
-                let at = |p: usize| p * kv_dim + kvh * head_dim..p * kv_dim + (kvh + 1) * head_dim;
-                let max = rows
-                    .clone()
-                    .flat_map(|p| v[at(p)].iter())
-                    .fold(0.0f32, |m, x| m.max(x.abs()));
-                if max > 0.0 {
-                    let s = max / E4M3_MAX;
-                    for p in rows {
-                        v[at(p)].iter_mut().for_each(|x| *x = e4m3(*x / s) * s);
-                    }
+                let mut values_of_block: Vec<f32> = (block..(block + V_BLOCK).min(positions))
+                    .flat_map(|p| v[p * kv_dim + kvh * head_dim..][..head_dim].iter().copied())
+                    .collect();
+                match values {
+                    Operand::E4m3 => Rounding::E4m3 { group: 0 }.round(&mut values_of_block),
+                    _ => Rounding::Int8 { group: 0 }.round(&mut values_of_block),
+                }
+                for (i, row) in values_of_block.chunks_exact(head_dim).enumerate() {
+                    let p = block + i;
+                    v[p * kv_dim + kvh * head_dim..][..head_dim].copy_from_slice(row);
                 }
             }
         }
-    } else {
-        Rounding::Bf16.round(&mut v);
     }
     let (q, k, v) = (&q, &k, &v);
     out.par_chunks_mut(head_dim).enumerate().for_each(|(index, o)| {

@@ -35,19 +35,37 @@ pub enum Rounding {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionRounding {
     Exact,
-    /// q, k, v and the probabilities in bf16 (the GPU's KV cache and attention kernels today).
-    Bf16,
-    /// FP8 e4m3 for the operands of the scores (`scores`: q and k, with a scale per token and head) and of the
-    /// output (`values`: v with a scale per head and block of 64 positions, and the probabilities, at most 1,
-    /// without a scale, as FlashAttention-3's FP8 path feeds them); bf16 for the product that is not. `rotated`
-    /// first turns each head of q and k by the same random orthogonal matrix (a Hadamard matrix times random
-    /// signs), which leaves the scores as they are but spreads a few large dimensions over all of them before the
-    /// rounding (FlashAttention-3's "incoherent processing").
-    E4m3 {
-        scores: bool,
-        values: bool,
+    /// `scores`: the format of q and k; `values`: of v and the probabilities. `rotated` first turns each head of q
+    /// and k by the same random orthogonal matrix (a Hadamard matrix times random signs), which leaves the scores
+    /// as they are but spreads a few large dimensions over all of them before the rounding (FlashAttention-3's
+    /// "incoherent processing").
+    Rounded {
+        scores: Operand,
+        values: Operand,
         rotated: bool,
     },
+}
+
+impl AttentionRounding {
+    /// Every operand in bf16: the GPU's KV cache and attention kernels today.
+    pub const BF16: AttentionRounding = AttentionRounding::Rounded {
+        scores: Operand::Bf16,
+        values: Operand::Bf16,
+        rotated: false,
+    };
+}
+
+/// The format of a pair of the attention's operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Operand {
+    Bf16,
+    /// FP8 e4m3. Scores: q and k with a scale per (token, head). Values: v with a scale per (head, block of 64
+    /// positions), the probabilities (at most 1) without a scale, as FlashAttention-3's FP8 path feeds them.
+    E4m3,
+    /// 8-bit integers. Scores: q and k with a scale per (token, head), k after subtracting its mean over the
+    /// positions (which moves every score of a query by the same amount, so the softmax not at all; SageAttention's
+    /// smoothing). Values: v with a scale per (head, block of 64 positions), the probabilities as multiples of 1/255.
+    Int8,
 }
 
 static PRODUCTS: AtomicU32 = AtomicU32::new(0);
@@ -102,27 +120,35 @@ pub fn products() -> Rounding {
 
 /// Sets how the prompt path's attention rounds its operands (process-wide).
 pub fn set_attention(rounding: AttentionRounding) {
+    let operand = |o: Operand| match o {
+        Operand::Bf16 => 0,
+        Operand::E4m3 => 1,
+        Operand::Int8 => 2,
+    };
     let bits = match rounding {
         AttentionRounding::Exact => 0,
-        AttentionRounding::Bf16 => 1,
-        AttentionRounding::E4m3 {
+        AttentionRounding::Rounded {
             scores,
             values,
             rotated,
-        } => 2 | (scores as u32) << 2 | (values as u32) << 3 | (rotated as u32) << 4,
+        } => 1 | operand(scores) << 1 | operand(values) << 3 | (rotated as u32) << 5,
     };
     ATTENTION.store(bits, Ordering::Relaxed);
 }
 
 /// How the prompt path's attention rounds its operands.
 pub fn attention() -> AttentionRounding {
+    let operand = |bits: u32| match bits & 3 {
+        0 => Operand::Bf16,
+        1 => Operand::E4m3,
+        _ => Operand::Int8,
+    };
     match ATTENTION.load(Ordering::Relaxed) {
         0 => AttentionRounding::Exact,
-        1 => AttentionRounding::Bf16,
-        bits => AttentionRounding::E4m3 {
-            scores: bits & 4 != 0,
-            values: bits & 8 != 0,
-            rotated: bits & 16 != 0,
+        bits => AttentionRounding::Rounded {
+            scores: operand(bits >> 1),
+            values: operand(bits >> 3),
+            rotated: bits & 32 != 0,
         },
     }
 }
