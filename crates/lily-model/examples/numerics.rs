@@ -84,7 +84,7 @@ const FORMATS: &[Format] = &[
         attention: attention(Operand::Bf16, Operand::E4m3, false),
     },
     Format {
-        name: "bf16 products, int8 attention (k smoothed; probabilities in 1/255)",
+        name: "bf16 products, int8 attention (k smoothed; probabilities per block of 64)",
         products: Rounding::Bf16,
         attention: attention(Operand::Int8, Operand::Int8, false),
     },
@@ -94,7 +94,7 @@ const FORMATS: &[Format] = &[
         attention: attention(Operand::Int8, Operand::Bf16, false),
     },
     Format {
-        name: "bf16 products, bf16 scores, int8 values (probabilities in 1/255)",
+        name: "bf16 products, bf16 scores, int8 values (probabilities per block of 64)",
         products: Rounding::Bf16,
         attention: attention(Operand::Bf16, Operand::Int8, false),
     },

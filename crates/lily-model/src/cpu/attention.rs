@@ -153,11 +153,6 @@ fn attend_rounded(
     q.chunks_mut(head_dim).for_each(|h| per_head.round(h));
     k.chunks_mut(head_dim).for_each(|h| per_head.round(h));
     let mut v = v_cache.to_vec();
-    let probability: fn(f32) -> f32 = match values {
-        Operand::Bf16 => |p| bf16::from_f32(p).to_f32(),
-        Operand::E4m3 => e4m3,
-        Operand::Int8 => |p| (p * 255.0).round_ties_even() / 255.0,
-    };
     if values == Operand::Bf16 {
         Rounding::Bf16.round(&mut v);
     } else {
@@ -192,10 +187,19 @@ fn attend_rounded(
         let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
         let denom: f32 = weights.iter().sum();
         o.fill(0.0);
-        for (p, w) in weights.iter().enumerate() {
-            let w = probability(*w);
-            for (o, v) in o.iter_mut().zip(&v[at(p)]) {
-                *o += w * v;
+        // The probabilities as the output's product takes them, a block of positions at a time (int8: in
+        // multiples of the block's largest / 255).
+        for (block, weights) in weights.chunks(V_BLOCK).enumerate() {
+            let block_max = weights.iter().copied().fold(0.0f32, f32::max);
+            for (i, w) in weights.iter().enumerate() {
+                let w = match values {
+                    Operand::Bf16 => bf16::from_f32(*w).to_f32(),
+                    Operand::E4m3 => e4m3(*w),
+                    Operand::Int8 => (w / block_max * 255.0).round_ties_even() * block_max / 255.0,
+                };
+                for (o, v) in o.iter_mut().zip(&v[at(block * V_BLOCK + i)]) {
+                    *o += w * v;
+                }
             }
         }
         o.iter_mut().for_each(|x| *x /= denom);

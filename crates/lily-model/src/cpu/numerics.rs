@@ -64,7 +64,10 @@ pub enum Operand {
     E4m3,
     /// 8-bit integers. Scores: q and k with a scale per (token, head), k after subtracting its mean over the
     /// positions (which moves every score of a query by the same amount, so the softmax not at all; SageAttention's
-    /// smoothing). Values: v with a scale per (head, block of 64 positions), the probabilities as multiples of 1/255.
+    /// smoothing). Values: v with a scale per (head, block of 64 positions), the probabilities with a scale per
+    /// (query, block of 64 positions): multiples of the block's largest / 255 (a kernel knows each tile's largest
+    /// score before it forms the probabilities, and rescales its output per row and tile for the online softmax
+    /// anyway).
     Int8,
 }
 
