@@ -107,7 +107,7 @@ fn attend_rounded(
     out: &mut [f32],
     rounding: AttentionRounding,
 ) {
-    /// Positions that share one scale of the values in e4m3 (a kernel's tile of keys).
+    /// Positions that share one scale of the values, and in int8 of a query's probabilities: a kernel's tile of keys.
     const V_BLOCK: usize = 64;
     let (group, kv_dim) = (heads / kv_heads, kv_heads * head_dim);
     let scale = 1.0 / (head_dim as f32).sqrt();

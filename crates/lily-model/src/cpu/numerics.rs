@@ -4,9 +4,10 @@
 //! (`cargo run --release -p lily-model --example numerics`).
 //!
 //! Both switches are process-wide and off ([`Rounding::Exact`], [`AttentionRounding::Exact`]) unless a caller sets
-//! them; off, the forward pass is bit for bit what it is without this module. The decode step's products (one
-//! token, quantized inputs of their own) do not read them: only the prompt path's products ([`super::linalg::gemms`])
-//! and its attention ([`super::attention::attend`]) do.
+//! them; off, the forward pass is bit for bit what it is without this module. The products of several tokens
+//! ([`super::linalg::gemms`]: a prompt's) read the first; a single token's products (quantized inputs of their own)
+//! do not. The attention of [`super::attention::attend`] (every pass of [`super::model::CpuModel`]'s forward, a
+//! one-token step's too) reads the second; the decode team's own attention does not.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
