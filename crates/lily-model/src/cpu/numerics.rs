@@ -9,7 +9,7 @@
 //! do not. The attention of [`super::attention::attend`] (every pass of [`super::model::CpuModel`]'s forward, a
 //! one-token step's too) reads the second; the decode team's own attention does not.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::RwLock;
 
 use half::bf16;
 
@@ -72,33 +72,18 @@ pub enum Operand {
     Int8,
 }
 
-static PRODUCTS: AtomicU32 = AtomicU32::new(0);
-static ATTENTION: AtomicU32 = AtomicU32::new(0);
+/// The two switches, read once per product and per attention call.
+static SWITCHES: RwLock<(Rounding, AttentionRounding)> = RwLock::new((Rounding::Exact, AttentionRounding::Exact));
+
+fn switches() -> (Rounding, AttentionRounding) {
+    *SWITCHES.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn set_switches(change: impl FnOnce(&mut (Rounding, AttentionRounding))) {
+    change(&mut SWITCHES.write().unwrap_or_else(|poisoned| poisoned.into_inner()));
+}
 
 impl Rounding {
-    fn encode(self) -> u32 {
-        let (kind, group) = match self {
-            Rounding::Exact => (0, 0),
-            Rounding::Bf16 => (1, 0),
-            Rounding::Int8 { group } => (2, group),
-            Rounding::Int8x2 { group } => (3, group),
-            Rounding::E4m3 { group } => (4, group),
-        };
-        assert!(group < 1 << 24, "a rounding group of {group} inputs is too large");
-        kind | (group as u32) << 8
-    }
-
-    fn decode(bits: u32) -> Rounding {
-        let group = (bits >> 8) as usize;
-        match bits & 0xff {
-            0 => Rounding::Exact,
-            1 => Rounding::Bf16,
-            2 => Rounding::Int8 { group },
-            3 => Rounding::Int8x2 { group },
-            _ => Rounding::E4m3 { group },
-        }
-    }
-
     /// Rounds one row of inputs in place.
     pub fn round(self, row: &mut [f32]) {
         let groups = |group: usize| if group == 0 { row.len().max(1) } else { group };
@@ -114,47 +99,22 @@ impl Rounding {
 
 /// Sets how the prompt path's 4-bit products round their inputs (process-wide).
 pub fn set_products(rounding: Rounding) {
-    PRODUCTS.store(rounding.encode(), Ordering::Relaxed);
+    set_switches(|s| s.0 = rounding);
 }
 
 /// How the prompt path's 4-bit products round their inputs.
 pub fn products() -> Rounding {
-    Rounding::decode(PRODUCTS.load(Ordering::Relaxed))
+    switches().0
 }
 
-/// Sets how the prompt path's attention rounds its operands (process-wide).
+/// Sets how the attention rounds its operands (process-wide).
 pub fn set_attention(rounding: AttentionRounding) {
-    let operand = |o: Operand| match o {
-        Operand::Bf16 => 0,
-        Operand::E4m3 => 1,
-        Operand::Int8 => 2,
-    };
-    let bits = match rounding {
-        AttentionRounding::Exact => 0,
-        AttentionRounding::Rounded {
-            scores,
-            values,
-            rotated,
-        } => 1 | operand(scores) << 1 | operand(values) << 3 | (rotated as u32) << 5,
-    };
-    ATTENTION.store(bits, Ordering::Relaxed);
+    set_switches(|s| s.1 = rounding);
 }
 
-/// How the prompt path's attention rounds its operands.
+/// How the attention rounds its operands.
 pub fn attention() -> AttentionRounding {
-    let operand = |bits: u32| match bits & 3 {
-        0 => Operand::Bf16,
-        1 => Operand::E4m3,
-        _ => Operand::Int8,
-    };
-    match ATTENTION.load(Ordering::Relaxed) {
-        0 => AttentionRounding::Exact,
-        bits => AttentionRounding::Rounded {
-            scores: operand(bits >> 1),
-            values: operand(bits >> 3),
-            rotated: bits & 32 != 0,
-        },
-    }
+    switches().1
 }
 
 /// Turns `x` (a power-of-two length) by the orthogonal matrix H diag(signs) / sqrt(n), H the Sylvester Hadamard
@@ -299,7 +259,6 @@ mod tests {
             };
             assert!(worst(0..64) <= bound * 1.0001, "{rounding:?}: {}", worst(0..64));
             assert!(worst(64..128) <= bound * 1.0001, "{rounding:?}: {}", worst(64..128));
-            assert_eq!(Rounding::decode(rounding.encode()), rounding);
         }
         // Integers scale by the group's largest value: with one group for the row, the small half (10^4 times
         // smaller) keeps only a few levels. e4m3 is a float: one scale for the row still holds the small half to
