@@ -1,14 +1,14 @@
 //! Logit error of reduced-precision operand formats, emulated on the CPU (`lily_model::cpu::numerics`), for choosing
 //! the formats of GPU prompt-path kernels before writing them.
 //!
-//! `cargo run --release -p lily-model --example numerics -- [--model DIR] [--long TOKENS] [--seed S]`
+//! `cargo run --release -p lily-model --example numerics -- [--model DIR] [--long TOKENS] [--seed S] [--only TEXT]...`
 //!
 //! On the bundled model (or DIR), runs the prompts of the golden file (`tests/golden/lily-tiny-shakespeare`, the
 //! prompts transformers' logits were taken on) and one longer text the model samples itself (`--long`, default
 //! 2,048 tokens, temperature 1, after the first golden prompt) through the prompt path once in f32 and once per format, and prints
 //! for each format how far its logits at every position are from the f32 ones: the largest absolute difference,
 //! the mean and largest KL divergence of its next-token distribution from f32's, and how often the most likely
-//! token is the same.
+//! token is the same. `--only TEXT` (repeatable) keeps the formats whose name contains one of the texts.
 
 use std::path::PathBuf;
 
@@ -103,6 +103,16 @@ const FORMATS: &[Format] = &[
         products: Rounding::Bf16,
         attention: attention(Operand::Int8, Operand::E4m3, false),
     },
+    Format {
+        name: "bf16 products, bf16 scores, e4m3 values (probabilities scaled per block of 64)",
+        products: Rounding::Bf16,
+        attention: attention(Operand::Bf16, Operand::E4m3Scaled, false),
+    },
+    Format {
+        name: "bf16 products, int8 scores (k smoothed), e4m3 values (probabilities scaled per block of 64)",
+        products: Rounding::Bf16,
+        attention: attention(Operand::Int8, Operand::E4m3Scaled, false),
+    },
 ];
 
 #[derive(Default, Clone)]
@@ -156,17 +166,17 @@ fn compare(reference: &[f32], got: &[f32], vocab: usize) -> Errors {
 
 /// Runs `tokens` through the f32 path and through every format, `PIECE` tokens at a time; returns each piece's
 /// errors of each format (`[piece][format]`).
-fn measure(model: &CpuModel, tokens: &[u32]) -> Vec<Vec<Errors>> {
+fn measure(model: &CpuModel, formats: &[&Format], tokens: &[u32]) -> Vec<Vec<Errors>> {
     let vocab = model.config().vocab_size;
     let mut reference_state = model.new_state(tokens.len());
-    let mut states: Vec<_> = FORMATS.iter().map(|_| model.new_state(tokens.len())).collect();
+    let mut states: Vec<_> = formats.iter().map(|_| model.new_state(tokens.len())).collect();
     let mut pieces = Vec::new();
     for piece in tokens.chunks(PIECE) {
         numerics::set_products(Rounding::Exact);
         numerics::set_attention(AttentionRounding::Exact);
         let reference = model.prefill_all_logits(&mut reference_state, piece).unwrap();
         let mut errors = Vec::new();
-        for (format, state) in FORMATS.iter().zip(&mut states) {
+        for (format, state) in formats.iter().zip(&mut states) {
             numerics::set_products(format.products);
             numerics::set_attention(format.attention);
             let got = model.prefill_all_logits(state, piece).unwrap();
@@ -181,8 +191,9 @@ fn measure(model: &CpuModel, tokens: &[u32]) -> Vec<Vec<Errors>> {
 
 /// Each format's errors over the given pieces.
 fn total<'a>(pieces: impl IntoIterator<Item = &'a Vec<Errors>>) -> Vec<Errors> {
-    let mut total = vec![Errors::default(); FORMATS.len()];
+    let mut total = Vec::<Errors>::new();
     for piece in pieces {
+        total.resize(piece.len(), Errors::default());
         for (t, e) in total.iter_mut().zip(piece) {
             t.add(e);
         }
@@ -229,11 +240,11 @@ fn golden_prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn print(title: &str, errors: &[Errors]) {
+fn print(title: &str, formats: &[&Format], errors: &[Errors]) {
     println!("\n{title}\n");
     println!("| format | positions | max abs logit error | mean KL (nats) | max KL (nats) | same top-1 |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: |");
-    for (format, e) in FORMATS.iter().zip(errors) {
+    for (format, e) in formats.iter().zip(errors) {
         println!(
             "| {} | {} | {:.4} | {:.2e} | {:.2e} | {:.2}% |",
             format.name,
@@ -248,13 +259,14 @@ fn print(title: &str, errors: &[Errors]) {
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let (mut dir, mut long, mut seed) = (None, 2048usize, 1u64);
+    let (mut dir, mut long, mut seed, mut only) = (None, 2048usize, 1u64, Vec::new());
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or_else(|| anyhow::anyhow!("{arg} needs a value"));
         match arg.as_str() {
             "--model" => dir = Some(PathBuf::from(value()?)),
             "--long" => long = value()?.parse()?,
             "--seed" => seed = value()?.parse()?,
+            "--only" => only.push(value()?),
             _ => anyhow::bail!("unknown argument {arg}"),
         }
     }
@@ -263,9 +275,14 @@ fn main() -> anyhow::Result<()> {
         None => default_model::locate()?,
     };
     let model = CpuModel::new(Weights::load(&dir)?);
+    let formats: Vec<&Format> = FORMATS
+        .iter()
+        .filter(|f| only.is_empty() || only.iter().any(|o| f.name.contains(o.as_str())))
+        .collect();
+    anyhow::ensure!(!formats.is_empty(), "no format's name contains any of {only:?}");
 
     let prompts = golden_prompts();
-    let golden: Vec<Vec<Errors>> = prompts.iter().flat_map(|p| measure(&model, p)).collect();
+    let golden: Vec<Vec<Errors>> = prompts.iter().flat_map(|p| measure(&model, &formats, p)).collect();
     let golden = total(&golden);
     let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
     print(
@@ -273,14 +290,16 @@ fn main() -> anyhow::Result<()> {
             "The golden prompts ({} prompts of {lengths:?} tokens), against f32:",
             prompts.len()
         ),
+        &formats,
         &golden,
     );
 
     if long > 0 {
         let text = sampled_text(&model, &prompts[0], long, seed);
-        let pieces = measure(&model, &text);
+        let pieces = measure(&model, &formats, &text);
         print(
             &format!("A text of {long} tokens the model sampled after the first golden prompt (temperature 1, seed {seed}), against f32:"),
+            &formats,
             &total(&pieces),
         );
         // By depth: positions in [2^i * PIECE, 2^(i + 1) * PIECE), the first bucket from 0.
@@ -297,7 +316,7 @@ fn main() -> anyhow::Result<()> {
         println!("| format | {} |", header.join(" | "));
         println!("| --- |{}", " ---: |".repeat(buckets.len()));
         let by_bucket: Vec<Vec<Errors>> = buckets.iter().map(|&(a, b)| total(&pieces[a..b])).collect();
-        for (f, format) in FORMATS.iter().enumerate() {
+        for (f, format) in formats.iter().enumerate() {
             let cells: Vec<String> = by_bucket
                 .iter()
                 .map(|e| format!("{:.2e}", e[f].sum_kl / e[f].positions as f64))

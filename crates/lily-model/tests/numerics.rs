@@ -36,6 +36,7 @@ fn formats_change_the_prompt_path_by_their_precision() {
         (Rounding::Exact, attention(Operand::E4m3, Operand::Bf16, true)),
         (Rounding::Exact, attention(Operand::Bf16, Operand::E4m3, false)),
         (Rounding::Exact, attention(Operand::Int8, Operand::Int8, false)),
+        (Rounding::Exact, attention(Operand::Bf16, Operand::E4m3Scaled, false)),
     ] {
         numerics::set_products(products);
         numerics::set_attention(attention);

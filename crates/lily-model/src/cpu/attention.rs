@@ -147,7 +147,7 @@ fn attend_rounded(
     }
     let per_head = match scores {
         Operand::Bf16 => Rounding::Bf16,
-        Operand::E4m3 => Rounding::E4m3 { group: head_dim },
+        Operand::E4m3 | Operand::E4m3Scaled => Rounding::E4m3 { group: head_dim },
         Operand::Int8 => Rounding::Int8 { group: head_dim },
     };
     q.chunks_mut(head_dim).for_each(|h| per_head.round(h));
@@ -163,8 +163,9 @@ fn attend_rounded(
                     .flat_map(|p| v[p * kv_dim + kvh * head_dim..][..head_dim].iter().copied())
                     .collect();
                 match values {
-                    Operand::E4m3 => Rounding::E4m3 { group: 0 }.round(&mut values_of_block),
-                    _ => Rounding::Int8 { group: 0 }.round(&mut values_of_block),
+                    Operand::Bf16 => unreachable!("rounded above"),
+                    Operand::E4m3 | Operand::E4m3Scaled => Rounding::E4m3 { group: 0 }.round(&mut values_of_block),
+                    Operand::Int8 => Rounding::Int8 { group: 0 }.round(&mut values_of_block),
                 }
                 for (i, row) in values_of_block.chunks_exact(head_dim).enumerate() {
                     let p = block + i;
@@ -188,13 +189,14 @@ fn attend_rounded(
         let denom: f32 = weights.iter().sum();
         o.fill(0.0);
         // The probabilities as the output's product takes them, a block of positions at a time (int8: in
-        // multiples of the block's largest / 255).
+        // multiples of the block's largest / 255; scaled e4m3: the block's largest at 448).
         for (block, weights) in weights.chunks(V_BLOCK).enumerate() {
             let block_max = weights.iter().copied().fold(0.0f32, f32::max);
             for (i, w) in weights.iter().enumerate() {
                 let w = match values {
                     Operand::Bf16 => bf16::from_f32(*w).to_f32(),
                     Operand::E4m3 => e4m3(*w),
+                    Operand::E4m3Scaled => e4m3(w * (448.0 / block_max)) * (block_max / 448.0),
                     Operand::Int8 => (w / block_max * 255.0).round_ties_even() * block_max / 255.0,
                 };
                 for (o, v) in o.iter_mut().zip(&v[at(block * V_BLOCK + i)]) {

@@ -70,6 +70,12 @@ pub enum Operand {
     /// score before it forms the probabilities, and rescales its output per row and tile for the online softmax
     /// anyway).
     Int8,
+    /// Values only (as scores it is `E4m3`): v as in `E4m3`, the probabilities scaled per (query, block of 64
+    /// positions) so that the block's largest is e4m3's largest, 448, before the rounding. A kernel accumulating in
+    /// f32 gets this scaling for nothing: it folds each block's scale into the per-row rescaling of its output that
+    /// the online softmax does anyway, so small probabilities keep e4m3's relative precision instead of falling
+    /// into its subnormals (below 2^-6).
+    E4m3Scaled,
 }
 
 /// The two switches, read once per product and per attention call.
