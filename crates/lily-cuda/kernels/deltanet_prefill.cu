@@ -695,13 +695,16 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 }
 
 // Grid (ceil(t * LIN_V_HEADS / PREFILL_WARPS)), PREFILL_THREADS threads: a warp per (token, value head),
-// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_deltanet computes it. Then the
-// ring gets the raw conv inputs of the call's last min(t, CONV_K) tokens at their slots, as decode leaves it.
+// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_deltanet computes it; where
+// `codes.codes` is not null, the rows also as the Q8x2 codes that out_proj's integer small tiling reads (what
+// gemm_quantize_rows would make of them), so that product needs no launch to code them. Then the ring gets the raw
+// conv inputs of the call's last min(t, CONV_K) tokens at their slots, as decode leaves it.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     deltanet_prefill_norm(const float* o, const float* proj, const float* norm_w, int t, int start, float* ring,
-                     bf16* out) {
+                     bf16* out, Q8x2 codes) {
     wait_previous();
     static_assert(DV == 4 * WARP && PROJ_DIM % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
+    static_assert(DV % GROUP == 0, "a head's columns are whole groups of the codes");
     const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;
     const int lane = threadIdx.x % WARP;
     const int item = blockIdx.x * PREFILL_WARPS + threadIdx.x / WARP;
@@ -715,6 +718,22 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
         const bf16 y2 = float_to_bf16(x.z * (inv * w.z) * siluf_(z.z)), y3 = float_to_bf16(x.w * (inv * w.w) * siluf_(z.w));
         *(uint2*)&out[(size_t)tok * LIN_V_DIM + head * DV + 4 * lane] =
             make_uint2((u32)y0 | (u32)y1 << 16, (u32)y2 | (u32)y3 << 16);
+        if (codes.codes) {
+            // A word of the codes (8 inputs) is two lanes' values: both lanes of a pair hold it whole, and the even
+            // lane writes it.
+            const float mine[4] = {bf16_to_float(y0), bf16_to_float(y1), bf16_to_float(y2), bf16_to_float(y3)};
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float theirs = __shfl_xor_sync(0xffffffffu, mine[i], 1);
+                v[i] = lane & 1 ? theirs : mine[i];
+                v[4 + i] = lane & 1 ? mine[i] : theirs;
+            }
+            const size_t word = (size_t)tok * (LIN_V_DIM / 8) + head * (DV / 8) + lane / 2;
+            const size_t pair = (size_t)tok * (LIN_V_DIM / GROUP) + head * (DV / GROUP) + lane / 16;
+            quantize_word_q8x2<2>(v, (lane % 16) / 2, lane % 2 == 0, (uint4*)codes.codes + word,
+                                  (float2*)codes.pairs + pair);
+        }
     }
     const int kept = t < CONV_K ? t : CONV_K;
     for (int e = blockIdx.x * PREFILL_THREADS + threadIdx.x; e < kept * LIN_CONV_DIM; e += gridDim.x * PREFILL_THREADS) {

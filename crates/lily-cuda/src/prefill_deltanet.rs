@@ -7,7 +7,7 @@ use lily_model::cpu::deltanet::CHUNK;
 use lily_model::Config;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
-use crate::kernels::deltanet_prefill;
+use crate::kernels::{deltanet_prefill, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::weights::GpuGatedDeltaNet;
 
@@ -71,7 +71,7 @@ impl DeltaNetScratch {
     /// Queues the mixer for tokens at positions `start .. start + t`: `proj` f32 `[t][proj row]` in, `ring` (conv
     /// inputs, slot = position % taps) and `state` (f16 `[value heads][k dim][v dim]`) read and left as decode
     /// would leave them, `out` bf16 `[t][linear value dim]`: the gated norm of each head's output, the input of
-    /// the output projection. At each of `cuts` (at most two, ascending, inside the call, in different chunks: see
+    /// the output projection, also coded into `codes` unless that is [`Q8x2::NONE`]. At each of `cuts` (at most two, ascending, inside the call, in different chunks: see
     /// [`cuts_share_a_chunk`]) the state after its first `cut.tokens` tokens is copied out in the pass.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
@@ -85,6 +85,7 @@ impl DeltaNetScratch {
         state: DevPtr<f16>,
         weights: &GpuGatedDeltaNet,
         out: DevPtr<bf16>,
+        codes: Q8x2,
         cuts: &[DeltaNetCut],
     ) -> Result<()> {
         assert!(
@@ -163,6 +164,7 @@ impl DeltaNetScratch {
             start32,
             ring,
             out,
+            codes,
         )
     }
 }

@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 use super::signature::launchers;
-use super::KernelFile;
+use super::{KernelFile, Q8x2};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
@@ -59,7 +59,8 @@ launchers! {
         cut2: i32,
         cut_state2: DevPtr<f16>,
     );
-    /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
+    /// The gated norm of each head's output into bf16 `out`, also coded as the small tiling's Q8x2 rows unless
+    /// `codes` is [`Q8x2::NONE`]; the conv ring left as decode would leave it.
     deltanet_prefill_norm(
         o: DevPtr<f32>,
         proj: DevPtr<f32>,
@@ -68,5 +69,6 @@ launchers! {
         start: i32,
         ring: DevPtr<f32>,
         out: DevPtr<bf16>,
+        codes: Q8x2,
     );
 }

@@ -5,6 +5,7 @@
 //! [`check_against_sources`]).
 
 use half::{bf16, f16};
+use lily_model::config::GROUP_SIZE;
 
 use crate::driver::DevPtr;
 
@@ -182,6 +183,22 @@ impl Q8x2 {
         codes: DevPtr::NULL,
         pairs: DevPtr::NULL,
     };
+
+    /// The same rows from row `row` on, for rows of `k` inputs (a whole number of groups); [`Q8x2::NONE`] stays
+    /// itself.
+    pub fn from_row(self, row: usize, k: usize) -> Q8x2 {
+        assert!(
+            k.is_multiple_of(GROUP_SIZE),
+            "Q8x2 rows are whole groups of {GROUP_SIZE} inputs, not {k}"
+        );
+        if self.codes.raw() == 0 {
+            return self;
+        }
+        Q8x2 {
+            codes: self.codes.offset(row * k / 2),
+            pairs: self.pairs.offset(row * k / GROUP_SIZE * 2),
+        }
+    }
 }
 
 impl KernelArg for Q8x2 {
