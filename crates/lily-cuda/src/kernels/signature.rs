@@ -471,4 +471,19 @@ mod tests {
             ]
         );
     }
+
+    /// Row `row` of Q8x2 rows of `k` inputs starts `k / 2` words of codes (two bytes an input) and `k / 64` pairs
+    /// of f32 into the buffers; rows coded nowhere stay so.
+    #[test]
+    fn q8x2_rows_from_a_row_on() {
+        let rows = Q8x2 {
+            codes: DevPtr::from_raw(0x1_0000),
+            pairs: DevPtr::from_raw(0x2_0000),
+        };
+        let from = rows.from_row(3, 4096);
+        assert_eq!(from.codes.raw(), 0x1_0000 + 3 * 4096 * 2);
+        assert_eq!(from.pairs.raw(), 0x2_0000 + 3 * (4096 / 64) * 2 * 4);
+        let none = Q8x2::NONE.from_row(3, 4096);
+        assert_eq!((none.codes.raw(), none.pairs.raw()), (0, 0));
+    }
 }
