@@ -248,7 +248,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     for new_sequence in [true, false] {
         let mut worst = [(0.0f64, 0usize); 3];
         let mut codes: Option<CodesAgainstTwin> = None;
-        for t in [1, 37, 64, 200, 700] {
+        // Up to deltanet_short_max_tokens (32) the recurrence token by token, past it the chunked form.
+        for t in [1, 16, 32, 37, 64, 200, 700] {
             let start = if new_sequence {
                 0
             } else {
@@ -338,6 +339,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let mut worst = [(0.0f64, 0usize, 0usize); 5];
         for (t, cuts, new_sequence) in [
             (3, &[1][..], true),
+            (20, &[7], false),
+            (32, &[31], true),
             (100, &[37], false),
             (200, &[64], false),
             (300, &[150], true),
