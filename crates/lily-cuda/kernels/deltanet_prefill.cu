@@ -729,12 +729,12 @@ __device__ __forceinline__ float conv_input(const float* proj, const float* ring
     return at >= 0 ? proj[(size_t)at * PROJ_DIM + c] : ring[((start + at + CONV_K) % CONV_K) * LIN_CONV_DIM + c];
 }
 
-// SiLU of the causal conv of channel c at token i, in ConvTaps::silu_conv's order (kernels/deltanet.cu).
-__device__ __forceinline__ float conv_silu(const float* proj, const float* ring, const float* conv_w, int start, int i,
-                                           int c) {
-    float acc = conv_w[c * CONV_K + CONV_K - 1] * conv_input(proj, ring, start, i, 0, c);
+// SiLU of the causal conv of channel c (weights w) at token i, in ConvTaps::silu_conv's order (kernels/deltanet.cu).
+__device__ __forceinline__ float conv_silu(const float* proj, const float* ring, const float (&w)[CONV_K], int start,
+                                           int i, int c) {
+    float acc = w[CONV_K - 1] * conv_input(proj, ring, start, i, 0, c);
 #pragma unroll
-    for (int j = 0; j < CONV_K - 1; j++) acc += conv_w[c * CONV_K + j] * conv_input(proj, ring, start, i, CONV_K - 1 - j, c);
+    for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * conv_input(proj, ring, start, i, CONV_K - 1 - j, c);
     return siluf_(acc);
 }
 
@@ -768,14 +768,19 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     const int head = blockIdx.x, key_head = head / HEADS_PER_KEY, col0 = blockIdx.y * SHORT_COLS;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const float a_log_h = a_log[head], dt_bias_h = dt_bias[head];
+    // Thread tid's channel of [q; k] and value column, and their conv weights.
+    const int c_qk = tid < DK ? key_head * DK + tid : LIN_K_DIM + key_head * DK + (tid - DK);
+    const int vc = tid % SHORT_COLS, c_v = 2 * LIN_K_DIM + head * DV + col0 + vc;
+    float w_qk[CONV_K], w_v[CONV_K];
+#pragma unroll
+    for (int j = 0; j < CONV_K; j++) w_qk[j] = conv_w[c_qk * CONV_K + j], w_v[j] = conv_w[c_v * CONV_K + j];
     wait_previous();
 
-    // Every token's conv + SiLU of [q; k] (thread tid: channel tid) and of the block's value columns (column tid %
-    // SHORT_COLS, every (PREFILL_THREADS / SHORT_COLS)-th token), and the gates.
-    const int c_qk = tid < DK ? key_head * DK + tid : LIN_K_DIM + key_head * DK + (tid - DK);
-    for (int i = 0; i < t; i++) qk[i][tid] = conv_silu(proj, ring, conv_w, start, i, c_qk);
-    const int vc = tid % SHORT_COLS, c_v = 2 * LIN_K_DIM + head * DV + col0 + vc;
-    for (int i = tid / SHORT_COLS; i < t; i += PREFILL_THREADS / SHORT_COLS) v[i][vc] = conv_silu(proj, ring, conv_w, start, i, c_v);
+    // Every token's conv + SiLU of [q; k] (thread tid: channel tid) and of the block's value columns (column vc,
+    // every (PREFILL_THREADS / SHORT_COLS)-th token), and the gates.
+    for (int i = 0; i < t; i++) qk[i][tid] = conv_silu(proj, ring, w_qk, start, i, c_qk);
+    for (int i = tid / SHORT_COLS; i < t; i += PREFILL_THREADS / SHORT_COLS)
+        v[i][vc] = conv_silu(proj, ring, w_v, start, i, c_v);
     for (int i = tid; i < t; i += PREFILL_THREADS) {
         const float* row = proj + (size_t)i * PROJ_DIM + LIN_CONV_DIM + LIN_V_DIM;
         beta_s[i] = sigmoidf_(row[head]);
@@ -812,7 +817,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = f16x2_to_float2(*(const u32*)&state[at + (size_t)(i0 + r) * DV]);
     auto store_state = [&](f16* to) {
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_THREAD; r++) *(u32*)&to[at + (size_t)(i0 + r) * DV] = float2_to_f16x2(col[r].x, col[r].y);
+        for (int r = 0; r < ROWS_PER_THREAD; r++)
+            *(u32*)&to[at + (size_t)(i0 + r) * DV] = float2_to_f16x2(col[r].x, col[r].y);
     };
     __syncthreads();
 
