@@ -556,16 +556,19 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
 // The batched step's merge where each row has few parts (splits <= MERGE_ROWS_MAX_SPLITS; many rows leave few parts
 // a row): attn_merge's arithmetic with one warp per (row, query head, 32-dimension slice), lane = dimension, over
 // the row's parts in order, and the bf16 output only. attn_merge's grid of eight warps for each slice would leave
-// most of them without a part. Grid: ceil(rows * N_HEADS * HEAD_DIM / WARP / MERGE_WARPS) blocks.
+// most of them without a part. Grid: ceil(rows * N_HEADS * HEAD_DIM / WARP / MERGE_WARPS) blocks, a block one (row,
+// query head). Where `codes.codes` is not null, the bf16 rows also as the Q8x2 codes that o_proj's integer small
+// tiling reads (what gemm_quantize_rows would make of them): a group of the codes is two warps' slices.
 #define MERGE_ROWS_MAX_SPLITS 8
 __device__ int attn_merge_rows_max_splits = MERGE_ROWS_MAX_SPLITS;
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
     attn_merge_rows(const int* positions, int rows, int splits, const float* part_o, const float* part_ml,
-                    const float* proj, bf16* attn_bf16) {
+                    const float* proj, bf16* attn_bf16, Q8x2 codes) {
     wait_previous();
     constexpr int SLICES = HEAD_DIM / WARP;
-    const int lane = threadIdx.x % WARP, item = blockIdx.x * MERGE_WARPS + threadIdx.x / WARP;
-    if (item >= rows * N_HEADS * SLICES) return;
+    static_assert(SLICES == MERGE_WARPS && GROUP == 2 * WARP, "a block is a head, a group two of its warps");
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, item = blockIdx.x * MERGE_WARPS + warp;
+    if (item >= rows * N_HEADS * SLICES) return;  // whole blocks: rows * N_HEADS * SLICES is a multiple of them
     const int row = item / (N_HEADS * SLICES), qh = item / SLICES % N_HEADS, d = item % SLICES * WARP + lane;
     const int len = positions[row] + 1;
     const int parts = (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
@@ -580,5 +583,28 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP)
         den += weight * ml[2 * s + 1];
     }
     const float gate = proj[(size_t)row * PROJ_ROW + qh * 2 * HEAD_DIM + HEAD_DIM + d];
-    attn_bf16[(size_t)row * Q_DIM + qh * HEAD_DIM + d] = float_to_bf16(num / den * sigmoidf_(gate));
+    const bf16 y = float_to_bf16(num / den * sigmoidf_(gate));
+    attn_bf16[(size_t)row * Q_DIM + qh * HEAD_DIM + d] = y;
+    if (!codes.codes) return;  // uniform: o_proj does not take the small tiling
+    // Each lane gathers its word (8 dimensions, lanes 8u .. 8u + 7); the group's largest magnitude and sum come from
+    // its two warps through shared memory.
+    __shared__ float group_mx[MERGE_WARPS], group_sum[MERGE_WARPS];
+    const float value = bf16_to_float(y);
+    float word_v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) word_v[i] = __shfl_sync(0xffffffffu, value, (lane & ~7) + i);
+    float warp_mx = fabsf(value), warp_sum_v = value;
+#pragma unroll
+    for (int off = WARP / 2; off > 0; off /= 2) {
+        warp_mx = fmaxf(warp_mx, __shfl_xor_sync(0xffffffffu, warp_mx, off));
+        warp_sum_v += __shfl_xor_sync(0xffffffffu, warp_sum_v, off);
+    }
+    if (lane == 0) group_mx[warp] = warp_mx, group_sum[warp] = warp_sum_v;
+    __syncthreads();
+    const int first = warp & ~1;  // the group's first warp
+    const float g_mx = fmaxf(group_mx[first], group_mx[first + 1]), g_sum = group_sum[first] + group_sum[first + 1];
+    const size_t word = (size_t)row * (Q_DIM / 8) + qh * (HEAD_DIM / 8) + warp * (WARP / 8) + lane / 8;
+    const size_t pair = (size_t)row * (Q_DIM / GROUP) + qh * (HEAD_DIM / GROUP) + warp / 2;
+    code_word_q8x2(word_v, g_mx, g_sum, (warp % 2) * (WARP / 8) + lane / 8, lane % 8 == 0,
+                   (uint4*)codes.codes + word, (float2*)codes.pairs + pair);
 }

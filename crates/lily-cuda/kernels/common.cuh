@@ -635,22 +635,10 @@ struct Q8x2 {
     float* pairs;
 };
 
-// Quantizes the 8 inputs `v` of word `word` of a group to Q8x2, with the other 7 words of the group on the 7 lanes
-// next to this one (lanes 8i .. 8i + 7 hold a group); every lane of the warp calls it. Writes the word's 16 bytes
-// to `code` and (word 0) the group's pair to `pair`, where `valid`. STRIDE 2: the group's words lie on every other
-// lane (lanes 16i + 2w, and again on 16i + 2w + 1 for a caller whose lanes hold half a word each), with the same
-// sums in the same order, so the same codes and pairs.
-template <int STRIDE = 1>
-__device__ __forceinline__ void quantize_word_q8x2(const float (&v)[8], int word, bool valid, uint4* code,
-                                                   float2* pair) {
-    float mx = 0.f, sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) mx = fmaxf(mx, fabsf(v[i])), sum += v[i];
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o * STRIDE));
-        sum += __shfl_xor_sync(0xffffffffu, sum, o * STRIDE);
-    }
+// Codes the 8 inputs `v` of word `word` of a group as Q8x2, given the group's largest magnitude `mx` and the sum
+// of its inputs: writes the word's 16 bytes to `code` and (word 0) the group's pair to `pair`, where `valid`.
+__device__ __forceinline__ void code_word_q8x2(const float (&v)[8], float mx, float sum, int word, bool valid,
+                                               uint4* code, float2* pair) {
     const float up = mx > 0.f ? 127.f / mx : 0.f;
     u32 d[2][2] = {{0u, 0u}, {0u, 0u}};  // [digit][even inputs, odd inputs]
 #pragma unroll
@@ -664,4 +652,23 @@ __device__ __forceinline__ void quantize_word_q8x2(const float (&v)[8], int word
     if (!valid) return;
     *code = make_uint4(d[0][0], d[0][1], d[1][0], d[1][1]);
     if (word == 0) *pair = make_float2(mx / 127.f / 128.f, sum);
+}
+
+// Quantizes the 8 inputs `v` of word `word` of a group to Q8x2, with the other 7 words of the group on the 7 lanes
+// next to this one (lanes 8i .. 8i + 7 hold a group); every lane of the warp calls it. Writes the word's 16 bytes
+// to `code` and (word 0) the group's pair to `pair`, where `valid`. STRIDE s > 1: word w of a group lies on lane
+// 8 s i + s w (and again on the s - 1 lanes after it, for a caller whose lanes hold a part of a word each), with
+// the same sums in the same order, so the same codes and pairs.
+template <int STRIDE = 1>
+__device__ __forceinline__ void quantize_word_q8x2(const float (&v)[8], int word, bool valid, uint4* code,
+                                                   float2* pair) {
+    float mx = 0.f, sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) mx = fmaxf(mx, fabsf(v[i])), sum += v[i];
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o * STRIDE));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o * STRIDE);
+    }
+    code_word_q8x2(v, mx, sum, word, valid, code, pair);
 }

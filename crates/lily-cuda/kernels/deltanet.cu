@@ -1,6 +1,7 @@
 // One decode step of a Gated DeltaNet layer, fused: the causal conv update of the new q/k/v input, SiLU, the
-// l2-norms, the gates and the delta-rule update of the state (stored as f16, updated in f32); writes the raw output o (the gated RMSNorm is
-// applied in front of the output projection, which needs the whole head).
+// l2-norms, the gates and the delta-rule update of the state (stored as f16, updated in f32). The single sequence's
+// step writes the raw output o (the gated RMSNorm is applied in front of the output projection, which needs the
+// whole head); the batched step, whose block holds a whole head, applies the gated RMSNorm itself.
 //
 // Grid (value heads, SPLIT, rows): a block owns DV / SPLIT state columns of one value head (the columns of the
 // recurrence are independent) for batch row blockIdx.z; a thread holds two adjacent columns (one 32-bit word of each
@@ -12,15 +13,13 @@
 //
 // Two instances: `deltanet_step` for one sequence cuts a head into DELTANET_SPLIT = 4 blocks (128 blocks a layer,
 // about one per SM); `deltanet_step_rows` for a batched step, whose rows already fill the GPU, takes a whole head a
-// block (DELTANET_ROWS_SPLIT = 1) and stages its 32 KB of state in shared memory (cp.async, issued before the wait
-// for the previous kernel): the step streams the state, and with 40 registers a thread six blocks fit an SM, which
-// keep more of it in flight while others compute.
+// block and stages its 32 KB of state in shared memory (cp.async, issued before the wait for the previous kernel):
+// the step streams the state, and with 40 registers a thread six blocks fit an SM, which keep more of it in flight
+// while others compute. Holding the whole head, it also ends with the head's gated RMSNorm (and, for the output
+// projection's integer small tiling, the Q8x2 codes of the result), so the batched step needs no separate norm.
 
 #ifndef DELTANET_SPLIT
 #define DELTANET_SPLIT 4
-#endif
-#ifndef DELTANET_ROWS_SPLIT
-#define DELTANET_ROWS_SPLIT 1
 #endif
 #define DELTANET_THREADS 256
 #define DK LIN_HEAD_DIM
@@ -32,7 +31,6 @@ static_assert(2 * DK == DELTANET_THREADS, "one thread per q/k channel of the key
 
 // Read by the host (the grids' y dimension).
 __device__ int deltanet_split = DELTANET_SPLIT;
-__device__ int deltanet_rows_split = DELTANET_ROWS_SPLIT;
 
 // The conv taps of channel c that come from earlier steps (ring slots other than position % CONV_K, which this
 // step writes) and the channel's conv weights: all independent of this step's earlier kernels.
@@ -54,10 +52,14 @@ struct ConvTaps {
 
 // proj: [q k v (LIN_CONV_DIM) | z (LIN_V_DIM) | b (LIN_V_HEADS) | a (LIN_V_HEADS)]. What does not depend on this
 // step's input projection (the state, the conv taps and weights, the position) is requested before the wait.
+// SPLIT 1 with `normed` not null: instead of the raw output into `core`, the row's gated RMSNorm of the head,
+// bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) (z at column LIN_CONV_DIM of the proj row), into `normed` (LIN_V_DIM
+// columns a row), and where `codes.codes` is not null also as Q8x2 codes, what gemm_quantize_rows would make of it.
 template <int SPLIT>
 __device__ __forceinline__ void deltanet_step_split(const int* positions, const int* slots, const float* proj,
                                                     float* ring, const float* conv_w, const float* a_log,
-                                                    const float* dt_bias, f16* state, float* core) {
+                                                    const float* dt_bias, f16* state, float* core,
+                                                    const float* norm_w, bf16* normed, Q8x2 codes) {
     constexpr int COLS_PER_BLOCK = DV / SPLIT;
     constexpr int PAIRS = COLS_PER_BLOCK / 2;
     constexpr int ROW_GROUPS = DELTANET_THREADS / PAIRS;
@@ -115,6 +117,9 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     taps_qk.load(ring, conv_w, c_qk, position);
     if (t < COLS_PER_BLOCK) taps_v.load(ring, conv_w, c_v, position);
     const float a_log_h = a_log[head], dt_bias_h = dt_bias[head];
+    // The gated norm's weights of this thread's two output columns (threads of row group 0 hold the output).
+    const bool gated = STAGED && normed != nullptr;
+    const float2 norm_w2 = gated && group == 0 ? *(const float2*)&norm_w[j] : make_float2(0.f, 0.f);
     wait_previous();
 
     // q (threads 0..DK) and k (DK..2DK) of the key head, then their l2-norms (4 warps each).
@@ -122,6 +127,7 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     const float proj_v = t < COLS_PER_BLOCK ? proj[c_v] : 0.f;
     const float b_in = proj[LIN_CONV_DIM + LIN_V_DIM + head];
     const float a_in = proj[LIN_CONV_DIM + LIN_V_DIM + LIN_V_HEADS + head];
+    const float2 z = gated && group == 0 ? *(const float2*)&proj[LIN_CONV_DIM + head * DV + j] : make_float2(0.f, 0.f);
     float x = taps_qk.silu_conv(proj_qk);
     const float sq = warp_sum(x * x);
     if (lane == 0) sums[t / DK][warp % (DK / WARP)] = sq;
@@ -174,63 +180,55 @@ __device__ __forceinline__ void deltanet_step_split(const int* positions, const 
     red[group][j] = o.x;
     red[group][j + 1] = o.y;
     __syncthreads();
+    float2 out = make_float2(0.f, 0.f);
     if (group == 0) {
-        float2 out = make_float2(0.f, 0.f);
 #pragma unroll
         for (int gi = 0; gi < ROW_GROUPS; gi++) {
             out.x += red[gi][j];
             out.y += red[gi][j + 1];
         }
-        *(float2*)&core[head * DV + col0 + j] = out;
     }
+    if (!gated) {
+        if (group == 0) *(float2*)&core[head * DV + col0 + j] = out;
+        return;
+    }
+    // The head's gated RMSNorm: its DV outputs are on warps 0 and 1 (row group 0), two a thread.
+    static_assert(!STAGED || (PAIRS == 2 * WARP && DV == 2 * GROUP && GROUP == 2 * WARP),
+                  "row group 0 is two warps, each holding one group of the codes, two columns a lane");
+    const float out_sq = warp_sum(out.x * out.x + out.y * out.y);
+    if (lane == 0 && warp < 2) sums[0][warp] = out_sq;
+    __syncthreads();
+    if (group != 0) return;
+    const float inv = rms_inv(sums[0][0] + sums[0][1], DV);
+    const bf16 y0 = float_to_bf16(out.x * (inv * norm_w2.x) * siluf_(z.x));
+    const bf16 y1 = float_to_bf16(out.y * (inv * norm_w2.y) * siluf_(z.y));
+    *(u32*)&normed[(size_t)row * LIN_V_DIM + head * DV + j] = (u32)y0 | (u32)y1 << 16;
+    if (!codes.codes) return;  // uniform: the output projection does not take the small tiling
+    // A word of the codes (8 columns) is on 4 lanes; each of them gathers it whole, and the first writes it.
+    const float mine[2] = {bf16_to_float(y0), bf16_to_float(y1)};
+    float word_v[8];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        word_v[2 * q] = __shfl_sync(0xffffffffu, mine[0], (lane & ~3) + q);
+        word_v[2 * q + 1] = __shfl_sync(0xffffffffu, mine[1], (lane & ~3) + q);
+    }
+    const size_t word = (size_t)row * (LIN_V_DIM / 8) + head * (DV / 8) + warp * (GROUP / 8) + lane / 4;
+    const size_t pair = (size_t)row * (LIN_V_DIM / GROUP) + head * (DV / GROUP) + warp;
+    quantize_word_q8x2<4>(word_v, lane / 4, lane % 4 == 0, (uint4*)codes.codes + word, (float2*)codes.pairs + pair);
 }
 
 extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
     deltanet_step(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
                   const float* a_log, const float* dt_bias, f16* state, float* core) {
-    deltanet_step_split<DELTANET_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core);
+    deltanet_step_split<DELTANET_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core, nullptr,
+                                        nullptr, Q8x2{nullptr, nullptr});
 }
 
-extern "C" __global__ void __launch_bounds__(DELTANET_THREADS)
+// Six blocks an SM (their staged state fills its shared memory): at most 40 registers a thread.
+#define DELTANET_ROWS_BLOCKS 6
+extern "C" __global__ void __launch_bounds__(DELTANET_THREADS, DELTANET_ROWS_BLOCKS)
     deltanet_step_rows(const int* positions, const int* slots, const float* proj, float* ring, const float* conv_w,
-                       const float* a_log, const float* dt_bias, f16* state, float* core) {
-    deltanet_step_split<DELTANET_ROWS_SPLIT>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core);
-}
-
-// Grid (ceil(rows * LIN_V_HEADS / 8)), 256 threads: a warp per (row, value head), a lane holding 4 columns.
-// out[row][head * DV + j] = bf16(norm_w[j] * rmsnorm(core head)[j] * silu(z[j])), z at column LIN_CONV_DIM of the
-// row's proj: the gated RMSNorm in front of the batched step's out_proj product. Where `codes.codes` is not null, the
-// rows are also coded as Q8x2 into `codes` (what out_proj's small tiling reads), so no gemm_quantize_rows is needed.
-#define GATED_NORM_THREADS 256
-extern "C" __global__ void __launch_bounds__(GATED_NORM_THREADS)
-    gated_norm_rows(const float* core, const float* proj, const float* norm_w, int rows, bf16* out, Q8x2 codes) {
-    static_assert(DV == 4 * WARP && DN_PROJ_ROW % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
-    static_assert(DV % GROUP == 0, "a head's columns are whole groups of the codes");
-    wait_previous();
-    const int lane = threadIdx.x % WARP;
-    const int item = blockIdx.x * (GATED_NORM_THREADS / WARP) + threadIdx.x / WARP;
-    if (item >= rows * LIN_V_HEADS) return;
-    const int row = item / LIN_V_HEADS, head = item % LIN_V_HEADS;
-    const float4 x = *(const float4*)&core[(size_t)row * LIN_V_DIM + head * DV + 4 * lane];
-    const float4 z = *(const float4*)&proj[(size_t)row * DN_PROJ_ROW + LIN_CONV_DIM + head * DV + 4 * lane];
-    const float4 w = *(const float4*)&norm_w[4 * lane];
-    const float inv = 1.f / sqrtf(warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w) / DV + RMS_EPS);
-    const bf16 y0 = float_to_bf16(x.x * (inv * w.x) * siluf_(z.x)), y1 = float_to_bf16(x.y * (inv * w.y) * siluf_(z.y));
-    const bf16 y2 = float_to_bf16(x.z * (inv * w.z) * siluf_(z.z)), y3 = float_to_bf16(x.w * (inv * w.w) * siluf_(z.w));
-    *(uint2*)&out[(size_t)row * LIN_V_DIM + head * DV + 4 * lane] =
-        make_uint2((u32)y0 | (u32)y1 << 16, (u32)y2 | (u32)y3 << 16);
-    if (!codes.codes) return;  // uniform: the output projection does not take the small tiling
-    // The bf16 outputs also as the small tiling's Q8x2 rows, the codes gemm_quantize_rows would make of them: a word
-    // (8 inputs) is two lanes' values, both lanes of a pair hold it whole, and the even lane writes it.
-    const float mine[4] = {bf16_to_float(y0), bf16_to_float(y1), bf16_to_float(y2), bf16_to_float(y3)};
-    float v[8];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float theirs = __shfl_xor_sync(0xffffffffu, mine[i], 1);
-        v[i] = lane & 1 ? theirs : mine[i];
-        v[4 + i] = lane & 1 ? mine[i] : theirs;
-    }
-    const size_t word = (size_t)row * (LIN_V_DIM / 8) + head * (DV / 8) + lane / 2;
-    const size_t group = (size_t)row * (LIN_V_DIM / GROUP) + head * (DV / GROUP) + lane / 16;
-    quantize_word_q8x2<2>(v, (lane % 16) / 2, lane % 2 == 0, (uint4*)codes.codes + word, (float2*)codes.pairs + group);
+                       const float* a_log, const float* dt_bias, f16* state, float* core, const float* norm_w,
+                       bf16* normed, Q8x2 codes) {
+    deltanet_step_split<1>(positions, slots, proj, ring, conv_w, a_log, dt_bias, state, core, norm_w, normed, codes);
 }

@@ -23,6 +23,8 @@
 //    buffer refilled as soon as its last reader is done. o overwrites v in place.
 //  deltanet_prefill_norm, grid (t * value heads / 8), 256 threads: the gated RMSNorm of every (token, value head)
 //    into the bf16 rows of the output projection, and the conv ring's update (after the chunks kernel read it).
+// Calls of at most SHORT_MAX_TOKENS tokens take deltanet_prefill_short (the recurrence token by token, below) in
+// place of the first two launches.
 //
 // Snapshot cuts: given `cut` (1 .. t - 1, 0 for none), the chunks kernel writes the conv ring as the call's first
 // `cut` tokens leave it to cut_ring, and the state kernel the state after them to cut_state, in the same pass; a
@@ -694,14 +696,185 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     }
 }
 
+// ---- Short calls: the recurrence token by token ----
+// A call of at most SHORT_MAX_TOKENS tokens (a short prompt, the few tokens after a cached prefix or between two
+// snapshot cuts) costs the chunked form a chunks block per key head whose conv, norms and inversion of I + A take as
+// long for 3 tokens as for 64, then the state pass: more than the recurrence itself. deltanet_prefill_short runs the
+// decode step's arithmetic (kernels/deltanet.cu) token by token instead, and leaves o in v_o as the state pass would,
+// for deltanet_prefill_norm. Grid (value heads, SHORT_SPLIT), PREFILL_THREADS threads: a block owns SHORT_COLS state
+// columns of one value head, held in registers (thread: two columns of ROWS_PER_THREAD rows). It first computes, for
+// every token at once, the conv + SiLU of its key head's q and k (thread c takes channel c of [q; k]) and of its
+// value columns, the l2-norms and the gates, into shared memory; then, per token, two block reductions: k . S (for
+// u = beta (v - k S)) and q . S after the update. The conv's taps come from the call's own proj rows or, before its
+// first token, from the ring, which this kernel only reads (deltanet_prefill_norm updates it). At `cut` (tokens
+// into the call, 0 for none) the state goes to cut_state and the ring as those tokens leave it to cut_ring (the
+// blocks that own a channel write it: a key head's q and k by its first value head's first block, the value columns
+// by their block); the same at `cut2`.
+// DELTANET_SHORT=0 leaves every call to the chunked form (the host reads a limit of 0).
+#ifndef DELTANET_SHORT
+#define DELTANET_SHORT 1
+#endif
+#ifndef SHORT_MAX_TOKENS
+#define SHORT_MAX_TOKENS 32
+#endif
+#define SHORT_SPLIT 4
+#define SHORT_COLS (DV / SHORT_SPLIT)
+extern "C" __device__ const int deltanet_short_max_tokens = DELTANET_SHORT ? SHORT_MAX_TOKENS : 0;
+extern "C" __device__ const int deltanet_short_split = SHORT_SPLIT;
+
+// The conv input of channel c at position start + i - back (back 0 .. CONV_K - 1): the call's proj row, or for a
+// position before the call the ring's slot of it.
+__device__ __forceinline__ float conv_input(const float* proj, const float* ring, int start, int i, int back, int c) {
+    const int at = i - back;
+    return at >= 0 ? proj[(size_t)at * PROJ_DIM + c] : ring[((start + at + CONV_K) % CONV_K) * LIN_CONV_DIM + c];
+}
+
+// SiLU of the causal conv of channel c (weights w) at token i, in ConvTaps::silu_conv's order (kernels/deltanet.cu).
+__device__ __forceinline__ float conv_silu(const float* proj, const float* ring, const float (&w)[CONV_K], int start,
+                                           int i, int c) {
+    float acc = w[CONV_K - 1] * conv_input(proj, ring, start, i, 0, c);
+#pragma unroll
+    for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * conv_input(proj, ring, start, i, CONV_K - 1 - j, c);
+    return siluf_(acc);
+}
+
+// The ring of channel c as the call's first `tokens` tokens leave it, into `to` (the slots of the last CONV_K
+// positions before start + tokens).
+__device__ __forceinline__ void ring_after(const float* proj, const float* ring, int start, int tokens, int c,
+                                           float* to) {
+#pragma unroll
+    for (int back = 0; back < CONV_K; back++) {
+        const int i = tokens - 1 - back;
+        to[((start + i + CONV_K) % CONV_K) * LIN_CONV_DIM + c] = conv_input(proj, ring, start, i, 0, c);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
+    deltanet_prefill_short(const float* proj, int t, int start, const float* ring, const float* conv_w,
+                           const float* a_log, const float* dt_bias, float* v_o, f16* state, int cut,
+                           f16* cut_state, float* cut_ring, int cut2, f16* cut_state2, float* cut_ring2) {
+    constexpr int PAIRS = SHORT_COLS / 2;
+    constexpr int ROW_GROUPS = PREFILL_THREADS / PAIRS;
+    constexpr int ROWS_PER_THREAD = DK / ROW_GROUPS;
+    static_assert(2 * DK == PREFILL_THREADS && DK % ROW_GROUPS == 0 && PREFILL_THREADS % SHORT_COLS == 0,
+                  "a thread a channel of [q; k]; whole rows a thread; whole threads a value column");
+    static_assert(DK == 4 * WARP, "a lane takes 4 channels of q and of k in the norms");
+    __shared__ float qk[SHORT_MAX_TOKENS][2 * DK];
+    __shared__ float v[SHORT_MAX_TOKENS][SHORT_COLS];
+    __shared__ float beta_s[SHORT_MAX_TOKENS], decay_s[SHORT_MAX_TOKENS];
+    __shared__ float red_kv[ROW_GROUPS][SHORT_COLS], red_o[ROW_GROUPS][SHORT_COLS];
+    if (t > SHORT_MAX_TOKENS) __trap();  // the host takes the chunked form past SHORT_MAX_TOKENS
+
+    const int head = blockIdx.x, key_head = head / HEADS_PER_KEY, col0 = blockIdx.y * SHORT_COLS;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const float a_log_h = a_log[head], dt_bias_h = dt_bias[head];
+    // Thread tid's channel of [q; k] and value column, and their conv weights.
+    const int c_qk = tid < DK ? key_head * DK + tid : LIN_K_DIM + key_head * DK + (tid - DK);
+    const int vc = tid % SHORT_COLS, c_v = 2 * LIN_K_DIM + head * DV + col0 + vc;
+    float w_qk[CONV_K], w_v[CONV_K];
+#pragma unroll
+    for (int j = 0; j < CONV_K; j++) w_qk[j] = conv_w[c_qk * CONV_K + j], w_v[j] = conv_w[c_v * CONV_K + j];
+    wait_previous();
+
+    // Every token's conv + SiLU of [q; k] (thread tid: channel tid) and of the block's value columns (column vc,
+    // every (PREFILL_THREADS / SHORT_COLS)-th token), and the gates.
+    for (int i = 0; i < t; i++) qk[i][tid] = conv_silu(proj, ring, w_qk, start, i, c_qk);
+    for (int i = tid / SHORT_COLS; i < t; i += PREFILL_THREADS / SHORT_COLS)
+        v[i][vc] = conv_silu(proj, ring, w_v, start, i, c_v);
+    for (int i = tid; i < t; i += PREFILL_THREADS) {
+        const float* row = proj + (size_t)i * PROJ_DIM + LIN_CONV_DIM + LIN_V_DIM;
+        beta_s[i] = sigmoidf_(row[head]);
+        decay_s[i] = expf(-expf(a_log_h) * softplusf_(row[LIN_V_HEADS + head] + dt_bias_h));
+    }
+    // The ring at the cuts, by the blocks that own each channel.
+    const bool owns_qk = blockIdx.y == 0 && head % HEADS_PER_KEY == 0;
+    if (cut > 0) {
+        if (owns_qk) ring_after(proj, ring, start, cut, c_qk, cut_ring);
+        if (tid < SHORT_COLS) ring_after(proj, ring, start, cut, c_v, cut_ring);
+    }
+    if (cut2 > 0) {
+        if (owns_qk) ring_after(proj, ring, start, cut2, c_qk, cut_ring2);
+        if (tid < SHORT_COLS) ring_after(proj, ring, start, cut2, c_v, cut_ring2);
+    }
+    __syncthreads();
+    // The l2-norms of each token's q and k (warp w: tokens w, w + 8, ...), q also scaled by 1 / sqrt(DK).
+    for (int i = warp; i < t; i += PREFILL_WARPS) {
+#pragma unroll
+        for (int part = 0; part < 2; part++) {
+            float* x = &qk[i][part * DK + 4 * lane];
+            const float sq = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
+            const float scale = 1.f / sqrtf(sq + 1e-6f) * (part == 0 ? 1.f / sqrtf((float)DK) : 1.f);
+#pragma unroll
+            for (int e = 0; e < 4; e++) x[e] *= scale;
+        }
+    }
+
+    // The state's columns col0 + j, j + 1, rows i0 .. i0 + ROWS_PER_THREAD, in f32.
+    const int j = 2 * (tid % PAIRS), group = tid / PAIRS, i0 = group * ROWS_PER_THREAD;
+    const size_t at = (size_t)head * DK * DV + col0 + j;
+    float2 col[ROWS_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = f16x2_to_float2(*(const u32*)&state[at + (size_t)(i0 + r) * DV]);
+    auto store_state = [&](f16* to) {
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_THREAD; r++)
+            *(u32*)&to[at + (size_t)(i0 + r) * DV] = float2_to_f16x2(col[r].x, col[r].y);
+    };
+    __syncthreads();
+
+    const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;
+    for (int i = 0; i < t; i++) {
+        const float decay = decay_s[i], beta = beta_s[i];
+        const float* k = &qk[i][DK];
+        const float* q = &qk[i][0];
+        float2 kv = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_THREAD; r++) {
+            col[r].x *= decay, col[r].y *= decay;
+            kv.x = fmaf(col[r].x, k[i0 + r], kv.x);
+            kv.y = fmaf(col[r].y, k[i0 + r], kv.y);
+        }
+        red_kv[group][j] = kv.x;
+        red_kv[group][j + 1] = kv.y;
+        __syncthreads();
+        float2 kv_mem = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int gi = 0; gi < ROW_GROUPS; gi++) kv_mem.x += red_kv[gi][j], kv_mem.y += red_kv[gi][j + 1];
+        const float u0 = (v[i][j] - kv_mem.x) * beta, u1 = (v[i][j + 1] - kv_mem.y) * beta;
+        float2 o = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_THREAD; r++) {
+            col[r].x = fmaf(k[i0 + r], u0, col[r].x);
+            col[r].y = fmaf(k[i0 + r], u1, col[r].y);
+            o.x = fmaf(col[r].x, q[i0 + r], o.x);
+            o.y = fmaf(col[r].y, q[i0 + r], o.y);
+        }
+        red_o[group][j] = o.x;
+        red_o[group][j + 1] = o.y;
+        if (i + 1 == cut) store_state(cut_state);
+        if (i + 1 == cut2) store_state(cut_state2);
+        __syncthreads();
+        if (group == 0) {
+            float2 out = make_float2(0.f, 0.f);
+#pragma unroll
+            for (int gi = 0; gi < ROW_GROUPS; gi++) out.x += red_o[gi][j], out.y += red_o[gi][j + 1];
+            *(float2*)&v_o[((size_t)head * padded + i) * DV + col0 + j] = out;
+        }
+    }
+    store_state(state);
+}
+
 // Grid (ceil(t * LIN_V_HEADS / PREFILL_WARPS)), PREFILL_THREADS threads: a warp per (token, value head),
-// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_deltanet computes it. Then the
-// ring gets the raw conv inputs of the call's last min(t, CONV_K) tokens at their slots, as decode leaves it.
+// out[token][head * DV + j] = bf16(norm_w[j] * rmsnorm(o)[j] * silu(z[j])) as out_proj_deltanet computes it; where
+// `codes.codes` is not null, the rows also as the Q8x2 codes that out_proj's integer small tiling reads (what
+// gemm_quantize_rows would make of them), so that product needs no launch to code them. Then the ring gets the raw
+// conv inputs of the call's last min(t, CONV_K) tokens at their slots, as decode leaves it.
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     deltanet_prefill_norm(const float* o, const float* proj, const float* norm_w, int t, int start, float* ring,
-                     bf16* out) {
+                     bf16* out, Q8x2 codes) {
     wait_previous();
     static_assert(DV == 4 * WARP && PROJ_DIM % 4 == 0, "a lane takes 4 columns, 16-byte aligned");
+    static_assert(DV % GROUP == 0, "a head's columns are whole groups of the codes");
     const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;
     const int lane = threadIdx.x % WARP;
     const int item = blockIdx.x * PREFILL_WARPS + threadIdx.x / WARP;
@@ -715,6 +888,22 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
         const bf16 y2 = float_to_bf16(x.z * (inv * w.z) * siluf_(z.z)), y3 = float_to_bf16(x.w * (inv * w.w) * siluf_(z.w));
         *(uint2*)&out[(size_t)tok * LIN_V_DIM + head * DV + 4 * lane] =
             make_uint2((u32)y0 | (u32)y1 << 16, (u32)y2 | (u32)y3 << 16);
+        if (codes.codes) {
+            // A word of the codes (8 inputs) is two lanes' values: both lanes of a pair hold it whole, and the even
+            // lane writes it.
+            const float mine[4] = {bf16_to_float(y0), bf16_to_float(y1), bf16_to_float(y2), bf16_to_float(y3)};
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float theirs = __shfl_xor_sync(0xffffffffu, mine[i], 1);
+                v[i] = lane & 1 ? theirs : mine[i];
+                v[4 + i] = lane & 1 ? mine[i] : theirs;
+            }
+            const size_t word = (size_t)tok * (LIN_V_DIM / 8) + head * (DV / 8) + lane / 2;
+            const size_t pair = (size_t)tok * (LIN_V_DIM / GROUP) + head * (DV / GROUP) + lane / 16;
+            quantize_word_q8x2<2>(v, (lane % 16) / 2, lane % 2 == 0, (uint4*)codes.codes + word,
+                                  (float2*)codes.pairs + pair);
+        }
     }
     const int kept = t < CONV_K ? t : CONV_K;
     for (int e = blockIdx.x * PREFILL_THREADS + threadIdx.x; e < kept * LIN_CONV_DIM; e += gridDim.x * PREFILL_THREADS) {

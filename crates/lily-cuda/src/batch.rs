@@ -35,8 +35,6 @@ pub struct StepScratch {
     pub max_rows: usize,
     /// i32 `[3][max_rows]`: each row's token id, position and slot, uploaded together before a step.
     pub rows: DevBuf<i32>,
-    /// f32 `[max_rows][linear value dim]`: the DeltaNet's output before its gated norm.
-    pub core: DevBuf<f32>,
     /// f32 `[max_rows][q dim]`: the attention's normed, rotated queries.
     pub q: DevBuf<f32>,
     /// f32: the attention's parts per row (`[max_rows][heads][ATTN_SPLITS][head_dim]`) and their max and sum.
@@ -52,7 +50,6 @@ impl StepScratch {
         Ok(StepScratch {
             max_rows,
             rows: gpu.alloc_zeroed(3 * max_rows)?,
-            core: gpu.alloc(max_rows * c.linear_value_dim())?,
             q: gpu.alloc(max_rows * c.q_dim())?,
             part_o: gpu.alloc(parts * c.head_dim)?,
             part_ml: gpu.alloc(parts * 2)?,
@@ -136,8 +133,9 @@ pub(crate) fn attention_parts(
 }
 
 /// Merges the parts `attention_parts` left for `rows` rows and gates them into `attn_bf16` (bf16 `[rows][q dim]`;
-/// the gate is in `proj`): a warp per row's head slice where the rows have few parts (`attn_merge_rows`), else
-/// eight warps sharing a slice's parts (`attn_merge`).
+/// the gate is in `proj`): a warp per row's head slice where the rows have few parts (`attn_merge_rows`, which also
+/// codes the rows into `codes` unless that is [`Q8x2::NONE`]), else eight warps sharing a slice's parts
+/// (`attn_merge`, which codes none). Returns whether the rows were coded.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_merge(
     l: &mut Launcher,
@@ -147,13 +145,14 @@ pub(crate) fn attention_merge(
     p: &AttentionParts,
     proj: DevPtr<f32>,
     attn_bf16: DevPtr<bf16>,
-) -> Result<()> {
+    codes: Q8x2,
+) -> Result<bool> {
     let (heads, head_dim) = (c.num_attention_heads, c.head_dim);
     if splits as usize <= l.kernels.constant("attn_merge_rows_max_splits") {
         let warps = rows * heads * head_dim / 32;
         let dims = Dims::linear(warps.div_ceil(8) as u32, 256);
         let (part_o, part_ml) = (p.part_o, p.part_ml);
-        return attention::attn_merge_rows(
+        attention::attn_merge_rows(
             l,
             dims,
             p.positions,
@@ -163,7 +162,9 @@ pub(crate) fn attention_merge(
             part_ml,
             proj,
             attn_bf16,
-        );
+            codes,
+        )?;
+        return Ok(codes.codes.raw() != 0);
     }
     attention::attn_merge(
         l,
@@ -175,7 +176,8 @@ pub(crate) fn attention_merge(
         proj,
         DevPtr::NULL,
         attn_bf16,
-    )
+    )?;
+    Ok(false)
 }
 
 /// One decode step of `t` rows whose token ids, positions and slots are in `b.rows`: every layer over the rows,
@@ -206,10 +208,12 @@ pub fn enqueue_step(
         let out_parts = match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
-                let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
+                // The step ends with the gated norm, which also codes its rows for out_proj where that takes the
+                // integer small tiling.
+                let out_codes = gemm::small_codes(l, t, &g.out_proj);
                 deltanet::deltanet_step_rows(
                     l,
-                    Dims::new((c.linear_num_value_heads as u32, dn_split, t32), 256),
+                    Dims::new((c.linear_num_value_heads as u32, 1, t32), 256),
                     positions,
                     slots,
                     s.proj.ptr(),
@@ -218,19 +222,8 @@ pub fn enqueue_step(
                     g.a_log.ptr(),
                     g.dt_bias.ptr(),
                     state.recurrent[slot[i]].ptr(),
-                    b.core.ptr(),
-                )?;
-                let warps = t * c.linear_num_value_heads;
-                let dims = Dims::linear(warps.div_ceil(8) as u32, 256);
-                // The gated norm also codes its rows for out_proj where that takes the integer small tiling.
-                let out_codes = gemm::small_codes(l, t, &g.out_proj);
-                deltanet::gated_norm_rows(
-                    l,
-                    dims,
-                    b.core.ptr(),
-                    s.proj.ptr(),
+                    DevPtr::NULL,
                     g.norm.ptr(),
-                    t as i32,
                     s.mixed.ptr(),
                     out_codes.unwrap_or(Q8x2::NONE),
                 )?;
@@ -268,8 +261,10 @@ pub fn enqueue_step(
                     part_ml: b.part_ml.ptr(),
                 };
                 attention_parts(l, &parts, t, kv_heads, splits)?;
-                attention_merge(l, c, t, splits, &parts, s.proj.ptr(), s.mixed.ptr())?;
-                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), false)?
+                // The merge also codes its rows for o_proj where that takes the integer small tiling.
+                let out_codes = gemm::small_codes(l, t, &a.o_proj).unwrap_or(Q8x2::NONE);
+                let coded = attention_merge(l, c, t, splits, &parts, s.proj.ptr(), s.mixed.ptr(), out_codes)?;
+                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &a.o_proj, s.hidden.ptr(), coded)?
             }
         };
         enqueue_moe(l, c, layer, s, t, out_parts)?;

@@ -183,12 +183,15 @@ pub fn enqueue_chunk(
         let out_parts = match &layer.mixer {
             GpuMixer::Linear(g) => {
                 gemm::gemm_coded(l, normed, t, &g.in_proj, s.proj.ptr(), false, codes.is_some())?;
+                // The mixer's norm also codes its rows for out_proj where that takes the integer small tiling.
+                let out_codes = gemm::small_codes(l, t, &g.out_proj);
                 let mut row = 0;
                 for p in parts {
-                    deltanet_mixer(l, c, state, slot[i], s, g, row, p)?;
+                    deltanet_mixer(l, c, state, slot[i], s, g, row, p, out_codes.unwrap_or(Q8x2::NONE))?;
                     row += p.t;
                 }
-                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), false)?
+                let coded = out_codes.is_some();
+                gemm::gemm_coded_leaving_parts(l, s.mixed.ptr(), t, &g.out_proj, s.hidden.ptr(), coded)?
             }
             GpuMixer::Full(a) => {
                 gemm::gemm_coded(l, normed, t, &a.qkv, s.proj.ptr(), false, codes.is_some())?;
@@ -218,7 +221,8 @@ pub fn enqueue_chunk(
     Ok(())
 }
 
-/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass). A call takes up
+/// The DeltaNet mixer of one layer over one part's projected rows (from row `row` of the pass), its output rows
+/// also coded into `codes` (the pass's rows, [`Q8x2::NONE`] for none). A call takes up
 /// to two cuts inside it in its pass (in different chunks of the call) and ends at the next cut, whose state it
 /// leaves and which is copied: one call for up to three cuts in different chunks.
 #[allow(clippy::too_many_arguments)]
@@ -231,6 +235,7 @@ fn deltanet_mixer(
     g: &GpuGatedDeltaNet,
     row: usize,
     part: &ChunkPart<'_>,
+    codes: Q8x2,
 ) -> Result<()> {
     let (ring, recurrent) = (state.ring(layer, part.seq), state.recurrent_state(layer, part.seq));
     let mut done = 0;
@@ -266,6 +271,7 @@ fn deltanet_mixer(
             recurrent,
             g,
             mixed,
+            codes.from_row(at, c.linear_value_dim()),
             &inside,
         )?;
         if let Some(cut) = at_end {

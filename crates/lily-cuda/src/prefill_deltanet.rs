@@ -7,7 +7,7 @@ use lily_model::cpu::deltanet::CHUNK;
 use lily_model::Config;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
-use crate::kernels::deltanet_prefill;
+use crate::kernels::{deltanet_prefill, Q8x2};
 use crate::launch::{Dims, Launcher};
 use crate::weights::GpuGatedDeltaNet;
 
@@ -71,8 +71,10 @@ impl DeltaNetScratch {
     /// Queues the mixer for tokens at positions `start .. start + t`: `proj` f32 `[t][proj row]` in, `ring` (conv
     /// inputs, slot = position % taps) and `state` (f16 `[value heads][k dim][v dim]`) read and left as decode
     /// would leave them, `out` bf16 `[t][linear value dim]`: the gated norm of each head's output, the input of
-    /// the output projection. At each of `cuts` (at most two, ascending, inside the call, in different chunks: see
-    /// [`cuts_share_a_chunk`]) the state after its first `cut.tokens` tokens is copied out in the pass.
+    /// the output projection, also coded into `codes` unless that is [`Q8x2::NONE`]. At each of `cuts` (at most
+    /// two, ascending, inside the call, in different chunks: see [`cuts_share_a_chunk`]) the state after its first
+    /// `cut.tokens` tokens is copied out in the pass. Calls of up to `deltanet_short_max_tokens` tokens run the
+    /// recurrence token by token (`deltanet_prefill_short`), longer ones the chunked form.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -85,6 +87,7 @@ impl DeltaNetScratch {
         state: DevPtr<f16>,
         weights: &GpuGatedDeltaNet,
         out: DevPtr<bf16>,
+        codes: Q8x2,
         cuts: &[DeltaNetCut],
     ) -> Result<()> {
         assert!(
@@ -107,52 +110,78 @@ impl DeltaNetScratch {
         let ((cut_at, cut_ring, cut_state), (cut2_at, cut2_ring, cut2_state)) = (cut(0), cut(1));
         let (t32, start32) = (t as i32, start as i32);
         let value_heads = config.linear_num_value_heads;
-        let chunks_shared = l.kernels.constant("deltanet_chunks_shared_bytes") as u32;
-        let state_shared = l.kernels.constant("deltanet_state_shared_bytes") as u32;
-        let split = l.kernels.constant("deltanet_state_split") as u32;
-        deltanet_prefill::deltanet_prefill_chunks(
-            l,
-            Dims::new(
-                (t.div_ceil(CHUNK) as u32, config.linear_num_key_heads as u32, 1),
-                THREADS,
-            )
-            .shared(chunks_shared),
-            proj,
-            t32,
-            start32,
-            ring,
-            weights.conv1d.ptr(),
-            weights.a_log.ptr(),
-            weights.dt_bias.ptr(),
-            self.q.ptr(),
-            self.k.ptr(),
-            self.v_o.ptr(),
-            self.decay.ptr(),
-            self.beta.ptr(),
-            self.inverse.ptr(),
-            self.attn.ptr(),
-            cut_at,
-            cut_ring,
-            cut2_at,
-            cut2_ring,
-        )?;
-        deltanet_prefill::deltanet_prefill_state(
-            l,
-            Dims::new((value_heads as u32, split, 1), THREADS).shared(state_shared),
-            self.q.ptr(),
-            self.k.ptr(),
-            self.v_o.ptr(),
-            self.decay.ptr(),
-            self.beta.ptr(),
-            self.inverse.ptr(),
-            self.attn.ptr(),
-            t32,
-            state,
-            cut_at,
-            cut_state,
-            cut2_at,
-            cut2_state,
-        )?;
+        if t <= l.kernels.constant("deltanet_short_max_tokens") {
+            // A short call: the recurrence token by token, in one launch.
+            deltanet_prefill::deltanet_prefill_short(
+                l,
+                Dims::new(
+                    (value_heads as u32, l.kernels.constant("deltanet_short_split") as u32, 1),
+                    THREADS,
+                ),
+                proj,
+                t32,
+                start32,
+                ring,
+                weights.conv1d.ptr(),
+                weights.a_log.ptr(),
+                weights.dt_bias.ptr(),
+                self.v_o.ptr(),
+                state,
+                cut_at,
+                cut_state,
+                cut_ring,
+                cut2_at,
+                cut2_state,
+                cut2_ring,
+            )?;
+        } else {
+            let chunks_shared = l.kernels.constant("deltanet_chunks_shared_bytes") as u32;
+            let state_shared = l.kernels.constant("deltanet_state_shared_bytes") as u32;
+            let split = l.kernels.constant("deltanet_state_split") as u32;
+            deltanet_prefill::deltanet_prefill_chunks(
+                l,
+                Dims::new(
+                    (t.div_ceil(CHUNK) as u32, config.linear_num_key_heads as u32, 1),
+                    THREADS,
+                )
+                .shared(chunks_shared),
+                proj,
+                t32,
+                start32,
+                ring,
+                weights.conv1d.ptr(),
+                weights.a_log.ptr(),
+                weights.dt_bias.ptr(),
+                self.q.ptr(),
+                self.k.ptr(),
+                self.v_o.ptr(),
+                self.decay.ptr(),
+                self.beta.ptr(),
+                self.inverse.ptr(),
+                self.attn.ptr(),
+                cut_at,
+                cut_ring,
+                cut2_at,
+                cut2_ring,
+            )?;
+            deltanet_prefill::deltanet_prefill_state(
+                l,
+                Dims::new((value_heads as u32, split, 1), THREADS).shared(state_shared),
+                self.q.ptr(),
+                self.k.ptr(),
+                self.v_o.ptr(),
+                self.decay.ptr(),
+                self.beta.ptr(),
+                self.inverse.ptr(),
+                self.attn.ptr(),
+                t32,
+                state,
+                cut_at,
+                cut_state,
+                cut2_at,
+                cut2_state,
+            )?;
+        }
         deltanet_prefill::deltanet_prefill_norm(
             l,
             Dims::linear((t * value_heads).div_ceil(WARPS_PER_BLOCK) as u32, THREADS),
@@ -163,6 +192,7 @@ impl DeltaNetScratch {
             start32,
             ring,
             out,
+            codes,
         )
     }
 }

@@ -5,7 +5,7 @@
 use half::bf16;
 
 use super::signature::launchers;
-use super::KernelFile;
+use super::{KernelFile, Q8x2};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
@@ -79,7 +79,7 @@ launchers! {
         attn_bf16: DevPtr<bf16>,
     );
     /// `attn_merge` into bf16 for `rows` rows of at most `attn_merge_rows_max_splits` parts, a warp per (row, query
-    /// head, 32 dimensions).
+    /// head, 32 dimensions); unless `codes` is [`Q8x2::NONE`], the rows also coded as the small tiling's Q8x2 rows.
     attn_merge_rows(
         positions: DevPtr<i32>,
         rows: i32,
@@ -88,5 +88,6 @@ launchers! {
         part_ml: DevPtr<f32>,
         proj: DevPtr<f32>,
         attn_bf16: DevPtr<bf16>,
+        codes: Q8x2,
     );
 }

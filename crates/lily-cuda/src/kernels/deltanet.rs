@@ -1,6 +1,6 @@
 //! The decode step's Gated DeltaNet (kernels/deltanet.cu), for a batch of rows each in its own sequence slot: the
-//! causal conv over the ring of recent inputs, the gates and the delta-rule update of the recurrent state (f16); and the
-//! gated RMSNorm of the output rows.
+//! causal conv over the ring of recent inputs, the gates and the delta-rule update of the recurrent state (f16); in the
+//! batched step also the gated RMSNorm of the output rows.
 
 use half::{bf16, f16};
 
@@ -13,7 +13,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
     source: include_str!("../../kernels/deltanet.cu"),
     kernels: KERNELS,
     buffers: &[],
-    constants: &["deltanet_split", "deltanet_rows_split"],
+    constants: &["deltanet_split"],
 };
 
 launchers! {
@@ -30,8 +30,10 @@ launchers! {
         state: DevPtr<f16>,
         core: DevPtr<f32>,
     );
-    /// `deltanet_step` for a batched step of many rows: the same computation, a head in `deltanet_rows_split`
-    /// blocks. Grid (value heads, `deltanet_rows_split`, rows).
+    /// `deltanet_step` for a batched step of many rows, a head a block, ending with the head's gated RMSNorm (z from
+    /// the proj rows, weights `norm_w`) into bf16 `normed`, also coded as the small tiling's Q8x2 rows unless
+    /// `codes` is [`Q8x2::NONE`]. Where `normed` is null, the raw output into `core` as `deltanet_step` writes it
+    /// (what the selftest checks the recurrence by). Grid (value heads, 1, rows).
     deltanet_step_rows(
         positions: DevPtr<i32>,
         slots: DevPtr<i32>,
@@ -42,15 +44,8 @@ launchers! {
         dt_bias: DevPtr<f32>,
         state: DevPtr<f16>,
         core: DevPtr<f32>,
-    );
-    /// The gated RMSNorm of each head of `rows` core rows (z from the proj rows) into bf16 `out`; unless `codes` is
-    /// [`Q8x2::NONE`], `out` also coded as the small tiling's Q8x2 rows.
-    gated_norm_rows(
-        core: DevPtr<f32>,
-        proj: DevPtr<f32>,
         norm_w: DevPtr<f32>,
-        rows: i32,
-        out: DevPtr<bf16>,
+        normed: DevPtr<bf16>,
         codes: Q8x2,
     );
 }

@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 use super::signature::launchers;
-use super::KernelFile;
+use super::{KernelFile, Q8x2};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
@@ -16,6 +16,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "deltanet_chunks_shared_bytes",
         "deltanet_state_shared_bytes",
         "deltanet_state_split",
+        "deltanet_short_max_tokens",
+        "deltanet_short_split",
     ],
 };
 
@@ -59,7 +61,28 @@ launchers! {
         cut2: i32,
         cut_state2: DevPtr<f16>,
     );
-    /// The gated norm of each head's output into bf16 `out`; the conv ring left as decode would leave it.
+    /// For a call of at most `deltanet_short_max_tokens` tokens, in place of the two launches above: the conv,
+    /// norms and gates, then the recurrence token by token; each token's output into `v_o` (as the state pass
+    /// leaves it), the state updated, and at `cut` and `cut2` (0 for none) the state and ring into theirs.
+    deltanet_prefill_short(
+        proj: DevPtr<f32>,
+        t: i32,
+        start: i32,
+        ring: DevPtr<f32>,
+        conv1d: DevPtr<f32>,
+        a_log: DevPtr<f32>,
+        dt_bias: DevPtr<f32>,
+        v_o: DevPtr<f32>,
+        state: DevPtr<f16>,
+        cut: i32,
+        cut_state: DevPtr<f16>,
+        cut_ring: DevPtr<f32>,
+        cut2: i32,
+        cut_state2: DevPtr<f16>,
+        cut_ring2: DevPtr<f32>,
+    );
+    /// The gated norm of each head's output into bf16 `out`, also coded as the small tiling's Q8x2 rows unless
+    /// `codes` is [`Q8x2::NONE`]; the conv ring left as decode would leave it.
     deltanet_prefill_norm(
         o: DevPtr<f32>,
         proj: DevPtr<f32>,
@@ -68,5 +91,6 @@ launchers! {
         start: i32,
         ring: DevPtr<f32>,
         out: DevPtr<bf16>,
+        codes: Q8x2,
     );
 }

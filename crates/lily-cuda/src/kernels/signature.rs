@@ -5,6 +5,7 @@
 //! [`check_against_sources`]).
 
 use half::{bf16, f16};
+use lily_model::config::GROUP_SIZE;
 
 use crate::driver::DevPtr;
 
@@ -182,6 +183,22 @@ impl Q8x2 {
         codes: DevPtr::NULL,
         pairs: DevPtr::NULL,
     };
+
+    /// The same rows from row `row` on, for rows of `k` inputs (a whole number of groups); [`Q8x2::NONE`] stays
+    /// itself.
+    pub fn from_row(self, row: usize, k: usize) -> Q8x2 {
+        assert!(
+            k.is_multiple_of(GROUP_SIZE),
+            "Q8x2 rows are whole groups of {GROUP_SIZE} inputs, not {k}"
+        );
+        if self.codes.raw() == 0 {
+            return self;
+        }
+        Q8x2 {
+            codes: self.codes.offset(row * k / 2),
+            pairs: self.pairs.offset(row * k / GROUP_SIZE * 2),
+        }
+    }
 }
 
 impl KernelArg for Q8x2 {
@@ -453,5 +470,20 @@ mod tests {
                 ("g".to_string(), vec!["u64".to_string()]),
             ]
         );
+    }
+
+    /// Row `row` of Q8x2 rows of `k` inputs starts `k / 2` words of codes (two bytes an input) and `k / 64` pairs
+    /// of f32 into the buffers; rows coded nowhere stay so.
+    #[test]
+    fn q8x2_rows_from_a_row_on() {
+        let rows = Q8x2 {
+            codes: DevPtr::from_raw(0x1_0000),
+            pairs: DevPtr::from_raw(0x2_0000),
+        };
+        let from = rows.from_row(3, 4096);
+        assert_eq!(from.codes.raw(), 0x1_0000 + 3 * 4096 * 2);
+        assert_eq!(from.pairs.raw(), 0x2_0000 + 3 * (4096 / 64) * 2 * 4);
+        let none = Q8x2::NONE.from_row(3, 4096);
+        assert_eq!((none.codes.raw(), none.pairs.raw()), (0, 0));
     }
 }

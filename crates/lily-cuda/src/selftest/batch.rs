@@ -2,7 +2,7 @@
 //! CPU twins: a batch of rows, each a token of its own sequence slot at its own position, the slots taken in a
 //! shuffled order and the KV pages of each slot scattered through the pools by a shuffled page table.
 
-use half::bf16;
+use half::{bf16, f16};
 use lily_model::config::{LayerKind, GROUP_SIZE};
 use lily_model::cpu::attention::{attend, rope};
 use lily_model::cpu::deltanet::{conv_step, l2norm, recurrent_step};
@@ -11,12 +11,10 @@ use lily_model::rng::Rng;
 use lily_model::weights::{GatedDeltaNet, Mixer, Weights};
 use lily_model::Config;
 
-use super::gemm::quantize_q8x2;
-use super::{
-    download, download_f16, download_f32, normals, poison, rel_err, shuffled, to_f16, widen_f16, Report, F16_STATE_TOL,
-};
+use super::gemm::CodesAgainstTwin;
+use super::{download_f16, download_f32, normals, poison, rel_err, shuffled, to_f16, widen_f16, Report, F16_STATE_TOL};
 use crate::batch::{attention_merge, attention_parts, AttentionParts};
-use crate::driver::Result;
+use crate::driver::{DevBuf, DevPtr, Result};
 use crate::kernels::{attention, deltanet, Q8x2, ATTN_SPLITS};
 
 /// Parts the batched attention check splits each row's context into (fewer than ATTN_SPLITS, as a batched step
@@ -106,7 +104,7 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
     let rows = ROWS as u32;
     println!("   batched decode ({ROWS} rows, slots {slots:?}, positions {positions:?}):");
 
-    // DeltaNet step, then the gated norm of its output rows.
+    // DeltaNet step: its raw output rows, then (again from the same state) the gated norm it ends with.
     {
         let (Mixer::Linear(d), GpuMixer::Linear(gd)) =
             (&w.layers[first_linear].mixer, &model.weights.layers[first_linear].mixer)
@@ -119,27 +117,33 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         let proj_dim = conv_dim + v_dim + 2 * nv;
         let proj = normals(&mut rng, ROWS * proj_dim, 1.0);
         let ring = normals(&mut rng, SLOTS * ring_len, 1.0);
-        let state = to_f16(&normals(&mut rng, SLOTS * state_len, 0.05));
+        let state_f16 = to_f16(&normals(&mut rng, SLOTS * state_len, 0.05));
         let proj_buf = g.upload_new(&proj)?;
         let ring_buf = g.upload_new(&ring)?;
-        let state_buf = g.upload_new(&state)?;
-        let state = widen_f16(&state);
+        let state_buf = g.upload_new(&state_f16)?;
+        let state = widen_f16(&state_f16);
         let core_buf = g.alloc::<f32>(ROWS * v_dim)?;
         poison(g, &core_buf)?;
-        let dn_split = l.kernels.constant("deltanet_rows_split") as u32;
-        deltanet::deltanet_step_rows(
-            &mut l,
-            Dims::new((nv as u32, dn_split, rows), 256),
-            positions_buf.ptr(),
-            slots_buf.ptr(),
-            proj_buf.ptr(),
-            ring_buf.ptr(),
-            gd.conv1d.ptr(),
-            gd.a_log.ptr(),
-            gd.dt_bias.ptr(),
-            state_buf.ptr(),
-            core_buf.ptr(),
-        )?;
+        // With `normed` null the step writes its raw output rows; in the batched step it writes the gated norm.
+        let step = |l: &mut Launcher, ring: &DevBuf<f32>, state: &DevBuf<f16>, normed, codes| {
+            deltanet::deltanet_step_rows(
+                l,
+                Dims::new((nv as u32, 1, rows), 256),
+                positions_buf.ptr(),
+                slots_buf.ptr(),
+                proj_buf.ptr(),
+                ring.ptr(),
+                gd.conv1d.ptr(),
+                gd.a_log.ptr(),
+                gd.dt_bias.ptr(),
+                state.ptr(),
+                core_buf.ptr(),
+                gd.norm.ptr(),
+                normed,
+                codes,
+            )
+        };
+        step(&mut l, &ring_buf, &state_buf, DevPtr::NULL, Q8x2::NONE)?;
         g.sync()?;
         let (mut expected_state, mut expected_ring) = (state.clone(), ring.clone());
         let mut expected_core = vec![0.0; ROWS * v_dim];
@@ -176,58 +180,41 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             0.0,
         );
 
-        // The gated norm of the GPU's output rows against the CPU's on the same rows.
-        // The rows are also coded as the small tiling's Q8x2 rows (what out_proj reads where it takes that tiling).
+        // The same step from the same state, ending with the gated norm, which also codes its rows as the small
+        // tiling's Q8x2 rows (what out_proj reads where it takes that tiling); the core rows are not written then.
+        let gpu_state = download_f16(g, &state_buf, SLOTS * state_len)?;
+        let (ring_again, state_again) = (g.upload_new(&ring)?, g.upload_new(&state_f16)?);
         let out_buf = g.upload_new(&vec![bf16::NAN; ROWS * v_dim])?;
         let codes_buf = g.upload_new(&vec![0x5a5a_5a5a_u32; ROWS * v_dim / 2])?;
         let pairs_buf = g.upload_new(&vec![f32::NAN; ROWS * v_dim / GROUP_SIZE * 2])?;
-        deltanet::gated_norm_rows(
-            &mut l,
-            Dims::linear((ROWS * nv).div_ceil(8) as u32, 256),
-            core_buf.ptr(),
-            proj_buf.ptr(),
-            gd.norm.ptr(),
-            ROWS as i32,
-            out_buf.ptr(),
-            Q8x2 {
-                codes: codes_buf.ptr(),
-                pairs: pairs_buf.ptr(),
-            },
-        )?;
+        let codes = Q8x2 {
+            codes: codes_buf.ptr(),
+            pairs: pairs_buf.ptr(),
+        };
+        step(&mut l, &ring_again, &state_again, out_buf.ptr(), codes)?;
+        g.sync()?;
+        let same_state = download_f16(g, &state_again, SLOTS * state_len)? == gpu_state;
+        report.check_eq(
+            "deltanet_step, batched, with its gated norm: the same recurrent state",
+            same_state,
+            "bit for bit the state of the step without the norm",
+        );
         let mut out = vec![bf16::ZERO; ROWS * v_dim];
         g.download(out_buf.ptr(), &mut out)?;
-        // The codes are the CPU twin's of the bf16 rows bit for bit, the pairs' scales too; their sums are added in
-        // another order.
         let rows_f32: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
-        let (want_codes, want_pairs) = quantize_q8x2(&rows_f32);
-        let got_codes = download(g, &codes_buf, want_codes.len())?;
-        let got_pairs = download(g, &pairs_buf, want_pairs.len())?;
-        let differ = got_codes.iter().zip(&want_codes).filter(|(a, b)| a != b).count();
-        let scales_differ = (0..want_pairs.len())
-            .step_by(2)
-            .filter(|&i| got_pairs[i] != want_pairs[i])
-            .count();
-        report.check_eq(
-            "gated_norm_rows: its rows' Q8x2 codes and scales as the CPU's",
-            differ == 0 && scales_differ == 0,
-            &format!("{differ} of {} words, {scales_differ} scales differ", want_codes.len()),
-        );
-        let sums = |p: &[f32]| p.iter().skip(1).step_by(2).copied().collect::<Vec<f32>>();
-        report.check(
-            "gated_norm_rows: its rows' Q8x2 group sums",
-            rel_err(&sums(&got_pairs), &sums(&want_pairs)),
-            1e-5,
-        );
-        let mut expected = core.clone();
+        CodesAgainstTwin::measure(g, &codes_buf, &pairs_buf, &rows_f32)?
+            .report(report, "deltanet_step, batched: its gated norm's rows");
+        let mut expected = expected_core.clone();
         for (b, row) in expected.chunks_exact_mut(v_dim).enumerate() {
             rmsnorm_in_place(row, &d.norm, c.rms_norm_eps);
             let z = &proj[b * proj_dim + conv_dim..b * proj_dim + conv_dim + v_dim];
             row.iter_mut().zip(z).for_each(|(o, z)| *o *= silu(*z));
         }
         let out: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
-        // One bf16 rounding of each value (<= 2^-8 of it): at most 3.9e-3 of the largest plus f32 noise.
+        // One bf16 rounding of each value (<= 2^-8 of it): at most 3.9e-3 of the largest, plus the step's own error
+        // (within 1e-4 above).
         report.check(
-            "gated_norm_rows (gated RMSNorm per head, bf16 rows)",
+            "deltanet_step, batched: its gated RMSNorm per head (bf16 rows)",
             rel_err(&out, &expected),
             5e-3,
         );
@@ -323,9 +310,26 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
             out_f32.ptr(),
             out_bf16.ptr(),
         )?;
-        // The batched step's merge of these few parts (`attention_merge`: a warp per head slice) into bf16 alone.
+        // The batched step's merge of these few parts (`attention_merge`: a warp per head slice) into bf16 alone,
+        // also coded as the small tiling's Q8x2 rows (what o_proj reads where it takes that tiling).
         let step_bf16 = g.upload_new(&vec![bf16::NAN; ROWS * q_dim])?;
-        attention_merge(&mut l, c, ROWS, SPLITS as i32, &parts, proj_buf.ptr(), step_bf16.ptr())?;
+        let merge_codes_buf = g.upload_new(&vec![0x5a5a_5a5a_u32; ROWS * q_dim / 2])?;
+        let merge_pairs_buf = g.upload_new(&vec![f32::NAN; ROWS * q_dim / GROUP_SIZE * 2])?;
+        let merge_codes = Q8x2 {
+            codes: merge_codes_buf.ptr(),
+            pairs: merge_pairs_buf.ptr(),
+        };
+        let (merge_parts, step_bf16_ptr) = (SPLITS as i32, step_bf16.ptr());
+        let coded = attention_merge(
+            &mut l,
+            c,
+            ROWS,
+            merge_parts,
+            &parts,
+            proj_buf.ptr(),
+            step_bf16_ptr,
+            merge_codes,
+        )?;
         g.sync()?;
         let mut k_after = vec![bf16::ZERO; k_pool.len()];
         let mut v_after = vec![bf16::ZERO; v_pool.len()];
@@ -338,6 +342,13 @@ pub(crate) fn check(model: &CudaModel, w: &Weights, seed: u64, report: &mut Repo
         let mut step_got = vec![bf16::ZERO; ROWS * q_dim];
         g.download(step_bf16.ptr(), &mut step_got)?;
         let step_got: Vec<f32> = step_got.iter().map(|v| v.to_f32()).collect();
+        report.check_eq(
+            "attention_merge, batched: codes its rows where o_proj takes the small tiling",
+            coded,
+            "attn_merge_rows took the codes",
+        );
+        CodesAgainstTwin::measure(g, &merge_codes_buf, &merge_pairs_buf, &step_got)?
+            .report(report, "attention_merge, batched: its rows");
 
         let inv_freq = c.rope_inv_freq();
         let (mut new_k, mut want_k, mut new_v, mut want_v) = (vec![], vec![], vec![], vec![]);

@@ -2,15 +2,17 @@
 //! against its CPU twin.
 
 use half::{bf16, f16};
+use lily_model::config::GROUP_SIZE;
 use lily_model::cpu::deltanet::{chunked, conv_sequence, l2norm};
 use lily_model::cpu::linalg::{rmsnorm_in_place, sigmoid, silu, softplus};
 use lily_model::rng::Rng;
 use lily_model::Config;
 use rayon::prelude::*;
 
+use super::gemm::CodesAgainstTwin;
 use super::{download_f16, download_f32, normals, poison, rel_err, to_f16, widen_f16, Report};
 use crate::driver::{Gpu, Result};
-use crate::kernels::Kernels;
+use crate::kernels::{Kernels, Q8x2};
 use crate::launch::Launcher;
 use crate::prefill_deltanet::{proj_dim, DeltaNetCut, DeltaNetScratch};
 use crate::weights::{GpuGatedDeltaNet, GpuMatrix};
@@ -149,6 +151,13 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let ring_buf = gpu.alloc(taps * conv_dim)?;
     let state_buf = gpu.alloc(nv * dk * dv)?;
     let out_buf = gpu.alloc::<bf16>(max_tokens * value_dim)?;
+    // The output rows' Q8x2 codes, as out_proj's integer small tiling reads them.
+    let codes_buf = gpu.alloc::<u32>(max_tokens * value_dim / 2)?;
+    let pairs_buf = gpu.alloc::<f32>(max_tokens * value_dim / GROUP_SIZE * 2)?;
+    let codes = Q8x2 {
+        codes: codes_buf.ptr(),
+        pairs: pairs_buf.ptr(),
+    };
     let cut_ring_bufs = [gpu.alloc(taps * conv_dim)?, gpu.alloc(taps * conv_dim)?];
     let cut_state_bufs = [gpu.alloc::<f16>(nv * dk * dv)?, gpu.alloc::<f16>(nv * dk * dv)?];
     // Uploads the inputs, runs `calls` (token counts) one after another, the first with snapshot cuts after each of
@@ -166,6 +175,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         gpu.upload(ring_buf.ptr(), ring)?;
         gpu.upload(state_buf.ptr(), &to_f16(state))?;
         gpu.memset_u32(out_buf.ptr(), 0x7fc0_7fc0, out_buf.bytes() / 4)?;
+        gpu.memset_u32(codes_buf.ptr(), 0x5a5a_5a5a, codes_buf.bytes() / 4)?;
+        poison(gpu, &pairs_buf)?;
         let s = &scratch;
         for buf in [
             &s.q,
@@ -207,6 +218,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 state_buf.ptr(),
                 &weights,
                 out_buf.at(done * value_dim),
+                codes.from_row(done, value_dim),
                 &cuts,
             )?;
             done += n;
@@ -235,7 +247,9 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
 
     for new_sequence in [true, false] {
         let mut worst = [(0.0f64, 0usize); 3];
-        for t in [1, 37, 64, 200, 700] {
+        let mut codes: Option<CodesAgainstTwin> = None;
+        // Up to deltanet_short_max_tokens (32) the recurrence token by token, past it the chunked form.
+        for t in [1, 16, 32, 37, 64, 200, 700] {
             let start = if new_sequence {
                 0
             } else {
@@ -251,6 +265,12 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 )
             };
             let (got, _) = run_gpu(&proj, start, &ring, &state, &[t], &[])?;
+            // The output rows' codes, as out_proj's integer small tiling reads them.
+            let these = CodesAgainstTwin::measure(gpu, &codes_buf, &pairs_buf, &got.out)?;
+            codes = Some(match codes {
+                Some(before) => before.and(these),
+                None => these,
+            });
             let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
             let errors = [
                 rel_err(&got.out, &want.out),
@@ -279,6 +299,9 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             STATE_TOL,
         );
         report.check(&format!("deltanet_prefill ({from}): conv ring"), worst[2].0, 0.0);
+        if let Some(codes) = codes {
+            codes.report(report, &format!("deltanet_prefill ({from}): output rows"));
+        }
     }
 
     // Continuation: 100 + 90 tokens in two calls against one CPU call of 190.
@@ -288,6 +311,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let ring = normals(&mut rng, taps * conv_dim, 1.0);
         let state = widen_f16(&to_f16(&normals(&mut rng, nv * dk * dv, 0.05)));
         let (got, _) = run_gpu(&proj, start, &ring, &state, &[100, 90], &[])?;
+        CodesAgainstTwin::measure(gpu, &codes_buf, &pairs_buf, &got.out)?
+            .report(report, "deltanet_prefill 100 + 90 tokens == 190: output rows");
         let want = cpu_mixer(c, &w, &proj, start, &ring, &state);
         report.check(
             "deltanet_prefill 100 + 90 tokens == 190: output",
@@ -314,6 +339,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let mut worst = [(0.0f64, 0usize, 0usize); 5];
         for (t, cuts, new_sequence) in [
             (3, &[1][..], true),
+            (20, &[7], false),
+            (32, &[31], true),
             (100, &[37], false),
             (200, &[64], false),
             (300, &[150], true),
@@ -388,6 +415,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
                 state_buf.ptr(),
                 &weights,
                 out.ptr(),
+                Q8x2::NONE,
                 &[],
             )
         };

@@ -444,6 +444,55 @@ fn check_moe(
     Ok(())
 }
 
+/// How Q8x2 rows that a kernel wrote differ from the CPU twin's coding of the same rows (`rows`, the kernel's bf16
+/// outputs widened): the words and the scales that differ (none may: both follow from the rows and the group's
+/// largest magnitude alone), and the error of the groups' sums (added in another order).
+pub(super) struct CodesAgainstTwin {
+    pub words: usize,
+    pub differ: usize,
+    pub scales_differ: usize,
+    pub sums_err: f64,
+}
+
+impl CodesAgainstTwin {
+    pub(super) fn measure(gpu: &Gpu, codes: &DevBuf<u32>, pairs: &DevBuf<f32>, rows: &[f32]) -> Result<Self> {
+        let (want_codes, want_pairs) = quantize_q8x2(rows);
+        let got_codes = download(gpu, codes, want_codes.len())?;
+        let got_pairs = download_f32(gpu, pairs, want_pairs.len())?;
+        let sums = |p: &[f32]| p.iter().skip(1).step_by(2).copied().collect::<Vec<f32>>();
+        Ok(CodesAgainstTwin {
+            words: want_codes.len(),
+            differ: got_codes.iter().zip(&want_codes).filter(|(a, b)| a != b).count(),
+            scales_differ: (0..want_pairs.len())
+                .step_by(2)
+                .filter(|&i| got_pairs[i] != want_pairs[i])
+                .count(),
+            sums_err: rel_err(&sums(&got_pairs), &sums(&want_pairs)),
+        })
+    }
+
+    /// Both measures over two sets of rows.
+    pub(super) fn and(self, other: CodesAgainstTwin) -> CodesAgainstTwin {
+        CodesAgainstTwin {
+            words: self.words + other.words,
+            differ: self.differ + other.differ,
+            scales_differ: self.scales_differ + other.scales_differ,
+            sums_err: self.sums_err.max(other.sums_err),
+        }
+    }
+
+    /// The two checks of `what`'s codes: words and scales exact, sums within 1e-5.
+    pub(super) fn report(&self, report: &mut Report, what: &str) {
+        let (differ, scales_differ, words) = (self.differ, self.scales_differ, self.words);
+        report.check_eq(
+            &format!("{what}: Q8x2 codes and scales as the CPU's"),
+            differ == 0 && scales_differ == 0,
+            &format!("{differ} of {words} words, {scales_differ} scales differ"),
+        );
+        report.check(&format!("{what}: Q8x2 group sums"), self.sums_err, 1e-5);
+    }
+}
+
 /// The CPU twin of the small tiling's Q8x2 rows (quantize_word_q8x2 in kernels/gemm.cu) for rows of whole groups:
 /// 4 words an 8 inputs (digit 0's bytes of the even inputs, of the odd ones, then digit 1's) and a (scale / 128,
 /// sum) pair a group of 64 inputs. (The sums are added in another order than on the GPU.)
