@@ -611,8 +611,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 // prompt path's bf16 error on the bundled model.
 //
 // Two kernels write the codes before it, for every position of the sequence up to the call's last (the mean
-// changes with each call's keys, so older positions are coded again; at 128K positions that reads 128 MiB a layer):
-// attn_prefill_key_mean, the mean of up to 256 of the call's new keys, evenly spaced, per KV head; then
+// changes as the context grows, so older positions are coded again; at 128K positions that reads 128 MiB a
+// layer): attn_prefill_key_mean, the mean of up to 256 keys evenly spaced over the context, per KV head; then
 // attn_prefill_codes, one warp per query row (token, head) and per key row (position, KV head).
 //
 // Code buffers: q8 [token][N_HEADS][HEAD_DIM] with q_scale [token][N_HEADS]; k8 [position][N_KV_HEADS][HEAD_DIM]
@@ -638,17 +638,17 @@ __device__ int attn_prefill_i8_built = API_BUILT;
 __device__ int attn_prefill_i8_default = ATTN_PREFILL_I8;
 __device__ int attn_prefill_i8_smem = API_SMEM;
 
-// Grid N_KV_HEADS blocks of 256 threads: mean[kv_head][HEAD_DIM] over the keys at positions start + (j * tokens) /
-// n, j < n = min(tokens, MEAN_SAMPLES); warp w sums samples w, w + 8, ..., a lane 8 dims.
+// Grid N_KV_HEADS blocks of 256 threads: mean[kv_head][HEAD_DIM] over the keys at positions (j * len) / n, j < n =
+// min(len, MEAN_SAMPLES), len = start + tokens; warp w sums samples w, w + 8, ..., a lane 8 dims.
 extern "C" __global__ void __launch_bounds__(256)
     attn_prefill_key_mean(const bf16* k_pool, const int* pages, int tokens, int start, float* mean) {
     wait_previous();
     __shared__ float partial[8][HEAD_DIM];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, h = blockIdx.x;
-    const int n = min(tokens, MEAN_SAMPLES);
+    const int len = start + tokens, n = min(len, MEAN_SAMPLES);
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = warp; j < n; j += 8) {
-        const int position = start + (int)((long long)j * tokens / n);
+        const int position = (int)((long long)j * len / n);
         float v[8];
         load8_bf16(k_pool + kv_offset(pages, position) + h * HEAD_DIM + lane * 8, v);
 #pragma unroll

@@ -185,8 +185,8 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         let got = bf16_to_f32(&out_gpu);
         if kernel == Kernel::Int8 {
             // The twin of the codes: the GPU's bf16 queries and its cache's keys less the mean of the keys it
-            // samples, each row as 8-bit codes times its scale (unscaled for `attend`, which scales the queries).
-            let (q_codes, k_codes) = score_codes(&bf16_to_f32(&q_gpu), &k_gpu, t, start, kv_heads, hd);
+            // samples over the context, each row as 8-bit codes times its scale (unscaled for `attend`, which scales the queries).
+            let (q_codes, k_codes) = score_codes(&bf16_to_f32(&q_gpu), &k_gpu, len, kv_heads, hd);
             let q_codes: Vec<f32> = q_codes.iter().map(|v| v * (hd as f32).sqrt()).collect();
             // Against the twin of the codes, the bf16 P and output roundings remain (as below); against the exact
             // scores, the codes' error too: a score moves by ~1e-2 at these unit-variance rows, so the output
@@ -238,14 +238,14 @@ fn coded(row: &[f32]) -> Vec<f32> {
 }
 
 /// The CPU twin of `attn_prefill_key_mean` and `attn_prefill_codes`: the queries `q` (`[t][heads][hd]`) and the
-/// keys `k` (`[position][kv heads][hd]`) less the mean of the keys at positions start + j t / n (j < n = min(t,
-/// 256)), every row coded and decoded.
-fn score_codes(q: &[f32], k: &[f32], t: usize, start: usize, kv_heads: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+/// keys `k` (`[position][kv heads][hd]`, `len` of them) less the mean of the keys at positions j len / n (j < n =
+/// min(len, 256)), every row coded and decoded.
+fn score_codes(q: &[f32], k: &[f32], len: usize, kv_heads: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
     let kv_dim = kv_heads * hd;
-    let n = t.min(256);
+    let n = len.min(256);
     let mut mean = vec![0.0f32; kv_dim];
     for j in 0..n {
-        let p = start + j * t / n;
+        let p = j * len / n;
         mean.iter_mut()
             .zip(&k[p * kv_dim..(p + 1) * kv_dim])
             .for_each(|(m, x)| *m += x);
