@@ -48,6 +48,14 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
     const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
+__device__ __forceinline__ void load8_bf16(const bf16* p, float (&v)[8]) {
+    const uint4 raw = *(const uint4*)p;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 w = word_of(raw, i);
+        v[2 * i] = __uint_as_float(w << 16), v[2 * i + 1] = __uint_as_float(w & 0xffff0000u);
+    }
+}
 __device__ __forceinline__ void store8_bf16(bf16* p, const float (&v)[8]) {
     *(uint4*)p = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
                             pack_bf16x2(v[6], v[7]));
@@ -385,6 +393,42 @@ __device__ __forceinline__ void apw_hold(u32 (&p)[KEY_TILE / 16][4]) {
 #pragma unroll
         for (int i = 0; i < 4; i++) asm volatile("" : "+r"(p[j][i])::"memory");
 }
+// The epilogue of the warpgroup kernels: the quad's row sums, then with one key chunk the normalised, gated output
+// (bf16 [token][Q_DIM]), with several the chunk's unnormalised rows and their (max, sum) for attn_prefill_merge.
+__device__ __forceinline__ void apw_store(const float (&o)[128], const float (&row_max)[2], float (&row_sum)[2],
+                                          int tok0, int tokens, int head, int g, int c, const float* proj, bf16* out,
+                                          float* part_o, float* part_ml) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    const bool single_chunk = gridDim.y == 1;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int token = tok0 + g + 8 * r;
+        if (token >= tokens) continue;
+        if (single_chunk) {
+            const float inv_sum = 1.f / row_sum[r];
+            const float* gate = proj + (size_t)token * PROJ_ROW + head * 2 * HEAD_DIM + HEAD_DIM;
+            bf16* dst = out + (size_t)token * Q_DIM + head * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n++) {
+                const int d = n * 8 + 2 * c;
+                const float2 gt = *(const float2*)(gate + d);
+                *(u32*)(dst + d) = pack_bf16x2(o[4 * n + 2 * r] * inv_sum * sigmoidf_(gt.x),
+                                               o[4 * n + 2 * r + 1] * inv_sum * sigmoidf_(gt.y));
+            }
+        } else {
+            const size_t part = ((size_t)blockIdx.y * tokens + token) * N_HEADS + head;
+            float* dst = part_o + part * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n++)
+                *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
+            if (c == 0) *(float2*)(part_ml + part * 2) = make_float2(row_max[r], row_sum[r]);
+        }
+    }
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
@@ -552,38 +596,349 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         wgmma_hold(o);
     }
 
+    apw_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
+#else
+    __trap();  // built without it: the host never launches it (attn_prefill_wgmma_built is 0)
+#endif
+}
+
+// ---- attn_prefill with 8-bit integer scores (sm_90a) ----
+// attn_prefill_i8 computes what attn_prefill_wgmma does, with S = Q K^T on the integer tensor cores (wgmma
+// m64n64k32 s8 x s8 into s32, twice bf16's rate): q and k as 8-bit codes with a scale per (token, head), k after
+// subtracting a mean key of its KV head (SageAttention's smoothing: it moves all scores of a query by the same
+// amount, so the softmax not at all, and takes the channels every key shares out of the per-key scale). O += P V
+// stays on bf16 as in attn_prefill_wgmma. lily_model::cpu::numerics measured this format (int8 scores only) at the
+// prompt path's bf16 error on the bundled model.
+//
+// Two kernels write the codes before it, for every position of the sequence up to the call's last (the mean
+// changes as the context grows, so older positions are coded again; at 128K positions that reads 128 MiB a
+// layer): attn_prefill_key_mean, the mean of up to 256 keys evenly spaced over the context, per KV head; then
+// attn_prefill_codes, one warp per query row (token, head) and per key row (position, KV head).
+//
+// Code buffers: q8 [token][N_HEADS][HEAD_DIM] with q_scale [token][N_HEADS]; k8 [position][N_KV_HEADS][HEAD_DIM]
+// with k_scale [N_KV_HEADS][scale_stride] (scale_stride a multiple of KEY_TILE, at least the positions). A code is
+// round(x / scale), scale = max |x| / 127, so a score's s32 sum stays below 127 * 127 * HEAD_DIM < 2^22.
+#ifndef ATTN_PREFILL_I8
+#define ATTN_PREFILL_I8 0
+#endif
+#if APW_BUILT
+#define API_BUILT 1
+#else
+#define API_BUILT 0
+#endif
+#define API_ROW_BYTES HEAD_DIM                   // one byte a dim
+#define API_ROW_CHUNKS (API_ROW_BYTES / 16)
+#define API_Q_BYTES (APW_ROWS * API_ROW_BYTES)   // 32 KiB
+#define API_K_BYTES (KEY_TILE * API_ROW_BYTES)   // 16 KiB a key tile
+#define API_SMEM (API_Q_BYTES + 3 * API_K_BYTES + 2 * APW_KV_BYTES + 3 * KEY_TILE * 4 + 1024)
+#define MEAN_SAMPLES 256
+static_assert(API_ROW_BYTES == 2 * 128, "a code row is two 128-byte k-blocks");
+static_assert(127 * 127 * HEAD_DIM < (1 << 22), "a score's s32 sum converts exactly through the 1.5 * 2^23 trick");
+__device__ int attn_prefill_i8_built = API_BUILT;
+__device__ int attn_prefill_i8_default = ATTN_PREFILL_I8;
+__device__ int attn_prefill_i8_smem = API_SMEM;
+
+// Grid N_KV_HEADS blocks of 256 threads: mean[kv_head][HEAD_DIM] over the keys at positions (j * len) / n, j < n =
+// min(len, MEAN_SAMPLES), len = start + tokens; warp w sums samples w, w + 8, ..., a lane 8 dims.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_key_mean(const bf16* k_pool, const int* pages, int tokens, int start, float* mean) {
+    wait_previous();
+    __shared__ float partial[8][HEAD_DIM];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, h = blockIdx.x;
+    const int len = start + tokens, n = min(len, MEAN_SAMPLES);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = warp; j < n; j += 8) {
+        const int position = (int)((long long)j * len / n);
+        float v[8];
+        load8_bf16(k_pool + kv_offset(pages, position) + h * HEAD_DIM + lane * 8, v);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+        for (int i = 0; i < 8; i++) sum[i] += v[i];
     }
-    const bool single_chunk = gridDim.y == 1;
+#pragma unroll
+    for (int i = 0; i < 8; i++) partial[warp][lane * 8 + i] = sum[i];
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; w++) total += partial[w][threadIdx.x];
+    mean[h * HEAD_DIM + threadIdx.x] = total / n;
+}
+
+// Eight values into 8-bit codes of `inv` (127 / max |x| of the row, 0 for a row of zeros), low byte first.
+__device__ __forceinline__ uint2 codes8(const float (&x)[8], float inv) {
+    u32 w[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int c = max(-127, min(127, __float2int_rn(x[i] * inv)));
+        w[i / 4] |= ((u32)c & 0xffu) << (8 * (i % 4));
+    }
+    return make_uint2(w[0], w[1]);
+}
+
+// Grid ceil((tokens * N_HEADS + (start + tokens) * N_KV_HEADS) / 8) blocks of 256 threads, a warp a row, a lane 8
+// dims: the query rows (token, head) first, then the key rows (position, KV head).
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_codes(const bf16* q, const bf16* k_pool, const int* pages, const float* mean, int tokens, int start,
+                       int scale_stride, i8* q8, float* q_scale, i8* k8, float* k_scale) {
+    wait_previous();
+    const int lane = threadIdx.x % WARP;
+    const long long item = (long long)blockIdx.x * (256 / WARP) + threadIdx.x / WARP;
+    const long long q_rows = (long long)tokens * N_HEADS;
+    if (item >= q_rows + (long long)(start + tokens) * N_KV_HEADS) return;
+    const int d0 = lane * 8;
+    float x[8];
+    const bf16* src;
+    if (item < q_rows) {
+        src = q + item * HEAD_DIM + d0;
+    } else {
+        const int position = (int)((item - q_rows) / N_KV_HEADS), h = (int)((item - q_rows) % N_KV_HEADS);
+        src = k_pool + kv_offset(pages, position) + h * HEAD_DIM + d0;
+    }
+    load8_bf16(src, x);
+    if (item >= q_rows) {
+        const int h = (int)((item - q_rows) % N_KV_HEADS);
+        const float4 a = *(const float4*)(mean + h * HEAD_DIM + d0), b = *(const float4*)(mean + h * HEAD_DIM + d0 + 4);
+        x[0] -= a.x, x[1] -= a.y, x[2] -= a.z, x[3] -= a.w, x[4] -= b.x, x[5] -= b.y, x[6] -= b.z, x[7] -= b.w;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(x[i]));
+    amax = warp_max(amax);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+    const uint2 codes = codes8(x, inv);
+    if (item < q_rows) {
+        *(uint2*)(q8 + item * HEAD_DIM + d0) = codes;
+        if (lane == 0) q_scale[item] = scale;
+    } else {
+        const long long row = item - q_rows;
+        *(uint2*)(k8 + row * HEAD_DIM + d0) = codes;
+        if (lane == 0) k_scale[(size_t)(row % N_KV_HEADS) * scale_stride + row / N_KV_HEADS] = scale;
+    }
+}
+
+#if API_BUILT
+// s = A (64 x 32 codes, shared) B (64 x 32 codes, shared)^T (+ s unless scale_d is 0): 32 s32 a thread, in the
+// f32 accumulators' layout.
+#define API_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+                  "+r"(d[i + 6]), "+r"(d[i + 7])
+__device__ __forceinline__ void api_m64n64k32(int (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, %32, %33, p;\n}\n"
+        : API_D8(0), API_D8(8), API_D8(16), API_D8(24)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+#undef API_D8
+// An s32 below 2^22 in magnitude as f32, exactly: added to the bits of 1.5 * 2^23 it lands in that float's
+// mantissa, and subtracting 1.5 * 2^23 leaves it (two full-rate operations instead of a quarter-rate I2F).
+__device__ __forceinline__ float api_to_float(int s) { return __int_as_float(s + 0x4B400000) - 12582912.f; }
+#endif
+
+// Grid, outputs and per-row ownership as attn_prefill_wgmma; API_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
+    attn_prefill_i8(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, int scale_stride,
+                    const bf16* v_pool, const int* pages, const float* proj, int tokens, int start, int chunk,
+                    bf16* out, float* part_o, float* part_ml) {
+    wait_previous();
+#if API_BUILT
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw0 = shared_address(smem_raw), q_smem = (raw0 + 1023) & ~1023u;
+    const u32 k_smem = q_smem + API_Q_BYTES;       // three key tiles of codes
+    const u32 v_smem = k_smem + 3 * API_K_BYTES;   // two value tiles (bf16)
+    const u32 ks_smem = v_smem + 2 * APW_KV_BYTES;  // three tiles' key scales
+    const float* ks_base = (const float*)(smem_raw + (ks_smem - raw0));
+    const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
+    const int kv_head = blockIdx.x % N_KV_HEADS;
+    const int tok0 = (tiles - 1 - (int)blockIdx.x / N_KV_HEADS) * QUERY_TILE;
+    const int key_begin = blockIdx.y * chunk;
+    const int key_end = min(key_begin + chunk, start + min(tok0 + QUERY_TILE, tokens));
+    if (key_begin >= key_end) return;
+    const int key_tiles = (key_end - key_begin + KEY_TILE - 1) / KEY_TILE;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, wg = warp / 4;
+    const int head = kv_head * GQA + warp;
+
+    // Q codes (row = head of the group x QUERY_TILE + token), tokens past the end zero; 8 chunks a thread.
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int c = threadIdx.x + i * PF_THREADS;
+        const int row = c / API_ROW_CHUNKS, chunk16 = c % API_ROW_CHUNKS;
+        const int token = tok0 + row % QUERY_TILE;
+        const bool valid = token < tokens;
+        const i8* src = q8 + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
+        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 16, valid ? 16u : 0u);
+    }
+    // Key tile `tile` (codes and scales) into K buffer `buf`: thread i copies chunk i % 16 of rows i / 16 + 16 j,
+    // 2,048 bytes apart in the buffer (rows 16 apart share their swizzle); threads 0 .. 15 copy the 64 scales.
+    // Keys past key_end read as zero codes; their scales are whatever lies there (their scores are masked).
+    const int kc_row = threadIdx.x / API_ROW_CHUNKS, kc_chunk = threadIdx.x % API_ROW_CHUNKS;
+    const u32 kc_dst = apw_at<KEY_TILE>(kc_row, kc_chunk);
+    auto load_keys = [&](int buf, int tile) {
+        const int key0 = key_begin + tile * KEY_TILE;
+        const u32 dst = k_smem + buf * API_K_BYTES + kc_dst;
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) {
+            const int key = key0 + kc_row + 16 * j;
+            const bool valid = key < key_end;
+            const i8* src = k8 + ((size_t)(valid ? key : key0) * N_KV_HEADS + kv_head) * HEAD_DIM + kc_chunk * 16;
+            cp_async_16(dst + j * 2048, src, valid ? 16u : 0u);
+        }
+        if (threadIdx.x < KEY_TILE / 4)
+            cp_async_16(ks_smem + (buf * KEY_TILE + 4 * threadIdx.x) * 4,
+                        k_scale + (size_t)kv_head * scale_stride + key0 + 4 * threadIdx.x, 16u);
+    };
+    // Value tile `tile` (bf16, one page) into the 32 KiB buffer at `buf`, as attn_prefill_wgmma copies it.
+    const int copy_row = threadIdx.x / ROW_CHUNKS, copy_chunk = threadIdx.x % ROW_CHUNKS;
+    const u32 copy_dst = apw_at<KEY_TILE>(copy_row, copy_chunk);
+    auto load_values = [&](u32 buf, int tile) {
+        const int key0 = key_begin + tile * KEY_TILE;
+        const bf16* src =
+            v_pool + (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM + copy_chunk * 8;
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 8; j++) {
+            const int row = copy_row + 8 * j;
+            const bool valid = key0 + row < key_end;
+            cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid ? 16u : 0u);
+        }
+    };
+    // Copy groups as attn_prefill_wgmma's: (Q, key tile 0), (key tile 1), then in iteration it (value tile it),
+    // (key tile it + 2). Key tile it goes to K buffer it % 3, value tile it to V buffer it % 2.
+    load_keys(0, 0);
+    cp_async_commit();
+    if (key_tiles > 1) load_keys(1, 1);
+    cp_async_commit();
+
+    const int g = lane / 4, c = lane % 4;
+    const int limit0 = min(start + tok0 + g, key_end - 1), limit1 = min(start + tok0 + g + 8, key_end - 1);
+    const int first_masked_from = min(start + tok0, key_end - 1);
+    // The rows' query scales in log2 units (the softmax runs on exp2); rows past the end read token tok0's.
+    float q_log2[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int token = tok0 + g + 8 * r;
-        if (token >= tokens) continue;
-        if (single_chunk) {
-            const float inv_sum = 1.f / row_sum[r];
-            const float* gate = proj + (size_t)token * PROJ_ROW + head * 2 * HEAD_DIM + HEAD_DIM;
-            bf16* dst = out + (size_t)token * Q_DIM + head * HEAD_DIM;
+        q_log2[r] = q_scale[(size_t)(token < tokens ? token : tok0) * N_HEADS + head] * LOG2E;
+    }
+
+    float o[128];
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++) {
-                const int d = n * 8 + 2 * c;
-                const float2 gt = *(const float2*)(gate + d);
-                *(u32*)(dst + d) = pack_bf16x2(o[4 * n + 2 * r] * inv_sum * sigmoidf_(gt.x),
-                                               o[4 * n + 2 * r + 1] * inv_sum * sigmoidf_(gt.y));
-            }
+    for (int i = 0; i < 128; i++) o[i] = 0.f;
+    float row_max[2] = {-INF_F, -INF_F};  // log2 units
+    float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
+    const u32 q_wg = q_smem + wg * 64 * 128;
+    u32 p[KEY_TILE / 16][4];
+
+    for (int it = 0; it < key_tiles; it++) {
+        const int key0 = key_begin + it * KEY_TILE;
+        cp_async_wait<1>();  // Q, key tile it and value tile it - 1 (this thread's copies; key tile it + 1 may fly)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();  // ... everyone's; every warpgroup is done with key tile it - 1 and value tile it - 2
+        load_values(v_smem + (it % 2) * APW_KV_BYTES, it);
+        cp_async_commit();
+        if (it + 2 < key_tiles) load_keys((it + 2) % 3, it + 2);
+        cp_async_commit();
+
+        int s[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) s[i] = 0;
+        const u32 k_tile = k_smem + (it % 3) * API_K_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 32; ks++) {
+            const u32 kb = ks / 4, step = 32 * (ks % 4);
+            api_m64n64k32(s, wgmma_desc(q_wg + kb * APW_ROWS * 128 + step),
+                          wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
+        }
+        wgmma_commit();
+        if (it > 0) {
+            const u32 v_tile = v_smem + ((it - 1) % 2) * APW_KV_BYTES;
+#pragma unroll
+            for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
+            wgmma_commit();
+            wgmma_wait<1>();
         } else {
-            const size_t part = ((size_t)blockIdx.y * tokens + token) * N_HEADS + head;
-            float* dst = part_o + part * HEAD_DIM;
+            wgmma_wait<0>();
+        }
+        wgmma_hold(s);
+
+        // Scores in log2 units: code sum x q scale x k scale; accumulator j of the n8 block n is row g + 8 (j / 2),
+        // key 8 n + 2 c + j % 2.
+        const float* k_scales = ks_base + (it % 3) * KEY_TILE;
+        float x[32];
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++)
-                *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
-            if (c == 0) *(float2*)(part_ml + part * 2) = make_float2(row_max[r], row_sum[r]);
+        for (int n = 0; n < KEY_TILE / 8; n++) {
+            const float2 kk = *(const float2*)(k_scales + 8 * n + 2 * c);
+            x[4 * n] = api_to_float(s[4 * n]) * (q_log2[0] * kk.x);
+            x[4 * n + 1] = api_to_float(s[4 * n + 1]) * (q_log2[0] * kk.y);
+            x[4 * n + 2] = api_to_float(s[4 * n + 2]) * (q_log2[1] * kk.x);
+            x[4 * n + 3] = api_to_float(s[4 * n + 3]) * (q_log2[1] * kk.y);
+        }
+        if (key0 + KEY_TILE - 1 > first_masked_from) {
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = key0 + n * 8 + 2 * c + e;
+                    if (key > limit0) x[4 * n + e] = -INF_F;
+                    if (key > limit1) x[4 * n + 2 + e] = -INF_F;
+                }
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float m = -INF_F;
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; n++) m = fmaxf(m, fmaxf(x[4 * n + 2 * r], x[4 * n + 2 * r + 1]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const float new_max = fmaxf(row_max[r], m);
+            const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
+            alpha[r] = exp2_approx(row_max[r] - base);
+            row_max[r] = new_max;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < KEY_TILE / 8; n++) {
+                x[4 * n + 2 * r] = exp2_approx(x[4 * n + 2 * r] - base);
+                x[4 * n + 2 * r + 1] = exp2_approx(x[4 * n + 2 * r + 1] - base);
+                sum += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
+        }
+        // O += P V of the tile before is done: O and P are free again.
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        apw_hold(p);
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n++) {
+            o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+        }
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) {
+            p[j][0] = pack_bf16x2(x[8 * j], x[8 * j + 1]);
+            p[j][1] = pack_bf16x2(x[8 * j + 2], x[8 * j + 3]);
+            p[j][2] = pack_bf16x2(x[8 * j + 4], x[8 * j + 5]);
+            p[j][3] = pack_bf16x2(x[8 * j + 6], x[8 * j + 7]);
         }
     }
+    // O += P V of the last tile, once its values have landed for every thread.
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    {
+        const u32 v_tile = v_smem + ((key_tiles - 1) % 2) * APW_KV_BYTES;
+        wgmma_fence();
+        wgmma_hold(o);
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(o);
+    }
+    apw_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
 #else
-    __trap();  // built without it: the host never launches it (attn_prefill_wgmma_built is 0)
+    __trap();  // built without it: the host never launches it (attn_prefill_i8_built is 0)
 #endif
 }
 

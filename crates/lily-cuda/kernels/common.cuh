@@ -7,6 +7,7 @@
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
+typedef signed char i8;
 // bf16 as raw bits: NVRTC's own headers are all the kernels rely on, so CI compiles them with NVRTC alone.
 typedef unsigned short bf16;
 #define INF_F __int_as_float(0x7f800000)
@@ -574,6 +575,11 @@ template <int R>
 __device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void wgmma_hold(int (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+r"(d[i])::"memory");
 }
 #endif
 

@@ -101,7 +101,7 @@ impl PrefillScratch {
             codes: gemm::SmallCodes::new(gpu, kernels, c, chunk)?,
             expert_out: gpu.alloc(chunk * k * h)?,
             deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
-            attn: AttentionScratch::new(gpu, c, chunk)?,
+            attn: AttentionScratch::new(gpu, kernels, c, chunk)?,
             last: gpu.alloc(PREFILL_PARTS * h)?,
         })
     }

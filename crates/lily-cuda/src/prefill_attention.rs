@@ -3,13 +3,15 @@
 //! attention on tensor cores for 16 query tokens x the 8 query heads of a KV head per block (`attn_prefill_wgmma`
 //! on warpgroup MMAs where the build is sm_90a, `attn_prefill` on mma.sync elsewhere), and,
 //! when those blocks alone would leave SMs idle, the key range split into chunks whose parts `attn_prefill_merge`
-//! combines with the output gate.
+//! combines with the output gate. Where the build has it (sm_90a) and the switch is on, `attn_prefill_i8` takes the
+//! scores from 8-bit codes of q and the (mean-smoothed) keys instead, which `attn_prefill_key_mean` and
+//! `attn_prefill_codes` write first.
 
 use half::bf16;
 use lily_model::Config;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, Result};
-use crate::kernels::attention_prefill;
+use crate::kernels::{attention_prefill, Kernels};
 use crate::launch::{Dims, Launcher};
 use crate::weights::GpuAttention;
 
@@ -132,6 +134,36 @@ type AttnKernel = fn(
     DevPtr<f32>,
 ) -> Result<()>;
 
+/// The 8-bit codes `attn_prefill_i8` reads (see kernels/attention_prefill.cu), for up to `max_tokens` tokens a call
+/// and every position of the context.
+pub(crate) struct ScoreCodes {
+    /// f32 `[kv heads][head_dim]`: the mean key subtracted before coding.
+    mean: DevBuf<f32>,
+    /// i8 `[token][heads][head_dim]` and f32 `[token][heads]`: the call's queries.
+    q8: DevBuf<i8>,
+    q_scale: DevBuf<f32>,
+    /// i8 `[position][kv heads][head_dim]` and f32 `[kv heads][scale_stride]`: every key up to the call's last.
+    k8: DevBuf<i8>,
+    k_scale: DevBuf<f32>,
+    scale_stride: usize,
+}
+
+impl ScoreCodes {
+    fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<ScoreCodes> {
+        let c = config;
+        // A key tile reads 64 scales from its first key on: whole tiles past the last position stay in the row.
+        let scale_stride = c.max_position_embeddings.next_multiple_of(KEY_TILE);
+        Ok(ScoreCodes {
+            mean: gpu.alloc(c.kv_dim())?,
+            q8: gpu.alloc(max_tokens * c.q_dim())?,
+            q_scale: gpu.alloc(max_tokens * c.num_attention_heads)?,
+            k8: gpu.alloc(c.max_position_embeddings * c.kv_dim())?,
+            k_scale: gpu.alloc_zeroed(c.num_key_value_heads * scale_stride)?,
+            scale_stride,
+        })
+    }
+}
+
 /// The attention's buffers for up to `max_tokens` tokens a call.
 pub struct AttentionScratch {
     pub(crate) max_tokens: usize,
@@ -147,10 +179,15 @@ pub struct AttentionScratch {
     /// Run `attn_prefill` even where this build has `attn_prefill_wgmma`, so that the selftest checks the kernel
     /// other GPUs run as well.
     pub(crate) portable: std::cell::Cell<bool>,
+    /// The codes of `attn_prefill_i8`, where this build has it and runs it.
+    codes: Option<ScoreCodes>,
+    /// Take the scores from 8-bit codes (`attn_prefill_i8`) where the codes exist: by default where the kernel
+    /// file's ATTN_PREFILL_I8 (0 unless set) is 1; the selftest adds the codes and runs both ways.
+    pub(crate) int8_scores: std::cell::Cell<bool>,
 }
 
 impl AttentionScratch {
-    pub fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<AttentionScratch> {
+    pub fn new(gpu: &Gpu, kernels: &Kernels, config: &Config, max_tokens: usize) -> Result<AttentionScratch> {
         let c = config;
         // The most part rows any call may need (a call with one chunk writes none).
         let part_rows = (1..=max_tokens)
@@ -168,7 +205,24 @@ impl AttentionScratch {
             part_ml: gpu.alloc(part_rows * c.num_attention_heads * 2)?,
             last_split: std::cell::Cell::new(None),
             portable: std::cell::Cell::new(false),
+            // The codes only where the kernel runs by default (they hold a key row for every position):
+            // `with_score_codes` adds them for the selftest.
+            codes: match kernels.constant("attn_prefill_i8_built") == 1
+                && kernels.constant("attn_prefill_i8_default") == 1
+            {
+                true => Some(ScoreCodes::new(gpu, c, max_tokens)?),
+                false => None,
+            },
+            int8_scores: std::cell::Cell::new(true),
         })
+    }
+
+    /// The same scratch with the codes of `attn_prefill_i8` where the build has it, whatever its default.
+    pub(crate) fn with_score_codes(mut self, gpu: &Gpu, kernels: &Kernels, config: &Config) -> Result<Self> {
+        if self.codes.is_none() && kernels.constant("attn_prefill_i8_built") == 1 {
+            self.codes = Some(ScoreCodes::new(gpu, config, self.max_tokens)?);
+        }
+        Ok(self)
     }
 
     /// Queues the attention of `t` tokens at positions `start ..` of one sequence over the paged KV pools (bf16
@@ -225,33 +279,87 @@ impl AttentionScratch {
         };
         let group = heads / kv_heads;
         let grid = ((t.div_ceil(QUERY_TILE) * kv_heads) as u32, split.splits as u32, 1);
-        // The warpgroup kernel where this build has it (sm_90a): the same grid and outputs.
-        let wgmma = l.kernels.constant("attn_prefill_wgmma_built") == 1 && !self.portable.get();
-        let (kernel, shared): (AttnKernel, usize) = match wgmma {
-            true => (
-                attention_prefill::attn_prefill_wgmma,
-                l.kernels.constant("attn_prefill_wgmma_smem"),
-            ),
-            false => (
-                attention_prefill::attn_prefill,
-                (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2,
-            ),
-        };
-        kernel(
-            l,
-            Dims::new(grid, (group * 32) as u32).shared(shared as u32),
-            self.q.ptr(),
-            k_pool,
-            v_pool,
-            pages,
-            proj,
-            t32,
-            start32,
-            split.chunk as i32,
-            out,
-            self.part_o.ptr(),
-            self.part_ml.ptr(),
-        )?;
+        let block = (group * 32) as u32;
+        match self
+            .codes
+            .as_ref()
+            .filter(|_| self.int8_scores.get() && !self.portable.get())
+        {
+            Some(codes) => {
+                attention_prefill::attn_prefill_key_mean(
+                    l,
+                    Dims::linear(kv_heads as u32, ROW_THREADS),
+                    k_pool,
+                    pages,
+                    t32,
+                    start32,
+                    codes.mean.ptr(),
+                )?;
+                let rows = t * heads + (start + t) * kv_heads;
+                attention_prefill::attn_prefill_codes(
+                    l,
+                    Dims::linear(rows.div_ceil(warps_per_block) as u32, ROW_THREADS),
+                    self.q.ptr(),
+                    k_pool,
+                    pages,
+                    codes.mean.ptr(),
+                    t32,
+                    start32,
+                    codes.scale_stride as i32,
+                    codes.q8.ptr(),
+                    codes.q_scale.ptr(),
+                    codes.k8.ptr(),
+                    codes.k_scale.ptr(),
+                )?;
+                attention_prefill::attn_prefill_i8(
+                    l,
+                    Dims::new(grid, block).shared(l.kernels.constant("attn_prefill_i8_smem") as u32),
+                    codes.q8.ptr(),
+                    codes.q_scale.ptr(),
+                    codes.k8.ptr(),
+                    codes.k_scale.ptr(),
+                    codes.scale_stride as i32,
+                    v_pool,
+                    pages,
+                    proj,
+                    t32,
+                    start32,
+                    split.chunk as i32,
+                    out,
+                    self.part_o.ptr(),
+                    self.part_ml.ptr(),
+                )?;
+            }
+            None => {
+                // The warpgroup kernel where this build has it (sm_90a): the same grid and outputs.
+                let wgmma = l.kernels.constant("attn_prefill_wgmma_built") == 1 && !self.portable.get();
+                let (kernel, shared): (AttnKernel, usize) = match wgmma {
+                    true => (
+                        attention_prefill::attn_prefill_wgmma,
+                        l.kernels.constant("attn_prefill_wgmma_smem"),
+                    ),
+                    false => (
+                        attention_prefill::attn_prefill,
+                        (group * QUERY_TILE + 4 * KEY_TILE) * head_dim * 2,
+                    ),
+                };
+                kernel(
+                    l,
+                    Dims::new(grid, block).shared(shared as u32),
+                    self.q.ptr(),
+                    k_pool,
+                    v_pool,
+                    pages,
+                    proj,
+                    t32,
+                    start32,
+                    split.chunk as i32,
+                    out,
+                    self.part_o.ptr(),
+                    self.part_ml.ptr(),
+                )?;
+            }
+        }
         if split.splits > 1 {
             attention_prefill::attn_prefill_merge(
                 l,

@@ -15,7 +15,13 @@ pub const FILE: KernelFile<'static> = KernelFile {
     ),
     kernels: KERNELS,
     buffers: &[],
-    constants: &["attn_prefill_wgmma_built", "attn_prefill_wgmma_smem"],
+    constants: &[
+        "attn_prefill_wgmma_built",
+        "attn_prefill_wgmma_smem",
+        "attn_prefill_i8_built",
+        "attn_prefill_i8_default",
+        "attn_prefill_i8_smem",
+    ],
 };
 
 launchers! {
@@ -52,6 +58,47 @@ launchers! {
     attn_prefill_wgmma(
         q: DevPtr<bf16>,
         k_pool: DevPtr<bf16>,
+        v_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
+        proj: DevPtr<f32>,
+        tokens: i32,
+        start: i32,
+        chunk: i32,
+        out: DevPtr<bf16>,
+        part_o: DevPtr<f32>,
+        part_ml: DevPtr<f32>,
+    );
+    /// The mean of up to 256 of the call's new keys, per KV head, into `mean` (f32 `[kv heads][head_dim]`).
+    attn_prefill_key_mean(
+        k_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
+        tokens: i32,
+        start: i32,
+        mean: DevPtr<f32>,
+    );
+    /// 8-bit codes with a scale per row of the call's queries and of every key up to its last position (less
+    /// `mean`), for `attn_prefill_i8`.
+    attn_prefill_codes(
+        q: DevPtr<bf16>,
+        k_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
+        mean: DevPtr<f32>,
+        tokens: i32,
+        start: i32,
+        scale_stride: i32,
+        q8: DevPtr<i8>,
+        q_scale: DevPtr<f32>,
+        k8: DevPtr<i8>,
+        k_scale: DevPtr<f32>,
+    );
+    /// `attn_prefill_wgmma` with the scores from the 8-bit codes on the integer tensor cores (sm_90a builds):
+    /// the same grid and outputs, `attn_prefill_i8_smem` bytes of shared memory a block.
+    attn_prefill_i8(
+        q8: DevPtr<i8>,
+        q_scale: DevPtr<f32>,
+        k8: DevPtr<i8>,
+        k_scale: DevPtr<f32>,
+        scale_stride: i32,
         v_pool: DevPtr<bf16>,
         pages: DevPtr<i32>,
         proj: DevPtr<f32>,

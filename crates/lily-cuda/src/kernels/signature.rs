@@ -91,6 +91,9 @@ pub trait DeviceType {
 impl DeviceType for f32 {
     const C_NAME: &'static str = "float";
 }
+impl DeviceType for i8 {
+    const C_NAME: &'static str = "i8";
+}
 impl DeviceType for i32 {
     const C_NAME: &'static str = "int";
 }

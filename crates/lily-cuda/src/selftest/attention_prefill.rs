@@ -20,7 +20,7 @@ fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
 }
 
 /// Selftest: prep and attention against the CPU twin (rmsnorm, RoPE, `attend` over the bf16 K/V the GPU reads,
-/// sigmoid gate), for prompts from the start (t = 1, 50, 300: one query tile, several, a ragged last tile) and after
+/// sigmoid gate; for `attn_prefill_i8`, over the twin of its 8-bit codes as well), for prompts from the start (t = 1, 50, 300: one query tile, several, a ragged last tile) and after
 /// a random odd-length prefix of random keys and values (t = 130 and t = 1: the key range split into chunks). The
 /// keys and values live in pools of pages in a shuffled order (more pages than the sequence takes, the others
 /// NaN), reached through the sequence's page-table row.
@@ -36,7 +36,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let max_tokens = cases.iter().map(|&(t, _)| t).max().unwrap_or(1);
     let max_len = cases.iter().map(|&(t, start)| t + start).max().unwrap_or(1);
 
-    let scratch = AttentionScratch::new(gpu, c, max_tokens)?;
+    let scratch = AttentionScratch::new(gpu, kernels, c, max_tokens)?.with_score_codes(gpu, kernels, c)?;
     let q_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let inv_freq = c.rope_inv_freq();
@@ -73,14 +73,20 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let out_buf = gpu.alloc(max_tokens * q_dim)?;
     let mut launcher = Launcher::new(gpu, kernels);
 
-    // Every case through `attn_prefill_wgmma` where this build has it, and through `attn_prefill` (other GPUs').
-    let wgmma_built = kernels.constant("attn_prefill_wgmma_built") == 1;
-    let kernel_cases = [true, false]
+    // Every case through `attn_prefill_wgmma` and `attn_prefill_i8` where this build has them, and through
+    // `attn_prefill` (other GPUs').
+    let built = |name| kernels.constant(name) == 1;
+    let kernel_cases = [Kernel::Wgmma, Kernel::Int8, Kernel::Portable]
         .into_iter()
-        .filter(|&wgmma| wgmma_built || !wgmma)
-        .flat_map(|wgmma| cases.map(|case| (wgmma, case)));
-    for (wgmma, (t, start)) in kernel_cases {
-        scratch.portable.set(!wgmma);
+        .filter(|k| match k {
+            Kernel::Wgmma => built("attn_prefill_wgmma_built"),
+            Kernel::Int8 => built("attn_prefill_i8_built"),
+            Kernel::Portable => true,
+        })
+        .flat_map(|kernel| cases.map(|case| (kernel, case)));
+    for (kernel, (t, start)) in kernel_cases {
+        scratch.portable.set(kernel == Kernel::Portable);
+        scratch.int8_scores.set(kernel == Kernel::Int8);
         let len = start + t;
         let proj = normals(&mut rng, t * row, 1.0);
         // Random keys and values before `start`, NaN where this call must write.
@@ -156,31 +162,103 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         );
 
         // CPU twin of the attention over the K/V the GPU reads (its bf16 cache), with the gate.
-        let mut expected = vec![0.0f32; t * q_dim];
-        attend(&q, &k_gpu, &v_gpu, start, heads, kv_heads, hd, &mut expected);
-        for i in 0..t {
-            for h in 0..heads {
-                let gate = &proj[i * row + h * 2 * hd + hd..i * row + (h + 1) * 2 * hd];
-                for (o, g) in expected[(i * heads + h) * hd..(i * heads + h + 1) * hd]
-                    .iter_mut()
-                    .zip(gate)
-                {
-                    *o *= sigmoid(*g);
+        let gated = |q: &[f32], k: &[f32]| -> Vec<f32> {
+            let mut out = vec![0.0f32; t * q_dim];
+            attend(q, k, &v_gpu, start, heads, kv_heads, hd, &mut out);
+            for i in 0..t {
+                for h in 0..heads {
+                    let gate = &proj[i * row + h * 2 * hd + hd..i * row + (h + 1) * 2 * hd];
+                    for (o, g) in out[(i * heads + h) * hd..(i * heads + h + 1) * hd].iter_mut().zip(gate) {
+                        *o *= sigmoid(*g);
+                    }
                 }
             }
-        }
-        // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and the
-        // output to bf16 (<= 2^-8 of each value): a few 1e-3 of the largest output; a wrong key or mask is O(1).
-        let split = key_split(t, start, kv_heads, gpu.sm_count);
-        let kernel = match wgmma {
-            true => "attn_prefill_wgmma",
-            false => "attn_prefill",
+            out
         };
+        let expected = gated(&q, &k_gpu);
+        let split = key_split(t, start, kv_heads, gpu.sm_count);
         let name = format!(
-            "{kernel} t={t} start={start} ({} key chunk(s)): gated output",
+            "{} t={t} start={start} ({} key chunk(s)): gated output",
+            kernel.name(),
             split.splits
         );
-        report.check(&name, rel_err(&bf16_to_f32(&out_gpu), &expected), 1e-2);
+        let got = bf16_to_f32(&out_gpu);
+        if kernel == Kernel::Int8 {
+            // The twin of the codes: the GPU's bf16 queries and its cache's keys less the mean of the keys it
+            // samples over the context, each row as 8-bit codes times its scale (unscaled for `attend`, which scales the queries).
+            let (q_codes, k_codes) = score_codes(&bf16_to_f32(&q_gpu), &k_gpu, len, kv_heads, hd);
+            let q_codes: Vec<f32> = q_codes.iter().map(|v| v * (hd as f32).sqrt()).collect();
+            // Against the twin of the codes, the bf16 P and output roundings remain (as below); against the exact
+            // scores, the codes' error too: a score moves by ~1e-2 at these unit-variance rows, so the output
+            // moves by ~1e-2 of its largest value where few keys weigh.
+            report.check(&name, rel_err(&got, &gated(&q_codes, &k_codes)), 1e-2);
+            report.check(
+                &format!("{} t={t} start={start}: against exact scores", kernel.name()),
+                rel_err(&got, &expected),
+                5e-2,
+            );
+        } else {
+            // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and
+            // the output to bf16 (<= 2^-8 of each value): a few 1e-3 of the largest output; a wrong key or mask is
+            // O(1).
+            report.check(&name, rel_err(&got, &expected), 1e-2);
+        }
     }
     Ok(())
+}
+
+/// Which attention kernel a case runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    Wgmma,
+    Int8,
+    Portable,
+}
+
+impl Kernel {
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Wgmma => "attn_prefill_wgmma",
+            Kernel::Int8 => "attn_prefill_i8",
+            Kernel::Portable => "attn_prefill",
+        }
+    }
+}
+
+/// A row as `attn_prefill_codes` codes it, decoded: round(x / scale) * scale, scale = max |x| / 127.
+fn coded(row: &[f32]) -> Vec<f32> {
+    let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let (inv, scale) = match amax > 0.0 {
+        true => (127.0 / amax, amax / 127.0),
+        false => (0.0, 0.0),
+    };
+    row.iter()
+        .map(|x| (x * inv).round_ties_even().clamp(-127.0, 127.0) * scale)
+        .collect()
+}
+
+/// The CPU twin of `attn_prefill_key_mean` and `attn_prefill_codes`: the queries `q` (`[t][heads][hd]`) and the
+/// keys `k` (`[position][kv heads][hd]`, `len` of them) less the mean of the keys at positions j len / n (j < n =
+/// min(len, 256)), every row coded and decoded.
+fn score_codes(q: &[f32], k: &[f32], len: usize, kv_heads: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+    let kv_dim = kv_heads * hd;
+    let n = len.min(256);
+    let mut mean = vec![0.0f32; kv_dim];
+    for j in 0..n {
+        let p = j * len / n;
+        mean.iter_mut()
+            .zip(&k[p * kv_dim..(p + 1) * kv_dim])
+            .for_each(|(m, x)| *m += x);
+    }
+    mean.iter_mut().for_each(|m| *m /= n as f32);
+    let q_codes = q.chunks_exact(hd).flat_map(coded).collect();
+    let k_codes = k
+        .chunks_exact(hd)
+        .enumerate()
+        .flat_map(|(i, row)| {
+            let m = &mean[(i % kv_heads) * hd..][..hd];
+            coded(&row.iter().zip(m).map(|(x, m)| x - m).collect::<Vec<f32>>())
+        })
+        .collect();
+    (q_codes, k_codes)
 }
