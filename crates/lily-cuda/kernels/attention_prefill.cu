@@ -618,8 +618,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 // Code buffers: q8 [token][N_HEADS][HEAD_DIM] with q_scale [token][N_HEADS]; k8 [position][N_KV_HEADS][HEAD_DIM]
 // with k_scale [N_KV_HEADS][scale_stride] (scale_stride a multiple of KEY_TILE, at least the positions). A code is
 // round(x / scale), scale = max |x| / 127, so a score's s32 sum stays below 127 * 127 * HEAD_DIM < 2^22.
+// When the host runs it (attn_prefill_i8_default): ATTN_PREFILL_I8 0 never, 1 for every call, 2 (the default) for
+// calls long enough that the attention's products weigh (see Int8Scores in src/prefill_attention.rs).
 #ifndef ATTN_PREFILL_I8
-#define ATTN_PREFILL_I8 0
+#define ATTN_PREFILL_I8 2
 #endif
 #if APW_BUILT
 #define API_BUILT 1

@@ -164,6 +164,47 @@ impl ScoreCodes {
     }
 }
 
+/// When `attn_prefill_i8` takes the scores from 8-bit codes instead of `attn_prefill_wgmma` from bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Int8Scores {
+    Never,
+    Always,
+    /// For calls of at least LONG_MIN_TOKENS tokens that reach LONG_MIN_KEYS keys: there the attention's products
+    /// are a large share of the call and the codes pay for their own pass (measured faster from 4,096 tokens after
+    /// 4,096 keys on; see bench/RESULTS.md). Shorter calls, a chat turn after a long history included, keep the
+    /// bf16 kernel, whose time the codes' pass over every key would not repay.
+    Long,
+}
+
+/// Int8Scores::Long's thresholds.
+const LONG_MIN_TOKENS: usize = 1024;
+const LONG_MIN_KEYS: usize = 8192;
+
+impl Int8Scores {
+    fn from_constant(value: usize) -> Int8Scores {
+        match value {
+            0 => Int8Scores::Never,
+            1 => Int8Scores::Always,
+            _ => Int8Scores::Long,
+        }
+    }
+
+    /// Whether a call of `t` tokens at positions `start ..` takes the codes.
+    fn applies(self, t: usize, start: usize) -> bool {
+        match self {
+            Int8Scores::Never => false,
+            Int8Scores::Always => true,
+            Int8Scores::Long => t >= LONG_MIN_TOKENS && start + t >= LONG_MIN_KEYS,
+        }
+    }
+}
+
+/// Device bytes of `ScoreCodes` beside the per-token ones: a key row and a scale for every position.
+pub(crate) fn score_codes_context_bytes(config: &Config) -> usize {
+    let c = config;
+    c.max_position_embeddings.next_multiple_of(KEY_TILE) * (c.kv_dim() + 4 * c.num_key_value_heads)
+}
+
 /// The attention's buffers for up to `max_tokens` tokens a call.
 pub struct AttentionScratch {
     pub(crate) max_tokens: usize,
@@ -181,9 +222,9 @@ pub struct AttentionScratch {
     pub(crate) portable: std::cell::Cell<bool>,
     /// The codes of `attn_prefill_i8`, where this build has it and runs it.
     codes: Option<ScoreCodes>,
-    /// Take the scores from 8-bit codes (`attn_prefill_i8`) where the codes exist: by default where the kernel
-    /// file's ATTN_PREFILL_I8 (0 unless set) is 1; the selftest adds the codes and runs both ways.
-    pub(crate) int8_scores: std::cell::Cell<bool>,
+    /// When the scores come from 8-bit codes (`attn_prefill_i8`), where the codes exist: the kernel file's
+    /// ATTN_PREFILL_I8 sets it; the selftest adds the codes and runs both ways.
+    pub(crate) int8_scores: std::cell::Cell<Int8Scores>,
 }
 
 impl AttentionScratch {
@@ -208,12 +249,12 @@ impl AttentionScratch {
             // The codes only where the kernel runs by default (they hold a key row for every position):
             // `with_score_codes` adds them for the selftest.
             codes: match kernels.constant("attn_prefill_i8_built") == 1
-                && kernels.constant("attn_prefill_i8_default") == 1
+                && kernels.constant("attn_prefill_i8_default") > 0
             {
                 true => Some(ScoreCodes::new(gpu, c, max_tokens)?),
                 false => None,
             },
-            int8_scores: std::cell::Cell::new(true),
+            int8_scores: std::cell::Cell::new(Int8Scores::from_constant(kernels.constant("attn_prefill_i8_default"))),
         })
     }
 
@@ -283,7 +324,7 @@ impl AttentionScratch {
         match self
             .codes
             .as_ref()
-            .filter(|_| self.int8_scores.get() && !self.portable.get())
+            .filter(|_| self.int8_scores.get().applies(t, start) && !self.portable.get())
         {
             Some(codes) => {
                 attention_prefill::attn_prefill_key_mean(
@@ -380,6 +421,16 @@ impl AttentionScratch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn int8_scores_for_long_calls_only() {
+        let long = Int8Scores::Long;
+        assert!(long.applies(4096, 4096) && long.applies(1024, 7168) && long.applies(131_072, 0));
+        // A chat turn after a long history, a short prompt, a long prompt's first chunk below the keys.
+        assert!(!long.applies(16, 32_768) && !long.applies(1023, 100_000) && !long.applies(4096, 0));
+        assert!(Int8Scores::Always.applies(1, 0) && !Int8Scores::Never.applies(131_072, 131_072));
+        assert_eq!(Int8Scores::from_constant(2), long);
+    }
 
     #[test]
     fn key_chunks_cover_every_query_tile() {

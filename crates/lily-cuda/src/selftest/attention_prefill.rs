@@ -12,7 +12,7 @@ use crate::driver::{Gpu, Result};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::pages::{pages_for, KV_PAGE};
-use crate::prefill_attention::{key_split, AttentionScratch};
+use crate::prefill_attention::{key_split, AttentionScratch, Int8Scores};
 use crate::weights::{GpuAttention, GpuMatrix};
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
@@ -86,7 +86,10 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         .flat_map(|kernel| cases.map(|case| (kernel, case)));
     for (kernel, (t, start)) in kernel_cases {
         scratch.portable.set(kernel == Kernel::Portable);
-        scratch.int8_scores.set(kernel == Kernel::Int8);
+        scratch.int8_scores.set(match kernel {
+            Kernel::Int8 => Int8Scores::Always,
+            _ => Int8Scores::Never,
+        });
         let len = start + t;
         let proj = normals(&mut rng, t * row, 1.0);
         // Random keys and values before `start`, NaN where this call must write.
