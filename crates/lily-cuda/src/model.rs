@@ -338,7 +338,7 @@ impl CudaModel {
         };
         let slot = c.layer_slots();
         let chunk = crate::prefill::scratch_rows(max_context, capacity.max_seqs);
-        let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk)?;
+        let prefill = PrefillScratch::new(&gpu, &kernels, c, chunk, max_context)?;
         let sampler = SampleRows::new(&gpu, 1, c.vocab_size)?;
         let copy_table = gpu.alloc_zeroed(3 * COPY_SPANS)?;
         gpu.sync()?;

@@ -76,7 +76,7 @@ pub struct PrefillScratch {
 }
 
 impl PrefillScratch {
-    pub fn new(gpu: &Gpu, kernels: &Kernels, c: &Config, chunk: usize) -> Result<PrefillScratch> {
+    pub fn new(gpu: &Gpu, kernels: &Kernels, c: &Config, chunk: usize, max_context: usize) -> Result<PrefillScratch> {
         let (h, k) = (c.hidden_size, gemm::moe_slots(c));
         let proj_rows = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(2 * c.q_dim() + 2 * c.kv_dim());
@@ -101,7 +101,7 @@ impl PrefillScratch {
             codes: gemm::SmallCodes::new(gpu, kernels, c, chunk)?,
             expert_out: gpu.alloc(chunk * k * h)?,
             deltanet: DeltaNetScratch::new(gpu, c, chunk)?,
-            attn: AttentionScratch::new(gpu, kernels, c, chunk)?,
+            attn: AttentionScratch::new(gpu, kernels, c, chunk, max_context)?,
             last: gpu.alloc(PREFILL_PARTS * h)?,
         })
     }

@@ -149,15 +149,16 @@ pub(crate) struct ScoreCodes {
 }
 
 impl ScoreCodes {
-    fn new(gpu: &Gpu, config: &Config, max_tokens: usize) -> Result<ScoreCodes> {
+    /// Codes for calls of up to `max_tokens` tokens in contexts of up to `positions` positions.
+    fn new(gpu: &Gpu, config: &Config, max_tokens: usize, positions: usize) -> Result<ScoreCodes> {
         let c = config;
         // A key tile reads 64 scales from its first key on: whole tiles past the last position stay in the row.
-        let scale_stride = c.max_position_embeddings.next_multiple_of(KEY_TILE);
+        let scale_stride = positions.next_multiple_of(KEY_TILE);
         Ok(ScoreCodes {
             mean: gpu.alloc(c.kv_dim())?,
             q8: gpu.alloc(max_tokens * c.q_dim())?,
             q_scale: gpu.alloc(max_tokens * c.num_attention_heads)?,
-            k8: gpu.alloc(c.max_position_embeddings * c.kv_dim())?,
+            k8: gpu.alloc(positions * c.kv_dim())?,
             k_scale: gpu.alloc_zeroed(c.num_key_value_heads * scale_stride)?,
             scale_stride,
         })
@@ -170,14 +171,15 @@ pub(crate) enum Int8Scores {
     Never,
     Always,
     /// For calls of at least LONG_MIN_TOKENS tokens that reach LONG_MIN_KEYS keys: there the attention's products
-    /// are a large share of the call and the codes pay for their own pass (measured faster from 4,096 tokens after
-    /// 4,096 keys on; see bench/RESULTS.md). Shorter calls, a chat turn after a long history included, keep the
-    /// bf16 kernel, whose time the codes' pass over every key would not repay.
+    /// are a large share of the call and the codes pay for their own pass (measured faster for 4,096-token calls
+    /// after 4,096 keys and more; see bench/RESULTS.md; shorter calls were not measured). Other calls, a chat turn
+    /// after a long history included, keep the bf16 kernel, whose time the codes' pass over every key would not
+    /// repay.
     Long,
 }
 
 /// Int8Scores::Long's thresholds.
-const LONG_MIN_TOKENS: usize = 1024;
+const LONG_MIN_TOKENS: usize = 4096;
 const LONG_MIN_KEYS: usize = 8192;
 
 impl Int8Scores {
@@ -187,6 +189,11 @@ impl Int8Scores {
             1 => Int8Scores::Always,
             _ => Int8Scores::Long,
         }
+    }
+
+    /// Whether some call of up to `max_tokens` tokens in a context of `max_context` positions would take them.
+    fn ever(self, max_tokens: usize, max_context: usize) -> bool {
+        max_tokens <= max_context && self.applies(max_tokens, max_context - max_tokens)
     }
 
     /// Whether a call of `t` tokens at positions `start ..` takes the codes.
@@ -199,15 +206,18 @@ impl Int8Scores {
     }
 }
 
-/// Device bytes of `ScoreCodes` beside the per-token ones: a key row and a scale for every position.
-pub(crate) fn score_codes_context_bytes(config: &Config) -> usize {
+/// Device bytes of `ScoreCodes` beside the per-token ones: a key row and a scale for each of `max_context`
+/// positions.
+pub(crate) fn score_codes_context_bytes(config: &Config, max_context: usize) -> usize {
     let c = config;
-    c.max_position_embeddings.next_multiple_of(KEY_TILE) * (c.kv_dim() + 4 * c.num_key_value_heads)
+    max_context.next_multiple_of(KEY_TILE) * (c.kv_dim() + 4 * c.num_key_value_heads)
 }
 
 /// The attention's buffers for up to `max_tokens` tokens a call.
 pub struct AttentionScratch {
     pub(crate) max_tokens: usize,
+    /// The most positions a sequence reaches (the codes' key rows).
+    max_context: usize,
     pub(crate) sm_count: usize,
     /// bf16 `[token][heads][head_dim]`: normed, rotated queries times 1/sqrt(head_dim).
     pub(crate) q: DevBuf<bf16>,
@@ -228,7 +238,15 @@ pub struct AttentionScratch {
 }
 
 impl AttentionScratch {
-    pub fn new(gpu: &Gpu, kernels: &Kernels, config: &Config, max_tokens: usize) -> Result<AttentionScratch> {
+    /// Buffers for calls of up to `max_tokens` tokens in sequences of up to `max_context` positions (at most the
+    /// config's max_position_embeddings).
+    pub fn new(
+        gpu: &Gpu,
+        kernels: &Kernels,
+        config: &Config,
+        max_tokens: usize,
+        max_context: usize,
+    ) -> Result<AttentionScratch> {
         let c = config;
         // The most part rows any call may need (a call with one chunk writes none).
         let part_rows = (1..=max_tokens)
@@ -238,30 +256,31 @@ impl AttentionScratch {
             })
             .max()
             .unwrap_or(0);
+        let max_context = max_context.min(c.max_position_embeddings);
+        let int8_scores = Int8Scores::from_constant(kernels.constant("attn_prefill_i8_default"));
         Ok(AttentionScratch {
             max_tokens,
+            max_context,
             sm_count: gpu.sm_count,
             q: gpu.alloc(max_tokens * c.q_dim())?,
             part_o: gpu.alloc(part_rows * c.q_dim())?,
             part_ml: gpu.alloc(part_rows * c.num_attention_heads * 2)?,
             last_split: std::cell::Cell::new(None),
             portable: std::cell::Cell::new(false),
-            // The codes only where the kernel runs by default (they hold a key row for every position):
+            // The codes only where the kernel can run by default (they hold a key row for every position):
             // `with_score_codes` adds them for the selftest.
-            codes: match kernels.constant("attn_prefill_i8_built") == 1
-                && kernels.constant("attn_prefill_i8_default") > 0
-            {
-                true => Some(ScoreCodes::new(gpu, c, max_tokens)?),
+            codes: match kernels.constant("attn_prefill_i8_built") == 1 && int8_scores.ever(max_tokens, max_context) {
+                true => Some(ScoreCodes::new(gpu, c, max_tokens, max_context)?),
                 false => None,
             },
-            int8_scores: std::cell::Cell::new(Int8Scores::from_constant(kernels.constant("attn_prefill_i8_default"))),
+            int8_scores: std::cell::Cell::new(int8_scores),
         })
     }
 
     /// The same scratch with the codes of `attn_prefill_i8` where the build has it, whatever its default.
     pub(crate) fn with_score_codes(mut self, gpu: &Gpu, kernels: &Kernels, config: &Config) -> Result<Self> {
         if self.codes.is_none() && kernels.constant("attn_prefill_i8_built") == 1 {
-            self.codes = Some(ScoreCodes::new(gpu, config, self.max_tokens)?);
+            self.codes = Some(ScoreCodes::new(gpu, config, self.max_tokens, self.max_context)?);
         }
         Ok(self)
     }
@@ -324,7 +343,8 @@ impl AttentionScratch {
         match self
             .codes
             .as_ref()
-            .filter(|_| self.int8_scores.get().applies(t, start) && !self.portable.get())
+            .filter(|_| self.int8_scores.get().applies(t, start) && start + t <= self.max_context)
+            .filter(|_| !self.portable.get())
         {
             Some(codes) => {
                 attention_prefill::attn_prefill_key_mean(
@@ -425,11 +445,14 @@ mod tests {
     #[test]
     fn int8_scores_for_long_calls_only() {
         let long = Int8Scores::Long;
-        assert!(long.applies(4096, 4096) && long.applies(1024, 7168) && long.applies(131_072, 0));
+        assert!(long.applies(4096, 4096) && long.applies(16_384, 0) && long.applies(4096, 131_072));
         // A chat turn after a long history, a short prompt, a long prompt's first chunk below the keys.
-        assert!(!long.applies(16, 32_768) && !long.applies(1023, 100_000) && !long.applies(4096, 0));
+        assert!(!long.applies(16, 32_768) && !long.applies(4095, 100_000) && !long.applies(4096, 0));
         assert!(Int8Scores::Always.applies(1, 0) && !Int8Scores::Never.applies(131_072, 131_072));
         assert_eq!(Int8Scores::from_constant(2), long);
+        // Whether the codes are worth allocating: a chunk too short or a context too small never takes them.
+        assert!(long.ever(4096, 8192) && !long.ever(2048, 262_144) && !long.ever(16_384, 4096));
+        assert!(Int8Scores::Always.ever(1, 1) && !Int8Scores::Never.ever(16_384, 262_144));
     }
 
     #[test]

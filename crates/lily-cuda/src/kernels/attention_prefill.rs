@@ -68,7 +68,7 @@ launchers! {
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
     );
-    /// The mean of up to 256 of the call's new keys, per KV head, into `mean` (f32 `[kv heads][head_dim]`).
+    /// The mean of up to 256 keys spread over the context, per KV head, into `mean` (f32 `[kv heads][head_dim]`).
     attn_prefill_key_mean(
         k_pool: DevPtr<bf16>,
         pages: DevPtr<i32>,

@@ -36,7 +36,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     let max_tokens = cases.iter().map(|&(t, _)| t).max().unwrap_or(1);
     let max_len = cases.iter().map(|&(t, start)| t + start).max().unwrap_or(1);
 
-    let scratch = AttentionScratch::new(gpu, kernels, c, max_tokens)?.with_score_codes(gpu, kernels, c)?;
+    let scratch = AttentionScratch::new(gpu, kernels, c, max_tokens, max_len)?.with_score_codes(gpu, kernels, c)?;
     let q_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let k_norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.2 * rng.normal()).collect();
     let inv_freq = c.rope_inv_freq();

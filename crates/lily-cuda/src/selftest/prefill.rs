@@ -30,7 +30,7 @@ pub(crate) fn check(
     let t = 301;
     let mut l = Launcher::new(gpu, kernels);
     let l = &mut l;
-    let s = PrefillScratch::new(gpu, kernels, c, t)?;
+    let s = PrefillScratch::new(gpu, kernels, c, t, t)?;
     let rows = Dims::linear(t as u32, ROW_THREADS);
 
     // Embedding rows.
