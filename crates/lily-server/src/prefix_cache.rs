@@ -4,7 +4,9 @@
 //! Entries are keyed by their length and a hash of their tokens; a lookup hashes the prompt's prefixes once and
 //! tries the cached lengths from the longest down, comparing the tokens of a candidate before it answers, so a hash
 //! collision can never restore the wrong state. The least recently used entry is the first to go when the engine
-//! needs memory; the snapshots themselves belong to the backend, which the engine tells to drop them.
+//! needs memory, where a use of an entry counts as a use of every indexed prefix of it as well: a snapshot of a
+//! shared system prompt outlives the snapshots of the conversations that extend it, which fewer prompts can use.
+//! The snapshots themselves belong to the backend, which the engine tells to drop them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -138,11 +140,23 @@ impl PrefixCache {
             .range(..=max_len)
             .rev()
             .find_map(|(&len, _)| self.find(&tokens[..len], hashes.of(len)).map(|id| (id, len)));
-        if let Some((id, _)) = found {
-            self.clock += 1;
-            self.entries.get_mut(&id).expect("found above").last_used = self.clock;
+        if let Some((_, len)) = found {
+            self.touch(&tokens[..len], |l| hashes.of(l));
         }
         found
+    }
+
+    /// Marks the entry of `tokens` used, then every indexed shorter prefix of it, the shortest last (`hash_of_len`
+    /// gives the hash of the first `l` tokens): a prefix is never less recently used than an entry that extends it,
+    /// so eviction takes the longer entry first.
+    fn touch(&mut self, tokens: &[u32], hash_of_len: impl Fn(usize) -> u64) {
+        let shorter: Vec<usize> = self.lengths.range(..tokens.len()).rev().map(|(&len, _)| len).collect();
+        for len in std::iter::once(tokens.len()).chain(shorter) {
+            if let Some(id) = self.find(&tokens[..len], hash_of_len(len)) {
+                self.clock += 1;
+                self.entries.get_mut(&id).expect("found above").last_used = self.clock;
+            }
+        }
     }
 
     /// Indexes snapshot `id` of `tokens`. The caller checks `contains` first: a sequence is indexed once.
@@ -153,7 +167,7 @@ impl PrefixCache {
     /// [`PrefixCache::insert`] for tokens whose hash is known (from [`PrefixHashes`]).
     pub fn insert_hashed(&mut self, id: SnapshotId, tokens: &[u32], hash: u64) {
         debug_assert_eq!(hash, hash_of(tokens));
-        self.clock += 1;
+        let has_shorter = self.lengths.range(..tokens.len()).next().is_some();
         self.by_key.entry((tokens.len(), hash)).or_default().push(id);
         *self.lengths.entry(tokens.len()).or_default() += 1;
         self.entries.insert(
@@ -161,9 +175,17 @@ impl PrefixCache {
             Entry {
                 tokens: tokens.into(),
                 hash,
-                last_used: self.clock,
+                last_used: 0,
             },
         );
+        // The prefixes' hashes cost a pass over the tokens, taken only where a shorter entry could be one.
+        match has_shorter {
+            true => {
+                let hashes = PrefixHashes::new(tokens);
+                self.touch(tokens, |len| hashes.of(len));
+            }
+            false => self.touch(tokens, |_| hash),
+        }
     }
 
     /// Takes snapshot `id` out of the index; false when it was not in it.
@@ -236,21 +258,49 @@ mod tests {
     #[test]
     fn evicts_the_least_recently_used_and_removes_cleanly() {
         let mut cache = PrefixCache::new();
-        let tokens: Vec<u32> = (0..20).collect();
-        for (id, len) in [(0, 5), (1, 10), (2, 15)] {
-            cache.insert(id, &tokens[..len]);
+        let starts: Vec<Vec<u32>> = (0..3).map(|s| (0..20).map(|t| 100 * s + t).collect()).collect();
+        for (id, tokens) in starts.iter().enumerate() {
+            cache.insert(id as SnapshotId, &tokens[..5 + 5 * id]);
         }
         // Using entry 0 makes entry 1 the least recently used.
-        assert_eq!(cache.lookup(&tokens, 7), Some((0, 5)));
+        assert_eq!(cache.lookup(&starts[0], 7), Some((0, 5)));
         assert_eq!(cache.evict(), Some(1));
-        assert_eq!(cache.lookup(&tokens, 12), Some((0, 5)));
+        assert_eq!(cache.lookup(&starts[1], 20), None);
         assert!(cache.remove(2));
         assert!(!cache.remove(2));
         assert_eq!(cache.len(), 1);
         assert_eq!(cache.clear(), vec![0]);
         assert!(cache.is_empty());
         assert_eq!(cache.evict(), None);
-        assert_eq!(cache.lookup(&tokens, 20), None);
+        assert_eq!(cache.lookup(&starts[0], 20), None);
+    }
+
+    /// A shared prefix outlives the entries that extend it, even where it was inserted and used before them: the
+    /// prompts that restored it passed through it, and more prompts can use it.
+    #[test]
+    fn evicts_extensions_before_the_prefix_they_extend() {
+        let mut cache = PrefixCache::new();
+        let system: Vec<u32> = (0..10).collect();
+        let talks: Vec<Vec<u32>> = (0..3)
+            .map(|c| {
+                system
+                    .iter()
+                    .copied()
+                    .chain((0..5).map(|t| 100 * (c + 1) + t))
+                    .collect()
+            })
+            .collect();
+        cache.insert(0, &system);
+        for (c, talk) in talks.iter().enumerate() {
+            assert_eq!(cache.lookup(talk, talk.len() - 1), Some((0, 10)));
+            cache.insert(1 + c as SnapshotId, talk);
+        }
+        let other: Vec<u32> = (50..60).collect();
+        cache.insert(9, &other);
+        // Using an extension uses the prefix too.
+        assert_eq!(cache.lookup(&talks[0], 15), Some((1, 15)));
+        let evicted: Vec<SnapshotId> = std::iter::from_fn(|| cache.evict()).collect();
+        assert_eq!(evicted, vec![2, 3, 9, 1, 0]);
     }
 
     /// Many random entries: a lookup answers exactly the longest indexed prefix that a scan finds.
