@@ -431,177 +431,6 @@ __device__ __forceinline__ void apw_store(const float (&o)[128], const float (&r
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
-    attn_prefill_wgmma(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int* pages, const float* proj,
-                       int tokens, int start, int chunk, bf16* out, float* part_o, float* part_ml) {
-    wait_previous();
-#if APW_BUILT
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const u32 raw0 = shared_address(smem_raw), q_smem = (raw0 + 1023) & ~1023u;
-    const u32 k_smem = q_smem + APW_Q_BYTES;      // three key tiles
-    const u32 v_smem = k_smem + 3 * APW_KV_BYTES;  // two value tiles
-    const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
-    const int kv_head = blockIdx.x % N_KV_HEADS;
-    const int tok0 = (tiles - 1 - (int)blockIdx.x / N_KV_HEADS) * QUERY_TILE;
-    const int key_begin = blockIdx.y * chunk;
-    const int key_end = min(key_begin + chunk, start + min(tok0 + QUERY_TILE, tokens));
-    if (key_begin >= key_end) return;
-    const int key_tiles = (key_end - key_begin + KEY_TILE - 1) / KEY_TILE;
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, wg = warp / 4;
-    const int head = kv_head * GQA + warp;
-
-    // Q rows (16 head + token), tokens past the end zero; 16 chunks a thread.
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int c = threadIdx.x + i * PF_THREADS;
-        const int row = c / ROW_CHUNKS, chunk16 = c % ROW_CHUNKS;
-        const int token = tok0 + row % QUERY_TILE;
-        const bool valid = token < tokens;
-        const bf16* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
-        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 8, valid ? 16u : 0u);
-    }
-    // Key tile `tile` (keys key_begin + KEY_TILE * tile ..: one page) or its value tile from `pool` into the
-    // 32 KiB buffer at `buf`; keys past key_end read as zero. Thread i copies chunk i % 32 of rows i / 32 + 8 j,
-    // which lie 1,024 bytes apart in the buffer (rows 8 apart share their swizzle).
-    const int copy_row = threadIdx.x / ROW_CHUNKS, copy_chunk = threadIdx.x % ROW_CHUNKS;
-    const u32 copy_dst = apw_at<KEY_TILE>(copy_row, copy_chunk);
-    auto load_tile = [&](const bf16* pool, u32 buf, int tile) {
-        const int key0 = key_begin + tile * KEY_TILE;
-        const bf16* src =
-            pool + (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM + copy_chunk * 8;
-#pragma unroll
-        for (int j = 0; j < KEY_TILE / 8; j++) {
-            const int row = copy_row + 8 * j;
-            const bool valid = key0 + row < key_end;
-            cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid ? 16u : 0u);
-        }
-    };
-    // Copy groups: (Q, key tile 0), (key tile 1), then in iteration it (value tile it), (key tile it + 2). Key tile
-    // it goes to K buffer it % 3, value tile it to V buffer it % 2.
-    load_tile(k_pool, k_smem, 0);
-    cp_async_commit();
-    if (key_tiles > 1) load_tile(k_pool, k_smem + APW_KV_BYTES, 1);
-    cp_async_commit();
-
-    const int g = lane / 4, c = lane % 4;
-    const int limit0 = min(start + tok0 + g, key_end - 1), limit1 = min(start + tok0 + g + 8, key_end - 1);
-    const int first_masked_from = min(start + tok0, key_end - 1);
-
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; i++) o[i] = 0.f;
-    float row_max[2] = {-INF_F, -INF_F};  // log2 units
-    float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
-    const u32 q_wg = q_smem + wg * 64 * 128;
-    // P of the tile before as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1.
-    u32 p[KEY_TILE / 16][4];
-
-    // Iteration it issues S = Q K^T for key tile it and then O += P V for tile it - 1, so the tensor cores work on
-    // the second while the softmax of the first runs; O is rescaled once the second is done.
-    for (int it = 0; it < key_tiles; it++) {
-        const int key0 = key_begin + it * KEY_TILE;
-        cp_async_wait<1>();  // Q, key tile it and value tile it - 1 (this thread's copies; key tile it + 1 may fly)
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();  // ... everyone's; every warpgroup is done with key tile it - 1 and value tile it - 2
-        load_tile(v_pool, v_smem + (it % 2) * APW_KV_BYTES, it);
-        cp_async_commit();
-        if (it + 2 < key_tiles) load_tile(k_pool, k_smem + ((it + 2) % 3) * APW_KV_BYTES, it + 2);
-        cp_async_commit();
-
-        float s[32];
-#pragma unroll
-        for (int i = 0; i < 32; i++) s[i] = 0.f;
-        const u32 k_tile = k_smem + (it % 3) * APW_KV_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ks++) {
-            const u32 kb = ks / 4, step = 32 * (ks % 4);
-            apw_m64n64k16(s, wgmma_desc(q_wg + kb * APW_ROWS * 128 + step),
-                          wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
-        }
-        wgmma_commit();
-        if (it > 0) {
-            const u32 v_tile = v_smem + ((it - 1) % 2) * APW_KV_BYTES;
-#pragma unroll
-            for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
-            wgmma_commit();
-            wgmma_wait<1>();
-        } else {
-            wgmma_wait<0>();
-        }
-        wgmma_hold(s);
-
-        // Accumulator j of the n8 block n: row g + 8 (j / 2), key 8 n + 2 c + j % 2 (as mma.sync's).
-        if (key0 + KEY_TILE - 1 > first_masked_from) {
-#pragma unroll
-            for (int n = 0; n < KEY_TILE / 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = key0 + n * 8 + 2 * c + e;
-                    if (key > limit0) s[4 * n + e] = -INF_F;
-                    if (key > limit1) s[4 * n + 2 + e] = -INF_F;
-                }
-            }
-        }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float m = -INF_F;
-#pragma unroll
-            for (int n = 0; n < KEY_TILE / 8; n++) m = fmaxf(m, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const float new_max = fmaxf(row_max[r], m * LOG2E);
-            const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
-            alpha[r] = exp2_approx(row_max[r] - base);
-            row_max[r] = new_max;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < KEY_TILE / 8; n++) {
-                s[4 * n + 2 * r] = exp2_approx(fmaf(s[4 * n + 2 * r], LOG2E, -base));
-                s[4 * n + 2 * r + 1] = exp2_approx(fmaf(s[4 * n + 2 * r + 1], LOG2E, -base));
-                sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
-            }
-            row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-        // O += P V of the tile before is done: O and P are free again.
-        wgmma_wait<0>();
-        wgmma_hold(o);
-        apw_hold(p);
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; n++) {
-            o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
-        }
-#pragma unroll
-        for (int j = 0; j < KEY_TILE / 16; j++) {
-            p[j][0] = pack_bf16x2(s[8 * j], s[8 * j + 1]);
-            p[j][1] = pack_bf16x2(s[8 * j + 2], s[8 * j + 3]);
-            p[j][2] = pack_bf16x2(s[8 * j + 4], s[8 * j + 5]);
-            p[j][3] = pack_bf16x2(s[8 * j + 6], s[8 * j + 7]);
-        }
-    }
-    // O += P V of the last tile, once its values have landed for every thread.
-    cp_async_wait<0>();
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    {
-        const u32 v_tile = v_smem + ((key_tiles - 1) % 2) * APW_KV_BYTES;
-        wgmma_fence();
-        wgmma_hold(o);
-#pragma unroll
-        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_hold(o);
-    }
-
-    apw_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
-#else
-    __trap();  // built without it: the host never launches it (attn_prefill_wgmma_built is 0)
-#endif
-}
-
 // ---- attn_prefill with 8-bit integer scores (sm_90a) ----
 // attn_prefill_i8 computes what attn_prefill_wgmma does, with S = Q K^T on the integer tensor cores (wgmma
 // m64n64k32 s8 x s8 into s32, twice bf16's rate): q and k as 8-bit codes with a scale per (token, head), k after
@@ -738,47 +567,110 @@ __device__ __forceinline__ void api_m64n64k32(int (&d)[32], u64 desc_a, u64 desc
 __device__ __forceinline__ float api_to_float(int s) { return __int_as_float(s + 0x4B400000) - 12582912.f; }
 #endif
 
-// Grid, outputs and per-row ownership as attn_prefill_wgmma; API_SMEM bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
-    attn_prefill_i8(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, int scale_stride,
-                    const bf16* v_pool, const int* pages, const float* proj, int tokens, int start, int chunk,
-                    bf16* out, float* part_o, float* part_ml) {
-    wait_previous();
-#if API_BUILT
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const u32 raw0 = shared_address(smem_raw), q_smem = (raw0 + 1023) & ~1023u;
-    const u32 k_smem = q_smem + API_Q_BYTES;       // three key tiles of codes
-    const u32 v_smem = k_smem + 3 * API_K_BYTES;   // two value tiles (bf16)
-    const u32 ks_smem = v_smem + 2 * APW_KV_BYTES;  // three tiles' key scales
-    const float* ks_base = (const float*)(smem_raw + (ks_smem - raw0));
-    const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
-    const int kv_head = blockIdx.x % N_KV_HEADS;
-    const int tok0 = (tiles - 1 - (int)blockIdx.x / N_KV_HEADS) * QUERY_TILE;
-    const int key_begin = blockIdx.y * chunk;
-    const int key_end = min(key_begin + chunk, start + min(tok0 + QUERY_TILE, tokens));
-    if (key_begin >= key_end) return;
-    const int key_tiles = (key_end - key_begin + KEY_TILE - 1) / KEY_TILE;
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, wg = warp / 4;
-    const int head = kv_head * GQA + warp;
-
-    // Q codes (row = head of the group x QUERY_TILE + token), tokens past the end zero; 8 chunks a thread.
+// ---- The warpgroup kernels' shared body ----
+// attn_prefill_wgmma and attn_prefill_i8 are one loop (apw_attention) over a score product, given as a class:
+// ApwBf16Scores (S on bf16 Q and keys, m64n64k16) or ApwI8Scores (S on 8-bit codes, m64n64k32, and their
+// scales). The class copies Q and the key tiles, issues S = Q K^T for a tile and turns the accumulators into the
+// scores the softmax reads; the loop owns the pipeline, the mask, the online softmax, O += P V and the epilogue.
+// Shared memory: Q (Q_BYTES), three key tiles (K_BYTES each), two value tiles (32 KiB each), then what the class
+// keeps beside them (the i8 key tiles' scales).
+#if APW_BUILT
+// Value or key tile `tile` of the chunk (keys key_begin + KEY_TILE * tile ..: one page) from `pool` into the
+// 32 KiB buffer at `buf`; keys past key_end read as zero. Thread i copies chunk i % 32 of rows i / 32 + 8 j,
+// which lie 1,024 bytes apart in the buffer (rows 8 apart share their swizzle).
+__device__ __forceinline__ void apw_load_tile(const bf16* pool, const int* pages, u32 buf, int tile, int key_begin,
+                                              int key_end, int kv_head) {
+    const int copy_row = threadIdx.x / ROW_CHUNKS, copy_chunk = threadIdx.x % ROW_CHUNKS;
+    const u32 copy_dst = apw_at<KEY_TILE>(copy_row, copy_chunk);
+    const int key0 = key_begin + tile * KEY_TILE;
+    const bf16* src = pool + (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM + copy_chunk * 8;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
+    for (int j = 0; j < KEY_TILE / 8; j++) {
+        const int row = copy_row + 8 * j;
+        const bool valid = key0 + row < key_end;
+        cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid ? 16u : 0u);
+    }
+}
+
+// The block's Q rows (row = head of the group x QUERY_TILE + token) of bf16 values or 8-bit codes into the Q tile at
+// `q_smem`, 16-byte chunks in the operand layout; tokens past the end read as zero.
+template <class T>
+__device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int tokens, int kv_head) {
+    constexpr int CHUNKS = HEAD_DIM * (int)sizeof(T) / 16, PER_CHUNK = 16 / (int)sizeof(T);
+#pragma unroll
+    for (int i = 0; i < APW_ROWS * CHUNKS / PF_THREADS; i++) {
         const int c = threadIdx.x + i * PF_THREADS;
-        const int row = c / API_ROW_CHUNKS, chunk16 = c % API_ROW_CHUNKS;
+        const int row = c / CHUNKS, chunk16 = c % CHUNKS;
         const int token = tok0 + row % QUERY_TILE;
         const bool valid = token < tokens;
-        const i8* src = q8 + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
-        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * 16, valid ? 16u : 0u);
+        const T* src = q + ((size_t)(valid ? token : tok0) * N_HEADS + kv_head * GQA + row / QUERY_TILE) * HEAD_DIM;
+        cp_async_16(q_smem + apw_at<APW_ROWS>(row, chunk16), src + chunk16 * PER_CHUNK, valid ? 16u : 0u);
+    }
+}
+
+// S on bf16 operands: Q (16 chunks a thread) and the key tiles as copied, sixteen k16 steps over the 256 dims. The
+// scores come out in natural units; the softmax scales them by LOG2E as it reads them.
+struct ApwBf16Scores {
+    using Acc = float;
+    static constexpr u32 Q_BYTES = APW_Q_BYTES, K_BYTES = APW_KV_BYTES;
+    static constexpr float LOG2_SCALE = LOG2E;
+    const bf16* q;
+    const bf16* k_pool;
+    const int* pages;
+
+    __device__ __forceinline__ void bind(const unsigned char*, u32, u32) {}
+    __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
+        apw_load_q(q, q_smem, tok0, tokens, kv_head);
+    }
+    __device__ __forceinline__ void load_keys(u32 k_smem, int buf, int tile, int key_begin, int key_end,
+                                              int kv_head) const {
+        apw_load_tile(k_pool, pages, k_smem + buf * K_BYTES, tile, key_begin, key_end, kv_head);
+    }
+    __device__ __forceinline__ void rows(int, int, int, int) {}
+    __device__ __forceinline__ void issue(float (&s)[32], u32 q_wg, u32 k_tile) const {
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ks++) {
+            const u32 kb = ks / 4, step = 32 * (ks % 4);
+            apw_m64n64k16(s, wgmma_desc(q_wg + kb * APW_ROWS * 128 + step),
+                          wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
+        }
+    }
+    __device__ __forceinline__ void scores(const float (&s)[32], float (&x)[32], int, int) const {
+#pragma unroll
+        for (int i = 0; i < 32; i++) x[i] = s[i];
+    }
+};
+
+// S on 8-bit codes: Q codes (8 chunks a thread) and key tiles of codes with their scales, eight k32 steps. The
+// scores come out in log2 units: code sum x q scale x k scale, the q scale holding LOG2E.
+struct ApwI8Scores {
+    using Acc = int;
+    static constexpr u32 Q_BYTES = API_Q_BYTES, K_BYTES = API_K_BYTES;
+    static constexpr float LOG2_SCALE = 1.f;
+    const i8* q8;
+    const float* q_scale;
+    const i8* k8;
+    const float* k_scale;
+    int scale_stride;
+    u32 ks_smem;  // three tiles' key scales, after the value tiles
+    const float* ks_base;
+    float q_log2[2];
+
+    __device__ __forceinline__ void bind(const unsigned char* smem_raw, u32 raw0, u32 after_values) {
+        ks_smem = after_values;
+        ks_base = (const float*)(smem_raw + (ks_smem - raw0));
+    }
+    __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
+        apw_load_q(q8, q_smem, tok0, tokens, kv_head);
     }
     // Key tile `tile` (codes and scales) into K buffer `buf`: thread i copies chunk i % 16 of rows i / 16 + 16 j,
     // 2,048 bytes apart in the buffer (rows 16 apart share their swizzle); threads 0 .. 15 copy the 64 scales.
     // Keys past key_end read as zero codes; their scales are whatever lies there (their scores are masked).
-    const int kc_row = threadIdx.x / API_ROW_CHUNKS, kc_chunk = threadIdx.x % API_ROW_CHUNKS;
-    const u32 kc_dst = apw_at<KEY_TILE>(kc_row, kc_chunk);
-    auto load_keys = [&](int buf, int tile) {
+    __device__ __forceinline__ void load_keys(u32 k_smem, int buf, int tile, int key_begin, int key_end,
+                                              int kv_head) const {
+        const int kc_row = threadIdx.x / API_ROW_CHUNKS, kc_chunk = threadIdx.x % API_ROW_CHUNKS;
         const int key0 = key_begin + tile * KEY_TILE;
-        const u32 dst = k_smem + buf * API_K_BYTES + kc_dst;
+        const u32 dst = k_smem + buf * API_K_BYTES + apw_at<KEY_TILE>(kc_row, kc_chunk);
 #pragma unroll
         for (int j = 0; j < KEY_TILE / 16; j++) {
             const int key = key0 + kc_row + 16 * j;
@@ -789,38 +681,69 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         if (threadIdx.x < KEY_TILE / 4)
             cp_async_16(ks_smem + (buf * KEY_TILE + 4 * threadIdx.x) * 4,
                         k_scale + (size_t)kv_head * scale_stride + key0 + 4 * threadIdx.x, 16u);
-    };
-    // Value tile `tile` (bf16, one page) into the 32 KiB buffer at `buf`, as attn_prefill_wgmma copies it.
-    const int copy_row = threadIdx.x / ROW_CHUNKS, copy_chunk = threadIdx.x % ROW_CHUNKS;
-    const u32 copy_dst = apw_at<KEY_TILE>(copy_row, copy_chunk);
-    auto load_values = [&](u32 buf, int tile) {
-        const int key0 = key_begin + tile * KEY_TILE;
-        const bf16* src =
-            v_pool + (size_t)pages[key0 / KV_PAGE] * KV_PAGE * KV_DIM + kv_head * HEAD_DIM + copy_chunk * 8;
+    }
+    // The thread's rows' query scales in log2 units; rows past the end read token tok0's.
+    __device__ __forceinline__ void rows(int tok0, int tokens, int head, int g) {
 #pragma unroll
-        for (int j = 0; j < KEY_TILE / 8; j++) {
-            const int row = copy_row + 8 * j;
-            const bool valid = key0 + row < key_end;
-            cp_async_16(buf + copy_dst + j * 1024, src + (size_t)(valid ? row : 0) * KV_DIM, valid ? 16u : 0u);
+        for (int r = 0; r < 2; r++) {
+            const int token = tok0 + g + 8 * r;
+            q_log2[r] = q_scale[(size_t)(token < tokens ? token : tok0) * N_HEADS + head] * LOG2E;
         }
-    };
-    // Copy groups as attn_prefill_wgmma's: (Q, key tile 0), (key tile 1), then in iteration it (value tile it),
-    // (key tile it + 2). Key tile it goes to K buffer it % 3, value tile it to V buffer it % 2.
-    load_keys(0, 0);
+    }
+    __device__ __forceinline__ void issue(int (&s)[32], u32 q_wg, u32 k_tile) const {
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 32; ks++) {
+            const u32 kb = ks / 4, step = 32 * (ks % 4);
+            api_m64n64k32(s, wgmma_desc(q_wg + kb * APW_ROWS * 128 + step),
+                          wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
+        }
+    }
+    // Accumulator j of the n8 block n is row g + 8 (j / 2), key 8 n + 2 c + j % 2 of the tile in K buffer `buf`.
+    __device__ __forceinline__ void scores(const int (&s)[32], float (&x)[32], int buf, int c) const {
+        const float* k_scales = ks_base + buf * KEY_TILE;
+#pragma unroll
+        for (int n = 0; n < KEY_TILE / 8; n++) {
+            const float2 kk = *(const float2*)(k_scales + 8 * n + 2 * c);
+            x[4 * n] = api_to_float(s[4 * n]) * (q_log2[0] * kk.x);
+            x[4 * n + 1] = api_to_float(s[4 * n + 1]) * (q_log2[0] * kk.y);
+            x[4 * n + 2] = api_to_float(s[4 * n + 2]) * (q_log2[1] * kk.x);
+            x[4 * n + 3] = api_to_float(s[4 * n + 3]) * (q_log2[1] * kk.y);
+        }
+    }
+};
+
+// The body of both kernels (grid and ownership as attn_prefill_wgmma's header says), `smem_raw` the kernel's
+// dynamic shared memory.
+template <class Scores>
+__device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw, const bf16* v_pool,
+                                              const int* pages, const float* proj, int tokens, int start, int chunk,
+                                              bf16* out, float* part_o, float* part_ml) {
+    const u32 raw0 = shared_address(smem_raw), q_smem = (raw0 + 1023) & ~1023u;
+    const u32 k_smem = q_smem + Scores::Q_BYTES;  // three key tiles
+    const u32 v_smem = k_smem + 3 * Scores::K_BYTES;  // two value tiles
+    sc.bind(smem_raw, raw0, v_smem + 2 * APW_KV_BYTES);
+    const int tiles = (tokens + QUERY_TILE - 1) / QUERY_TILE;
+    const int kv_head = blockIdx.x % N_KV_HEADS;
+    const int tok0 = (tiles - 1 - (int)blockIdx.x / N_KV_HEADS) * QUERY_TILE;
+    const int key_begin = blockIdx.y * chunk;
+    const int key_end = min(key_begin + chunk, start + min(tok0 + QUERY_TILE, tokens));
+    if (key_begin >= key_end) return;
+    const int key_tiles = (key_end - key_begin + KEY_TILE - 1) / KEY_TILE;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, wg = warp / 4;
+    const int head = kv_head * GQA + warp;
+
+    // Copy groups: (Q, key tile 0), (key tile 1), then in iteration it (value tile it), (key tile it + 2). Key tile
+    // it goes to K buffer it % 3, value tile it to V buffer it % 2.
+    sc.load_q(q_smem, tok0, tokens, kv_head);
+    sc.load_keys(k_smem, 0, 0, key_begin, key_end, kv_head);
     cp_async_commit();
-    if (key_tiles > 1) load_keys(1, 1);
+    if (key_tiles > 1) sc.load_keys(k_smem, 1, 1, key_begin, key_end, kv_head);
     cp_async_commit();
 
     const int g = lane / 4, c = lane % 4;
     const int limit0 = min(start + tok0 + g, key_end - 1), limit1 = min(start + tok0 + g + 8, key_end - 1);
     const int first_masked_from = min(start + tok0, key_end - 1);
-    // The rows' query scales in log2 units (the softmax runs on exp2); rows past the end read token tok0's.
-    float q_log2[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int token = tok0 + g + 8 * r;
-        q_log2[r] = q_scale[(size_t)(token < tokens ? token : tok0) * N_HEADS + head] * LOG2E;
-    }
+    sc.rows(tok0, tokens, head, g);
 
     float o[128];
 #pragma unroll
@@ -828,29 +751,27 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
     float row_max[2] = {-INF_F, -INF_F};  // log2 units
     float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
     const u32 q_wg = q_smem + wg * 64 * 128;
+    // P of the tile before as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1.
     u32 p[KEY_TILE / 16][4];
 
+    // Iteration it issues S = Q K^T for key tile it and then O += P V for tile it - 1, so the tensor cores work on
+    // the second while the softmax of the first runs; O is rescaled once the second is done.
     for (int it = 0; it < key_tiles; it++) {
         const int key0 = key_begin + it * KEY_TILE;
         cp_async_wait<1>();  // Q, key tile it and value tile it - 1 (this thread's copies; key tile it + 1 may fly)
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();  // ... everyone's; every warpgroup is done with key tile it - 1 and value tile it - 2
-        load_values(v_smem + (it % 2) * APW_KV_BYTES, it);
+        apw_load_tile(v_pool, pages, v_smem + (it % 2) * APW_KV_BYTES, it, key_begin, key_end, kv_head);
         cp_async_commit();
-        if (it + 2 < key_tiles) load_keys((it + 2) % 3, it + 2);
+        if (it + 2 < key_tiles) sc.load_keys(k_smem, (it + 2) % 3, it + 2, key_begin, key_end, kv_head);
         cp_async_commit();
 
-        int s[32];
+        typename Scores::Acc s[32];
 #pragma unroll
         for (int i = 0; i < 32; i++) s[i] = 0;
-        const u32 k_tile = k_smem + (it % 3) * API_K_BYTES;
+        const u32 k_tile = k_smem + (it % 3) * Scores::K_BYTES;
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 32; ks++) {
-            const u32 kb = ks / 4, step = 32 * (ks % 4);
-            api_m64n64k32(s, wgmma_desc(q_wg + kb * APW_ROWS * 128 + step),
-                          wgmma_desc(k_tile + kb * KEY_TILE * 128 + step), ks > 0);
-        }
+        sc.issue(s, q_wg, k_tile);
         wgmma_commit();
         if (it > 0) {
             const u32 v_tile = v_smem + ((it - 1) % 2) * APW_KV_BYTES;
@@ -863,18 +784,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         }
         wgmma_hold(s);
 
-        // Scores in log2 units: code sum x q scale x k scale; accumulator j of the n8 block n is row g + 8 (j / 2),
-        // key 8 n + 2 c + j % 2.
-        const float* k_scales = ks_base + (it % 3) * KEY_TILE;
+        // Accumulator j of the n8 block n: row g + 8 (j / 2), key 8 n + 2 c + j % 2 (as mma.sync's).
         float x[32];
-#pragma unroll
-        for (int n = 0; n < KEY_TILE / 8; n++) {
-            const float2 kk = *(const float2*)(k_scales + 8 * n + 2 * c);
-            x[4 * n] = api_to_float(s[4 * n]) * (q_log2[0] * kk.x);
-            x[4 * n + 1] = api_to_float(s[4 * n + 1]) * (q_log2[0] * kk.y);
-            x[4 * n + 2] = api_to_float(s[4 * n + 2]) * (q_log2[1] * kk.x);
-            x[4 * n + 3] = api_to_float(s[4 * n + 3]) * (q_log2[1] * kk.y);
-        }
+        sc.scores(s, x, it % 3, c);
         if (key0 + KEY_TILE - 1 > first_masked_from) {
 #pragma unroll
             for (int n = 0; n < KEY_TILE / 8; n++) {
@@ -894,15 +806,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
             for (int n = 0; n < KEY_TILE / 8; n++) m = fmaxf(m, fmaxf(x[4 * n + 2 * r], x[4 * n + 2 * r + 1]));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const float new_max = fmaxf(row_max[r], m);
+            const float new_max = fmaxf(row_max[r], m * Scores::LOG2_SCALE);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
             alpha[r] = exp2_approx(row_max[r] - base);
             row_max[r] = new_max;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < KEY_TILE / 8; n++) {
-                x[4 * n + 2 * r] = exp2_approx(x[4 * n + 2 * r] - base);
-                x[4 * n + 2 * r + 1] = exp2_approx(x[4 * n + 2 * r + 1] - base);
+                x[4 * n + 2 * r] = exp2_approx(fmaf(x[4 * n + 2 * r], Scores::LOG2_SCALE, -base));
+                x[4 * n + 2 * r + 1] = exp2_approx(fmaf(x[4 * n + 2 * r + 1], Scores::LOG2_SCALE, -base));
                 sum += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
             }
             row_sum[r] = row_sum[r] * alpha[r] + sum;
@@ -939,6 +851,33 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         wgmma_hold(o);
     }
     apw_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
+}
+#endif
+
+// APW_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
+    attn_prefill_wgmma(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int* pages, const float* proj,
+                       int tokens, int start, int chunk, bf16* out, float* part_o, float* part_ml) {
+    wait_previous();
+#if APW_BUILT
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    apw_attention(ApwBf16Scores{q, k_pool, pages}, smem_raw, v_pool, pages, proj, tokens, start, chunk, out, part_o,
+                  part_ml);
+#else
+    __trap();  // built without it: the host never launches it (attn_prefill_wgmma_built is 0)
+#endif
+}
+
+// Grid, outputs and per-row ownership as attn_prefill_wgmma; API_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
+    attn_prefill_i8(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, int scale_stride,
+                    const bf16* v_pool, const int* pages, const float* proj, int tokens, int start, int chunk,
+                    bf16* out, float* part_o, float* part_ml) {
+    wait_previous();
+#if API_BUILT
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    ApwI8Scores scores{q8, q_scale, k8, k_scale, scale_stride};
+    apw_attention(scores, smem_raw, v_pool, pages, proj, tokens, start, chunk, out, part_o, part_ml);
 #else
     __trap();  // built without it: the host never launches it (attn_prefill_i8_built is 0)
 #endif
