@@ -235,6 +235,8 @@ pub struct AttentionScratch {
     /// When the scores come from 8-bit codes (`attn_prefill_i8`), where the codes exist: the kernel file's
     /// ATTN_PREFILL_I8 sets it; the selftest adds the codes and runs both ways.
     pub(crate) int8_scores: std::cell::Cell<Int8Scores>,
+    /// Calls queued on `attn_prefill_i8` so far, for the selftest to see that a prompt reached it.
+    pub(crate) int8_calls: std::cell::Cell<usize>,
 }
 
 impl AttentionScratch {
@@ -274,7 +276,13 @@ impl AttentionScratch {
                 false => None,
             },
             int8_scores: std::cell::Cell::new(int8_scores),
+            int8_calls: std::cell::Cell::new(0),
         })
+    }
+
+    /// Whether the codes of `attn_prefill_i8` exist, so that `int8_scores` can take effect.
+    pub(crate) fn has_score_codes(&self) -> bool {
+        self.codes.is_some()
     }
 
     /// The same scratch with the codes of `attn_prefill_i8` where the build has it, whatever its default.
@@ -347,6 +355,7 @@ impl AttentionScratch {
             .filter(|_| !self.portable.get())
         {
             Some(codes) => {
+                self.int8_calls.set(self.int8_calls.get() + 1);
                 attention_prefill::attn_prefill_key_mean(
                     l,
                     Dims::linear(kv_heads as u32, ROW_THREADS),

@@ -2,18 +2,21 @@
 //! against its CPU twin.
 
 use half::bf16;
+use lily_model::backend::Backend;
 use lily_model::cpu::attention::{attend, rope};
 use lily_model::cpu::linalg::{rmsnorm, sigmoid};
 use lily_model::rng::Rng;
+use lily_model::weights::Weights;
 use lily_model::Config;
 
 use super::{normals, rel_err, shuffled, Report};
-use crate::driver::{Gpu, Result};
+use crate::driver::{Gpu, GpuError, Result};
 use crate::kernels::Kernels;
 use crate::launch::Launcher;
+use crate::model::{CudaBackend, CudaModel};
 use crate::pages::{pages_for, KV_PAGE};
 use crate::prefill_attention::{key_split, AttentionScratch, Int8Scores};
-use crate::weights::{GpuAttention, GpuMatrix};
+use crate::weights::{GpuAttention, GpuMatrix, Source};
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
@@ -264,4 +267,64 @@ fn score_codes(q: &[f32], k: &[f32], len: usize, kv_heads: usize, hd: usize) -> 
         })
         .collect();
     (q_codes, k_codes)
+}
+
+/// The int8 scores where the kernel file's default gate takes them, end to end on `weights` (the trained default
+/// model): a random prompt of 12,288 tokens, prefilled in one call and in calls of 4,096 (the second and third reach
+/// 8,192 keys, so the gate takes them), then four decode steps, against the same with bf16 scores in every call.
+/// The selftest's other prompts all stay below the gate. Skipped where the build's default is another.
+pub(crate) fn check_default_gate(weights: &Weights, seed: u64, report: &mut Report) -> Result<()> {
+    const PROMPT: usize = 12_288;
+    let config = weights.config.clone();
+    let model = CudaModel::single(
+        Gpu::open()?,
+        config.clone(),
+        &Source::Cpu(weights),
+        PROMPT + 64,
+        &|_, _| {},
+    )?;
+    let mut gpu = CudaBackend::new(model);
+    let default = gpu.model.prefill.attn.int8_scores.get();
+    if default != Int8Scores::Long || !gpu.model.prefill.attn.has_score_codes() {
+        println!("     this build's int8 scores are not the default gate ({default:?}): skipped");
+        return Ok(());
+    }
+    let fe = |e: lily_model::ForwardError| GpuError::Other(e.to_string());
+    let mut rng = Rng::new(seed ^ 0x1288);
+    let vocab = config.vocab_size as u64;
+    let prompt: Vec<u32> = (0..PROMPT).map(|_| (rng.next_u64() % vocab) as u32).collect();
+    for chunk in [gpu.model.prefill_chunk, 4096] {
+        gpu.model.prefill_chunk = chunk;
+        // Attention calls the gate takes: each call's layers where the call has 4,096 tokens and reaches 8,192 keys.
+        let calls = (0..PROMPT.div_ceil(chunk)).map(|i| (i * chunk, chunk.min(PROMPT - i * chunk)));
+        let expected = calls.filter(|&(start, t)| t >= 4096 && start + t >= 8192).count() * config.num_full_layers();
+        let mut runs = Vec::new();
+        for scores in [Int8Scores::Never, Int8Scores::Long] {
+            gpu.model.prefill.attn.int8_scores.set(scores);
+            let before = gpu.model.prefill.attn.int8_calls.get();
+            gpu.prefill(&prompt).map_err(fe)?;
+            let mut logits = vec![gpu.logits().map_err(fe)?.to_vec()];
+            for &token in &prompt[..4] {
+                gpu.decode(token).map_err(fe)?;
+                logits.push(gpu.logits().map_err(fe)?.to_vec());
+            }
+            runs.push((logits, gpu.model.prefill.attn.int8_calls.get() - before));
+        }
+        let reached = runs[0].1 == 0 && runs[1].1 == expected && expected > 0;
+        report.check_eq(
+            &format!("default gate, prompt of {PROMPT} in calls of {chunk}: int8 calls"),
+            reached,
+            &format!("{} attention calls on int8 scores ({expected} expected)", runs[1].1),
+        );
+        let worst = (runs[1].0.iter().zip(&runs[0].0))
+            .map(|(int8, bf16)| rel_err(int8, bf16))
+            .fold(0.0f64, f64::max);
+        report.check(
+            &format!("default gate, prompt of {PROMPT} in calls of {chunk}, 4 steps vs bf16 scores"),
+            worst,
+            3e-2,
+        );
+    }
+    gpu.model.prefill.attn.int8_scores.set(default);
+    Ok(())
 }

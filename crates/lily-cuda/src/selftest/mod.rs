@@ -193,8 +193,11 @@ pub fn run_all(options: &Options) -> Result<usize> {
     )?;
     compare_models(cpu, gpu, seed, 400, 3e-2, true, &mut report)?;
 
-    println!("-- batched backend: default model, 64 slots, 8 snapshot buffers --");
+    println!("-- int8 attention scores by the default gate: default model, a prompt past 8,192 positions --");
     let weights = Weights::load(&dir).map_err(|e| GpuError::Other(e.to_string()))?;
+    attention_prefill::check_default_gate(&weights, seed, &mut report)?;
+
+    println!("-- batched backend: default model, 64 slots, 8 snapshot buffers --");
     let capacity = crate::model::Capacity {
         max_seqs: 64,
         kv_pages: 64 * crate::pages::pages_for(8192),
