@@ -206,11 +206,23 @@ impl Int8Scores {
     }
 }
 
-/// Device bytes of `ScoreCodes` beside the per-token ones: a key row and a scale for each of `max_context`
-/// positions.
-pub(crate) fn score_codes_context_bytes(config: &Config, max_context: usize) -> usize {
+/// Device bytes of `ScoreCodes` beside the per-token ones (a key row and a scale for each of `max_context`
+/// positions) that an engine with calls of up to `max_tokens` tokens holds on a GPU of compute capability `cc`
+/// under the kernel file's default gate: none where the kernel is not built (other GPUs than sm_90a) or no call
+/// could pass the gate.
+pub(crate) fn score_codes_context_bytes(
+    config: &Config,
+    cc: (i32, i32),
+    max_tokens: usize,
+    max_context: usize,
+) -> usize {
     let c = config;
-    max_context.next_multiple_of(KEY_TILE) * (c.kv_dim() + 4 * c.num_key_value_heads)
+    let max_context = max_context.min(c.max_position_embeddings);
+    let built = crate::kernels::Target::for_device(cc).has_sm90a_features();
+    match built && Int8Scores::Long.ever(max_tokens, max_context) {
+        true => max_context.next_multiple_of(KEY_TILE) * (c.kv_dim() + 4 * c.num_key_value_heads),
+        false => 0,
+    }
 }
 
 /// The attention's buffers for up to `max_tokens` tokens a call.
@@ -462,6 +474,17 @@ mod tests {
         // Whether the codes are worth allocating: a chunk too short or a context too small never takes them.
         assert!(long.ever(4096, 8192) && !long.ever(2048, 262_144) && !long.ever(16_384, 4096));
         assert!(Int8Scores::Always.ever(1, 1) && !Int8Scores::Never.ever(16_384, 262_144));
+    }
+
+    #[test]
+    fn the_memory_plan_counts_the_codes_where_they_are_allocated() {
+        let c = Config::full_shape();
+        // 32,768 positions a key row of 512 bytes and two 4-byte scales.
+        assert_eq!(score_codes_context_bytes(&c, (9, 0), 16_384, 32_768), 32_768 * 520);
+        // Another GPU has no int8 kernel; a context or a chunk too small never passes the gate.
+        assert_eq!(score_codes_context_bytes(&c, (8, 9), 16_384, 32_768), 0);
+        assert_eq!(score_codes_context_bytes(&c, (9, 0), 4096, 4096), 0);
+        assert_eq!(score_codes_context_bytes(&c, (9, 0), 2048, 262_144), 0);
     }
 
     #[test]

@@ -114,6 +114,11 @@ impl Target {
     fn is_machine_code(&self) -> bool {
         self.arch.starts_with("sm_")
     }
+    /// Whether the kernels built for this target have Hopper's warpgroup instructions (`__CUDA_ARCH_FEAT_SM90_ALL`),
+    /// which the `*_wgmma` and `attn_prefill_i8` kernels need.
+    pub fn has_sm90a_features(&self) -> bool {
+        self.arch == "sm_90a"
+    }
 }
 
 /// Kernels loaded after this call note when each one's wait returned (`lily bench --timeline`; see
