@@ -174,23 +174,30 @@ async fn eviction_under_a_small_budget_keeps_answers_exact() {
 /// (`lily_tokenizer_segment_cache_bytes`). Both ways a reply is sent, whole and streamed.
 #[tokio::test]
 async fn a_chat_reply_is_tokenized_for_the_next_turn() {
-    let reply: String = (0..40).map(|i| format!("word{i}")).collect::<Vec<_>>().join(" ");
-    let s = TestServer::fake(common::config(), common::Script::text(&reply)).await;
-    // The gauge once its value holds still (the reply is tokenized on a blocking thread after the response).
-    let settled = || async {
-        let mut last = -1.0;
-        for _ in 0..100 {
-            let now = s.metric("lily_tokenizer_segment_cache_bytes").await.unwrap();
-            if now == last {
-                return now;
-            }
-            last = now;
-            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-        }
-        panic!("the segment cache did not settle");
-    };
     for stream in [false, true] {
+        // A server and a reply of its own for each way, so that neither finds the other's reply cached.
+        let reply: String = (0..40)
+            .map(|i| format!("word{i}s{stream}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let s = TestServer::fake(common::config(), common::Script::text(&reply)).await;
+        let cache_bytes = || async { s.metric("lily_tokenizer_segment_cache_bytes").await.unwrap() };
+        // The gauge once it has reached `floor` and holds still: the reply is tokenized on a blocking thread after
+        // the response, which a busy machine may run late, so the wait is for its bytes, not for a quiet moment.
+        let settled = |floor: f64| async move {
+            let mut last = -1.0;
+            for _ in 0..300 {
+                let now = cache_bytes().await;
+                if now == last && now >= floor {
+                    return now;
+                }
+                last = now;
+                tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+            }
+            panic!("the segment cache did not reach {floor} bytes and settle");
+        };
         let question = format!("First question, streamed {stream}?");
+        let initial = cache_bytes().await;
         let body = json!({
             "messages": [{"role": "user", "content": question}],
             "max_tokens": 400,
@@ -211,7 +218,8 @@ async fn a_chat_reply_is_tokenized_for_the_next_turn() {
             r["choices"][0]["message"]["content"].as_str().unwrap().to_string()
         };
         assert_eq!(content, reply);
-        let before = settled().await;
+        // The reply's segment, counted for at least its text, is in once the warm-up has run.
+        let before = settled(initial + reply.len() as f64).await;
         let next = json!({
             "messages": [
                 {"role": "user", "content": question},
@@ -222,15 +230,15 @@ async fn a_chat_reply_is_tokenized_for_the_next_turn() {
         });
         let (status, r) = s.post("/tokenize", &next).await;
         assert_eq!(status, 200, "{r}");
-        let grown = settled().await - before;
+        let grown = settled(before).await - before;
         assert!(
             grown < reply.len() as f64,
             "streamed {stream}: the cache grew by {grown} bytes for the next turn, the reply is {} bytes",
             reply.len()
         );
+        // The words of the questions are in the tokenizer's word cache, within its 16 MiB.
+        let words = s.metric("lily_tokenizer_word_cache_bytes").await.unwrap();
+        assert!(words > 0.0 && words <= (16 << 20) as f64, "word cache {words} bytes");
+        s.shutdown().await;
     }
-    // The words of the questions are in the tokenizer's word cache, within its 16 MiB.
-    let words = s.metric("lily_tokenizer_word_cache_bytes").await.unwrap();
-    assert!(words > 0.0 && words <= (16 << 20) as f64, "word cache {words} bytes");
-    s.shutdown().await;
 }
