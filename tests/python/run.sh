@@ -29,12 +29,13 @@ pid=$!
 stop_server() {
     if kill -0 "$pid" 2>/dev/null; then
         kill -TERM "$pid" 2>/dev/null
-        for _ in $(seq 1 300); do
+        # Longer than the server's own grace period for requests in flight (--shutdown-timeout, 30 s).
+        for _ in $(seq 1 450); do
             kill -0 "$pid" 2>/dev/null || break
             sleep 0.1
         done
         if kill -0 "$pid" 2>/dev/null; then
-            echo "run.sh: lily serve did not exit within 30 s of SIGTERM" >&2
+            echo "run.sh: lily serve did not exit within 45 s of SIGTERM" >&2
             kill -KILL "$pid" 2>/dev/null
             wait "$pid" 2>/dev/null
             return 1

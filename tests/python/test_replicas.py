@@ -61,13 +61,15 @@ def port_is_free(port):
     return True
 
 
-def free_ports(count):
-    """`count` consecutive free loopback ports (the launcher gives replica i the port base + i)."""
+def free_ports(count, taken=()):
+    """`count` consecutive free loopback ports (the launcher gives replica i the port base + i), none of them in
+    `taken` (ports already chosen for another part, which nothing holds yet)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + count < 65536 and all(port_is_free(base + i) for i in range(count)):
+        ports = range(base, base + count)
+        if base + count < 65536 and all(port_is_free(p) and p not in taken for p in ports):
             return base
     raise RuntimeError("no free loopback ports")
 
@@ -109,8 +111,8 @@ def accepts_connections(url):
 class Deployment:
     def __init__(self, tmp_dir):
         self.router_port = free_ports(1)
-        self.replica_base = free_ports(2)
-        self.metrics_port = free_ports(1)
+        self.replica_base = free_ports(2, taken={self.router_port})
+        self.metrics_port = free_ports(1, taken={self.router_port, self.replica_base, self.replica_base + 1})
         self.router_url = f"http://127.0.0.1:{self.router_port}"
         self.replica_urls = [f"http://127.0.0.1:{self.replica_base + i}" for i in range(2)]
         self.log_dir = tmp_dir / "logs"
