@@ -140,21 +140,25 @@ impl PrefixCache {
             .range(..=max_len)
             .rev()
             .find_map(|(&len, _)| self.find(&tokens[..len], hashes.of(len)).map(|id| (id, len)));
-        if let Some((_, len)) = found {
-            self.touch(&tokens[..len], |l| hashes.of(l));
+        if let Some((id, len)) = found {
+            self.touch(id, len, |l| hashes.of(l));
         }
         found
     }
 
-    /// Marks the entry of `tokens` used, then every indexed shorter prefix of it, the shortest last (`hash_of_len`
-    /// gives the hash of the first `l` tokens): a prefix is never less recently used than an entry that extends it,
-    /// so eviction takes the longer entry first.
-    fn touch(&mut self, tokens: &[u32], hash_of_len: impl Fn(usize) -> u64) {
-        let shorter: Vec<usize> = self.lengths.range(..tokens.len()).rev().map(|(&len, _)| len).collect();
-        for len in std::iter::once(tokens.len()).chain(shorter) {
-            if let Some(id) = self.find(&tokens[..len], hash_of_len(len)) {
+    /// Marks entry `id` (of `len` tokens) used, then every indexed shorter prefix of its tokens, the shortest last
+    /// (`hash_of_len` gives the hash of their first `l` tokens): a prefix is never less recently used than an entry
+    /// that extends it, so eviction takes the longer entry first. The prefixes are found by their keys alone, without
+    /// comparing tokens: a hash collision would only reorder the eviction of an unrelated entry, and a long chain of
+    /// prefixes (an agent's many turns) costs one hash lookup each.
+    fn touch(&mut self, id: SnapshotId, len: usize, hash_of_len: impl Fn(usize) -> u64) {
+        self.clock += 1;
+        self.entries.get_mut(&id).expect("an indexed entry").last_used = self.clock;
+        let shorter: Vec<usize> = self.lengths.range(..len).rev().map(|(&l, _)| l).collect();
+        for l in shorter {
+            for other in self.by_key.get(&(l, hash_of_len(l))).into_iter().flatten() {
                 self.clock += 1;
-                self.entries.get_mut(&id).expect("found above").last_used = self.clock;
+                self.entries.get_mut(other).expect("keys index entries").last_used = self.clock;
             }
         }
     }
@@ -182,9 +186,9 @@ impl PrefixCache {
         match has_shorter {
             true => {
                 let hashes = PrefixHashes::new(tokens);
-                self.touch(tokens, |len| hashes.of(len));
+                self.touch(id, tokens.len(), |len| hashes.of(len));
             }
-            false => self.touch(tokens, |_| hash),
+            false => self.touch(id, tokens.len(), |_| hash),
         }
     }
 
