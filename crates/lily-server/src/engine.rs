@@ -764,7 +764,7 @@ impl Engine {
                 return Ok(None);
             }
             evicting = true;
-            let Some(victim) = self.cache.evict() else {
+            let Some(victim) = self.cache.evict_except(from.map(|(id, _)| id)) else {
                 return Ok(None);
             };
             if from.is_some_and(|(id, _)| id == victim) {

@@ -216,11 +216,18 @@ impl PrefixCache {
 
     /// Takes the least recently used snapshot out of the index and returns it, for the caller to drop.
     pub fn evict(&mut self) -> Option<SnapshotId> {
-        let id = self
-            .entries
-            .iter()
+        self.evict_except(None)
+    }
+
+    /// [`PrefixCache::evict`], taking `keep` (the snapshot a sequence is about to start from) only when no other
+    /// entry is left: a lookup leaves the entry it found less recent than the shorter prefixes of it, which would
+    /// otherwise go after it and leave the sequence nothing to start from.
+    pub fn evict_except(&mut self, keep: Option<SnapshotId>) -> Option<SnapshotId> {
+        let id = (self.entries.iter())
+            .filter(|(&id, _)| Some(id) != keep)
             .min_by_key(|(_, e)| e.last_used)
-            .map(|(&id, _)| id)?;
+            .map(|(&id, _)| id)
+            .or(keep.filter(|id| self.entries.contains_key(id)))?;
         self.remove(id);
         Some(id)
     }
@@ -305,6 +312,21 @@ mod tests {
         assert_eq!(cache.lookup(&talks[0], 15), Some((1, 15)));
         let evicted: Vec<SnapshotId> = std::iter::from_fn(|| cache.evict()).collect();
         assert_eq!(evicted, vec![2, 3, 9, 1, 0]);
+    }
+
+    /// The snapshot a sequence is about to restore goes last, after the shorter prefixes a lookup made more recent.
+    #[test]
+    fn evicts_the_snapshot_being_restored_last() {
+        let mut cache = PrefixCache::new();
+        let tokens: Vec<u32> = (0..30).collect();
+        for (id, len) in [(0, 10), (1, 20), (2, 30)] {
+            cache.insert(id, &tokens[..len]);
+        }
+        assert_eq!(cache.lookup(&tokens, 25), Some((1, 20)));
+        let evicted: Vec<SnapshotId> = std::iter::from_fn(|| cache.evict_except(Some(1))).collect();
+        assert_eq!(evicted, vec![2, 0, 1]);
+        assert!(cache.is_empty());
+        assert_eq!(cache.evict_except(Some(1)), None);
     }
 
     /// Many random entries: a lookup answers exactly the longest indexed prefix that a scan finds.
