@@ -176,7 +176,7 @@ async fn eviction_under_a_small_budget_keeps_answers_exact() {
 async fn a_chat_reply_is_tokenized_for_the_next_turn() {
     for stream in [false, true] {
         // A server and a reply of its own for each way, so that neither finds the other's reply cached.
-        let reply: String = (0..40)
+        let reply: String = (0..80)
             .map(|i| format!("word{i}s{stream}"))
             .collect::<Vec<_>>()
             .join(" ");
@@ -197,10 +197,19 @@ async fn a_chat_reply_is_tokenized_for_the_next_turn() {
             panic!("the segment cache did not reach {floor} bytes and settle");
         };
         let question = format!("First question, streamed {stream}?");
-        let initial = cache_bytes().await;
+        // The question's own segments go into the cache first, so that what the gauge gains after the answer is
+        // the reply's alone.
+        let first = json!({
+            "messages": [{"role": "user", "content": question}],
+            "add_generation_prompt": true,
+            "chat_template_kwargs": {"enable_thinking": false},
+        });
+        let (status, r) = s.post("/tokenize", &first).await;
+        assert_eq!(status, 200, "{r}");
+        let initial = settled(0.0).await;
         let body = json!({
             "messages": [{"role": "user", "content": question}],
-            "max_tokens": 400,
+            "max_tokens": 2000,
             "temperature": 0,
             "stream": stream,
             "chat_template_kwargs": {"enable_thinking": false},
