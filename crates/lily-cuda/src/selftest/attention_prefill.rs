@@ -271,7 +271,8 @@ fn score_codes(q: &[f32], k: &[f32], len: usize, kv_heads: usize, hd: usize) -> 
 
 /// The int8 scores where the kernel file's default gate takes them, end to end on `weights` (the trained default
 /// model): a random prompt of 12,288 tokens, prefilled in one call and in calls of 4,096 (the second and third reach
-/// 8,192 keys, so the gate takes them), then four decode steps, against the same with bf16 scores in every call.
+/// 8,192 keys, so the gate takes them), then four decode steps, against the same with bf16 scores in every call
+/// (within the default model's end-to-end tolerance, 6e-2).
 /// The selftest's other prompts all stay below the gate. Skipped where the build's default is another.
 pub(crate) fn check_default_gate(weights: &Weights, seed: u64, report: &mut Report) -> Result<()> {
     const PROMPT: usize = 12_288;
@@ -319,10 +320,12 @@ pub(crate) fn check_default_gate(weights: &Weights, seed: u64, report: &mut Repo
         let worst = (runs[1].0.iter().zip(&runs[0].0))
             .map(|(int8, bf16)| rel_err(int8, bf16))
             .fold(0.0f64, f64::max);
+        // The trained model's tolerance for two roundings of one prompt (as compare_prefill's): where a token's
+        // top-8 routing is a near-tie, the two may choose different experts for it.
         report.check(
             &format!("default gate, prompt of {PROMPT} in calls of {chunk}, 4 steps vs bf16 scores"),
             worst,
-            3e-2,
+            6e-2,
         );
     }
     gpu.model.prefill.attn.int8_scores.set(default);
