@@ -115,6 +115,45 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
     }
 }
 
+// The epilogue of every attn_prefill kernel, for a lane holding rows g and g + 8 of its warp's 16 and the pairs of
+// columns 8 n + 2 c (o[4 n + 2 r], o[4 n + 2 r + 1]: mma.sync's accumulator layout, which wgmma's shares): the quad's
+// row sums, then with one key chunk the normalised, gated output (bf16 [token][Q_DIM]), with several the chunk's
+// unnormalised rows and their (max, sum) for attn_prefill_merge.
+__device__ __forceinline__ void attn_prefill_store(const float (&o)[HEAD_DIM / 2], const float (&row_max)[2],
+                                                   float (&row_sum)[2], int tok0, int tokens, int head, int g, int c,
+                                                   const float* proj, bf16* out, float* part_o, float* part_ml) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    const bool single_chunk = gridDim.y == 1;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int token = tok0 + g + 8 * r;
+        if (token >= tokens) continue;
+        if (single_chunk) {
+            const float inv_sum = 1.f / row_sum[r];
+            const float* gate = proj + (size_t)token * PROJ_ROW + head * 2 * HEAD_DIM + HEAD_DIM;
+            bf16* dst = out + (size_t)token * Q_DIM + head * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n++) {
+                const int d = n * 8 + 2 * c;
+                const float2 gt = *(const float2*)(gate + d);
+                *(u32*)(dst + d) = pack_bf16x2(o[4 * n + 2 * r] * inv_sum * sigmoidf_(gt.x),
+                                               o[4 * n + 2 * r + 1] * inv_sum * sigmoidf_(gt.y));
+            }
+        } else {
+            const size_t part = ((size_t)blockIdx.y * tokens + token) * N_HEADS + head;
+            float* dst = part_o + part * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; n++)
+                *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
+            if (c == 0) *(float2*)(part_ml + part * 2) = make_float2(row_max[r], row_sum[r]);
+        }
+    }
+}
+
 // Grid (ceil(tokens / QUERY_TILE) * N_KV_HEADS, splits), PF_THREADS threads, Q_TILE_BYTES + 4 KV_TILE_BYTES of
 // dynamic shared memory. Block x: KV head x % N_KV_HEADS, query tile (last first) x / N_KV_HEADS; block y: the
 // chunk of keys [y * chunk, (y + 1) * chunk) (chunk a multiple of KEY_TILE). With one chunk: out = softmax(q k^T) v
@@ -274,36 +313,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
         }
     }
 
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    }
-    const bool single_chunk = gridDim.y == 1;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int token = tok0 + g + 8 * r;
-        if (token >= tokens) continue;
-        if (single_chunk) {
-            const float inv_sum = 1.f / row_sum[r];
-            const float* gate = proj + (size_t)token * PROJ_ROW + head * 2 * HEAD_DIM + HEAD_DIM;
-            bf16* dst = out + (size_t)token * Q_DIM + head * HEAD_DIM;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++) {
-                const int d = n * 8 + 2 * c;
-                const float2 gt = *(const float2*)(gate + d);
-                *(u32*)(dst + d) = pack_bf16x2(o[n][2 * r] * inv_sum * sigmoidf_(gt.x),
-                                               o[n][2 * r + 1] * inv_sum * sigmoidf_(gt.y));
-            }
-        } else {
-            const size_t part = ((size_t)blockIdx.y * tokens + token) * N_HEADS + head;
-            float* dst = part_o + part * HEAD_DIM;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++)
-                *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
-            if (c == 0) *(float2*)(part_ml + part * 2) = make_float2(row_max[r], row_sum[r]);
-        }
-    }
+    attn_prefill_store(reinterpret_cast<const float(&)[HEAD_DIM / 2]>(o), row_max, row_sum, tok0, tokens, head, g, c,
+                       proj, out, part_o, part_ml);
 }
 
 // ---- attn_prefill on the warpgroup tensor cores (sm_90a) ----
@@ -392,42 +403,6 @@ __device__ __forceinline__ void apw_hold(u32 (&p)[KEY_TILE / 16][4]) {
     for (int j = 0; j < KEY_TILE / 16; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) asm volatile("" : "+r"(p[j][i])::"memory");
-}
-// The epilogue of the warpgroup kernels: the quad's row sums, then with one key chunk the normalised, gated output
-// (bf16 [token][Q_DIM]), with several the chunk's unnormalised rows and their (max, sum) for attn_prefill_merge.
-__device__ __forceinline__ void apw_store(const float (&o)[128], const float (&row_max)[2], float (&row_sum)[2],
-                                          int tok0, int tokens, int head, int g, int c, const float* proj, bf16* out,
-                                          float* part_o, float* part_ml) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    }
-    const bool single_chunk = gridDim.y == 1;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int token = tok0 + g + 8 * r;
-        if (token >= tokens) continue;
-        if (single_chunk) {
-            const float inv_sum = 1.f / row_sum[r];
-            const float* gate = proj + (size_t)token * PROJ_ROW + head * 2 * HEAD_DIM + HEAD_DIM;
-            bf16* dst = out + (size_t)token * Q_DIM + head * HEAD_DIM;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++) {
-                const int d = n * 8 + 2 * c;
-                const float2 gt = *(const float2*)(gate + d);
-                *(u32*)(dst + d) = pack_bf16x2(o[4 * n + 2 * r] * inv_sum * sigmoidf_(gt.x),
-                                               o[4 * n + 2 * r + 1] * inv_sum * sigmoidf_(gt.y));
-            }
-        } else {
-            const size_t part = ((size_t)blockIdx.y * tokens + token) * N_HEADS + head;
-            float* dst = part_o + part * HEAD_DIM;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++)
-                *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
-            if (c == 0) *(float2*)(part_ml + part * 2) = make_float2(row_max[r], row_sum[r]);
-        }
-    }
 }
 #endif
 
@@ -850,7 +825,7 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
         wgmma_wait<0>();
         wgmma_hold(o);
     }
-    apw_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
+    attn_prefill_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
 }
 #endif
 
