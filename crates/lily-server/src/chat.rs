@@ -77,10 +77,14 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
     }
     let format = structured::response_format(request.response_format.as_ref())?;
     if format == Some(ConstraintSpec::JsonObject) {
-        instructions.push("Respond with a single valid JSON object and nothing else.".to_string());
+        instructions.push(match choice == ToolChoice::Auto && !rendered_tools.is_empty() {
+            true => "Unless you call a function, respond with a single valid JSON object and nothing else.".to_string(),
+            false => "Respond with a single valid JSON object and nothing else.".to_string(),
+        });
     }
     let parallel_tool_calls = request.parallel_tool_calls.unwrap_or(true);
-    // A required tool call is the constraint; otherwise `response_format` or `structured_outputs`, if any.
+    // A required tool call is the constraint; otherwise `response_format` or `structured_outputs`, if any, which
+    // binds the answer but not tool calls where the model may make them.
     let constraint = match &choice {
         ToolChoice::Required | ToolChoice::Named(_) => Some((
             structured::tool_calls(&rendered_tools, parallel_tool_calls),
@@ -89,7 +93,14 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         _ => structured::either(
             format,
             structured::structured_outputs(request.structured_outputs.as_ref())?,
-        )?,
+        )?
+        .map(|(answer, param)| match rendered_tools.is_empty() {
+            true => (answer, param),
+            false => (
+                structured::tool_calls_or(&rendered_tools, parallel_tool_calls, answer),
+                param,
+            ),
+        }),
     };
     let constraint = constraint
         .map(|(spec, param)| structured::compile(ready.structured.get(), &spec, param))

@@ -131,6 +131,16 @@ pub fn tool_calls(tools: &[Json], parallel_tool_calls: bool) -> ConstraintSpec {
     }
 }
 
+/// Tool calls to `tools` (one at most without `parallel_tool_calls`) or an answer held to `answer`: the constraint
+/// of a reply that may call tools (`tool_choice` auto) when the request also constrains the answer.
+pub fn tool_calls_or(tools: &[Json], parallel_tool_calls: bool, answer: ConstraintSpec) -> ConstraintSpec {
+    ConstraintSpec::ToolCallsOr {
+        tools: tools.to_vec(),
+        at_most_one: !parallel_tool_calls,
+        answer: Box::new(answer),
+    }
+}
+
 /// The constraint of a completions request: `response_format` (vLLM accepts it there too) or `structured_outputs`.
 pub fn for_completion(
     response_format_field: Option<&Json>,

@@ -261,6 +261,42 @@ async fn required_and_named_tool_choice_return_valid_calls() {
     s.shutdown().await;
 }
 
+/// With tools the model may call (`tool_choice` auto) and a `response_format`, the format binds the answer but not
+/// the calls: a reply that opens a tool call is a valid call, and one that does not is JSON the schema accepts. The
+/// bias on the `<tool_call>` token picks the way.
+#[tokio::test]
+async fn a_response_format_leaves_tool_calls_open() {
+    let s = TestServer::real(config()).await;
+    let opening = tokenizer().special().tool_call_start.to_string();
+    for bias in [100, -100] {
+        let body = chat(json!({
+            "messages": [{"role": "user", "content": "Weather in Verona, as JSON?"}],
+            "tools": tools(),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": city_schema()}},
+            "logit_bias": {opening.clone(): bias},
+            "max_tokens": 200,
+        }));
+        let (status, r) = s.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{r}");
+        let message = &r["choices"][0]["message"];
+        if bias > 0 {
+            assert_eq!(r["choices"][0]["finish_reason"], "tool_calls", "{r}");
+            let calls = message["tool_calls"].as_array().unwrap();
+            assert!(!calls.is_empty(), "{r}");
+            for call in calls {
+                let name = call["function"]["name"].as_str().unwrap();
+                assert!(name == "get_weather" || name == "get_time", "{r}");
+                let arguments: Json = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+                assert!(arguments.is_object(), "{r}");
+            }
+        } else {
+            assert!(message.get("tool_calls").is_none_or(Json::is_null), "{r}");
+            check_city(&serde_json::from_str(content(&r)).unwrap_or_else(|e| panic!("{e}: {r}")));
+        }
+    }
+    s.shutdown().await;
+}
+
 #[tokio::test]
 async fn vllm_structured_outputs_and_completions() {
     let s = TestServer::real(config()).await;

@@ -51,6 +51,13 @@ pub enum ConstraintSpec {
     Choice(Vec<String>),
     /// Text of a grammar in llguidance's Lark syntax.
     Lark(String),
+    /// One or more tool calls as in `ToolCalls`, or else an answer held to `answer` (any constraint but this one):
+    /// a reply that may call tools but must otherwise follow the request's `response_format`.
+    ToolCallsOr {
+        tools: Vec<Json>,
+        at_most_one: bool,
+        answer: Box<ConstraintSpec>,
+    },
 }
 
 /// The JSON layout the constraint asks for: no free whitespace (a small model given free whitespace can emit it
@@ -66,6 +73,51 @@ fn with_layout(mut schema: Json) -> Json {
     }
     schema
 }
+
+/// The llguidance grammars of a constraint, the start grammar first.
+fn top_level(spec: &ConstraintSpec) -> Result<TopLevelGrammar, ConstraintError> {
+    Ok(match spec {
+        ConstraintSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_layout(schema.clone())),
+        ConstraintSpec::JsonObject => TopLevelGrammar::from_json_schema(with_layout(json!({"type": "object"}))),
+        ConstraintSpec::ToolCalls { tools, at_most_one } => {
+            TopLevelGrammar::from_lark(tool_grammar::lark(tools, *at_most_one, "start")?)
+        }
+        ConstraintSpec::Regex(regex) => TopLevelGrammar::from_regex(regex),
+        ConstraintSpec::Choice(choices) => {
+            if choices.is_empty() {
+                return Err(ConstraintError::Invalid("the list of choices is empty".into()));
+            }
+            let alternatives: Vec<String> = choices.iter().map(|c| tool_grammar::literal(c)).collect();
+            TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+        }
+        ConstraintSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
+        ConstraintSpec::ToolCallsOr {
+            tools,
+            at_most_one,
+            answer,
+        } => {
+            if matches!(**answer, ConstraintSpec::ToolCallsOr { .. }) {
+                return Err(ConstraintError::Invalid(
+                    "an answer that may call tools cannot itself be one".into(),
+                ));
+            }
+            // The answer keeps its own grammar (and lexer), which the start grammar names as `@answer`.
+            let mut answer = top_level(answer)?;
+            answer.grammars[0].name = Some(ANSWER_GRAMMAR.to_string());
+            let calls = tool_grammar::lark(tools, *at_most_one, "tool_calls")?;
+            let start = format!("start: tool_calls | @{ANSWER_GRAMMAR}\n{calls}");
+            let mut grammars = vec![llguidance::api::GrammarWithLexer::from_lark(start)];
+            grammars.append(&mut answer.grammars);
+            TopLevelGrammar {
+                grammars,
+                max_tokens: None,
+            }
+        }
+    })
+}
+
+/// The name under which a `ToolCallsOr` constraint's start grammar refers to the answer's grammar.
+const ANSWER_GRAMMAR: &str = "answer";
 
 /// The model's tokenizer as llguidance sees it: every token id of the model's vocabulary with its bytes.
 struct LilyTokenizerEnv {
@@ -159,22 +211,7 @@ impl StructuredEnv {
 
     /// Compiles a constraint; errors name what is wrong with it.
     pub fn compile(&self, spec: &ConstraintSpec) -> Result<Grammar, ConstraintError> {
-        let grammar = match spec {
-            ConstraintSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_layout(schema.clone())),
-            ConstraintSpec::JsonObject => TopLevelGrammar::from_json_schema(with_layout(json!({"type": "object"}))),
-            ConstraintSpec::ToolCalls { tools, at_most_one } => {
-                TopLevelGrammar::from_lark(tool_grammar::lark(tools, *at_most_one)?)
-            }
-            ConstraintSpec::Regex(regex) => TopLevelGrammar::from_regex(regex),
-            ConstraintSpec::Choice(choices) => {
-                if choices.is_empty() {
-                    return Err(ConstraintError::Invalid("the list of choices is empty".into()));
-                }
-                let alternatives: Vec<String> = choices.iter().map(|c| tool_grammar::literal(c)).collect();
-                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
-            }
-            ConstraintSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
-        };
+        let grammar = top_level(spec)?;
         let parser = self
             .factory
             .create_parser(grammar)

@@ -122,8 +122,9 @@ fn value_expression(schema: &Json, defs: &Map<String, Json>, param: &str) -> Res
     Ok(format!("%json {schema} {}", literal("\n</parameter>\n")))
 }
 
-/// The grammar of one or more calls to `tools` (`at_most_one`: exactly one).
-pub(crate) fn lark(tools: &[Json], at_most_one: bool) -> Result<String, ConstraintError> {
+/// The grammar of one or more calls to `tools` (`at_most_one`: exactly one), whose top rule is named `top`
+/// (`start` for a grammar of tool calls alone).
+pub(crate) fn lark(tools: &[Json], at_most_one: bool, top: &str) -> Result<String, ConstraintError> {
     if tools.is_empty() {
         return Err(ConstraintError::Invalid(
             "a tool call was asked for but there are no tools".into(),
@@ -175,12 +176,12 @@ pub(crate) fn lark(tools: &[Json], at_most_one: bool) -> Result<String, Constrai
         functions.push(format!("f{i}"));
     }
     let start = if at_most_one {
-        "start: call"
+        format!("{top}: call")
     } else {
-        "start: call (\"\\n\" call)*"
+        format!("{top}: call (\"\\n\" call)*")
     };
     let mut grammar = vec![
-        start.to_string(),
+        start,
         format!("call: <tool_call> \"\\n\" ({}) </tool_call>", functions.join(" | ")),
     ];
     grammar.extend(rules);

@@ -374,6 +374,114 @@ fn tool_calls_parse_with_schema_valid_arguments() {
     }
 }
 
+/// Whether `token` is allowed by `mask`.
+fn allowed(mask: &[u32], token: u32) -> bool {
+    mask[token as usize / 32] & (1 << (token % 32)) != 0
+}
+
+#[test]
+fn a_reply_that_may_call_tools_calls_them_or_answers_as_asked() {
+    let fx = fixture();
+    let tools = tools();
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                        "required": ["city"], "additionalProperties": false});
+    let answers = [
+        ConstraintSpec::JsonSchema(schema.clone()),
+        ConstraintSpec::JsonObject,
+        ConstraintSpec::Choice(vec!["yes".into(), "no".into()]),
+        ConstraintSpec::Regex("[a-z]{2,5}".into()),
+    ];
+    for answer in answers {
+        let spec = ConstraintSpec::ToolCallsOr {
+            tools: tools.clone(),
+            at_most_one: false,
+            answer: Box::new(answer.clone()),
+        };
+        let (grammar, _) = compile(&spec);
+        // Both ways are open at the start: the tool call's opening token, and the answer's first letters.
+        let mut constraint = Constraint::new(&grammar, false);
+        let mask = constraint.mask().unwrap().unwrap().to_vec();
+        let opening = match &answer {
+            ConstraintSpec::Choice(_) => "yes",
+            ConstraintSpec::Regex(_) => "abc",
+            _ => "{",
+        };
+        let first = fx.tokenizer.encode(opening, false).unwrap()[0];
+        assert!(allowed(&mask, fx.tokenizer.special().tool_call_start), "{answer:?}");
+        assert!(allowed(&mask, first), "{answer:?}: {opening:?}");
+        // Once the answer has begun, no tool call may follow.
+        constraint.consume(first).unwrap();
+        let mask = constraint.mask().unwrap().unwrap().to_vec();
+        assert!(!allowed(&mask, fx.tokenizer.special().tool_call_start), "{answer:?}");
+
+        // Whichever way a walk goes, its text is whole tool calls with valid arguments, or a valid answer.
+        let (mut calls_seen, mut answers_seen) = (0, 0);
+        for seed in 0..12 {
+            let walk = walk(&grammar, seed, 400, false);
+            if !walk.ended {
+                // Only an object's free strings can go on this long.
+                assert!(
+                    answer == ConstraintSpec::JsonObject && walk.text.starts_with('{'),
+                    "{:?}",
+                    walk.text
+                );
+                continue;
+            }
+            if walk.text.starts_with("<tool_call>") {
+                calls_seen += 1;
+                let mut parser = ToolCallParser::new(&tools, ToolCallIds::Sequential);
+                let mut events = parser.push(&walk.text);
+                events.extend(parser.finish());
+                assert!(!events.is_empty(), "{:?}", walk.text);
+                for event in events {
+                    let ToolCallEvent::Call(call) = event else {
+                        panic!("{answer:?} seed {seed}: content beside the calls in {:?}", walk.text);
+                    };
+                    let tool = tools
+                        .iter()
+                        .find(|t| t["function"]["name"] == call.name.as_str())
+                        .expect("a known name");
+                    let arguments: Json = serde_json::from_str(&call.arguments).expect("arguments are JSON");
+                    assert!(validator(&tool["function"]["parameters"]).is_valid(&arguments));
+                }
+                continue;
+            }
+            answers_seen += 1;
+            match &answer {
+                ConstraintSpec::JsonSchema(schema) => {
+                    let value: Json = serde_json::from_str(&walk.text).expect("the answer is JSON");
+                    assert!(validator(schema).is_valid(&value), "{value}");
+                }
+                ConstraintSpec::JsonObject => {
+                    let value: Json = serde_json::from_str(&walk.text).expect("the answer is JSON");
+                    assert!(value.is_object(), "{value}");
+                }
+                ConstraintSpec::Choice(choices) => assert!(choices.contains(&walk.text), "{:?}", walk.text),
+                _ => assert!(
+                    (2..=5).contains(&walk.text.len()) && walk.text.bytes().all(|b| b.is_ascii_lowercase()),
+                    "{:?}",
+                    walk.text
+                ),
+            }
+        }
+        eprintln!("{answer:?}: {calls_seen} walks called tools, {answers_seen} answered");
+    }
+    // An answer that may itself call tools is refused.
+    let nested = ConstraintSpec::ToolCallsOr {
+        tools: tools.clone(),
+        at_most_one: true,
+        answer: Box::new(ConstraintSpec::ToolCallsOr {
+            tools,
+            at_most_one: true,
+            answer: Box::new(ConstraintSpec::JsonObject),
+        }),
+    };
+    assert!(matches!(
+        fixture().env.compile(&nested),
+        Err(ConstraintError::Invalid(_))
+    ));
+}
+
 #[test]
 fn the_constraint_starts_after_the_think_block() {
     let fx = fixture();
@@ -382,7 +490,6 @@ fn the_constraint_starts_after_the_think_block() {
     let mut constraint = Constraint::new(&grammar, true);
     // In the reasoning: every token but the end-of-turn ones.
     let mask = constraint.mask().unwrap().unwrap().to_vec();
-    let allowed = |mask: &[u32], t: u32| mask[t as usize / 32] & (1 << (t % 32)) != 0;
     assert!(!allowed(&mask, special.im_end) && !allowed(&mask, special.endoftext));
     let free = fx.tokenizer.encode("Thinking, not ok", false).unwrap();
     assert!(free.iter().all(|&t| allowed(&mask, t)));
