@@ -65,6 +65,10 @@ pub struct Sampling {
 
 pub const MAX_N: usize = 16;
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most stop strings a request may give, and the most bytes of each: every generated token is searched for each of
+/// them, so an unbounded list would slow every stream of the server (OpenAI's API takes 4).
+pub const MAX_STOP_STRINGS: usize = 32;
+pub const MAX_STOP_BYTES: usize = 1024;
 
 pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usize) -> Result<Sampling, ApiError> {
     let top_k = match raw.top_k {
@@ -131,6 +135,21 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
         None => random_u64(),
     };
     let stop = raw.stop.map(StopField::into_vec).unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}", stop.len()),
+        ));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "a stop string may be at most {MAX_STOP_BYTES} bytes long, got one of {} bytes",
+                long.len()
+            ),
+        ));
+    }
     let params = SamplingParams {
         temperature: raw.temperature.unwrap_or(defaults.temperature),
         top_k,

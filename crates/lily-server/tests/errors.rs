@@ -83,6 +83,8 @@ async fn every_bad_request_is_an_openai_error() {
         (with("n", json!(1000)), 400, Some("n")),
         (with("seed", json!("abc")), 400, Some("seed")),
         (with("stop", json!(5)), 400, Some("stop")),
+        (with("stop", json!(vec!["zq"; 33])), 400, Some("stop")),
+        (with("stop", json!(["z".repeat(1025)])), 400, Some("stop")),
         (with("top_logprobs", json!(3)), 400, Some("top_logprobs")),
         (
             json!({"messages": ok_body()["messages"], "logprobs": true, "top_logprobs": 50}),
@@ -151,6 +153,12 @@ async fn every_bad_request_is_an_openai_error() {
         assert_error_shape(&response);
         assert_eq!(response["error"]["param"].as_str(), param, "{body} -> {response}");
     }
+    // The stop strings' limits themselves are allowed.
+    let most_stops: Vec<String> = (0..32)
+        .map(|i| format!("{i}").repeat(1024)[..1024].to_string())
+        .collect();
+    let (got, response) = s.post("/v1/chat/completions", &with("stop", json!(most_stops))).await;
+    assert_eq!(got, 200, "{response}");
 
     // Malformed JSON, and a body that is not JSON at all.
     for raw in ["{\"messages\": [", "not json", ""] {
