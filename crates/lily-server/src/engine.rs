@@ -148,6 +148,8 @@ struct QueueState {
     next_id: u64,
     /// No more jobs will come: the engine stops once the queue is empty.
     closed: bool,
+    /// The engine stopped after an error it could not recover from (the queue is closed too).
+    failed: bool,
 }
 
 enum Popped {
@@ -168,6 +170,7 @@ impl JobQueue {
                 jobs: VecDeque::new(),
                 next_id: 0,
                 closed: false,
+                failed: false,
             }),
             available: Condvar::new(),
             max,
@@ -269,6 +272,24 @@ impl JobQueue {
     fn close(&self) {
         self.lock().closed = true;
         self.available.notify_all();
+    }
+
+    /// Closes the queue for good after the engine failed: the waiting jobs are dropped, so that their clients get
+    /// an error at once (a dropped event sender ends a response with an error), and later jobs are refused.
+    fn fail(&self) {
+        let mut state = self.lock();
+        state.closed = true;
+        state.failed = true;
+        let jobs = std::mem::take(&mut state.jobs);
+        self.metrics.queue_depth.set(0.0);
+        drop(state);
+        self.available.notify_all();
+        drop(jobs);
+    }
+
+    /// Whether the engine stopped after an error it could not recover from.
+    pub fn has_failed(&self) -> bool {
+        self.lock().failed
     }
 }
 
@@ -522,7 +543,15 @@ impl Engine {
                 Ok(false) => break,
                 Err(_) => {
                     tracing::error!("the engine panicked while serving requests; it fails them and goes on");
-                    self.fail_all(ApiError::internal("the engine failed while generating"));
+                    let error = ApiError::internal("the engine failed while generating");
+                    if std::panic::catch_unwind(AssertUnwindSafe(|| self.fail_all(error))).is_err() {
+                        // Even failing the jobs failed: the backend's state cannot be trusted any more. The
+                        // engine stops, and its queue refuses and drops every job, so that no request waits on
+                        // an engine that is gone (the running ones end when the engine drops their senders).
+                        tracing::error!("the engine could not recover from the panic and stops serving");
+                        self.shared.queue.fail();
+                        return;
+                    }
                 }
             }
         }

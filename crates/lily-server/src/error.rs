@@ -121,6 +121,16 @@ impl ApiError {
         .with_code("shutting_down")
     }
 
+    /// The engine stopped after an internal error it could not recover from: nothing more will be served.
+    pub fn engine_failed() -> ApiError {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "The server's engine stopped after an internal error; restart the server.",
+        )
+        .with_code("engine_failed")
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message).with_code("internal_error")
     }

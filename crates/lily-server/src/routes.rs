@@ -133,6 +133,9 @@ async fn method_not_allowed() -> ApiError {
 }
 
 async fn health(State(state): State<AppStateRef>) -> Response {
+    if state.engine.shared.queue.has_failed() {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "failed"}))).into_response();
+    }
     if state.shutting_down.load(Ordering::SeqCst) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -288,12 +291,20 @@ fn submit(
     // drop uncounts it when the response is done or abandoned.
     let shared = state.engine.shared.clone();
     shared.in_flight.fetch_add(1, Ordering::SeqCst);
+    // A shutdown that began while the request was being prepared may have seen nothing in flight and be closing
+    // the connections: the request is refused rather than cut off. (Shutdown sets its flag before it reads the
+    // count, and this reads the flag after counting, so one of the two sees the other.)
+    if state.shutting_down.load(Ordering::SeqCst) {
+        shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        return Err(ApiError::shutting_down());
+    }
     match state.engine.submit(job) {
         Ok(id) => Ok((receiver, CancelOnDrop { cancel, shared, id })),
         Err(error) => {
             shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             Err(match error {
                 SubmitError::QueueFull => ApiError::queue_full(state.config.max_queue),
+                SubmitError::EngineGone if shared.queue.has_failed() => ApiError::engine_failed(),
                 SubmitError::EngineGone => ApiError::shutting_down(),
             })
         }

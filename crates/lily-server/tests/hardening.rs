@@ -19,8 +19,14 @@ async fn requests_for_too_many_choices_or_tokens_are_refused() {
     let mut c = config();
     c.max_request_tokens = Some(4000);
     let s = TestServer::fake(c, Script::text("Ay.")).await;
-    // 100 prompts x n 16 with a large stop string: refused before any sequence is built.
-    let body = json!({"prompt": vec!["a"; 100], "n": 16, "max_tokens": 1, "stop": ["x".repeat(400_000)]});
+    // A stop string that every choice would copy and search for at every token: refused.
+    let body = json!({"prompt": vec!["a"; 8], "n": 16, "max_tokens": 1, "stop": ["x".repeat(400_000)]});
+    let (status, r) = s.post("/v1/completions", &body).await;
+    assert_eq!(status, 400, "{r}");
+    assert_error_shape(&r);
+    assert_eq!(r["error"]["param"], "stop");
+    // 100 prompts x n 16: refused before any sequence is built.
+    let body = json!({"prompt": vec!["a"; 100], "n": 16, "max_tokens": 1, "stop": ["x".repeat(1000)]});
     let (status, r) = s.post("/v1/completions", &body).await;
     assert_eq!(status, 400, "{r}");
     assert_error_shape(&r);
@@ -582,4 +588,81 @@ async fn json_routes_take_only_json_and_cors_is_opt_in() {
         .unwrap();
     assert!(response.headers().get("access-control-allow-origin").is_none());
     s.shutdown().await;
+}
+
+/// A backend whose steps panic, and whose slots panic when released: an engine whose recovery from a panic fails
+/// too.
+struct Broken(Box<dyn lily_model::BatchBackend>);
+
+impl lily_model::BatchBackend for Broken {
+    fn config(&self) -> &lily_model::Config {
+        self.0.config()
+    }
+    fn max_context(&self) -> usize {
+        self.0.max_context()
+    }
+    fn max_seqs(&self) -> usize {
+        self.0.max_seqs()
+    }
+    fn max_step_rows(&self) -> usize {
+        self.0.max_step_rows()
+    }
+    fn max_prefill_tokens(&self) -> usize {
+        self.0.max_prefill_tokens()
+    }
+    fn free_tokens(&self) -> usize {
+        self.0.free_tokens()
+    }
+    fn reserve(&mut self, slot: lily_model::Slot, tokens: usize) -> Result<bool, lily_model::ForwardError> {
+        self.0.reserve(slot, tokens)
+    }
+    fn release(&mut self, _slot: lily_model::Slot) {
+        panic!("release after a failed step");
+    }
+    fn len(&self, slot: lily_model::Slot) -> usize {
+        self.0.len(slot)
+    }
+    fn prefill(&mut self, slot: lily_model::Slot, tokens: &[u32]) -> Result<(), lily_model::ForwardError> {
+        self.0.prefill(slot, tokens)
+    }
+    fn fork(&mut self, from: lily_model::Slot, to: lily_model::Slot) -> Result<(), lily_model::ForwardError> {
+        self.0.fork(from, to)
+    }
+    fn step(&mut self, _rows: &[lily_model::StepRow]) -> Result<(), lily_model::ForwardError> {
+        panic!("a step that fails");
+    }
+    fn logits(&mut self, row: usize) -> Result<&[f32], lily_model::ForwardError> {
+        self.0.logits(row)
+    }
+    fn describe(&self) -> String {
+        "broken".into()
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_cannot_recover_refuses_requests_instead_of_hanging() {
+    let inner = Script::text("Ay, my lord, and more.").factory();
+    let factory: lily_server::BackendFactory =
+        Box::new(move |context, pool| Ok(Box::new(Broken(inner(context, pool)?)) as Box<dyn lily_model::BatchBackend>));
+    let s = TestServer::start(config(), factory).await;
+    s.ready().await;
+    // The first request's step panics, and so does the engine's recovery: the request ends with an error.
+    let limit = Duration::from_secs(20);
+    let first = tokio::time::timeout(limit, s.post("/v1/chat/completions", &chat("Hi", 8)))
+        .await
+        .expect("the failed request is answered");
+    assert!(first.0 >= 500, "{first:?}");
+    // Later requests are refused at once, streamed or not, and /health says the server is out of service.
+    for stream in [false, true] {
+        let mut body = chat("Hi again", 8);
+        body["stream"] = json!(stream);
+        let (status, r) = tokio::time::timeout(limit, s.post("/v1/chat/completions", &body))
+            .await
+            .expect("a request after the failure is answered, not queued forever");
+        assert_eq!(status, 503, "{r}");
+        assert_eq!(r["error"]["code"], "engine_failed", "{r}");
+    }
+    let (status, body) = s.get("/health").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("failed"), "{body}");
 }
