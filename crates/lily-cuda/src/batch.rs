@@ -678,8 +678,10 @@ impl BatchBackend for CudaBatchBackend {
     fn config(&self) -> &Config {
         &self.model.config
     }
+    /// The context a sequence may have: the engine's, or the whole KV pool where that is smaller (`--kv-tokens`
+    /// below the context), so that the server's default `max_tokens` asks for no more than can ever be granted.
     fn max_context(&self) -> usize {
-        self.model.max_context
+        self.model.max_context.min(self.model.total_pages() * KV_PAGE)
     }
     fn max_seqs(&self) -> usize {
         self.lens.len()

@@ -771,6 +771,11 @@ impl CudaModel {
         self.pages.free_pages()
     }
 
+    /// KV pages of the pool, held or free.
+    pub fn total_pages(&self) -> usize {
+        self.pages.total_pages()
+    }
+
     /// Zeroes slot `slot`'s DeltaNet conv and recurrent state (a new sequence starts there).
     pub fn reset_slot(&self, slot: usize) -> Result<()> {
         let c = &self.config;

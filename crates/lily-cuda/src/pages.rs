@@ -112,6 +112,11 @@ impl PageAllocator {
         self.free.len()
     }
 
+    /// Pages of the pool, held or free.
+    pub fn total_pages(&self) -> usize {
+        self.slot_refs.len()
+    }
+
     /// Pages that snapshots hold and no slot shares: what dropping every snapshot would return to the free list.
     pub fn snapshot_only_pages(&self) -> usize {
         self.snapshot_only
