@@ -957,6 +957,9 @@ impl Engine {
         let joinable = |c: &Chunk| c.echo.is_none();
         if joinable(&chunks[0]) {
             for &slot in &order[1..] {
+                if self.slots[slot].is_none() {
+                    continue; // its job failed while this call was planned
+                }
                 let used: usize = chunks.iter().map(|c| c.end - c.done).sum();
                 if chunks.len() >= max_parts || used >= limit || self.would_share(slot, &chunks) {
                     break;
@@ -965,9 +968,13 @@ impl Engine {
                 match self.plan_chunk(slot, limit - used, taken) {
                     Some(chunk) if joinable(&chunk) => chunks.push(chunk),
                     Some(_) => break,
-                    None => {}
+                    // The job failed (a restore that failed), and its sequences are gone: so are their chunks.
+                    None => chunks.retain(|c| self.slots[c.slot].is_some()),
                 }
             }
+        }
+        if chunks.is_empty() {
+            return Some(0);
         }
         let tokens = chunks.iter().map(|c| c.end - c.done).sum();
         self.run_chunks(chunks);

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -194,7 +195,17 @@ async fn list_models(State(state): State<AppStateRef>) -> Json<ModelList> {
     })
 }
 
-async fn get_model(State(state): State<AppStateRef>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
+async fn get_model(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<ModelCard>, ApiError> {
+    // An id that is not UTF-8 once its percent escapes are decoded names no model either.
+    let Ok(Path(id)) = id else {
+        return Err(ApiError::model_not_found(
+            "(an id that is not UTF-8)",
+            &state.config.model_id,
+        ));
+    };
     if id != state.config.model_id {
         return Err(ApiError::model_not_found(&id, &state.config.model_id));
     }

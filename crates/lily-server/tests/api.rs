@@ -49,6 +49,10 @@ async fn health_models_and_unknown_routes() {
     let (status, body) = s.get("/v1/models/gpt-4").await;
     assert_eq!(status, 404);
     assert_error_shape(&serde_json::from_str(&body).unwrap());
+    // An id whose percent escapes decode to bytes that are not UTF-8: an OpenAI error too, not a plain-text one.
+    let (status, body) = s.get("/v1/models/%FF").await;
+    assert_eq!(status, 404, "{body}");
+    assert_error_shape(&serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}")));
 
     let (status, body) = s.get("/v1/nothing-here").await;
     assert_eq!(status, 404);
