@@ -71,6 +71,11 @@ impl OutputParser {
         }
     }
 
+    /// Whether the output is inside a think block now.
+    pub fn in_reasoning(&self) -> bool {
+        self.reasoning.in_reasoning()
+    }
+
     pub fn push_text(&mut self, text: &str) -> Vec<Delta> {
         let segments = self.reasoning.push(text);
         self.route(segments)
@@ -194,6 +199,8 @@ pub struct FinalOutput {
     pub finish_reason: FinishReason,
     /// Tokens generated, end-of-sequence token included.
     pub completion_tokens: usize,
+    /// Of those, the tokens of the think block, its tags included (OpenAI's `reasoning_tokens`).
+    pub reasoning_tokens: usize,
 }
 
 /// Generated token ids in, client-visible deltas out.
@@ -215,6 +222,9 @@ pub struct OutputStream {
     /// Set once generation must end; `None` while it goes on.
     stop_reason: Option<FinishReason>,
     stopped_by_string: bool,
+    /// Tokens taken inside a think block (or opening one).
+    reasoning_tokens: usize,
+    think_start: u32,
 }
 
 impl OutputStream {
@@ -243,6 +253,7 @@ impl OutputStream {
         shown_special_ids: Vec<u32>,
         options: OutputOptions,
     ) -> Self {
+        let think_start = tokenizer.special().think_start;
         Self {
             decoder: StreamDecoder::new(tokenizer.clone(), false),
             tokenizer,
@@ -251,6 +262,8 @@ impl OutputStream {
             shown_special_ids,
             stop_reason: None,
             stopped_by_string: false,
+            reasoning_tokens: 0,
+            think_start,
         }
     }
 
@@ -264,6 +277,11 @@ impl OutputStream {
         if check == TokenCheck::EndOfSequence {
             self.stop_reason = Some(FinishReason::Stop);
             return Ok(Vec::new());
+        }
+        // The parser has read every token before this one (a think tag is never split over held bytes), so its
+        // state says whether this token lies inside a think block; `</think>` still does, `<think>` opens one.
+        if self.parser.in_reasoning() || id == self.think_start {
+            self.reasoning_tokens += 1;
         }
         if check == TokenCheck::MaxTokensReached {
             self.stop_reason = Some(FinishReason::Length);
@@ -334,6 +352,7 @@ impl OutputStream {
             tool_calls: self.parser.calls,
             finish_reason,
             completion_tokens: self.stop.generated_tokens(),
+            reasoning_tokens: self.reasoning_tokens,
         })
     }
 

@@ -555,6 +555,8 @@ pub struct ChatResponder {
     pub parallel_tool_calls: bool,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Of those, the think blocks' tokens.
+    pub reasoning_tokens: usize,
     /// Prompt tokens taken from the prefix cache, over the choices finished so far.
     pub cached_tokens: usize,
     /// Per choice: role sent, and logprobs not yet attached to a chunk.
@@ -581,6 +583,7 @@ impl ChatResponder {
             parallel_tool_calls: plan.parallel_tool_calls,
             prompt_tokens: plan.prompt_tokens,
             completion_tokens: 0,
+            reasoning_tokens: 0,
             cached_tokens: 0,
             started: vec![false; n],
             pending: vec![Vec::new(); n],
@@ -689,12 +692,18 @@ impl ChatResponder {
                     }
                 }
                 self.completion_tokens += output.completion_tokens;
+                self.reasoning_tokens += output.reasoning_tokens;
                 out.push(self.delta_chunk(index, ChatDelta::default(), Some(output.finish_reason.as_str())));
             }
             Event::Done => {
                 let mut data: Vec<String> = out.iter().map(to_json).collect();
                 if self.include_usage {
-                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
+                    let usage = Usage::new(
+                        self.prompt_tokens,
+                        self.completion_tokens,
+                        self.cached_tokens,
+                        self.reasoning_tokens,
+                    );
                     data.push(to_json(&self.chunk(Vec::new(), Some(usage))));
                 }
                 data.push("[DONE]".into());
@@ -743,6 +752,7 @@ impl ChatResponder {
             } => {
                 self.cached_tokens += cached_tokens;
                 self.completion_tokens += output.completion_tokens;
+                self.reasoning_tokens += output.reasoning_tokens;
                 self.keep_reply(&output);
                 self.outputs[index] = Some(output);
                 None
@@ -800,7 +810,12 @@ impl ChatResponder {
             created: self.created,
             model: self.model.clone(),
             choices,
-            usage: Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+            usage: Usage::new(
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.cached_tokens,
+                self.reasoning_tokens,
+            ),
             system_fingerprint: None,
         }
     }

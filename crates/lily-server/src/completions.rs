@@ -359,7 +359,7 @@ impl CompletionResponder {
             Event::Done => {
                 let mut data: Vec<String> = out.iter().map(crate::chat::to_json).collect();
                 if self.include_usage {
-                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens);
+                    let usage = Usage::new(self.prompt_tokens, self.completion_tokens, self.cached_tokens, 0);
                     data.push(crate::chat::to_json(&self.chunk(Vec::new(), Some(usage))));
                 }
                 data.push("[DONE]".into());
@@ -412,6 +412,7 @@ impl CompletionResponder {
                     self.prompt_tokens,
                     self.completion_tokens,
                     self.cached_tokens,
+                    0,
                 )));
                 Some(Ok(completion))
             }

@@ -166,22 +166,31 @@ pub struct PromptTokensDetails {
     pub cached_tokens: usize,
 }
 
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct CompletionTokensDetails {
+    /// Generated tokens of the think blocks, their tags included (0 for text completions).
+    pub reasoning_tokens: usize,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
     pub prompt_tokens_details: PromptTokensDetails,
+    pub completion_tokens_details: CompletionTokensDetails,
 }
 
 impl Usage {
-    /// Usage of a response whose prompts took `cached_tokens` of their tokens from the prefix cache.
-    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Usage {
+    /// Usage of a response whose prompts took `cached_tokens` of their tokens from the prefix cache and whose
+    /// completions spent `reasoning_tokens` of theirs thinking.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize, reasoning_tokens: usize) -> Usage {
         Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            completion_tokens_details: CompletionTokensDetails { reasoning_tokens },
         }
     }
 }

@@ -38,6 +38,9 @@ fn ask(extra: Json) -> Json {
 async fn tool_call_streaming_and_message_shapes() {
     let script = Script::text(&format!("Let me check the weather.\n</think>\n\n{WEATHER_CALL}"));
     let completion_tokens = script.tokens.len();
+    // The think block's tokens: those up to `</think>`, the tag included.
+    let think_end = tokenizer().special().think_end;
+    let reasoning_tokens = 1 + script.tokens.iter().position(|&t| t == think_end).unwrap();
     let s = TestServer::fake(config(), script).await;
     // The script thinks first: thinking on (the bundled model's template has it off unless asked for).
     let thinking = json!({"enable_thinking": true});
@@ -68,6 +71,11 @@ async fn tool_call_streaming_and_message_shapes() {
     assert_eq!(
         r["usage"]["completion_tokens"].as_u64().unwrap() as usize,
         completion_tokens
+    );
+    assert_eq!(
+        r["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap() as usize,
+        reasoning_tokens,
+        "{r}"
     );
 
     // Streamed: role, reasoning deltas, then the call as OpenAI streams it: the first delta with index, id, type,
@@ -278,6 +286,8 @@ async fn logprobs_and_usage_are_exact() {
     let chunks = chunks(&data);
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"].as_u64().unwrap() as usize, 2 * tokens.len());
+    // Thinking off: no token of the answer is counted as reasoning.
+    assert_eq!(usage["completion_tokens_details"]["reasoning_tokens"], 0, "{usage}");
     let (_, r) = s
         .post(
             "/v1/chat/completions",
