@@ -77,10 +77,13 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
     }
     let format = structured::response_format(request.response_format.as_ref())?;
     if format == Some(ConstraintSpec::JsonObject) {
-        instructions.push(match choice == ToolChoice::Auto && !rendered_tools.is_empty() {
-            true => "Unless you call a function, respond with a single valid JSON object and nothing else.".to_string(),
-            false => "Respond with a single valid JSON object and nothing else.".to_string(),
-        });
+        let may_call = choice == ToolChoice::Auto && !rendered_tools.is_empty();
+        let prefix = if may_call {
+            "Unless you call a function, respond"
+        } else {
+            "Respond"
+        };
+        instructions.push(format!("{prefix} with a single valid JSON object and nothing else."));
     }
     let parallel_tool_calls = request.parallel_tool_calls.unwrap_or(true);
     // A required tool call is the constraint; otherwise `response_format` or `structured_outputs`, if any, which

@@ -274,8 +274,8 @@ impl JobQueue {
         self.available.notify_all();
     }
 
-    /// Closes the queue for good after the engine failed: the waiting jobs are dropped, so that their clients get
-    /// an error at once (a dropped event sender ends a response with an error), and later jobs are refused.
+    /// Closes the queue for good after the engine failed: every waiting job is answered `engine_failed` at once,
+    /// and later jobs are refused.
     fn fail(&self) {
         let mut state = self.lock();
         state.closed = true;
@@ -284,7 +284,9 @@ impl JobQueue {
         self.metrics.queue_depth.set(0.0);
         drop(state);
         self.available.notify_all();
-        drop(jobs);
+        for (_, job) in jobs {
+            let _ = job.events.send(Event::Error(ApiError::engine_failed()));
+        }
     }
 
     /// Whether the engine stopped after an error it could not recover from.
@@ -546,10 +548,14 @@ impl Engine {
                     let error = ApiError::internal("the engine failed while generating");
                     if std::panic::catch_unwind(AssertUnwindSafe(|| self.fail_all(error))).is_err() {
                         // Even failing the jobs failed: the backend's state cannot be trusted any more. The
-                        // engine stops, and its queue refuses and drops every job, so that no request waits on
-                        // an engine that is gone (the running ones end when the engine drops their senders).
+                        // engine stops. Its queue answers every waiting job and refuses later ones, and the jobs it
+                        // still holds are answered here, without the backend, so that no client waits on an
+                        // engine that is gone.
                         tracing::error!("the engine could not recover from the panic and stops serving");
                         self.shared.queue.fail();
+                        for (_, active) in self.jobs.drain() {
+                            let _ = active.job.events.send(Event::Error(ApiError::engine_failed()));
+                        }
                         return;
                     }
                 }
@@ -957,8 +963,9 @@ impl Engine {
         let joinable = |c: &Chunk| c.echo.is_none();
         if joinable(&chunks[0]) {
             for &slot in &order[1..] {
+                // A slot emptied while this call was planned belonged to a job that failed.
                 if self.slots[slot].is_none() {
-                    continue; // its job failed while this call was planned
+                    continue;
                 }
                 let used: usize = chunks.iter().map(|c| c.end - c.done).sum();
                 if chunks.len() >= max_parts || used >= limit || self.would_share(slot, &chunks) {

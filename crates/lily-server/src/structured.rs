@@ -114,11 +114,19 @@ pub fn compile(env: Option<&StructuredEnv>, spec: &ConstraintSpec, param: &str) 
             "constrained decoding is not available for this model (its tokenizer and vocabulary do not match)",
         ));
     };
-    env.compile(spec).map_err(|e| match e {
-        ConstraintError::Invalid(message) => {
-            ApiError::invalid(param, format!("`{param}` cannot be enforced: {message}")).with_code("invalid_constraint")
+    env.compile(spec).map_err(|e| {
+        // Where tool calls stand beside an answer, the fault is the tools' when the answer compiles alone.
+        let param = match spec {
+            ConstraintSpec::ToolCallsOr { answer, .. } if env.compile(answer).is_ok() => "tools",
+            _ => param,
+        };
+        match e {
+            ConstraintError::Invalid(message) => {
+                ApiError::invalid(param, format!("`{param}` cannot be enforced: {message}"))
+                    .with_code("invalid_constraint")
+            }
+            other => ApiError::internal(other.to_string()),
         }
-        other => ApiError::internal(other.to_string()),
     })
 }
 

@@ -145,6 +145,15 @@ async fn every_bad_request_is_an_openai_error() {
             400,
             Some("functions"),
         ),
+        // Beside a response_format, tool calls stay open and are enforced: a tool whose schema cannot be is the
+        // tools' fault.
+        (
+            json!({"messages": ok_body()["messages"], "response_format": {"type": "json_object"},
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters":
+                       {"type": "object", "properties": {}, "required": ["x"]}}}]}),
+            400,
+            Some("tools"),
+        ),
         (with("model", json!("gpt-4o")), 404, Some("model")),
     ];
     for (body, status, param) in cases {

@@ -73,7 +73,9 @@ async fn tool_call_streaming_and_message_shapes() {
         completion_tokens
     );
     assert_eq!(
-        r["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap() as usize,
+        r["usage"]["completion_tokens_details"]["reasoning_tokens"]
+            .as_u64()
+            .unwrap() as usize,
         reasoning_tokens,
         "{r}"
     );

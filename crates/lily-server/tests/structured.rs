@@ -274,6 +274,7 @@ async fn a_response_format_leaves_tool_calls_open() {
             "tools": tools(),
             "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": city_schema()}},
             "logit_bias": {opening.clone(): bias},
+            "parallel_tool_calls": false,
             "max_tokens": 200,
         }));
         let (status, r) = s.post("/v1/chat/completions", &body).await;
@@ -282,12 +283,21 @@ async fn a_response_format_leaves_tool_calls_open() {
         if bias > 0 {
             assert_eq!(r["choices"][0]["finish_reason"], "tool_calls", "{r}");
             let calls = message["tool_calls"].as_array().unwrap();
-            assert!(!calls.is_empty(), "{r}");
-            for call in calls {
-                let name = call["function"]["name"].as_str().unwrap();
-                assert!(name == "get_weather" || name == "get_time", "{r}");
-                let arguments: Json = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
-                assert!(arguments.is_object(), "{r}");
+            assert_eq!(calls.len(), 1, "{r}");
+            let arguments: Json = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+            match calls[0]["function"]["name"].as_str().unwrap() {
+                "get_weather" => {
+                    assert!(
+                        arguments["city"].as_str().is_some_and(|c| c.chars().count() <= 12),
+                        "{r}"
+                    );
+                    assert!(arguments["days"].as_i64().is_some_and(|d| (1..=7).contains(&d)), "{r}");
+                }
+                "get_time" => assert!(
+                    arguments["zone"].as_str().is_some_and(|z| z.chars().count() <= 6),
+                    "{r}"
+                ),
+                other => panic!("unknown function {other}"),
             }
         } else {
             assert!(message.get("tool_calls").is_none_or(Json::is_null), "{r}");

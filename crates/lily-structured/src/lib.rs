@@ -1,6 +1,6 @@
 //! Constrained decoding for lily: the output of a sequence is held to a JSON schema, to any JSON object, to a tool
-//! call in the XML form the chat template teaches, to a regular expression, to one of a list of strings, or to a
-//! Lark grammar. The `llguidance` library compiles the constraint and computes, before each token, the set of tokens
+//! call in the XML form the chat template teaches, to a regular expression, to one of a list of strings, to a
+//! Lark grammar, or to tool calls or else an answer held to one of the others. The `llguidance` library compiles the constraint and computes, before each token, the set of tokens
 //! that keep the output inside it (the token mask); the sampler then draws only from that set.
 //!
 //! The token trie that llguidance walks is built once per model from the model's own tokenizer ([`StructuredEnv`]);
@@ -106,7 +106,10 @@ fn top_level(spec: &ConstraintSpec) -> Result<TopLevelGrammar, ConstraintError> 
             answer.grammars[0].name = Some(ANSWER_GRAMMAR.to_string());
             let calls = tool_grammar::lark(tools, *at_most_one, "tool_calls")?;
             let start = format!("start: tool_calls | @{ANSWER_GRAMMAR}\n{calls}");
-            let mut grammars = vec![llguidance::api::GrammarWithLexer::from_lark(start)];
+            // The start grammar is left unnamed, so that a user's Lark answer can name neither it nor itself.
+            let mut start = llguidance::api::GrammarWithLexer::from_lark(start);
+            start.name = None;
+            let mut grammars = vec![start];
             grammars.append(&mut answer.grammars);
             TopLevelGrammar {
                 grammars,
@@ -117,7 +120,7 @@ fn top_level(spec: &ConstraintSpec) -> Result<TopLevelGrammar, ConstraintError> 
 }
 
 /// The name under which a `ToolCallsOr` constraint's start grammar refers to the answer's grammar.
-const ANSWER_GRAMMAR: &str = "answer";
+const ANSWER_GRAMMAR: &str = "lily_tool_calls_or_answer";
 
 /// The model's tokenizer as llguidance sees it: every token id of the model's vocabulary with its bytes.
 struct LilyTokenizerEnv {

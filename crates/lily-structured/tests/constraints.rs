@@ -465,6 +465,35 @@ fn a_reply_that_may_call_tools_calls_them_or_answers_as_asked() {
             }
         }
         eprintln!("{answer:?}: {calls_seen} walks called tools, {answers_seen} answered");
+        // The walks are seeded, so which way each goes is fixed: with a JSON schema both ways are taken.
+        if matches!(answer, ConstraintSpec::JsonSchema(_)) {
+            assert!(
+                calls_seen > 0 && answers_seen > 0,
+                "{calls_seen} calls, {answers_seen} answers"
+            );
+        }
+    }
+    // A Lark answer keeps its own start rule and lexer, and a thinking reply meets the union after `</think>`.
+    let lark = ConstraintSpec::Lark("start: \"ok\" | \"no\"".into());
+    let spec = ConstraintSpec::ToolCallsOr {
+        tools: tools.clone(),
+        at_most_one: true,
+        answer: Box::new(lark),
+    };
+    let (grammar, _) = compile(&spec);
+    let mut constraint = Constraint::new(&grammar, true);
+    constraint.consume(fx.tokenizer.special().think_end).unwrap();
+    let mask = constraint.mask().unwrap().unwrap().to_vec();
+    let ok = fx.tokenizer.encode("ok", false).unwrap()[0];
+    assert!(allowed(&mask, ok) && allowed(&mask, fx.tokenizer.special().tool_call_start));
+    for seed in 0..4 {
+        let walk = walk(&grammar, seed, 400, false);
+        assert!(walk.ended, "{:?}", walk.text);
+        assert!(
+            ["ok", "no"].contains(&walk.text.as_str()) || walk.text.starts_with("<tool_call>"),
+            "{:?}",
+            walk.text
+        );
     }
     // An answer that may itself call tools is refused.
     let nested = ConstraintSpec::ToolCallsOr {
