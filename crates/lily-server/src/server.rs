@@ -2,6 +2,7 @@
 //! down gracefully (stop accepting, let in-flight requests finish for a grace period, then cancel them).
 
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -350,18 +351,24 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
         let stop = stop.clone();
         std::thread::Builder::new()
             .name("lily-engine".into())
-            .spawn(move || match load(&config, factory, &weak, shared) {
-                Ok(Some(engine)) => {
-                    status_tx.send_replace(Status::Ready);
-                    engine.run();
-                }
-                // Stopped while loading: nothing to serve, and nothing went wrong.
-                Ok(None) => {}
-                Err(error) => {
-                    let message = format!("loading the model failed: {error:#}");
-                    eprintln!("lily serve: {message}");
-                    status_tx.send_replace(Status::Failed(message));
-                    stop.shutdown();
+            .spawn(move || {
+                // A panic while loading (a checkpoint that trips an assertion) fails the load like an error, so
+                // that the server stops with it instead of answering "loading" forever.
+                let loaded = std::panic::catch_unwind(AssertUnwindSafe(|| load(&config, factory, &weak, shared)))
+                    .unwrap_or_else(|panic| Err(anyhow::anyhow!("{}", panic_message(&*panic))));
+                match loaded {
+                    Ok(Some(engine)) => {
+                        status_tx.send_replace(Status::Ready);
+                        engine.run();
+                    }
+                    // Stopped while loading: nothing to serve, and nothing went wrong.
+                    Ok(None) => {}
+                    Err(error) => {
+                        let message = format!("loading the model failed: {error:#}");
+                        eprintln!("lily serve: {message}");
+                        status_tx.send_replace(Status::Failed(message));
+                        stop.shutdown();
+                    }
                 }
             })
             .context("starting the engine thread")?
@@ -698,6 +705,15 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
     server.wait().await?;
     eprintln!("lily serve: stopped");
     Ok(())
+}
+
+/// The message a panic was raised with (a `&str` or `String` payload), or a stand-in.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned());
+    format!("panicked: {}", text.as_deref().unwrap_or("(no message)"))
 }
 
 /// A command-line number of seconds as a duration: a finite number >= 0.

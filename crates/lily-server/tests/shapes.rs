@@ -347,6 +347,23 @@ async fn health_is_503_while_loading() {
 }
 
 #[tokio::test]
+async fn a_model_whose_loading_panics_stops_the_server_with_the_panic() {
+    let factory: lily_server::BackendFactory = Box::new(|_, _| panic!("a checkpoint that trips an assertion"));
+    let s = TestServer::start(config(), factory).await;
+    let server = s.server.unwrap();
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), server.wait_ready())
+        .await
+        .expect("the load's end is reported")
+        .unwrap_err();
+    assert!(format!("{error:#}").contains("trips an assertion"), "{error:#}");
+    let error = tokio::time::timeout(std::time::Duration::from_secs(10), server.wait())
+        .await
+        .expect("stops")
+        .unwrap_err();
+    assert!(format!("{error:#}").contains("trips an assertion"));
+}
+
+#[tokio::test]
 async fn a_model_that_fails_to_load_stops_the_server_with_its_error() {
     let factory: lily_server::BackendFactory = Box::new(|_, _| Err(anyhow::anyhow!("no weights here")));
     let s = TestServer::start(config(), factory).await;
