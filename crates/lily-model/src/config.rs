@@ -90,6 +90,16 @@ pub const SUPPORTED_FORMATS: &str = "lily loads MLX affine 4-bit checkpoints wit
 /// Group size of every quantized matrix in lily's layout (MLX's default; HF weights are quantized to it at load).
 pub const GROUP_SIZE: usize = 64;
 
+/// Limits of what lily takes, well above this model family's values, so that a hostile or broken config.json is
+/// refused before any size is computed from it: every integer field, and the layers, experts, experts a token,
+/// conv taps (the CPU decode's fixed arrays) and matrix widths.
+const MAX_FIELD: u64 = 1 << 24;
+const MAX_LAYERS: usize = 1024;
+const MAX_EXPERTS: usize = 4096;
+pub const MAX_TOP_K: usize = 16;
+pub const MAX_CONV_TAPS: usize = 8;
+const MAX_WIDTH: usize = 1 << 16;
+
 impl Config {
     pub fn from_dir(dir: &Path) -> Result<Config, ConfigError> {
         let path = dir.join("config.json");
@@ -153,9 +163,9 @@ impl Config {
         let usize_field = |name: &str| -> Result<usize, ConfigError> {
             let v = text.get(name).ok_or_else(|| field_err(name, "missing"))?;
             v.as_u64()
-                .filter(|&n| n > 0)
+                .filter(|&n| n > 0 && n <= MAX_FIELD)
                 .map(|n| n as usize)
-                .ok_or_else(|| field_err(name, format!("expected a positive integer, got {v}")))
+                .ok_or_else(|| field_err(name, format!("expected a positive integer up to {MAX_FIELD}, got {v}")))
         };
         let f64_field = |obj: &serde_json::Map<String, Value>, name: &str| -> Result<f64, ConfigError> {
             let v = obj.get(name).ok_or_else(|| field_err(name, "missing"))?;
@@ -265,6 +275,39 @@ impl Config {
 
     /// Refuses dimensions the kernels cannot take.
     fn validate(&self) -> Result<(), ConfigError> {
+        let at_most = |name: &str, value: usize, most: usize| {
+            if value <= most {
+                Ok(())
+            } else {
+                Err(field_err(name, format!("{value} is more than the {most} lily takes")))
+            }
+        };
+        at_most("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS)?;
+        at_most("num_experts", self.num_experts, MAX_EXPERTS)?;
+        at_most("num_experts_per_tok", self.num_experts_per_tok, MAX_TOP_K)?;
+        at_most("linear_conv_kernel_dim", self.linear_conv_kernel_dim, MAX_CONV_TAPS)?;
+        for (name, value) in [
+            ("hidden_size", self.hidden_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            ("head_dim", self.head_dim),
+            ("linear_key_head_dim", self.linear_key_head_dim),
+            ("num_attention_heads * head_dim", self.q_dim()),
+            (
+                "linear_num_value_heads * linear_value_head_dim",
+                self.linear_value_dim(),
+            ),
+        ] {
+            at_most(name, value, MAX_WIDTH)?;
+        }
+        for (name, value) in [
+            ("rms_norm_eps", self.rms_norm_eps as f64),
+            ("rope_theta", self.rope_theta),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(field_err(name, format!("{value} is not a positive number")));
+            }
+        }
         let multiple = |name: &str, value: usize, of: usize| {
             if value.is_multiple_of(of) {
                 Ok(())
@@ -273,6 +316,13 @@ impl Config {
             }
         };
         multiple("hidden_size", self.hidden_size, GROUP_SIZE)?;
+        // The output projections' inputs are quantized in groups too.
+        multiple("num_attention_heads * head_dim", self.q_dim(), GROUP_SIZE)?;
+        multiple(
+            "linear_num_value_heads * linear_value_head_dim",
+            self.linear_value_dim(),
+            GROUP_SIZE,
+        )?;
         multiple("moe_intermediate_size", self.moe_intermediate_size, GROUP_SIZE)?;
         multiple(
             "shared_expert_intermediate_size",
@@ -494,8 +544,15 @@ pub const DEFAULT_EOS_TOKEN_IDS: [u32; 2] = [248046, 248044];
 /// Appends the ids of an `eos_token_id` field (a number or a list of numbers) that `ids` lacks.
 fn extend_token_ids(ids: &mut Vec<u32>, value: Option<&Value>) {
     let found: Vec<u32> = match value {
-        Some(Value::Array(items)) => items.iter().filter_map(Value::as_u64).map(|n| n as u32).collect(),
-        Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .map(|n| vec![n])
+            .unwrap_or_default(),
         _ => Vec::new(),
     };
     for id in found {
@@ -789,6 +846,80 @@ mod tests {
             "rope_type",
         );
         refused(|v| v["text_config"]["hidden_act"] = "gelu".into(), "hidden_act");
+    }
+
+    #[test]
+    fn refuses_sizes_that_would_break_loading_or_decoding() {
+        let t = |v: &mut Value| v["text_config"].as_object_mut().unwrap().clone();
+        let set = |v: &mut Value, pairs: &[(&str, Value)]| {
+            let mut text = t(v);
+            for (k, x) in pairs {
+                text.insert(k.to_string(), x.clone());
+            }
+            v["text_config"] = Value::Object(text);
+        };
+        // Huge counts are refused before anything is sized by them.
+        refused(
+            |v| set(v, &[("num_hidden_layers", 1_000_000_000_000_000u64.into())]),
+            "num_hidden_layers",
+        );
+        refused(
+            |v| {
+                v["text_config"].as_object_mut().unwrap().remove("layer_types");
+                set(v, &[("num_hidden_layers", 2000.into())]);
+            },
+            "num_hidden_layers",
+        );
+        refused(|v| set(v, &[("num_experts", (1u64 << 20).into())]), "num_experts");
+        refused(|v| set(v, &[("hidden_size", (1u64 << 20).into())]), "hidden_size");
+        // More experts a token or conv taps than the CPU decode's fixed arrays hold.
+        refused(
+            |v| set(v, &[("num_experts", 32.into()), ("num_experts_per_tok", 17.into())]),
+            "num_experts_per_tok",
+        );
+        refused(
+            |v| set(v, &[("linear_conv_kernel_dim", 9.into())]),
+            "linear_conv_kernel_dim",
+        );
+        // The output projections' inputs must be whole quantization groups: 3 heads of 32 are 96 wide.
+        refused(
+            |v| {
+                set(
+                    v,
+                    &[
+                        ("num_attention_heads", 3.into()),
+                        ("num_key_value_heads", 1.into()),
+                        ("head_dim", 32.into()),
+                    ],
+                )
+            },
+            "num_attention_heads * head_dim",
+        );
+        refused(
+            |v| {
+                set(
+                    v,
+                    &[
+                        ("linear_num_key_heads", 1.into()),
+                        ("linear_num_value_heads", 1.into()),
+                        ("linear_key_head_dim", 96.into()),
+                        ("linear_value_head_dim", 96.into()),
+                    ],
+                )
+            },
+            "linear_num_value_heads * linear_value_head_dim",
+        );
+        // Norms and rotary frequencies of no sense.
+        refused(|v| set(v, &[("rms_norm_eps", 0.into())]), "rms_norm_eps");
+        refused(
+            |v| v["text_config"]["rope_parameters"]["rope_theta"] = (-1.0).into(),
+            "rope_theta",
+        );
+        // An end-of-sequence id past u32 is not truncated into some other token.
+        let mut v = shakespeare_json();
+        v["text_config"]["eos_token_id"] = serde_json::json!([248044u64, (1u64 << 32) + 5]);
+        let config = Config::from_json(&v).unwrap();
+        assert_eq!(config.eos_token_ids, vec![248044]);
     }
 
     /// The error for a quantization lily does not run names what it found and what lily accepts.

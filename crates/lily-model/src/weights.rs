@@ -361,10 +361,11 @@ impl Loader<'_> {
         cols: usize,
         part: impl Fn(usize) -> Result<(TensorRef<'t>, usize), CheckpointError>,
     ) -> Result<QMatrix, CheckpointError> {
-        let e = self.config.num_experts;
-        let mut builder = QMatrixBuilder::new(e * rows, cols, 4);
-        for x in 0..e {
-            let (t, start) = part(x)?;
+        // Every expert's tensor is found and its shape checked before the stacked matrix is allocated, so that a
+        // config with more experts than the checkpoint holds is an error, not an allocation the files never fill.
+        let parts = (0..self.config.num_experts).map(part).collect::<Result<Vec<_>, _>>()?;
+        let mut builder = QMatrixBuilder::new(parts.len() * rows, cols, 4);
+        for (t, start) in parts {
             builder.push_rows(&t.f32_range(start, rows * cols)?);
         }
         Ok(builder.finish())

@@ -7,8 +7,8 @@ use super::simd::Path;
 use super::team::Shared;
 use crate::weights::GatedDeltaNet;
 
-/// Most conv taps [`decode_key_head`] takes (the model has 4).
-const MAX_TAPS: usize = 8;
+/// Most conv taps [`decode_key_head`] takes (the model has 4; the config refuses more).
+const MAX_TAPS: usize = crate::config::MAX_CONV_TAPS;
 
 /// Tokens per chunk in the chunked form.
 pub const CHUNK: usize = 64;

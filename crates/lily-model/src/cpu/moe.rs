@@ -556,8 +556,8 @@ pub fn team_moe_decode(
     }
 }
 
-/// Most experts per token [`moe_decode`] takes (the model chooses 8).
-const MAX_TOP_K: usize = 16;
+/// Most experts per token [`moe_decode`] takes (the model chooses 8; the config refuses more).
+const MAX_TOP_K: usize = crate::config::MAX_TOP_K;
 
 #[cfg(test)]
 mod tests {
