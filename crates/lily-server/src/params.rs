@@ -63,7 +63,8 @@ pub struct Sampling {
     pub n: usize,
 }
 
-pub const MAX_N: usize = 16;
+/// The most choices a prompt may ask for (OpenAI's limit); `--max-choices` bounds a request's prompts x `n`.
+pub const MAX_N: usize = 128;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Most stop strings a request may give, and the most bytes of each: every generated token is searched for each of
 /// them, so an unbounded list would slow every stream of the server (OpenAI's API takes 4).

@@ -162,6 +162,10 @@ async fn every_bad_request_is_an_openai_error() {
         assert_error_shape(&response);
         assert_eq!(response["error"]["param"].as_str(), param, "{body} -> {response}");
     }
+    // OpenAI's most choices a prompt is allowed.
+    let (got, response) = s.post("/v1/chat/completions", &with("n", json!(128))).await;
+    assert_eq!(got, 200, "{response}");
+    assert_eq!(response["choices"].as_array().unwrap().len(), 128);
     // The stop strings' limits themselves are allowed.
     let most_stops: Vec<String> = (0..32)
         .map(|i| format!("{i}").repeat(1024)[..1024].to_string())
