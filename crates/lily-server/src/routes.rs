@@ -269,24 +269,50 @@ fn check_model(model: Option<&str>, state: &AppState) -> Result<(), ApiError> {
     }
 }
 
+/// A generation request counted in flight from the moment its handler starts until its response is done or
+/// abandoned (dropped with the handler's future or the response stream), so that shutdown waits for requests still
+/// being read, rendered or tokenized too.
+struct InFlight(Arc<EngineShared>);
+
+impl InFlight {
+    /// Counts a request in; refused once shutdown has begun. Shutdown sets its flag before it reads the count, and
+    /// this reads the flag after counting, so either shutdown waits for this request or the request is refused.
+    fn enter(state: &AppState) -> Result<InFlight, ApiError> {
+        let shared = state.engine.shared.clone();
+        shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        let counted = InFlight(shared);
+        if state.shutting_down.load(Ordering::SeqCst) {
+            return Err(ApiError::shutting_down());
+        }
+        Ok(counted)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Cancels the job when dropped, with the response stream (client gone) or the handler's future: sets its cancel
-/// flag (a running job stops within a step) and takes it out of the queue if it is still waiting there.
+/// flag (a running job stops within a step) and takes it out of the queue if it is still waiting there. The
+/// request leaves the in-flight count after that.
 struct CancelOnDrop {
     cancel: Arc<AtomicBool>,
-    shared: Arc<EngineShared>,
     id: u64,
+    counted: InFlight,
 }
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::SeqCst);
-        self.shared.queue.withdraw(self.id);
-        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.counted.0.queue.withdraw(self.id);
     }
 }
 
 fn submit(
     state: &AppState,
+    counted: InFlight,
     sequences: Vec<SequenceSpec>,
     arrived: Instant,
 ) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
@@ -298,27 +324,15 @@ fn submit(
         cancel: cancel.clone(),
         arrived,
     };
-    // Counted before the job is queued, so that shutdown never sees a queued job as none in flight; the guard's
-    // drop uncounts it when the response is done or abandoned.
-    let shared = state.engine.shared.clone();
-    shared.in_flight.fetch_add(1, Ordering::SeqCst);
-    // A shutdown that began while the request was being prepared may have seen nothing in flight and be closing
-    // the connections: the request is refused rather than cut off. (Shutdown sets its flag before it reads the
-    // count, and this reads the flag after counting, so one of the two sees the other.)
+    // A request prepared while shutdown began is refused rather than queued behind the last requests.
     if state.shutting_down.load(Ordering::SeqCst) {
-        shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         return Err(ApiError::shutting_down());
     }
     match state.engine.submit(job) {
-        Ok(id) => Ok((receiver, CancelOnDrop { cancel, shared, id })),
-        Err(error) => {
-            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-            Err(match error {
-                SubmitError::QueueFull => ApiError::queue_full(state.config.max_queue),
-                SubmitError::EngineGone if shared.queue.has_failed() => ApiError::engine_failed(),
-                SubmitError::EngineGone => ApiError::shutting_down(),
-            })
-        }
+        Ok(id) => Ok((receiver, CancelOnDrop { cancel, id, counted })),
+        Err(SubmitError::QueueFull) => Err(ApiError::queue_full(state.config.max_queue)),
+        Err(SubmitError::EngineGone) if counted.0.queue.has_failed() => Err(ApiError::engine_failed()),
+        Err(SubmitError::EngineGone) => Err(ApiError::shutting_down()),
     }
 }
 
@@ -478,6 +492,7 @@ where
 {
     let arrived = Instant::now();
     let result = async {
+        let counted = InFlight::enter(&state)?;
         let body = read_body(request, &state).await?;
         let read_ms = arrived.elapsed().as_secs_f64() * 1e3;
         let body_bytes = body.len();
@@ -493,7 +508,7 @@ where
             prompt_tokens = sequences.first().map_or(0, |s| s.prompt.len()),
             "request read, rendered and tokenized"
         );
-        let (receiver, guard) = submit(&state, sequences, arrived)?;
+        let (receiver, guard) = submit(&state, counted, sequences, arrived)?;
         if stream {
             let span = tracing::Span::current();
             let mut first = true;

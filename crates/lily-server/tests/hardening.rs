@@ -402,6 +402,39 @@ async fn shutdown_ends_within_the_grace_period_whatever_clients_do() {
 }
 
 #[tokio::test]
+async fn a_request_still_arriving_at_shutdown_is_answered_not_cut_off() {
+    let mut c = config();
+    c.shutdown_timeout = Duration::from_secs(20);
+    let s = TestServer::fake(c, Script::text("Ay.")).await;
+    s.ready().await;
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    let half = body.len() / 2;
+    let mut slow = connect(&s).await;
+    send(
+        &mut slow,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: lily\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+            body.len(),
+            &body[..half]
+        ),
+    )
+    .await;
+    // The handler is reading the body when shutdown begins; the rest of the body comes after the one second
+    // that the server gives open connections once nothing is in flight.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.server.as_ref().unwrap().shutdown();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    send(&mut slow, &body[half..]).await;
+    let reply = read_until_closed(&mut slow, Duration::from_secs(10)).await;
+    assert!(reply.starts_with("HTTP/1.1 503"), "{reply:?}");
+    assert!(reply.contains("shutting_down"), "{reply:?}");
+    tokio::time::timeout(Duration::from_secs(10), s.server.unwrap().wait())
+        .await
+        .expect("stops once the request is answered")
+        .expect("cleanly");
+}
+
+#[tokio::test]
 async fn cancel_now_stops_at_once() {
     let mut c = config();
     c.context = Some(200_000);
