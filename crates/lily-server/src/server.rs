@@ -360,6 +360,14 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
                     Ok(Some(engine)) => {
                         status_tx.send_replace(Status::Ready);
                         engine.run();
+                        // An engine that stopped after an error it could not recover from serves nothing more:
+                        // the server stops and exits with the error, for a supervisor to restart it.
+                        if stop.shared.queue.has_failed() {
+                            let message = "the engine stopped after an internal error it could not recover from";
+                            eprintln!("lily serve: {message}");
+                            status_tx.send_replace(Status::Failed(message.to_string()));
+                            stop.shutdown();
+                        }
                     }
                     // Stopped while loading: nothing to serve, and nothing went wrong.
                     Ok(None) => {}
