@@ -145,8 +145,9 @@ impl Pick<'_> {
 /// slot, advanced together one token per `step`, with prompts entering in chunks through `prefill`.
 ///
 /// Memory: every slot has its fixed recurrent state; the context (the attention layers' keys and values) comes
-/// from one pool shared by all slots, granted by `reserve`. The engine reserves a sequence's whole length (prompt
-/// plus the most it may generate) before the sequence starts, so a running sequence never runs out mid-way.
+/// from one pool shared by all slots, granted by `reserve`. The engine grants a sequence its prompt and some tokens
+/// ahead when it starts and more as it decodes; when the pool runs out, it releases the slots of the sequences it
+/// admitted last and computes them again later.
 pub trait BatchBackend: Send {
     fn config(&self) -> &Config;
     /// Tokens of context (prompt plus generated) one sequence may hold.

@@ -329,6 +329,11 @@ pub struct EngineOptions {
     pub prefix_cache: bool,
     /// A prompt is snapshotted every this many tokens (0: only where messages end and at the prompt's end).
     pub snapshot_interval: usize,
+    /// Context, in tokens, that a sequence is granted past what it needs (at least 1): at admission past its
+    /// prompt, and again each time a step would go past its grant. Granting context as it is used lets the pool
+    /// hold what sequences have rather than the most each may reach (a request without `max_tokens` may reach the
+    /// whole context); a larger grant means fewer calls to the backend, a smaller one less context held unused.
+    pub grant_ahead: usize,
 }
 
 impl Default for EngineOptions {
@@ -337,6 +342,7 @@ impl Default for EngineOptions {
             max_prefill_tokens: None,
             prefix_cache: true,
             snapshot_interval: DEFAULT_SNAPSHOT_INTERVAL,
+            grant_ahead: DEFAULT_GRANT_AHEAD,
         }
     }
 }
@@ -348,6 +354,9 @@ pub const DEFAULT_SNAPSHOT_INTERVAL: usize = 2048;
 /// Snapshots one prompt's prefill stops for at most (a snapshot of the full model's recurrent state is ~35 MB on the GPU).
 const MAX_SNAPSHOTS_PER_PROMPT: usize = 12;
 
+/// The default of [`EngineOptions::grant_ahead`]: four of the GPU's KV pages.
+pub const DEFAULT_GRANT_AHEAD: usize = 256;
+
 /// Prefill calls one iteration makes at most (a call of a few tokens costs a good part of a long one's time): a
 /// prompt that stops early to snapshot goes on in the same iteration, and several short prompts enter together.
 const PREFILL_CALLS_PER_ITERATION: usize = 4;
@@ -355,14 +364,19 @@ const PREFILL_CALLS_PER_ITERATION: usize = 4;
 /// The continuous-batching scheduler: it owns the backend and its slots, and loops over iterations, each of which
 ///
 /// 1. drops cancelled jobs (freeing their slots),
-/// 2. admits sequences first come first served: the head job's next sequence enters when a slot is free and the
-///    backend reserves its whole length (prompt plus `max_tokens`), so a running sequence never runs out of
-///    context; sequences of one job that share a prompt enter together, the first prefills it and the others are
-///    forked from it,
+/// 2. admits sequences first come first served, the preempted ones (below) before any new one: the head job's
+///    next sequence enters when a slot is free and the backend grants it context for its prompt and
+///    `grant_ahead` tokens more (at most its prompt plus `max_tokens`); sequences of one job that share a prompt
+///    enter together, the first prefills it and the others are forked from it,
 /// 3. prefills chunks of the earliest admitted prompts, `max_prefill_tokens` in all and in at most
 ///    `PREFILL_CALLS_PER_ITERATION` calls; where the backend takes several sequences a call, the chunks of the
 ///    prompts after the earliest one join its call,
-/// 4. runs one `step` over every sequence that has a token to append,
+/// 4. runs one `step` over every sequence that has a token to append, granting `grant_ahead` more tokens of
+///    context to each that has used up its grant; where the pool lacks them, the prefix cache's snapshots are
+///    dropped first, and then the sequences admitted last are preempted: each gives its context back and waits,
+///    ahead of new requests, to be prefilled again from its prompt and the tokens it generated (from the prefix
+///    cache's longest snapshot of them), and then goes on where it stopped, its client seeing nothing of it but
+///    the pause (vLLM's preemption by recomputation),
 /// 5. samples each sequence whose next-token logits are ready and sends its events.
 ///
 /// The prefix cache: a sequence starts from the backend's snapshot of the longest prefix of its prompt that the
@@ -405,6 +419,9 @@ pub struct Engine {
     last_step_done: Option<Instant>,
     /// The step queued ahead, before the tokens of the one before it were handled (see [`Engine::step_ahead`]).
     ahead: Option<QueuedStep>,
+    /// Sequences that gave their slot and context back for older ones to grow ([`Engine::preempt`]), waiting to
+    /// be admitted again before any new sequence.
+    preempted: Vec<Seq>,
 }
 
 /// A step queued on the backend whose tokens have not been taken yet.
@@ -466,15 +483,22 @@ struct Seq {
     spec: SequenceSpec,
     order: u64,
     phase: Phase,
-    /// Prompt tokens restored from the prefix cache.
+    /// Prompt tokens restored from the prefix cache (at its first admission: what `usage` reports).
     cached: usize,
+    /// Tokens of context the backend granted its slot (the backend may round it up): a step past it needs more.
+    granted: usize,
+    /// It was preempted: its `spec.prompt` is now its prompt and the tokens it had generated then (its
+    /// `spec.max_tokens` less those), prefilled again without counting as a prompt, echoing logprobs or taking a
+    /// new `cached` count.
+    resumed: bool,
     /// Prompt lengths, ascending, at which the prefill stops to snapshot the sequence for the prefix cache.
     snapshot_at: Vec<usize>,
     /// The prefix cache's hashes of its prompt's prefixes, for a sequence that uses the cache (one that prefills its
     /// prompt itself, with the cache on): such a sequence looks its prompt up, is snapshotted at `snapshot_at`, at
     /// its prompt's end and when it finishes.
     prompt_hashes: Option<PrefixHashes>,
-    /// The tokens it generated (the last one is not in the slot yet).
+    /// The tokens it generated (since it was last preempted: those before are in `spec.prompt`); the last one is
+    /// not in the slot yet.
     generated: Vec<u32>,
     output: OutputStream,
     sampler: Sampler,
@@ -491,6 +515,12 @@ fn is_cancelled(shared: &EngineShared, job: &Job) -> bool {
 
 fn forward_error(e: lily_model::ForwardError) -> ApiError {
     ApiError::internal(format!("forward pass failed: {e}"))
+}
+
+/// The context a sequence is granted when it enters a slot: its prompt and `ahead` tokens more, at most its prompt
+/// plus `max_tokens`.
+fn first_grant(spec: &SequenceSpec, ahead: usize) -> usize {
+    spec.work().min(spec.prompt.len() + ahead)
 }
 
 impl Engine {
@@ -519,6 +549,7 @@ impl Engine {
             shared,
             options: EngineOptions {
                 max_prefill_tokens: Some(budget),
+                grant_ahead: options.grant_ahead.max(1),
                 ..options
             },
             fits,
@@ -534,6 +565,7 @@ impl Engine {
             message_start,
             last_step_done: None,
             ahead: None,
+            preempted: Vec::new(),
         }
     }
 
@@ -590,16 +622,21 @@ impl Engine {
     fn set_running(&self) {
         let running = self.slots.iter().filter(|s| s.is_some()).count();
         self.shared.metrics.running.set(running as f64);
-        self.shared.queue.set_room(self.slots.len() - running);
+        // The preempted sequences take the first slots that free up.
+        let free = self.slots.len() - running;
+        self.shared.queue.set_room(free.saturating_sub(self.preempted.len()));
     }
 
     fn free_slot(&self) -> Option<Slot> {
         self.slots.iter().position(|s| s.is_none())
     }
 
-    /// Admits sequences first come first served while slots and context last. False once the queue is closed
-    /// and no job is left.
+    /// Admits sequences first come first served while slots and context last, the preempted ones first. False
+    /// once the queue is closed and no job is left.
     fn admit(&mut self) -> bool {
+        if !self.resume_preempted() {
+            return true;
+        }
         loop {
             let id = match self.admitting {
                 Some(id) => id,
@@ -683,7 +720,11 @@ impl Engine {
                         && lead.spec.request.prompt_logprobs == spec.request.prompt_logprobs
                 })
             });
-            let (prompt, work, caches) = (spec.prompt.clone(), spec.work(), self.caches(spec));
+            let (prompt, grant, caches) = (
+                spec.prompt.clone(),
+                first_grant(spec, self.options.grant_ahead),
+                self.caches(spec),
+            );
             let started = Instant::now();
             let hashes = (follows.is_none() && caches).then(|| PrefixHashes::new(&prompt));
             let hashed = started.elapsed();
@@ -692,7 +733,7 @@ impl Engine {
                 None => None,
             };
             let looked_up = started.elapsed();
-            let restored = match self.take_room(slot, work, cached) {
+            let restored = match self.take_room(slot, grant, cached) {
                 Ok(Some(restored)) => restored,
                 Ok(None) => return false,
                 Err(e) => {
@@ -711,6 +752,7 @@ impl Engine {
             };
             let mut seq = self.new_seq(id, spec, phase);
             seq.cached = restored;
+            seq.granted = grant;
             if hashes.is_some() {
                 seq.snapshot_at = self.snapshot_points(&seq.spec.prompt);
                 seq.prompt_hashes = hashes;
@@ -730,6 +772,140 @@ impl Engine {
                 leader = Some(slot);
             }
         }
+    }
+
+    /// Admits the preempted sequences again, the earliest admitted first, each starting from the prefix cache's
+    /// longest snapshot of its tokens. True when none is left waiting: until then no new sequence enters, so that
+    /// the sequences that gave way go on first.
+    fn resume_preempted(&mut self) -> bool {
+        while let Some(i) = (0..self.preempted.len()).min_by_key(|&i| self.preempted[i].order) {
+            let Some(slot) = self.free_slot() else {
+                return false;
+            };
+            let seq = &self.preempted[i];
+            let grant = first_grant(&seq.spec, self.options.grant_ahead);
+            let prompt = &seq.spec.prompt;
+            let cached = match &seq.prompt_hashes {
+                Some(hashes) => self.cache.lookup_hashed(prompt, hashes, prompt.len() - 1),
+                None => None,
+            };
+            match self.take_room(slot, grant, cached) {
+                Ok(Some(restored)) => {
+                    let mut seq = self.preempted.swap_remove(i);
+                    seq.phase = Phase::Prefill { done: restored };
+                    seq.granted = grant;
+                    tracing::debug!(tokens = seq.spec.prompt.len(), restored, "resumed a preempted sequence");
+                    self.slots[slot] = Some(seq);
+                }
+                Ok(None) => return false,
+                Err(e) => {
+                    let job = self.preempted[i].job;
+                    self.fail_job(job, forward_error(e));
+                }
+            }
+        }
+        true
+    }
+
+    /// Takes the sequence in `slot` out of its slot and gives its context back to the pool, for older sequences
+    /// to grow. It waits in `preempted` to be prefilled again from its prompt and every token it generated, the one
+    /// not in the slot yet included, which gives the logits its next step would have given; it keeps its output,
+    /// sampler, constraint and history, so its client receives the same tokens it would have, only later.
+    fn preempt(&mut self, slot: Slot) {
+        let Some(mut seq) = self.slots[slot].take() else {
+            return;
+        };
+        self.backend.release(slot);
+        let mut tokens = Vec::with_capacity(seq.spec.prompt.len() + seq.generated.len());
+        tokens.extend_from_slice(&seq.spec.prompt);
+        tokens.extend_from_slice(&seq.generated);
+        seq.spec.max_tokens = seq.spec.max_tokens.saturating_sub(seq.generated.len());
+        seq.spec.prompt = Arc::new(tokens);
+        seq.generated.clear();
+        seq.resumed = true;
+        seq.granted = 0;
+        seq.phase = Phase::Prefill { done: 0 };
+        seq.prompt_hashes = self.caches(&seq.spec).then(|| PrefixHashes::new(&seq.spec.prompt));
+        seq.snapshot_at = match seq.prompt_hashes {
+            Some(_) => self.snapshot_points(&seq.spec.prompt),
+            None => Vec::new(),
+        };
+        tracing::debug!(tokens = seq.spec.prompt.len(), "preempted a sequence: the pool is full");
+        self.shared.metrics.preemptions.increment(1);
+        self.preempted.push(seq);
+        self.set_running();
+    }
+
+    /// The decoding sequence admitted last, the first to give way when the pool runs out.
+    fn youngest_decoding(&self) -> Option<Slot> {
+        (0..self.slots.len())
+            .filter(|&s| {
+                matches!(
+                    self.slots[s],
+                    Some(Seq {
+                        phase: Phase::Decode { .. },
+                        ..
+                    })
+                )
+            })
+            .max_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))
+    }
+
+    /// Grants the sequence in `slot` context for one token more than it holds where its grant is used up: up to
+    /// `grant_ahead` tokens more, as the pool has them. False when the pool lacks them, or when the backend
+    /// failed (its job failed with it).
+    fn grant_step(&mut self, slot: Slot) -> bool {
+        let Some(seq) = self.slots[slot].as_ref() else {
+            return false;
+        };
+        let len = self.backend.len(slot);
+        if len < seq.granted {
+            return true;
+        }
+        let (job, grant) = (
+            seq.job,
+            seq.spec.work().min(len + self.options.grant_ahead).max(len + 1),
+        );
+        match self.backend.reserve(slot, grant) {
+            Ok(true) => {
+                self.slots[slot].as_mut().expect("looked at above").granted = grant;
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                self.fail_job(job, forward_error(e));
+                false
+            }
+        }
+    }
+
+    /// Grants each sequence in `chosen` (about to step) context for its next token, the earliest admitted first.
+    /// Where the pool lacks it, the prefix cache's snapshots go first, least recently used first, and then the
+    /// decoding sequences admitted last are preempted, down to the sequence itself. Returns the slots still to step.
+    fn grant_steps(&mut self, chosen: Vec<Slot>) -> Vec<Slot> {
+        let mut by_age = chosen.clone();
+        by_age.sort_by_key(|&s| self.slots[s].as_ref().map_or(u64::MAX, |q| q.order));
+        for slot in by_age {
+            while self.slots[slot].is_some() && !self.grant_step(slot) {
+                // A sequence whose job failed has left its slot.
+                let Some(job) = self.slots[slot].as_ref().map(|q| q.job) else {
+                    break;
+                };
+                if let Some(victim) = self.cache.evict() {
+                    self.backend.drop_snapshot(victim);
+                    self.shared.metrics.prefix_cache_evictions.increment(1);
+                    self.cache_gauges();
+                    continue;
+                }
+                match self.youngest_decoding() {
+                    Some(victim) => self.preempt(victim),
+                    // Only a sequence that is not decoding could be short (none is: each is granted its prompt
+                    // and more at admission), and nothing is left to take back; failing it beats a loop.
+                    None => self.fail_job(job, ApiError::internal("the context pool could not hold the sequence")),
+                }
+            }
+        }
+        chosen.into_iter().filter(|&s| self.slots[s].is_some()).collect()
     }
 
     /// Whether the sequence uses the prefix cache: not when it asks for its prompt's logprobs, which need every
@@ -902,6 +1078,8 @@ impl Engine {
             order,
             phase,
             cached: 0,
+            granted: 0,
+            resumed: false,
             snapshot_at: Vec::new(),
             prompt_hashes: None,
             generated: Vec::new(),
@@ -1025,7 +1203,8 @@ impl Engine {
         let Phase::Prefill { mut done } = seq.phase else {
             unreachable!("chosen for its phase")
         };
-        let echo = seq.spec.request.prompt_logprobs;
+        // A resumed sequence's prompt logprobs were sent before it was preempted.
+        let echo = seq.spec.request.prompt_logprobs.filter(|_| !seq.resumed);
         let job = seq.job;
         if seq.prompt_hashes.is_some() {
             // A sequence admitted earlier may have cached more of this prompt since: start from there instead.
@@ -1223,7 +1402,7 @@ impl Engine {
     fn catch_up(&mut self, slot: Slot, done: usize) -> Result<usize, ForwardError> {
         let seq = self.slots[slot].as_ref().expect("a sequence in prefill");
         let prompt = seq.spec.prompt.clone();
-        let work = seq.spec.work();
+        let grant = seq.granted;
         let Some(hashes) = &seq.prompt_hashes else {
             return Ok(done);
         };
@@ -1231,9 +1410,9 @@ impl Engine {
         let Some((id, len)) = found.filter(|&(_, len)| len > done) else {
             return Ok(done);
         };
-        // Its reservation covers the whole sequence, more than a restore needs, so giving it back first makes room.
+        // The restore takes the same grant again, and giving the slot's back first makes room for it.
         self.backend.release(slot);
-        let restored = match self.take_room(slot, work, Some((id, len)))? {
+        let restored = match self.take_room(slot, grant, Some((id, len)))? {
             Some(restored) => restored,
             None => {
                 return Err(ForwardError::Device(
@@ -1242,7 +1421,9 @@ impl Engine {
             }
         };
         let seq = self.slots[slot].as_mut().expect("a sequence in prefill");
-        seq.cached = restored;
+        if !seq.resumed {
+            seq.cached = restored;
+        }
         seq.phase = Phase::Prefill { done: restored };
         Ok(restored)
     }
@@ -1267,6 +1448,10 @@ impl Engine {
         let mut ready = Vec::with_capacity(followers.len() + 1);
         for s in std::iter::once(slot).chain(followers) {
             let seq = self.slots[s].as_ref().expect("a sequence whose prompt is in");
+            if seq.resumed {
+                ready.push((s, row));
+                continue;
+            }
             let metrics = &self.shared.metrics;
             metrics.prompt_tokens.increment(seq.spec.prompt.len() as u64);
             if seq.prompt_hashes.is_some() {
@@ -1327,6 +1512,11 @@ impl Engine {
         let start = self.step_start % ready.len();
         let chosen: Vec<Slot> = ready.iter().cycle().skip(start).take(take).copied().collect();
         self.step_start = self.step_start.wrapping_add(take);
+        let chosen = self.grant_steps(chosen);
+        if chosen.is_empty() {
+            // Every chosen sequence was preempted or failed: that was this iteration's work.
+            return true;
+        }
         let rows: Vec<StepRow> = chosen
             .iter()
             .map(|&slot| {
@@ -1479,6 +1669,10 @@ impl Engine {
         }
         let ending = self.slots.iter().flatten().count() > rows.len();
         if waiting && (ending || self.free_slot().is_some()) {
+            return false;
+        }
+        // Where a grant is used up and the pool lacks more, the next iteration's step preempts.
+        if !rows.iter().all(|r| self.grant_step(r.slot)) {
             return false;
         }
         let started = Instant::now();
@@ -1654,9 +1848,7 @@ impl Engine {
             }
         }
         seq.history.push(token);
-        if seq.prompt_hashes.is_some() {
-            seq.generated.push(token);
-        }
+        seq.generated.push(token);
         let deltas = match seq.output.push_token(token) {
             Ok(deltas) => deltas,
             Err(e) => {
@@ -1751,6 +1943,7 @@ impl Engine {
     /// Takes job `id` out: its slots are freed and its waiting sequences dropped. Returns it.
     fn remove_job(&mut self, id: u64) -> Option<Active> {
         let active = self.jobs.remove(&id)?;
+        self.preempted.retain(|q| q.job != id);
         for slot in 0..self.slots.len() {
             if self.slots[slot].as_ref().is_some_and(|q| q.job == id) {
                 self.slots[slot] = None;
@@ -1783,7 +1976,8 @@ impl Engine {
         for id in ids {
             self.fail_job(id, error.clone());
         }
-        // A slot whose job is unknown (should a panic have left one) is freed too.
+        // A slot or preempted sequence whose job is unknown (should a panic have left one) is dropped too.
+        self.preempted.clear();
         for slot in 0..self.slots.len() {
             if self.slots[slot].take().is_some() {
                 self.backend.release(slot);

@@ -14,6 +14,7 @@ pub const QUEUE_DEPTH: &str = "lily_queue_depth";
 pub const RUNNING: &str = "lily_requests_running";
 pub const REJECTED: &str = "lily_requests_rejected_total";
 pub const CANCELLED: &str = "lily_requests_cancelled_total";
+pub const PREEMPTIONS: &str = "lily_preemptions_total";
 pub const PREFIX_QUERIES: &str = "lily_prefix_cache_queries_total";
 pub const PREFIX_QUERY_TOKENS: &str = "lily_prefix_cache_query_tokens_total";
 pub const PREFIX_HITS: &str = "lily_prefix_cache_hits_total";
@@ -38,6 +39,7 @@ pub struct Metrics {
     pub running: Gauge,
     pub rejected: Counter,
     pub cancelled: Counter,
+    pub preemptions: Counter,
     pub prefix_cache_queries: Counter,
     pub prefix_cache_query_tokens: Counter,
     pub prefix_cache_hits: Counter,
@@ -82,6 +84,11 @@ impl Metrics {
                 CANCELLED,
                 None,
                 "Generations cancelled (client disconnect or shutdown).",
+            ),
+            describe(
+                PREEMPTIONS,
+                None,
+                "Sequences that gave their context back to let older ones grow, to be computed again later.",
             ),
             describe(
                 PREFIX_QUERIES,
@@ -160,6 +167,7 @@ impl Metrics {
             running: recorder.register_gauge(&key(RUNNING), &METADATA),
             rejected: recorder.register_counter(&key(REJECTED), &METADATA),
             cancelled: recorder.register_counter(&key(CANCELLED), &METADATA),
+            preemptions: recorder.register_counter(&key(PREEMPTIONS), &METADATA),
             prefix_cache_queries: recorder.register_counter(&key(PREFIX_QUERIES), &METADATA),
             prefix_cache_query_tokens: recorder.register_counter(&key(PREFIX_QUERY_TOKENS), &METADATA),
             prefix_cache_hits: recorder.register_counter(&key(PREFIX_HITS), &METADATA),

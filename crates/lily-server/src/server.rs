@@ -683,6 +683,7 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
         max_prefill_tokens: args.max_prefill_tokens,
         prefix_cache: prefix_cache_bytes != Some(0),
         snapshot_interval: args.prefix_cache_interval,
+        ..EngineOptions::default()
     };
     let server = start(config, backend(model_dir)).await?;
     eprintln!(

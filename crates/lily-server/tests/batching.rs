@@ -17,7 +17,7 @@ use lily_model::sampling::SamplingParams;
 use lily_model::{BatchBackend, Config, ForwardError, PrefillPart, Slot, SnapshotId, StepRow};
 use lily_server::engine::{
     Engine, EngineHandle, EngineOptions, EngineShared, Event, Job, JobQueue, OutputKind, RequestSpec, SequenceSpec,
-    SubmitError,
+    SubmitError, DEFAULT_GRANT_AHEAD,
 };
 use lily_server::logits::Penalties;
 use lily_server::metrics::Metrics;
@@ -334,6 +334,8 @@ struct Request {
     temperature: f32,
     seed: u64,
     logprobs: Option<usize>,
+    /// Generate past end-of-sequence tokens, to `max_tokens`.
+    ignore_eos: bool,
     prompt_logprobs: Option<usize>,
     /// Start after this long.
     arrival: Duration,
@@ -353,6 +355,7 @@ impl Request {
             temperature: 0.0,
             seed,
             logprobs: None,
+            ignore_eos: false,
             prompt_logprobs: None,
             arrival: Duration::ZERO,
             cancel_after: None,
@@ -384,7 +387,7 @@ fn job(request: &Request) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>, 
         kind: OutputKind::Text,
         penalties: Penalties::none(),
         stop: request.stop.clone(),
-        ignore_eos: false,
+        ignore_eos: request.ignore_eos,
         logprobs: request.logprobs,
         prompt_logprobs: request.prompt_logprobs,
         constraint: None,
@@ -515,13 +518,20 @@ struct Running {
     thread: std::thread::JoinHandle<()>,
     slots: Arc<Mutex<FakeSlots>>,
     pool: usize,
+    metrics: Arc<Metrics>,
 }
 
 /// An engine without the prefix cache taking `max_prefill_tokens` an iteration.
 fn start(backend: FakeBatch, max_queue: usize, max_prefill_tokens: usize) -> Running {
+    start_granting(backend, max_queue, max_prefill_tokens, DEFAULT_GRANT_AHEAD)
+}
+
+/// [`start`], granting sequences `grant_ahead` tokens of context at a time.
+fn start_granting(backend: FakeBatch, max_queue: usize, max_prefill_tokens: usize, grant_ahead: usize) -> Running {
     let options = EngineOptions {
         max_prefill_tokens: Some(max_prefill_tokens),
         prefix_cache: false,
+        grant_ahead,
         ..EngineOptions::default()
     };
     start_with(backend, max_queue, options)
@@ -543,7 +553,7 @@ fn start_queued(
     let shared = Arc::new(EngineShared {
         metrics: metrics.clone(),
         cancel_all: AtomicBool::new(false),
-        queue: JobQueue::new(max_queue, metrics),
+        queue: JobQueue::new(max_queue, metrics.clone()),
         in_flight: AtomicUsize::new(0),
     });
     let slots = backend.slots.clone();
@@ -563,11 +573,20 @@ fn start_queued(
         thread,
         slots,
         pool,
+        metrics,
     };
     (running, pending)
 }
 
 impl Running {
+    /// Sequences the engine preempted so far (`lily_preemptions_total`).
+    fn preemptions(&self) -> usize {
+        let text = self.metrics.render();
+        let line = text.lines().find(|l| l.starts_with("lily_preemptions_total"));
+        line.and_then(|l| l.split_whitespace().last()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Closes the queue, waits for the engine to stop, and checks that nothing leaked.
     fn stop(self) {
         drop(self.handle);
@@ -625,6 +644,7 @@ fn workload(seed: u64, count: usize) -> Vec<Request> {
                 temperature: if r.below(2) == 0 { 0.0 } else { 1.0 },
                 seed: r.next() % 1000,
                 logprobs: (r.below(5) == 0).then_some(2),
+                ignore_eos: false,
                 prompt_logprobs: (r.below(8) == 0).then_some(1),
                 arrival: Duration::from_millis(r.below(200) + i as u64 * 3),
                 cancel_after: (r.below(6) == 0).then(|| r.below(8) as usize),
@@ -640,15 +660,25 @@ fn workload(seed: u64, count: usize) -> Vec<Request> {
 #[test]
 fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
     let mut stopped = 0;
-    for (seed, queues, parts) in [(1, false, 1), (2, false, 3), (3, false, 1), (1, true, 3), (4, true, 1)] {
+    // With a grant of a few tokens, more slots and a smaller pool, sequences grow through the pool as they decode
+    // and preempt each other where the arrivals' timing fills the pool (the deterministic test
+    // sequences_outgrowing_the_pool_give_way_and_answer_as_alone checks that they do).
+    for (seed, queues, parts, grant, slots, pool) in [
+        (1, false, 1, DEFAULT_GRANT_AHEAD, 4, 1024),
+        (2, false, 3, DEFAULT_GRANT_AHEAD, 4, 1024),
+        (3, false, 1, 4, 8, 640),
+        (1, true, 3, 4, 8, 640),
+        (4, true, 1, DEFAULT_GRANT_AHEAD, 4, 1024),
+        (5, true, 2, 1, 8, 576),
+    ] {
         let requests = workload(seed, 40);
-        // Four slots, a pool of 1024 tokens (a long prompt with its max_tokens takes half), steps of at most three
-        // rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration, in calls of up to
-        // `parts` sequences; with `queues`, the engine queues steps ahead.
-        let mut backend = FakeBatch::new(4, 1024, 3, 50);
+        // `slots` slots, a pool of `pool` tokens (a long prompt with its max_tokens takes up to 540), steps of at most
+        // three rows, prompts in chunks of at most 50 tokens of which the engine takes 32 an iteration, in calls of
+        // up to `parts` sequences; with `queues`, the engine queues steps ahead.
+        let mut backend = FakeBatch::new(slots, pool, 3, 50);
         backend.queues = queues;
         backend.parts = parts;
-        let running = start(backend, 32, 32);
+        let running = start_granting(backend, 32, 32, grant);
         let answers: Vec<Answer> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
                 .iter()
@@ -671,7 +701,7 @@ fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
             match answer {
                 Answer::Done(choices) => {
                     done += 1;
-                    assert!(request.prompt.len() + request.max_tokens <= 1024);
+                    assert!(request.prompt.len() + request.max_tokens <= pool);
                     assert_eq!(choices.len(), request.n, "seed {seed}: every choice finished");
                     stopped += choices
                         .values()
@@ -689,7 +719,7 @@ fn random_arrivals_are_all_answered_without_leaks_and_as_alone() {
                 }
                 Answer::Error(status) => {
                     assert_eq!(*status, 400, "seed {seed}: {request:?}");
-                    assert!(request.prompt.len() + request.max_tokens > 1024, "{request:?}");
+                    assert!(request.prompt.len() + request.max_tokens > pool, "{request:?}");
                 }
                 Answer::Cancelled => assert!(request.cancel_after.is_some(), "seed {seed}: {request:?}"),
                 Answer::QueueFull => {}
@@ -721,6 +751,7 @@ fn a_sequence_is_the_same_beside_others(queues: bool) {
             temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
             seed: i as u64,
             logprobs: None,
+            ignore_eos: false,
             prompt_logprobs: (i == 5).then_some(0),
             arrival: Duration::ZERO,
             cancel_after: None,
@@ -787,6 +818,7 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
                 temperature: if r.below(2) == 0 { 0.0 } else { 1.0 },
                 seed: r.next() % 1000,
                 logprobs: (r.below(5) == 0).then_some(2),
+                ignore_eos: false,
                 prompt_logprobs: (r.below(10) == 0).then_some(1),
                 arrival: Duration::from_millis(r.below(150) + i as u64 * 4),
                 cancel_after: (r.below(8) == 0).then(|| r.below(6) as usize),
@@ -805,6 +837,9 @@ fn shared_prefixes_reuse_snapshots_and_answer_as_alone_under_eviction() {
             max_prefill_tokens: Some(32),
             prefix_cache: true,
             snapshot_interval: 48,
+            // Half the runs grant context a few tokens at a time, so that preempted sequences resume from the
+            // prefix cache.
+            grant_ahead: if seed % 2 == 0 { 2 } else { DEFAULT_GRANT_AHEAD },
         };
         let running = start_with(backend, 64, options);
         let answers: Vec<(Answer, usize)> = std::thread::scope(|scope| {
@@ -867,6 +902,7 @@ fn prompts_waiting_together_share_a_prefill_call_and_its_steps() {
         max_prefill_tokens: Some(256),
         prefix_cache: true,
         snapshot_interval: 0,
+        ..EngineOptions::default()
     };
     let im_start = tokenizer().token_to_id("<|im_start|>").expect("the chat tokenizer");
     let requests: Vec<Request> = (0..4)
@@ -922,6 +958,7 @@ fn one_prompt_prefilled_once(parts: usize, chunk: usize) {
         max_prefill_tokens: Some(chunk),
         prefix_cache: true,
         snapshot_interval: 0,
+        ..EngineOptions::default()
     };
     let running = start_with(backend, 64, options);
     let system: Vec<u32> = (0..600).map(|t| 1000 + (t * 31 % 300) as u32).collect();
@@ -979,6 +1016,7 @@ fn a_prompt_is_snapshotted_whole_and_extended_from_there() {
             max_prefill_tokens: Some(64),
             prefix_cache: true,
             snapshot_interval: 0,
+            ..EngineOptions::default()
         };
         let running = start_with(backend, 8, options);
         let prompt: Vec<u32> = (0..150).map(|t| 1000 + (t * 37 % 300) as u32).collect();
@@ -995,5 +1033,78 @@ fn a_prompt_is_snapshotted_whole_and_extended_from_there() {
         let expected = client(&alone.handle, &next);
         alone.stop();
         assert_eq!(answer, expected);
+    }
+}
+
+/// A pool that holds two whole sequences runs four at once, each granted context as it decodes: when it runs out,
+/// the sequences admitted last give their context back and are computed again later (from the prefix cache where
+/// it is on), and every answer (greedy, sampled, with logprobs, prompt logprobs and two choices) is still the
+/// request's alone. With whole reservations (prompt plus `max_tokens` at admission) two would run at a time.
+#[test]
+fn sequences_outgrowing_the_pool_give_way_and_answer_as_alone() {
+    for (queues, prefix_cache) in [(false, false), (true, false), (false, true), (true, true)] {
+        // The last client hangs up after 60 tokens, and waits for the engine's answer (its seed is odd).
+        let requests: Vec<Request> = (0..7)
+            .map(|i| Request {
+                n: if i == 4 { 2 } else { 1 },
+                cancel_after: (i == 6).then_some(60),
+                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+                logprobs: (i == 1).then_some(2),
+                prompt_logprobs: (i == 2).then_some(1),
+                ignore_eos: true,
+                ..Request::greedy(
+                    (0..30 + i * 5).map(|t| 1000 + (t * 11 + i * 3) as u32 % 300).collect(),
+                    200,
+                    i as u64,
+                )
+            })
+            .collect();
+        // Eight slots, a pool of 512 tokens (a sequence reaches 260 at most), steps of up to eight rows.
+        let mut backend = FakeBatch::new(8, 512, 8, 512);
+        backend.queues = queues;
+        backend.max_snapshots = if prefix_cache { 8 } else { 0 };
+        let options = EngineOptions {
+            max_prefill_tokens: Some(512),
+            prefix_cache,
+            grant_ahead: 16,
+            ..EngineOptions::default()
+        };
+        let (running, pending) = start_queued(backend, 16, options, &requests);
+        let answers: Vec<Answer> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (pending.into_iter().zip(&requests))
+                .map(|(pending, request)| {
+                    scope.spawn(move || {
+                        let (receiver, cancel) = pending.expect("queued");
+                        read_events(receiver, &cancel, request, &mut 0)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let preemptions = running.preemptions();
+        let widest = running.slots.lock().unwrap().widest_step;
+        running.stop();
+        assert!(
+            preemptions > 0,
+            "queues {queues}, cache {prefix_cache}: nothing was preempted"
+        );
+        assert!(
+            widest >= 4,
+            "queues {queues}, cache {prefix_cache}: at most {widest} sequences stepped together"
+        );
+        for (request, answer) in requests.iter().zip(&answers) {
+            if request.cancel_after.is_some() {
+                assert_eq!(answer, &Answer::Cancelled);
+                continue;
+            }
+            let alone = start(FakeBatch::new(1, 4096, 1, 4096), 4, 4096);
+            let expected = client(&alone.handle, request);
+            alone.stop();
+            let Answer::Done(choices) = answer else {
+                panic!("queues {queues}, cache {prefix_cache}: {answer:?} for {request:?}");
+            };
+            assert!(choices.values().all(|c| c.tokens == 200), "{choices:?}");
+            assert_eq!(answer, &expected, "queues {queues}, cache {prefix_cache}: {request:?}");
+        }
     }
 }
