@@ -794,6 +794,9 @@ impl Engine {
                     let mut seq = self.preempted.swap_remove(i);
                     seq.phase = Phase::Prefill { done: restored };
                     seq.granted = grant;
+                    if !seq.resumed {
+                        seq.cached = restored;
+                    }
                     tracing::debug!(tokens = seq.spec.prompt.len(), restored, "resumed a preempted sequence");
                     self.slots[slot] = Some(seq);
                 }
@@ -808,47 +811,63 @@ impl Engine {
     }
 
     /// Takes the sequence in `slot` out of its slot and gives its context back to the pool, for older sequences
-    /// to grow. It waits in `preempted` to be prefilled again from its prompt and every token it generated, the one
-    /// not in the slot yet included, which gives the logits its next step would have given; it keeps its output,
-    /// sampler, constraint and history, so its client receives the same tokens it would have, only later.
+    /// to grow. It waits in `preempted` to be prefilled again: a sequence still in its prompt from the start, one
+    /// that was decoding from its prompt and every token it generated, the one not in the slot yet included, which
+    /// gives the logits its next step would have given. It keeps its output, sampler, constraint and history, so
+    /// its client receives the tokens that follow the same way, only later. (On a GPU the recomputed state differs
+    /// from the stepped one by rounding, as any prefill's does from steps', so a later token may differ where two
+    /// were all but tied.)
     fn preempt(&mut self, slot: Slot) {
         let Some(mut seq) = self.slots[slot].take() else {
             return;
         };
         self.backend.release(slot);
-        let mut tokens = Vec::with_capacity(seq.spec.prompt.len() + seq.generated.len());
-        tokens.extend_from_slice(&seq.spec.prompt);
-        tokens.extend_from_slice(&seq.generated);
-        seq.spec.max_tokens = seq.spec.max_tokens.saturating_sub(seq.generated.len());
-        seq.spec.prompt = Arc::new(tokens);
-        seq.generated.clear();
-        seq.resumed = true;
+        if !seq.generated.is_empty() {
+            let mut tokens = Vec::with_capacity(seq.spec.prompt.len() + seq.generated.len());
+            tokens.extend_from_slice(&seq.spec.prompt);
+            tokens.extend_from_slice(&seq.generated);
+            seq.spec.max_tokens = seq.spec.max_tokens.saturating_sub(seq.generated.len());
+            seq.spec.prompt = Arc::new(tokens);
+            seq.generated.clear();
+            seq.resumed = true;
+            // Its prompt's logprobs were sent, so the cache serves it too.
+            let caches = self.options.prefix_cache;
+            seq.prompt_hashes = caches.then(|| PrefixHashes::new(&seq.spec.prompt));
+            seq.snapshot_at = match caches {
+                true => self.snapshot_points(&seq.spec.prompt),
+                false => Vec::new(),
+            };
+        }
         seq.granted = 0;
         seq.phase = Phase::Prefill { done: 0 };
-        seq.prompt_hashes = self.caches(&seq.spec).then(|| PrefixHashes::new(&seq.spec.prompt));
-        seq.snapshot_at = match seq.prompt_hashes {
-            Some(_) => self.snapshot_points(&seq.spec.prompt),
-            None => Vec::new(),
-        };
         tracing::debug!(tokens = seq.spec.prompt.len(), "preempted a sequence: the pool is full");
         self.shared.metrics.preemptions.increment(1);
         self.preempted.push(seq);
         self.set_running();
     }
 
-    /// The decoding sequence admitted last, the first to give way when the pool runs out.
-    fn youngest_decoding(&self) -> Option<Slot> {
+    /// The sequence admitted last among those that can give way when the pool runs out: a decoding one, or one
+    /// prefilling its prompt that no other waits to be forked from (one echoing its prompt's logprobs goes on).
+    fn youngest_preemptable(&self) -> Option<Slot> {
+        let leads =
+            |s: Slot| (self.slots.iter().flatten()).any(|q| matches!(q.phase, Phase::Follow { leader } if leader == s));
         (0..self.slots.len())
-            .filter(|&s| {
-                matches!(
-                    self.slots[s],
-                    Some(Seq {
-                        phase: Phase::Decode { .. },
-                        ..
-                    })
-                )
+            .filter(|&s| match &self.slots[s] {
+                Some(q) => match q.phase {
+                    Phase::Decode { .. } => true,
+                    Phase::Prefill { .. } => !leads(s),
+                    _ => false,
+                },
+                None => false,
             })
             .max_by_key(|&s| self.slots[s].as_ref().map_or(0, |q| q.order))
+    }
+
+    /// The context the sequence in `slot` is to be granted when its grant is used up: its length, the next token
+    /// and up to `grant_ahead - 1` more, at most its prompt plus `max_tokens`.
+    fn next_grant(&self, slot: Slot, seq: &Seq) -> usize {
+        let len = self.backend.len(slot);
+        seq.spec.work().min(len + self.options.grant_ahead).max(len + 1)
     }
 
     /// Grants the sequence in `slot` context for one token more than it holds where its grant is used up: up to
@@ -858,14 +877,10 @@ impl Engine {
         let Some(seq) = self.slots[slot].as_ref() else {
             return false;
         };
-        let len = self.backend.len(slot);
-        if len < seq.granted {
+        if self.backend.len(slot) < seq.granted {
             return true;
         }
-        let (job, grant) = (
-            seq.job,
-            seq.spec.work().min(len + self.options.grant_ahead).max(len + 1),
-        );
+        let (job, grant) = (seq.job, self.next_grant(slot, seq));
         match self.backend.reserve(slot, grant) {
             Ok(true) => {
                 self.slots[slot].as_mut().expect("looked at above").granted = grant;
@@ -880,27 +895,31 @@ impl Engine {
     }
 
     /// Grants each sequence in `chosen` (about to step) context for its next token, the earliest admitted first.
-    /// Where the pool lacks it, the prefix cache's snapshots go first, least recently used first, and then the
-    /// decoding sequences admitted last are preempted, down to the sequence itself. Returns the slots still to step.
+    /// Where the pool lacks it, the prefix cache's snapshots go first, least recently used first, while dropping
+    /// them all could make the room (a snapshot that shares its pages with a running sequence returns nothing);
+    /// then the sequences admitted last are preempted, down to the sequence itself. Returns the slots still to step.
     fn grant_steps(&mut self, chosen: Vec<Slot>) -> Vec<Slot> {
         let mut by_age = chosen.clone();
         by_age.sort_by_key(|&s| self.slots[s].as_ref().map_or(u64::MAX, |q| q.order));
         for slot in by_age {
             while self.slots[slot].is_some() && !self.grant_step(slot) {
                 // A sequence whose job failed has left its slot.
-                let Some(job) = self.slots[slot].as_ref().map(|q| q.job) else {
+                let Some(seq) = self.slots[slot].as_ref() else {
                     break;
                 };
-                if let Some(victim) = self.cache.evict() {
-                    self.backend.drop_snapshot(victim);
-                    self.shared.metrics.prefix_cache_evictions.increment(1);
-                    self.cache_gauges();
-                    continue;
+                let (job, needed) = (seq.job, self.next_grant(slot, seq).saturating_sub(seq.granted));
+                if self.backend.free_tokens() + self.backend.snapshot_tokens() >= needed {
+                    if let Some(victim) = self.cache.evict() {
+                        self.backend.drop_snapshot(victim);
+                        self.shared.metrics.prefix_cache_evictions.increment(1);
+                        self.cache_gauges();
+                        continue;
+                    }
                 }
-                match self.youngest_decoding() {
+                match self.youngest_preemptable() {
                     Some(victim) => self.preempt(victim),
-                    // Only a sequence that is not decoding could be short (none is: each is granted its prompt
-                    // and more at admission), and nothing is left to take back; failing it beats a loop.
+                    // Only a sequence echoing its prompt could be short (none is: each is granted its prompt and
+                    // more at admission), and nothing is left to take back; failing it beats a loop.
                     None => self.fail_job(job, ApiError::internal("the context pool could not hold the sequence")),
                 }
             }
@@ -1641,7 +1660,7 @@ impl Engine {
         if !self.backend.queues_steps() {
             return false;
         }
-        let waiting = self.admitting.is_some() || !self.shared.queue.is_empty();
+        let waiting = self.admitting.is_some() || !self.preempted.is_empty() || !self.shared.queue.is_empty();
         for &(slot, token, _) in chosen {
             if let Some(seq) = self.slots[slot].as_mut() {
                 seq.phase = Phase::Decode { token };
