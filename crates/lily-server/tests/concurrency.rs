@@ -322,3 +322,40 @@ async fn load_test_200_requests_16_clients() {
     let s = Arc::into_inner(s).unwrap();
     s.shutdown().await;
 }
+
+/// A KV pool that holds two of four sequences whole (the real model on the CPU backend): the four run together,
+/// granted context as they grow, the ones admitted last are preempted when the pool runs out and computed again,
+/// and every greedy answer is the one the request gets alone.
+#[tokio::test]
+async fn a_pool_too_small_for_every_sequence_preempts_and_answers_as_alone() {
+    let mut c = config();
+    c.context = Some(1024);
+    c.pool.max_seqs = Some(4);
+    c.pool.kv_tokens = Some(512);
+    c.engine.grant_ahead = 16;
+    let s = Arc::new(TestServer::real(c).await);
+    let body =
+        |i: usize| json!({"prompt": format!("ROMEO {i}:"), "max_tokens": 200, "temperature": 0, "ignore_eos": true});
+    let text = |reply: &Json| reply["choices"][0]["text"].as_str().expect("a text").to_string();
+    let mut alone = Vec::new();
+    for i in 0..4 {
+        let (status, reply) = s.post("/v1/completions", &body(i)).await;
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["usage"]["completion_tokens"], 200);
+        alone.push(text(&reply));
+    }
+    assert_eq!(s.metric("lily_preemptions_total").await.unwrap_or(0.0), 0.0);
+    let together: Vec<_> = (0..4)
+        .map(|i| {
+            let (s, body) = (s.clone(), body(i));
+            tokio::spawn(async move { s.post("/v1/completions", &body).await })
+        })
+        .collect();
+    for (i, handle) in together.into_iter().enumerate() {
+        let (status, reply) = handle.await.unwrap();
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["usage"]["completion_tokens"], 200);
+        assert_eq!(text(&reply), alone[i], "request {i}");
+    }
+    assert!(s.metric("lily_preemptions_total").await.unwrap_or(0.0) > 0.0);
+}
