@@ -375,8 +375,8 @@ const PREFILL_CALLS_PER_ITERATION: usize = 4;
 ///    context to each that has used up its grant; where the pool lacks them, the prefix cache's snapshots are
 ///    dropped first, and then the sequences admitted last are preempted: each gives its context back and waits,
 ///    ahead of new requests, to be prefilled again from its prompt and the tokens it generated (from the prefix
-///    cache's longest snapshot of them), and then goes on where it stopped, its client seeing nothing of it but
-///    the pause (vLLM's preemption by recomputation),
+///    cache's longest snapshot of them), and then goes on where it stopped (vLLM's preemption by recomputation;
+///    a sequence still prefilling its prompt can give way too, and starts it again),
 /// 5. samples each sequence whose next-token logits are ready and sends its events.
 ///
 /// The prefix cache: a sequence starts from the backend's snapshot of the longest prefix of its prompt that the
