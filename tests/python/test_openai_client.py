@@ -1,5 +1,5 @@
-"""`lily serve` driven by the official `openai` Python package: chat (streamed and not), completions, tools,
-logprobs, structured outputs and the error cases. The model is the bundled lily-tiny-shakespeare: it writes
+"""`lily serve` driven by the official `openai` Python package: chat (streamed and not), completions, responses,
+tools, logprobs, structured outputs and the error cases. The model is the bundled lily-tiny-shakespeare: it writes
 Shakespearean English and never calls tools by itself, so the free tool tests check the request/response plumbing
 (the exact tool-call shapes are tested in Rust with a scripted backend); with `tool_choice` `required` the
 constraint makes it call one."""
@@ -406,3 +406,86 @@ def test_concurrent_requests_each_get_their_own_answer(client, model, base_url):
     one_by_one = [sampled(s) for s in seeds]
     with ThreadPoolExecutor(max_workers=len(seeds)) as pool:
         assert list(pool.map(sampled, seeds)) == one_by_one
+
+
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather forecast for a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"],
+    },
+}
+
+
+def test_responses_text_streamed_and_whole(client, model):
+    kwargs = dict(model=model, input="What light through yonder window breaks?", instructions="Speak as Romeo.",
+                  max_output_tokens=12, temperature=0, reasoning={"effort": "none"})
+    r = client.responses.create(**kwargs)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.model == model
+    assert r.status in ("completed", "incomplete")
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+    assert r.output_text
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert 1 <= r.usage.output_tokens <= 12
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.instructions == "Speak as Romeo." and r.max_output_tokens == 12
+
+    events = list(client.responses.create(stream=True, **kwargs))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == ("response.completed" if r.status == "completed" else "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert len(done) == 1 and done[0].text == r.output_text
+    final = events[-1].response
+    assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
+
+
+def test_responses_function_calls_and_their_outputs(client, model):
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        r = client.responses.create(model=model, input="Weather in Verona?", tools=[RESPONSES_TOOL],
+                                    tool_choice=choice, parallel_tool_calls=False, max_output_tokens=120,
+                                    temperature=0, reasoning={"effort": "none"})
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", r.output
+        jsonschema.validate(json.loads(calls[0].arguments), RESPONSES_TOOL["parameters"])
+        assert calls[0].call_id and calls[0].status == "completed"
+    events = list(client.responses.create(model=model, input="Weather in Verona?", tools=[RESPONSES_TOOL],
+                                          tool_choice="required", parallel_tool_calls=False, max_output_tokens=120,
+                                          temperature=0, reasoning={"effort": "none"}, stream=True))
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert arguments == calls[0].arguments
+    # The call and its output go back as input items, and the model answers.
+    follow = client.responses.create(model=model, tools=[RESPONSES_TOOL], max_output_tokens=8, temperature=0,
+                                     reasoning={"effort": "none"}, input=[
+                                         {"role": "user", "content": "Weather in Verona?"},
+                                         {"type": "function_call", "call_id": calls[0].call_id,
+                                          "name": "get_weather", "arguments": calls[0].arguments},
+                                         {"type": "function_call_output", "call_id": calls[0].call_id,
+                                          "output": "Sunny, 24 C."}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+
+def test_responses_json_schema_and_errors(client, model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}},
+              "required": ["name"], "additionalProperties": False}
+    r = client.responses.create(model=model, input="Name a lord.", max_output_tokens=60, temperature=0,
+                                reasoning={"effort": "none"},
+                                text={"format": {"type": "json_schema", "name": "lord", "schema": schema,
+                                                 "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    expect_error(openai.BadRequestError, lambda: client.responses.create(
+        model=model, input="hi", previous_response_id="resp_123"), param="previous_response_id")
+    expect_error(openai.BadRequestError, lambda: client.responses.create(
+        model=model, input="hi", tools=[{"type": "web_search"}]), param="tools[0]")
+    expect_error(openai.BadRequestError, lambda: client.responses.create(
+        model=model, input="hi", max_output_tokens=0), param="max_output_tokens")

@@ -24,6 +24,7 @@ use crate::completions::{self, CompletionResponder};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::params;
+use crate::responses::{self, ResponsesResponder};
 use crate::server::{AppState, Ready};
 use crate::types::*;
 use tracing::Instrument;
@@ -34,6 +35,7 @@ pub fn router(state: AppStateRef) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(text_completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route("/tokenize", post(tokenize))
@@ -461,6 +463,16 @@ impl Responder for ChatResponder {
     }
 }
 
+impl Responder for ResponsesResponder {
+    type Response = ResponseObject;
+    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+        ResponsesResponder::stream_event(self, event)
+    }
+    fn collect_event(&mut self, event: Event) -> Option<Result<ResponseObject, ApiError>> {
+        ResponsesResponder::collect_event(self, event)
+    }
+}
+
 impl Responder for CompletionResponder {
     type Response = Completion;
     fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
@@ -582,6 +594,24 @@ async fn text_completions(State(state): State<AppStateRef>, request: Request) ->
             "completion request parsed and prepared"
         );
         let responder = CompletionResponder::new(&plan, state.config.model_id.clone(), ready.tokenizer.clone());
+        Ok(Prepared {
+            stream: plan.stream,
+            sequences: plan.sequences,
+            responder,
+        })
+    })
+    .await
+}
+
+async fn responses(State(state): State<AppStateRef>, request: Request) -> Response {
+    complete(state, request, |body, state| {
+        let (request, sampling): (ResponsesRequest, _) = parse_json_with_sampling(body)?;
+        check_model(request.model.as_deref(), state)?;
+        let ready = ready(state)?;
+        check_queue(state)?;
+        let translated = responses::translate(request, &sampling, state.config.model_id.clone())?;
+        let plan = chat::prepare(translated.chat, sampling, ready).map_err(responses::responses_param)?;
+        let responder = ResponsesResponder::new(&plan, translated.template);
         Ok(Prepared {
             stream: plan.stream,
             sequences: plan.sequences,

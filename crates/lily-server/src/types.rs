@@ -358,3 +358,111 @@ pub struct ErrorDetail {
     pub param: Option<String>,
     pub code: Option<&'static str>,
 }
+
+/// A `/v1/responses` request's own fields (OpenAI's Responses API); its sampling fields are a [`RawSampling`].
+/// The server keeps no state between requests, so the fields that refer to stored responses are refused.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ResponsesRequest {
+    pub model: Option<String>,
+    /// A string (one user message) or an array of input items; kept as JSON and checked item by item.
+    pub input: Option<Json>,
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<i64>,
+    pub stream: Option<bool>,
+    pub tools: Option<Vec<Json>>,
+    pub tool_choice: Option<Json>,
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}}`.
+    pub text: Option<Json>,
+    /// `{"effort": ..., "summary": ...}`.
+    pub reasoning: Option<Json>,
+    pub store: Option<bool>,
+    pub previous_response_id: Option<String>,
+    pub conversation: Option<Json>,
+    pub background: Option<bool>,
+    pub include: Option<Vec<String>>,
+    pub truncation: Option<String>,
+    pub metadata: Option<Json>,
+    pub top_logprobs: Option<i64>,
+}
+
+/// A response of `/v1/responses`, streamed (in the `response.*` events) or whole.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseObject {
+    pub id: String,
+    pub object: &'static str,
+    pub created_at: u64,
+    /// `in_progress`, `completed`, `incomplete` (cut by `max_output_tokens`) or `failed`.
+    pub status: &'static str,
+    pub model: String,
+    pub output: Vec<ResponseItem>,
+    pub usage: Option<ResponseUsage>,
+    pub incomplete_details: Option<IncompleteDetails>,
+    pub error: Option<Json>,
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<i64>,
+    pub parallel_tool_calls: bool,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub tool_choice: Json,
+    pub tools: Vec<Json>,
+    pub text: Json,
+    pub reasoning: Json,
+    pub metadata: Json,
+    pub store: bool,
+    pub previous_response_id: Option<String>,
+    pub truncation: &'static str,
+}
+
+/// An output item of a response.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseItem {
+    Reasoning {
+        id: String,
+        summary: Vec<Json>,
+        content: Vec<ResponsePart>,
+        status: &'static str,
+    },
+    Message {
+        id: String,
+        status: &'static str,
+        role: &'static str,
+        content: Vec<ResponsePart>,
+    },
+    FunctionCall {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: String,
+        status: &'static str,
+    },
+}
+
+/// A content part of a reasoning or message item.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponsePart {
+    ReasoningText {
+        text: String,
+    },
+    OutputText {
+        text: String,
+        annotations: Vec<Json>,
+        logprobs: Vec<Json>,
+    },
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseUsage {
+    pub input_tokens: usize,
+    pub input_tokens_details: PromptTokensDetails,
+    pub output_tokens: usize,
+    pub output_tokens_details: CompletionTokensDetails,
+    pub total_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct IncompleteDetails {
+    pub reason: &'static str,
+}

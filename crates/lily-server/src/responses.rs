@@ -1,0 +1,1071 @@
+//! `/v1/responses` (OpenAI's Responses API) on top of the chat pipeline: a request's input items become chat
+//! messages (its `instructions` the system message), its flat function tools and `text.format` become the chat
+//! request's `tools` and `response_format`, and [`crate::chat::prepare`] renders, tokenizes and constrains it as it does a
+//! chat request. The engine's events then become the response's output items: reasoning, a message, function
+//! calls. The server keeps no responses, so `previous_response_id`, `conversation` and `background` are refused and
+//! `store` is only echoed.
+
+use lily_chat::{Delta, FinalOutput, FinishReason};
+use serde_json::{json, Map, Value as Json};
+
+use crate::chat::{to_json, ChatPlan};
+use crate::engine::Event;
+use crate::error::ApiError;
+use crate::params;
+use crate::types::{
+    ChatCompletionRequest, CompletionTokensDetails, IncompleteDetails, PromptTokensDetails, RawSampling, ResponseItem,
+    ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
+};
+
+/// The `include` values accepted: encrypted reasoning is asked for by clients that keep no state between turns;
+/// lily's reasoning is sent in the clear in the reasoning items, so there is nothing more to include.
+const INCLUDES: [&str; 1] = ["reasoning.encrypted_content"];
+
+/// A Responses request translated: the chat request to prepare, and what the response echoes of the request.
+pub struct Translated {
+    pub chat: ChatCompletionRequest,
+    pub template: ResponseObject,
+}
+
+/// Translates a Responses request into the chat request that [`crate::chat::prepare`] takes, and the response object it
+/// will be answered with (status `in_progress`, no output yet).
+pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: String) -> Result<Translated, ApiError> {
+    refuse_stateful(&request)?;
+    if sampling.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "n",
+            "`n` is not a field of the Responses API: a response has one output",
+        ));
+    }
+    if let Some(include) = request
+        .include
+        .iter()
+        .flatten()
+        .find(|i| !INCLUDES.contains(&i.as_str()))
+    {
+        return Err(ApiError::invalid(
+            "include",
+            format!("`include` value {include:?} is not supported (supported: {INCLUDES:?})"),
+        ));
+    }
+    if request.top_logprobs.is_some_and(|n| n != 0) {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "`top_logprobs` is not supported on /v1/responses",
+        ));
+    }
+    let truncation = match request.truncation.as_deref() {
+        None | Some("disabled") => "disabled",
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "truncation",
+                format!("`truncation` {other:?} is not supported: a prompt past the context is refused"),
+            ))
+        }
+    };
+    let mut messages = Vec::new();
+    if let Some(instructions) = &request.instructions {
+        messages.push(json!({"role": "system", "content": instructions}));
+    }
+    match request.input.clone() {
+        Some(Json::String(text)) => messages.push(json!({"role": "user", "content": text})),
+        Some(Json::Array(items)) => input_messages(items, &mut messages)?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "input",
+                "`input` must be a string or an array of input items",
+            ))
+        }
+        None => return Err(ApiError::invalid("input", "`input` is required")),
+    }
+    let tools = request.tools.clone().unwrap_or_default();
+    let chat_tools = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| chat_tool(i, t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tool_choice = request.tool_choice.clone().map(chat_tool_choice).transpose()?;
+    let text = request
+        .text
+        .clone()
+        .unwrap_or_else(|| json!({"format": {"type": "text"}}));
+    let response_format = response_format(&text)?;
+    let reasoning = request.reasoning.clone().unwrap_or(Json::Null);
+    let effort = match reasoning.get("effort") {
+        None | Some(Json::Null) => None,
+        Some(Json::String(effort)) => Some(effort.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "reasoning.effort",
+                "`reasoning.effort` must be a string",
+            ))
+        }
+    };
+    let parallel_tool_calls = request.parallel_tool_calls.unwrap_or(true);
+    let chat = ChatCompletionRequest {
+        model: request.model.clone(),
+        messages: Some(messages),
+        max_completion_tokens: request.max_output_tokens,
+        stream: request.stream,
+        tools: (!chat_tools.is_empty()).then_some(chat_tools),
+        tool_choice,
+        parallel_tool_calls: Some(parallel_tool_calls),
+        reasoning_effort: effort,
+        response_format,
+        ..ChatCompletionRequest::default()
+    };
+    let template = ResponseObject {
+        id: params::random_id("resp_"),
+        object: "response",
+        created_at: params::unix_now(),
+        status: "in_progress",
+        model,
+        output: Vec::new(),
+        usage: None,
+        incomplete_details: None,
+        error: None,
+        instructions: request.instructions,
+        max_output_tokens: request.max_output_tokens,
+        parallel_tool_calls,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
+        tool_choice: request.tool_choice.unwrap_or_else(|| json!("auto")),
+        tools,
+        text,
+        reasoning,
+        metadata: request.metadata.unwrap_or_else(|| json!({})),
+        store: request.store.unwrap_or(true),
+        previous_response_id: None,
+        truncation,
+    };
+    Ok(Translated { chat, template })
+}
+
+/// Renames the chat fields that an error from [`crate::chat::prepare`] names to the Responses fields they came from.
+pub fn responses_param(mut error: ApiError) -> ApiError {
+    if let Some(param) = &error.param {
+        let renamed = [
+            ("messages", "input"),
+            ("max_completion_tokens", "max_output_tokens"),
+            ("response_format", "text.format"),
+            ("reasoning_effort", "reasoning.effort"),
+        ]
+        .iter()
+        .find(|(chat, _)| param.starts_with(chat));
+        if let Some((_, field)) = renamed {
+            error.param = Some((*field).to_string());
+        }
+    }
+    error
+}
+
+fn refuse_stateful(request: &ResponsesRequest) -> Result<(), ApiError> {
+    let stored = "this server keeps no responses or conversations; send the whole conversation in `input`";
+    if request.previous_response_id.is_some() {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            format!("`previous_response_id`: {stored}"),
+        ));
+    }
+    if request.conversation.as_ref().is_some_and(|c| !c.is_null()) {
+        return Err(ApiError::invalid("conversation", format!("`conversation`: {stored}")));
+    }
+    if request.background == Some(true) {
+        return Err(ApiError::invalid(
+            "background",
+            "`background` responses are not supported",
+        ));
+    }
+    Ok(())
+}
+
+/// The text of an input or output content part, or of a whole string content.
+fn content_text(content: &Json, param: &str) -> Result<String, ApiError> {
+    match content {
+        Json::String(text) => Ok(text.clone()),
+        Json::Array(parts) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                match (part.get("type").and_then(Json::as_str), part.get("text")) {
+                    (Some("input_text" | "output_text" | "text" | "reasoning_text"), Some(Json::String(t))) => {
+                        text.push_str(t)
+                    }
+                    (Some(kind), _) => {
+                        return Err(ApiError::invalid(
+                            format!("{param}[{j}]"),
+                            format!("{param}[{j}] has type {kind:?}: only text parts are supported"),
+                        ))
+                    }
+                    (None, _) => {
+                        return Err(ApiError::invalid(
+                            format!("{param}[{j}]"),
+                            format!("{param}[{j}] needs a `type` and a string `text`"),
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::invalid(
+            param,
+            format!("{param} must be a string or an array of content parts"),
+        )),
+    }
+}
+
+/// A string field of input item `i`.
+fn item_str(item: &Json, i: usize, field: &str) -> Result<String, ApiError> {
+    match item.get(field) {
+        Some(Json::String(s)) => Ok(s.clone()),
+        _ => Err(ApiError::invalid(
+            format!("input[{i}].{field}"),
+            format!("input[{i}] needs a string `{field}`"),
+        )),
+    }
+}
+
+/// Appends the chat messages of the input items: messages as they are (their parts' text joined), function
+/// calls as an assistant message's tool calls (consecutive calls in one message, with the reasoning item before
+/// them), function call outputs as tool messages, reasoning items as the next assistant message's reasoning.
+fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiError> {
+    if items.is_empty() {
+        return Err(ApiError::invalid("input", "`input` must not be an empty array"));
+    }
+    let mut reasoning: Option<String> = None;
+    for (i, item) in items.iter().enumerate() {
+        if !item.is_object() {
+            return Err(ApiError::invalid(
+                format!("input[{i}]"),
+                format!("input[{i}] must be an object"),
+            ));
+        }
+        let kind = item.get("type").and_then(Json::as_str).unwrap_or("message");
+        match kind {
+            "message" => {
+                let role = item_str(item, i, "role")?;
+                let param = format!("input[{i}].content");
+                let content = content_text(item.get("content").unwrap_or(&Json::Null), &param)?;
+                let mut message = json!({"role": role, "content": content});
+                if role == "assistant" {
+                    if let Some(text) = reasoning.take() {
+                        message["reasoning_content"] = Json::String(text);
+                    }
+                }
+                messages.push(message);
+            }
+            "reasoning" => {
+                let param = format!("input[{i}].content");
+                let text = match item.get("content") {
+                    None | Some(Json::Null) => String::new(),
+                    Some(content) => content_text(content, &param)?,
+                };
+                reasoning.get_or_insert_with(String::new).push_str(&text);
+            }
+            "function_call" => {
+                let call = json!({
+                    "id": item_str(item, i, "call_id")?,
+                    "type": "function",
+                    "function": {"name": item_str(item, i, "name")?, "arguments": item_str(item, i, "arguments")?},
+                });
+                let joins = messages.last().is_some_and(|m: &Json| {
+                    m["role"] == "assistant" && m.get("tool_calls").is_some_and(Json::is_array)
+                });
+                if joins {
+                    let last = messages.last_mut().expect("checked above");
+                    last["tool_calls"].as_array_mut().expect("checked above").push(call);
+                } else {
+                    let mut message = json!({"role": "assistant", "content": Json::Null, "tool_calls": [call]});
+                    if let Some(text) = reasoning.take() {
+                        message["reasoning_content"] = Json::String(text);
+                    }
+                    messages.push(message);
+                }
+            }
+            "function_call_output" => {
+                let output = match item.get("output") {
+                    Some(Json::String(s)) => s.clone(),
+                    Some(content @ Json::Array(_)) => content_text(content, &format!("input[{i}].output"))?,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!("input[{i}].output"),
+                            format!("input[{i}] needs a string `output`"),
+                        ))
+                    }
+                };
+                messages
+                    .push(json!({"role": "tool", "tool_call_id": item_str(item, i, "call_id")?, "content": output}));
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    format!("input[{i}].type"),
+                    format!(
+                        "input[{i}] has type {other:?}: supported are message, reasoning, function_call and \
+                         function_call_output"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A Responses function tool (`{"type": "function", "name", "description", "parameters", "strict"}`) as a chat
+/// tool (`{"type": "function", "function": {...}}`).
+fn chat_tool(i: usize, tool: &Json) -> Result<Json, ApiError> {
+    let param = format!("tools[{i}]");
+    match tool.get("type").and_then(Json::as_str) {
+        Some("function") => {}
+        Some(other) => {
+            return Err(ApiError::invalid(
+                param,
+                format!("tools[{i}] has type {other:?}: only function tools are supported"),
+            ))
+        }
+        None => return Err(ApiError::invalid(param, format!("tools[{i}] needs a `type`"))),
+    }
+    let mut function = Map::new();
+    for field in ["name", "description", "parameters", "strict"] {
+        if let Some(value) = tool.get(field) {
+            function.insert(field.into(), value.clone());
+        }
+    }
+    Ok(json!({"type": "function", "function": function}))
+}
+
+/// A Responses `tool_choice` (`"auto"`, `"none"`, `"required"` or `{"type": "function", "name"}`) as chat's.
+fn chat_tool_choice(choice: Json) -> Result<Json, ApiError> {
+    match &choice {
+        Json::Object(fields) if fields.get("type").and_then(Json::as_str) == Some("function") => {
+            match fields.get("name") {
+                Some(Json::String(name)) => Ok(json!({"type": "function", "function": {"name": name}})),
+                _ => Err(ApiError::invalid(
+                    "tool_choice",
+                    "a function `tool_choice` needs a string `name`",
+                )),
+            }
+        }
+        _ => Ok(choice),
+    }
+}
+
+/// The chat `response_format` of a Responses `text` field (`{"format": {...}}`).
+fn response_format(text: &Json) -> Result<Option<Json>, ApiError> {
+    let Some(format) = text.get("format").filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Json::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let mut schema = Map::new();
+            for field in ["name", "description", "schema", "strict"] {
+                if let Some(value) = format.get(field) {
+                    schema.insert(field.into(), value.clone());
+                }
+            }
+            Ok(Some(json!({"type": "json_schema", "json_schema": schema})))
+        }
+        _ => Err(ApiError::invalid(
+            "text.format",
+            "`text.format.type` must be one of text, json_object, json_schema",
+        )),
+    }
+}
+
+/// The item being streamed.
+enum Open {
+    Reasoning {
+        id: String,
+        text: String,
+    },
+    Message {
+        id: String,
+        text: String,
+    },
+    Call {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
+}
+
+/// Turns engine events into a Responses answer: the whole response, or its stream of `response.*` events.
+pub struct ResponsesResponder {
+    response: ResponseObject,
+    parallel_tool_calls: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    reasoning_tokens: usize,
+    cached_tokens: usize,
+    finish: Option<FinishReason>,
+    /// Streaming: the next event's `sequence_number`, whether `response.created` went out, and the item open.
+    sequence: u64,
+    started: bool,
+    open: Option<Open>,
+    /// Non-streaming: the finished output.
+    output: Option<FinalOutput>,
+}
+
+impl ResponsesResponder {
+    pub fn new(plan: &ChatPlan, template: ResponseObject) -> Self {
+        ResponsesResponder {
+            parallel_tool_calls: template.parallel_tool_calls,
+            response: template,
+            prompt_tokens: plan.prompt_tokens,
+            completion_tokens: 0,
+            reasoning_tokens: 0,
+            cached_tokens: 0,
+            finish: None,
+            sequence: 0,
+            started: false,
+            open: None,
+            output: None,
+        }
+    }
+
+    fn event(&mut self, kind: &str, mut fields: Json) -> String {
+        fields["type"] = json!(kind);
+        fields["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        to_json(&fields)
+    }
+
+    /// The response as it stands, with its usage and final status once finished.
+    fn snapshot(&self, status: &'static str) -> ResponseObject {
+        let mut response = self.response.clone();
+        response.status = status;
+        if status != "in_progress" {
+            response.usage = Some(ResponseUsage {
+                input_tokens: self.prompt_tokens,
+                input_tokens_details: PromptTokensDetails {
+                    cached_tokens: self.cached_tokens,
+                },
+                output_tokens: self.completion_tokens,
+                output_tokens_details: CompletionTokensDetails {
+                    reasoning_tokens: self.reasoning_tokens,
+                },
+                total_tokens: self.prompt_tokens + self.completion_tokens,
+            });
+        }
+        if status == "incomplete" {
+            response.incomplete_details = Some(IncompleteDetails {
+                reason: "max_output_tokens",
+            });
+        }
+        response
+    }
+
+    fn final_status(&self) -> &'static str {
+        match self.finish {
+            Some(FinishReason::Length) => "incomplete",
+            _ => "completed",
+        }
+    }
+
+    /// Streaming: the events an engine event produces (each the JSON of one `data:` line), and whether the
+    /// stream ends.
+    pub fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+        let mut out = Vec::new();
+        if !self.started {
+            self.started = true;
+            let response = self.snapshot("in_progress");
+            out.push(self.event("response.created", json!({"response": response})));
+            out.push(self.event("response.in_progress", json!({"response": response})));
+        }
+        match event {
+            Event::Token { deltas, .. } => self.stream_deltas(deltas, &mut out),
+            Event::Finished {
+                output, cached_tokens, ..
+            } => {
+                self.stream_deltas(output.deltas, &mut out);
+                self.close(&mut out);
+                self.cached_tokens += cached_tokens;
+                self.completion_tokens += output.completion_tokens;
+                self.reasoning_tokens += output.reasoning_tokens;
+                self.finish = Some(output.finish_reason);
+            }
+            Event::Done => {
+                self.close(&mut out);
+                let status = self.final_status();
+                let kind = match status {
+                    "incomplete" => "response.incomplete",
+                    _ => "response.completed",
+                };
+                let response = self.snapshot(status);
+                out.push(self.event(kind, json!({"response": response})));
+                return (out, true);
+            }
+            Event::Error(error) => {
+                let body = error.body();
+                let fields = json!({
+                    "code": error.code,
+                    "message": error.message,
+                    "param": error.param,
+                    "error": body.error,
+                });
+                out.push(self.event("error", fields));
+                return (out, true);
+            }
+            Event::PromptLogprobs { .. } => {}
+        }
+        (out, false)
+    }
+
+    fn stream_deltas(&mut self, deltas: Vec<Delta>, out: &mut Vec<String>) {
+        for delta in deltas {
+            match delta {
+                Delta::Reasoning(text) => {
+                    if !matches!(self.open, Some(Open::Reasoning { .. })) {
+                        self.close(out);
+                        self.open_item(
+                            Open::Reasoning {
+                                id: params::random_id("rs_"),
+                                text: String::new(),
+                            },
+                            out,
+                        );
+                    }
+                    let (index, id) = self.open_index_id();
+                    if let Some(Open::Reasoning { text: all, .. }) = &mut self.open {
+                        all.push_str(&text);
+                    }
+                    let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text});
+                    out.push(self.event("response.reasoning_text.delta", fields));
+                }
+                Delta::Content(text) => {
+                    if !matches!(self.open, Some(Open::Message { .. })) {
+                        self.close(out);
+                        self.open_item(
+                            Open::Message {
+                                id: params::random_id("msg_"),
+                                text: String::new(),
+                            },
+                            out,
+                        );
+                    }
+                    let (index, id) = self.open_index_id();
+                    if let Some(Open::Message { text: all, .. }) = &mut self.open {
+                        all.push_str(&text);
+                    }
+                    let fields = json!({
+                        "item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": [],
+                    });
+                    out.push(self.event("response.output_text.delta", fields));
+                }
+                Delta::ToolCall(call) if !self.parallel_tool_calls && call.index > 0 => {}
+                Delta::ToolCall(call) => {
+                    if let Some(call_id) = call.id {
+                        self.close(out);
+                        let open = Open::Call {
+                            id: params::random_id("fc_"),
+                            call_id,
+                            name: call.name.unwrap_or_default(),
+                            arguments: String::new(),
+                        };
+                        self.open_item(open, out);
+                    }
+                    if call.arguments.is_empty() {
+                        continue;
+                    }
+                    let (index, id) = self.open_index_id();
+                    if let Some(Open::Call { arguments, .. }) = &mut self.open {
+                        arguments.push_str(&call.arguments);
+                    }
+                    let fields = json!({"item_id": id, "output_index": index, "delta": call.arguments});
+                    out.push(self.event("response.function_call_arguments.delta", fields));
+                }
+            }
+        }
+    }
+
+    /// The output index and id of the item being streamed.
+    fn open_index_id(&self) -> (usize, String) {
+        let id = match &self.open {
+            Some(Open::Reasoning { id, .. } | Open::Message { id, .. } | Open::Call { id, .. }) => id.clone(),
+            None => String::new(),
+        };
+        (self.response.output.len(), id)
+    }
+
+    fn item(open: &Open, status: &'static str) -> ResponseItem {
+        match open {
+            Open::Reasoning { id, text } => ResponseItem::Reasoning {
+                id: id.clone(),
+                summary: Vec::new(),
+                content: match status {
+                    "in_progress" => Vec::new(),
+                    _ => vec![ResponsePart::ReasoningText { text: text.clone() }],
+                },
+                status,
+            },
+            Open::Message { id, text } => ResponseItem::Message {
+                id: id.clone(),
+                status,
+                role: "assistant",
+                content: match status {
+                    "in_progress" => Vec::new(),
+                    _ => vec![output_text(text.clone())],
+                },
+            },
+            Open::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            } => ResponseItem::FunctionCall {
+                id: id.clone(),
+                call_id: call_id.clone(),
+                name: name.clone(),
+                arguments: arguments.clone(),
+                status,
+            },
+        }
+    }
+
+    fn open_item(&mut self, open: Open, out: &mut Vec<String>) {
+        let index = self.response.output.len();
+        let item = Self::item(&open, "in_progress");
+        out.push(self.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        ));
+        let part = match &open {
+            Open::Reasoning { .. } => Some(ResponsePart::ReasoningText { text: String::new() }),
+            Open::Message { .. } => Some(output_text(String::new())),
+            Open::Call { .. } => None,
+        };
+        if let Some(part) = part {
+            let id = Self::id_of(&open);
+            let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
+            out.push(self.event("response.content_part.added", fields));
+        }
+        self.open = Some(open);
+    }
+
+    fn id_of(open: &Open) -> String {
+        match open {
+            Open::Reasoning { id, .. } | Open::Message { id, .. } | Open::Call { id, .. } => id.clone(),
+        }
+    }
+
+    /// Ends the item being streamed: its `done` events, and it joins the response's output.
+    fn close(&mut self, out: &mut Vec<String>) {
+        let Some(open) = self.open.take() else {
+            return;
+        };
+        let index = self.response.output.len();
+        let id = Self::id_of(&open);
+        match &open {
+            Open::Reasoning { text, .. } => {
+                let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text});
+                out.push(self.event("response.reasoning_text.done", fields));
+                let part = ResponsePart::ReasoningText { text: text.clone() };
+                let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
+                out.push(self.event("response.content_part.done", fields));
+            }
+            Open::Message { text, .. } => {
+                let fields = json!({
+                    "item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": [],
+                });
+                out.push(self.event("response.output_text.done", fields));
+                let part = output_text(text.clone());
+                let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
+                out.push(self.event("response.content_part.done", fields));
+            }
+            Open::Call { name, arguments, .. } => {
+                let fields = json!({"item_id": id, "output_index": index, "name": name, "arguments": arguments});
+                out.push(self.event("response.function_call_arguments.done", fields));
+            }
+        }
+        let item = Self::item(&open, "completed");
+        out.push(self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        ));
+        self.response.output.push(item);
+    }
+
+    /// Non-streaming: takes an event; `Some` once the response is complete (or failed).
+    pub fn collect_event(&mut self, event: Event) -> Option<Result<ResponseObject, ApiError>> {
+        match event {
+            Event::Token { .. } | Event::PromptLogprobs { .. } => None,
+            Event::Finished {
+                output, cached_tokens, ..
+            } => {
+                self.cached_tokens += cached_tokens;
+                self.completion_tokens += output.completion_tokens;
+                self.reasoning_tokens += output.reasoning_tokens;
+                self.finish = Some(output.finish_reason);
+                self.output = Some(output);
+                None
+            }
+            Event::Error(error) => Some(Err(error)),
+            Event::Done => {
+                if let Some(output) = self.output.take() {
+                    self.response.output = self.output_items(output);
+                }
+                Some(Ok(self.snapshot(self.final_status())))
+            }
+        }
+    }
+
+    /// The output items of a finished generation: its reasoning, its message (unless it only called tools) and
+    /// its function calls.
+    fn output_items(&self, output: FinalOutput) -> Vec<ResponseItem> {
+        let mut items = Vec::new();
+        if !output.reasoning.is_empty() {
+            items.push(ResponseItem::Reasoning {
+                id: params::random_id("rs_"),
+                summary: Vec::new(),
+                content: vec![ResponsePart::ReasoningText { text: output.reasoning }],
+                status: "completed",
+            });
+        }
+        let mut calls = output.tool_calls;
+        if !self.parallel_tool_calls {
+            calls.truncate(1);
+        }
+        if !output.content.is_empty() || calls.is_empty() {
+            items.push(ResponseItem::Message {
+                id: params::random_id("msg_"),
+                status: "completed",
+                role: "assistant",
+                content: vec![output_text(output.content)],
+            });
+        }
+        for call in calls {
+            items.push(ResponseItem::FunctionCall {
+                id: params::random_id("fc_"),
+                call_id: call.id,
+                name: call.name,
+                arguments: call.arguments,
+                status: "completed",
+            });
+        }
+        items
+    }
+}
+
+fn output_text(text: String) -> ResponsePart {
+    ResponsePart::OutputText {
+        text,
+        annotations: Vec::new(),
+        logprobs: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn translate_json(body: Json) -> Result<Translated, ApiError> {
+        let request: ResponsesRequest = serde_json::from_value(body.clone()).unwrap();
+        let sampling: RawSampling = serde_json::from_value(body).unwrap();
+        translate(request, &sampling, "m".into())
+    }
+
+    #[test]
+    fn input_items_become_chat_messages() {
+        let t = translate_json(json!({
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}]},
+                {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+                {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\":\"Paris\"}"},
+                {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\":\"Lyon\"}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+            ],
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "weather"},
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+            "max_output_tokens": 7,
+            "reasoning": {"effort": "low"},
+        }))
+        .unwrap();
+        let messages = t.chat.messages.unwrap();
+        assert_eq!(messages[0], json!({"role": "system", "content": "Be brief."}));
+        assert_eq!(messages[1], json!({"role": "user", "content": "Weather in Paris?"}));
+        assert_eq!(messages[2]["reasoning_content"], "Call the tool.");
+        assert_eq!(messages[2]["tool_calls"].as_array().unwrap().len(), 2);
+        assert_eq!(messages[2]["tool_calls"][1]["id"], "c2");
+        assert_eq!(
+            messages[3],
+            json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"})
+        );
+        assert_eq!(messages[4], json!({"role": "assistant", "content": "Sunny."}));
+        assert_eq!(messages.len(), 5);
+        assert_eq!(
+            t.chat.tools.unwrap()[0],
+            json!({"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}})
+        );
+        assert_eq!(
+            t.chat.tool_choice.unwrap(),
+            json!({"type": "function", "function": {"name": "weather"}})
+        );
+        assert_eq!(
+            t.chat.response_format.unwrap(),
+            json!({"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}})
+        );
+        assert_eq!(t.chat.max_completion_tokens, Some(7));
+        assert_eq!(t.chat.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(t.template.status, "in_progress");
+        assert!(t.template.id.starts_with("resp_"));
+    }
+
+    #[test]
+    fn stateful_and_unsupported_fields_are_refused_by_name() {
+        for (body, param) in [
+            (
+                json!({"input": "hi", "previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
+            (json!({"input": "hi", "conversation": "conv_1"}), "conversation"),
+            (json!({"input": "hi", "background": true}), "background"),
+            (json!({"input": "hi", "truncation": "auto"}), "truncation"),
+            (
+                json!({"input": "hi", "include": ["message.output_text.logprobs"]}),
+                "include",
+            ),
+            (json!({"input": "hi", "n": 2}), "n"),
+            (json!({"input": "hi", "tools": [{"type": "web_search"}]}), "tools[0]"),
+            (json!({"input": [{"type": "input_image"}]}), "input[0].type"),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+                "input[0].content[0]",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}),
+                "input[0].call_id",
+            ),
+            (json!({"input": 3}), "input"),
+            (json!({}), "input"),
+            (
+                json!({"input": "hi", "text": {"format": {"type": "xml"}}}),
+                "text.format",
+            ),
+        ] {
+            let error = translate_json(body.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{body} was accepted"));
+            assert_eq!(error.status.as_u16(), 400, "{body}");
+            assert_eq!(error.param.as_deref(), Some(param), "{body}: {}", error.message);
+        }
+        // What the client may send and lily has no use for is accepted.
+        let t = translate_json(
+            json!({"input": "hi", "store": false, "include": ["reasoning.encrypted_content"],
+                                      "metadata": {"k": "v"}, "truncation": "disabled"}),
+        )
+        .unwrap();
+        assert!(!t.template.store);
+        assert_eq!(t.template.metadata, json!({"k": "v"}));
+    }
+
+    fn token(deltas: Vec<Delta>) -> Event {
+        Event::Token {
+            index: 0,
+            deltas,
+            logprob: None,
+        }
+    }
+
+    /// A generation that thinks, answers and calls a tool, as the engine reports it.
+    fn events() -> Vec<Event> {
+        let call = |id: Option<&str>, arguments: &str| {
+            Delta::ToolCall(lily_chat::ToolCallDelta {
+                index: 0,
+                id: id.map(String::from),
+                name: id.map(|_| "f".to_string()),
+                arguments: arguments.into(),
+            })
+        };
+        let output = FinalOutput {
+            deltas: vec![Delta::Content("!".into())],
+            reasoning: "think more".into(),
+            content: "Hi!".into(),
+            content_is_reasoning: false,
+            tool_calls: vec![lily_chat::ToolCall {
+                id: "call_1".into(),
+                name: "f".into(),
+                arguments: "{\"a\":1}".into(),
+            }],
+            finish_reason: FinishReason::ToolCalls,
+            completion_tokens: 9,
+            reasoning_tokens: 4,
+        };
+        vec![
+            token(vec![Delta::Reasoning("think ".into())]),
+            token(vec![Delta::Reasoning("more".into()), Delta::Content("Hi".into())]),
+            token(vec![call(Some("call_1"), "")]),
+            token(vec![call(None, "{\"a\":1}")]),
+            Event::Finished {
+                index: 0,
+                output,
+                cached_tokens: 2,
+            },
+            Event::Done,
+        ]
+    }
+
+    fn responder() -> ResponsesResponder {
+        let plan = ChatPlan {
+            stream: true,
+            include_usage: false,
+            logprobs: false,
+            parallel_tool_calls: true,
+            prompt_tokens: 5,
+            sequences: Vec::new(),
+        };
+        ResponsesResponder::new(&plan, translate_json(json!({"input": "hi"})).unwrap().template)
+    }
+
+    /// The item kinds and texts of a response's output.
+    fn outline(response: &Json) -> Vec<(String, String)> {
+        let items = response["output"].as_array().unwrap();
+        let text = |item: &Json| match item["type"].as_str().unwrap() {
+            "function_call" => format!(
+                "{}({})",
+                item["name"].as_str().unwrap(),
+                item["arguments"].as_str().unwrap()
+            ),
+            _ => item["content"][0]["text"].as_str().unwrap().to_string(),
+        };
+        items
+            .iter()
+            .map(|item| (item["type"].as_str().unwrap().to_string(), text(item)))
+            .collect()
+    }
+
+    #[test]
+    fn a_stream_opens_and_closes_each_item_in_order() {
+        let mut responder = responder();
+        let mut lines = Vec::new();
+        let mut ended = false;
+        for event in events() {
+            assert!(!ended, "events after the end");
+            let (data, done) = responder.stream_event(event);
+            lines.extend(data);
+            ended = done;
+        }
+        assert!(ended);
+        let events: Vec<Json> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                // The held-back "!" comes with the finish, after the call: a message of its own.
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, event) in events.iter().enumerate() {
+            assert_eq!(event["sequence_number"], i as u64);
+        }
+        let final_response = &events.last().unwrap()["response"];
+        assert_eq!(final_response["status"], "completed");
+        assert_eq!(
+            outline(final_response),
+            [
+                ("reasoning".to_string(), "think more".to_string()),
+                ("message".into(), "Hi".into()),
+                ("function_call".into(), "f({\"a\":1})".into()),
+                ("message".into(), "!".into()),
+            ]
+        );
+        assert_eq!(final_response["usage"]["input_tokens"], 5);
+        assert_eq!(final_response["usage"]["output_tokens"], 9);
+        assert_eq!(final_response["usage"]["input_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(final_response["usage"]["output_tokens_details"]["reasoning_tokens"], 4);
+        assert_eq!(final_response["usage"]["total_tokens"], 14);
+        // Each delta event names the item that the `added` event before it opened.
+        let mut open = String::new();
+        for event in &events {
+            match event["type"].as_str().unwrap() {
+                "response.output_item.added" => open = event["item"]["id"].as_str().unwrap().to_string(),
+                kind if kind.ends_with(".delta") => assert_eq!(event["item_id"].as_str().unwrap(), open),
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn a_whole_response_has_the_finished_output() {
+        let mut responder = responder();
+        let mut response = None;
+        for event in events() {
+            if let Some(result) = responder.collect_event(event) {
+                response = Some(serde_json::to_value(result.unwrap()).unwrap());
+            }
+        }
+        let response = response.expect("a response at Done");
+        assert_eq!(response["status"], "completed");
+        assert_eq!(
+            outline(&response),
+            [
+                ("reasoning".to_string(), "think more".to_string()),
+                ("message".into(), "Hi!".into()),
+                ("function_call".into(), "f({\"a\":1})".into()),
+            ]
+        );
+        assert_eq!(response["output"][2]["call_id"], "call_1");
+    }
+
+    #[test]
+    fn a_response_cut_by_max_output_tokens_is_incomplete() {
+        let mut responder = responder();
+        let output = FinalOutput {
+            deltas: Vec::new(),
+            reasoning: String::new(),
+            content: "Hi".into(),
+            content_is_reasoning: false,
+            tool_calls: Vec::new(),
+            finish_reason: FinishReason::Length,
+            completion_tokens: 1,
+            reasoning_tokens: 0,
+        };
+        let finished = Event::Finished {
+            index: 0,
+            output,
+            cached_tokens: 0,
+        };
+        assert!(responder.collect_event(finished).is_none());
+        let response = serde_json::to_value(responder.collect_event(Event::Done).unwrap().unwrap()).unwrap();
+        assert_eq!(response["status"], "incomplete");
+        assert_eq!(response["incomplete_details"]["reason"], "max_output_tokens");
+    }
+
+    #[test]
+    fn chat_params_in_errors_are_renamed() {
+        let e = responses_param(ApiError::invalid("messages[2].content", "x"));
+        assert_eq!(e.param.as_deref(), Some("input"));
+        let e = responses_param(ApiError::invalid("max_completion_tokens", "x"));
+        assert_eq!(e.param.as_deref(), Some("max_output_tokens"));
+        let e = responses_param(ApiError::invalid("temperature", "x"));
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+    }
+}
