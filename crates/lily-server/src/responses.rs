@@ -515,44 +515,8 @@ impl ResponsesResponder {
     fn stream_deltas(&mut self, deltas: Vec<Delta>, out: &mut Vec<String>) {
         for delta in deltas {
             match delta {
-                Delta::Reasoning(text) => {
-                    if !matches!(self.open, Some(Open::Reasoning { .. })) {
-                        self.close(out);
-                        self.open_item(
-                            Open::Reasoning {
-                                id: params::random_id("rs_"),
-                                text: String::new(),
-                            },
-                            out,
-                        );
-                    }
-                    let (index, id) = self.open_index_id();
-                    if let Some(Open::Reasoning { text: all, .. }) = &mut self.open {
-                        all.push_str(&text);
-                    }
-                    let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text});
-                    out.push(self.event("response.reasoning_text.delta", fields));
-                }
-                Delta::Content(text) => {
-                    if !matches!(self.open, Some(Open::Message { .. })) {
-                        self.close(out);
-                        self.open_item(
-                            Open::Message {
-                                id: params::random_id("msg_"),
-                                text: String::new(),
-                            },
-                            out,
-                        );
-                    }
-                    let (index, id) = self.open_index_id();
-                    if let Some(Open::Message { text: all, .. }) = &mut self.open {
-                        all.push_str(&text);
-                    }
-                    let fields = json!({
-                        "item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": [],
-                    });
-                    out.push(self.event("response.output_text.delta", fields));
-                }
+                Delta::Reasoning(text) => self.stream_text(true, text, out),
+                Delta::Content(text) => self.stream_text(false, text, out),
                 Delta::ToolCall(call) if !self.parallel_tool_calls && call.index > 0 => {}
                 Delta::ToolCall(call) => {
                     if let Some(call_id) = call.id {
@@ -568,24 +532,55 @@ impl ResponsesResponder {
                     if call.arguments.is_empty() {
                         continue;
                     }
-                    let (index, id) = self.open_index_id();
-                    if let Some(Open::Call { arguments, .. }) = &mut self.open {
-                        arguments.push_str(&call.arguments);
-                    }
-                    let fields = json!({"item_id": id, "output_index": index, "delta": call.arguments});
+                    let index = self.response.output.len();
+                    let Some(Open::Call { id, arguments, .. }) = &mut self.open else {
+                        // Argument text without a call's first delta: the parser never sends it.
+                        continue;
+                    };
+                    arguments.push_str(&call.arguments);
+                    let fields = json!({"item_id": id.clone(), "output_index": index, "delta": call.arguments});
                     out.push(self.event("response.function_call_arguments.delta", fields));
                 }
             }
         }
     }
 
-    /// The output index and id of the item being streamed.
-    fn open_index_id(&self) -> (usize, String) {
-        let id = match &self.open {
-            Some(Open::Reasoning { id, .. } | Open::Message { id, .. } | Open::Call { id, .. }) => id.clone(),
-            None => String::new(),
+    /// Streams `text` as a delta of the reasoning item (`reasoning`) or the message being streamed, opening one
+    /// first where the item open is of another kind.
+    fn stream_text(&mut self, reasoning: bool, text: String, out: &mut Vec<String>) {
+        let same = match self.open {
+            Some(Open::Reasoning { .. }) => reasoning,
+            Some(Open::Message { .. }) => !reasoning,
+            _ => false,
         };
-        (self.response.output.len(), id)
+        if !same {
+            self.close(out);
+            let open = match reasoning {
+                true => Open::Reasoning {
+                    id: params::random_id("rs_"),
+                    text: String::new(),
+                },
+                false => Open::Message {
+                    id: params::random_id("msg_"),
+                    text: String::new(),
+                },
+            };
+            self.open_item(open, out);
+        }
+        let index = self.response.output.len();
+        let Some(Open::Reasoning { id, text: all } | Open::Message { id, text: all }) = &mut self.open else {
+            unreachable!("opened above")
+        };
+        all.push_str(&text);
+        let mut fields = json!({"item_id": id.clone(), "output_index": index, "content_index": 0, "delta": text});
+        let kind = match reasoning {
+            true => "response.reasoning_text.delta",
+            false => {
+                fields["logprobs"] = json!([]);
+                "response.output_text.delta"
+            }
+        };
+        out.push(self.event(kind, fields));
     }
 
     fn item(open: &Open, status: &'static str) -> ResponseItem {
