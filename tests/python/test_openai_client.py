@@ -486,6 +486,6 @@ def test_responses_json_schema_and_errors(client, model):
     expect_error(openai.BadRequestError, lambda: client.responses.create(
         model=model, input="hi", previous_response_id="resp_123"), param="previous_response_id")
     expect_error(openai.BadRequestError, lambda: client.responses.create(
-        model=model, input="hi", tools=[{"type": "web_search"}]), param="tools[0]")
+        model=model, input="hi", tools=[{"type": "custom", "name": "apply_patch"}]), param="tools[0]")
     expect_error(openai.BadRequestError, lambda: client.responses.create(
         model=model, input="hi", max_output_tokens=0), param="max_output_tokens")

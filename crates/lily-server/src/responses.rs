@@ -13,7 +13,7 @@ use crate::engine::Event;
 use crate::error::ApiError;
 use crate::params;
 use crate::types::{
-    ChatCompletionRequest, CompletionTokensDetails, IncompleteDetails, PromptTokensDetails, RawSampling, ResponseItem,
+    ChatCompletionRequest, CompletionTokensDetails, IncompleteDetails, RawSampling, ResponseInputDetails, ResponseItem,
     ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
 };
 
@@ -54,12 +54,14 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
             "`top_logprobs` is not supported on /v1/responses",
         ));
     }
+    // Nothing is ever dropped from the input: with `auto` as with `disabled`, a prompt past the context is refused.
     let truncation = match request.truncation.as_deref() {
         None | Some("disabled") => "disabled",
+        Some("auto") => "auto",
         Some(other) => {
             return Err(ApiError::invalid(
                 "truncation",
-                format!("`truncation` {other:?} is not supported: a prompt past the context is refused"),
+                format!("`truncation` must be auto or disabled, got {other:?}"),
             ))
         }
     };
@@ -79,12 +81,14 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
         None => return Err(ApiError::invalid("input", "`input` is required")),
     }
     let tools = request.tools.clone().unwrap_or_default();
-    let chat_tools = tools
-        .iter()
-        .enumerate()
-        .map(|(i, t)| chat_tool(i, t))
-        .collect::<Result<Vec<_>, _>>()?;
-    let tool_choice = request.tool_choice.clone().map(chat_tool_choice).transpose()?;
+    let chat_tools: Vec<Json> = (tools.iter().enumerate())
+        .filter_map(|(i, t)| chat_tool(i, t).transpose())
+        .collect::<Result<_, _>>()?;
+    // Clients send `"auto"` (the API's default) without tools too, which chat refuses.
+    let tool_choice = match request.tool_choice.clone() {
+        Some(Json::String(choice)) if chat_tools.is_empty() && (choice == "auto" || choice == "none") => None,
+        choice => choice.map(chat_tool_choice).transpose()?,
+    };
     let text = request
         .text
         .clone()
@@ -170,6 +174,12 @@ fn refuse_stateful(request: &ResponsesRequest) -> Result<(), ApiError> {
     if request.conversation.as_ref().is_some_and(|c| !c.is_null()) {
         return Err(ApiError::invalid("conversation", format!("`conversation`: {stored}")));
     }
+    if request.prompt.as_ref().is_some_and(|p| !p.is_null()) {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("`prompt` (a stored prompt template): {stored}"),
+        ));
+    }
     if request.background == Some(true) {
         return Err(ApiError::invalid(
             "background",
@@ -224,14 +234,22 @@ fn item_str(item: &Json, i: usize, field: &str) -> Result<String, ApiError> {
     }
 }
 
-/// Appends the chat messages of the input items: messages as they are (their parts' text joined), function
-/// calls as an assistant message's tool calls (consecutive calls in one message, with the reasoning item before
-/// them), function call outputs as tool messages, reasoning items as the next assistant message's reasoning.
+/// Appends the chat messages of the input items: messages as they are (their parts' text joined), function call
+/// outputs as tool messages, and one assistant message for each assistant turn. A turn is what the model wrote
+/// between two other messages (its reasoning items, its message, its function calls, in any order), the way a
+/// response's output comes back in the next request, so that the template renders the turn as the model wrote it.
 fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiError> {
     if items.is_empty() {
         return Err(ApiError::invalid("input", "`input` must not be an empty array"));
     }
-    let mut reasoning: Option<String> = None;
+    // The assistant message of the turn being read, as an index into `messages`.
+    let mut turn: Option<usize> = None;
+    let assistant = |messages: &mut Vec<Json>, turn: &mut Option<usize>| -> usize {
+        *turn.get_or_insert_with(|| {
+            messages.push(json!({"role": "assistant", "content": Json::Null}));
+            messages.len() - 1
+        })
+    };
     for (i, item) in items.iter().enumerate() {
         if !item.is_object() {
             return Err(ApiError::invalid(
@@ -245,13 +263,13 @@ fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiE
                 let role = item_str(item, i, "role")?;
                 let param = format!("input[{i}].content");
                 let content = content_text(item.get("content").unwrap_or(&Json::Null), &param)?;
-                let mut message = json!({"role": role, "content": content});
                 if role == "assistant" {
-                    if let Some(text) = reasoning.take() {
-                        message["reasoning_content"] = Json::String(text);
-                    }
+                    let at = assistant(messages, &mut turn);
+                    append_text(&mut messages[at], "content", &content);
+                } else {
+                    turn = None;
+                    messages.push(json!({"role": role, "content": content}));
                 }
-                messages.push(message);
             }
             "reasoning" => {
                 let param = format!("input[{i}].content");
@@ -259,7 +277,11 @@ fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiE
                     None | Some(Json::Null) => String::new(),
                     Some(content) => content_text(content, &param)?,
                 };
-                reasoning.get_or_insert_with(String::new).push_str(&text);
+                // Clients that keep reasoning encrypted send it back without its text.
+                if !text.is_empty() {
+                    let at = assistant(messages, &mut turn);
+                    append_text(&mut messages[at], "reasoning_content", &text);
+                }
             }
             "function_call" => {
                 let call = json!({
@@ -267,18 +289,11 @@ fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiE
                     "type": "function",
                     "function": {"name": item_str(item, i, "name")?, "arguments": item_str(item, i, "arguments")?},
                 });
-                let joins = messages.last().is_some_and(|m: &Json| {
-                    m["role"] == "assistant" && m.get("tool_calls").is_some_and(Json::is_array)
-                });
-                if joins {
-                    let last = messages.last_mut().expect("checked above");
-                    last["tool_calls"].as_array_mut().expect("checked above").push(call);
-                } else {
-                    let mut message = json!({"role": "assistant", "content": Json::Null, "tool_calls": [call]});
-                    if let Some(text) = reasoning.take() {
-                        message["reasoning_content"] = Json::String(text);
-                    }
-                    messages.push(message);
+                let at = assistant(messages, &mut turn);
+                let message = &mut messages[at];
+                match message.get_mut("tool_calls").and_then(Json::as_array_mut) {
+                    Some(calls) => calls.push(call),
+                    None => message["tool_calls"] = json!([call]),
                 }
             }
             "function_call_output" => {
@@ -292,8 +307,9 @@ fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiE
                         ))
                     }
                 };
-                messages
-                    .push(json!({"role": "tool", "tool_call_id": item_str(item, i, "call_id")?, "content": output}));
+                turn = None;
+                let call_id = item_str(item, i, "call_id")?;
+                messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
             }
             other => {
                 return Err(ApiError::invalid(
@@ -309,12 +325,37 @@ fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiE
     Ok(())
 }
 
+/// Appends `text` to the string field `field` of `message` (a null or missing field counts as empty).
+fn append_text(message: &mut Json, field: &str, text: &str) {
+    match message.get_mut(field) {
+        Some(Json::String(all)) => all.push_str(text),
+        _ => message[field] = Json::String(text.to_string()),
+    }
+}
+
+/// The tools that OpenAI's servers run (search, code, images, MCP): a client that offers them by default still
+/// gets an answer, without them.
+const HOSTED_TOOLS: [&str; 7] = [
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "computer_use_preview",
+];
+
 /// A Responses function tool (`{"type": "function", "name", "description", "parameters", "strict"}`) as a chat
-/// tool (`{"type": "function", "function": {...}}`).
-fn chat_tool(i: usize, tool: &Json) -> Result<Json, ApiError> {
+/// tool (`{"type": "function", "function": {...}}`); `None` for a hosted tool, which is left out. Tools that the
+/// client would run itself in shapes other than a function (custom, shell, apply_patch) are refused.
+fn chat_tool(i: usize, tool: &Json) -> Result<Option<Json>, ApiError> {
     let param = format!("tools[{i}]");
     match tool.get("type").and_then(Json::as_str) {
         Some("function") => {}
+        Some(hosted) if HOSTED_TOOLS.contains(&hosted) => {
+            tracing::warn!("/v1/responses: the hosted tool {hosted:?} is not available here and is left out");
+            return Ok(None);
+        }
         Some(other) => {
             return Err(ApiError::invalid(
                 param,
@@ -329,7 +370,7 @@ fn chat_tool(i: usize, tool: &Json) -> Result<Json, ApiError> {
             function.insert(field.into(), value.clone());
         }
     }
-    Ok(json!({"type": "function", "function": function}))
+    Ok(Some(json!({"type": "function", "function": function})))
 }
 
 /// A Responses `tool_choice` (`"auto"`, `"none"`, `"required"` or `{"type": "function", "name"}`) as chat's.
@@ -435,11 +476,12 @@ impl ResponsesResponder {
     fn snapshot(&self, status: &'static str) -> ResponseObject {
         let mut response = self.response.clone();
         response.status = status;
-        if status != "in_progress" {
+        if status == "completed" || status == "incomplete" {
             response.usage = Some(ResponseUsage {
                 input_tokens: self.prompt_tokens,
-                input_tokens_details: PromptTokensDetails {
+                input_tokens_details: ResponseInputDetails {
                     cached_tokens: self.cached_tokens,
+                    cache_write_tokens: 0,
                 },
                 output_tokens: self.completion_tokens,
                 output_tokens_details: CompletionTokensDetails {
@@ -504,7 +546,12 @@ impl ResponsesResponder {
                     "param": error.param,
                     "error": body.error,
                 });
+                self.close(&mut out);
                 out.push(self.event("error", fields));
+                // Clients that wait for the response's end read the error's code from `response.failed`.
+                let mut response = self.snapshot("failed");
+                response.error = Some(json!({"code": error.code.unwrap_or(error.kind), "message": error.message}));
+                out.push(self.event("response.failed", json!({"response": response})));
                 return (out, true);
             }
             Event::PromptLogprobs { .. } => {}
@@ -810,6 +857,63 @@ mod tests {
     }
 
     #[test]
+    fn an_assistant_turn_sent_back_is_one_message() {
+        let call = |id: &str| json!({"type": "function_call", "call_id": id, "name": "f", "arguments": "{}"});
+        let t = translate_json(json!({"input": [
+            {"role": "user", "content": "Weather?"},
+            // A response's output as it comes back: reasoning, message, calls.
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+            call("c1"),
+            call("c2"),
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+            // A streamed turn whose held-back text came after its call, and encrypted reasoning without text.
+            {"type": "reasoning", "summary": [], "encrypted_content": "x"},
+            call("c3"),
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": " "}]},
+            {"type": "function_call_output", "call_id": "c3", "output": "fog"},
+            {"role": "user", "content": "Thanks."},
+        ]}))
+        .unwrap();
+        let messages = t.chat.messages.unwrap();
+        let roles: Vec<&str> = messages.iter().map(|m| m["role"].as_str().unwrap()).collect();
+        assert_eq!(
+            roles,
+            ["user", "assistant", "tool", "tool", "assistant", "tool", "user"]
+        );
+        assert_eq!(messages[1]["content"], "Let me look.");
+        assert_eq!(messages[1]["reasoning_content"], "Look it up.");
+        assert_eq!(messages[1]["tool_calls"].as_array().unwrap().len(), 2);
+        assert_eq!(messages[4]["content"], " ");
+        assert_eq!(messages[4]["tool_calls"][0]["id"], "c3");
+        assert!(messages[4].get("reasoning_content").is_none());
+    }
+
+    #[test]
+    fn a_failed_stream_ends_with_response_failed() {
+        let mut responder = responder();
+        let (first, _) = responder.stream_event(token(vec![Delta::Content("Hi".into())]));
+        let (last, done) = responder.stream_event(Event::Error(ApiError::engine_failed()));
+        assert!(done);
+        let events: Vec<Json> = first
+            .iter()
+            .chain(&last)
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds[kinds.len() - 3..],
+            ["response.output_item.done", "error", "response.failed"]
+        );
+        let failed = &events.last().unwrap()["response"];
+        assert_eq!(failed["status"], "failed");
+        assert_eq!(failed["error"]["code"], "engine_failed");
+        assert!(failed["usage"].is_null());
+        assert_eq!(outline(failed), [("message".to_string(), "Hi".to_string())]);
+    }
+
+    #[test]
     fn stateful_and_unsupported_fields_are_refused_by_name() {
         for (body, param) in [
             (
@@ -818,13 +922,17 @@ mod tests {
             ),
             (json!({"input": "hi", "conversation": "conv_1"}), "conversation"),
             (json!({"input": "hi", "background": true}), "background"),
-            (json!({"input": "hi", "truncation": "auto"}), "truncation"),
+            (json!({"input": "hi", "truncation": "sometimes"}), "truncation"),
+            (json!({"input": "hi", "prompt": {"id": "pmpt_1"}}), "prompt"),
+            (
+                json!({"input": "hi", "tools": [{"type": "custom", "name": "patch"}]}),
+                "tools[0]",
+            ),
             (
                 json!({"input": "hi", "include": ["message.output_text.logprobs"]}),
                 "include",
             ),
             (json!({"input": "hi", "n": 2}), "n"),
-            (json!({"input": "hi", "tools": [{"type": "web_search"}]}), "tools[0]"),
             (json!({"input": [{"type": "input_image"}]}), "input[0].type"),
             (
                 json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
@@ -848,13 +956,15 @@ mod tests {
             assert_eq!(error.param.as_deref(), Some(param), "{body}: {}", error.message);
         }
         // What the client may send and lily has no use for is accepted.
-        let t = translate_json(
-            json!({"input": "hi", "store": false, "include": ["reasoning.encrypted_content"],
-                                      "metadata": {"k": "v"}, "truncation": "disabled"}),
-        )
+        let t = translate_json(json!({
+            "input": "hi", "store": false, "include": ["reasoning.encrypted_content"], "metadata": {"k": "v"},
+            "truncation": "auto", "tool_choice": "auto", "tools": [{"type": "web_search", "external_web_access": false}],
+        }))
         .unwrap();
         assert!(!t.template.store);
         assert_eq!(t.template.metadata, json!({"k": "v"}));
+        // The hosted tool is left out, and with it the tool choice that chat only allows beside tools.
+        assert!(t.chat.tools.is_none() && t.chat.tool_choice.is_none());
     }
 
     fn token(deltas: Vec<Delta>) -> Event {

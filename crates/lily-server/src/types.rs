@@ -378,6 +378,8 @@ pub struct ResponsesRequest {
     pub reasoning: Option<Json>,
     pub store: Option<bool>,
     pub previous_response_id: Option<String>,
+    /// A prompt template stored on OpenAI's servers: refused.
+    pub prompt: Option<Json>,
     pub conversation: Option<Json>,
     pub background: Option<bool>,
     pub include: Option<Vec<String>>,
@@ -456,10 +458,17 @@ pub enum ResponsePart {
 #[derive(Debug, Clone, Serialize)]
 pub struct ResponseUsage {
     pub input_tokens: usize,
-    pub input_tokens_details: PromptTokensDetails,
+    pub input_tokens_details: ResponseInputDetails,
     pub output_tokens: usize,
     pub output_tokens_details: CompletionTokensDetails,
     pub total_tokens: usize,
+}
+
+/// The prompt tokens taken from the prefix cache (none is ever written to a cache that bills for it).
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseInputDetails {
+    pub cached_tokens: usize,
+    pub cache_write_tokens: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
