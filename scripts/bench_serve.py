@@ -9,6 +9,11 @@ inter-token latency (ITL) and errors. Only the Python standard library is used, 
     python3 scripts/bench_serve.py --base-url http://127.0.0.1:8000 --input-len 1000 --output-len 1000 \
         --concurrency 64 --num-prompts 256
 
+With --no-max-tokens the requests leave out `max_tokens` and honour end-of-sequence tokens, as the OpenAI client's
+do by default: each ends at a --stop string (say a newline, with --temperature 1 on random weights), an
+end-of-sequence token or the end of the context. That measures how a server admits requests whose length it cannot
+know in advance.
+
 The last line of output is one JSON object with every figure (also written to --json-out when given).
 """
 
@@ -97,7 +102,8 @@ class Client:
                     result["output_tokens"] = usage.get("completion_tokens", 0)
                     result["prompt_tokens"] = usage.get("prompt_tokens", 0)
             result["end"] = time.perf_counter()
-            result["ok"] = result["output_tokens"] > 0 and bool(result["chunks"])
+            # A reply cut at a stop string before any text is a success without chunks.
+            result["ok"] = result["output_tokens"] > 0
             if not result["ok"]:
                 result["error"] = "the stream ended without output or usage"
         except Exception as e:  # a failed request is counted, never fatal to the run
@@ -122,6 +128,10 @@ def main():
     ap.add_argument("--vocab-low", type=int, default=1000, help="random prompt ids are drawn from [low, high)")
     ap.add_argument("--vocab-high", type=int, default=150000)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--no-max-tokens", action="store_true",
+                    help="send no max_tokens and honour end-of-sequence, as clients that leave it out do: requests "
+                         "then end at a --stop string, an end-of-sequence token or the end of the context")
+    ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take")
     ap.add_argument("--json-out", default=None)
@@ -136,7 +146,7 @@ def main():
 
     def request_body(i):
         prompt = [rng.randrange(args.vocab_low, args.vocab_high) for _ in range(args.input_len)]
-        return {
+        body = {
             "model": model,
             "prompt": prompt,
             "max_tokens": args.output_len,
@@ -146,6 +156,12 @@ def main():
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if args.stop:
+            body["stop"] = args.stop
+        if args.no_max_tokens:
+            del body["max_tokens"]
+            body["ignore_eos"] = False
+        return body
 
     for i in range(args.warmup):
         r = client.stream_completion(dict(request_body(-1 - i), max_tokens=min(args.output_len, 16)))
@@ -178,8 +194,8 @@ def main():
 
     ok = [r for r in results if r["ok"]]
     errors = [r.get("error", "?") for r in results if not r["ok"]]
-    ttft = [r["chunks"][0] - r["start"] for r in ok]
-    tpot = [(r["end"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
+    ttft = [r["chunks"][0] - r["start"] for r in ok if r["chunks"]]
+    tpot = [(r["end"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in ok if r["chunks"] and r["output_tokens"] > 1]
     itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
@@ -187,7 +203,8 @@ def main():
     report = {
         "model": model,
         "input_len": args.input_len,
-        "output_len": args.output_len,
+        "output_len": None if args.no_max_tokens else args.output_len,
+        "stop": args.stop or None,
         "concurrency": args.concurrency,
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
         "requests": num,
