@@ -140,26 +140,50 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits);
         }
+        let whole = p.top_k == 0 || p.top_k >= logits.len();
+        if whole && p.top_p >= 1.0 && p.min_p <= 0.0 {
+            return self.sample_whole(logits);
+        }
         let c = &mut self.candidates;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < c.len() {
+        // The candidates in order, most likely first: the `top_k`, or, without a top-k, the shortest run of the
+        // most likely that holds what `top_p` and `min_p` keep. That run is found by sorting a head of the
+        // vocabulary, eight times longer each time it falls short, rather than sorting the whole vocabulary for
+        // every token (on the host, most of a sampled step's time).
+        let mut total = None;
+        if !whole {
             c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
             c.truncate(p.top_k);
+            c.sort_unstable_by(by_logit_desc);
+        } else {
+            let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = c.iter().map(|cand| (cand.1 - max).exp() as f64).sum();
+            total = Some(sum);
+            let mut head = HEAD.min(c.len());
+            loop {
+                if head < c.len() {
+                    c.select_nth_unstable_by(head - 1, by_logit_desc);
+                }
+                c[..head].sort_unstable_by(by_logit_desc);
+                if head == c.len() || holds_kept(&c[..head], max, sum, p.top_p, p.min_p) {
+                    c.truncate(head);
+                    break;
+                }
+                head = (head * 8).min(c.len());
+            }
         }
-        c.sort_unstable_by(by_logit_desc);
         let max = c[0].1;
         if max == f32::INFINITY {
             // A temperature so small that dividing by it overflows: the distribution is all on the largest logit
             // (and the softmax below would be NaN).
             return argmax(logits);
         }
-        let mut total = 0.0f64;
         for cand in c.iter_mut() {
             cand.1 = (cand.1 - max).exp();
-            total += cand.1 as f64;
         }
+        let total = total.unwrap_or_else(|| c.iter().map(|cand| cand.1 as f64).sum());
         for cand in c.iter_mut() {
             cand.1 = (cand.1 as f64 / total) as f32;
         }
@@ -188,6 +212,61 @@ impl Sampler {
             r -= cand.1;
         }
         c.last().unwrap().0
+    }
+
+    /// A draw from the softmax of the whole vocabulary at the sampler's temperature, in two passes in token order
+    /// and without sorting: with nothing cut off, the order in which tokens take their share of the draw does not
+    /// change the distribution.
+    fn sample_whole(&mut self, logits: &[f32]) -> u32 {
+        let temperature = self.params.temperature;
+        let max = logits
+            .iter()
+            .map(|&l| l / temperature)
+            .fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::INFINITY {
+            return argmax(logits);
+        }
+        let weight = |l: f32| ((l / temperature - max).exp()) as f64;
+        let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+        let mut r = self.rng.uniform() as f64 * total;
+        for (i, &l) in logits.iter().enumerate() {
+            let w = weight(l);
+            if r < w {
+                return i as u32;
+            }
+            r -= w;
+        }
+        // Rounding left a sliver of the draw past the last token: it goes to the most likely one.
+        argmax(logits)
+    }
+}
+
+/// The tokens a search for what `top_p` and `min_p` keep starts from: a real model's nucleus is almost always
+/// within its few hundred most likely tokens.
+const HEAD: usize = 256;
+
+/// Whether `head`, the most likely candidates in order (logits divided by the temperature), holds every candidate
+/// that `top_p` and `min_p` keep, given the largest of all the candidates' scaled logits `max` and the sum `total`
+/// of their `exp(logit - max)`: `top_p`'s run ends inside it, and its last candidate is below `min_p`'s threshold.
+fn holds_kept(head: &[(u32, f32)], max: f32, total: f64, top_p: f32, min_p: f32) -> bool {
+    let prob = |cand: &(u32, f32)| ((cand.1 - max).exp() as f64 / total) as f32;
+    let Some(last) = head.last() else {
+        return true;
+    };
+    let top_p_inside = top_p >= 1.0 || {
+        let mut cumulative = 0.0f32;
+        head.iter().any(|cand| {
+            cumulative += prob(cand);
+            cumulative >= top_p
+        })
+    };
+    let min_p_inside = min_p <= 0.0 || prob(last) < prob(&head[0]) * min_p;
+    // With both, what top_p keeps is cut further by min_p, so either ending inside the head is enough.
+    match (top_p < 1.0, min_p > 0.0) {
+        (true, true) => top_p_inside || min_p_inside,
+        (true, false) => top_p_inside,
+        (false, true) => min_p_inside,
+        (false, false) => true,
     }
 }
 
@@ -243,6 +322,75 @@ mod tests {
             let freq = draws.iter().filter(|&&t| t == token).count() as f64 / draws.len() as f64;
             assert!((freq - expected).abs() < 0.03, "token {token}: {freq}");
         }
+    }
+
+    /// The sampler as it was before its head search: every candidate sorted, for every draw.
+    fn sample_by_full_sort(p: &SamplingParams, rng: &mut Rng, logits: &[f32]) -> u32 {
+        let mut c: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l / p.temperature))
+            .collect();
+        c.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = c[0].1;
+        let mut total = 0.0f64;
+        for cand in c.iter_mut() {
+            cand.1 = (cand.1 - max).exp();
+            total += cand.1 as f64;
+        }
+        for cand in c.iter_mut() {
+            cand.1 = (cand.1 as f64 / total) as f32;
+        }
+        if p.top_p < 1.0 {
+            let mut cumulative = 0.0;
+            let keep = c.iter().position(|cand| {
+                cumulative += cand.1;
+                cumulative >= p.top_p
+            });
+            c.truncate(keep.map_or(c.len(), |i| i + 1));
+        }
+        if p.min_p > 0.0 {
+            let threshold = c[0].1 * p.min_p;
+            c.retain(|cand| cand.1 >= threshold);
+        }
+        let kept: f32 = c.iter().map(|cand| cand.1).sum();
+        let mut r = rng.uniform() * kept;
+        for cand in c.iter() {
+            if r < cand.1 {
+                return cand.0;
+            }
+            r -= cand.1;
+        }
+        c.last().unwrap().0
+    }
+
+    #[test]
+    fn top_p_and_min_p_without_a_top_k_draw_as_a_full_sort_would() {
+        // Peaked logits (a nucleus inside the first head), flat ones (the head grows to the whole vocabulary) and
+        // ties, over a vocabulary of 5,000.
+        let mut rng = Rng::new(3);
+        let shapes: Vec<Vec<f32>> = vec![
+            (0..5000).map(|_| rng.uniform() * 20.0).collect(),
+            (0..5000).map(|_| rng.uniform() * 0.5).collect(),
+            (0..5000).map(|i| (i % 7) as f32).collect(),
+        ];
+        let mut draws = 0;
+        for logits in &shapes {
+            for (temperature, top_p, min_p) in [(0.7, 0.9, 0.0), (1.3, 0.5, 0.0), (1.0, 0.99, 0.05), (1.0, 1.0, 0.2)] {
+                let p = SamplingParams {
+                    seed: 11,
+                    ..params(temperature, 0, top_p, min_p)
+                };
+                let mut fast = Sampler::new(p.clone());
+                let mut reference = Rng::new(p.seed);
+                for _ in 0..200 {
+                    let expected = sample_by_full_sort(&p, &mut reference, logits);
+                    assert_eq!(fast.sample(logits), expected, "{temperature} {top_p} {min_p}");
+                    draws += 1;
+                }
+            }
+        }
+        assert_eq!(draws, 2400);
     }
 
     #[test]
