@@ -446,6 +446,8 @@ pub struct ResponsesResponder {
     open: Option<Open>,
     /// Non-streaming: the finished output.
     output: Option<FinalOutput>,
+    /// The message to tokenize ahead of the next request ([`crate::chat::warm_reply`]).
+    reply: Option<String>,
 }
 
 impl ResponsesResponder {
@@ -462,6 +464,7 @@ impl ResponsesResponder {
             started: false,
             open: None,
             output: None,
+            reply: None,
         }
     }
 
@@ -520,12 +523,10 @@ impl ResponsesResponder {
             Event::Finished {
                 output, cached_tokens, ..
             } => {
-                self.stream_deltas(output.deltas, &mut out);
-                self.close(&mut out);
-                self.cached_tokens += cached_tokens;
-                self.completion_tokens += output.completion_tokens;
-                self.reasoning_tokens += output.reasoning_tokens;
+                self.stream_deltas(output.deltas.clone(), &mut out);
                 self.finish = Some(output.finish_reason);
+                self.close(&mut out);
+                self.finished(&output, cached_tokens);
             }
             Event::Done => {
                 self.close(&mut out);
@@ -720,7 +721,7 @@ impl ResponsesResponder {
                 out.push(self.event("response.function_call_arguments.done", fields));
             }
         }
-        let item = Self::item(&open, "completed");
+        let item = Self::item(&open, self.item_status());
         out.push(self.event(
             "response.output_item.done",
             json!({"output_index": index, "item": item}),
@@ -735,10 +736,8 @@ impl ResponsesResponder {
             Event::Finished {
                 output, cached_tokens, ..
             } => {
-                self.cached_tokens += cached_tokens;
-                self.completion_tokens += output.completion_tokens;
-                self.reasoning_tokens += output.reasoning_tokens;
                 self.finish = Some(output.finish_reason);
+                self.finished(&output, cached_tokens);
                 self.output = Some(output);
                 None
             }
@@ -752,8 +751,32 @@ impl ResponsesResponder {
         }
     }
 
+    /// Counts a finished generation's tokens, and keeps its message as the reply the next request will send back
+    /// (when it is the whole answer: no function calls, not the unfinished reasoning's copy).
+    fn finished(&mut self, output: &FinalOutput, cached_tokens: usize) {
+        self.cached_tokens += cached_tokens;
+        self.completion_tokens += output.completion_tokens;
+        self.reasoning_tokens += output.reasoning_tokens;
+        if output.tool_calls.is_empty() && !output.content_is_reasoning && !output.content.is_empty() {
+            self.reply = Some(output.content.clone());
+        }
+    }
+
+    /// The status of an item that ends: the one that `max_output_tokens` cut is `incomplete`.
+    fn item_status(&self) -> &'static str {
+        match self.finish {
+            Some(FinishReason::Length) => "incomplete",
+            _ => "completed",
+        }
+    }
+
+    /// The reply to tokenize ahead of the next request, once the response is complete.
+    pub fn take_reply(&mut self) -> Option<String> {
+        self.reply.take()
+    }
+
     /// The output items of a finished generation: its reasoning, its message (unless it only called tools) and
-    /// its function calls.
+    /// its function calls; the last is `incomplete` where `max_output_tokens` cut it.
     fn output_items(&self, output: FinalOutput) -> Vec<ResponseItem> {
         let mut items = Vec::new();
         if !output.reasoning.is_empty() {
@@ -784,6 +807,14 @@ impl ResponsesResponder {
                 arguments: call.arguments,
                 status: "completed",
             });
+        }
+        if let Some(
+            ResponseItem::Reasoning { status, .. }
+            | ResponseItem::Message { status, .. }
+            | ResponseItem::FunctionCall { status, .. },
+        ) = items.last_mut()
+        {
+            *status = self.item_status();
         }
         items
     }
@@ -1142,7 +1173,7 @@ mod tests {
 
     #[test]
     fn a_response_cut_by_max_output_tokens_is_incomplete() {
-        let mut responder = responder();
+        let mut responder = self::responder();
         let output = FinalOutput {
             deltas: Vec::new(),
             reasoning: String::new(),
@@ -1153,6 +1184,11 @@ mod tests {
             completion_tokens: 1,
             reasoning_tokens: 0,
         };
+        let streamed_finish = Event::Finished {
+            index: 0,
+            output: output.clone(),
+            cached_tokens: 0,
+        };
         let finished = Event::Finished {
             index: 0,
             output,
@@ -1162,6 +1198,15 @@ mod tests {
         let response = serde_json::to_value(responder.collect_event(Event::Done).unwrap().unwrap()).unwrap();
         assert_eq!(response["status"], "incomplete");
         assert_eq!(response["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(response["output"][0]["status"], "incomplete");
+        assert_eq!(responder.take_reply().as_deref(), Some("Hi"));
+        // Streamed, the item that the limit cut ends `incomplete` too.
+        let mut responder = self::responder();
+        responder.stream_event(token(vec![Delta::Content("Hi".into())]));
+        let (lines, _) = responder.stream_event(streamed_finish);
+        let done: Vec<Json> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let item = done.iter().find(|e| e["type"] == "response.output_item.done").unwrap();
+        assert_eq!(item["item"]["status"], "incomplete");
     }
 
     #[test]

@@ -471,6 +471,9 @@ impl Responder for ResponsesResponder {
     fn collect_event(&mut self, event: Event) -> Option<Result<ResponseObject, ApiError>> {
         ResponsesResponder::collect_event(self, event)
     }
+    fn take_reply(&mut self) -> Option<String> {
+        ResponsesResponder::take_reply(self)
+    }
 }
 
 impl Responder for CompletionResponder {
