@@ -434,15 +434,13 @@ enum Open {
 /// Turns engine events into a Responses answer: the whole response, or its stream of `response.*` events.
 pub struct ResponsesResponder {
     response: ResponseObject,
-    parallel_tool_calls: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
     reasoning_tokens: usize,
     cached_tokens: usize,
     finish: Option<FinishReason>,
-    /// Streaming: the next event's `sequence_number`, whether `response.created` went out, and the item open.
+    /// Streaming: the next event's `sequence_number` (0: `response.created` has not gone out), and the item open.
     sequence: u64,
-    started: bool,
     open: Option<Open>,
     /// Non-streaming: the finished output.
     output: Option<FinalOutput>,
@@ -453,7 +451,6 @@ pub struct ResponsesResponder {
 impl ResponsesResponder {
     pub fn new(plan: &ChatPlan, template: ResponseObject) -> Self {
         ResponsesResponder {
-            parallel_tool_calls: template.parallel_tool_calls,
             response: template,
             prompt_tokens: plan.prompt_tokens,
             completion_tokens: 0,
@@ -461,7 +458,6 @@ impl ResponsesResponder {
             cached_tokens: 0,
             finish: None,
             sequence: 0,
-            started: false,
             open: None,
             output: None,
             reply: None,
@@ -501,7 +497,8 @@ impl ResponsesResponder {
         response
     }
 
-    fn final_status(&self) -> &'static str {
+    /// The status of the response, and of the item that ends: `incomplete` where `max_output_tokens` cut it.
+    fn status(&self) -> &'static str {
         match self.finish {
             Some(FinishReason::Length) => "incomplete",
             _ => "completed",
@@ -512,8 +509,7 @@ impl ResponsesResponder {
     /// stream ends.
     pub fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
         let mut out = Vec::new();
-        if !self.started {
-            self.started = true;
+        if self.sequence == 0 {
             let response = self.snapshot("in_progress");
             out.push(self.event("response.created", json!({"response": response})));
             out.push(self.event("response.in_progress", json!({"response": response})));
@@ -521,16 +517,18 @@ impl ResponsesResponder {
         match event {
             Event::Token { deltas, .. } => self.stream_deltas(deltas, &mut out),
             Event::Finished {
-                output, cached_tokens, ..
+                mut output,
+                cached_tokens,
+                ..
             } => {
-                self.stream_deltas(output.deltas.clone(), &mut out);
+                self.stream_deltas(std::mem::take(&mut output.deltas), &mut out);
                 self.finish = Some(output.finish_reason);
                 self.close(&mut out);
                 self.finished(&output, cached_tokens);
             }
             Event::Done => {
                 self.close(&mut out);
-                let status = self.final_status();
+                let status = self.status();
                 let kind = match status {
                     "incomplete" => "response.incomplete",
                     _ => "response.completed",
@@ -565,7 +563,7 @@ impl ResponsesResponder {
             match delta {
                 Delta::Reasoning(text) => self.stream_text(true, text, out),
                 Delta::Content(text) => self.stream_text(false, text, out),
-                Delta::ToolCall(call) if !self.parallel_tool_calls && call.index > 0 => {}
+                Delta::ToolCall(call) if !self.response.parallel_tool_calls && call.index > 0 => {}
                 Delta::ToolCall(call) => {
                     if let Some(call_id) = call.id {
                         self.close(out);
@@ -721,7 +719,7 @@ impl ResponsesResponder {
                 out.push(self.event("response.function_call_arguments.done", fields));
             }
         }
-        let item = Self::item(&open, self.item_status());
+        let item = Self::item(&open, self.status());
         out.push(self.event(
             "response.output_item.done",
             json!({"output_index": index, "item": item}),
@@ -746,7 +744,7 @@ impl ResponsesResponder {
                 if let Some(output) = self.output.take() {
                     self.response.output = self.output_items(output);
                 }
-                Some(Ok(self.snapshot(self.final_status())))
+                Some(Ok(self.snapshot(self.status())))
             }
         }
     }
@@ -759,14 +757,6 @@ impl ResponsesResponder {
         self.reasoning_tokens += output.reasoning_tokens;
         if output.tool_calls.is_empty() && !output.content_is_reasoning && !output.content.is_empty() {
             self.reply = Some(output.content.clone());
-        }
-    }
-
-    /// The status of an item that ends: the one that `max_output_tokens` cut is `incomplete`.
-    fn item_status(&self) -> &'static str {
-        match self.finish {
-            Some(FinishReason::Length) => "incomplete",
-            _ => "completed",
         }
     }
 
@@ -788,7 +778,7 @@ impl ResponsesResponder {
             });
         }
         let mut calls = output.tool_calls;
-        if !self.parallel_tool_calls {
+        if !self.response.parallel_tool_calls {
             calls.truncate(1);
         }
         if !output.content.is_empty() || calls.is_empty() {
@@ -814,7 +804,7 @@ impl ResponsesResponder {
             | ResponseItem::FunctionCall { status, .. },
         ) = items.last_mut()
         {
-            *status = self.item_status();
+            *status = self.status();
         }
         items
     }
