@@ -104,6 +104,13 @@ struct Q4 {
     const u32* scale_bias;
 };
 
+// A tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned) that the host encodes for the tensor
+// memory accelerator (TMA, Hopper on). A kernel takes it as a `const __grid_constant__` parameter, whose address the
+// bulk tensor copies name.
+struct __align__(64) TmaMap {
+    u64 words[16];
+};
+
 // The expert matrices (routed and shared, 4-bit) are tiled: their rows in blocks of TILED_ROWS, and a block's
 // words ordered by pieces of TILED_PIECE inputs (16 packed words and 2 (scale, bias) pairs a row), row after row
 // within a piece. A block spans the words its rows span row by row, so an expert's rows start where they would;
@@ -569,6 +576,37 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Transaction barriers in shared memory (mbarrier), as the bulk tensor copies complete them. A barrier made for one
+// arrival finishes a phase when that arrival (which announces the bytes to come) has happened and all those bytes
+// have landed; a waiter names the phase by its parity (0 for the first).
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes the barriers this thread initialised visible to the copies and to the other threads (before a barrier).
+__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// This thread's arrival, announcing `bytes` of copies that complete the phase.
+__device__ __forceinline__ void mbarrier_arrive_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase of the given parity has finished; the copies' bytes are then visible to this thread.
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// Copies the box of `map` at coordinates (c0, c1) (innermost first) to shared address `dst`, completing `bytes`
+// (the whole box: elements past the tensor's edge arrive as zeros) on barrier `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& map, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"((u64)&map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
 }
 // Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMAs.
 template <int R>

@@ -469,9 +469,24 @@ constexpr int WG_B_BUFFERS = 3;
 constexpr int WG_SMEM = GEMM_WGMMA_STAGES * WG_STAGE + WG_B_BUFFERS * WG_B + 1024;
 static_assert(WG_STAGE % 1024 == 0 && WG_A % 1024 == 0 && GEMM_WGMMA_STAGES >= 3,
               "every operand tile starts on a 1,024-byte swizzle atom; a stage is refilled two steps after use");
+// With the tensor memory accelerator (dense products, see gemm_q4_wgmma_tma): a stage is the activation tile and the
+// packed weights; the (scale, bias) pairs come four groups at a time (a copy's rows must be 16 bytes or more) into
+// two slots of their own, then the B buffers, then a transaction barrier a stage.
+constexpr int WG_TMA_STAGE = WG_A + WG_CODES;
+constexpr int WG_TMA_PAIRS = WROWS * 16;  // four groups' pairs of 256 rows
+constexpr int WG_TMA_SMEM =
+    GEMM_WGMMA_STAGES * WG_TMA_STAGE + 2 * WG_TMA_PAIRS + WG_B_BUFFERS * WG_B + GEMM_WGMMA_STAGES * 8 + 1024;
+static_assert(WG_TMA_STAGE % 1024 == 0 && GEMM_WGMMA_STAGES - 2 <= 4,
+              "a stage starts on a swizzle atom; a pair slot is refilled only after the four steps that read it");
 // Read by the host (src/gemm.rs): whether this build has the kernel (sm_90a), and its shared memory.
 __device__ int gemm_wgmma = WGMMA_BUILT;
 __device__ int gemm_wgmma_smem = WG_SMEM;
+__device__ int gemm_wgmma_tma_smem = WG_TMA_SMEM;
+// Whether the host gives the dense 128-row products to gemm_q4_wgmma_tma (1) or to gemm_q4_wgmma (0).
+#ifndef GEMM_WGMMA_TMA
+#define GEMM_WGMMA_TMA 1
+#endif
+__device__ int gemm_wgmma_tma = GEMM_WGMMA_TMA;
 // The host's estimate of a 128-row tile's time here against gemm_q4's, in percent, where it weighs 128-row tiles
 // against more 64-row ones (4,096-token prefill on the H200: 31.3 ms against 41.6 for the dense products).
 #ifndef GEMM_WGMMA_COST
@@ -552,16 +567,46 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 
 // last, do not take it.
 // BN: the weight rows of the tile (256, or 192 or 128 for NMAT = 1: narrower tiles make more blocks where a product
 // has too few to fill the SMs); thread i < BN copies and dequantizes weight row i.
-template <int NMAT, bool TILED, bool WEIGHTS_FIRST, bool SKIP_EMPTY, int BN = WROWS, class ARow, class WRow,
-          class Store>
-__device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow a_row, WRow w_row, Store store) {
+// TMA (dense products, `tma` given): thread 0 brings each stage with three bulk tensor copies (the activation box,
+// the packed weights' box, every fourth step the pairs' box) onto the stage's transaction barrier, which every
+// thread waits on before reading the stage; a_row and w_row are not used.
+struct WgmmaTma {
+    const TmaMap* a;  // activations: bf16 [m][k], boxes of 64 x 128 rows, 128-byte swizzle
+    const TmaMap* w;  // packed codes: bytes [n][k / 2], boxes of 32 x BN rows
+    const TmaMap* s;  // (scale, bias) pairs: u32 [n][k / 64], boxes of 4 x BN rows
+    int m0, n0;       // the tile's first activation row and weight row
+};
+template <int NMAT, bool TILED, bool WEIGHTS_FIRST, bool SKIP_EMPTY, int BN = WROWS, bool TMA = false, class ARow,
+          class WRow, class Store>
+__device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow a_row, WRow w_row, Store store,
+                                           WgmmaTma tma = {}) {
     static_assert(BN == WROWS || NMAT == 1, "gate/up tiles are 128 rows of each matrix");
+    static_assert(!TMA || (NMAT == 1 && !TILED), "the bulk tensor copies take the dense products' row-major matrices");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    if (dynamic_smem_bytes() < WG_SMEM) __trap();  // the host's shared memory is not the kernel's
+    if (dynamic_smem_bytes() < (TMA ? WG_TMA_SMEM : WG_SMEM)) __trap();  // the host's shared memory is not the kernel's
     const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (smem0 - raw0);
     const int tid = threadIdx.x;
     constexpr int STAGES = GEMM_WGMMA_STAGES;
+    constexpr int STAGE_BYTES = TMA ? WG_TMA_STAGE : WG_STAGE;
+    const u32 pairs0 = smem0 + STAGES * WG_TMA_STAGE;  // TMA: the two slots of four groups' pairs
+    const u32 b0 = smem0 + STAGES * STAGE_BYTES + (TMA ? 2 * WG_TMA_PAIRS : 0);
+    const u32 bars = b0 + WG_B_BUFFERS * WG_B;  // TMA: stage s's barrier at bars + 8 s
+    // TMA: the (scale, bias) pair of weight row `row` at local step kt, in its slot of four groups.
+    auto tma_pair = [&](int kt, int row) {
+        return *(const u32*)(smem + (pairs0 - smem0) + ((kt / 4) % 2) * WG_TMA_PAIRS + row * 16 + (kt % 4) * 4);
+    };
+    // TMA: thread 0 announces local step kt's bytes on its stage's barrier and copies its weights (and, every fourth
+    // step, the pairs of it and the next three); then, after its activations' producer, the activations.
+    auto tma_expect_w = [&](int kt) {
+        const u32 bar = bars + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * WG_TMA_STAGE;
+        mbarrier_arrive_expect(bar, WG_A + BN * 32 + (kt % 4 == 0 ? BN * 16 : 0));
+        tma_load_2d(stage + WG_A, *tma.w, (step0 + kt) * (KT / 2), tma.n0, bar);
+        if (kt % 4 == 0) tma_load_2d(pairs0 + ((kt / 4) % 2) * WG_TMA_PAIRS, *tma.s, step0 + kt, tma.n0, bar);
+    };
+    auto tma_a = [&](int kt) {
+        tma_load_2d(smem0 + (kt % STAGES) * WG_TMA_STAGE, *tma.a, (step0 + kt) * KT, tma.m0, bars + 8 * (kt % STAGES));
+    };
 
     // Copies: chunk tid % 8 of activation rows tid / 8 + 32 i (zero-filled past the tile's rows); weight row tid's
     // 32 bytes of codes and its pair (zero-filled past n, so those columns come out 0 and are not stored).
@@ -596,19 +641,38 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
 
     // The prologue, a group a stage; with WEIGHTS_FIRST its weights before the wait for the activations' producer.
     const int k_tiles = steps;
-    if constexpr (WEIGHTS_FIRST) {
+    if constexpr (TMA) {
+        static_assert(WEIGHTS_FIRST, "the dense products' weights do not depend on the previous kernel");
+        if (tid == 0) {
+#pragma unroll
+            for (int s = 0; s < STAGES; s++) mbarrier_init(bars + 8 * s, 1);
+            mbarrier_init_fence();
+#pragma unroll
+            for (int s = 0; s < STAGES - 2; s++)
+                if (s < k_tiles) tma_expect_w(s);
+        }
+        wait_previous();
+        if (tid == 0) {
+#pragma unroll
+            for (int s = 0; s < STAGES - 2; s++)
+                if (s < k_tiles) tma_a(s);
+        }
+        __syncthreads();  // the barriers are initialised
+    } else if constexpr (WEIGHTS_FIRST) {
 #pragma unroll
         for (int s = 0; s < STAGES - 2; s++)
             if (s < k_tiles) load_w(s);
         wait_previous();
     }
+    if constexpr (!TMA) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 2; s++) {
-        if (s < k_tiles) {
-            if constexpr (!WEIGHTS_FIRST) load_w(s);
-            load_a(s);
+        for (int s = 0; s < STAGES - 2; s++) {
+            if (s < k_tiles) {
+                if constexpr (!WEIGHTS_FIRST) load_w(s);
+                load_a(s);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
     }
 
     float d[BN / 2];
@@ -617,31 +681,33 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
     const int wg = tid / 128;
     // Passed through a shuffle so ptxas knows the branch around the MMAs is warp-uniform (it does not serialize them).
     const bool wg_rows = !SKIP_EMPTY || __shfl_sync(0xffffffffu, wg * 64 < rows, 0);
-    const u32 b0 = smem0 + STAGES * WG_STAGE;
     const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
     const u32 b_row = tid * 128, b_swizzle = tid % 8;
     // SPREAD (tiles narrower than the threads): every thread dequantizes code word tid % 8 (a 16-byte chunk of
     // bf16) of weight rows tid / 8 + 32 i, so the step's dequantization is spread over all eight warps, not left to
     // the first BN / 32. Rows copied by other threads are read only after a barrier: each step waits for its own
     // copies of the next stage before the step's barrier, one step earlier than a thread that reads only its own row.
+    // With TMA every thread waits on the stage's barrier, which shows it every row.
     constexpr bool SPREAD = BN < WROWS;
     static_assert(!SPREAD || STAGES >= 4, "the copies run two steps ahead of the barrier that shows them");
-    if constexpr (SPREAD) {
+    if constexpr (SPREAD && !TMA) {
         cp_async_wait<STAGES - 3>();  // stage 0, for every thread after the barrier
         __syncthreads();
     }
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; kt++) {
-        if constexpr (!SPREAD) cp_async_wait<STAGES - 3>();  // this thread's copies of stage kt have landed
+        if constexpr (TMA) mbarrier_wait(bars + 8 * (kt % STAGES), (kt / STAGES) % 2);
+        else if constexpr (!SPREAD) cp_async_wait<STAGES - 3>();  // this thread's copies of stage kt have landed
         const int stage = kt % STAGES;
         const u32 b_buf = b0 + (kt % WG_B_BUFFERS) * WG_B;
         if constexpr (SPREAD) {
-            const unsigned char* st = smem + stage * WG_STAGE + WG_A;
+            const unsigned char* st = smem + stage * STAGE_BYTES + WG_A;
             const int c = tid % 8, swizzle = (tid / 8) % 8;
 #pragma unroll
             for (int i = 0; i < BN / 32; i++) {
                 const int row = tid / 8 + 32 * i;
-                const u32 word = *(const u32*)(st + row * 32 + c * 4), sb = *(const u32*)(st + WG_CODES + row * 4);
+                const u32 word = *(const u32*)(st + row * 32 + c * 4);
+                const u32 sb = TMA ? tma_pair(kt, row) : *(const u32*)(st + WG_CODES + row * 4);
                 const u32 scale2 = __byte_perm(sb, sb, 0x1010), bias2 = __byte_perm(sb, sb, 0x3232);
                 u32 v[4];
 #pragma unroll
@@ -651,11 +717,11 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
                              "r"(v[3])
                              : "memory");
             }
-            cp_async_wait<STAGES - 4>();  // this thread's copies of stage kt + 1, for every thread after the barrier
+            if constexpr (!TMA) cp_async_wait<STAGES - 4>();  // copies of stage kt + 1, for all after the barrier
         } else if (w_thread) {
-            const unsigned char* codes = smem + stage * WG_STAGE + WG_A + tid * 32;
+            const unsigned char* codes = smem + stage * STAGE_BYTES + WG_A + tid * 32;
             const uint4 lo = *(const uint4*)codes, hi = *(const uint4*)(codes + 16);
-            const u32 sb = *(const u32*)(smem + stage * WG_STAGE + WG_A + WG_CODES + tid * 4);
+            const u32 sb = TMA ? tma_pair(kt, tid) : *(const u32*)(smem + stage * WG_STAGE + WG_A + WG_CODES + tid * 4);
             const u32 scale2 = __byte_perm(sb, sb, 0x1010), bias2 = __byte_perm(sb, sb, 0x3232);
 #pragma unroll
             for (int c = 0; c < 8; c++) {
@@ -671,12 +737,19 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes and copies, for wgmma
         __syncthreads();
-        if (kt + STAGES - 2 < k_tiles) {
-            load_w(kt + STAGES - 2);
-            load_a(kt + STAGES - 2);
+        if constexpr (TMA) {
+            if (tid == 0 && kt + STAGES - 2 < k_tiles) {
+                tma_expect_w(kt + STAGES - 2);
+                tma_a(kt + STAGES - 2);
+            }
+        } else {
+            if (kt + STAGES - 2 < k_tiles) {
+                load_w(kt + STAGES - 2);
+                load_a(kt + STAGES - 2);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
-        const u32 a_tile = smem0 + stage * WG_STAGE + wg * 64 * 128;
+        const u32 a_tile = smem0 + stage * STAGE_BYTES + wg * 64 * 128;
         wgmma_fence();
         wgmma_hold(d);
         if (wg_rows) {
@@ -711,16 +784,12 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
 }
 #endif
 
-// gemm_q4 in 128-row tiles: block (`cols` weight rows, 128 activation rows), cols 256, 192 or 128 (the host picks
-// the width whose blocks cover the SMs in the fewest rounds).
-#if WGMMA_BUILT
-template <int BN>
-__device__ __forceinline__ void dense_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
-    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * BN;
-    wgmma_tile<1, false, true, false, BN>(
-        min(WG_ROWS, m - m0), 0, k / KT, [&](int r) { return a + (size_t)(m0 + r) * k; },
-        [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
-        [&](int r, int c, float v0, float v1) {
+// The dense warpgroup products' epilogue: out[m0 + r][n0 + c, + 1] = (v0, v1), or += where `accumulate` is 1;
+// columns past n are not stored.
+struct DenseStore {
+    float* out;
+    int n, m0, n0, accumulate;
+    __device__ __forceinline__ void operator()(int r, int c, float v0, float v1) const {
         const int col = n0 + c;
         float* o = out + (size_t)(m0 + r) * n;
         if (n % 2 == 0) {  // col even: the pair is whole and 8-byte aligned
@@ -735,7 +804,19 @@ __device__ __forceinline__ void dense_wgmma(const bf16* a, int m, Q4 w, int n, i
             if (col < n) o[col] = accumulate ? o[col] + v0 : v0;
             if (col + 1 < n) o[col + 1] = accumulate ? o[col + 1] + v1 : v1;
         }
-    });
+    }
+};
+
+// gemm_q4 in 128-row tiles: block (`cols` weight rows, 128 activation rows), cols 256, 192 or 128 (the host picks
+// the width whose blocks cover the SMs in the fewest rounds).
+#if WGMMA_BUILT
+template <int BN>
+__device__ __forceinline__ void dense_wgmma(const bf16* a, int m, Q4 w, int n, int k, float* out, int accumulate) {
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * BN;
+    wgmma_tile<1, false, true, false, BN>(
+        min(WG_ROWS, m - m0), 0, k / KT, [&](int r) { return a + (size_t)(m0 + r) * k; },
+        [&](int i) { return weight_row(w, n0 + i, n0 + i < n, k, 4); },
+        DenseStore{out, n, m0, n0, accumulate});
 }
 #endif
 
@@ -755,6 +836,49 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #if WGMMA_BUILT
     if (cols == 128) dense_wgmma<128>(a, m, w, n, k, out, accumulate);
     else if (cols == 192) dense_wgmma<192>(a, m, w, n, k, out, accumulate);
+    else __trap();  // a width the host never gives
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
+}
+
+// gemm_q4_wgmma with its operands brought by the tensor memory accelerator: the host encodes the activations, the
+// packed weights and their pairs as tensor maps (src/gemm.rs). With cp.async every thread issued seven copies a
+// step, three of them of 32 rows 1 KB apart in a warp (a tag lookup a row); the load queue's throttling then held the
+// warps at the copies and at the registers the copies still read, most of the time the tensor cores waited.
+// Here one thread issues three copies a step and the load pipe stays free for the dequantization's shared reads.
+#if WGMMA_BUILT
+template <int BN>
+__device__ __forceinline__ void dense_wgmma_tma(const TmaMap& a_map, const TmaMap& w_map, const TmaMap& s_map, int m,
+                                                int n, int k, float* out, int accumulate) {
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * BN;
+    const WgmmaTma tma = {&a_map, &w_map, &s_map, m0, n0};
+    wgmma_tile<1, false, true, false, BN, true>(
+        min(WG_ROWS, m - m0), 0, k / KT, [](int) { return (const bf16*)nullptr; },
+        [](int) { return WeightRow{nullptr, nullptr, 0u}; },
+        DenseStore{out, n, m0, n0, accumulate}, tma);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma_tma(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
+                      const __grid_constant__ TmaMap s_map, int m, int n, int k, float* out, int accumulate) {
+#if WGMMA_BUILT
+    dense_wgmma_tma<WROWS>(a_map, w_map, s_map, m, n, k, out, accumulate);
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_wgmma_tma_narrow(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
+                             const __grid_constant__ TmaMap s_map, int m, int n, int k, float* out, int accumulate,
+                             int cols) {
+#if WGMMA_BUILT
+    if (cols == 128) dense_wgmma_tma<128>(a_map, w_map, s_map, m, n, k, out, accumulate);
+    else if (cols == 192) dense_wgmma_tma<192>(a_map, w_map, s_map, m, n, k, out, accumulate);
     else __trap();  // a width the host never gives
 #else
     wait_previous();

@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use crate::kernels::TensorMap;
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     #[error("no CUDA driver library (libcuda) found")]
@@ -475,6 +477,46 @@ impl Gpu {
         })
     }
 
+    /// A tensor map of the row-major matrix at `base`: `rows` rows of `cols` elements of `element` type (`row_bytes`
+    /// bytes apart), read in boxes of `box_cols` x `box_rows`, written to shared memory with `swizzle`. Elements past
+    /// the matrix's edges arrive as zeros. The driver checks the alignments: `base` and `row_bytes` multiples of 16,
+    /// a box row a multiple of 16 bytes (at most 128 with the 128-byte swizzle), box sides at most 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn tensor_map_2d<T>(
+        &self,
+        base: DevPtr<T>,
+        element: sys::CUtensorMapDataType,
+        cols: usize,
+        rows: usize,
+        row_bytes: usize,
+        box_cols: u32,
+        box_rows: u32,
+        swizzle: sys::CUtensorMapSwizzle,
+    ) -> Result<TensorMap> {
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        let dims = [cols as u64, rows as u64];
+        let strides = [row_bytes as u64];
+        let boxes = [box_cols, box_rows];
+        let element_strides = [1u32, 1];
+        check("cuTensorMapEncodeTiled", unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                element,
+                2,
+                base.raw() as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        })?;
+        Ok(TensorMap { words: map.opaque })
+    }
+
     /// Records what `enqueue` queues on the stream as a graph, ready to replay.
     pub fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Graph> {
         check("cuStreamBeginCapture", unsafe {
@@ -562,14 +604,20 @@ impl Drop for Event {
 #[derive(Clone, Copy)]
 pub struct Kernel(pub(crate) sys::CUfunction);
 
-/// A kernel's arguments, each kept in its own 16-byte slot so the driver can read it through a pointer. Only the
-/// typed launchers of [`crate::kernels`] build them.
+/// A kernel's arguments, each kept in its own 16-byte slot (a tensor map in a 128-byte one) so the driver can read
+/// it through a pointer. Only the typed launchers of [`crate::kernels`] build them.
 pub struct Args {
     slots: [[u64; 2]; MAX_ARGS],
+    /// For each argument, the tensor map slot that holds it (`NOT_MAP`: its 16-byte slot does).
+    map_of: [usize; MAX_ARGS],
+    maps: [TensorMap; MAX_MAPS],
     len: usize,
+    map_len: usize,
 }
 
 pub(crate) const MAX_ARGS: usize = 20;
+const MAX_MAPS: usize = 3;
+const NOT_MAP: usize = usize::MAX;
 
 impl Default for Args {
     fn default() -> Args {
@@ -581,23 +629,33 @@ impl Args {
     pub(crate) fn new() -> Args {
         Args {
             slots: [[0; 2]; MAX_ARGS],
+            map_of: [NOT_MAP; MAX_ARGS],
+            maps: [TensorMap { words: [0; 16] }; MAX_MAPS],
             len: 0,
+            map_len: 0,
         }
     }
-    fn push(mut self, slot: [u64; 2]) -> Args {
+    /// Appends one argument (see [`crate::kernels::KernelArg`]).
+    pub fn arg<A: crate::kernels::KernelArg>(mut self, a: A) -> Args {
         assert!(self.len < MAX_ARGS, "a kernel takes at most {MAX_ARGS} arguments");
-        self.slots[self.len] = slot;
+        if let Some(map) = a.tensor_map() {
+            assert!(self.map_len < MAX_MAPS, "a kernel takes at most {MAX_MAPS} tensor maps");
+            self.maps[self.map_len] = map;
+            self.map_of[self.len] = self.map_len;
+            self.map_len += 1;
+        } else {
+            self.slots[self.len] = a.slot();
+        }
         self.len += 1;
         self
     }
-    /// Appends one argument (see [`crate::kernels::KernelArg`]).
-    pub fn arg<A: crate::kernels::KernelArg>(self, a: A) -> Args {
-        self.push(a.slot())
-    }
     fn pointers(&mut self) -> [*mut c_void; MAX_ARGS] {
         let mut out = [std::ptr::null_mut(); MAX_ARGS];
-        for (o, s) in out.iter_mut().zip(self.slots[..self.len].iter_mut()) {
-            *o = s.as_mut_ptr() as *mut c_void;
+        for (i, o) in out.iter_mut().enumerate().take(self.len) {
+            *o = match self.map_of[i] {
+                NOT_MAP => self.slots[i].as_mut_ptr() as *mut c_void,
+                map => self.maps[map].words.as_mut_ptr() as *mut c_void,
+            };
         }
         out
     }

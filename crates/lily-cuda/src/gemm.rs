@@ -9,7 +9,9 @@
 //! codes) and its 256 scale/bias pairs. On Hopper the 4-bit products in 128-row tiles take the warpgroup MMA
 //! (`gemm_q4_wgmma`, which also keeps three dequantized bf16 weight tiles there; its blocks cover 256, 192 or 128
 //! weight rows, whichever fills the SMs best), and so does the experts' gate/up for long routings; the mma.sync
-//! kernels are the path of every other GPU.
+//! kernels are the path of every other GPU. The dense warpgroup products of row-major matrices with k a multiple of
+//! 256 take their operands through the tensor memory accelerator (`gemm_q4_wgmma_tma`: the host encodes a tensor
+//! map of the activations, of the packed codes and of their pairs for each launch, [`tma_maps`]).
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
@@ -29,9 +31,9 @@ use half::bf16;
 use lily_model::Config;
 
 use crate::driver::{DevBuf, DevPtr, Gpu, Result};
-use crate::kernels::{gemm, Kernels, Q8x2};
+use crate::kernels::{gemm, Kernels, Q8x2, TensorMap};
 use crate::launch::{Dims, Launcher};
-use crate::weights::GpuMatrix;
+use crate::weights::{GpuMatrix, Layout};
 
 /// Threads of every block (GEMM_THREADS).
 const THREADS: u32 = 256;
@@ -345,6 +347,17 @@ pub(crate) fn gemm_planned(
         }
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (4, Plan::Wgmma(cols)) if tma_fits(l.kernels, a, w) => {
+            let [a_map, w_map, s_map] = tma_maps(l.gpu, a, m, w, cols)?;
+            let dims = dims.shared(l.kernels.constant("gemm_wgmma_tma_smem") as u32);
+            let acc = accumulate as i32;
+            match cols {
+                WEIGHT_ROWS => gemm::gemm_q4_wgmma_tma(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc),
+                _ => {
+                    gemm::gemm_q4_wgmma_tma_narrow(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc, cols as i32)
+                }
+            }
+        }
         (4, Plan::Wgmma(WEIGHT_ROWS)) => {
             gemm::gemm_q4_wgmma(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32)
         }
@@ -365,6 +378,57 @@ pub(crate) fn gemm_planned(
         }
         (bits, _) => panic!("no {bits}-bit product"),
     }
+}
+
+/// Whether a warpgroup product takes the tensor memory accelerator's copies (`gemm_q4_wgmma_tma`): where the build
+/// says so (`gemm_wgmma_tma`), for a row-major matrix, with every start and row of the three tensors 16-byte aligned
+/// as the tensor maps need (a row of pairs is 4 k / 64 bytes: k a multiple of 256). Otherwise `gemm_q4_wgmma`.
+fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
+    kernels.constant("gemm_wgmma_tma") == 1
+        && w.layout == Layout::Rows
+        && w.cols.is_multiple_of(4 * K_STEP)
+        && [a.raw(), w.packed.ptr().raw(), w.scale_bias.ptr().raw()]
+            .iter()
+            .all(|p| p % 16 == 0)
+}
+
+/// The tensor maps of `gemm_q4_wgmma_tma` for `a` (m rows) times `w` in tiles of `cols` weight rows: the activations
+/// in boxes of one quantization group by 128 rows (the 128-byte swizzle wgmma reads), the packed codes in boxes of one
+/// group (32 bytes) by `cols` rows, and the (scale, bias) pairs in boxes of four groups by `cols` rows.
+fn tma_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, cols: usize) -> Result<[TensorMap; 3]> {
+    use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
+    let (n, k, cols) = (w.rows, w.cols, cols as u32);
+    let a_map = gpu.tensor_map_2d(
+        a,
+        Type::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        k,
+        m,
+        k * 2,
+        K_STEP as u32,
+        128,
+        Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )?;
+    let w_map = gpu.tensor_map_2d(
+        w.packed.ptr(),
+        Type::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        k / 2,
+        n,
+        k / 2,
+        K_STEP as u32 / 2,
+        cols,
+        Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+    )?;
+    let s_map = gpu.tensor_map_2d(
+        w.scale_bias.ptr(),
+        Type::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+        k / K_STEP,
+        n,
+        k / K_STEP * 4,
+        4,
+        cols,
+        Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+    )?;
+    Ok([a_map, w_map, s_map])
 }
 
 /// The small tiling's product: `a` coded as Q8x2 rows into the kernels' own buffer (unless `code` is false: a

@@ -4,7 +4,7 @@
 use half::bf16;
 
 use super::signature::launchers;
-use super::{KernelFile, Q8x2, Q4};
+use super::{KernelFile, Q8x2, TensorMap, Q4};
 use crate::driver::DevPtr;
 
 pub const FILE: KernelFile<'static> = KernelFile {
@@ -43,6 +43,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_small_tall_blocks_per_sm",
         "gemm_wgmma",
         "gemm_wgmma_smem",
+        "gemm_wgmma_tma_smem",
+        "gemm_wgmma_tma",
         "gemm_wgmma_cost",
         "gemm_wgmma_split",
         "moe_wgmma",
@@ -64,6 +66,31 @@ launchers! {
         a: DevPtr<bf16>,
         m: i32,
         w: Q4,
+        n: i32,
+        k: i32,
+        out: DevPtr<f32>,
+        accumulate: i32,
+        cols: i32,
+    );
+    /// `gemm_q4_wgmma` with its operands brought by the tensor memory accelerator: `a_map` over `a` (bf16 [m][k],
+    /// boxes of 64 x 128 rows, 128-byte swizzle), `w_map` over the packed codes (bytes [n][k / 2], boxes of 32 x 256
+    /// rows), `s_map` over the (scale, bias) pairs (u32 [n][k / 64], boxes of 4 x 256 rows); see `tma_maps`.
+    gemm_q4_wgmma_tma(
+        a_map: TensorMap,
+        w_map: TensorMap,
+        s_map: TensorMap,
+        m: i32,
+        n: i32,
+        k: i32,
+        out: DevPtr<f32>,
+        accumulate: i32,
+    );
+    /// `gemm_q4_wgmma_tma` in tiles of `cols` (192 or 128) weight rows, whose maps' weight boxes are `cols` rows.
+    gemm_q4_wgmma_tma_narrow(
+        a_map: TensorMap,
+        w_map: TensorMap,
+        s_map: TensorMap,
+        m: i32,
         n: i32,
         k: i32,
         out: DevPtr<f32>,

@@ -33,7 +33,7 @@ pub mod sampling;
 pub mod signature;
 pub mod synth;
 
-pub use signature::{CType, KernelArg, Param, Q8x2, Signature, Q4};
+pub use signature::{CType, KernelArg, Param, Q8x2, Signature, TensorMap, Q4};
 
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 

@@ -59,9 +59,17 @@ impl Signature<'_> {
     }
 
     /// Compares the launcher's layout with the one the driver reports for the compiled kernel (`reported`, in
-    /// parameter order); the error names the kernel and the first difference.
+    /// parameter order); the error names the kernel and the first difference. Where a parameter needs more alignment
+    /// than the start of the driver's parameter space has (a tensor map's 64 bytes), the driver reports every offset
+    /// shifted by the padding before the first parameter; the layouts must then agree up to that one shift.
     pub fn check_layout(&self, reported: &[(usize, usize)]) -> Result<(), String> {
-        let declared = self.layout();
+        let shift = reported.first().map_or(0, |r| r.0);
+        let shift = if self.params.iter().any(|p| p.align > 16) && shift < 64 {
+            shift
+        } else {
+            0
+        };
+        let declared: Vec<(usize, usize)> = self.layout().into_iter().map(|(o, n)| (o + shift, n)).collect();
         if declared.len() != reported.len() {
             return Err(format!(
                 "kernel {}: its launcher passes {} parameters, the compiled kernel takes {}",
@@ -111,12 +119,43 @@ impl DeviceType for f16 {
 }
 
 /// A value a launcher passes to a kernel: its C type, its size and alignment in the parameter buffer, and its
-/// bytes (at most 16, in one slot of [`crate::driver::Args`]).
+/// bytes (at most 16, in one slot of [`crate::driver::Args`]; a [`TensorMap`] has slots of its own).
 pub trait KernelArg: Copy {
     const C_TYPE: CType;
     const SIZE: usize;
     const ALIGN: usize;
     fn slot(self) -> [u64; 2];
+    /// The tensor map this argument is, if it is one.
+    fn tensor_map(self) -> Option<TensorMap> {
+        None
+    }
+}
+
+/// A tensor map for the tensor memory accelerator, as [`crate::driver::Gpu::tensor_map_2d`] encodes it: the driver's
+/// 128 opaque bytes, 64-byte aligned (common.cuh's `TmaMap`, which a kernel takes as a `const __grid_constant__`
+/// parameter).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct TensorMap {
+    pub(crate) words: [u64; 16],
+}
+
+impl std::fmt::Debug for TensorMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TensorMap")
+    }
+}
+
+impl KernelArg for TensorMap {
+    const C_TYPE: CType = CType::Value("TmaMap");
+    const SIZE: usize = 128;
+    const ALIGN: usize = 64;
+    fn slot(self) -> [u64; 2] {
+        [0, 0]
+    }
+    fn tensor_map(self) -> Option<TensorMap> {
+        Some(self)
+    }
 }
 
 impl<T: DeviceType> KernelArg for DevPtr<T> {
@@ -289,7 +328,7 @@ pub fn declarations(source: &str) -> Vec<(String, Vec<String>)> {
                 let pointer = p.contains('*');
                 let words: Vec<&str> = p
                     .split(|c: char| c.is_whitespace() || c == '*')
-                    .filter(|w| !w.is_empty() && *w != "const" && *w != "__restrict__")
+                    .filter(|w| !w.is_empty() && !["const", "__restrict__", "__grid_constant__"].contains(w))
                     .collect();
                 // All words but the last (the parameter's name) make the type.
                 let base = match words[..words.len().saturating_sub(1)].join(" ").as_str() {
@@ -455,6 +494,22 @@ mod tests {
     fn a_q4_after_an_int_is_aligned_to_8_bytes() {
         let layout = signature("gemm_q4").layout();
         assert_eq!(&layout[..4], &[(0, 8), (8, 4), (16, 16), (32, 4)]);
+    }
+
+    /// Tensor maps are 128 bytes at 64-byte boundaries. The H200's driver reports `gemm_q4_wgmma_tma`'s parameters
+    /// 48 bytes on (the padding to the first 64-byte boundary of its parameter space): accepted as one shift, while
+    /// a layout that differs elsewhere is still refused.
+    #[test]
+    fn tensor_maps_may_start_past_the_parameter_space_start() {
+        let sig = signature("gemm_q4_wgmma_tma");
+        let layout = sig.layout();
+        assert_eq!(&layout[..5], &[(0, 128), (128, 128), (256, 128), (384, 4), (388, 4)]);
+        let shifted: Vec<(usize, usize)> = layout.iter().map(|&(o, n)| (o + 48, n)).collect();
+        assert_eq!(sig.check_layout(&shifted), Ok(()));
+        let mut wrong = shifted.clone();
+        wrong[4].0 += 4;
+        let err = sig.check_layout(&wrong).unwrap_err();
+        assert!(err.contains("parameter 4 (n)"), "{err}");
     }
 
     #[test]
