@@ -139,10 +139,18 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
 #define BF16X2_ONE 0x3F803F80u
 #define BF16X2_MINUS_128 0xC300C300u
 
+// (a & mask) | bits as one LOP3. Written in C, ptxas emits an AND and an OR (a LOP3 takes one immediate), which
+// made the dequantization below three integer instructions a pair of weights instead of two.
+__device__ __forceinline__ u32 and_or(u32 a, u32 mask, u32 bits) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+}
+
 // The weights at k = 2t, 2t+1 of the 8 in `word` (4-bit codes), as bf16x2: scale * q + bias rounded once.
 // `sel` = t | (t + 4) << 8 picks byte t of the word for the low half and of the word >> 4 for the high half.
 __device__ __forceinline__ u32 dequant_q4(u32 word, u32 sel, u32 scale2, u32 bias2) {
-    const u32 x = (__byte_perm(word, word >> 4, sel) & 0x000F000Fu) | 0x43004300u;  // 128 + q, exact
+    const u32 x = and_or(__byte_perm(word, word >> 4, sel), 0x000F000Fu, 0x43004300u);  // 128 + q, exact
     return fma_bf16x2(fma_bf16x2(x, BF16X2_ONE, BF16X2_MINUS_128), scale2, bias2);
 }
 
