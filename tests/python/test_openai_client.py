@@ -450,6 +450,22 @@ def test_responses_text_streamed_and_whole(client, model):
     assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
 
 
+def test_responses_stream_names_each_event(base_url, api_key, model):
+    # As OpenAI's server does, every `data:` line follows an `event:` line naming its type, for SSE clients that
+    # dispatch on the event name rather than on the payload.
+    body = dict(model=model, input="Speak.", max_output_tokens=4, stream=True, reasoning={"effort": "none"})
+    request = urllib.request.Request(base_url + "/v1/responses", data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json",
+                                              "authorization": f"Bearer {api_key}"})
+    blocks = urllib.request.urlopen(request).read().decode().split("\n\n")
+    events = [dict(line.split(": ", 1) for line in b.splitlines() if ": " in line) for b in blocks]
+    events = [e for e in events if "data" in e]  # not keep-alive comments
+    assert len(events) >= 4
+    for e in events:
+        assert e["event"] == json.loads(e["data"])["type"], e
+    assert events[0]["event"] == "response.created"
+
+
 def test_responses_function_calls_and_their_outputs(client, model):
     for choice in ("required", {"type": "function", "name": "get_weather"}):
         r = client.responses.create(model=model, input="Weather in Verona?", tools=[RESPONSES_TOOL],

@@ -12,6 +12,7 @@ use crate::chat::{to_json, ChatPlan};
 use crate::engine::Event;
 use crate::error::ApiError;
 use crate::params;
+use crate::routes::SseData;
 use crate::types::{
     ChatCompletionRequest, CompletionTokensDetails, IncompleteDetails, RawSampling, ResponseInputDetails, ResponseItem,
     ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
@@ -464,11 +465,14 @@ impl ResponsesResponder {
         }
     }
 
-    fn event(&mut self, kind: &str, mut fields: Json) -> String {
+    fn event(&mut self, kind: &'static str, mut fields: Json) -> SseData {
         fields["type"] = json!(kind);
         fields["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        to_json(&fields)
+        SseData {
+            event: Some(kind),
+            data: to_json(&fields),
+        }
     }
 
     /// The response as it stands, with its usage and final status once finished.
@@ -505,9 +509,9 @@ impl ResponsesResponder {
         }
     }
 
-    /// Streaming: the events an engine event produces (each the JSON of one `data:` line), and whether the
-    /// stream ends.
-    pub fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+    /// Streaming: the events an engine event produces (each named by its type, its JSON the `data:` line), and
+    /// whether the stream ends.
+    pub fn stream_event(&mut self, event: Event) -> (Vec<SseData>, bool) {
         let mut out = Vec::new();
         if self.sequence == 0 {
             let response = self.snapshot("in_progress");
@@ -558,7 +562,7 @@ impl ResponsesResponder {
         (out, false)
     }
 
-    fn stream_deltas(&mut self, deltas: Vec<Delta>, out: &mut Vec<String>) {
+    fn stream_deltas(&mut self, deltas: Vec<Delta>, out: &mut Vec<SseData>) {
         for delta in deltas {
             match delta {
                 Delta::Reasoning(text) => self.stream_text(true, text, out),
@@ -593,7 +597,7 @@ impl ResponsesResponder {
 
     /// Streams `text` as a delta of the reasoning item (`reasoning`) or the message being streamed, opening one
     /// first where the item open is of another kind.
-    fn stream_text(&mut self, reasoning: bool, text: String, out: &mut Vec<String>) {
+    fn stream_text(&mut self, reasoning: bool, text: String, out: &mut Vec<SseData>) {
         let same = match self.open {
             Some(Open::Reasoning { .. }) => reasoning,
             Some(Open::Message { .. }) => !reasoning,
@@ -664,7 +668,7 @@ impl ResponsesResponder {
         }
     }
 
-    fn open_item(&mut self, open: Open, out: &mut Vec<String>) {
+    fn open_item(&mut self, open: Open, out: &mut Vec<SseData>) {
         let index = self.response.output.len();
         let item = Self::item(&open, "in_progress");
         out.push(self.event(
@@ -691,7 +695,7 @@ impl ResponsesResponder {
     }
 
     /// Ends the item being streamed: its `done` events, and it joins the response's output.
-    fn close(&mut self, out: &mut Vec<String>) {
+    fn close(&mut self, out: &mut Vec<SseData>) {
         let Some(open) = self.open.take() else {
             return;
         };
@@ -917,11 +921,7 @@ mod tests {
         let (first, _) = responder.stream_event(token(vec![Delta::Content("Hi".into())]));
         let (last, done) = responder.stream_event(Event::Error(ApiError::engine_failed()));
         assert!(done);
-        let events: Vec<Json> = first
-            .iter()
-            .chain(&last)
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let events: Vec<Json> = first.iter().chain(&last).map(parse).collect();
         let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
         assert_eq!(
             kinds[kinds.len() - 3..],
@@ -1034,6 +1034,13 @@ mod tests {
         ]
     }
 
+    /// A streamed event's JSON, checked to carry its type as the SSE event name.
+    fn parse(event: &SseData) -> Json {
+        let json: Json = serde_json::from_str(&event.data).unwrap();
+        assert_eq!(event.event, json["type"].as_str(), "the event name is the type");
+        json
+    }
+
     fn responder() -> ResponsesResponder {
         let plan = ChatPlan {
             stream: true,
@@ -1075,7 +1082,7 @@ mod tests {
             ended = done;
         }
         assert!(ended);
-        let events: Vec<Json> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let events: Vec<Json> = lines.iter().map(parse).collect();
         let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
         assert_eq!(
             kinds,
@@ -1194,7 +1201,7 @@ mod tests {
         let mut responder = self::responder();
         responder.stream_event(token(vec![Delta::Content("Hi".into())]));
         let (lines, _) = responder.stream_event(streamed_finish);
-        let done: Vec<Json> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let done: Vec<Json> = lines.iter().map(parse).collect();
         let item = done.iter().find(|e| e["type"] == "response.output_item.done").unwrap();
         assert_eq!(item["item"]["status"], "incomplete");
     }

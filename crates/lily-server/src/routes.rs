@@ -338,10 +338,24 @@ fn submit(
     }
 }
 
-/// Server-sent events: each engine event becomes zero or more `data:` lines; the stream ends with `[DONE]`.
+/// One server-sent event: its `data:` payload, and the `event:` name it carries where the endpoint names its events
+/// (the Responses API names each by its `type`, as OpenAI's server does; chat and completions send data only).
+pub struct SseData {
+    pub event: Option<&'static str>,
+    pub data: String,
+}
+
+impl SseData {
+    /// A `data:` line without an event name.
+    pub fn data(data: String) -> SseData {
+        SseData { event: None, data }
+    }
+}
+
+/// Server-sent events: each engine event becomes zero or more events; chat and completion streams end with `[DONE]`.
 fn sse_response<F>(receiver: UnboundedReceiver<Event>, guard: CancelOnDrop, on_event: F) -> Response
 where
-    F: FnMut(Event) -> (Vec<String>, bool) + Send + 'static,
+    F: FnMut(Event) -> (Vec<SseData>, bool) + Send + 'static,
 {
     let stream = futures_util::stream::unfold(Some((receiver, guard, on_event)), |state| async move {
         let (mut receiver, guard, mut on_event) = state?;
@@ -358,16 +372,20 @@ where
                 }
                 None => {
                     let error = ApiError::internal("the engine stopped before finishing the request");
-                    return Some((vec![chat::to_json(&error.body()), "[DONE]".into()], None));
+                    let data = vec![chat::to_json(&error.body()), "[DONE]".into()];
+                    return Some((data.into_iter().map(SseData::data).collect(), None));
                 }
             }
         }
     })
     .flat_map(|data| {
-        futures_util::stream::iter(
-            data.into_iter()
-                .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
-        )
+        futures_util::stream::iter(data.into_iter().map(|d| {
+            let event = SseEvent::default().data(d.data);
+            Ok::<_, Infallible>(match d.event {
+                Some(name) => event.event(name),
+                None => event,
+            })
+        }))
     });
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }
@@ -439,8 +457,8 @@ struct Prepared<R> {
 /// Turns engine events into a completion endpoint's answer; [`ChatResponder`] and [`CompletionResponder`].
 trait Responder: Send + 'static {
     type Response: serde::Serialize;
-    /// Streaming: the `data:` payloads an event produces, and whether the stream ends.
-    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool);
+    /// Streaming: the server-sent events an engine event produces, and whether the stream ends.
+    fn stream_event(&mut self, event: Event) -> (Vec<SseData>, bool);
     /// Not streaming: `Some` once the response is complete (or failed).
     fn collect_event(&mut self, event: Event) -> Option<Result<Self::Response, ApiError>>;
     /// Once the response is complete: the reply a client will send back in its next request, if any, whose
@@ -452,8 +470,9 @@ trait Responder: Send + 'static {
 
 impl Responder for ChatResponder {
     type Response = ChatCompletion;
-    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
-        ChatResponder::stream_event(self, event)
+    fn stream_event(&mut self, event: Event) -> (Vec<SseData>, bool) {
+        let (data, done) = ChatResponder::stream_event(self, event);
+        (data.into_iter().map(SseData::data).collect(), done)
     }
     fn collect_event(&mut self, event: Event) -> Option<Result<ChatCompletion, ApiError>> {
         ChatResponder::collect_event(self, event)
@@ -465,7 +484,7 @@ impl Responder for ChatResponder {
 
 impl Responder for ResponsesResponder {
     type Response = ResponseObject;
-    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
+    fn stream_event(&mut self, event: Event) -> (Vec<SseData>, bool) {
         ResponsesResponder::stream_event(self, event)
     }
     fn collect_event(&mut self, event: Event) -> Option<Result<ResponseObject, ApiError>> {
@@ -478,8 +497,9 @@ impl Responder for ResponsesResponder {
 
 impl Responder for CompletionResponder {
     type Response = Completion;
-    fn stream_event(&mut self, event: Event) -> (Vec<String>, bool) {
-        CompletionResponder::stream_event(self, event)
+    fn stream_event(&mut self, event: Event) -> (Vec<SseData>, bool) {
+        let (data, done) = CompletionResponder::stream_event(self, event);
+        (data.into_iter().map(SseData::data).collect(), done)
     }
     fn collect_event(&mut self, event: Event) -> Option<Result<Completion, ApiError>> {
         CompletionResponder::collect_event(self, event)
