@@ -651,10 +651,12 @@ __device__ __forceinline__ void wgmma_tile(int rows, int step0, int steps, ARow 
     const int k_tiles = steps;
     if constexpr (TMA) {
         static_assert(WEIGHTS_FIRST, "the dense products' weights do not depend on the previous kernel");
+        if (step0 % 4 != 0) __trap();  // the pairs' boxes of four groups start at the tile's first step
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < STAGES; s++) mbarrier_init(bars + 8 * s, 1);
             mbarrier_init_fence();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
 #pragma unroll
             for (int s = 0; s < STAGES - 2; s++)
                 if (s < k_tiles) tma_expect_w(s);

@@ -47,11 +47,17 @@ impl Signature<'_> {
     /// The (offset, size) of each parameter in the kernel's parameter buffer, by the C rules: each parameter at
     /// the next multiple of its alignment.
     pub fn layout(&self) -> Vec<(usize, usize)> {
+        self.layout_at(0)
+    }
+
+    /// The same for a parameter buffer that starts `base` bytes past a multiple of 64: the alignments hold for the
+    /// addresses, and the offsets are counted from the buffer's start.
+    fn layout_at(&self, base: usize) -> Vec<(usize, usize)> {
         let mut end = 0usize;
         self.params
             .iter()
             .map(|p| {
-                let offset = end.next_multiple_of(p.align);
+                let offset = (base + end).next_multiple_of(p.align) - base;
                 end = offset + p.size;
                 (offset, p.size)
             })
@@ -59,17 +65,18 @@ impl Signature<'_> {
     }
 
     /// Compares the launcher's layout with the one the driver reports for the compiled kernel (`reported`, in
-    /// parameter order); the error names the kernel and the first difference. Where a parameter needs more alignment
-    /// than the start of the driver's parameter space has (a tensor map's 64 bytes), the driver reports every offset
-    /// shifted by the padding before the first parameter; the layouts must then agree up to that one shift.
+    /// parameter order); the error names the kernel and the first difference. The driver's parameter buffer need
+    /// not start on a multiple of a parameter's alignment (a tensor map's 64 bytes: the H200's driver reports a
+    /// kernel's maps from offset 48), so the launcher's layout must equal the reported one for some start of the
+    /// buffer (a multiple of 4 below 64); an error compares with the start that places the first parameter right.
     pub fn check_layout(&self, reported: &[(usize, usize)]) -> Result<(), String> {
-        let shift = reported.first().map_or(0, |r| r.0);
-        let shift = if self.params.iter().any(|p| p.align > 16) && shift < 64 {
-            shift
-        } else {
-            0
-        };
-        let declared: Vec<(usize, usize)> = self.layout().into_iter().map(|(o, n)| (o + shift, n)).collect();
+        let starts: Vec<Vec<(usize, usize)>> = (0..64).step_by(4).map(|b| self.layout_at(b)).collect();
+        let declared = starts
+            .iter()
+            .find(|l| l.as_slice() == reported)
+            .or_else(|| starts.iter().find(|l| l.first() == reported.first()))
+            .cloned()
+            .unwrap_or_else(|| self.layout());
         if declared.len() != reported.len() {
             return Err(format!(
                 "kernel {}: its launcher passes {} parameters, the compiled kernel takes {}",
@@ -497,8 +504,8 @@ mod tests {
     }
 
     /// Tensor maps are 128 bytes at 64-byte boundaries. The H200's driver reports `gemm_q4_wgmma_tma`'s parameters
-    /// 48 bytes on (the padding to the first 64-byte boundary of its parameter space): accepted as one shift, while
-    /// a layout that differs elsewhere is still refused.
+    /// 48 bytes on (the padding to the first 64-byte boundary of its parameter buffer): accepted, while a layout that
+    /// differs elsewhere is still refused.
     #[test]
     fn tensor_maps_may_start_past_the_parameter_space_start() {
         let sig = signature("gemm_q4_wgmma_tma");
@@ -510,6 +517,15 @@ mod tests {
         wrong[4].0 += 4;
         let err = sig.check_layout(&wrong).unwrap_err();
         assert!(err.contains("parameter 4 (n)"), "{err}");
+        // A map after an int: from a buffer start 16 bytes past a multiple of 64, the map lies at 48, not 64.
+        let params = [sig.params[3], sig.params[0]];
+        let int_then_map = Signature {
+            name: "k",
+            params: &params,
+        };
+        assert_eq!(int_then_map.layout(), [(0, 4), (64, 128)]);
+        assert_eq!(int_then_map.check_layout(&[(0, 4), (48, 128)]), Ok(()));
+        assert!(int_then_map.check_layout(&[(0, 4), (48, 64)]).is_err());
     }
 
     #[test]
