@@ -660,3 +660,28 @@ impl Args {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pointers a launch hands the driver: each ordinary argument's bytes in its own slot, each tensor map's 128
+    /// bytes whole and 64-byte aligned, in parameter order.
+    #[test]
+    fn tensor_map_arguments_are_passed_whole_and_aligned() {
+        let map = |first: u64| TensorMap {
+            words: std::array::from_fn(|i| first + i as u64),
+        };
+        let mut args = Args::new().arg(map(100)).arg(7i32).arg(map(200)).arg(2.5f32);
+        let pointers = args.pointers();
+        let read_map = |p: *mut c_void| {
+            assert_eq!(p as usize % 64, 0, "a tensor map's copy is 64-byte aligned");
+            unsafe { *(p as *const [u64; 16]) }
+        };
+        assert_eq!(read_map(pointers[0]), map(100).words);
+        assert_eq!(unsafe { *(pointers[1] as *const i32) }, 7);
+        assert_eq!(read_map(pointers[2]), map(200).words);
+        assert_eq!(unsafe { *(pointers[3] as *const f32) }, 2.5);
+        assert!(pointers[4..].iter().all(|p| p.is_null()));
+    }
+}
