@@ -450,6 +450,26 @@ def test_responses_text_streamed_and_whole(client, model):
     assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
 
 
+def test_responses_logprobs_of_the_message(client, model):
+    kwargs = dict(model=model, input="Speak, Romeo.", max_output_tokens=6, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"], reasoning={"effort": "none"})
+    r = client.responses.create(**kwargs)
+    text = r.output[0].content[0]
+    assert text.type == "output_text" and text.text == r.output_text
+    assert 1 <= len(text.logprobs) <= r.usage.output_tokens
+    assert "".join(lp.token for lp in text.logprobs) == text.text
+    for lp in text.logprobs:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 2
+        # Greedy: each token is the most likely one.
+        assert lp.top_logprobs[0].token == lp.token and abs(lp.top_logprobs[0].logprob - lp.logprob) < 1e-6
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, round(lp.logprob, 5)) for lp in streamed] == \
+        [(lp.token, round(lp.logprob, 5)) for lp in text.logprobs]
+    plain = client.responses.create(**{k: v for k, v in kwargs.items() if k not in ("include", "top_logprobs")})
+    assert plain.output[0].content[0].logprobs in (None, [])
+
+
 def test_responses_stream_names_each_event(base_url, api_key, model):
     # As OpenAI's server does, every `data:` line follows an `event:` line naming its type, for SSE clients that
     # dispatch on the event name rather than on the payload.

@@ -5,22 +5,26 @@
 //! calls. The server keeps no responses, so `previous_response_id`, `conversation` and `background` are refused and
 //! `store` is only echoed.
 
-use lily_chat::{Delta, FinalOutput, FinishReason};
+use std::sync::Arc;
+
+use lily_chat::{Delta, FinalOutput, FinishReason, Tokenizer};
 use serde_json::{json, Map, Value as Json};
 
-use crate::chat::{to_json, ChatPlan};
+use crate::chat::{logprob_entry, to_json, ChatPlan};
 use crate::engine::Event;
 use crate::error::ApiError;
-use crate::params;
+use crate::params::{self, MAX_TOP_LOGPROBS};
 use crate::routes::SseData;
 use crate::types::{
-    ChatCompletionRequest, CompletionTokensDetails, IncompleteDetails, RawSampling, ResponseInputDetails, ResponseItem,
-    ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
+    ChatCompletionRequest, ChatLogprobEntry, CompletionTokensDetails, IncompleteDetails, RawSampling,
+    ResponseInputDetails, ResponseItem, ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
 };
 
-/// The `include` values accepted: encrypted reasoning is asked for by clients that keep no state between turns;
-/// lily's reasoning is sent in the clear in the reasoning items, so there is nothing more to include.
-const INCLUDES: [&str; 1] = ["reasoning.encrypted_content"];
+/// The `include` values accepted: encrypted reasoning is asked for by clients that keep no state between turns
+/// (lily's reasoning is sent in the clear in the reasoning items, so there is nothing more to include); the message
+/// text's logprobs are included where asked for.
+const INCLUDES: [&str; 2] = ["reasoning.encrypted_content", LOGPROBS];
+const LOGPROBS: &str = "message.output_text.logprobs";
 
 /// A Responses request translated: the chat request to prepare, and what the response echoes of the request.
 pub struct Translated {
@@ -49,12 +53,18 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
             format!("`include` value {include:?} is not supported (supported: {INCLUDES:?})"),
         ));
     }
-    if request.top_logprobs.is_some_and(|n| n != 0) {
-        return Err(ApiError::invalid(
-            "top_logprobs",
-            "`top_logprobs` is not supported on /v1/responses",
-        ));
-    }
+    // Logprobs of the message's tokens where `include` asks for them or `top_logprobs` asks for alternatives.
+    let top_logprobs = match request.top_logprobs {
+        None => 0,
+        Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => k,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+            ))
+        }
+    };
+    let logprobs = top_logprobs > 0 || request.include.iter().flatten().any(|i| i == LOGPROBS);
     // Nothing is ever dropped from the input: with `auto` as with `disabled`, a prompt past the context is refused.
     let truncation = match request.truncation.as_deref() {
         None | Some("disabled") => "disabled",
@@ -117,6 +127,8 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
         parallel_tool_calls: Some(parallel_tool_calls),
         reasoning_effort: effort,
         response_format,
+        logprobs: logprobs.then_some(true),
+        top_logprobs: logprobs.then_some(top_logprobs),
         ..ChatCompletionRequest::default()
     };
     let template = ResponseObject {
@@ -423,6 +435,7 @@ enum Open {
     Message {
         id: String,
         text: String,
+        logprobs: Vec<ChatLogprobEntry>,
     },
     Call {
         id: String,
@@ -447,11 +460,21 @@ pub struct ResponsesResponder {
     output: Option<FinalOutput>,
     /// The message to tokenize ahead of the next request ([`crate::chat::warm_reply`]).
     reply: Option<String>,
+    /// Logprobs asked for: those of tokens whose text has not gone out yet, which go with the message's next
+    /// text (or are dropped where reasoning or a function call comes next), and, not streaming, the message's.
+    logprobs: bool,
+    tokenizer: Arc<Tokenizer>,
+    pending: Vec<ChatLogprobEntry>,
+    message_logprobs: Vec<ChatLogprobEntry>,
 }
 
 impl ResponsesResponder {
-    pub fn new(plan: &ChatPlan, template: ResponseObject) -> Self {
+    pub fn new(plan: &ChatPlan, template: ResponseObject, tokenizer: Arc<Tokenizer>) -> Self {
         ResponsesResponder {
+            logprobs: plan.logprobs,
+            tokenizer,
+            pending: Vec::new(),
+            message_logprobs: Vec::new(),
             response: template,
             prompt_tokens: plan.prompt_tokens,
             completion_tokens: 0,
@@ -519,7 +542,10 @@ impl ResponsesResponder {
             out.push(self.event("response.in_progress", json!({"response": response})));
         }
         match event {
-            Event::Token { deltas, .. } => self.stream_deltas(deltas, &mut out),
+            Event::Token { deltas, logprob, .. } => {
+                self.hold_logprob(logprob);
+                self.stream_deltas(deltas, &mut out)
+            }
             Event::Finished {
                 mut output,
                 cached_tokens,
@@ -562,11 +588,31 @@ impl ResponsesResponder {
         (out, false)
     }
 
+    /// Keeps a token's logprob (where asked for) until its text goes out.
+    fn hold_logprob(&mut self, logprob: Option<crate::logits::TokenLogprob>) {
+        if let Some(lp) = logprob.filter(|_| self.logprobs) {
+            self.pending.push(logprob_entry(&self.tokenizer, &lp));
+        }
+    }
+
+    /// The logprobs that go with a delta: the held ones with message text, none with reasoning or a call (whose
+    /// tokens' logprobs are dropped).
+    fn logprobs_of(&mut self, delta: &Delta) -> Vec<ChatLogprobEntry> {
+        match delta {
+            Delta::Content(_) => std::mem::take(&mut self.pending),
+            _ => {
+                self.pending.clear();
+                Vec::new()
+            }
+        }
+    }
+
     fn stream_deltas(&mut self, deltas: Vec<Delta>, out: &mut Vec<SseData>) {
         for delta in deltas {
+            let logprobs = self.logprobs_of(&delta);
             match delta {
-                Delta::Reasoning(text) => self.stream_text(true, text, out),
-                Delta::Content(text) => self.stream_text(false, text, out),
+                Delta::Reasoning(text) => self.stream_text(true, text, Vec::new(), out),
+                Delta::Content(text) => self.stream_text(false, text, logprobs, out),
                 Delta::ToolCall(call) if !self.response.parallel_tool_calls && call.index > 0 => {}
                 Delta::ToolCall(call) => {
                     if let Some(call_id) = call.id {
@@ -595,9 +641,9 @@ impl ResponsesResponder {
         }
     }
 
-    /// Streams `text` as a delta of the reasoning item (`reasoning`) or the message being streamed, opening one
-    /// first where the item open is of another kind.
-    fn stream_text(&mut self, reasoning: bool, text: String, out: &mut Vec<SseData>) {
+    /// Streams `text` as a delta of the reasoning item (`reasoning`) or the message being streamed (with the
+    /// `logprobs` of its tokens), opening one first where the item open is of another kind.
+    fn stream_text(&mut self, reasoning: bool, text: String, logprobs: Vec<ChatLogprobEntry>, out: &mut Vec<SseData>) {
         let same = match self.open {
             Some(Open::Reasoning { .. }) => reasoning,
             Some(Open::Message { .. }) => !reasoning,
@@ -613,20 +659,30 @@ impl ResponsesResponder {
                 false => Open::Message {
                     id: params::random_id("msg_"),
                     text: String::new(),
+                    logprobs: Vec::new(),
                 },
             };
             self.open_item(open, out);
         }
         let index = self.response.output.len();
-        let Some(Open::Reasoning { id, text: all } | Open::Message { id, text: all }) = &mut self.open else {
-            unreachable!("opened above")
+        let (id, all) = match &mut self.open {
+            Some(Open::Reasoning { id, text }) => (id, text),
+            Some(Open::Message {
+                id,
+                text,
+                logprobs: kept,
+            }) => {
+                kept.extend(logprobs.iter().cloned());
+                (id, text)
+            }
+            _ => unreachable!("opened above"),
         };
         all.push_str(&text);
         let mut fields = json!({"item_id": id.clone(), "output_index": index, "content_index": 0, "delta": text});
         let kind = match reasoning {
             true => "response.reasoning_text.delta",
             false => {
-                fields["logprobs"] = json!([]);
+                fields["logprobs"] = json!(logprobs);
                 "response.output_text.delta"
             }
         };
@@ -644,13 +700,13 @@ impl ResponsesResponder {
                 },
                 status,
             },
-            Open::Message { id, text } => ResponseItem::Message {
+            Open::Message { id, text, logprobs } => ResponseItem::Message {
                 id: id.clone(),
                 status,
                 role: "assistant",
                 content: match status {
                     "in_progress" => Vec::new(),
-                    _ => vec![output_text(text.clone())],
+                    _ => vec![output_text(text.clone(), logprobs.clone())],
                 },
             },
             Open::Call {
@@ -677,7 +733,7 @@ impl ResponsesResponder {
         ));
         let part = match &open {
             Open::Reasoning { .. } => Some(ResponsePart::ReasoningText { text: String::new() }),
-            Open::Message { .. } => Some(output_text(String::new())),
+            Open::Message { .. } => Some(output_text(String::new(), Vec::new())),
             Open::Call { .. } => None,
         };
         if let Some(part) = part {
@@ -709,12 +765,12 @@ impl ResponsesResponder {
                 let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
                 out.push(self.event("response.content_part.done", fields));
             }
-            Open::Message { text, .. } => {
+            Open::Message { text, logprobs, .. } => {
                 let fields = json!({
-                    "item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": [],
+                    "item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": logprobs,
                 });
                 out.push(self.event("response.output_text.done", fields));
-                let part = output_text(text.clone());
+                let part = output_text(text.clone(), logprobs.clone());
                 let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "part": part});
                 out.push(self.event("response.content_part.done", fields));
             }
@@ -734,10 +790,16 @@ impl ResponsesResponder {
     /// Non-streaming: takes an event; `Some` once the response is complete (or failed).
     pub fn collect_event(&mut self, event: Event) -> Option<Result<ResponseObject, ApiError>> {
         match event {
-            Event::Token { .. } | Event::PromptLogprobs { .. } => None,
+            Event::Token { deltas, logprob, .. } => {
+                self.hold_logprob(logprob);
+                self.collect_logprobs(&deltas);
+                None
+            }
+            Event::PromptLogprobs { .. } => None,
             Event::Finished {
                 output, cached_tokens, ..
             } => {
+                self.collect_logprobs(&output.deltas);
                 self.finish = Some(output.finish_reason);
                 self.finished(&output, cached_tokens);
                 self.output = Some(output);
@@ -750,6 +812,14 @@ impl ResponsesResponder {
                 }
                 Some(Ok(self.snapshot(self.status())))
             }
+        }
+    }
+
+    /// Not streaming: the held logprobs that go with `deltas` join the message's.
+    fn collect_logprobs(&mut self, deltas: &[Delta]) {
+        for delta in deltas {
+            let logprobs = self.logprobs_of(delta);
+            self.message_logprobs.extend(logprobs);
         }
     }
 
@@ -790,7 +860,7 @@ impl ResponsesResponder {
                 id: params::random_id("msg_"),
                 status: "completed",
                 role: "assistant",
-                content: vec![output_text(output.content)],
+                content: vec![output_text(output.content, self.message_logprobs.clone())],
             });
         }
         for call in calls {
@@ -814,11 +884,11 @@ impl ResponsesResponder {
     }
 }
 
-fn output_text(text: String) -> ResponsePart {
+fn output_text(text: String, logprobs: Vec<ChatLogprobEntry>) -> ResponsePart {
     ResponsePart::OutputText {
         text,
         annotations: Vec::new(),
-        logprobs: Vec::new(),
+        logprobs,
     }
 }
 
@@ -950,9 +1020,10 @@ mod tests {
                 "tools[0]",
             ),
             (
-                json!({"input": "hi", "include": ["message.output_text.logprobs"]}),
+                json!({"input": "hi", "include": ["file_search_call.results"]}),
                 "include",
             ),
+            (json!({"input": "hi", "top_logprobs": 21}), "top_logprobs"),
             (json!({"input": "hi", "n": 2}), "n"),
             (json!({"input": [{"type": "input_image"}]}), "input[0].type"),
             (
@@ -1042,15 +1113,126 @@ mod tests {
     }
 
     fn responder() -> ResponsesResponder {
+        responder_with(false)
+    }
+
+    /// The bundled model's tokenizer, loaded once.
+    fn tokenizer() -> Arc<Tokenizer> {
+        static TOKENIZER: std::sync::OnceLock<Arc<Tokenizer>> = std::sync::OnceLock::new();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/lily-tiny-shakespeare");
+        TOKENIZER
+            .get_or_init(|| Arc::new(Tokenizer::from_dir(&dir).unwrap()))
+            .clone()
+    }
+
+    fn responder_with(logprobs: bool) -> ResponsesResponder {
         let plan = ChatPlan {
             stream: true,
             include_usage: false,
-            logprobs: false,
+            logprobs,
             parallel_tool_calls: true,
             prompt_tokens: 5,
             sequences: Vec::new(),
         };
-        ResponsesResponder::new(&plan, translate_json(json!({"input": "hi"})).unwrap().template)
+        let template = translate_json(json!({"input": "hi"})).unwrap().template;
+        ResponsesResponder::new(&plan, template, tokenizer())
+    }
+
+    /// A token event with the logprob of token `id` (and one alternative).
+    fn token_with_logprob(id: u32, deltas: Vec<Delta>) -> Event {
+        Event::Token {
+            index: 0,
+            deltas,
+            logprob: Some(crate::logits::TokenLogprob {
+                token: id,
+                logprob: -(id as f32) / 1000.0,
+                top: vec![(id, -(id as f32) / 1000.0)],
+            }),
+        }
+    }
+
+    /// `include: ["message.output_text.logprobs"]` and `top_logprobs` ask the chat request for logprobs; the
+    /// message's text carries its tokens' logprobs (a token whose text was held back goes with the text that
+    /// follows), streamed and whole, and the reasoning's tokens carry none.
+    #[test]
+    fn the_message_text_carries_its_tokens_logprobs() {
+        let t = translate_json(json!({"input": "hi", "include": ["message.output_text.logprobs"]})).unwrap();
+        assert_eq!((t.chat.logprobs, t.chat.top_logprobs), (Some(true), Some(0)));
+        let t = translate_json(json!({"input": "hi", "top_logprobs": 3})).unwrap();
+        assert_eq!((t.chat.logprobs, t.chat.top_logprobs), (Some(true), Some(3)));
+        let t = translate_json(json!({"input": "hi"})).unwrap();
+        assert_eq!((t.chat.logprobs, t.chat.top_logprobs), (None, None));
+
+        let finished = || Event::Finished {
+            index: 0,
+            output: FinalOutput {
+                deltas: vec![],
+                reasoning: "think".into(),
+                content: "Hi there".into(),
+                content_is_reasoning: false,
+                tool_calls: vec![],
+                finish_reason: FinishReason::Stop,
+                completion_tokens: 4,
+                reasoning_tokens: 1,
+            },
+            cached_tokens: 0,
+        };
+        let events = || {
+            vec![
+                token_with_logprob(10, vec![Delta::Reasoning("think".into())]),
+                token_with_logprob(11, vec![]),
+                token_with_logprob(12, vec![Delta::Content("Hi".into())]),
+                token_with_logprob(13, vec![Delta::Content(" there".into())]),
+                finished(),
+                Event::Done,
+            ]
+        };
+        let ids = |logprobs: &Json| -> Vec<f64> {
+            (logprobs.as_array().unwrap().iter())
+                .map(|e| -e["logprob"].as_f64().unwrap() * 1000.0)
+                .map(f64::round)
+                .collect()
+        };
+        // Streamed: each text delta with its tokens' logprobs; the done events and the item with all of them.
+        let mut responder = responder_with(true);
+        let lines: Vec<Json> = events()
+            .into_iter()
+            .flat_map(|e| responder.stream_event(e).0)
+            .map(|l| parse(&l))
+            .collect();
+        let deltas: Vec<Vec<f64>> = (lines.iter())
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .map(|e| ids(&e["logprobs"]))
+            .collect();
+        assert_eq!(deltas, [vec![11.0, 12.0], vec![13.0]]);
+        let done = lines.iter().find(|e| e["type"] == "response.output_text.done").unwrap();
+        assert_eq!(ids(&done["logprobs"]), [11.0, 12.0, 13.0]);
+        let last = &lines.last().unwrap()["response"]["output"];
+        assert_eq!(ids(&last[1]["content"][0]["logprobs"]), [11.0, 12.0, 13.0]);
+        let entry = &done["logprobs"][0];
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 1);
+        assert!(entry["token"].is_string() && entry["bytes"].is_array());
+        // Whole: the same on the message's text.
+        let mut responder = responder_with(true);
+        let response = events()
+            .into_iter()
+            .find_map(|e| responder.collect_event(e))
+            .unwrap()
+            .unwrap();
+        let response = serde_json::to_value(response).unwrap();
+        assert_eq!(
+            ids(&response["output"][1]["content"][0]["logprobs"]),
+            [11.0, 12.0, 13.0]
+        );
+        // Not asked for: none.
+        let mut responder = responder_with(false);
+        let response = events()
+            .into_iter()
+            .find_map(|e| responder.collect_event(e))
+            .unwrap()
+            .unwrap();
+        let response = serde_json::to_value(response).unwrap();
+        assert_eq!(response["output"][1]["content"][0]["logprobs"], json!([]));
     }
 
     /// The item kinds and texts of a response's output.

@@ -634,7 +634,7 @@ async fn responses(State(state): State<AppStateRef>, request: Request) -> Respon
         check_queue(state)?;
         let translated = responses::translate(request, &sampling, state.config.model_id.clone())?;
         let plan = chat::prepare(translated.chat, sampling, ready).map_err(responses::responses_param)?;
-        let responder = ResponsesResponder::new(&plan, translated.template);
+        let responder = ResponsesResponder::new(&plan, translated.template, ready.tokenizer.clone());
         Ok(Prepared {
             stream: plan.stream,
             sequences: plan.sequences,

@@ -451,7 +451,8 @@ pub enum ResponsePart {
     OutputText {
         text: String,
         annotations: Vec<Json>,
-        logprobs: Vec<Json>,
+        /// The text's tokens with their logprobs, where `include` or `top_logprobs` asked for them.
+        logprobs: Vec<ChatLogprobEntry>,
     },
 }
 
