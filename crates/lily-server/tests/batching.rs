@@ -45,6 +45,8 @@ struct FakeSlots {
     snapshots: BTreeMap<SnapshotId, Vec<u32>>,
     next_snapshot: SnapshotId,
     restores: usize,
+    /// Restores refused by `FakeBatch::fail_restores`.
+    failed_restores: usize,
 }
 
 impl FakeSlots {
@@ -79,6 +81,8 @@ struct FakeBatch {
     queues: bool,
     /// Sequences a prefill call takes at most (1: the trait's default, `prefill` alone).
     parts: usize,
+    /// While set, every restore fails as a device error would (not a broken promise of the engine's).
+    fail_restores: Arc<AtomicBool>,
     slots: Arc<Mutex<FakeSlots>>,
     /// The slot contents' hashes behind each output row of the last call.
     rows: Vec<u64>,
@@ -104,6 +108,7 @@ impl FakeBatch {
             in_pass: false,
             queues: false,
             parts: 1,
+            fail_restores: Arc::new(AtomicBool::new(false)),
             slots: Arc::new(Mutex::new(slots)),
             rows: Vec::new(),
             logits,
@@ -294,6 +299,10 @@ impl BatchBackend for FakeBatch {
     fn restore(&mut self, id: SnapshotId, slot: Slot, tokens: usize) -> Result<bool, ForwardError> {
         {
             let mut s = self.slots.lock().unwrap();
+            if self.fail_restores.load(Ordering::SeqCst) {
+                s.failed_restores += 1;
+                return Err(ForwardError::Device(format!("restore of snapshot {id} failed")));
+            }
             if !s.tokens[slot].is_empty() || s.reserved[slot] != 0 || !s.snapshots.contains_key(&id) {
                 return Err(self.fail(&mut s, format!("restore of snapshot {id} into slot {slot}")));
             }
@@ -935,6 +944,61 @@ fn prompts_waiting_together_share_a_prefill_call_and_its_steps() {
         alone.stop();
         assert!(matches!(answer, Answer::Done(_)), "{answer:?}");
         assert_eq!(answer, &expected);
+    }
+}
+
+/// A restore that fails while a prefill call is being planned fails its job alone. Job A has two prompts: a long
+/// one (Z) and one (Y) that shares its first 64 tokens with job C's prompt (X). C prefills X first (Y waits, as it
+/// shares X's snapshot points) and snapshots it; then a call starts with Z's chunk, and Y, joining it, catches up
+/// from X's snapshot, whose restore fails. Job A fails there and its sequences leave their slots, so Z's chunk
+/// leaves the call too (once, the call went on with Z's emptied slot and the engine panicked, failing every request).
+/// C is answered as alone, and the engine goes on serving.
+#[test]
+fn a_failed_restore_while_a_prefill_call_is_planned_fails_only_its_job() {
+    let mut backend = FakeBatch::new(4, 4096, 4, 64);
+    backend.parts = 4;
+    backend.max_snapshots = 16;
+    let fail_restores = backend.fail_restores.clone();
+    fail_restores.store(true, Ordering::SeqCst);
+    let options = EngineOptions {
+        max_prefill_tokens: Some(32),
+        prefix_cache: true,
+        snapshot_interval: 16,
+        ..EngineOptions::default()
+    };
+    let shared: Vec<u32> = (0..64).map(|t| 1000 + (t * 7 % 300) as u32).collect();
+    let with_tail = |start: u32| -> Vec<u32> { (shared.iter().copied()).chain((0..8).map(|t| start + t)).collect() };
+    let x = with_tail(1100);
+    let y = with_tail(1200);
+    let z: Vec<u32> = (0..200).map(|t| 1000 + ((t * 13 + 5) % 300) as u32).collect();
+    let c = Request::greedy(x, 4, 1);
+    let (running, mut pending) = start_queued(backend, 8, options, std::slice::from_ref(&c));
+    // Job A, two sequences with different prompts (as a completion request with a list of prompts sends).
+    let (mut a, receiver, cancel) = job(&Request::greedy(z.clone(), 4, 2));
+    let mut second = a.sequences[0].clone();
+    (second.index, second.prompt) = (1, Arc::new(y));
+    a.sequences.push(second);
+    running.handle.submit(a).ok().expect("queued");
+    let two = Request {
+        n: 2,
+        ..Request::greedy(z, 4, 2)
+    };
+    let a_answer = read_events(receiver, &cancel, &two, &mut 0);
+    let (receiver, cancel) = pending.remove(0).expect("queued");
+    let c_answer = read_events(receiver, &cancel, &c, &mut 0);
+    fail_restores.store(false, Ordering::SeqCst);
+    let after = Request::greedy((0..40).map(|t| 1000 + (t * 3 % 300) as u32).collect(), 4, 3);
+    let after_answer = client(&running.handle, &after);
+    let failed_restores = running.slots.lock().unwrap().failed_restores;
+    running.stop();
+    assert!(failed_restores >= 1, "the scenario reached no restore");
+    assert_eq!(a_answer, Answer::Error(500));
+    for (request, answer) in [(&c, c_answer), (&after, after_answer)] {
+        let alone = start(FakeBatch::new(1, 4096, 1, 1024), 4, 4096);
+        let expected = client(&alone.handle, request);
+        alone.stop();
+        assert!(matches!(answer, Answer::Done(_)), "{answer:?}");
+        assert_eq!(answer, expected);
     }
 }
 
