@@ -11,7 +11,7 @@
 //! weight rows, whichever fills the SMs best), and so does the experts' gate/up for long routings; the mma.sync
 //! kernels are the path of every other GPU. The dense warpgroup products of row-major matrices with k a multiple of
 //! 256 take their operands through the tensor memory accelerator (`gemm_q4_wgmma_tma`: the host encodes a tensor
-//! map of the activations, of the packed codes and of their pairs for each launch, [`tma_maps`]).
+//! map of the activations, of the packed codes and of their pairs for each launch, `tma_maps`).
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded

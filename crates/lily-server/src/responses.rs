@@ -841,7 +841,7 @@ impl ResponsesResponder {
 
     /// The output items of a finished generation: its reasoning, its message (unless it only called tools) and
     /// its function calls; the last is `incomplete` where `max_output_tokens` cut it.
-    fn output_items(&self, output: FinalOutput) -> Vec<ResponseItem> {
+    fn output_items(&mut self, output: FinalOutput) -> Vec<ResponseItem> {
         let mut items = Vec::new();
         if !output.reasoning.is_empty() {
             items.push(ResponseItem::Reasoning {
@@ -860,7 +860,7 @@ impl ResponsesResponder {
                 id: params::random_id("msg_"),
                 status: "completed",
                 role: "assistant",
-                content: vec![output_text(output.content, self.message_logprobs.clone())],
+                content: vec![output_text(output.content, std::mem::take(&mut self.message_logprobs))],
             });
         }
         for call in calls {
@@ -1212,27 +1212,15 @@ mod tests {
         let entry = &done["logprobs"][0];
         assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 1);
         assert!(entry["token"].is_string() && entry["bytes"].is_array());
-        // Whole: the same on the message's text.
-        let mut responder = responder_with(true);
-        let response = events()
-            .into_iter()
-            .find_map(|e| responder.collect_event(e))
-            .unwrap()
-            .unwrap();
-        let response = serde_json::to_value(response).unwrap();
-        assert_eq!(
-            ids(&response["output"][1]["content"][0]["logprobs"]),
-            [11.0, 12.0, 13.0]
-        );
-        // Not asked for: none.
-        let mut responder = responder_with(false);
-        let response = events()
-            .into_iter()
-            .find_map(|e| responder.collect_event(e))
-            .unwrap()
-            .unwrap();
-        let response = serde_json::to_value(response).unwrap();
-        assert_eq!(response["output"][1]["content"][0]["logprobs"], json!([]));
+        // Whole: the same on the message's text; none where not asked for.
+        let whole = |logprobs: bool| {
+            let mut responder = responder_with(logprobs);
+            let response = events().into_iter().find_map(|e| responder.collect_event(e));
+            let response = serde_json::to_value(response.unwrap().unwrap()).unwrap();
+            response["output"][1]["content"][0]["logprobs"].clone()
+        };
+        assert_eq!(ids(&whole(true)), [11.0, 12.0, 13.0]);
+        assert_eq!(whole(false), json!([]));
     }
 
     /// The item kinds and texts of a response's output.
