@@ -608,6 +608,30 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& map, int c0, 
         "l"((u64)&map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
 }
+// This thread's arrival, announcing no bytes.
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Stores the box at shared address `src` to `map`'s tensor at coordinates (c0, c1), or adds it there (f32) with
+// ADD; elements past the tensor's edge are not written. After tma_store_wait the box's shared memory may be reused;
+// the global writes finish on their own, before the grid counts as complete.
+template <bool ADD>
+__device__ __forceinline__ void tma_store_2d(const TmaMap& map, int c0, int c1, u32 src) {
+    if constexpr (ADD)
+        asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                         (u64)&map),
+                     "r"(c0), "r"(c1), "r"(src)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"((u64)&map),
+                     "r"(c0), "r"(c1), "r"(src)
+                     : "memory");
+}
+// Commits this thread's bulk stores as a group and waits until they have read their shared memory.
+__device__ __forceinline__ void tma_store_wait() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
 // Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMAs.
 template <int R>
 __device__ __forceinline__ void wgmma_hold(float (&d)[R]) {

@@ -896,6 +896,219 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #endif
 }
 
+// ---- Dense 4-bit products with a producer warpgroup (gemm_q4_wgmma_ws, Hopper) ----
+// gemm_q4_wgmma_tma with the work split by role, 384 threads a block. Warpgroup 0, the producer, turns the packed
+// codes into bf16 in a ring of GEMM_WS_B buffers, and its thread 0 issues the bulk tensor copies. Warpgroups 1 and
+// 2, the consumers, only wait and issue the wgmma (128 f32 accumulators of a 64 x 256 tile each). Nothing in the
+// loop syncs the whole block; mbarriers in shared memory hand each buffer on:
+// - full[s], a transaction barrier a stage: thread 0's arrival announces the stage's bytes (the activation box,
+//   the codes' box, every fourth step the pairs' box), and the copies complete it.
+// - b_full[b]: each producer warp arrives once it has written its rows of B buffer b (after a proxy fence, so
+//   wgmma sees them); four arrivals.
+// - b_empty[b]: each consumer warp arrives once its MMAs that read buffer b have completed; eight arrivals.
+// The producer's step p waits for b_empty of step p - GEMM_WS_B, i.e. until the consumers finished every step up
+// to it. That step's stage is then free (its activations were read by those MMAs, its codes by the producer before
+// b_full), so thread 0 refills it with step p + WS_LOOK, WS_LOOK = stages - buffers steps ahead. The pairs' slot of
+// four steps that a copy overwrites was last read WS_PAIR_SLOTS * 4 steps before, long done.
+// The epilogue goes through shared memory: the consumers write the f32 tile over the stages, in eight boxes of 32
+// columns by 128 rows (128-byte swizzle, so the writes of a warp spread over the banks), and one thread stores the
+// boxes with bulk tensor copies (adds them, where the product accumulates), which drop what lies past m or n. Stores
+// of two f32 a thread from the accumulators took a sixth of the kernel's time, with no MMA running.
+#ifndef GEMM_WGMMA_WS
+#define GEMM_WGMMA_WS 1
+#endif
+#ifndef GEMM_WS_STAGES
+#define GEMM_WS_STAGES 5
+#endif
+#ifndef GEMM_WS_B
+#define GEMM_WS_B 2
+#endif
+// A consumer thread's registers (its 128 accumulators and the loop's few); the producer's are the rest of the
+// block's 384 x 168, so it can load GEMM_WS_AHEAD rows' codes and pairs before it dequantizes them: one warp a
+// scheduler hides the shared memory's latency only with many loads in flight.
+#ifndef GEMM_WS_CONSUMER_REGS
+#define GEMM_WS_CONSUMER_REGS 200
+#endif
+#ifndef GEMM_WS_AHEAD
+#define GEMM_WS_AHEAD 16
+#endif
+constexpr int WS_THREADS = 384;
+constexpr int WS_PRODUCER_REGS = (WS_THREADS * 168 - 256 * GEMM_WS_CONSUMER_REGS) / 128;
+static_assert(GEMM_WS_CONSUMER_REGS % 4 == 0 && GEMM_WS_CONSUMER_REGS >= 168 && WS_PRODUCER_REGS >= 24,
+              "register counts are multiples of 8; the consumers gain registers, the producer gives them up");
+static_assert((WROWS / 16) % GEMM_WS_AHEAD == 0, "a producer thread's 16 rows in whole batches");
+constexpr int WS_OUT_BOX = WG_ROWS * 128;  // an output box: 32 f32 columns by 128 rows
+constexpr int WS_LOOK = GEMM_WS_STAGES - GEMM_WS_B;
+constexpr int WS_PAIR_SLOTS = 4;
+constexpr int WS_BARS = GEMM_WS_STAGES + 2 * GEMM_WS_B;
+constexpr int WS_SMEM =
+    GEMM_WS_STAGES * WG_TMA_STAGE + WS_PAIR_SLOTS * WG_TMA_PAIRS + GEMM_WS_B * WG_B + WS_BARS * 8 + 1024;
+static_assert(WS_LOOK >= 1 && GEMM_WS_STAGES <= 4 * (WS_PAIR_SLOTS - 1) + 1,
+              "the copies run ahead of the dequantization; a pairs' slot is refilled after its last reader");
+static_assert(WROWS / 32 * WS_OUT_BOX <= GEMM_WS_STAGES * WG_TMA_STAGE + WS_PAIR_SLOTS * WG_TMA_PAIRS + GEMM_WS_B * WG_B,
+              "the output tile fits over the stages and buffers");
+__device__ int gemm_wgmma_ws = GEMM_WGMMA_WS;
+__device__ int gemm_wgmma_ws_smem = WS_SMEM;
+__device__ int gemm_wgmma_ws_threads = WS_THREADS;
+
+#if WGMMA_BUILT
+// Dequantizes ROWS weight rows of one step into B buffer `b_buf` (the 128-byte swizzled layout wgmma reads): thread
+// wg_tid of the warpgroup takes code word c = wg_tid % 8 of rows i + 16 j, i = wg_tid / 8, AHEAD rows' codes and
+// pairs loaded before any is used. `codes` are the stage's packed rows, `pairs` the step's (scale, bias) column of
+// its slot (16 bytes a row).
+template <int ROWS, int AHEAD>
+__device__ __forceinline__ void ws_dequant(const unsigned char* codes, const unsigned char* pairs, u32 b_buf, int wg_tid) {
+    const int c = wg_tid % 8, i = wg_tid / 8;
+    const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
+    const u32 chunk = (u32)((c ^ (i % 8)) << 4);              // rows 16 apart share the swizzle
+#pragma unroll
+    for (int j0 = 0; j0 < ROWS / 16; j0 += AHEAD) {
+        u32 words[AHEAD], sbs[AHEAD];
+#pragma unroll
+        for (int j = 0; j < AHEAD; j++) {
+            const int row = i + 16 * (j0 + j);
+            words[j] = *(const u32*)(codes + row * 32 + c * 4);
+            sbs[j] = *(const u32*)(pairs + row * 16);
+        }
+#pragma unroll
+        for (int j = 0; j < AHEAD; j++) {
+            const int row = i + 16 * (j0 + j);
+            const u32 scale2 = __byte_perm(sbs[j], sbs[j], 0x1010), bias2 = __byte_perm(sbs[j], sbs[j], 0x3232);
+            u32 v[4];
+#pragma unroll
+            for (int t = 0; t < 4; t++) v[t] = dequant_q4(words[j], sel[t], scale2, bias2);
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(b_buf + row * 128 + chunk), "r"(v[0]),
+                         "r"(v[1]), "r"(v[2]), "r"(v[3])
+                         : "memory");
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes, for wgmma
+}
+
+__device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap& w_map, const TmaMap& s_map,
+                                               const TmaMap& o_map, int m, int n, int k, int accumulate) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < WS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
+    constexpr int STAGES = GEMM_WS_STAGES, NB = GEMM_WS_B;
+    const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
+    unsigned char* smem = smem_raw + (smem0 - raw0);
+    const u32 pairs0 = smem0 + STAGES * WG_TMA_STAGE;
+    const u32 b0 = pairs0 + WS_PAIR_SLOTS * WG_TMA_PAIRS;
+    const u32 full = b0 + NB * WG_B, b_full = full + 8 * STAGES, b_empty = b_full + 8 * NB;
+    const int tid = threadIdx.x, lane = tid % WARP;
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
+    const int k_tiles = k / KT;
+
+    // Thread 0: step kt's copies onto its stage's barrier; the weights (and pairs) first, then the activations.
+    auto copy_w = [&](int kt) {
+        const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * WG_TMA_STAGE;
+        mbarrier_arrive_expect(bar, WG_A + WG_CODES + (kt % 4 == 0 ? WG_TMA_PAIRS : 0));
+        tma_load_2d(stage + WG_A, w_map, kt * (KT / 2), n0, bar);
+        if (kt % 4 == 0) tma_load_2d(pairs0 + ((kt / 4) % WS_PAIR_SLOTS) * WG_TMA_PAIRS, s_map, kt, n0, bar);
+    };
+    auto copy_a = [&](int kt) {
+        tma_load_2d(smem0 + (kt % STAGES) * WG_TMA_STAGE, a_map, kt * KT, m0, full + 8 * (kt % STAGES));
+    };
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) mbarrier_init(full + 8 * s, 1);
+        for (int b = 0; b < NB; b++) {
+            mbarrier_init(b_full + 8 * b, 4);
+            mbarrier_init(b_empty + 8 * b, 8);
+        }
+        mbarrier_init_fence();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
+        for (int s = 0; s < WS_LOOK && s < k_tiles; s++) copy_w(s);
+    }
+    wait_previous();
+    if (tid == 0)
+        for (int s = 0; s < WS_LOOK && s < k_tiles; s++) copy_a(s);
+    __syncthreads();  // the barriers are initialised
+
+    if (tid < 128) {
+        // The producer.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS) : "memory");
+#pragma unroll 1
+        for (int kt = 0; kt < k_tiles; kt++) {
+            const int b = kt % NB;
+            if (kt >= NB) mbarrier_wait(b_empty + 8 * b, (kt / NB - 1) % 2);
+            if (tid == 0 && kt + WS_LOOK < k_tiles) {
+                copy_w(kt + WS_LOOK);
+                copy_a(kt + WS_LOOK);
+            }
+            mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
+            const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 4) % WS_PAIR_SLOTS) * WG_TMA_PAIRS + (kt % 4) * 4;
+            ws_dequant<WROWS, GEMM_WS_AHEAD>(smem + (kt % STAGES) * WG_TMA_STAGE + WG_A, pairs, b0 + b * WG_B, tid);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(b_full + 8 * b);
+        }
+        return;
+    }
+
+    // The consumers: warpgroup wg computes activation rows 64 wg .. 64 wg + 63 of the tile.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
+    const int ct = tid - 128, wg = ct / 128;
+    float d[WROWS / 2];
+#pragma unroll
+    for (int i = 0; i < WROWS / 2; i++) d[i] = 0.f;
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; kt++) {
+        const int b = kt % NB;
+        mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
+        mbarrier_wait(b_full + 8 * b, (kt / NB) % 2);
+        const u32 a_tile = smem0 + (kt % STAGES) * WG_TMA_STAGE + wg * 64 * 128, b_buf = b0 + b * WG_B;
+        wgmma_fence();
+        wgmma_hold(d);
+#pragma unroll
+        for (int s = 0; s < KT / 16; s++) wgmma_m64k16<WROWS>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // step kt - 1's MMAs have completed: its buffer and stage are free
+        wgmma_hold(d);
+        if (kt > 0 && lane == 0) mbarrier_arrive(b_empty + 8 * ((kt - 1) % NB));
+    }
+    wgmma_wait<0>();
+    wgmma_hold(d);
+
+    // The epilogue. Accumulator layout as in wgmma_tile: warp q of the warpgroup holds rows 16 q .. 16 q + 15; lane
+    // (g, t) rows g and g + 8 at columns 8 j + 2 t, + 1 of every n8 block j (registers 4 j .. 4 j + 3). Column c
+    // of the tile lies in box c / 32, 16-byte chunk (c % 32) / 4 of its row, swizzled by the row.
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' MMAs are done with the stages
+    const int g = lane / 4, t = lane % 4, q = (ct % 128) / WARP;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = wg * 64 + q * 16 + g + 8 * h;
+#pragma unroll
+        for (int j = 0; j < WROWS / 8; j++) {
+            const u32 dst = smem0 + (j / 4) * WS_OUT_BOX + r * 128 + (((2 * (j % 4) + t / 2) ^ (r % 8)) << 4) + (t % 2) * 8;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(d[4 * j + 2 * h]), "f"(d[4 * j + 2 * h + 1])
+                         : "memory");
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes, for the bulk copies
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    if (ct == 0) {
+#pragma unroll
+        for (int box = 0; box < WROWS / 32; box++) {
+            if (n0 + 32 * box >= n) break;
+            if (accumulate) tma_store_2d<true>(o_map, n0 + 32 * box, m0, smem0 + box * WS_OUT_BOX);
+            else tma_store_2d<false>(o_map, n0 + 32 * box, m0, smem0 + box * WS_OUT_BOX);
+        }
+        tma_store_wait();
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    gemm_q4_wgmma_ws(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
+                     const __grid_constant__ TmaMap s_map, const __grid_constant__ TmaMap o_map, int m, int n,
+                     int k, int accumulate) {
+#if WGMMA_BUILT
+    dense_wgmma_ws(a_map, w_map, s_map, o_map, m, n, k, accumulate);
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
+}
+
 __device__ __forceinline__ u32 swiglu_pair(float g0, float g1, float u0, float u1) {
     return (u32)float_to_bf16(siluf_(g0) * u0) | (u32)float_to_bf16(siluf_(g1) * u1) << 16;
 }

@@ -616,7 +616,7 @@ pub struct Args {
 }
 
 pub(crate) const MAX_ARGS: usize = 20;
-const MAX_MAPS: usize = 3;
+const MAX_MAPS: usize = 4;
 const NOT_MAP: usize = usize::MAX;
 
 impl Default for Args {

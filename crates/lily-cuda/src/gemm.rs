@@ -11,7 +11,10 @@
 //! weight rows, whichever fills the SMs best), and so does the experts' gate/up for long routings; the mma.sync
 //! kernels are the path of every other GPU. The dense warpgroup products of row-major matrices with k a multiple of
 //! 256 take their operands through the tensor memory accelerator (`gemm_q4_wgmma_tma`: the host encodes a tensor
-//! map of the activations, of the packed codes and of their pairs for each launch, `tma_maps`).
+//! map of the activations, of the packed codes and of their pairs for each launch, `tma_maps`); those of 256-row
+//! blocks whose output rows are 16-byte aligned run on a producer warpgroup that dequantizes and two consumer
+//! warpgroups that only multiply, and store their tiles through a tensor map of the output (`gemm_q4_wgmma_ws`,
+//! 384 threads a block).
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
@@ -352,6 +355,12 @@ pub(crate) fn gemm_planned(
             let dims = dims.shared(l.kernels.constant("gemm_wgmma_tma_smem") as u32);
             let acc = accumulate as i32;
             match cols {
+                WEIGHT_ROWS if ws_fits(l.kernels, w, out) => {
+                    let o_map = out_map(l.gpu, out, m, w.rows)?;
+                    let block = l.kernels.constant("gemm_wgmma_ws_threads") as u32;
+                    let dims = Dims::new(dims.grid, block).shared(l.kernels.constant("gemm_wgmma_ws_smem") as u32);
+                    gemm::gemm_q4_wgmma_ws(l, dims, a_map, w_map, s_map, o_map, m as i32, n, k, acc)
+                }
                 WEIGHT_ROWS => gemm::gemm_q4_wgmma_tma(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc),
                 _ => {
                     gemm::gemm_q4_wgmma_tma_narrow(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc, cols as i32)
@@ -390,6 +399,28 @@ fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
         && [a.raw(), w.packed.ptr().raw(), w.scale_bias.ptr().raw()]
             .iter()
             .all(|p| p % 16 == 0)
+}
+
+/// Whether a 256-column TMA product takes the producer warpgroup's kernel (`gemm_q4_wgmma_ws`): where the build
+/// says so (`gemm_wgmma_ws`), with the output's rows and start 16-byte aligned, as its tensor map needs.
+fn ws_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
+    kernels.constant("gemm_wgmma_ws") == 1 && w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)
+}
+
+/// The output's tensor map for `gemm_q4_wgmma_ws`: f32 [m][n] in boxes of 32 columns (128 bytes) by 128 rows, with
+/// the 128-byte swizzle the kernel writes its tile in.
+fn out_map(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize) -> Result<TensorMap> {
+    use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
+    gpu.tensor_map_2d(
+        out,
+        Type::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        n,
+        m,
+        n * 4,
+        32,
+        128,
+        Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
 }
 
 /// The tensor maps of `gemm_q4_wgmma_tma` for `a` (m rows) times `w` in tiles of `cols` weight rows: the activations

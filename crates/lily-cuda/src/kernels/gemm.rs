@@ -45,6 +45,9 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_wgmma_smem",
         "gemm_wgmma_tma_smem",
         "gemm_wgmma_tma",
+        "gemm_wgmma_ws",
+        "gemm_wgmma_ws_smem",
+        "gemm_wgmma_ws_threads",
         "gemm_wgmma_cost",
         "gemm_wgmma_split",
         "moe_wgmma",
@@ -83,6 +86,19 @@ launchers! {
         n: i32,
         k: i32,
         out: DevPtr<f32>,
+        accumulate: i32,
+    );
+    /// `gemm_q4_wgmma_tma` with a producer warpgroup that dequantizes and two consumer warpgroups that only run
+    /// wgmma (`gemm_wgmma_ws_threads` threads a block), on the same maps; the product goes out through `o_map`
+    /// (f32 [m][n], boxes of 32 x 128 rows, 128-byte swizzle), added to what is there where `accumulate` is 1.
+    gemm_q4_wgmma_ws(
+        a_map: TensorMap,
+        w_map: TensorMap,
+        s_map: TensorMap,
+        o_map: TensorMap,
+        m: i32,
+        n: i32,
+        k: i32,
         accumulate: i32,
     );
     /// `gemm_q4_wgmma_tma` in tiles of `cols` (192 or 128) weight rows, whose maps' weight boxes are `cols` rows.
