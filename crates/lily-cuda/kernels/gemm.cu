@@ -908,8 +908,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // - b_empty[b]: each consumer warp arrives once its MMAs that read buffer b have completed; eight arrivals.
 // The producer's step p waits for b_empty of step p - GEMM_WS_B, i.e. until the consumers finished every step up
 // to it. That step's stage is then free (its activations were read by those MMAs, its codes by the producer before
-// b_full), so thread 0 refills it with step p + WS_LOOK, WS_LOOK = stages - buffers steps ahead. The pairs' slot of
-// four steps that a copy overwrites was last read WS_PAIR_SLOTS * 4 steps before, long done.
+// b_full), so thread 0 refills it with step p + WS_LOOK, WS_LOOK = stages - buffers steps ahead. The pairs' slot
+// of four steps that this copy may overwrite was last read at step p + WS_LOOK + 3 - 4 WS_PAIR_SLOTS, which must be
+// no later than p - GEMM_WS_B, the last step known done (the static_assert below).
 // The epilogue goes through shared memory: the consumers write the f32 tile over the stages, in eight boxes of 32
 // columns by 128 rows (128-byte swizzle, so the writes of a warp spread over the banks), and one thread stores the
 // boxes with bulk tensor copies (adds them, where the product accumulates), which drop what lies past m or n. Stores
@@ -934,7 +935,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #endif
 constexpr int WS_THREADS = 384;
 constexpr int WS_PRODUCER_REGS = (WS_THREADS * 168 - 256 * GEMM_WS_CONSUMER_REGS) / 128;
-static_assert(GEMM_WS_CONSUMER_REGS % 4 == 0 && GEMM_WS_CONSUMER_REGS >= 168 && WS_PRODUCER_REGS >= 24,
+static_assert(GEMM_WS_CONSUMER_REGS % 8 == 0 && GEMM_WS_CONSUMER_REGS >= 168 && WS_PRODUCER_REGS >= 24,
               "register counts are multiples of 8; the consumers gain registers, the producer gives them up");
 static_assert((WROWS / 16) % GEMM_WS_AHEAD == 0, "a producer thread's 16 rows in whole batches");
 constexpr int WS_OUT_BOX = WG_ROWS * 128;  // an output box: 32 f32 columns by 128 rows
@@ -943,8 +944,10 @@ constexpr int WS_PAIR_SLOTS = 4;
 constexpr int WS_BARS = GEMM_WS_STAGES + 2 * GEMM_WS_B;
 constexpr int WS_SMEM =
     GEMM_WS_STAGES * WG_TMA_STAGE + WS_PAIR_SLOTS * WG_TMA_PAIRS + GEMM_WS_B * WG_B + WS_BARS * 8 + 1024;
-static_assert(WS_LOOK >= 1 && GEMM_WS_STAGES <= 4 * (WS_PAIR_SLOTS - 1) + 1,
-              "the copies run ahead of the dequantization; a pairs' slot is refilled after its last reader");
+static_assert(WS_LOOK >= 1 && GEMM_WS_B >= 2 && GEMM_WS_STAGES <= 4 * (WS_PAIR_SLOTS - 1) + 1,
+              "the copies run ahead of the dequantization; the consumers release a buffer only after starting on the "
+              "next; a pairs' slot is refilled after its last reader");
+static_assert(WS_SMEM <= 227 * 1024, "a block's shared memory on Hopper");
 static_assert(WROWS / 32 * WS_OUT_BOX <= GEMM_WS_STAGES * WG_TMA_STAGE + WS_PAIR_SLOTS * WG_TMA_PAIRS + GEMM_WS_B * WG_B,
               "the output tile fits over the stages and buffers");
 __device__ int gemm_wgmma_ws = GEMM_WGMMA_WS;

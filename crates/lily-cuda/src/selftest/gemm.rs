@@ -147,10 +147,13 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     // The dense kernels take k at run time, so the real model's widths (hidden 2048, attention output 4096, the
     // shared expert's 512) are checked whatever shape the kernels were compiled for.
     // Tiles that store their output by bulk copies (n a multiple of 4, k of 256 on Hopper) are among them, with and
-    // without accumulate: (vec![130, 300], FULL_HIDDEN, 640) leaves the last tile half its columns.
-    let dense: [(Vec<usize>, usize, usize, u32, bool); 11] = [
+    // without accumulate, from four k steps (fewer than the pipeline's stages) up: n = 640 leaves the last tile half
+    // its columns, n = 300 a box of its output partly past n.
+    let dense: [(Vec<usize>, usize, usize, u32, bool); 13] = [
         (short.clone(), h, 517, 4, false),
         (vec![130, 300], FULL_HIDDEN, 640, 4, false),
+        (short.clone(), FULL_SHARED_INTER, 300, 4, false),
+        (vec![200], 4 * K_STEP, 300, 4, true),
         (vec![7, 300], 2 * h, 300, 4, true),
         (vec![1, 17, 300], inter, 258, 4, true),
         (vec![64, 1000], 2 * h, 263, 4, true),
