@@ -899,8 +899,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // ---- Dense 4-bit products with a producer warpgroup (gemm_q4_wgmma_ws, Hopper) ----
 // gemm_q4_wgmma_tma with the work split by role, 384 threads a block. Warpgroup 0, the producer, turns the packed
 // codes into bf16 in a ring of GEMM_WS_B buffers, and its thread 0 issues the bulk tensor copies. Warpgroups 1 and
-// 2, the consumers, only wait and issue the wgmma (128 f32 accumulators of a 64 x 256 tile each). Nothing in the
-// loop syncs the whole block; mbarriers in shared memory hand each buffer on:
+// 2, the consumers, only wait and issue the wgmma (a 64-row tile each: 128 f32 accumulators at 256 columns).
+// Nothing in the loop syncs the whole block; mbarriers in shared memory hand each buffer on:
 // - full[s], a transaction barrier a stage: thread 0's arrival announces the stage's bytes (the activation box,
 //   the codes' box, every fourth step the pairs' box), and the copies complete it.
 // - b_full[b]: each producer warp arrives once it has written its rows of B buffer b (after a proxy fence, so
@@ -911,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // b_full), so thread 0 refills it with step p + WS_LOOK, WS_LOOK = stages - buffers steps ahead. The pairs' slot
 // of four steps that this copy may overwrite was last read at step p + WS_LOOK + 3 - 4 WS_PAIR_SLOTS, which must be
 // no later than p - GEMM_WS_B, the last step known done (the static_assert below).
-// The epilogue goes through shared memory: the consumers write the f32 tile over the stages, in eight boxes of 32
+// The epilogue goes through shared memory: the consumers write the f32 tile over the stages, in boxes of 32
 // columns by 128 rows (128-byte swizzle, so the writes of a warp spread over the banks), and one thread stores the
 // boxes with bulk tensor copies (adds them, where the product accumulates), which drop what lies past m or n. Stores
 // of two f32 a thread from the accumulators took a sixth of the kernel's time, with no MMA running.
@@ -937,7 +937,6 @@ constexpr int WS_THREADS = 384;
 constexpr int WS_PRODUCER_REGS = (WS_THREADS * 168 - 256 * GEMM_WS_CONSUMER_REGS) / 128;
 static_assert(GEMM_WS_CONSUMER_REGS % 8 == 0 && GEMM_WS_CONSUMER_REGS >= 168 && WS_PRODUCER_REGS >= 24,
               "register counts are multiples of 8; the consumers gain registers, the producer gives them up");
-static_assert((WROWS / 16) % GEMM_WS_AHEAD == 0, "a producer thread's 16 rows in whole batches");
 constexpr int WS_OUT_BOX = WG_ROWS * 128;  // an output box: 32 f32 columns by 128 rows
 constexpr int WS_LOOK = GEMM_WS_STAGES - GEMM_WS_B;
 constexpr int WS_PAIR_SLOTS = 4;
@@ -961,6 +960,7 @@ __device__ int gemm_wgmma_ws_threads = WS_THREADS;
 // its slot (16 bytes a row).
 template <int ROWS, int AHEAD>
 __device__ __forceinline__ void ws_dequant(const unsigned char* codes, const unsigned char* pairs, u32 b_buf, int wg_tid) {
+    static_assert(ROWS % 16 == 0 && (ROWS / 16) % AHEAD == 0, "a thread's rows in whole batches");
     const int c = wg_tid % 8, i = wg_tid / 8;
     const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
     const u32 chunk = (u32)((c ^ (i % 8)) << 4);              // rows 16 apart share the swizzle
@@ -988,6 +988,8 @@ __device__ __forceinline__ void ws_dequant(const unsigned char* codes, const uns
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes, for wgmma
 }
 
+// A block of BN (256, 192 or 128) weight rows; the narrower ones make more blocks where a product has few.
+template <int BN>
 __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap& w_map, const TmaMap& s_map,
                                                const TmaMap& o_map, int m, int n, int k, int accumulate) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -999,13 +1001,13 @@ __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap
     const u32 b0 = pairs0 + WS_PAIR_SLOTS * WG_TMA_PAIRS;
     const u32 full = b0 + NB * WG_B, b_full = full + 8 * STAGES, b_empty = b_full + 8 * NB;
     const int tid = threadIdx.x, lane = tid % WARP;
-    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * WROWS;
+    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * BN;
     const int k_tiles = k / KT;
 
     // Thread 0: step kt's copies onto its stage's barrier; the weights (and pairs) first, then the activations.
     auto copy_w = [&](int kt) {
         const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * WG_TMA_STAGE;
-        mbarrier_arrive_expect(bar, WG_A + WG_CODES + (kt % 4 == 0 ? WG_TMA_PAIRS : 0));
+        mbarrier_arrive_expect(bar, WG_A + BN * 32 + (kt % 4 == 0 ? BN * 16 : 0));
         tma_load_2d(stage + WG_A, w_map, kt * (KT / 2), n0, bar);
         if (kt % 4 == 0) tma_load_2d(pairs0 + ((kt / 4) % WS_PAIR_SLOTS) * WG_TMA_PAIRS, s_map, kt, n0, bar);
     };
@@ -1040,7 +1042,7 @@ __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap
             }
             mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
             const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 4) % WS_PAIR_SLOTS) * WG_TMA_PAIRS + (kt % 4) * 4;
-            ws_dequant<WROWS, GEMM_WS_AHEAD>(smem + (kt % STAGES) * WG_TMA_STAGE + WG_A, pairs, b0 + b * WG_B, tid);
+            ws_dequant<BN, (BN / 16) % GEMM_WS_AHEAD == 0 ? GEMM_WS_AHEAD : BN / 16>(smem + (kt % STAGES) * WG_TMA_STAGE + WG_A, pairs, b0 + b * WG_B, tid);
             __syncwarp();
             if (lane == 0) mbarrier_arrive(b_full + 8 * b);
         }
@@ -1050,9 +1052,9 @@ __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap
     // The consumers: warpgroup wg computes activation rows 64 wg .. 64 wg + 63 of the tile.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
     const int ct = tid - 128, wg = ct / 128;
-    float d[WROWS / 2];
+    float d[BN / 2];
 #pragma unroll
-    for (int i = 0; i < WROWS / 2; i++) d[i] = 0.f;
+    for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; kt++) {
         const int b = kt % NB;
@@ -1062,7 +1064,7 @@ __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap
         wgmma_fence();
         wgmma_hold(d);
 #pragma unroll
-        for (int s = 0; s < KT / 16; s++) wgmma_m64k16<WROWS>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+        for (int s = 0; s < KT / 16; s++) wgmma_m64k16<BN>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
         wgmma_commit();
         wgmma_wait<1>();  // step kt - 1's MMAs have completed: its buffer and stage are free
         wgmma_hold(d);
@@ -1080,7 +1082,7 @@ __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap
     for (int h = 0; h < 2; h++) {
         const int r = wg * 64 + q * 16 + g + 8 * h;
 #pragma unroll
-        for (int j = 0; j < WROWS / 8; j++) {
+        for (int j = 0; j < BN / 8; j++) {
             const u32 dst = smem0 + (j / 4) * WS_OUT_BOX + r * 128 + (((2 * (j % 4) + t / 2) ^ (r % 8)) << 4) + (t % 2) * 8;
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(d[4 * j + 2 * h]), "f"(d[4 * j + 2 * h + 1])
                          : "memory");
@@ -1090,7 +1092,7 @@ __device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap
     asm volatile("bar.sync 1, 256;" ::: "memory");
     if (ct == 0) {
 #pragma unroll
-        for (int box = 0; box < WROWS / 32; box++) {
+        for (int box = 0; box < BN / 32; box++) {
             if (n0 + 32 * box >= n) break;
             if (accumulate) tma_store_2d<true>(o_map, n0 + 32 * box, m0, smem0 + box * WS_OUT_BOX);
             else tma_store_2d<false>(o_map, n0 + 32 * box, m0, smem0 + box * WS_OUT_BOX);
@@ -1105,7 +1107,21 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                      const __grid_constant__ TmaMap s_map, const __grid_constant__ TmaMap o_map, int m, int n,
                      int k, int accumulate) {
 #if WGMMA_BUILT
-    dense_wgmma_ws(a_map, w_map, s_map, o_map, m, n, k, accumulate);
+    dense_wgmma_ws<WROWS>(a_map, w_map, s_map, o_map, m, n, k, accumulate);
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    gemm_q4_wgmma_ws_narrow(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
+                            const __grid_constant__ TmaMap s_map, const __grid_constant__ TmaMap o_map, int m, int n,
+                            int k, int accumulate, int cols) {
+#if WGMMA_BUILT
+    if (cols == 128) dense_wgmma_ws<128>(a_map, w_map, s_map, o_map, m, n, k, accumulate);
+    else if (cols == 192) dense_wgmma_ws<192>(a_map, w_map, s_map, o_map, m, n, k, accumulate);
+    else __trap();  // a width the host never gives
 #else
     wait_previous();
     __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)

@@ -11,10 +11,9 @@
 //! weight rows, whichever fills the SMs best), and so does the experts' gate/up for long routings; the mma.sync
 //! kernels are the path of every other GPU. The dense warpgroup products of row-major matrices with k a multiple of
 //! 256 take their operands through the tensor memory accelerator (`gemm_q4_wgmma_tma`: the host encodes a tensor
-//! map of the activations, of the packed codes and of their pairs for each launch, `tma_maps`); those of 256-row
-//! blocks whose output rows are 16-byte aligned run on a producer warpgroup that dequantizes and two consumer
-//! warpgroups that only multiply, and store their tiles through a tensor map of the output (`gemm_q4_wgmma_ws`,
-//! 384 threads a block).
+//! map of the activations, of the packed codes and of their pairs for each launch, `tma_maps`); those whose output
+//! rows are 16-byte aligned run on a producer warpgroup that dequantizes and two consumer warpgroups that only
+//! multiply, and store their tiles through a tensor map of the output (`gemm_q4_wgmma_ws`, 384 threads a block).
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
@@ -354,13 +353,17 @@ pub(crate) fn gemm_planned(
             let [a_map, w_map, s_map] = tma_maps(l.gpu, a, m, w, cols)?;
             let dims = dims.shared(l.kernels.constant("gemm_wgmma_tma_smem") as u32);
             let acc = accumulate as i32;
+            if ws_fits(l.kernels, w, out) {
+                let o_map = out_map(l.gpu, out, m, w.rows)?;
+                let block = l.kernels.constant("gemm_wgmma_ws_threads") as u32;
+                let dims = Dims::new(dims.grid, block).shared(l.kernels.constant("gemm_wgmma_ws_smem") as u32);
+                let m = m as i32;
+                return match cols {
+                    WEIGHT_ROWS => gemm::gemm_q4_wgmma_ws(l, dims, a_map, w_map, s_map, o_map, m, n, k, acc),
+                    _ => gemm::gemm_q4_wgmma_ws_narrow(l, dims, a_map, w_map, s_map, o_map, m, n, k, acc, cols as i32),
+                };
+            }
             match cols {
-                WEIGHT_ROWS if ws_fits(l.kernels, w, out) => {
-                    let o_map = out_map(l.gpu, out, m, w.rows)?;
-                    let block = l.kernels.constant("gemm_wgmma_ws_threads") as u32;
-                    let dims = Dims::new(dims.grid, block).shared(l.kernels.constant("gemm_wgmma_ws_smem") as u32);
-                    gemm::gemm_q4_wgmma_ws(l, dims, a_map, w_map, s_map, o_map, m as i32, n, k, acc)
-                }
                 WEIGHT_ROWS => gemm::gemm_q4_wgmma_tma(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc),
                 _ => {
                     gemm::gemm_q4_wgmma_tma_narrow(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc, cols as i32)
@@ -401,7 +404,7 @@ fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
             .all(|p| p % 16 == 0)
 }
 
-/// Whether a 256-column TMA product takes the producer warpgroup's kernel (`gemm_q4_wgmma_ws`): where the build
+/// Whether a TMA product takes the producer warpgroup's kernels (`gemm_q4_wgmma_ws`, `_narrow`): where the build
 /// says so (`gemm_wgmma_ws`), with the output's rows and start 16-byte aligned, as its tensor map needs.
 fn ws_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
     kernels.constant("gemm_wgmma_ws") == 1 && w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)

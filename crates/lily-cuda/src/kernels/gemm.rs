@@ -101,6 +101,18 @@ launchers! {
         k: i32,
         accumulate: i32,
     );
+    /// `gemm_q4_wgmma_ws` in tiles of `cols` (192 or 128) weight rows, whose maps' weight boxes are `cols` rows.
+    gemm_q4_wgmma_ws_narrow(
+        a_map: TensorMap,
+        w_map: TensorMap,
+        s_map: TensorMap,
+        o_map: TensorMap,
+        m: i32,
+        n: i32,
+        k: i32,
+        accumulate: i32,
+        cols: i32,
+    );
     /// `gemm_q4_wgmma_tma` in tiles of `cols` (192 or 128) weight rows, whose maps' weight boxes are `cols` rows.
     gemm_q4_wgmma_tma_narrow(
         a_map: TensorMap,
