@@ -178,6 +178,22 @@ def test_completions_logprobs_and_echo(client, model):
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
+def test_completions_score_a_prompt_with_max_tokens_zero(client, model):
+    # Evaluation harnesses score text with echo, logprobs and max_tokens=0: the prompt alone comes back, with the
+    # logprobs the same echo gives before a generated token.
+    scored = client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=0, temperature=0, logprobs=1, echo=True)
+    choice = scored.choices[0]
+    assert choice.text == "ROMEO.\n" and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    assert "".join(choice.logprobs.tokens) == "ROMEO.\n" and choice.logprobs.token_logprobs[0] is None
+    longer = client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=1, temperature=0, logprobs=1,
+                                       echo=True).choices[0].logprobs
+    n = len(choice.logprobs.tokens)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(choice.logprobs.token_logprobs[1:], longer.token_logprobs[1:n]))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="ROMEO.\n", max_tokens=0)
+
+
 def test_health_names_the_device(base_url):
     health = json.loads(urllib.request.urlopen(base_url + "/health").read())
     assert health["status"] == "ok"

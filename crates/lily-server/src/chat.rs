@@ -133,7 +133,7 @@ pub fn prepare(request: ChatCompletionRequest, sampling: RawSampling, ready: &Re
         (Some(m), _) => (Some(m), "max_completion_tokens"),
         (None, m) => (m, "max_tokens"),
     };
-    let max_tokens = params::max_tokens(requested, param, "messages", prompt.len(), ready.context)?;
+    let max_tokens = params::max_tokens(requested, 1, param, "messages", prompt.len(), ready.context)?;
 
     let logprobs = request.logprobs.unwrap_or(false);
     let top_logprobs = match request.top_logprobs {

@@ -159,19 +159,22 @@ pub fn prepare(request: CompletionRequest, sampling: RawSampling, ready: &Ready)
     let mut sequences = Vec::new();
     let mut prompt_tokens = 0;
     let mut echoes = Vec::new();
+    // With `echo`, `max_tokens` 0 asks for the prompt and its logprobs alone (how evaluation harnesses score text).
+    let least = if echo { 0 } else { 1 };
     for (p, (ids, text)) in prompts.into_iter().enumerate() {
         let max_tokens = if request.max_tokens.is_none() {
             // The default of 16 shrinks to fit the context rather than failing.
             let room = ready.context.saturating_sub(ids.len());
             params::max_tokens(
                 Some(DEFAULT_MAX_TOKENS.min(room.max(1) as i64)),
+                1,
                 "max_tokens",
                 "prompt",
                 ids.len(),
                 ready.context,
             )?
         } else {
-            params::max_tokens(requested, "max_tokens", "prompt", ids.len(), ready.context)?
+            params::max_tokens(requested, least, "max_tokens", "prompt", ids.len(), ready.context)?
         };
         prompt_tokens += ids.len();
         let ids = Arc::new(ids);

@@ -1449,7 +1449,8 @@ impl Engine {
 
     /// The prompt of the sequence in `slot` is in, its next-token logits in output `row`: counts it, sends its
     /// prompt logprobs (`entries`) where asked, and forks it into its followers' slots. Returns the sequences to
-    /// sample from `row`: it and its followers (none when the job failed).
+    /// sample from `row`: it and its followers (none when the job failed), except those that ask for no tokens,
+    /// which finish here.
     fn prompt_done(&mut self, slot: Slot, entries: Vec<TokenLogprob>, row: usize) -> Vec<(Slot, usize)> {
         let seq = self.slots[slot].as_mut().expect("a sequence whose prompt is in");
         seq.phase = Phase::Ready;
@@ -1465,6 +1466,7 @@ impl Engine {
             self.slots[f].as_mut().expect("a follower").phase = Phase::Ready;
         }
         let mut ready = Vec::with_capacity(followers.len() + 1);
+        let mut done = Vec::new();
         for s in std::iter::once(slot).chain(followers) {
             let seq = self.slots[s].as_ref().expect("a sequence whose prompt is in");
             if seq.resumed {
@@ -1483,6 +1485,7 @@ impl Engine {
                     metrics.prefix_cache_hit_tokens.increment(seq.cached as u64);
                 }
             }
+            let wants_none = seq.spec.max_tokens == 0;
             if seq.spec.request.prompt_logprobs.is_some() {
                 let event = Event::PromptLogprobs {
                     index: seq.spec.index,
@@ -1493,7 +1496,15 @@ impl Engine {
                     return Vec::new();
                 }
             }
-            ready.push((s, row));
+            if wants_none {
+                // A sequence that asks for no tokens (a completion that echoes its prompt to score it) is done.
+                done.push(s);
+            } else {
+                ready.push((s, row));
+            }
+        }
+        for s in done {
+            self.finish_seq(s);
         }
         ready
     }

@@ -174,9 +174,11 @@ pub fn validate(raw: RawSampling, defaults: &GenerationDefaults, vocab_size: usi
 }
 
 /// `max_tokens` (or `max_completion_tokens`) checked against the context: the prompt plus the tokens to generate
-/// must fit. Without a limit the rest of the context is the limit.
+/// must fit. Without a limit the rest of the context is the limit. `least` is the smallest value allowed: 1, or 0
+/// where a request may ask for no tokens at all (a completion that echoes its prompt, to score it).
 pub fn max_tokens(
     requested: Option<i64>,
+    least: i64,
     param: &str,
     prompt_param: &str,
     prompt_len: usize,
@@ -195,9 +197,9 @@ pub fn max_tokens(
     let room = context - prompt_len;
     match requested {
         None => Ok(room),
-        Some(m) if m < 1 => Err(ApiError::invalid(
+        Some(m) if m < least => Err(ApiError::invalid(
             param,
-            format!("`{param}` must be at least 1, got {m}"),
+            format!("`{param}` must be at least {least}, got {m}"),
         )),
         Some(m) if m as u64 > room as u64 => Err(ApiError::invalid(
             param,

@@ -513,6 +513,66 @@ async fn completions_echo_with_logprobs_gives_prompt_logprobs() {
     s.shutdown().await;
 }
 
+/// `max_tokens` 0 with `echo` scores the prompt (as evaluation harnesses ask): the prompt's text and logprobs,
+/// no generated token, `finish_reason` "length", whole or streamed, for each of `n` choices; the logprobs are those
+/// the same echo gives with a token generated after it. Without `echo`, 0 is refused.
+#[tokio::test]
+async fn completions_max_tokens_zero_with_echo_scores_the_prompt() {
+    let s = TestServer::real(config()).await;
+    let prompt = "ROMEO.\nWhat light";
+    let n_prompt = tokenizer().encode(prompt, false).unwrap().len();
+    let body = |max_tokens: u32, stream: bool| {
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1, "echo": true,
+               "stream": stream, "n": 2})
+    };
+    let (status, longer) = s.post("/v1/completions", &body(1, false)).await;
+    assert_eq!(status, 200, "{longer}");
+    let (status, r) = s.post("/v1/completions", &body(0, false)).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["completion_tokens"], 0, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], n_prompt, "{r}");
+    for choice in r["choices"].as_array().unwrap() {
+        assert_eq!(choice["text"], prompt, "{r}");
+        assert_eq!(choice["finish_reason"], "length", "{r}");
+        let lp = &choice["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        assert_eq!(tokens.len(), n_prompt, "{lp}");
+        let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(joined, prompt);
+        assert!(lp["token_logprobs"][0].is_null(), "{lp}");
+        for i in 1..n_prompt {
+            let zero = lp["token_logprobs"][i].as_f64().unwrap();
+            let one = longer["choices"][0]["logprobs"]["token_logprobs"][i].as_f64().unwrap();
+            assert!((zero - one).abs() < 1e-4, "token {i}: {zero} vs {one}");
+        }
+    }
+
+    let (status, data) = s.stream("/v1/completions", &body(0, true)).await;
+    assert_eq!(status, 200);
+    let mut texts = [String::new(), String::new()];
+    let mut finishes = Vec::new();
+    for chunk in chunks(&data) {
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            texts[index].push_str(choice["text"].as_str().unwrap());
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                finishes.push((index, reason.to_string()));
+            }
+        }
+    }
+    assert_eq!(texts, [prompt, prompt]);
+    finishes.sort();
+    assert_eq!(finishes, [(0, "length".to_string()), (1, "length".to_string())]);
+
+    let (status, e) = s
+        .post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 0}))
+        .await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "max_tokens", "{e}");
+    assert_eq!(s.metric("lily_requests_running").await, Some(0.0));
+    s.shutdown().await;
+}
+
 /// A temperature too small to divide the logits by (they would overflow to NaN) samples greedily.
 #[tokio::test]
 async fn tiny_temperatures_are_greedy() {
