@@ -924,8 +924,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #ifndef GEMM_WS_B
 #define GEMM_WS_B 2
 #endif
-// A consumer thread's registers (its 128 accumulators and the loop's few); the producer's are the rest of the
-// block's 384 x 168, so it can load GEMM_WS_AHEAD rows' codes and pairs before it dequantizes them: one warp a
+// A consumer thread's registers (its 128 accumulators and the loop's few); the producer's are the rest of what the
+// block holds at launch, so it can load GEMM_WS_AHEAD rows' codes and pairs before it dequantizes them: one warp a
 // scheduler hides the shared memory's latency only with many loads in flight.
 #ifndef GEMM_WS_CONSUMER_REGS
 #define GEMM_WS_CONSUMER_REGS 200
@@ -934,8 +934,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #define GEMM_WS_AHEAD 16
 #endif
 constexpr int WS_THREADS = 384;
-constexpr int WS_PRODUCER_REGS = (WS_THREADS * 168 - 256 * GEMM_WS_CONSUMER_REGS) / 128;
-static_assert(GEMM_WS_CONSUMER_REGS % 8 == 0 && GEMM_WS_CONSUMER_REGS >= 168 && WS_PRODUCER_REGS >= 24,
+constexpr int WS_LAUNCH_REGS = 65536 / WS_THREADS / 8 * 8;  // a thread's registers at one block an SM: 168
+constexpr int WS_PRODUCER_REGS = (WS_THREADS * WS_LAUNCH_REGS - 256 * GEMM_WS_CONSUMER_REGS) / 128;
+static_assert(GEMM_WS_CONSUMER_REGS % 8 == 0 && GEMM_WS_CONSUMER_REGS >= WS_LAUNCH_REGS && WS_PRODUCER_REGS >= 24,
               "register counts are multiples of 8; the consumers gain registers, the producer gives them up");
 constexpr int WS_OUT_BOX = WG_ROWS * 128;  // an output box: 32 f32 columns by 128 rows
 constexpr int WS_LOOK = GEMM_WS_STAGES - GEMM_WS_B;
