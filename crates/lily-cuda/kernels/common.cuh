@@ -608,6 +608,18 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& map, int c0, 
         "l"((u64)&map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
 }
+// Copies `bytes` (a multiple of 16) from global `src` to shared address `dst` (both 16-byte aligned) as one bulk
+// copy, completing those bytes on barrier `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// An arrival on `bar` once every cp.async this thread has issued so far has landed. The barrier's count must
+// include it (noinc: the arrival is not added to the phase's pending count when it is requested).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // This thread's arrival, announcing no bytes.
 __device__ __forceinline__ void mbarrier_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");

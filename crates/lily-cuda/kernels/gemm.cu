@@ -958,8 +958,8 @@ __device__ int gemm_wgmma_ws_threads = WS_THREADS;
 // Dequantizes ROWS weight rows of one step into B buffer `b_buf` (the 128-byte swizzled layout wgmma reads): thread
 // wg_tid of the warpgroup takes code word c = wg_tid % 8 of rows i + 16 j, i = wg_tid / 8, AHEAD rows' codes and
 // pairs loaded before any is used. `codes` are the stage's packed rows, `pairs` the step's (scale, bias) column of
-// its slot (16 bytes a row).
-template <int ROWS, int AHEAD>
+// its slot (PAIR_STRIDE bytes a row: 16 for the dense products' four groups, 8 for a tiled piece's two).
+template <int ROWS, int AHEAD, int PAIR_STRIDE = 16>
 __device__ __forceinline__ void ws_dequant(const unsigned char* codes, const unsigned char* pairs, u32 b_buf, int wg_tid) {
     static_assert(ROWS % 16 == 0 && (ROWS / 16) % AHEAD == 0, "a thread's rows in whole batches");
     const int c = wg_tid % 8, i = wg_tid / 8;
@@ -972,7 +972,7 @@ __device__ __forceinline__ void ws_dequant(const unsigned char* codes, const uns
         for (int j = 0; j < AHEAD; j++) {
             const int row = i + 16 * (j0 + j);
             words[j] = *(const u32*)(codes + row * 32 + c * 4);
-            sbs[j] = *(const u32*)(pairs + row * 16);
+            sbs[j] = *(const u32*)(pairs + row * PAIR_STRIDE);
         }
 #pragma unroll
         for (int j = 0; j < AHEAD; j++) {
@@ -1377,19 +1377,22 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 }
 
 // The large tiling's gate/up on the warpgroup tensor cores (Hopper): tiles of 128 sorted entries (the sort's tile
-// height is moe_wgmma_tile_rows there), a block a wgmma_tile; a warpgroup whose 64 rows of a tile are all empty
+// height is moe_wgmma_tile_rows there). They run on moe_gate_up_ws (below) where the build has it (MOE_WS); this
+// kernel, a block a wgmma_tile, is the one MOE_WS=0 keeps. Here a warpgroup whose 64 rows of a tile are all empty
 // skips its MMAs, so a tile costs its rows in steps of 64. Warpgroup accumulator blocks 0-15 are 128 columns of
 // gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU. Down stays on mma.sync (moe_down, a
 // 128-row tile as two parts of 64 rows): its k of 512 is eight wgmma steps, too few to cover a tile's prologue and
 // epilogue at one block an SM. Routings of at least MOE_WGMMA_MIN_TOKENS tokens take these tiles where the build
 // has wgmma (MOE_WGMMA=0 keeps mma.sync's 64-row tiles for both); the selftest checks them on Hopper either way.
 // Shorter routings keep the 64-row tiles: at 2,048 tokens an expert has ~72 entries, which fill one 128-row tile
-// to 56% and two 64-row ones to 56% too, but mma.sync runs two blocks an SM.
+// to 56% and two 64-row ones to 56% too, but mma.sync runs two blocks an SM. With moe_gate_up_ws the 128-row tiles
+// win from 4,096 tokens (H100, the full shape's synthetic weights: the 4,096-token prefill 4.3% faster, the
+// 2,048-token one 0.7% slower; bench/RESULTS.md).
 #ifndef MOE_WGMMA
 #define MOE_WGMMA 1
 #endif
 #ifndef MOE_WGMMA_MIN_TOKENS
-#define MOE_WGMMA_MIN_TOKENS 8192
+#define MOE_WGMMA_MIN_TOKENS 4096
 #endif
 __device__ int moe_wgmma = WGMMA_BUILT && MOE_WGMMA;
 __device__ int moe_wgmma_built = WGMMA_BUILT;
@@ -1418,6 +1421,192 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
         });
 #else
     __trap();  // built without wgmma: the host never launches it (moe_wgmma is 0)
+#endif
+}
+
+// ---- The experts' gate/up with a producer warpgroup (moe_gate_up_ws, Hopper) ----
+// moe_gate_up_wgmma's tiles (128 sorted entries by 128 columns of gate and the same of up) with gemm_q4_wgmma_ws's
+// roles: the producer warpgroup dequantizes into the ring of B buffers, the two consumer warpgroups only issue wgmma,
+// and the same mbarriers hand stages and buffers on. What differs from the dense kernel:
+// - The activations are gathered (a tile's rows are its entries' tokens), which a tensor copy cannot do. Each
+//   producer thread copies 16-byte chunks of eight of the tile's rows with cp.async (zeros past its entries) and
+//   then asks for an arrival on the stage's barrier once they have landed. A stage's barrier thus completes after
+//   129 arrivals (thread 0's, which announces the bulk copies' bytes, and the 128 threads' copies) and those bytes.
+// - The weights are tiled (common.cuh): a piece's 128 rows are 8 KB of codes and 1 KB of pairs, each in one run.
+//   Thread 0 copies a step's half of a piece of gate and of up with tensor copies (boxes of 32 bytes by 128 rows,
+//   so the stage holds 32 bytes a row as in the dense products) and, every piece, both matrices' pairs with two
+//   bulk copies into a slot of their own (8 bytes a row).
+// - cp.async writes through the generic proxy, so each consumer thread fences its view of a stage before its MMAs.
+// - A warpgroup whose 64 rows all lie past the tile's entries still issues its MMAs (on zeros): a branch around them
+//   makes ptxas serialize every wgmma, and the producer's dequantization, not the MMAs, sets the pace.
+// - The epilogue stores each valid row's SwiGLU pairs from the registers.
+#ifndef MOE_WS
+#define MOE_WS 1
+#endif
+// Stages and B buffers (as GEMM_WS_STAGES and GEMM_WS_B; the pairs take less shared memory here).
+#ifndef MOE_WS_STAGES
+#define MOE_WS_STAGES GEMM_WS_STAGES
+#endif
+#ifndef MOE_WS_B
+#define MOE_WS_B GEMM_WS_B
+#endif
+constexpr int MOE_WS_LOOK = MOE_WS_STAGES - MOE_WS_B;
+constexpr int MOE_WS_PAIR_SLOTS = 4;
+constexpr int MOE_WS_PAIRS = WROWS * 8;  // one piece's pairs of the tile's 256 weight rows
+constexpr int MOE_WS_SMEM = MOE_WS_STAGES * WG_TMA_STAGE + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS + MOE_WS_B * WG_B +
+                            (MOE_WS_STAGES + 2 * MOE_WS_B) * 8 + 1024;
+static_assert(MOE_WS_LOOK >= 1 && MOE_WS_B >= 2, "as for gemm_q4_wgmma_ws");
+// Piece p's pairs are copied with step 2p, MOE_WS_LOOK steps before the producer dequantizes it, into the slot of
+// piece p - MOE_WS_PAIR_SLOTS, whose last step (2 (p - slots) + 1) must be done by then (no later than step 2p -
+// stages).
+static_assert(MOE_WS_STAGES + 1 <= 2 * MOE_WS_PAIR_SLOTS, "a pairs' slot is refilled after its last reader");
+static_assert(MOE_WS_SMEM <= 227 * 1024, "a block's shared memory on Hopper");
+static_assert(2 * KT == TILED_PIECE && TILED_ROWS == WROWS / 2 && MOE_WS_PAIRS == 2 * TILED_ROWS * 2 * 4,
+              "a piece is two steps; a tile's gate and up rows are one block of a tiled matrix each");
+__device__ int moe_ws = WGMMA_BUILT && MOE_WS;
+__device__ int moe_ws_smem = MOE_WS_SMEM;
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    moe_gate_up_ws(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
+                   const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
+                   const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                   Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+#if WGMMA_BUILT
+    extern __shared__ __align__(128) unsigned char moe_ws_raw[];
+    if (dynamic_smem_bytes() < MOE_WS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
+    wait_previous();  // the tiles and the weights they pick come from the routing
+    // The count comes through a shuffle so ptxas knows the return is warp-uniform (as in moe_gate_up_wgmma).
+    if ((int)blockIdx.y >= __shfl_sync(0xffffffffu, *tile_count, 0)) return;
+    constexpr int STAGES = MOE_WS_STAGES, NB = MOE_WS_B, K_TILES = HIDDEN / KT;
+    const u32 raw0 = smem_addr(moe_ws_raw), smem0 = (raw0 + 1023) & ~1023u;
+    unsigned char* smem = moe_ws_raw + (smem0 - raw0);
+    const u32 pairs0 = smem0 + STAGES * WG_TMA_STAGE;
+    const u32 b0 = pairs0 + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS;
+    const u32 full = b0 + NB * WG_B, b_full = full + 8 * STAGES, b_empty = b_full + 8 * NB;
+    const int tid = threadIdx.x, lane = tid % WARP;
+    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
+    const int rows = min(WG_ROWS, offsets[expert + 1] - first);
+    const int n0 = blockIdx.x * (WROWS / 2);
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) mbarrier_init(full + 8 * s, 1 + 128);
+        for (int b = 0; b < NB; b++) {
+            mbarrier_init(b_full + 8 * b, 4);
+            mbarrier_init(b_empty + 8 * b, 8);
+        }
+        mbarrier_init_fence();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
+    }
+    __syncthreads();  // the barriers are initialised
+
+    if (tid < 128) {
+        // The producer.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS) : "memory");
+        // The block's rows of gate and up: the expert's (or the shared expert's) block of TILED_ROWS rows from n0.
+        // The codes' maps take a tiled matrix as rows of 64 bytes (a row's piece), so piece j of the block is map
+        // rows (block * pieces + j) * TILED_ROWS on.
+        const bool routed = expert < NUM_EXPERTS;
+        const int row0 = (routed ? expert * MOE_INTER : 0) + n0;
+        const int map_row0 = row0 / TILED_ROWS * (HIDDEN / TILED_PIECE) * TILED_ROWS;
+        const TmaMap* g_map = routed ? &gate_map : &shared_gate_map;
+        const TmaMap* u_map = routed ? &up_map : &shared_up_map;
+        const u32* g_pairs = tiled_row_pairs(routed ? gate : shared_gate, row0, HIDDEN);
+        const u32* u_pairs = tiled_row_pairs(routed ? up : shared_up, row0, HIDDEN);
+        // Thread 0: step kt's weights (and, at a piece's first step, the piece's pairs) onto its stage's barrier.
+        auto copy_w = [&](int kt) {
+            const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * WG_TMA_STAGE;
+            const int piece = kt / 2;
+            mbarrier_arrive_expect(bar, WROWS * 32 + (kt % 2 == 0 ? MOE_WS_PAIRS : 0));
+            const int y = map_row0 + piece * TILED_ROWS, half = (kt % 2) * (KT / 2);
+            tma_load_2d(stage + WG_A, *g_map, half, y, bar);
+            tma_load_2d(stage + WG_A + TILED_ROWS * 32, *u_map, half, y, bar);
+            if (kt % 2 == 0) {
+                const u32 slot = pairs0 + (piece % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS;
+                bulk_load(slot, g_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
+                bulk_load(slot + TILED_ROWS * 8, u_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
+            }
+        };
+        // Every producer thread: 16-byte chunk tid % 8 of tile rows tid / 8 + 16 i (rows 16 apart share the
+        // swizzle), from its entry's token row; zeros past the tile's entries.
+        const int a_chunk = tid % 8, a_first = tid / 8;
+        u32 a_from[8], a_valid = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int r = a_first + 16 * i;
+            a_from[i] = r < rows ? (u32)(entries[first + r] / MOE_SLOTS) * HIDDEN + a_chunk * 8 : 0u;
+            a_valid |= (r < rows ? 1u : 0u) << i;
+        }
+        const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);
+        auto copy_a = [&](int kt) {
+            const u32 stage = smem0 + (kt % STAGES) * WG_TMA_STAGE + a_dst;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                cp_async_16(stage + i * 16 * 128, x + a_from[i] + kt * KT, (a_valid >> i) & 1u ? 16u : 0u);
+            cp_async_arrive(full + 8 * (kt % STAGES));
+        };
+        for (int s = 0; s < MOE_WS_LOOK && s < K_TILES; s++) {
+            if (tid == 0) copy_w(s);
+            copy_a(s);
+        }
+#pragma unroll 1
+        for (int kt = 0; kt < K_TILES; kt++) {
+            const int b = kt % NB;
+            if (kt >= NB) mbarrier_wait(b_empty + 8 * b, (kt / NB - 1) % 2);
+            if (kt + MOE_WS_LOOK < K_TILES) {
+                if (tid == 0) copy_w(kt + MOE_WS_LOOK);
+                copy_a(kt + MOE_WS_LOOK);
+            }
+            mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
+            const unsigned char* pairs =
+                smem + (pairs0 - smem0) + ((kt / 2) % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS + (kt % 2) * 4;
+            ws_dequant<WROWS, GEMM_WS_AHEAD, 8>(smem + (kt % STAGES) * WG_TMA_STAGE + WG_A, pairs, b0 + b * WG_B, tid);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(b_full + 8 * b);
+        }
+        return;
+    }
+
+    // The consumers: warpgroup wg computes tile rows 64 wg .. 64 wg + 63; accumulator blocks 0-15 are the 128
+    // columns of gate, 16-31 the same columns of up.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
+    const int ct = tid - 128, wg = ct / 128;
+    float d[WROWS / 2];
+#pragma unroll
+    for (int i = 0; i < WROWS / 2; i++) d[i] = 0.f;
+#pragma unroll 1
+    for (int kt = 0; kt < K_TILES; kt++) {
+        const int b = kt % NB;
+        mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
+        mbarrier_wait(b_full + 8 * b, (kt / NB) % 2);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the producer's cp.async rows, for wgmma
+        const u32 a_tile = smem0 + (kt % STAGES) * WG_TMA_STAGE + wg * 64 * 128, b_buf = b0 + b * WG_B;
+        wgmma_fence();
+        wgmma_hold(d);
+#pragma unroll
+        for (int s = 0; s < KT / 16; s++) wgmma_m64k16<WROWS>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
+        wgmma_commit();
+        wgmma_wait<1>();  // step kt - 1's MMAs have completed: its buffer and stage are free
+        wgmma_hold(d);
+        if (kt > 0 && lane == 0) mbarrier_arrive(b_empty + 8 * ((kt - 1) % NB));
+    }
+    wgmma_wait<0>();
+    wgmma_hold(d);
+
+    // Warp q of the warpgroup holds rows 16 q .. 16 q + 15; lane (g, t) rows g and g + 8 at columns 8 j + 2 t, + 1.
+    const int g = lane / 4, t = lane % 4, q = (ct % 128) / WARP;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = wg * 64 + q * 16 + g + 8 * h;
+        if (r >= rows) continue;
+        bf16* out = act + (size_t)(first + r) * MOE_INTER + n0;
+#pragma unroll
+        for (int j = 0; j < WROWS / 16; j++)
+            *(u32*)(out + 8 * j + 2 * t) = swiglu_pair(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], d[4 * (j + 16) + 2 * h],
+                                                       d[4 * (j + 16) + 2 * h + 1]);
+    }
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (moe_ws is 0)
 #endif
 }
 

@@ -764,25 +764,57 @@ pub fn moe_experts(
     let down_rows = k.constant("moe_tile_rows");
     let grid =
         |col_blocks: &'static str, parts: usize| (k.constant(col_blocks) as u32, s.max_tiles as u32, parts as u32);
-    let (gate_up, gate_up_shared): (GateUpLauncher, u32) = match s.wgmma(k) {
-        true => (gemm::moe_gate_up_wgmma, k.constant("gemm_wgmma_smem") as u32),
-        false => (gemm::moe_gate_up, shared_bytes(k, s.tile_rows, 4)),
-    };
     assert_eq!(s.tile_rows % down_rows, 0, "down takes whole parts of a tile");
-    gate_up(
-        l,
-        Dims::new(grid("moe_gate_up_col_blocks", 1), THREADS).shared(gate_up_shared),
-        x,
-        s.entries,
-        s.tiles,
-        s.tile_count,
-        s.offsets,
+    let (gate, up, shared_gate, shared_up) = (
         m.gate.tiled_q4(),
         m.up.tiled_q4(),
         m.shared_gate.tiled_q4(),
         m.shared_up.tiled_q4(),
-        act,
-    )?;
+    );
+    if s.wgmma(k) && k.constant("moe_ws") == 1 {
+        let map = |w: &GpuMatrix| tiled_codes_map(l.gpu, w);
+        let maps = [map(m.gate)?, map(m.up)?, map(m.shared_gate)?, map(m.shared_up)?];
+        let block = k.constant("gemm_wgmma_ws_threads") as u32;
+        let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant("moe_ws_smem") as u32);
+        let [gate_map, up_map, shared_gate_map, shared_up_map] = maps;
+        gemm::moe_gate_up_ws(
+            l,
+            dims,
+            gate_map,
+            up_map,
+            shared_gate_map,
+            shared_up_map,
+            x,
+            s.entries,
+            s.tiles,
+            s.tile_count,
+            s.offsets,
+            gate,
+            up,
+            shared_gate,
+            shared_up,
+            act,
+        )?;
+    } else {
+        let (gate_up, gate_up_shared): (GateUpLauncher, u32) = match s.wgmma(k) {
+            true => (gemm::moe_gate_up_wgmma, k.constant("gemm_wgmma_smem") as u32),
+            false => (gemm::moe_gate_up, shared_bytes(k, s.tile_rows, 4)),
+        };
+        gate_up(
+            l,
+            Dims::new(grid("moe_gate_up_col_blocks", 1), THREADS).shared(gate_up_shared),
+            x,
+            s.entries,
+            s.tiles,
+            s.tile_count,
+            s.offsets,
+            gate,
+            up,
+            shared_gate,
+            shared_up,
+            act,
+        )?;
+    }
     gemm::moe_down(
         l,
         Dims::new(grid("moe_down_col_blocks", s.tile_rows / down_rows), THREADS).shared(shared_bytes(k, down_rows, 4)),
@@ -795,6 +827,29 @@ pub fn moe_experts(
         m.down.tiled_q4(),
         m.shared_down.tiled_q4(),
         out,
+    )
+}
+
+/// The tensor map of a tiled expert matrix's codes for `moe_gate_up_ws`: its bytes as rows of 64 (a row's piece of
+/// 128 inputs, see kernels/common.cuh), read in boxes of 32 bytes (a step's half of a piece) by 128 rows (a block of
+/// the tiled matrix's rows), unswizzled.
+fn tiled_codes_map(gpu: &Gpu, w: &GpuMatrix) -> Result<TensorMap> {
+    use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
+    const PIECE_BYTES: usize = 64;
+    assert!(
+        w.bits == 4 && w.layout == Layout::Tiled,
+        "the expert kernels read tiled 4-bit matrices"
+    );
+    let bytes = w.rows * w.cols / 2;
+    gpu.tensor_map_2d(
+        w.packed.ptr(),
+        Type::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        PIECE_BYTES,
+        bytes / PIECE_BYTES,
+        PIECE_BYTES,
+        PIECE_BYTES as u32 / 2,
+        128,
+        Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )
 }
 
