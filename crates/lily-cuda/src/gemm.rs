@@ -349,6 +349,14 @@ pub(crate) fn gemm_planned(
         }
         (4, Plan::Tiles(_)) => gemm::gemm_q4(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
+        (4, Plan::Wgmma(_)) if tma_fits(l.kernels, a, w) && rs_fits(l.kernels, w, out) => {
+            let [a_map, w_map, s_map, o_map] = rs_maps(l.gpu, a, m, w, out)?;
+            let block = l.kernels.constant("gemm_wgmma_ws_threads") as u32;
+            let grid = (w.rows.div_ceil(RS_COLS) as u32, m.div_ceil(RS_ROWS) as u32, 1);
+            let dims = Dims::new(grid, block).shared(l.kernels.constant("gemm_wgmma_rs_smem") as u32);
+            let acc = accumulate as i32;
+            gemm::gemm_q4_wgmma_rs(l, dims, a_map, w_map, s_map, o_map, m as i32, n, k, acc)
+        }
         (4, Plan::Wgmma(cols)) if tma_fits(l.kernels, a, w) => {
             let [a_map, w_map, s_map] = tma_maps(l.gpu, a, m, w, cols)?;
             let dims = dims.shared(l.kernels.constant("gemm_wgmma_tma_smem") as u32);
@@ -413,6 +421,11 @@ fn ws_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
 /// The output's tensor map for `gemm_q4_wgmma_ws`: f32 [m][n] in boxes of 32 columns (128 bytes) by 128 rows, with
 /// the 128-byte swizzle the kernel writes its tile in.
 fn out_map(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize) -> Result<TensorMap> {
+    out_map_rows(gpu, out, m, n, 128)
+}
+
+/// [`out_map`] in boxes of `rows` rows.
+fn out_map_rows(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize, rows: u32) -> Result<TensorMap> {
     use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
     gpu.tensor_map_2d(
         out,
@@ -421,9 +434,38 @@ fn out_map(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize) -> Result<TensorMap>
         m,
         n * 4,
         32,
-        128,
+        rows,
         Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     )
+}
+
+/// A tile of `gemm_q4_wgmma_rs`: 256 activation rows by 128 weight rows.
+const RS_ROWS: usize = 256;
+const RS_COLS: usize = 128;
+
+/// Whether a TMA product takes `gemm_q4_wgmma_rs` (the weights dequantized into registers): where the build says so
+/// (`gemm_wgmma_rs`), with the output's tensor map possible as for [`ws_fits`].
+fn rs_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
+    kernels.constant("gemm_wgmma_rs") == 1 && ws_fits(kernels, w, out)
+}
+
+/// The tensor maps of `gemm_q4_wgmma_rs`: [`tma_maps`]' codes and pairs in boxes of 128 weight rows, and the
+/// activations and the output in boxes of 256 rows.
+fn rs_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, out: DevPtr<f32>) -> Result<[TensorMap; 4]> {
+    use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
+    let [_, w_map, s_map] = tma_maps(gpu, a, m, w, RS_COLS)?;
+    let k = w.cols;
+    let a_map = gpu.tensor_map_2d(
+        a,
+        Type::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        k,
+        m,
+        k * 2,
+        K_STEP as u32,
+        RS_ROWS as u32,
+        Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )?;
+    Ok([a_map, w_map, s_map, out_map_rows(gpu, out, m, w.rows, RS_ROWS as u32)?])
 }
 
 /// The tensor maps of `gemm_q4_wgmma_tma` for `a` (m rows) times `w` in tiles of `cols` weight rows: the activations

@@ -48,6 +48,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_wgmma_ws",
         "gemm_wgmma_ws_smem",
         "gemm_wgmma_ws_threads",
+        "gemm_wgmma_rs",
+        "gemm_wgmma_rs_smem",
         "gemm_wgmma_cost",
         "gemm_wgmma_split",
         "moe_wgmma",
@@ -94,6 +96,19 @@ launchers! {
     /// wgmma (`gemm_wgmma_ws_threads` threads a block), on the same maps; the product goes out through `o_map`
     /// (f32 [m][n], boxes of 32 x 128 rows, 128-byte swizzle), added to what is there where `accumulate` is 1.
     gemm_q4_wgmma_ws(
+        a_map: TensorMap,
+        w_map: TensorMap,
+        s_map: TensorMap,
+        o_map: TensorMap,
+        m: i32,
+        n: i32,
+        k: i32,
+        accumulate: i32,
+    );
+    /// The same product with the weights dequantized into registers as wgmma's A operand (`gemm_wgmma_ws_threads`
+    /// threads, `gemm_wgmma_rs_smem` bytes of shared memory a block), a block 256 activation rows by 128 weight rows:
+    /// `a_map` in boxes of 64 x 256 rows, `w_map` and `s_map` of 128 rows, `o_map` of 32 x 256 rows.
+    gemm_q4_wgmma_rs(
         a_map: TensorMap,
         w_map: TensorMap,
         s_map: TensorMap,
