@@ -579,6 +579,19 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (
           WG_D8(72), WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
+// The same with 128 columns of B (64 accumulators).
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
 #undef WG_D8
 
 #endif
@@ -1812,6 +1825,203 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #else
     wait_previous();
     __trap();  // built without wgmma: the host never launches it (moe_ws is 0)
+#endif
+}
+
+// ---- The experts' gate/up with the weights in registers (moe_gate_up_rs, Hopper) ----
+// moe_gate_up_ws with gemm_q4_wgmma_rs's swap of operands: the weights are wgmma's A operand, dequantized by each
+// consumer thread into registers, and the tile's gathered token rows its B operand (128 of them: m64n128k16).
+// Consumer warpgroup w takes columns 64 w .. 64 w + 63 of the block's 128, of gate and of up, so a thread holds
+// both for its SwiGLU. The producer warpgroup only copies (the token rows with cp.async, the codes and pairs as in
+// moe_gate_up_ws). A thread's A registers hold one step (four k16 slices of gate and of up); the MMAs go in two
+// halves of two slices, and a half is dequantized while the other half's MMAs run (wgmma_wait<1> frees the
+// registers of the half issued before). The epilogue stages the SwiGLU tile in shared memory (token rows padded to
+// 272 bytes, so a warp's writes of eight columns at four tokens fall in different banks) and stores each valid
+// token row's 256 bytes with 16-byte writes.
+#ifndef MOE_RS
+#define MOE_RS 1
+#endif
+#ifndef MOE_RS_STAGES
+#define MOE_RS_STAGES 6
+#endif
+constexpr int MOE_RS_TOKENS = 128;
+constexpr int MOE_RS_STAGE = WG_TMA_STAGE;  // 128 token rows (16 KB) and the codes of 128 rows of gate and of up
+constexpr int MOE_RS_ROW = 272;             // a staged output row: 128 bf16 and 16 bytes of padding
+constexpr int MOE_RS_SMEM =
+    MOE_RS_STAGES * MOE_RS_STAGE + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS + 2 * MOE_RS_STAGES * 8 + 1024;
+static_assert(MOE_RS_TOKENS == WG_ROWS && MOE_RS_STAGE % 1024 == 0, "a stage's token rows are the 128-row A tile");
+// Piece p's pairs are copied with step 2p once step 2p - stages is done; the slot's last reader is step
+// 2 (p - slots) + 1.
+static_assert(MOE_RS_STAGES + 1 <= 2 * MOE_WS_PAIR_SLOTS, "a pairs' slot is refilled after its last reader");
+static_assert(MOE_RS_SMEM <= 227 * 1024 && MOE_RS_TOKENS * MOE_RS_ROW <= MOE_RS_STAGES * MOE_RS_STAGE,
+              "a block's shared memory on Hopper; the staged tile fits over the stages");
+__device__ int moe_rs = WGMMA_BUILT && MOE_RS;
+__device__ int moe_rs_smem = MOE_RS_SMEM;
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    moe_gate_up_rs(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
+                   const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
+                   const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                   Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+#if WGMMA_BUILT
+    extern __shared__ __align__(128) unsigned char moe_rs_raw[];
+    if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
+    wait_previous();  // the tiles and the weights they pick come from the routing
+    // The count comes through a shuffle so ptxas knows the return is warp-uniform (as in moe_gate_up_wgmma).
+    if ((int)blockIdx.y >= __shfl_sync(0xffffffffu, *tile_count, 0)) return;
+    constexpr int STAGES = MOE_RS_STAGES, K_TILES = HIDDEN / KT;
+    const u32 raw0 = smem_addr(moe_rs_raw), smem0 = (raw0 + 1023) & ~1023u;
+    unsigned char* smem = moe_rs_raw + (smem0 - raw0);
+    const u32 pairs0 = smem0 + STAGES * MOE_RS_STAGE;
+    const u32 full = pairs0 + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS, empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, lane = tid % WARP;
+    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
+    const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
+    const int n0 = blockIdx.x * (WROWS / 2);
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(full + 8 * s, 1 + 128);
+            mbarrier_init(empty + 8 * s, 8);
+        }
+        mbarrier_init_fence();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
+    }
+    __syncthreads();  // the barriers are initialised
+
+    if (tid < 128) {
+        // The producer: as moe_gate_up_ws's, without the dequantization.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS) : "memory");
+        const bool routed = expert < NUM_EXPERTS;
+        const int row0 = (routed ? expert * MOE_INTER : 0) + n0;
+        const int map_row0 = row0 / TILED_ROWS * (HIDDEN / TILED_PIECE) * TILED_ROWS;
+        const TmaMap* g_map = routed ? &gate_map : &shared_gate_map;
+        const TmaMap* u_map = routed ? &up_map : &shared_up_map;
+        const u32* g_pairs = tiled_row_pairs(routed ? gate : shared_gate, row0, HIDDEN);
+        const u32* u_pairs = tiled_row_pairs(routed ? up : shared_up, row0, HIDDEN);
+        auto copy_w = [&](int kt) {
+            const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * MOE_RS_STAGE;
+            const int piece = kt / 2;
+            mbarrier_arrive_expect(bar, WROWS * 32 + (kt % 2 == 0 ? MOE_WS_PAIRS : 0));
+            const int y = map_row0 + piece * TILED_ROWS, half = (kt % 2) * (KT / 2);
+            tma_load_2d(stage + WG_A, *g_map, half, y, bar);
+            tma_load_2d(stage + WG_A + TILED_ROWS * 32, *u_map, half, y, bar);
+            if (kt % 2 == 0) {
+                const u32 slot = pairs0 + (piece % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS;
+                bulk_load(slot, g_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
+                bulk_load(slot + TILED_ROWS * 8, u_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
+            }
+        };
+        const int a_chunk = tid % 8, a_first = tid / 8;
+        u32 a_from[8], a_valid = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int r = a_first + 16 * i;
+            a_from[i] = r < rows ? (u32)(entries[first + r] / MOE_SLOTS) * HIDDEN + a_chunk * 8 : 0u;
+            a_valid |= (r < rows ? 1u : 0u) << i;
+        }
+        const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);
+#pragma unroll 1
+        for (int kt = 0; kt < K_TILES; kt++) {
+            if (kt >= STAGES) mbarrier_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) % 2);
+            if (tid == 0) copy_w(kt);
+            const u32 stage = smem0 + (kt % STAGES) * MOE_RS_STAGE + a_dst;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                cp_async_16(stage + i * 16 * 128, x + a_from[i] + kt * KT, (a_valid >> i) & 1u ? 16u : 0u);
+            cp_async_arrive(full + 8 * (kt % STAGES));
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
+    const int ct = tid - 128, wg = ct / 128, q = (ct % 128) / WARP, g = lane / 4, t = lane % 4;
+    const int c0 = wg * 64 + q * 16 + g;  // this thread's columns: c0 and c0 + 8 of the block's 128
+    const u32 sel = 0x0400u + 0x0101u * (u32)t;  // byte t of a word: inputs 2t, 2t + 1
+    float dg[64], du[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) dg[i] = 0.f, du[i] = 0.f;
+    u32 a[2][2][2][4];  // [half][slice of the half][gate, up][fragment]
+    // Half `half` of step kt: its two slices' fragments of gate and up, dequantized from the stage.
+    auto dequant = [&](int kt, int half, u32 (&ah)[2][2][4]) {
+        const unsigned char* codes = smem + (kt % STAGES) * MOE_RS_STAGE + WG_A;
+        const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 2) % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS + (kt % 2) * 4;
+#pragma unroll
+        for (int mat = 0; mat < 2; mat++) {
+            const int r0 = mat * TILED_ROWS + c0;
+            const u32 sb0 = *(const u32*)(pairs + r0 * 8), sb1 = *(const u32*)(pairs + (r0 + 8) * 8);
+            const u32 scale0 = __byte_perm(sb0, sb0, 0x1010), bias0 = __byte_perm(sb0, sb0, 0x3232);
+            const u32 scale1 = __byte_perm(sb1, sb1, 0x1010), bias1 = __byte_perm(sb1, sb1, 0x3232);
+            const uint4 w0 = *(const uint4*)(codes + r0 * 32 + half * 16);
+            const uint4 w1 = *(const uint4*)(codes + (r0 + 8) * 32 + half * 16);
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                ah[s][mat][0] = dequant_q4(word_of(w0, 2 * s), sel, scale0, bias0);
+                ah[s][mat][1] = dequant_q4(word_of(w1, 2 * s), sel, scale1, bias1);
+                ah[s][mat][2] = dequant_q4(word_of(w0, 2 * s + 1), sel, scale0, bias0);
+                ah[s][mat][3] = dequant_q4(word_of(w1, 2 * s + 1), sel, scale1, bias1);
+            }
+        }
+    };
+    auto mma = [&](int kt, int half, const u32 (&ah)[2][2][4]) {
+        const u32 x_tile = smem0 + (kt % STAGES) * MOE_RS_STAGE;
+        wgmma_fence();
+        wgmma_hold(dg);
+        wgmma_hold(du);
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const u64 desc = wgmma_desc(x_tile + 32 * (2 * half + s));
+            wgmma_m64n128k16_rs(dg, ah[s][0], desc);
+            wgmma_m64n128k16_rs(du, ah[s][1], desc);
+        }
+        wgmma_commit();
+    };
+    // Half-steps in order; before dequantizing half h into its registers, the MMAs of half h - 2 (which read them)
+    // must be complete, and at a step's first half its stage must have landed. A stage is released once both of
+    // its halves' MMAs are complete, i.e. after the wait in the next step's second half.
+#pragma unroll 1
+    for (int kt = 0; kt < K_TILES; kt++) {
+        mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the producer's cp.async rows, for wgmma
+        wgmma_wait<1>();  // the MMAs of step kt - 1's first half are complete
+        wgmma_hold(dg);
+        wgmma_hold(du);
+        dequant(kt, 0, a[0]);
+        mma(kt, 0, a[0]);
+        wgmma_wait<1>();  // step kt - 1's second half is complete, so its stage is free
+        wgmma_hold(dg);
+        wgmma_hold(du);
+        if (kt > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((kt - 1) % STAGES));
+        dequant(kt, 1, a[1]);
+        mma(kt, 1, a[1]);
+    }
+    wgmma_wait<0>();
+    wgmma_hold(dg);
+    wgmma_hold(du);
+
+    // The epilogue: the SwiGLU of column c0 (+ 8 h) at token 8 j + 2 t (+ e), registers 4 j + 2 h (+ e), staged by
+    // token row, then each valid token row copied out in 16-byte chunks.
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' MMAs are done with the stages
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int j = 0; j < MOE_RS_TOKENS / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int i = 4 * j + 2 * h + e, r = 8 * j + 2 * t + e;
+                const bf16 v = float_to_bf16(siluf_(dg[i]) * du[i]);  // as swiglu_pair
+                *(bf16*)(smem + r * MOE_RS_ROW + (c0 + 8 * h) * 2) = v;
+            }
+        }
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+    for (int i = ct; i < rows * 16; i += 256) {
+        const int r = i / 16, chunk = i % 16;
+        *(uint4*)(act + (size_t)(first + r) * MOE_INTER + n0 + chunk * 8) = *(const uint4*)(smem + r * MOE_RS_ROW + chunk * 16);
+    }
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (moe_rs is 0)
 #endif
 }
 

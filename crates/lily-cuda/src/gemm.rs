@@ -813,13 +813,19 @@ pub fn moe_experts(
         m.shared_gate.tiled_q4(),
         m.shared_up.tiled_q4(),
     );
-    if s.wgmma(k) && k.constant("moe_ws") == 1 {
+    let mapped: Option<(MappedGateUpLauncher, &str)> = match (k.constant("moe_rs"), k.constant("moe_ws")) {
+        _ if !s.wgmma(k) => None,
+        (1, _) => Some((gemm::moe_gate_up_rs, "moe_rs_smem")),
+        (_, 1) => Some((gemm::moe_gate_up_ws, "moe_ws_smem")),
+        _ => None,
+    };
+    if let Some((gate_up, smem)) = mapped {
         let map = |w: &GpuMatrix| tiled_codes_map(l.gpu, w);
         let maps = [map(m.gate)?, map(m.up)?, map(m.shared_gate)?, map(m.shared_up)?];
         let block = k.constant("gemm_wgmma_ws_threads") as u32;
-        let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant("moe_ws_smem") as u32);
+        let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant(smem) as u32);
         let [gate_map, up_map, shared_gate_map, shared_up_map] = maps;
-        gemm::moe_gate_up_ws(
+        gate_up(
             l,
             dims,
             gate_map,
@@ -894,6 +900,26 @@ fn tiled_codes_map(gpu: &Gpu, w: &GpuMatrix) -> Result<TensorMap> {
         Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )
 }
+
+/// The warpgroup gate/up launchers that take the tiled codes' tensor maps (`moe_gate_up_rs`, `moe_gate_up_ws`).
+type MappedGateUpLauncher = fn(
+    &mut Launcher,
+    Dims,
+    TensorMap,
+    TensorMap,
+    TensorMap,
+    TensorMap,
+    DevPtr<bf16>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    DevPtr<i32>,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    crate::kernels::Q4,
+    DevPtr<bf16>,
+) -> Result<()>;
 
 /// The large tiling's gate/up launchers (mma.sync and wgmma take the same arguments).
 type GateUpLauncher = fn(

@@ -58,6 +58,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_wgmma_min_tokens",
         "moe_ws",
         "moe_ws_smem",
+        "moe_rs",
+        "moe_rs_smem",
         "gemm_rows64_two",
     ],
 };
@@ -198,6 +200,24 @@ launchers! {
     /// memory a block; Hopper builds only: `moe_ws` is 1). The maps are the tiled codes of gate, up and the shared
     /// expert's gate and up as rows of 64 bytes, in boxes of 32 bytes by 128 rows (`gemm::tiled_codes_map`).
     moe_gate_up_ws(
+        gate_map: TensorMap,
+        up_map: TensorMap,
+        shared_gate_map: TensorMap,
+        shared_up_map: TensorMap,
+        x: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        gate: Q4,
+        up: Q4,
+        shared_gate: Q4,
+        shared_up: Q4,
+        act: DevPtr<bf16>,
+    );
+    /// `moe_gate_up_ws` with the weights dequantized into registers as wgmma's A operand (`moe_rs_smem` bytes of
+    /// shared memory a block; Hopper builds only: `moe_rs` is 1), on the same maps.
+    moe_gate_up_rs(
         gate_map: TensorMap,
         up_map: TensorMap,
         shared_gate_map: TensorMap,
