@@ -579,8 +579,21 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (
           WG_D8(72), WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
-// The same with 128 columns of B (64 accumulators).
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+// The same with N = 128 or 64 columns of B (N / 2 accumulators).
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b) {
+    static_assert(N == 128 || N == 64, "a width the kernels instantiate");
+    if constexpr (N == 64) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+            "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+            : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+        return;
+    } else
     asm volatile(
         "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -1830,26 +1843,38 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 
 // ---- The experts' gate/up with the weights in registers (moe_gate_up_rs, Hopper) ----
 // moe_gate_up_ws with gemm_q4_wgmma_rs's swap of operands: the weights are wgmma's A operand, dequantized by each
-// consumer thread into registers, and the tile's gathered token rows its B operand (128 of them: m64n128k16).
+// consumer thread into registers, and the tile's gathered token rows its B operand (MOE_RS_TOKENS of them, 64 or
+// 128: m64n64k16 or m64n128k16; the sort makes tiles of that height, moe_rs_tile_rows).
 // Consumer warpgroup w takes columns 64 w .. 64 w + 63 of the block's 128, of gate and of up, so a thread holds
 // both for its SwiGLU. The producer warpgroup only copies (the token rows with cp.async, the codes and pairs as in
 // moe_gate_up_ws). A thread's A registers hold one step (four k16 slices of gate and of up); the MMAs go in two
 // halves of two slices, and a half is dequantized while the other half's MMAs run (wgmma_wait<1> frees the
 // registers of the half issued before). The epilogue stages the SwiGLU tile in shared memory (token rows padded to
 // 272 bytes, so a warp's writes of eight columns at four tokens fall in different banks) and stores each valid
-// token row's 256 bytes with 16-byte writes.
+// token row's 256 bytes with 16-byte writes. Routings of MOE_RS_MIN_TOKENS or more take this kernel. Tiles of 64
+// tokens would run fewer MMAs on the experts' partial tiles, but each block dequantizes the same weights for half
+// the tokens: on the H100 the 4,096-token prefill's gate/up took 22.2 ms in 833 such tiles, 18.1 in 545 of 128.
 #ifndef MOE_RS
 #define MOE_RS 1
 #endif
 #ifndef MOE_RS_STAGES
 #define MOE_RS_STAGES 6
 #endif
-constexpr int MOE_RS_TOKENS = 128;
-constexpr int MOE_RS_STAGE = WG_TMA_STAGE;  // 128 token rows (16 KB) and the codes of 128 rows of gate and of up
+#ifndef MOE_RS_TOKENS
+#define MOE_RS_TOKENS 128
+#endif
+// From 2,048 tokens (an expert's ~72 entries a 128-token tile) this kernel is ahead of mma.sync's 64-row tiles on
+// the H100 (the 2,048-token prefill 0.5-0.7%); at 1,024 tokens 128-token tiles lose ~9%.
+#ifndef MOE_RS_MIN_TOKENS
+#define MOE_RS_MIN_TOKENS 2048
+#endif
+constexpr int MOE_RS_X = MOE_RS_TOKENS * 128;       // the token rows' step, 128-byte swizzled
+constexpr int MOE_RS_STAGE = MOE_RS_X + WROWS * 32;  // and the codes of 128 rows of gate and of up
 constexpr int MOE_RS_ROW = 272;             // a staged output row: 128 bf16 and 16 bytes of padding
 constexpr int MOE_RS_SMEM =
     MOE_RS_STAGES * MOE_RS_STAGE + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS + 2 * MOE_RS_STAGES * 8 + 1024;
-static_assert(MOE_RS_TOKENS == WG_ROWS && MOE_RS_STAGE % 1024 == 0, "a stage's token rows are the 128-row A tile");
+static_assert((MOE_RS_TOKENS == 64 || MOE_RS_TOKENS == 128) && MOE_RS_STAGE % 1024 == 0,
+              "a width wgmma_m64k16_rs takes; a stage's token rows start on a swizzle atom");
 // Piece p's pairs are copied with step 2p once step 2p - stages is done; the slot's last reader is step
 // 2 (p - slots) + 1.
 static_assert(MOE_RS_STAGES + 1 <= 2 * MOE_WS_PAIR_SLOTS, "a pairs' slot is refilled after its last reader");
@@ -1857,6 +1882,8 @@ static_assert(MOE_RS_SMEM <= 227 * 1024 && MOE_RS_TOKENS * MOE_RS_ROW <= MOE_RS_
               "a block's shared memory on Hopper; the staged tile fits over the stages");
 __device__ int moe_rs = WGMMA_BUILT && MOE_RS;
 __device__ int moe_rs_smem = MOE_RS_SMEM;
+__device__ int moe_rs_tile_rows = MOE_RS_TOKENS;
+__device__ int moe_rs_min_tokens = MOE_RS_MIN_TOKENS;
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_gate_up_rs(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
@@ -1904,18 +1931,19 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             const int piece = kt / 2;
             mbarrier_arrive_expect(bar, WROWS * 32 + (kt % 2 == 0 ? MOE_WS_PAIRS : 0));
             const int y = map_row0 + piece * TILED_ROWS, half = (kt % 2) * (KT / 2);
-            tma_load_2d(stage + WG_A, *g_map, half, y, bar);
-            tma_load_2d(stage + WG_A + TILED_ROWS * 32, *u_map, half, y, bar);
+            tma_load_2d(stage + MOE_RS_X, *g_map, half, y, bar);
+            tma_load_2d(stage + MOE_RS_X + TILED_ROWS * 32, *u_map, half, y, bar);
             if (kt % 2 == 0) {
                 const u32 slot = pairs0 + (piece % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS;
                 bulk_load(slot, g_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
                 bulk_load(slot + TILED_ROWS * 8, u_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
             }
         };
+        constexpr int A_ROWS = MOE_RS_TOKENS / 16;  // a thread's token rows
         const int a_chunk = tid % 8, a_first = tid / 8;
-        u32 a_from[8], a_valid = 0;
+        u32 a_from[A_ROWS], a_valid = 0;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < A_ROWS; i++) {
             const int r = a_first + 16 * i;
             a_from[i] = r < rows ? (u32)(entries[first + r] / MOE_SLOTS) * HIDDEN + a_chunk * 8 : 0u;
             a_valid |= (r < rows ? 1u : 0u) << i;
@@ -1927,7 +1955,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
             if (tid == 0) copy_w(kt);
             const u32 stage = smem0 + (kt % STAGES) * MOE_RS_STAGE + a_dst;
 #pragma unroll
-            for (int i = 0; i < 8; i++)
+            for (int i = 0; i < A_ROWS; i++)
                 cp_async_16(stage + i * 16 * 128, x + a_from[i] + kt * KT, (a_valid >> i) & 1u ? 16u : 0u);
             cp_async_arrive(full + 8 * (kt % STAGES));
         }
@@ -1938,13 +1966,14 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     const int ct = tid - 128, wg = ct / 128, q = (ct % 128) / WARP, g = lane / 4, t = lane % 4;
     const int c0 = wg * 64 + q * 16 + g;  // this thread's columns: c0 and c0 + 8 of the block's 128
     const u32 sel = 0x0400u + 0x0101u * (u32)t;  // byte t of a word: inputs 2t, 2t + 1
-    float dg[64], du[64];
+    constexpr int ACC = MOE_RS_TOKENS / 2;
+    float dg[ACC], du[ACC];
 #pragma unroll
-    for (int i = 0; i < 64; i++) dg[i] = 0.f, du[i] = 0.f;
+    for (int i = 0; i < ACC; i++) dg[i] = 0.f, du[i] = 0.f;
     u32 a[2][2][2][4];  // [half][slice of the half][gate, up][fragment]
     // Half `half` of step kt: its two slices' fragments of gate and up, dequantized from the stage.
     auto dequant = [&](int kt, int half, u32 (&ah)[2][2][4]) {
-        const unsigned char* codes = smem + (kt % STAGES) * MOE_RS_STAGE + WG_A;
+        const unsigned char* codes = smem + (kt % STAGES) * MOE_RS_STAGE + MOE_RS_X;
         const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 2) % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS + (kt % 2) * 4;
 #pragma unroll
         for (int mat = 0; mat < 2; mat++) {
@@ -1971,8 +2000,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #pragma unroll
         for (int s = 0; s < 2; s++) {
             const u64 desc = wgmma_desc(x_tile + 32 * (2 * half + s));
-            wgmma_m64n128k16_rs(dg, ah[s][0], desc);
-            wgmma_m64n128k16_rs(du, ah[s][1], desc);
+            wgmma_m64k16_rs<MOE_RS_TOKENS>(dg, ah[s][0], desc);
+            wgmma_m64k16_rs<MOE_RS_TOKENS>(du, ah[s][1], desc);
         }
         wgmma_commit();
     };

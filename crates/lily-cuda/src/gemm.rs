@@ -619,11 +619,21 @@ fn small_max_tokens(kernels: &Kernels) -> usize {
 pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
     if tokens <= small_max_tokens(kernels) {
         kernels.constant("moe_small_tile_rows")
+    } else if moe_takes_rs(kernels, tokens) {
+        kernels.constant("moe_rs_tile_rows")
     } else if kernels.constant("moe_wgmma") == 1 && tokens >= kernels.constant("moe_wgmma_min_tokens") {
         kernels.constant("moe_wgmma_tile_rows")
     } else {
         kernels.constant("moe_tile_rows")
     }
+}
+
+/// Whether a routing of `tokens` tokens takes `moe_gate_up_rs` for its gate/up: from `moe_rs_min_tokens` tokens
+/// where the build has it (`moe_rs`), past the small tiling.
+pub fn moe_takes_rs(kernels: &Kernels, tokens: usize) -> bool {
+    kernels.constant("moe_rs") == 1
+        && tokens > small_max_tokens(kernels)
+        && tokens >= kernels.constant("moe_rs_min_tokens")
 }
 
 /// Tiles of the grouped expert products for a routing of `tokens` tokens in tiles of `tile_rows`: each expert's
@@ -657,9 +667,13 @@ pub struct Experts<'a> {
 /// tiling at its most tokens can make more tiles than the taller one just past it).
 pub fn max_tiles_up_to(kernels: &Kernels, config: &Config, tokens: usize) -> usize {
     let small = tokens.min(small_max_tokens(kernels));
-    let large = tokens.min(kernels.constant("moe_wgmma_min_tokens").saturating_sub(1).max(small));
+    // The most of each tiling's token counts: the largest count below the next tiling's start, and `tokens`.
+    let before = |start: &'static str| tokens.min(kernels.constant(start).saturating_sub(1).max(small));
     let at = |t: usize| max_tiles(config, t, moe_tile_rows(kernels, t));
-    at(small).max(at(large)).max(at(tokens))
+    at(small)
+        .max(at(before("moe_wgmma_min_tokens")))
+        .max(at(before("moe_rs_min_tokens")))
+        .max(at(tokens))
 }
 
 /// The (token, slot) entries sorted by expert, as the grouped products read them: `entries` (i32, sorted index to
@@ -677,6 +691,9 @@ pub struct Sorted {
     pub tile_rows: usize,
     /// Tokens of the routing.
     pub tokens: usize,
+    /// Whether the large tiling's gate/up runs on `moe_gate_up_rs` (tiles of `moe_rs_tile_rows`; see
+    /// [`moe_takes_rs`]).
+    pub rs: bool,
 }
 
 /// The small tiling's activations as Q8x2 rows (kernels/gemm.cu: two signed 8-bit digits an input, a (scale, sum)
@@ -719,7 +736,10 @@ impl Sorted {
     pub(crate) fn small(&self, kernels: &Kernels) -> bool {
         let small = kernels.constant("moe_small_tile_rows");
         assert!(
-            self.tile_rows == small || self.tile_rows == kernels.constant("moe_tile_rows") || self.wgmma(kernels),
+            self.tile_rows == small
+                || self.tile_rows == kernels.constant("moe_tile_rows")
+                || self.wgmma(kernels)
+                || (self.rs && self.tile_rows == kernels.constant("moe_rs_tile_rows")),
             "no grouped product takes {}-row tiles",
             self.tile_rows
         );
@@ -729,7 +749,9 @@ impl Sorted {
     /// Whether the tiles are the warpgroup kernels' (a build for Hopper; the sort takes their height where
     /// `moe_wgmma` is 1, the selftest also where it is not).
     pub(crate) fn wgmma(&self, kernels: &Kernels) -> bool {
-        kernels.constant("moe_wgmma_built") == 1 && self.tile_rows == kernels.constant("moe_wgmma_tile_rows")
+        !self.rs
+            && kernels.constant("moe_wgmma_built") == 1
+            && self.tile_rows == kernels.constant("moe_wgmma_tile_rows")
     }
 }
 
@@ -813,11 +835,16 @@ pub fn moe_experts(
         m.shared_gate.tiled_q4(),
         m.shared_up.tiled_q4(),
     );
-    let mapped: Option<(MappedGateUpLauncher, &str)> = match (k.constant("moe_rs"), k.constant("moe_ws")) {
-        _ if !s.wgmma(k) => None,
-        (1, _) => Some((gemm::moe_gate_up_rs, "moe_rs_smem")),
-        (_, 1) => Some((gemm::moe_gate_up_ws, "moe_ws_smem")),
-        _ => None,
+    let mapped: Option<(MappedGateUpLauncher, &str)> = if s.rs {
+        assert!(
+            k.constant("moe_rs") == 1 && s.tile_rows == k.constant("moe_rs_tile_rows"),
+            "moe_gate_up_rs takes its own tiles"
+        );
+        Some((gemm::moe_gate_up_rs, "moe_rs_smem"))
+    } else if s.wgmma(k) && k.constant("moe_ws") == 1 {
+        Some((gemm::moe_gate_up_ws, "moe_ws_smem"))
+    } else {
+        None
     };
     if let Some((gate_up, smem)) = mapped {
         let map = |w: &GpuMatrix| tiled_codes_map(l.gpu, w);

@@ -60,6 +60,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_ws_smem",
         "moe_rs",
         "moe_rs_smem",
+        "moe_rs_tile_rows",
+        "moe_rs_min_tokens",
         "gemm_rows64_two",
     ],
 };

@@ -227,20 +227,25 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     };
     // Every tiling at every token count: the small one (what up to 512 tokens take) and the large one.
     let small_rows = kernels.constant("moe_small_tile_rows");
-    let mut tilings = vec![small_rows, kernels.constant("moe_tile_rows")];
-    // On Hopper also the warpgroup gate/up's 128-row tiles (routings of moe_wgmma_min_tokens or more take them).
+    // (tile rows, whether the gate/up is moe_gate_up_rs's).
+    let mut tilings = vec![(small_rows, false), (kernels.constant("moe_tile_rows"), false)];
+    // On Hopper also the warpgroup gate/up's 128-row tiles (routings of moe_wgmma_min_tokens or more take them, or
+    // moe_gate_up_rs's tiles from moe_rs_min_tokens on).
     if kernels.constant("moe_wgmma_built") == 1 {
-        tilings.push(kernels.constant("moe_wgmma_tile_rows"));
+        tilings.push((kernels.constant("moe_wgmma_tile_rows"), false));
+    }
+    if kernels.constant("moe_rs") == 1 {
+        tilings.push((kernels.constant("moe_rs_tile_rows"), true));
     }
     // The small tiling's codes hold the routings it takes (`moe_small_max_tokens`, a tuning constant), so it is
     // checked up to there.
     let small_max = kernels.constant("moe_small_max_tokens");
     for tokens in [1, 3, 16, 300] {
-        for &tile_rows in tilings
+        for &tiling in tilings
             .iter()
-            .filter(|&&rows| rows != small_rows || tokens <= small_max)
+            .filter(|&&(rows, _)| rows != small_rows || tokens <= small_max)
         {
-            check_moe(&mut l, config, &experts_q4, tokens, tile_rows, &mut rng, report)?;
+            check_moe(&mut l, config, &experts_q4, tokens, tiling, &mut rng, report)?;
         }
     }
     gpu.sync()
@@ -289,7 +294,7 @@ fn check_moe(
     config: &Config,
     m: &MoeMatrices,
     tokens: usize,
-    tile_rows: usize,
+    (tile_rows, rs): (usize, bool),
     rng: &mut Rng,
     report: &mut Report,
 ) -> Result<()> {
@@ -355,6 +360,7 @@ fn check_moe(
         max_tiles,
         tile_rows,
         tokens,
+        rs,
     };
     let small = sorted.small(l.kernels);
     let rows_of = |e: usize| {
@@ -412,7 +418,8 @@ fn check_moe(
             *d = silu(*g) * u;
         }
     }
-    let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows})");
+    let kernel = if rs { ", weights in registers" } else { "" };
+    let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows}{kernel})");
     let act_in = match small {
         true => dequantize_q8x2(
             &download::<u32>(gpu, &codes.act_codes, tokens * slots * inter / 2)?,
@@ -441,7 +448,7 @@ fn check_moe(
             }
         }
     }
-    let name = format!("moe down ({tokens} tokens, {tile_count} tiles of {tile_rows}, weighted, by entry)");
+    let name = format!("moe down ({tokens} tokens, {tile_count} tiles of {tile_rows}{kernel}, weighted, by entry)");
     report.check(
         &name,
         rel_err(&download_f32(gpu, &out, tokens * slots * h)?, &expected),
