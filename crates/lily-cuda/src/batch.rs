@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 
 use half::bf16;
+use rayon::prelude::*;
 
 use lily_model::backend::{check_cuts, check_parts, BatchBackend, Pick, PrefillPart, Slot, SnapshotId, StepRow};
 use lily_model::{Config, ForwardError};
@@ -400,6 +401,8 @@ pub struct CudaBatchBackend {
     /// A host copy of one row's logits: (row, values), current until the next prefill or step.
     host_row: Option<usize>,
     host_logits: Vec<f32>,
+    /// `[rows][vocab]`: the rows of the last `sample` that the host draws.
+    host_rows: Vec<f32>,
     /// The step's rows as uploaded: token ids, positions, slots, each `max_rows` long.
     staged_rows: Vec<i32>,
     /// The snapshots held, by id: each one's buffer and length.
@@ -438,6 +441,7 @@ impl CudaBatchBackend {
             last_rows: 0,
             host_row: None,
             host_logits: vec![0.0; c.vocab_size],
+            host_rows: Vec::new(),
             staged_rows: vec![0; 3 * max_rows],
             snapshots: HashMap::new(),
             free_snapshot_buffers: (0..model.state.snapshots).rev().collect(),
@@ -886,16 +890,41 @@ impl BatchBackend for CudaBatchBackend {
             m.gpu.sync().map_err(device_err)?;
             drawn = self.sampler.read().into_iter();
         }
-        let mut tokens = Vec::with_capacity(picks.len());
-        let mut row_copy = Vec::new();
-        for (pick, here) in picks.iter_mut().zip(on_device) {
-            if here {
-                tokens.push(drawn.next().expect("one draw per row on the device"));
-                continue;
-            }
-            let logits = self.logits(pick.row)?;
-            tokens.push(pick.sample_on_host(logits, &mut row_copy));
+        // The other rows come out whole and are drawn on the host, in parallel: a row is ~250 K logits, so drawing
+        // the rows one after another is the longest part of a step where many rows sample on the host.
+        let vocab = self.model.config.vocab_size;
+        let host: Vec<usize> = picks
+            .iter()
+            .zip(&on_device)
+            .filter(|(_, &here)| !here)
+            .map(|(pick, _)| pick.row)
+            .collect();
+        self.host_rows.resize(host.len() * vocab, 0.0);
+        for (&row, out) in host.iter().zip(self.host_rows.chunks_mut(vocab)) {
+            let at = self.step.logits.at(row * vocab);
+            self.model.gpu.download(at, out).map_err(device_err)?;
         }
+        let mut host_picks: Vec<&mut Pick<'_>> = picks
+            .iter_mut()
+            .zip(&on_device)
+            .filter(|(_, &here)| !here)
+            .map(|(pick, _)| pick)
+            .collect();
+        let mut on_host = host_picks
+            .par_iter_mut()
+            .zip(self.host_rows.par_chunks(vocab))
+            .map_init(Vec::new, |row_copy, (pick, logits)| {
+                pick.sample_on_host(logits, row_copy)
+            })
+            .collect::<Vec<u32>>()
+            .into_iter();
+        let tokens = on_device
+            .iter()
+            .map(|&here| match here {
+                true => drawn.next().expect("one draw per row on the device"),
+                false => on_host.next().expect("one draw per row on the host"),
+            })
+            .collect();
         Ok(tokens)
     }
     fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
