@@ -106,6 +106,8 @@ pub struct Sampler {
     rng: Rng,
     /// Candidate (token, probability) pairs, reused between steps.
     candidates: Vec<(u32, f32)>,
+    /// Each token's `exp(logit / temperature - max)` for a draw from the whole vocabulary, reused between steps.
+    weights: Vec<f32>,
 }
 
 impl Sampler {
@@ -115,6 +117,7 @@ impl Sampler {
             params,
             rng,
             candidates: Vec::new(),
+            weights: Vec::new(),
         }
     }
 
@@ -214,9 +217,9 @@ impl Sampler {
         c.last().unwrap().0
     }
 
-    /// A draw from the softmax of the whole vocabulary at the sampler's temperature, in two passes in token order
-    /// and without sorting: with nothing cut off, the order in which tokens take their share of the draw does not
-    /// change the distribution.
+    /// A draw from the softmax of the whole vocabulary at the sampler's temperature, in passes in token order and
+    /// without sorting: with nothing cut off, the order in which tokens take their share of the draw does not
+    /// change the distribution. Each token's weight is computed once, kept for the walk that finds the draw.
     fn sample_whole(&mut self, logits: &[f32]) -> u32 {
         let temperature = self.params.temperature;
         let max = logits
@@ -226,11 +229,13 @@ impl Sampler {
         if max == f32::INFINITY {
             return argmax(logits);
         }
-        let weight = |l: f32| ((l / temperature - max).exp()) as f64;
-        let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+        let weights = &mut self.weights;
+        weights.clear();
+        weights.extend(logits.iter().map(|&l| (l / temperature - max).exp()));
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
         let mut r = self.rng.uniform() as f64 * total;
-        for (i, &l) in logits.iter().enumerate() {
-            let w = weight(l);
+        for (i, &w) in weights.iter().enumerate() {
+            let w = w as f64;
             if r < w {
                 return i as u32;
             }
