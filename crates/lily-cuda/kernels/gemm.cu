@@ -1959,6 +1959,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
                 cp_async_16(stage + i * 16 * 128, x + a_from[i] + kt * KT, (a_valid >> i) & 1u ? 16u : 0u);
             cp_async_arrive(full + 8 * (kt % STAGES));
         }
+        // The copies land before the thread leaves (the arrivals they owe would otherwise outlive it).
+        asm volatile("cp.async.wait_all;" ::: "memory");
         return;
     }
 

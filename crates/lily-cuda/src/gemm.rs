@@ -402,10 +402,12 @@ pub(crate) fn gemm_planned(
 
 /// Whether a warpgroup product takes the tensor memory accelerator's copies (`gemm_q4_wgmma_tma`): where the build
 /// says so (`gemm_wgmma_tma`), for a row-major matrix, with every start and row of the three tensors 16-byte aligned
-/// as the tensor maps need (a row of pairs is 4 k / 64 bytes: k a multiple of 256). Otherwise `gemm_q4_wgmma`.
+/// as the tensor maps need (a row of pairs is 4 k / 64 bytes: k a multiple of 256, and at least that, since a
+/// kernel with no step to copy would wait for one). Otherwise `gemm_q4_wgmma`.
 fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
     kernels.constant("gemm_wgmma_tma") == 1
         && w.layout == Layout::Rows
+        && w.cols >= 4 * K_STEP
         && w.cols.is_multiple_of(4 * K_STEP)
         && [a.raw(), w.packed.ptr().raw(), w.scale_bias.ptr().raw()]
             .iter()
@@ -413,9 +415,14 @@ fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
 }
 
 /// Whether a TMA product takes the producer warpgroup's kernels (`gemm_q4_wgmma_ws`, `_narrow`): where the build
-/// says so (`gemm_wgmma_ws`), with the output's rows and start 16-byte aligned, as its tensor map needs.
+/// says so (`gemm_wgmma_ws`), with the output's tensor map possible ([`out_map_fits`]).
 fn ws_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
-    kernels.constant("gemm_wgmma_ws") == 1 && w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)
+    kernels.constant("gemm_wgmma_ws") == 1 && out_map_fits(w, out)
+}
+
+/// Whether the output of a product by `w` can take a tensor map: its rows (n f32) and its start 16-byte aligned.
+fn out_map_fits(w: &GpuMatrix, out: DevPtr<f32>) -> bool {
+    w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)
 }
 
 /// The output's tensor map for `gemm_q4_wgmma_ws`: f32 [m][n] in boxes of 32 columns (128 bytes) by 128 rows, with
@@ -444,27 +451,15 @@ const RS_ROWS: usize = 256;
 const RS_COLS: usize = 128;
 
 /// Whether a TMA product takes `gemm_q4_wgmma_rs` (the weights dequantized into registers): where the build says so
-/// (`gemm_wgmma_rs`), with the output's tensor map possible as for [`ws_fits`].
+/// (`gemm_wgmma_rs`), with the output's tensor map possible ([`out_map_fits`]).
 fn rs_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
-    kernels.constant("gemm_wgmma_rs") == 1 && ws_fits(kernels, w, out)
+    kernels.constant("gemm_wgmma_rs") == 1 && out_map_fits(w, out)
 }
 
 /// The tensor maps of `gemm_q4_wgmma_rs`: [`tma_maps`]' codes and pairs in boxes of 128 weight rows, and the
 /// activations and the output in boxes of 256 rows.
 fn rs_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, out: DevPtr<f32>) -> Result<[TensorMap; 4]> {
-    use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
-    let [_, w_map, s_map] = tma_maps(gpu, a, m, w, RS_COLS)?;
-    let k = w.cols;
-    let a_map = gpu.tensor_map_2d(
-        a,
-        Type::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        k,
-        m,
-        k * 2,
-        K_STEP as u32,
-        RS_ROWS as u32,
-        Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-    )?;
+    let [a_map, w_map, s_map] = tma_maps_rows(gpu, a, m, RS_ROWS as u32, w, RS_COLS)?;
     Ok([a_map, w_map, s_map, out_map_rows(gpu, out, m, w.rows, RS_ROWS as u32)?])
 }
 
@@ -472,6 +467,18 @@ fn rs_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, out: DevPtr<f32>
 /// in boxes of one quantization group by 128 rows (the 128-byte swizzle wgmma reads), the packed codes in boxes of one
 /// group (32 bytes) by `cols` rows, and the (scale, bias) pairs in boxes of four groups by `cols` rows.
 fn tma_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, cols: usize) -> Result<[TensorMap; 3]> {
+    tma_maps_rows(gpu, a, m, 128, w, cols)
+}
+
+/// [`tma_maps`] with the activations in boxes of `a_rows` rows.
+fn tma_maps_rows(
+    gpu: &Gpu,
+    a: DevPtr<bf16>,
+    m: usize,
+    a_rows: u32,
+    w: &GpuMatrix,
+    cols: usize,
+) -> Result<[TensorMap; 3]> {
     use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
     let (n, k, cols) = (w.rows, w.cols, cols as u32);
     let a_map = gpu.tensor_map_2d(
@@ -481,7 +488,7 @@ fn tma_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, cols: usize) ->
         m,
         k * 2,
         K_STEP as u32,
-        128,
+        a_rows,
         Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     )?;
     let w_map = gpu.tensor_map_2d(
