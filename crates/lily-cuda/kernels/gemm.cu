@@ -941,244 +941,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #endif
 }
 
-// ---- Dense 4-bit products with a producer warpgroup (gemm_q4_wgmma_ws, Hopper) ----
-// gemm_q4_wgmma_tma with the work split by role, 384 threads a block. Warpgroup 0, the producer, turns the packed
-// codes into bf16 in a ring of GEMM_WS_B buffers, and its thread 0 issues the bulk tensor copies. Warpgroups 1 and
-// 2, the consumers, only wait and issue the wgmma (a 64-row tile each: 128 f32 accumulators at 256 columns).
-// Nothing in the loop syncs the whole block; mbarriers in shared memory hand each buffer on:
-// - full[s], a transaction barrier a stage: thread 0's arrival announces the stage's bytes (the activation box,
-//   the codes' box, every fourth step the pairs' box), and the copies complete it.
-// - b_full[b]: each producer warp arrives once it has written its rows of B buffer b (after a proxy fence, so
-//   wgmma sees them); four arrivals.
-// - b_empty[b]: each consumer warp arrives once its MMAs that read buffer b have completed; eight arrivals.
-// The producer's step p waits for b_empty of step p - GEMM_WS_B, i.e. until the consumers finished every step up
-// to it. That step's stage is then free (its activations were read by those MMAs, its codes by the producer before
-// b_full), so thread 0 refills it with step p + WS_LOOK, WS_LOOK = stages - buffers steps ahead. The pairs' slot
-// of four steps that this copy may overwrite was last read at step p + WS_LOOK + 3 - 4 WS_PAIR_SLOTS, which must be
-// no later than p - GEMM_WS_B, the last step known done (the static_assert below).
-// The epilogue goes through shared memory: the consumers write the f32 tile over the stages, in boxes of 32
-// columns by 128 rows (128-byte swizzle, so the writes of a warp spread over the banks), and one thread stores the
-// boxes with bulk tensor copies (adds them, where the product accumulates), which drop what lies past m or n. Stores
-// of two f32 a thread from the accumulators took a sixth of the kernel's time, with no MMA running.
-#ifndef GEMM_WGMMA_WS
-#define GEMM_WGMMA_WS 1
-#endif
-#ifndef GEMM_WS_STAGES
-#define GEMM_WS_STAGES 5
-#endif
-#ifndef GEMM_WS_B
-#define GEMM_WS_B 2
-#endif
-// A consumer thread's registers (its 128 accumulators and the loop's few); the producer's are the rest of what the
-// block holds at launch, so it can load GEMM_WS_AHEAD rows' codes and pairs before it dequantizes them: one warp a
-// scheduler hides the shared memory's latency only with many loads in flight.
-#ifndef GEMM_WS_CONSUMER_REGS
-#define GEMM_WS_CONSUMER_REGS 200
-#endif
-#ifndef GEMM_WS_AHEAD
-#define GEMM_WS_AHEAD 16
-#endif
-constexpr int WS_THREADS = 384;
-constexpr int WS_LAUNCH_REGS = 65536 / WS_THREADS / 8 * 8;  // a thread's registers at one block an SM: 168
-constexpr int WS_PRODUCER_REGS = (WS_THREADS * WS_LAUNCH_REGS - 256 * GEMM_WS_CONSUMER_REGS) / 128;
-static_assert(GEMM_WS_CONSUMER_REGS % 8 == 0 && GEMM_WS_CONSUMER_REGS >= WS_LAUNCH_REGS && WS_PRODUCER_REGS >= 24,
-              "register counts are multiples of 8; the consumers gain registers, the producer gives them up");
-constexpr int WS_OUT_BOX = WG_ROWS * 128;  // an output box: 32 f32 columns by 128 rows
-constexpr int WS_LOOK = GEMM_WS_STAGES - GEMM_WS_B;
-constexpr int WS_PAIR_SLOTS = 4;
-constexpr int WS_BARS = GEMM_WS_STAGES + 2 * GEMM_WS_B;
-constexpr int WS_SMEM =
-    GEMM_WS_STAGES * WG_TMA_STAGE + WS_PAIR_SLOTS * WG_TMA_PAIRS + GEMM_WS_B * WG_B + WS_BARS * 8 + 1024;
-static_assert(WS_LOOK >= 1 && GEMM_WS_B >= 2 && GEMM_WS_STAGES <= 4 * (WS_PAIR_SLOTS - 1) + 1,
-              "the copies run ahead of the dequantization; the consumers release a buffer only after starting on the "
-              "next; a pairs' slot is refilled after its last reader");
-static_assert(WS_SMEM <= 227 * 1024, "a block's shared memory on Hopper");
-static_assert(WROWS / 32 * WS_OUT_BOX <= GEMM_WS_STAGES * WG_TMA_STAGE + WS_PAIR_SLOTS * WG_TMA_PAIRS + GEMM_WS_B * WG_B,
-              "the output tile fits over the stages and buffers");
-__device__ int gemm_wgmma_ws = GEMM_WGMMA_WS;
-__device__ int gemm_wgmma_ws_smem = WS_SMEM;
-__device__ int gemm_wgmma_ws_threads = WS_THREADS;
-
-#if WGMMA_BUILT
-// Dequantizes ROWS weight rows of one step into B buffer `b_buf` (the 128-byte swizzled layout wgmma reads): thread
-// wg_tid of the warpgroup takes code word c = wg_tid % 8 of rows i + 16 j, i = wg_tid / 8, AHEAD rows' codes and
-// pairs loaded before any is used. `codes` are the stage's packed rows, `pairs` the step's (scale, bias) column of
-// its slot (PAIR_STRIDE bytes a row: 16 for the dense products' four groups, 8 for a tiled piece's two).
-template <int ROWS, int AHEAD, int PAIR_STRIDE = 16>
-__device__ __forceinline__ void ws_dequant(const unsigned char* codes, const unsigned char* pairs, u32 b_buf, int wg_tid) {
-    static_assert(ROWS % 16 == 0 && (ROWS / 16) % AHEAD == 0, "a thread's rows in whole batches");
-    const int c = wg_tid % 8, i = wg_tid / 8;
-    const u32 sel[4] = {0x0400u, 0x0501u, 0x0602u, 0x0703u};  // t | (t + 4) << 8: k = 2t, 2t + 1 of a word
-    const u32 chunk = (u32)((c ^ (i % 8)) << 4);              // rows 16 apart share the swizzle
-#pragma unroll
-    for (int j0 = 0; j0 < ROWS / 16; j0 += AHEAD) {
-        u32 words[AHEAD], sbs[AHEAD];
-#pragma unroll
-        for (int j = 0; j < AHEAD; j++) {
-            const int row = i + 16 * (j0 + j);
-            words[j] = *(const u32*)(codes + row * 32 + c * 4);
-            sbs[j] = *(const u32*)(pairs + row * PAIR_STRIDE);
-        }
-#pragma unroll
-        for (int j = 0; j < AHEAD; j++) {
-            const int row = i + 16 * (j0 + j);
-            const u32 scale2 = __byte_perm(sbs[j], sbs[j], 0x1010), bias2 = __byte_perm(sbs[j], sbs[j], 0x3232);
-            u32 v[4];
-#pragma unroll
-            for (int t = 0; t < 4; t++) v[t] = dequant_q4(words[j], sel[t], scale2, bias2);
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(b_buf + row * 128 + chunk), "r"(v[0]),
-                         "r"(v[1]), "r"(v[2]), "r"(v[3])
-                         : "memory");
-        }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes, for wgmma
-}
-
-// A block of BN (256, 192 or 128) weight rows; the narrower ones make more blocks where a product has few.
-template <int BN>
-__device__ __forceinline__ void dense_wgmma_ws(const TmaMap& a_map, const TmaMap& w_map, const TmaMap& s_map,
-                                               const TmaMap& o_map, int m, int n, int k, int accumulate) {
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    if (dynamic_smem_bytes() < WS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
-    constexpr int STAGES = GEMM_WS_STAGES, NB = GEMM_WS_B;
-    const u32 raw0 = smem_addr(smem_raw), smem0 = (raw0 + 1023) & ~1023u;
-    unsigned char* smem = smem_raw + (smem0 - raw0);
-    const u32 pairs0 = smem0 + STAGES * WG_TMA_STAGE;
-    const u32 b0 = pairs0 + WS_PAIR_SLOTS * WG_TMA_PAIRS;
-    const u32 full = b0 + NB * WG_B, b_full = full + 8 * STAGES, b_empty = b_full + 8 * NB;
-    const int tid = threadIdx.x, lane = tid % WARP;
-    const int m0 = blockIdx.y * WG_ROWS, n0 = blockIdx.x * BN;
-    const int k_tiles = k / KT;
-
-    // Thread 0: step kt's copies onto its stage's barrier; the weights (and pairs) first, then the activations.
-    auto copy_w = [&](int kt) {
-        const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * WG_TMA_STAGE;
-        mbarrier_arrive_expect(bar, WG_A + BN * 32 + (kt % 4 == 0 ? BN * 16 : 0));
-        tma_load_2d(stage + WG_A, w_map, kt * (KT / 2), n0, bar);
-        if (kt % 4 == 0) tma_load_2d(pairs0 + ((kt / 4) % WS_PAIR_SLOTS) * WG_TMA_PAIRS, s_map, kt, n0, bar);
-    };
-    auto copy_a = [&](int kt) {
-        tma_load_2d(smem0 + (kt % STAGES) * WG_TMA_STAGE, a_map, kt * KT, m0, full + 8 * (kt % STAGES));
-    };
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; s++) mbarrier_init(full + 8 * s, 1);
-        for (int b = 0; b < NB; b++) {
-            mbarrier_init(b_full + 8 * b, 4);
-            mbarrier_init(b_empty + 8 * b, 8);
-        }
-        mbarrier_init_fence();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
-        for (int s = 0; s < WS_LOOK && s < k_tiles; s++) copy_w(s);
-    }
-    wait_previous();
-    if (tid == 0)
-        for (int s = 0; s < WS_LOOK && s < k_tiles; s++) copy_a(s);
-    __syncthreads();  // the barriers are initialised
-
-    if (tid < 128) {
-        // The producer.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS) : "memory");
-#pragma unroll 1
-        for (int kt = 0; kt < k_tiles; kt++) {
-            const int b = kt % NB;
-            if (kt >= NB) mbarrier_wait(b_empty + 8 * b, (kt / NB - 1) % 2);
-            if (tid == 0 && kt + WS_LOOK < k_tiles) {
-                copy_w(kt + WS_LOOK);
-                copy_a(kt + WS_LOOK);
-            }
-            mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
-            const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 4) % WS_PAIR_SLOTS) * WG_TMA_PAIRS + (kt % 4) * 4;
-            ws_dequant<BN, (BN / 16) % GEMM_WS_AHEAD == 0 ? GEMM_WS_AHEAD : BN / 16>(smem + (kt % STAGES) * WG_TMA_STAGE + WG_A, pairs, b0 + b * WG_B, tid);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(b_full + 8 * b);
-        }
-        return;
-    }
-
-    // The consumers: warpgroup wg computes activation rows 64 wg .. 64 wg + 63 of the tile.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
-    const int ct = tid - 128, wg = ct / 128;
-    float d[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
-#pragma unroll 1
-    for (int kt = 0; kt < k_tiles; kt++) {
-        const int b = kt % NB;
-        mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
-        mbarrier_wait(b_full + 8 * b, (kt / NB) % 2);
-        const u32 a_tile = smem0 + (kt % STAGES) * WG_TMA_STAGE + wg * 64 * 128, b_buf = b0 + b * WG_B;
-        wgmma_fence();
-        wgmma_hold(d);
-#pragma unroll
-        for (int s = 0; s < KT / 16; s++) wgmma_m64k16<BN>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
-        wgmma_commit();
-        wgmma_wait<1>();  // step kt - 1's MMAs have completed: its buffer and stage are free
-        wgmma_hold(d);
-        if (kt > 0 && lane == 0) mbarrier_arrive(b_empty + 8 * ((kt - 1) % NB));
-    }
-    wgmma_wait<0>();
-    wgmma_hold(d);
-
-    // The epilogue. Accumulator layout as in wgmma_tile: warp q of the warpgroup holds rows 16 q .. 16 q + 15; lane
-    // (g, t) rows g and g + 8 at columns 8 j + 2 t, + 1 of every n8 block j (registers 4 j .. 4 j + 3). Column c
-    // of the tile lies in box c / 32, 16-byte chunk (c % 32) / 4 of its row, swizzled by the row.
-    asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' MMAs are done with the stages
-    const int g = lane / 4, t = lane % 4, q = (ct % 128) / WARP;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = wg * 64 + q * 16 + g + 8 * h;
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const u32 dst = smem0 + (j / 4) * WS_OUT_BOX + r * 128 + (((2 * (j % 4) + t / 2) ^ (r % 8)) << 4) + (t % 2) * 8;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(d[4 * j + 2 * h]), "f"(d[4 * j + 2 * h + 1])
-                         : "memory");
-        }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this thread's writes, for the bulk copies
-    asm volatile("bar.sync 1, 256;" ::: "memory");
-    if (ct == 0) {
-#pragma unroll
-        for (int box = 0; box < BN / 32; box++) {
-            if (n0 + 32 * box >= n) break;
-            if (accumulate) tma_store_2d<true>(o_map, n0 + 32 * box, m0, smem0 + box * WS_OUT_BOX);
-            else tma_store_2d<false>(o_map, n0 + 32 * box, m0, smem0 + box * WS_OUT_BOX);
-        }
-        tma_store_wait();
-    }
-}
-#endif
-
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
-    gemm_q4_wgmma_ws(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
-                     const __grid_constant__ TmaMap s_map, const __grid_constant__ TmaMap o_map, int m, int n,
-                     int k, int accumulate) {
-#if WGMMA_BUILT
-    dense_wgmma_ws<WROWS>(a_map, w_map, s_map, o_map, m, n, k, accumulate);
-#else
-    wait_previous();
-    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
-    gemm_q4_wgmma_ws_narrow(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
-                            const __grid_constant__ TmaMap s_map, const __grid_constant__ TmaMap o_map, int m, int n,
-                            int k, int accumulate, int cols) {
-#if WGMMA_BUILT
-    if (cols == 128) dense_wgmma_ws<128>(a_map, w_map, s_map, o_map, m, n, k, accumulate);
-    else if (cols == 192) dense_wgmma_ws<192>(a_map, w_map, s_map, o_map, m, n, k, accumulate);
-    else __trap();  // a width the host never gives
-#else
-    wait_previous();
-    __trap();  // built without wgmma: the host never launches it (gemm_wgmma is 0)
-#endif
-}
-
 // ---- Dense 4-bit products with the weights in registers (gemm_q4_wgmma_rs, Hopper) ----
-// The producer warpgroup of gemm_q4_wgmma_ws dequantizes every weight through shared memory: 32 KB of bf16 a step
-// written and read again by the MMAs, and the consumers wait on it. Here the roles of the operands swap, as in
-// mixed-input products on Hopper: the weights are wgmma's A operand, taken from registers, and the activations its
-// B operand, from shared memory. A block computes the product's transpose for 128 weight rows by 256 activation
+// Dequantized weights written to shared memory for wgmma to read cost 32 KB of bf16 a step for a 256-row tile, and
+// warps that only dequantize could not keep the MMAs fed. So the roles of the operands swap, as in mixed-input
+// products on Hopper: the weights are wgmma's A operand, taken from registers, and the activations its B operand,
+// from shared memory. A block computes the product's transpose for 128 weight rows by 256 activation
 // rows; consumer warpgroup w takes weight rows 64 w .. 64 w + 63 against all 256 activation rows (m64n256k16).
 // Each consumer thread dequantizes its own A fragment (rows g and g + 8 of its warp's 16, inputs 2t, 2t + 1 and
 // 2t + 8, 2t + 9 of each k16 slice: byte t of a packed word, as in gemm_q4) from the stage's codes into registers,
@@ -1205,7 +972,12 @@ constexpr int RS_STAGE = RS_X + RS_CODES;
 constexpr int RS_PAIRS = RS_COLS * 16;             // four groups' pairs of 128 rows
 constexpr int RS_PAIR_SLOTS = 2;
 constexpr int RS_OUT_BOX = RS_ROWS * 128;          // an output box: 32 f32 columns by 256 rows
-constexpr int RS_CONSUMER_REGS = (WS_THREADS * WS_LAUNCH_REGS - 128 * 40) / 256 / 8 * 8;
+// A block is a producer warpgroup and two consumer warpgroups. The consumers' 128 accumulators and their two sets of
+// A registers need more than the registers a thread has at launch (one block an SM), so setmaxnreg moves them from
+// the producer, whose thread 0 only issues copies, to the consumers.
+constexpr int RS_THREADS = 384;
+constexpr int RS_LAUNCH_REGS = 65536 / RS_THREADS / 8 * 8;  // 168
+constexpr int RS_CONSUMER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 128 * 40) / 256 / 8 * 8;
 constexpr int RS_SMEM = GEMM_RS_STAGES * RS_STAGE + RS_PAIR_SLOTS * RS_PAIRS + 2 * GEMM_RS_STAGES * 8 + 1024;
 static_assert(RS_STAGE % 1024 == 0 && RS_X % 1024 == 0, "every activation box starts on a swizzle atom");
 // The pairs' slot of steps 4 j .. 4 j + 3 is refilled with step 4 (j + slots), once step 4 (j + slots) - stages is
@@ -1215,14 +987,15 @@ static_assert(RS_SMEM <= 227 * 1024 && RS_COLS / 32 * RS_OUT_BOX <= GEMM_RS_STAG
               "a block's shared memory on Hopper; the output tile fits over the stages");
 __device__ int gemm_wgmma_rs = GEMM_WGMMA_RS;
 __device__ int gemm_wgmma_rs_smem = RS_SMEM;
+__device__ int gemm_wgmma_rs_threads = RS_THREADS;
 
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     gemm_q4_wgmma_rs(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap w_map,
                      const __grid_constant__ TmaMap s_map, const __grid_constant__ TmaMap o_map, int m, int n,
                      int k, int accumulate) {
 #if WGMMA_BUILT
     extern __shared__ __align__(128) unsigned char rs_raw[];
-    if (dynamic_smem_bytes() < RS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
+    if (dynamic_smem_bytes() < RS_SMEM || blockDim.x != RS_THREADS) __trap();  // the host's launch is not the kernel's
     constexpr int STAGES = GEMM_RS_STAGES;
     const u32 raw0 = smem_addr(rs_raw), smem0 = (raw0 + 1023) & ~1023u;
     unsigned char* smem = rs_raw + (smem0 - raw0);
@@ -1607,22 +1380,20 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 }
 
 // The large tiling's gate/up on the warpgroup tensor cores (Hopper): tiles of 128 sorted entries (the sort's tile
-// height is moe_wgmma_tile_rows there). They run on moe_gate_up_ws (below) where the build has it (MOE_WS); this
-// kernel, a block a wgmma_tile, is the one MOE_WS=0 keeps. Here a warpgroup whose 64 rows of a tile are all empty
-// skips its MMAs, so a tile costs its rows in steps of 64. Warpgroup accumulator blocks 0-15 are 128 columns of
+// height is moe_wgmma_tile_rows there), a block a wgmma_tile; a warpgroup whose 64 rows of a tile are all empty
+// skips its MMAs, so a tile costs its rows in steps of 64. Where the build has moe_gate_up_rs (below, MOE_RS), the
+// routings long enough for these tiles take that kernel and its own tiles instead. Warpgroup accumulator blocks 0-15 are 128 columns of
 // gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU. Down stays on mma.sync (moe_down, a
 // 128-row tile as two parts of 64 rows): its k of 512 is eight wgmma steps, too few to cover a tile's prologue and
 // epilogue at one block an SM. Routings of at least MOE_WGMMA_MIN_TOKENS tokens take these tiles where the build
 // has wgmma (MOE_WGMMA=0 keeps mma.sync's 64-row tiles for both); the selftest checks them on Hopper either way.
 // Shorter routings keep the 64-row tiles: at 2,048 tokens an expert has ~72 entries, which fill one 128-row tile
-// to 56% and two 64-row ones to 56% too, but mma.sync runs two blocks an SM. With moe_gate_up_ws the 128-row tiles
-// win from 4,096 tokens (H100, the full shape's synthetic weights: the 4,096-token prefill 4.3% faster, the
-// 2,048-token one 0.7% slower; bench/RESULTS.md).
+// to 56% and two 64-row ones to 56% too, but mma.sync runs two blocks an SM.
 #ifndef MOE_WGMMA
 #define MOE_WGMMA 1
 #endif
 #ifndef MOE_WGMMA_MIN_TOKENS
-#define MOE_WGMMA_MIN_TOKENS 4096
+#define MOE_WGMMA_MIN_TOKENS 8192
 #endif
 __device__ int moe_wgmma = WGMMA_BUILT && MOE_WGMMA;
 __device__ int moe_wgmma_built = WGMMA_BUILT;
@@ -1654,200 +1425,23 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #endif
 }
 
-// ---- The experts' gate/up with a producer warpgroup (moe_gate_up_ws, Hopper) ----
-// moe_gate_up_wgmma's tiles (128 sorted entries by 128 columns of gate and the same of up) with gemm_q4_wgmma_ws's
-// roles: the producer warpgroup dequantizes into the ring of B buffers, the two consumer warpgroups only issue wgmma,
-// and the same mbarriers hand stages and buffers on. What differs from the dense kernel:
-// - The activations are gathered (a tile's rows are its entries' tokens), which a tensor copy cannot do. Each
-//   producer thread copies 16-byte chunks of eight of the tile's rows with cp.async (zeros past its entries) and
-//   then asks for an arrival on the stage's barrier once they have landed. A stage's barrier thus completes after
-//   129 arrivals (thread 0's, which announces the bulk copies' bytes, and the 128 threads' copies) and those bytes.
+// ---- The experts' gate/up with the weights in registers (moe_gate_up_rs, Hopper) ----
+// moe_gate_up_wgmma's product with gemm_q4_wgmma_rs's swap of operands: the weights are wgmma's A operand,
+// dequantized by each consumer thread into registers, and the tile's gathered token rows its B operand
+// (MOE_RS_TOKENS of them, 64 or 128: m64n64k16 or m64n128k16; the sort makes tiles of that height,
+// moe_rs_tile_rows). Consumer warpgroup w takes columns 64 w .. 64 w + 63 of the block's 128, of gate and of up, so
+// a thread holds both for its SwiGLU.
+// The producer warpgroup only copies:
+// - The token rows are gathered (a tile's rows are its entries' tokens), which a tensor copy cannot do. Each
+//   producer thread copies 16-byte chunks of its rows with cp.async (zeros past the tile's entries) and then asks
+//   for an arrival on the stage's barrier once they have landed. A stage's barrier thus completes after 129
+//   arrivals (thread 0's, which announces the bulk copies' bytes, and the 128 threads' copies) and those bytes.
 // - The weights are tiled (common.cuh): a piece's 128 rows are 8 KB of codes and 1 KB of pairs, each in one run.
 //   Thread 0 copies a step's half of a piece of gate and of up with tensor copies (boxes of 32 bytes by 128 rows,
-//   so the stage holds 32 bytes a row as in the dense products) and, every piece, both matrices' pairs with two
+//   the codes' maps reading a tiled matrix as rows of 64 bytes) and, every piece, both matrices' pairs with two
 //   bulk copies into a slot of their own (8 bytes a row).
-// - cp.async writes through the generic proxy, so each consumer thread fences its view of a stage before its MMAs.
-// - A warpgroup whose 64 rows all lie past the tile's entries still issues its MMAs (on zeros): a branch around them
-//   makes ptxas serialize every wgmma, and the producer's dequantization, not the MMAs, sets the pace.
-// - The epilogue stores each valid row's SwiGLU pairs from the registers.
-#ifndef MOE_WS
-#define MOE_WS 1
-#endif
-// Stages and B buffers: a third B buffer lets the producer run a step further ahead (H100, the 4,096-token prefill:
-// 19.4 ms against 19.9 with gemm_q4_wgmma_ws's five stages and two buffers).
-#ifndef MOE_WS_STAGES
-#define MOE_WS_STAGES 4
-#endif
-#ifndef MOE_WS_B
-#define MOE_WS_B 3
-#endif
-constexpr int MOE_WS_LOOK = MOE_WS_STAGES - MOE_WS_B;
-constexpr int MOE_WS_PAIR_SLOTS = 4;
-constexpr int MOE_WS_PAIRS = WROWS * 8;  // one piece's pairs of the tile's 256 weight rows
-constexpr int MOE_WS_SMEM = MOE_WS_STAGES * WG_TMA_STAGE + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS + MOE_WS_B * WG_B +
-                            (MOE_WS_STAGES + 2 * MOE_WS_B) * 8 + 1024;
-static_assert(MOE_WS_LOOK >= 1 && MOE_WS_B >= 2, "as for gemm_q4_wgmma_ws");
-// Piece p's pairs are copied with step 2p, MOE_WS_LOOK steps before the producer dequantizes it, into the slot of
-// piece p - MOE_WS_PAIR_SLOTS, whose last step (2 (p - slots) + 1) must be done by then (no later than step 2p -
-// stages).
-static_assert(MOE_WS_STAGES + 1 <= 2 * MOE_WS_PAIR_SLOTS, "a pairs' slot is refilled after its last reader");
-static_assert(MOE_WS_SMEM <= 227 * 1024, "a block's shared memory on Hopper");
-static_assert(2 * KT == TILED_PIECE && TILED_ROWS == WROWS / 2 && MOE_WS_PAIRS == 2 * TILED_ROWS * 2 * 4,
-              "a piece is two steps; a tile's gate and up rows are one block of a tiled matrix each");
-__device__ int moe_ws = WGMMA_BUILT && MOE_WS;
-__device__ int moe_ws_smem = MOE_WS_SMEM;
-
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
-    moe_gate_up_ws(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
-                   const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
-                   const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-                   Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
-#if WGMMA_BUILT
-    extern __shared__ __align__(128) unsigned char moe_ws_raw[];
-    if (dynamic_smem_bytes() < MOE_WS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
-    wait_previous();  // the tiles and the weights they pick come from the routing
-    // The count comes through a shuffle so ptxas knows the return is warp-uniform (as in moe_gate_up_wgmma).
-    if ((int)blockIdx.y >= __shfl_sync(0xffffffffu, *tile_count, 0)) return;
-    constexpr int STAGES = MOE_WS_STAGES, NB = MOE_WS_B, K_TILES = HIDDEN / KT;
-    const u32 raw0 = smem_addr(moe_ws_raw), smem0 = (raw0 + 1023) & ~1023u;
-    unsigned char* smem = moe_ws_raw + (smem0 - raw0);
-    const u32 pairs0 = smem0 + STAGES * WG_TMA_STAGE;
-    const u32 b0 = pairs0 + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS;
-    const u32 full = b0 + NB * WG_B, b_full = full + 8 * STAGES, b_empty = b_full + 8 * NB;
-    const int tid = threadIdx.x, lane = tid % WARP;
-    const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
-    const int rows = min(WG_ROWS, offsets[expert + 1] - first);
-    const int n0 = blockIdx.x * (WROWS / 2);
-
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; s++) mbarrier_init(full + 8 * s, 1 + 128);
-        for (int b = 0; b < NB; b++) {
-            mbarrier_init(b_full + 8 * b, 4);
-            mbarrier_init(b_empty + 8 * b, 8);
-        }
-        mbarrier_init_fence();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
-    }
-    __syncthreads();  // the barriers are initialised
-
-    if (tid < 128) {
-        // The producer.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS) : "memory");
-        // The block's rows of gate and up: the expert's (or the shared expert's) block of TILED_ROWS rows from n0.
-        // The codes' maps take a tiled matrix as rows of 64 bytes (a row's piece), so piece j of the block is map
-        // rows (block * pieces + j) * TILED_ROWS on.
-        const bool routed = expert < NUM_EXPERTS;
-        const int row0 = (routed ? expert * MOE_INTER : 0) + n0;
-        const int map_row0 = row0 / TILED_ROWS * (HIDDEN / TILED_PIECE) * TILED_ROWS;
-        const TmaMap* g_map = routed ? &gate_map : &shared_gate_map;
-        const TmaMap* u_map = routed ? &up_map : &shared_up_map;
-        const u32* g_pairs = tiled_row_pairs(routed ? gate : shared_gate, row0, HIDDEN);
-        const u32* u_pairs = tiled_row_pairs(routed ? up : shared_up, row0, HIDDEN);
-        // Thread 0: step kt's weights (and, at a piece's first step, the piece's pairs) onto its stage's barrier.
-        auto copy_w = [&](int kt) {
-            const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * WG_TMA_STAGE;
-            const int piece = kt / 2;
-            mbarrier_arrive_expect(bar, WROWS * 32 + (kt % 2 == 0 ? MOE_WS_PAIRS : 0));
-            const int y = map_row0 + piece * TILED_ROWS, half = (kt % 2) * (KT / 2);
-            tma_load_2d(stage + WG_A, *g_map, half, y, bar);
-            tma_load_2d(stage + WG_A + TILED_ROWS * 32, *u_map, half, y, bar);
-            if (kt % 2 == 0) {
-                const u32 slot = pairs0 + (piece % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS;
-                bulk_load(slot, g_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
-                bulk_load(slot + TILED_ROWS * 8, u_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
-            }
-        };
-        // Every producer thread: 16-byte chunk tid % 8 of tile rows tid / 8 + 16 i (rows 16 apart share the
-        // swizzle), from its entry's token row; zeros past the tile's entries.
-        const int a_chunk = tid % 8, a_first = tid / 8;
-        u32 a_from[8], a_valid = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int r = a_first + 16 * i;
-            a_from[i] = r < rows ? (u32)(entries[first + r] / MOE_SLOTS) * HIDDEN + a_chunk * 8 : 0u;
-            a_valid |= (r < rows ? 1u : 0u) << i;
-        }
-        const u32 a_dst = a_first * 128 + ((a_chunk ^ (a_first % 8)) << 4);
-        auto copy_a = [&](int kt) {
-            const u32 stage = smem0 + (kt % STAGES) * WG_TMA_STAGE + a_dst;
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                cp_async_16(stage + i * 16 * 128, x + a_from[i] + kt * KT, (a_valid >> i) & 1u ? 16u : 0u);
-            cp_async_arrive(full + 8 * (kt % STAGES));
-        };
-        for (int s = 0; s < MOE_WS_LOOK && s < K_TILES; s++) {
-            if (tid == 0) copy_w(s);
-            copy_a(s);
-        }
-#pragma unroll 1
-        for (int kt = 0; kt < K_TILES; kt++) {
-            const int b = kt % NB;
-            if (kt >= NB) mbarrier_wait(b_empty + 8 * b, (kt / NB - 1) % 2);
-            if (kt + MOE_WS_LOOK < K_TILES) {
-                if (tid == 0) copy_w(kt + MOE_WS_LOOK);
-                copy_a(kt + MOE_WS_LOOK);
-            }
-            mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
-            const unsigned char* pairs =
-                smem + (pairs0 - smem0) + ((kt / 2) % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS + (kt % 2) * 4;
-            ws_dequant<WROWS, GEMM_WS_AHEAD, 8>(smem + (kt % STAGES) * WG_TMA_STAGE + WG_A, pairs, b0 + b * WG_B, tid);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(b_full + 8 * b);
-        }
-        return;
-    }
-
-    // The consumers: warpgroup wg computes tile rows 64 wg .. 64 wg + 63; accumulator blocks 0-15 are the 128
-    // columns of gate, 16-31 the same columns of up.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
-    const int ct = tid - 128, wg = ct / 128;
-    float d[WROWS / 2];
-#pragma unroll
-    for (int i = 0; i < WROWS / 2; i++) d[i] = 0.f;
-#pragma unroll 1
-    for (int kt = 0; kt < K_TILES; kt++) {
-        const int b = kt % NB;
-        mbarrier_wait(full + 8 * (kt % STAGES), (kt / STAGES) % 2);
-        mbarrier_wait(b_full + 8 * b, (kt / NB) % 2);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the producer's cp.async rows, for wgmma
-        const u32 a_tile = smem0 + (kt % STAGES) * WG_TMA_STAGE + wg * 64 * 128, b_buf = b0 + b * WG_B;
-        wgmma_fence();
-        wgmma_hold(d);
-#pragma unroll
-        for (int s = 0; s < KT / 16; s++) wgmma_m64k16<WROWS>(d, wgmma_desc(a_tile + 32 * s), wgmma_desc(b_buf + 32 * s), 1);
-        wgmma_commit();
-        wgmma_wait<1>();  // step kt - 1's MMAs have completed: its buffer and stage are free
-        wgmma_hold(d);
-        if (kt > 0 && lane == 0) mbarrier_arrive(b_empty + 8 * ((kt - 1) % NB));
-    }
-    wgmma_wait<0>();
-    wgmma_hold(d);
-
-    // Warp q of the warpgroup holds rows 16 q .. 16 q + 15; lane (g, t) rows g and g + 8 at columns 8 j + 2 t, + 1.
-    const int g = lane / 4, t = lane % 4, q = (ct % 128) / WARP;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = wg * 64 + q * 16 + g + 8 * h;
-        if (r >= rows) continue;
-        bf16* out = act + (size_t)(first + r) * MOE_INTER + n0;
-#pragma unroll
-        for (int j = 0; j < WROWS / 16; j++)
-            *(u32*)(out + 8 * j + 2 * t) = swiglu_pair(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], d[4 * (j + 16) + 2 * h],
-                                                       d[4 * (j + 16) + 2 * h + 1]);
-    }
-#else
-    wait_previous();
-    __trap();  // built without wgmma: the host never launches it (moe_ws is 0)
-#endif
-}
-
-// ---- The experts' gate/up with the weights in registers (moe_gate_up_rs, Hopper) ----
-// moe_gate_up_ws with gemm_q4_wgmma_rs's swap of operands: the weights are wgmma's A operand, dequantized by each
-// consumer thread into registers, and the tile's gathered token rows its B operand (MOE_RS_TOKENS of them, 64 or
-// 128: m64n64k16 or m64n128k16; the sort makes tiles of that height, moe_rs_tile_rows).
-// Consumer warpgroup w takes columns 64 w .. 64 w + 63 of the block's 128, of gate and of up, so a thread holds
-// both for its SwiGLU. The producer warpgroup only copies (the token rows with cp.async, the codes and pairs as in
-// moe_gate_up_ws). A thread's A registers hold one step (four k16 slices of gate and of up); the MMAs go in two
+// cp.async writes through the generic proxy, so each consumer thread fences its view of a stage before its MMAs.
+// A thread's A registers hold one step (four k16 slices of gate and of up); the MMAs go in two
 // halves of two slices, and a half is dequantized while the other half's MMAs run (wgmma_wait<1> frees the
 // registers of the half issued before). The epilogue stages the SwiGLU tile in shared memory (token rows padded to
 // 272 bytes, so a warp's writes of eight columns at four tokens fall in different banks) and stores each valid
@@ -1868,16 +1462,23 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 #ifndef MOE_RS_MIN_TOKENS
 #define MOE_RS_MIN_TOKENS 2048
 #endif
+// The registers at launch go to the consumers as for gemm_q4_wgmma_rs, the producer keeping more (its threads hold
+// their rows' offsets).
+constexpr int MOE_RS_CONSUMER_REGS = 200;
+constexpr int MOE_RS_PRODUCER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 256 * MOE_RS_CONSUMER_REGS) / 128;  // 104
+static_assert(MOE_RS_PRODUCER_REGS % 8 == 0 && MOE_RS_PRODUCER_REGS >= 24, "a register count setmaxnreg takes");
+constexpr int MOE_RS_PAIR_SLOTS = 4;
+constexpr int MOE_RS_PAIRS = WROWS * 8;              // one piece's pairs of the tile's 256 weight rows
 constexpr int MOE_RS_X = MOE_RS_TOKENS * 128;       // the token rows' step, 128-byte swizzled
 constexpr int MOE_RS_STAGE = MOE_RS_X + WROWS * 32;  // and the codes of 128 rows of gate and of up
 constexpr int MOE_RS_ROW = 272;             // a staged output row: 128 bf16 and 16 bytes of padding
 constexpr int MOE_RS_SMEM =
-    MOE_RS_STAGES * MOE_RS_STAGE + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS + 2 * MOE_RS_STAGES * 8 + 1024;
+    MOE_RS_STAGES * MOE_RS_STAGE + MOE_RS_PAIR_SLOTS * MOE_RS_PAIRS + 2 * MOE_RS_STAGES * 8 + 1024;
 static_assert((MOE_RS_TOKENS == 64 || MOE_RS_TOKENS == 128) && MOE_RS_STAGE % 1024 == 0,
               "a width wgmma_m64k16_rs takes; a stage's token rows start on a swizzle atom");
 // Piece p's pairs are copied with step 2p once step 2p - stages is done; the slot's last reader is step
 // 2 (p - slots) + 1.
-static_assert(MOE_RS_STAGES + 1 <= 2 * MOE_WS_PAIR_SLOTS, "a pairs' slot is refilled after its last reader");
+static_assert(MOE_RS_STAGES + 1 <= 2 * MOE_RS_PAIR_SLOTS, "a pairs' slot is refilled after its last reader");
 static_assert(MOE_RS_SMEM <= 227 * 1024 && MOE_RS_TOKENS * MOE_RS_ROW <= MOE_RS_STAGES * MOE_RS_STAGE,
               "a block's shared memory on Hopper; the staged tile fits over the stages");
 __device__ int moe_rs = WGMMA_BUILT && MOE_RS;
@@ -1885,14 +1486,14 @@ __device__ int moe_rs_smem = MOE_RS_SMEM;
 __device__ int moe_rs_tile_rows = MOE_RS_TOKENS;
 __device__ int moe_rs_min_tokens = MOE_RS_MIN_TOKENS;
 
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     moe_gate_up_rs(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
                    const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
                    const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
                    Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
 #if WGMMA_BUILT
     extern __shared__ __align__(128) unsigned char moe_rs_raw[];
-    if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != WS_THREADS) __trap();  // the host's launch is not the kernel's
+    if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != RS_THREADS) __trap();  // the host's launch is not the kernel's
     wait_previous();  // the tiles and the weights they pick come from the routing
     // The count comes through a shuffle so ptxas knows the return is warp-uniform (as in moe_gate_up_wgmma).
     if ((int)blockIdx.y >= __shfl_sync(0xffffffffu, *tile_count, 0)) return;
@@ -1900,7 +1501,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     const u32 raw0 = smem_addr(moe_rs_raw), smem0 = (raw0 + 1023) & ~1023u;
     unsigned char* smem = moe_rs_raw + (smem0 - raw0);
     const u32 pairs0 = smem0 + STAGES * MOE_RS_STAGE;
-    const u32 full = pairs0 + MOE_WS_PAIR_SLOTS * MOE_WS_PAIRS, empty = full + 8 * STAGES;
+    const u32 full = pairs0 + MOE_RS_PAIR_SLOTS * MOE_RS_PAIRS, empty = full + 8 * STAGES;
     const int tid = threadIdx.x, lane = tid % WARP;
     const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
@@ -1917,8 +1518,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     __syncthreads();  // the barriers are initialised
 
     if (tid < 128) {
-        // The producer: as moe_gate_up_ws's, without the dequantization.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS) : "memory");
+        // The producer.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MOE_RS_PRODUCER_REGS) : "memory");
         const bool routed = expert < NUM_EXPERTS;
         const int row0 = (routed ? expert * MOE_INTER : 0) + n0;
         const int map_row0 = row0 / TILED_ROWS * (HIDDEN / TILED_PIECE) * TILED_ROWS;
@@ -1929,12 +1530,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         auto copy_w = [&](int kt) {
             const u32 bar = full + 8 * (kt % STAGES), stage = smem0 + (kt % STAGES) * MOE_RS_STAGE;
             const int piece = kt / 2;
-            mbarrier_arrive_expect(bar, WROWS * 32 + (kt % 2 == 0 ? MOE_WS_PAIRS : 0));
+            mbarrier_arrive_expect(bar, WROWS * 32 + (kt % 2 == 0 ? MOE_RS_PAIRS : 0));
             const int y = map_row0 + piece * TILED_ROWS, half = (kt % 2) * (KT / 2);
             tma_load_2d(stage + MOE_RS_X, *g_map, half, y, bar);
             tma_load_2d(stage + MOE_RS_X + TILED_ROWS * 32, *u_map, half, y, bar);
             if (kt % 2 == 0) {
-                const u32 slot = pairs0 + (piece % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS;
+                const u32 slot = pairs0 + (piece % MOE_RS_PAIR_SLOTS) * MOE_RS_PAIRS;
                 bulk_load(slot, g_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
                 bulk_load(slot + TILED_ROWS * 8, u_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
             }
@@ -1964,7 +1565,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_WS_CONSUMER_REGS) : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MOE_RS_CONSUMER_REGS) : "memory");
     const int ct = tid - 128, wg = ct / 128, q = (ct % 128) / WARP, g = lane / 4, t = lane % 4;
     const int c0 = wg * 64 + q * 16 + g;  // this thread's columns: c0 and c0 + 8 of the block's 128
     const u32 sel = 0x0400u + 0x0101u * (u32)t;  // byte t of a word: inputs 2t, 2t + 1
@@ -1976,7 +1577,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     // Half `half` of step kt: its two slices' fragments of gate and up, dequantized from the stage.
     auto dequant = [&](int kt, int half, u32 (&ah)[2][2][4]) {
         const unsigned char* codes = smem + (kt % STAGES) * MOE_RS_STAGE + MOE_RS_X;
-        const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 2) % MOE_WS_PAIR_SLOTS) * MOE_WS_PAIRS + (kt % 2) * 4;
+        const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 2) % MOE_RS_PAIR_SLOTS) * MOE_RS_PAIRS + (kt % 2) * 4;
 #pragma unroll
         for (int mat = 0; mat < 2; mat++) {
             const int r0 = mat * TILED_ROWS + c0;

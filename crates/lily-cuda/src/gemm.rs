@@ -12,8 +12,9 @@
 //! kernels are the path of every other GPU. The dense warpgroup products of row-major matrices with k a multiple of
 //! 256 take their operands through the tensor memory accelerator (`gemm_q4_wgmma_tma`: the host encodes a tensor
 //! map of the activations, of the packed codes and of their pairs for each launch, `tma_maps`); those whose output
-//! rows are 16-byte aligned run on a producer warpgroup that dequantizes and two consumer warpgroups that only
-//! multiply, and store their tiles through a tensor map of the output (`gemm_q4_wgmma_ws`, 384 threads a block).
+//! rows are 16-byte aligned take the weights as wgmma's A operand from registers, each consumer thread dequantizing
+//! its own fragment, in blocks of 128 weight rows by 256 activation rows stored through a tensor map of the output
+//! (`gemm_q4_wgmma_rs`, 384 threads a block: a warpgroup that copies and two that multiply).
 //!
 //! Few rows (a short prompt, a batched decode step) give few block tiles. Up to `gemm_small_max_rows` rows the 4-bit
 //! dense products of few blocks (not lm_head past 32 rows) take the experts' integer small tiling: the rows coded
@@ -26,8 +27,9 @@
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
 //! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row
-//! tiles, and from `moe_wgmma_min_tokens` tokens on Hopper 128-row tiles whose gate/up runs on the warpgroup MMA
-//! and whose down runs on mma.sync in two 64-row parts.
+//! tiles, and from `moe_rs_min_tokens` tokens on Hopper 128-row tiles whose gate/up runs on the warpgroup MMA with
+//! the weights in registers (`moe_gate_up_rs`; `moe_gate_up_wgmma` from `moe_wgmma_min_tokens` where the build has
+//! not that kernel) and whose down runs on mma.sync in two 64-row parts.
 
 use half::bf16;
 use lily_model::Config;
@@ -351,7 +353,7 @@ pub(crate) fn gemm_planned(
         (8, Plan::Tiles(_)) => gemm::gemm_q8(l, dims, a, m as i32, w.q4(), n, k, out, accumulate as i32),
         (4, Plan::Wgmma(_)) if tma_fits(l.kernels, a, w) && rs_fits(l.kernels, w, out) => {
             let [a_map, w_map, s_map, o_map] = rs_maps(l.gpu, a, m, w, out)?;
-            let block = l.kernels.constant("gemm_wgmma_ws_threads") as u32;
+            let block = l.kernels.constant("gemm_wgmma_rs_threads") as u32;
             let grid = (w.rows.div_ceil(RS_COLS) as u32, m.div_ceil(RS_ROWS) as u32, 1);
             let dims = Dims::new(grid, block).shared(l.kernels.constant("gemm_wgmma_rs_smem") as u32);
             let acc = accumulate as i32;
@@ -361,16 +363,6 @@ pub(crate) fn gemm_planned(
             let [a_map, w_map, s_map] = tma_maps(l.gpu, a, m, w, cols)?;
             let dims = dims.shared(l.kernels.constant("gemm_wgmma_tma_smem") as u32);
             let acc = accumulate as i32;
-            if ws_fits(l.kernels, w, out) {
-                let o_map = out_map(l.gpu, out, m, w.rows)?;
-                let block = l.kernels.constant("gemm_wgmma_ws_threads") as u32;
-                let dims = Dims::new(dims.grid, block).shared(l.kernels.constant("gemm_wgmma_ws_smem") as u32);
-                let m = m as i32;
-                return match cols {
-                    WEIGHT_ROWS => gemm::gemm_q4_wgmma_ws(l, dims, a_map, w_map, s_map, o_map, m, n, k, acc),
-                    _ => gemm::gemm_q4_wgmma_ws_narrow(l, dims, a_map, w_map, s_map, o_map, m, n, k, acc, cols as i32),
-                };
-            }
             match cols {
                 WEIGHT_ROWS => gemm::gemm_q4_wgmma_tma(l, dims, a_map, w_map, s_map, m as i32, n, k, out, acc),
                 _ => {
@@ -414,24 +406,13 @@ fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
             .all(|p| p % 16 == 0)
 }
 
-/// Whether a TMA product takes the producer warpgroup's kernels (`gemm_q4_wgmma_ws`, `_narrow`): where the build
-/// says so (`gemm_wgmma_ws`), with the output's tensor map possible ([`out_map_fits`]).
-fn ws_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
-    kernels.constant("gemm_wgmma_ws") == 1 && out_map_fits(w, out)
-}
-
 /// Whether the output of a product by `w` can take a tensor map: its rows (n f32) and its start 16-byte aligned.
 fn out_map_fits(w: &GpuMatrix, out: DevPtr<f32>) -> bool {
     w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)
 }
 
-/// The output's tensor map for `gemm_q4_wgmma_ws`: f32 [m][n] in boxes of 32 columns (128 bytes) by 128 rows, with
-/// the 128-byte swizzle the kernel writes its tile in.
-fn out_map(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize) -> Result<TensorMap> {
-    out_map_rows(gpu, out, m, n, 128)
-}
-
-/// [`out_map`] in boxes of `rows` rows.
+/// The output's tensor map for `gemm_q4_wgmma_rs`: f32 [m][n] in boxes of 32 columns (128 bytes) by `rows` rows,
+/// with the 128-byte swizzle the kernel writes its tile in.
 fn out_map_rows(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize, rows: u32) -> Result<TensorMap> {
     use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
     gpu.tensor_map_2d(
@@ -842,24 +823,17 @@ pub fn moe_experts(
         m.shared_gate.tiled_q4(),
         m.shared_up.tiled_q4(),
     );
-    let mapped: Option<(MappedGateUpLauncher, &str)> = if s.rs {
+    if s.rs {
         assert!(
             k.constant("moe_rs") == 1 && s.tile_rows == k.constant("moe_rs_tile_rows"),
             "moe_gate_up_rs takes its own tiles"
         );
-        Some((gemm::moe_gate_up_rs, "moe_rs_smem"))
-    } else if s.wgmma(k) && k.constant("moe_ws") == 1 {
-        Some((gemm::moe_gate_up_ws, "moe_ws_smem"))
-    } else {
-        None
-    };
-    if let Some((gate_up, smem)) = mapped {
         let map = |w: &GpuMatrix| tiled_codes_map(l.gpu, w);
         let maps = [map(m.gate)?, map(m.up)?, map(m.shared_gate)?, map(m.shared_up)?];
-        let block = k.constant("gemm_wgmma_ws_threads") as u32;
-        let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant(smem) as u32);
+        let block = k.constant("gemm_wgmma_rs_threads") as u32;
+        let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant("moe_rs_smem") as u32);
         let [gate_map, up_map, shared_gate_map, shared_up_map] = maps;
-        gate_up(
+        gemm::moe_gate_up_rs(
             l,
             dims,
             gate_map,
@@ -912,7 +886,7 @@ pub fn moe_experts(
     )
 }
 
-/// The tensor map of a tiled expert matrix's codes for `moe_gate_up_ws`: its bytes as rows of 64 (a row's piece of
+/// The tensor map of a tiled expert matrix's codes for `moe_gate_up_rs`: its bytes as rows of 64 (a row's piece of
 /// 128 inputs, see kernels/common.cuh), read in boxes of 32 bytes (a step's half of a piece) by 128 rows (a block of
 /// the tiled matrix's rows), unswizzled.
 fn tiled_codes_map(gpu: &Gpu, w: &GpuMatrix) -> Result<TensorMap> {
@@ -934,26 +908,6 @@ fn tiled_codes_map(gpu: &Gpu, w: &GpuMatrix) -> Result<TensorMap> {
         Swizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )
 }
-
-/// The warpgroup gate/up launchers that take the tiled codes' tensor maps (`moe_gate_up_rs`, `moe_gate_up_ws`).
-type MappedGateUpLauncher = fn(
-    &mut Launcher,
-    Dims,
-    TensorMap,
-    TensorMap,
-    TensorMap,
-    TensorMap,
-    DevPtr<bf16>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    DevPtr<bf16>,
-) -> Result<()>;
 
 /// The large tiling's gate/up launchers (mma.sync and wgmma take the same arguments).
 type GateUpLauncher = fn(

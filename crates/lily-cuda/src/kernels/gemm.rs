@@ -45,19 +45,15 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "gemm_wgmma_smem",
         "gemm_wgmma_tma_smem",
         "gemm_wgmma_tma",
-        "gemm_wgmma_ws",
-        "gemm_wgmma_ws_smem",
-        "gemm_wgmma_ws_threads",
         "gemm_wgmma_rs",
         "gemm_wgmma_rs_smem",
+        "gemm_wgmma_rs_threads",
         "gemm_wgmma_cost",
         "gemm_wgmma_split",
         "moe_wgmma",
         "moe_wgmma_built",
         "moe_wgmma_tile_rows",
         "moe_wgmma_min_tokens",
-        "moe_ws",
-        "moe_ws_smem",
         "moe_rs",
         "moe_rs_smem",
         "moe_rs_tile_rows",
@@ -96,22 +92,11 @@ launchers! {
         out: DevPtr<f32>,
         accumulate: i32,
     );
-    /// `gemm_q4_wgmma_tma` with a producer warpgroup that dequantizes and two consumer warpgroups that only run
-    /// wgmma (`gemm_wgmma_ws_threads` threads a block), on the same maps; the product goes out through `o_map`
-    /// (f32 [m][n], boxes of 32 x 128 rows, 128-byte swizzle), added to what is there where `accumulate` is 1.
-    gemm_q4_wgmma_ws(
-        a_map: TensorMap,
-        w_map: TensorMap,
-        s_map: TensorMap,
-        o_map: TensorMap,
-        m: i32,
-        n: i32,
-        k: i32,
-        accumulate: i32,
-    );
-    /// The same product with the weights dequantized into registers as wgmma's A operand (`gemm_wgmma_ws_threads`
-    /// threads, `gemm_wgmma_rs_smem` bytes of shared memory a block), a block 256 activation rows by 128 weight rows:
-    /// `a_map` in boxes of 64 x 256 rows, `w_map` and `s_map` of 128 rows, `o_map` of 32 x 256 rows.
+    /// `gemm_q4_wgmma_tma`'s product with the weights dequantized into registers as wgmma's A operand
+    /// (`gemm_wgmma_rs_threads` threads, `gemm_wgmma_rs_smem` bytes of shared memory a block), a block 256 activation
+    /// rows by 128 weight rows: `a_map` in boxes of 64 x 256 rows, `w_map` and `s_map` of 128 rows; the product goes
+    /// out through `o_map` (f32 [m][n], boxes of 32 x 256 rows, 128-byte swizzle), added to what is there where
+    /// `accumulate` is 1.
     gemm_q4_wgmma_rs(
         a_map: TensorMap,
         w_map: TensorMap,
@@ -121,18 +106,6 @@ launchers! {
         n: i32,
         k: i32,
         accumulate: i32,
-    );
-    /// `gemm_q4_wgmma_ws` in tiles of `cols` (192 or 128) weight rows, whose maps' weight boxes are `cols` rows.
-    gemm_q4_wgmma_ws_narrow(
-        a_map: TensorMap,
-        w_map: TensorMap,
-        s_map: TensorMap,
-        o_map: TensorMap,
-        m: i32,
-        n: i32,
-        k: i32,
-        accumulate: i32,
-        cols: i32,
     );
     /// `gemm_q4_wgmma_tma` in tiles of `cols` (192 or 128) weight rows, whose maps' weight boxes are `cols` rows.
     gemm_q4_wgmma_tma_narrow(
@@ -198,27 +171,10 @@ launchers! {
         shared_up: Q4,
         act: DevPtr<bf16>,
     );
-    /// `moe_gate_up_wgmma` with a producer warpgroup (`gemm_wgmma_ws_threads` threads, `moe_ws_smem` bytes of shared
-    /// memory a block; Hopper builds only: `moe_ws` is 1). The maps are the tiled codes of gate, up and the shared
-    /// expert's gate and up as rows of 64 bytes, in boxes of 32 bytes by 128 rows (`gemm::tiled_codes_map`).
-    moe_gate_up_ws(
-        gate_map: TensorMap,
-        up_map: TensorMap,
-        shared_gate_map: TensorMap,
-        shared_up_map: TensorMap,
-        x: DevPtr<bf16>,
-        entries: DevPtr<i32>,
-        tiles: DevPtr<i32>,
-        tile_count: DevPtr<i32>,
-        offsets: DevPtr<i32>,
-        gate: Q4,
-        up: Q4,
-        shared_gate: Q4,
-        shared_up: Q4,
-        act: DevPtr<bf16>,
-    );
-    /// `moe_gate_up_ws` with the weights dequantized into registers as wgmma's A operand (`moe_rs_smem` bytes of
-    /// shared memory a block; Hopper builds only: `moe_rs` is 1), on the same maps.
+    /// `moe_gate_up_wgmma`'s product with the weights dequantized into registers as wgmma's A operand
+    /// (`gemm_wgmma_rs_threads` threads, `moe_rs_smem` bytes of shared memory a block; Hopper builds only: `moe_rs` is
+    /// 1), on tiles of `moe_rs_tile_rows`. The maps are the tiled codes of gate, up and the shared expert's gate and
+    /// up as rows of 64 bytes, in boxes of 32 bytes by 128 rows (`gemm::tiled_codes_map`).
     moe_gate_up_rs(
         gate_map: TensorMap,
         up_map: TensorMap,
