@@ -943,10 +943,10 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 
 // ---- Dense 4-bit products with the weights in registers (gemm_q4_wgmma_rs, Hopper) ----
 // Dequantized weights written to shared memory for wgmma to read cost 32 KB of bf16 a step for a 256-row tile, and
-// warps that only dequantize could not keep the MMAs fed. So the roles of the operands swap, as in mixed-input
-// products on Hopper: the weights are wgmma's A operand, taken from registers, and the activations its B operand,
-// from shared memory. A block computes the product's transpose for 128 weight rows by 256 activation
-// rows; consumer warpgroup w takes weight rows 64 w .. 64 w + 63 against all 256 activation rows (m64n256k16).
+// the MMAs wait on the warps that write them. So the roles of the operands swap, as in mixed-input products on
+// Hopper: the weights are wgmma's A operand, taken from registers, and the activations its B operand, from shared
+// memory. A block computes the product's transpose for 128 weight rows by 256 activation rows; consumer warpgroup
+// w takes weight rows 64 w .. 64 w + 63 against all 256 activation rows (m64n256k16).
 // Each consumer thread dequantizes its own A fragment (rows g and g + 8 of its warp's 16, inputs 2t, 2t + 1 and
 // 2t + 8, 2t + 9 of each k16 slice: byte t of a packed word, as in gemm_q4) from the stage's codes into registers,
 // one step ahead of the MMAs that read them (two sets of registers, by step parity), so dequantization overlaps
@@ -977,12 +977,15 @@ constexpr int RS_OUT_BOX = RS_ROWS * 128;          // an output box: 32 f32 colu
 // the producer, whose thread 0 only issues copies, to the consumers.
 constexpr int RS_THREADS = 384;
 constexpr int RS_LAUNCH_REGS = 65536 / RS_THREADS / 8 * 8;  // 168
-constexpr int RS_CONSUMER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 128 * 40) / 256 / 8 * 8;
+constexpr int RS_PRODUCER_REGS = 40;
+constexpr int RS_CONSUMER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 128 * RS_PRODUCER_REGS) / 256 / 8 * 8;  // 232
+static_assert(RS_CONSUMER_REGS >= RS_LAUNCH_REGS, "the consumers gain registers, the producer gives them up");
 constexpr int RS_SMEM = GEMM_RS_STAGES * RS_STAGE + RS_PAIR_SLOTS * RS_PAIRS + 2 * GEMM_RS_STAGES * 8 + 1024;
 static_assert(RS_STAGE % 1024 == 0 && RS_X % 1024 == 0, "every activation box starts on a swizzle atom");
 // The pairs' slot of steps 4 j .. 4 j + 3 is refilled with step 4 (j + slots), once step 4 (j + slots) - stages is
 // done; its last reader, step 4 j + 3, must be no later.
-static_assert(GEMM_RS_STAGES >= 2 && 4 * RS_PAIR_SLOTS >= GEMM_RS_STAGES + 3, "a pairs' slot is refilled after its last reader");
+static_assert(GEMM_RS_STAGES >= 2 && 4 * RS_PAIR_SLOTS >= GEMM_RS_STAGES + 3,
+              "a pairs' slot is refilled after its last reader");
 static_assert(RS_SMEM <= 227 * 1024 && RS_COLS / 32 * RS_OUT_BOX <= GEMM_RS_STAGES * RS_STAGE,
               "a block's shared memory on Hopper; the output tile fits over the stages");
 __device__ int gemm_wgmma_rs = GEMM_WGMMA_RS;
@@ -1032,7 +1035,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 
     if (tid < 128) {
         // The producer: thread 0 refills each stage once the consumers are done with it.
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(RS_PRODUCER_REGS) : "memory");
         if (tid == 0) {
 #pragma unroll 1
             for (int kt = STAGES; kt < k_tiles; kt++) {
@@ -1382,8 +1385,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 // The large tiling's gate/up on the warpgroup tensor cores (Hopper): tiles of 128 sorted entries (the sort's tile
 // height is moe_wgmma_tile_rows there), a block a wgmma_tile; a warpgroup whose 64 rows of a tile are all empty
 // skips its MMAs, so a tile costs its rows in steps of 64. Where the build has moe_gate_up_rs (below, MOE_RS), the
-// routings long enough for these tiles take that kernel and its own tiles instead. Warpgroup accumulator blocks 0-15 are 128 columns of
-// gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU. Down stays on mma.sync (moe_down, a
+// routings long enough for these tiles take that kernel and its own tiles instead. Warpgroup accumulator blocks
+// 0-15 are 128 columns of gate, 16-31 the same columns of up, so a thread holds both for its SwiGLU. Down stays on
+// mma.sync (moe_down, a
 // 128-row tile as two parts of 64 rows): its k of 512 is eight wgmma steps, too few to cover a tile's prologue and
 // epilogue at one block an SM. Routings of at least MOE_WGMMA_MIN_TOKENS tokens take these tiles where the build
 // has wgmma (MOE_WGMMA=0 keeps mma.sync's 64-row tiles for both); the selftest checks them on Hopper either way.
@@ -1441,11 +1445,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 //   the codes' maps reading a tiled matrix as rows of 64 bytes) and, every piece, both matrices' pairs with two
 //   bulk copies into a slot of their own (8 bytes a row).
 // cp.async writes through the generic proxy, so each consumer thread fences its view of a stage before its MMAs.
-// A thread's A registers hold one step (four k16 slices of gate and of up); the MMAs go in two
-// halves of two slices, and a half is dequantized while the other half's MMAs run (wgmma_wait<1> frees the
-// registers of the half issued before). The epilogue stages the SwiGLU tile in shared memory (token rows padded to
-// 272 bytes, so a warp's writes of eight columns at four tokens fall in different banks) and stores each valid
-// token row's 256 bytes with 16-byte writes. Routings of MOE_RS_MIN_TOKENS or more take this kernel. Tiles of 64
+// A thread's A registers hold one step (four k16 slices of gate and of up); the MMAs go in two halves of two slices,
+// and a half is dequantized while the other half's MMAs run (wgmma_wait<1> frees the registers of the half issued
+// before). The epilogue stages the SwiGLU tile in shared memory (token rows padded to 272 bytes, so a warp's writes
+// of eight columns at four tokens fall in different banks) and stores each valid token row's 256 bytes with 16-byte
+// writes. Routings of MOE_RS_MIN_TOKENS or more take this kernel. Tiles of 64
 // tokens would run fewer MMAs on the experts' partial tiles, but each block dequantizes the same weights for half
 // the tokens: on the H100 the 4,096-token prefill's gate/up took 22.2 ms in 833 such tiles, 18.1 in 545 of 128.
 #ifndef MOE_RS
@@ -1466,7 +1470,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // their rows' offsets).
 constexpr int MOE_RS_CONSUMER_REGS = 200;
 constexpr int MOE_RS_PRODUCER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 256 * MOE_RS_CONSUMER_REGS) / 128;  // 104
-static_assert(MOE_RS_PRODUCER_REGS % 8 == 0 && MOE_RS_PRODUCER_REGS >= 24, "a register count setmaxnreg takes");
+static_assert(MOE_RS_CONSUMER_REGS % 8 == 0 && MOE_RS_CONSUMER_REGS >= RS_LAUNCH_REGS &&
+                  MOE_RS_PRODUCER_REGS % 8 == 0 && MOE_RS_PRODUCER_REGS >= 24,
+              "register counts setmaxnreg takes; the consumers gain registers, the producer gives them up");
 constexpr int MOE_RS_PAIR_SLOTS = 4;
 constexpr int MOE_RS_PAIRS = WROWS * 8;              // one piece's pairs of the tile's 256 weight rows
 constexpr int MOE_RS_X = MOE_RS_TOKENS * 128;       // the token rows' step, 128-byte swizzled
@@ -1493,7 +1499,8 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
                    Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
 #if WGMMA_BUILT
     extern __shared__ __align__(128) unsigned char moe_rs_raw[];
-    if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != RS_THREADS) __trap();  // the host's launch is not the kernel's
+    // The host's launch is not the kernel's.
+    if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != RS_THREADS) __trap();
     wait_previous();  // the tiles and the weights they pick come from the routing
     // The count comes through a shuffle so ptxas knows the return is warp-uniform (as in moe_gate_up_wgmma).
     if ((int)blockIdx.y >= __shfl_sync(0xffffffffu, *tile_count, 0)) return;
@@ -1577,7 +1584,8 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     // Half `half` of step kt: its two slices' fragments of gate and up, dequantized from the stage.
     auto dequant = [&](int kt, int half, u32 (&ah)[2][2][4]) {
         const unsigned char* codes = smem + (kt % STAGES) * MOE_RS_STAGE + MOE_RS_X;
-        const unsigned char* pairs = smem + (pairs0 - smem0) + ((kt / 2) % MOE_RS_PAIR_SLOTS) * MOE_RS_PAIRS + (kt % 2) * 4;
+        const unsigned char* pairs =
+            smem + (pairs0 - smem0) + ((kt / 2) % MOE_RS_PAIR_SLOTS) * MOE_RS_PAIRS + (kt % 2) * 4;
 #pragma unroll
         for (int mat = 0; mat < 2; mat++) {
             const int r0 = mat * TILED_ROWS + c0;
@@ -1649,7 +1657,8 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     asm volatile("bar.sync 1, 256;" ::: "memory");
     for (int i = ct; i < rows * 16; i += 256) {
         const int r = i / 16, chunk = i % 16;
-        *(uint4*)(act + (size_t)(first + r) * MOE_INTER + n0 + chunk * 8) = *(const uint4*)(smem + r * MOE_RS_ROW + chunk * 16);
+        *(uint4*)(act + (size_t)(first + r) * MOE_INTER + n0 + chunk * 8) =
+            *(const uint4*)(smem + r * MOE_RS_ROW + chunk * 16);
     }
 #else
     wait_previous();

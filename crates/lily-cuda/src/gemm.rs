@@ -602,8 +602,9 @@ fn small_max_tokens(kernels: &Kernels) -> usize {
 }
 
 /// The tile height of the grouped expert products for a routing of `tokens` tokens (the sort's `tile_rows`): the
-/// small tiling's up to `moe_small_max_tokens`; from `moe_wgmma_min_tokens` on the warpgroup gate/up's where the
-/// build has it (`moe_wgmma`); otherwise the mma.sync large tiling's.
+/// small tiling's up to `moe_small_max_tokens`; from `moe_rs_min_tokens` on `moe_gate_up_rs`'s where the build has
+/// that kernel ([`moe_takes_rs`]); else from `moe_wgmma_min_tokens` on the warpgroup gate/up's where the build has
+/// it (`moe_wgmma`); otherwise the mma.sync large tiling's.
 pub fn moe_tile_rows(kernels: &Kernels, tokens: usize) -> usize {
     if tokens <= small_max_tokens(kernels) {
         kernels.constant("moe_small_tile_rows")
