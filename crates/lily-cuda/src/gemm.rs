@@ -928,7 +928,70 @@ type GateUpLauncher = fn(
 
 #[cfg(test)]
 mod tests {
-    use super::wgmma_cols;
+    use super::{max_tiles, max_tiles_up_to, moe_takes_rs, moe_tile_rows, wgmma_cols};
+    use crate::kernels::Kernels;
+    use lily_model::Config;
+
+    /// The kernels' tiling constants, with `moe_gate_up_rs` on or off, its tile height and its and
+    /// `moe_gate_up_wgmma`'s thresholds (the small tiling's tiles of 16 rows).
+    fn tilings(rs: i32, rs_rows: i32, rs_min: i32, wgmma_min: i32) -> Kernels {
+        tilings_small(16, rs, rs_rows, rs_min, wgmma_min)
+    }
+
+    fn tilings_small(small_rows: i32, rs: i32, rs_rows: i32, rs_min: i32, wgmma_min: i32) -> Kernels {
+        Kernels::with_constants(&[
+            ("moe_small_max_tokens", 512),
+            ("moe_small_tile_rows", small_rows),
+            ("moe_tile_rows", 64),
+            ("moe_rs", rs),
+            ("moe_rs_min_tokens", rs_min),
+            ("moe_rs_tile_rows", rs_rows),
+            ("moe_wgmma", 1),
+            ("moe_wgmma_min_tokens", wgmma_min),
+            ("moe_wgmma_tile_rows", 128),
+        ])
+    }
+
+    #[test]
+    fn the_scratch_holds_the_tiles_of_every_routing_up_to_its_chunk() {
+        let config = Config::full_shape();
+        // As built, without moe_gate_up_rs, with its threshold past moe_gate_up_wgmma's, and with taller small
+        // tiles (then the 64-row tiles just below moe_gate_up_rs's threshold make the most tiles up to it).
+        let built = [
+            (16, 1, 128, 2048, 8192),
+            (16, 0, 128, 2048, 8192),
+            (16, 1, 64, 8192, 4096),
+        ];
+        for (small_rows, rs, rs_rows, rs_min, wgmma_min) in built.into_iter().chain([(32, 1, 128, 2048, 8192)]) {
+            let k = tilings_small(small_rows, rs, rs_rows, rs_min, wgmma_min);
+            for chunk in [300, 2048, 5000, 16384] {
+                let room = max_tiles_up_to(&k, &config, chunk);
+                for t in 1..=chunk {
+                    let tiles = max_tiles(&config, t, moe_tile_rows(&k, t));
+                    assert!(
+                        tiles <= room,
+                        "{t} tokens make {tiles} tiles, the scratch of {chunk} holds {room}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn routings_take_moe_gate_up_rs_from_its_threshold_in_its_tiles() {
+        let k = tilings(1, 128, 2048, 8192);
+        assert!(!moe_takes_rs(&k, 2047) && moe_tile_rows(&k, 2047) == 64);
+        assert!(moe_takes_rs(&k, 2048) && moe_tile_rows(&k, 2048) == 128);
+        assert!(moe_takes_rs(&k, 16384) && moe_tile_rows(&k, 16384) == 128);
+        assert!(!moe_takes_rs(&k, 512) && moe_tile_rows(&k, 512) == 16);
+        // Without it, the warpgroup tiles from their own threshold.
+        let k = tilings(0, 128, 2048, 8192);
+        assert!(!moe_takes_rs(&k, 4096) && moe_tile_rows(&k, 4096) == 64);
+        assert!(!moe_takes_rs(&k, 8192) && moe_tile_rows(&k, 8192) == 128);
+        // A threshold inside the small tiling's range does not take its routings.
+        let k = tilings(1, 128, 100, 8192);
+        assert!(!moe_takes_rs(&k, 300) && moe_tile_rows(&k, 300) == 16);
+    }
 
     #[test]
     fn warpgroup_tiles_narrow_only_where_they_fill_more_sms() {

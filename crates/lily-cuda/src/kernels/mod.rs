@@ -420,6 +420,19 @@ impl Kernels {
     }
 }
 
+#[cfg(test)]
+impl Kernels {
+    /// Kernels with no modules, only the given constants: for tests of what the host chooses from them.
+    pub(crate) fn with_constants(constants: &[(&'static str, i32)]) -> Kernels {
+        Kernels {
+            modules: Vec::new(),
+            functions: HashMap::new(),
+            constants: constants.iter().copied().collect(),
+            buffers: HashMap::new(),
+        }
+    }
+}
+
 impl Drop for Kernels {
     fn drop(&mut self) {
         for m in &self.modules {
