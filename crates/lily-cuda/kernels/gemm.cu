@@ -560,30 +560,40 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 
             : "l"(desc_a), "l"(desc_b), "r"(scale_d));
     }
 }
-// d += A (64 x 16, from registers: this thread's mma.m16n8k16 A fragment of its warp's 16 rows) B (256 x 16)^T,
-// asynchronously; a's registers must keep their values until the MMA has completed.
-__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (&a)[4], u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64),
-          WG_D8(72), WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-// The same with N = 128 or 64 columns of B (N / 2 accumulators).
+// d += A (64 x 16, from registers: this thread's mma.m16n8k16 A fragment of its warp's 16 rows) B (N x 16)^T,
+// asynchronously, for N = 256, 128 or 64 (N / 2 f32 accumulators a thread); a's registers must keep their values
+// until the MMA has completed.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b) {
-    static_assert(N == 128 || N == 64, "a width the kernels instantiate");
-    if constexpr (N == 64) {
+    static_assert(N == 256 || N == 128 || N == 64, "a width the kernels instantiate");
+    if constexpr (N == 256) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+            "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+            "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+            "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+            "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+            "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+            : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64),
+              WG_D8(72), WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    } else if constexpr (N == 128) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+            : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    } else {
         asm volatile(
             "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
@@ -592,18 +602,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
             "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
             : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-        return;
-    } else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    }
 }
 #undef WG_D8
 
@@ -1080,7 +1079,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
         wgmma_fence();
         wgmma_hold(d);
 #pragma unroll
-        for (int s = 0; s < KT / 16; s++) wgmma_m64n256k16_rs(d, a[s], wgmma_desc(x_tile + 32 * s));
+        for (int s = 0; s < KT / 16; s++) wgmma_m64k16_rs<RS_ROWS>(d, a[s], wgmma_desc(x_tile + 32 * s));
         wgmma_commit();
         wgmma_wait<1>();
         wgmma_hold(d);
@@ -1449,9 +1448,9 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // and a half is dequantized while the other half's MMAs run (wgmma_wait<1> frees the registers of the half issued
 // before). The epilogue stages the SwiGLU tile in shared memory (token rows padded to 272 bytes, so a warp's writes
 // of eight columns at four tokens fall in different banks) and stores each valid token row's 256 bytes with 16-byte
-// writes. Routings of MOE_RS_MIN_TOKENS or more take this kernel. Tiles of 64
-// tokens would run fewer MMAs on the experts' partial tiles, but each block dequantizes the same weights for half
-// the tokens: on the H100 the 4,096-token prefill's gate/up took 22.2 ms in 833 such tiles, 18.1 in 545 of 128.
+// writes. Routings of MOE_RS_MIN_TOKENS or more take this kernel. Tiles of 64 tokens would run fewer MMAs on the
+// experts' partial tiles, but each block dequantizes the same weights for half the tokens: on the H100 the
+// 4,096-token prefill's gate/up took 22.2 ms in 833 such tiles, 18.1 in 545 of 128.
 #ifndef MOE_RS
 #define MOE_RS 1
 #endif

@@ -893,23 +893,17 @@ impl BatchBackend for CudaBatchBackend {
         // The other rows come out whole and are drawn on the host, in parallel: a row is ~250 K logits, so drawing
         // the rows one after another is the longest part of a step where many rows sample on the host.
         let vocab = self.model.config.vocab_size;
-        let host: Vec<usize> = picks
-            .iter()
-            .zip(&on_device)
-            .filter(|(_, &here)| !here)
-            .map(|(pick, _)| pick.row)
-            .collect();
-        self.host_rows.resize(host.len() * vocab, 0.0);
-        for (&row, out) in host.iter().zip(self.host_rows.chunks_mut(vocab)) {
-            let at = self.step.logits.at(row * vocab);
-            self.model.gpu.download(at, out).map_err(device_err)?;
-        }
         let mut host_picks: Vec<&mut Pick<'_>> = picks
             .iter_mut()
             .zip(&on_device)
             .filter(|(_, &here)| !here)
             .map(|(pick, _)| pick)
             .collect();
+        self.host_rows.resize(host_picks.len() * vocab, 0.0);
+        for (pick, out) in host_picks.iter().zip(self.host_rows.chunks_mut(vocab)) {
+            let at = self.step.logits.at(pick.row * vocab);
+            self.model.gpu.download(at, out).map_err(device_err)?;
+        }
         let mut on_host = host_picks
             .par_iter_mut()
             .zip(self.host_rows.par_chunks(vocab))

@@ -406,42 +406,34 @@ fn tma_fits(kernels: &Kernels, a: DevPtr<bf16>, w: &GpuMatrix) -> bool {
             .all(|p| p % 16 == 0)
 }
 
-/// Whether the output of a product by `w` can take a tensor map: its rows (n f32) and its start 16-byte aligned.
-fn out_map_fits(w: &GpuMatrix, out: DevPtr<f32>) -> bool {
-    w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)
+/// A tile of `gemm_q4_wgmma_rs`: 256 activation rows by 128 weight rows.
+const RS_ROWS: usize = 256;
+const RS_COLS: usize = 128;
+
+/// Whether a TMA product takes `gemm_q4_wgmma_rs` (the weights dequantized into registers): where the build says so
+/// (`gemm_wgmma_rs`), with the output's rows (n f32) and start 16-byte aligned, as its tensor map needs.
+fn rs_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
+    kernels.constant("gemm_wgmma_rs") == 1 && w.rows.is_multiple_of(4) && out.raw().is_multiple_of(16)
 }
 
-/// The output's tensor map for `gemm_q4_wgmma_rs`: f32 [m][n] in boxes of 32 columns (128 bytes) by `rows` rows,
-/// with the 128-byte swizzle the kernel writes its tile in.
-fn out_map_rows(gpu: &Gpu, out: DevPtr<f32>, m: usize, n: usize, rows: u32) -> Result<TensorMap> {
+/// The tensor maps of `gemm_q4_wgmma_rs`: [`tma_maps`]' codes and pairs in boxes of 128 weight rows, the activations
+/// in boxes of 256 rows, and the output (f32 [m][n]) in boxes of 32 columns (128 bytes) by 256 rows with the
+/// 128-byte swizzle the kernel writes its tile in.
+fn rs_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, out: DevPtr<f32>) -> Result<[TensorMap; 4]> {
     use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
-    gpu.tensor_map_2d(
+    let [a_map, w_map, s_map] = tma_maps_rows(gpu, a, m, RS_ROWS as u32, w, RS_COLS)?;
+    let n = w.rows;
+    let o_map = gpu.tensor_map_2d(
         out,
         Type::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         n,
         m,
         n * 4,
         32,
-        rows,
+        RS_ROWS as u32,
         Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-    )
-}
-
-/// A tile of `gemm_q4_wgmma_rs`: 256 activation rows by 128 weight rows.
-const RS_ROWS: usize = 256;
-const RS_COLS: usize = 128;
-
-/// Whether a TMA product takes `gemm_q4_wgmma_rs` (the weights dequantized into registers): where the build says so
-/// (`gemm_wgmma_rs`), with the output's tensor map possible ([`out_map_fits`]).
-fn rs_fits(kernels: &Kernels, w: &GpuMatrix, out: DevPtr<f32>) -> bool {
-    kernels.constant("gemm_wgmma_rs") == 1 && out_map_fits(w, out)
-}
-
-/// The tensor maps of `gemm_q4_wgmma_rs`: [`tma_maps`]' codes and pairs in boxes of 128 weight rows, and the
-/// activations and the output in boxes of 256 rows.
-fn rs_maps(gpu: &Gpu, a: DevPtr<bf16>, m: usize, w: &GpuMatrix, out: DevPtr<f32>) -> Result<[TensorMap; 4]> {
-    let [a_map, w_map, s_map] = tma_maps_rows(gpu, a, m, RS_ROWS as u32, w, RS_COLS)?;
-    Ok([a_map, w_map, s_map, out_map_rows(gpu, out, m, w.rows, RS_ROWS as u32)?])
+    )?;
+    Ok([a_map, w_map, s_map, o_map])
 }
 
 /// The tensor maps of `gemm_q4_wgmma_tma` for `a` (m rows) times `w` in tiles of `cols` weight rows: the activations
@@ -830,10 +822,10 @@ pub fn moe_experts(
             "moe_gate_up_rs takes its own tiles"
         );
         let map = |w: &GpuMatrix| tiled_codes_map(l.gpu, w);
-        let maps = [map(m.gate)?, map(m.up)?, map(m.shared_gate)?, map(m.shared_up)?];
+        let [gate_map, up_map, shared_gate_map, shared_up_map] =
+            [map(m.gate)?, map(m.up)?, map(m.shared_gate)?, map(m.shared_up)?];
         let block = k.constant("gemm_wgmma_rs_threads") as u32;
         let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant("moe_rs_smem") as u32);
-        let [gate_map, up_map, shared_gate_map, shared_up_map] = maps;
         gemm::moe_gate_up_rs(
             l,
             dims,

@@ -106,8 +106,12 @@ pub struct Sampler {
     rng: Rng,
     /// Candidate (token, probability) pairs, reused between steps.
     candidates: Vec<(u32, f32)>,
-    /// Each token's `exp(logit / temperature - max)` for a draw from the whole vocabulary, reused between steps.
-    weights: Vec<f32>,
+}
+
+thread_local! {
+    /// Each token's `exp(logit / temperature - max)` for a draw from the whole vocabulary: one buffer a thread,
+    /// reused by every sampler drawn there, so a live request holds no vocabulary-sized buffer for it.
+    static WEIGHTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Sampler {
@@ -117,7 +121,6 @@ impl Sampler {
             params,
             rng,
             candidates: Vec::new(),
-            weights: Vec::new(),
         }
     }
 
@@ -219,7 +222,8 @@ impl Sampler {
 
     /// A draw from the softmax of the whole vocabulary at the sampler's temperature, in passes in token order and
     /// without sorting: with nothing cut off, the order in which tokens take their share of the draw does not
-    /// change the distribution. Each token's weight is computed once, kept for the walk that finds the draw.
+    /// change the distribution. Each token's weight is computed once, kept (in the thread's [`WEIGHTS`]) for the walk
+    /// that finds the draw.
     fn sample_whole(&mut self, logits: &[f32]) -> u32 {
         let temperature = self.params.temperature;
         let max = logits
@@ -229,20 +233,23 @@ impl Sampler {
         if max == f32::INFINITY {
             return argmax(logits);
         }
-        let weights = &mut self.weights;
-        weights.clear();
-        weights.extend(logits.iter().map(|&l| (l / temperature - max).exp()));
-        let total: f64 = weights.iter().map(|&w| w as f64).sum();
-        let mut r = self.rng.uniform() as f64 * total;
-        for (i, &w) in weights.iter().enumerate() {
-            let w = w as f64;
-            if r < w {
-                return i as u32;
+        let rng = &mut self.rng;
+        let drawn = WEIGHTS.with_borrow_mut(|weights| {
+            weights.clear();
+            weights.extend(logits.iter().map(|&l| (l / temperature - max).exp()));
+            let total: f64 = weights.iter().map(|&w| w as f64).sum();
+            let mut r = rng.uniform() as f64 * total;
+            for (i, &w) in weights.iter().enumerate() {
+                let w = w as f64;
+                if r < w {
+                    return Some(i as u32);
+                }
+                r -= w;
             }
-            r -= w;
-        }
-        // Rounding left a sliver of the draw past the last token: it goes to the most likely one.
-        argmax(logits)
+            None
+        });
+        // Rounding can leave a sliver of the draw past the last token: it goes to the most likely one.
+        drawn.unwrap_or_else(|| argmax(logits))
     }
 }
 
