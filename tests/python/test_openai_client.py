@@ -6,6 +6,7 @@ constraint makes it call one."""
 
 import json
 import re
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal, Optional
@@ -527,6 +528,66 @@ def test_responses_function_calls_and_their_outputs(client, model):
     assert follow.status in ("completed", "incomplete") and follow.output
 
 
+def test_responses_are_kept_continued_listed_and_deleted(client, model, base_url, api_key):
+    question, follow = "What light through yonder window breaks?", "Speak again, bright angel."
+    kwargs = dict(model=model, max_output_tokens=8, temperature=0, reasoning={"effort": "none"})
+    first = client.responses.create(input=question, instructions="Speak as Romeo.", **kwargs)
+    assert first.store
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.status == first.status
+    assert got.usage.input_tokens == first.usage.input_tokens
+
+    # A continuation reads as the whole conversation sent again (the instructions are not carried over).
+    chained = client.responses.create(previous_response_id=first.id, input=follow, **kwargs)
+    assert chained.previous_response_id == first.id
+    whole = ([{"role": "user", "content": question}] + [o.model_dump(exclude_none=True) for o in first.output]
+             + [{"role": "user", "content": follow}])
+    sent = client.responses.create(input=whole, store=False, **kwargs)
+    assert chained.usage.input_tokens == sent.usage.input_tokens > first.usage.input_tokens
+    assert chained.output_text == sent.output_text
+    # A streamed continuation is kept once its last event is out.
+    events = list(client.responses.create(previous_response_id=chained.id, input="Once more.", stream=True,
+                                          **kwargs))
+    streamed = events[-1].response
+    assert streamed.previous_response_id == chained.id
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+
+    # Its input items: every item that led to it, newest first unless asked otherwise, page by page.
+    items = list(client.responses.input_items.list(streamed.id, order="asc", limit=2))
+    assert [i.type for i in items] == ["message", "message", "message", "message", "message"]
+    assert [i.role for i in items] == ["user", "assistant", "user", "assistant", "user"]
+    assert items[1].content[0].text == first.output_text and items[3].content[0].text == chained.output_text
+    assert len({i.id for i in items}) == 5
+    newest = client.responses.input_items.list(streamed.id, limit=2)
+    assert [i.id for i in newest.data] == [items[4].id, items[3].id] and newest.has_more
+    expect_error(openai.BadRequestError, lambda: client.responses.input_items.list(streamed.id, limit=101),
+                 param="limit")
+
+    # Deleted: gone, but the responses that continued it keep their whole conversation.
+    client.responses.delete(first.id)
+    expect_error(openai.NotFoundError, lambda: client.responses.retrieve(first.id), code="not_found")
+    expect_error(openai.NotFoundError, lambda: client.responses.delete(first.id), code="not_found")
+    expect_error(openai.NotFoundError, lambda: client.responses.input_items.list(first.id))
+    expect_error(openai.BadRequestError, lambda: client.responses.create(
+        previous_response_id=first.id, input=follow, **kwargs), param="previous_response_id",
+        code="previous_response_not_found")
+    assert len(list(client.responses.input_items.list(chained.id))) == 3
+    # Not kept where the client says so.
+    unkept = client.responses.create(input=question, store=False, **kwargs)
+    assert not unkept.store
+    expect_error(openai.NotFoundError, lambda: client.responses.retrieve(unkept.id))
+    metrics = urllib.request.urlopen(base_url + "/metrics").read().decode()
+    stored = re.search(r"^lily_responses_stored (\S+)$", metrics, re.M)
+    assert stored and float(stored.group(1)) >= 2, metrics[-2000:]
+    assert re.search(r"^lily_response_store_bytes [1-9]", metrics, re.M)
+    # The routes ask for the API key like the others.
+    if api_key:
+        request = urllib.request.Request(base_url + "/v1/responses/" + chained.id)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request)
+        assert info.value.code == 401
+
+
 def test_responses_json_schema_and_errors(client, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}},
               "required": ["name"], "additionalProperties": False}
@@ -536,7 +597,8 @@ def test_responses_json_schema_and_errors(client, model):
                                                  "strict": True}})
     jsonschema.validate(json.loads(r.output_text), schema)
     expect_error(openai.BadRequestError, lambda: client.responses.create(
-        model=model, input="hi", previous_response_id="resp_123"), param="previous_response_id")
+        model=model, input="hi", previous_response_id="resp_123"), param="previous_response_id",
+        code="previous_response_not_found")
     expect_error(openai.BadRequestError, lambda: client.responses.create(
         model=model, input="hi", tools=[{"type": "custom", "name": "apply_patch"}]), param="tools[0]")
     expect_error(openai.BadRequestError, lambda: client.responses.create(

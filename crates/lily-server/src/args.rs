@@ -102,6 +102,10 @@ pub struct ServeArgs {
     /// and before the prompt's last token).
     #[arg(long, default_value_t = crate::engine::DEFAULT_SNAPSHOT_INTERVAL)]
     pub prefix_cache_interval: usize,
+    /// MiB of finished `/v1/responses` answers kept in memory (least recently used dropped first), so that clients
+    /// can continue one with `previous_response_id` or read it back; 0 keeps none.
+    #[arg(long, default_value_t = crate::server::DEFAULT_RESPONSE_STORE_MIB)]
+    pub response_store_mib: usize,
     /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,

@@ -15,6 +15,7 @@ pub mod logits;
 pub mod metrics;
 pub mod params;
 pub mod prefix_cache;
+pub mod response_store;
 pub mod responses;
 pub mod routes;
 pub mod server;

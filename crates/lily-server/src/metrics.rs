@@ -24,6 +24,8 @@ pub const PREFIX_SNAPSHOTS: &str = "lily_prefix_cache_snapshots";
 pub const PREFIX_BYTES: &str = "lily_prefix_cache_bytes";
 pub const SEGMENT_CACHE_BYTES: &str = "lily_tokenizer_segment_cache_bytes";
 pub const WORD_CACHE_BYTES: &str = "lily_tokenizer_word_cache_bytes";
+pub const RESPONSES_STORED: &str = "lily_responses_stored";
+pub const RESPONSE_STORE_BYTES: &str = "lily_response_store_bytes";
 
 const METADATA: Metadata<'static> = Metadata::new("lily_server", Level::INFO, Some("lily_server::metrics"));
 
@@ -49,6 +51,8 @@ pub struct Metrics {
     pub prefix_cache_bytes: Gauge,
     pub segment_cache_bytes: Gauge,
     pub word_cache_bytes: Gauge,
+    pub responses_stored: Gauge,
+    pub response_store_bytes: Gauge,
 }
 
 impl Metrics {
@@ -156,6 +160,16 @@ impl Metrics {
             Some(Unit::Bytes),
             SharedString::const_str("Memory the tokenizer's cache of words (text and ids) holds."),
         );
+        recorder.describe_gauge(
+            KeyName::from_const_str(RESPONSES_STORED),
+            None,
+            SharedString::const_str("Responses kept for previous_response_id and retrieval."),
+        );
+        recorder.describe_gauge(
+            KeyName::from_const_str(RESPONSE_STORE_BYTES),
+            Some(Unit::Bytes),
+            SharedString::const_str("Bytes the kept responses count for (each its whole conversation's)."),
+        );
         let key = |name: &'static str| Key::from_static_name(name);
         Metrics {
             prompt_tokens: recorder.register_counter(&key(PROMPT_TOKENS), &METADATA),
@@ -177,6 +191,8 @@ impl Metrics {
             prefix_cache_bytes: recorder.register_gauge(&key(PREFIX_BYTES), &METADATA),
             segment_cache_bytes: recorder.register_gauge(&key(SEGMENT_CACHE_BYTES), &METADATA),
             word_cache_bytes: recorder.register_gauge(&key(WORD_CACHE_BYTES), &METADATA),
+            responses_stored: recorder.register_gauge(&key(RESPONSES_STORED), &METADATA),
+            response_store_bytes: recorder.register_gauge(&key(RESPONSE_STORE_BYTES), &METADATA),
             recorder,
             handle,
         }

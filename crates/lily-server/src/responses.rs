@@ -2,8 +2,10 @@
 //! messages (its `instructions` the system message), its flat function tools and `text.format` become the chat
 //! request's `tools` and `response_format`, and [`crate::chat::prepare`] renders, tokenizes and constrains it as it does a
 //! chat request. The engine's events then become the response's output items: reasoning, a message, function
-//! calls. The server keeps no responses, so `previous_response_id`, `conversation` and `background` are refused and
-//! `store` is only echoed.
+//! calls. Finished responses are kept in the [`ResponseStore`] (unless `store` is false), so a request may continue
+//! one with `previous_response_id`: its context is then that response's input and output items before its own
+//! input, as OpenAI's server does (the earlier `instructions` and `tools` are not carried over). Conversations
+//! (`conversation`), stored prompt templates and `background` responses are refused.
 
 use std::sync::Arc;
 
@@ -14,10 +16,11 @@ use crate::chat::{logprob_entry, to_json, ChatPlan};
 use crate::engine::Event;
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
+use crate::response_store::{ResponseStore, StoredResponse};
 use crate::routes::SseData;
 use crate::types::{
-    ChatCompletionRequest, ChatLogprobEntry, CompletionTokensDetails, IncompleteDetails, RawSampling,
-    ResponseInputDetails, ResponseItem, ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
+    ChatCompletionRequest, ChatLogprobEntry, CompletionTokensDetails, IncompleteDetails, InputItemsQuery, ItemList,
+    RawSampling, ResponseInputDetails, ResponseItem, ResponseObject, ResponsePart, ResponseUsage, ResponsesRequest,
 };
 
 /// The `include` values accepted: encrypted reasoning is asked for by clients that keep no state between turns
@@ -26,16 +29,36 @@ use crate::types::{
 const INCLUDES: [&str; 2] = ["reasoning.encrypted_content", LOGPROBS];
 const LOGPROBS: &str = "message.output_text.logprobs";
 
-/// A Responses request translated: the chat request to prepare, and what the response echoes of the request.
+/// A Responses request translated: the chat request to prepare, what the response echoes of the request, and what
+/// the store keeps of it once it is answered (`None` where it is not to be kept).
 pub struct Translated {
     pub chat: ChatCompletionRequest,
     pub template: ResponseObject,
+    pub keep: Option<Keep>,
+}
+
+/// What the store needs, besides the finished response, to keep it: the request's input items (each given an id)
+/// and the response it continued.
+pub struct Keep {
+    store: Arc<ResponseStore>,
+    input: Vec<Json>,
+    previous: Option<Arc<StoredResponse>>,
 }
 
 /// Translates a Responses request into the chat request that [`crate::chat::prepare`] takes, and the response object it
-/// will be answered with (status `in_progress`, no output yet).
-pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: String) -> Result<Translated, ApiError> {
+/// will be answered with (status `in_progress`, no output yet). The response it continues, if any, comes from
+/// `store`, where the response will be kept too.
+pub fn translate(
+    request: ResponsesRequest,
+    sampling: &RawSampling,
+    model: String,
+    store: &Arc<ResponseStore>,
+) -> Result<Translated, ApiError> {
     refuse_stateful(&request)?;
+    let previous = match &request.previous_response_id {
+        None => None,
+        Some(id) => Some(store.get(id).ok_or_else(|| previous_not_found(id, store))?),
+    };
     if sampling.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid(
             "n",
@@ -76,13 +99,11 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
             ))
         }
     };
-    let mut messages = Vec::new();
-    if let Some(instructions) = &request.instructions {
-        messages.push(json!({"role": "system", "content": instructions}));
-    }
-    match request.input.clone() {
-        Some(Json::String(text)) => messages.push(json!({"role": "user", "content": text})),
-        Some(Json::Array(items)) => input_messages(items, &mut messages)?,
+    let input = with_ids(match request.input.clone() {
+        Some(Json::String(text)) => {
+            vec![json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})]
+        }
+        Some(Json::Array(items)) => items,
         Some(_) => {
             return Err(ApiError::invalid(
                 "input",
@@ -90,6 +111,21 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
             ))
         }
         None => return Err(ApiError::invalid("input", "`input` is required")),
+    });
+    let mut messages = Vec::new();
+    if let Some(instructions) = &request.instructions {
+        messages.push(json!({"role": "system", "content": instructions}));
+    }
+    match &previous {
+        None => input_messages(&input, &mut messages)?,
+        Some(previous) => {
+            // The request's own items are checked alone, so that an error names them by their index in `input`;
+            // the whole conversation is then read as one, so that a turn continued across the two is one turn.
+            input_messages(&input, &mut Vec::new())?;
+            let mut conversation = previous.conversation();
+            conversation.extend(input.iter().cloned());
+            input_messages(&conversation, &mut messages)?;
+        }
     }
     let tools = request.tools.clone().unwrap_or_default();
     let chat_tools: Vec<Json> = (tools.iter().enumerate())
@@ -151,11 +187,116 @@ pub fn translate(request: ResponsesRequest, sampling: &RawSampling, model: Strin
         text,
         reasoning,
         metadata: request.metadata.unwrap_or_else(|| json!({})),
-        store: request.store.unwrap_or(true),
-        previous_response_id: None,
+        store: request.store.unwrap_or(true) && store.enabled(),
+        previous_response_id: request.previous_response_id,
         truncation,
     };
-    Ok(Translated { chat, template })
+    let keep = template.store.then(|| Keep {
+        store: store.clone(),
+        input,
+        previous,
+    });
+    Ok(Translated { chat, template, keep })
+}
+
+/// The error for a `previous_response_id` the store does not hold (never kept, deleted, or dropped for room), with
+/// OpenAI's code for it.
+fn previous_not_found(id: &str, store: &ResponseStore) -> ApiError {
+    let why = match store.enabled() {
+        true => "responses are kept in memory, up to the server's --response-store-mib, until the server restarts",
+        false => "this server keeps no responses (--response-store-mib 0)",
+    };
+    let id = shown(id);
+    ApiError::invalid(
+        "previous_response_id",
+        format!("Previous response with id {id:?} not found ({why}); send the whole conversation in `input`"),
+    )
+    .with_code("previous_response_not_found")
+}
+
+/// The error for a response id the store does not hold.
+pub fn not_found(id: &str) -> ApiError {
+    let id = shown(id);
+    ApiError::not_found(format!(
+        "No response with id {id:?} is kept (never stored, deleted, or dropped for room; responses are kept in \
+         memory until the server restarts)"
+    ))
+}
+
+/// An id as an error message shows it: its first 64 characters (ids the server gives are shorter).
+fn shown(id: &str) -> &str {
+    id.char_indices().nth(64).map_or(id, |(end, _)| &id[..end])
+}
+
+/// The most items a page of input items may hold, and how many it holds where the query does not say.
+const MAX_PAGE: i64 = 100;
+const DEFAULT_PAGE: i64 = 20;
+
+/// A page of a response's input items (oldest first in `items`) as `query` asks for it.
+pub fn input_items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemList, ApiError> {
+    let limit = query.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::invalid(
+            "limit",
+            format!("`limit` must be between 1 and {MAX_PAGE}, got {limit}"),
+        ));
+    }
+    match query.order.as_deref() {
+        None | Some("desc") => items.reverse(),
+        Some("asc") => {}
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "order",
+                format!("`order` must be asc or desc, got {other:?}"),
+            ))
+        }
+    }
+    let position = |param: &str, id: &str| {
+        items.iter().position(|item| item["id"] == id).ok_or_else(|| {
+            ApiError::invalid(
+                param,
+                format!("`{param}`: no input item of this response has id {id:?}"),
+            )
+        })
+    };
+    let start = match &query.after {
+        Some(id) => position("after", id)? + 1,
+        None => 0,
+    };
+    let end = match &query.before {
+        Some(id) => position("before", id)?,
+        None => items.len(),
+    };
+    let end = end.max(start);
+    let take = (end - start).min(limit as usize);
+    let has_more = start + take < end;
+    let data: Vec<Json> = items.drain(start..start + take).collect();
+    let id_of = |item: Option<&Json>| item.and_then(|i| i["id"].as_str()).map(String::from);
+    Ok(ItemList {
+        object: "list",
+        first_id: id_of(data.first()),
+        last_id: id_of(data.last()),
+        has_more,
+        data,
+    })
+}
+
+/// Gives each input item that has none an `id` (by its type, as the API's own items are named), so that the stored
+/// items can be listed page by page.
+fn with_ids(mut items: Vec<Json>) -> Vec<Json> {
+    for item in items.iter_mut().filter_map(Json::as_object_mut) {
+        if item.get("id").is_some_and(Json::is_string) {
+            continue;
+        }
+        let prefix = match item.get("type").and_then(Json::as_str) {
+            Some("reasoning") => "rs_",
+            Some("function_call") => "fc_",
+            Some("function_call_output") => "fco_",
+            _ => "msg_",
+        };
+        item.insert("id".into(), Json::String(params::random_id(prefix)));
+    }
+    items
 }
 
 /// Renames the chat fields that an error from [`crate::chat::prepare`] names to the Responses fields they came from.
@@ -177,13 +318,8 @@ pub fn responses_param(mut error: ApiError) -> ApiError {
 }
 
 fn refuse_stateful(request: &ResponsesRequest) -> Result<(), ApiError> {
-    let stored = "this server keeps no responses or conversations; send the whole conversation in `input`";
-    if request.previous_response_id.is_some() {
-        return Err(ApiError::invalid(
-            "previous_response_id",
-            format!("`previous_response_id`: {stored}"),
-        ));
-    }
+    let stored = "this server keeps no conversations or prompt templates; send the conversation in `input`, or \
+                  continue a response with `previous_response_id`";
     if request.conversation.as_ref().is_some_and(|c| !c.is_null()) {
         return Err(ApiError::invalid("conversation", format!("`conversation`: {stored}")));
     }
@@ -251,7 +387,7 @@ fn item_str(item: &Json, i: usize, field: &str) -> Result<String, ApiError> {
 /// outputs as tool messages, and one assistant message for each assistant turn. A turn is what the model wrote
 /// between two other messages (its reasoning items, its message, its function calls, in any order), the way a
 /// response's output comes back in the next request, so that the template renders the turn as the model wrote it.
-fn input_messages(items: Vec<Json>, messages: &mut Vec<Json>) -> Result<(), ApiError> {
+fn input_messages(items: &[Json], messages: &mut Vec<Json>) -> Result<(), ApiError> {
     if items.is_empty() {
         return Err(ApiError::invalid("input", "`input` must not be an empty array"));
     }
@@ -466,11 +602,14 @@ pub struct ResponsesResponder {
     tokenizer: Arc<Tokenizer>,
     pending: Vec<ChatLogprobEntry>,
     message_logprobs: Vec<ChatLogprobEntry>,
+    /// Where the finished response is kept, if it is to be.
+    keep: Option<Keep>,
 }
 
 impl ResponsesResponder {
-    pub fn new(plan: &ChatPlan, template: ResponseObject, tokenizer: Arc<Tokenizer>) -> Self {
+    pub fn new(plan: &ChatPlan, template: ResponseObject, tokenizer: Arc<Tokenizer>, keep: Option<Keep>) -> Self {
         ResponsesResponder {
+            keep,
             logprobs: plan.logprobs,
             tokenizer,
             pending: Vec::new(),
@@ -564,6 +703,7 @@ impl ResponsesResponder {
                     _ => "response.completed",
                 };
                 let response = self.snapshot(status);
+                self.keep(&response);
                 out.push(self.event(kind, json!({"response": response})));
                 return (out, true);
             }
@@ -810,7 +950,19 @@ impl ResponsesResponder {
                 if let Some(output) = self.output.take() {
                     self.response.output = self.output_items(output);
                 }
-                Some(Ok(self.snapshot(self.status())))
+                let response = self.snapshot(self.status());
+                self.keep(&response);
+                Some(Ok(response))
+            }
+        }
+    }
+
+    /// Keeps the finished response in the store, before the client can read its id: a client may continue it
+    /// as soon as it has the answer. (A failed response, or one whose client left, is not kept.)
+    fn keep(&mut self, response: &ResponseObject) {
+        if let Some(Keep { store, input, previous }) = self.keep.take() {
+            if !store.insert(StoredResponse::new(response.clone(), input, previous)) {
+                tracing::warn!(id = %response.id, "a response's conversation is larger than the response store");
             }
         }
     }
@@ -897,9 +1049,136 @@ mod tests {
     use super::*;
 
     fn translate_json(body: Json) -> Result<Translated, ApiError> {
+        translate_in(&Arc::new(ResponseStore::new(1 << 20)), body)
+    }
+
+    fn translate_in(store: &Arc<ResponseStore>, body: Json) -> Result<Translated, ApiError> {
         let request: ResponsesRequest = serde_json::from_value(body.clone()).unwrap();
         let sampling: RawSampling = serde_json::from_value(body).unwrap();
-        translate(request, &sampling, "m".into())
+        translate(request, &sampling, "m".into(), store)
+    }
+
+    /// Answers `body` in `store` with the generation of [`events`], not streamed (or streamed), and returns the
+    /// response's JSON.
+    fn answer_in(store: &Arc<ResponseStore>, body: Json, stream: bool) -> Json {
+        let t = translate_in(store, body).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut response = None;
+        for event in events() {
+            if stream {
+                let (data, done) = responder.stream_event(event);
+                if done {
+                    response = Some(parse(data.last().unwrap())["response"].clone());
+                }
+            } else if let Some(result) = responder.collect_event(event) {
+                response = Some(serde_json::to_value(result.unwrap()).unwrap());
+            }
+        }
+        response.expect("a response at Done")
+    }
+
+    #[test]
+    fn a_continued_response_reads_as_the_whole_conversation_sent_again() {
+        for stream in [false, true] {
+            let store = Arc::new(ResponseStore::new(1 << 20));
+            let first = answer_in(
+                &store,
+                json!({"input": "Weather?", "instructions": "Be brief."}),
+                stream,
+            );
+            assert_eq!(first["store"], true);
+            let id = first["id"].as_str().unwrap();
+            let stored = store.get(id).expect("kept before the answer went out");
+            assert_eq!(stored.input.len(), 1);
+            assert!(stored.input[0]["id"].as_str().unwrap().starts_with("msg_"));
+            let output = first["output"].clone();
+            let follow = [json!({"type": "function_call_output", "call_id": "call_1", "output": "sunny"})];
+            let continued = translate_in(
+                &store,
+                json!({"input": follow, "previous_response_id": id, "instructions": "Be kind."}),
+            )
+            .unwrap();
+            assert_eq!(continued.template.previous_response_id.as_deref(), Some(id));
+            // The same conversation sent whole: the first input, the first output, the new input; the earlier
+            // instructions are not carried over.
+            let mut whole = vec![json!({"role": "user", "content": "Weather?"})];
+            whole.extend(output.as_array().unwrap().iter().cloned());
+            whole.extend(follow.iter().cloned());
+            let sent = translate_json(json!({"input": whole, "instructions": "Be kind."})).unwrap();
+            assert_eq!(continued.chat.messages, sent.chat.messages, "stream: {stream}");
+            let roles: Vec<Json> = sent.chat.messages.unwrap().iter().map(|m| m["role"].clone()).collect();
+            assert_eq!(roles, ["system", "user", "assistant", "tool"]);
+            // The continuation is kept too, and lists every input item that led to it.
+            let keep = continued.keep.expect("kept");
+            let second = StoredResponse::new(continued.template, keep.input, keep.previous);
+            let types = |items: &[Json]| -> Vec<Json> { items.iter().map(|i| i["type"].clone()).collect() };
+            let mut expected = vec![json!("message")];
+            expected.extend(types(output.as_array().unwrap()));
+            expected.push(json!("function_call_output"));
+            assert_eq!(types(&second.input_items()), expected);
+            assert_eq!(second.input_items()[1], output[0]);
+        }
+    }
+
+    #[test]
+    fn input_items_come_in_pages() {
+        let items: Vec<Json> = (0..5).map(|i| json!({"id": format!("i{i}")})).collect();
+        let page = |query: Json| {
+            let query: InputItemsQuery = serde_json::from_value(query).unwrap();
+            input_items_page(items.clone(), &query).map(|page| {
+                let ids: Vec<String> = page
+                    .data
+                    .iter()
+                    .map(|i| i["id"].as_str().unwrap().to_string())
+                    .collect();
+                (ids.join(","), page.has_more, page.first_id, page.last_id)
+            })
+        };
+        let (ids, more, first, last) = page(json!({})).unwrap();
+        assert_eq!((ids.as_str(), more), ("i4,i3,i2,i1,i0", false));
+        assert_eq!((first.as_deref(), last.as_deref()), (Some("i4"), Some("i0")));
+        assert_eq!(page(json!({"order": "asc", "limit": 2})).unwrap().0, "i0,i1");
+        assert!(page(json!({"order": "asc", "limit": 2})).unwrap().1);
+        let (ids, more, ..) = page(json!({"order": "asc", "limit": 2, "after": "i3"})).unwrap();
+        assert_eq!((ids.as_str(), more), ("i4", false));
+        assert_eq!(page(json!({"limit": 2, "after": "i4"})).unwrap().0, "i3,i2");
+        assert_eq!(page(json!({"order": "asc", "before": "i2"})).unwrap().0, "i0,i1");
+        assert_eq!(
+            page(json!({"order": "asc", "after": "i3", "before": "i1"})).unwrap().0,
+            ""
+        );
+        for (query, param) in [
+            (json!({"limit": 0}), "limit"),
+            (json!({"limit": 101}), "limit"),
+            (json!({"order": "up"}), "order"),
+            (json!({"after": "nope"}), "after"),
+            (json!({"before": "nope"}), "before"),
+        ] {
+            let error = page(query.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{query} was accepted"));
+            assert_eq!(error.param.as_deref(), Some(param));
+        }
+    }
+
+    #[test]
+    fn unknown_and_unkept_responses_cannot_be_continued() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let unkept = answer_in(&store, json!({"input": "hi", "store": false}), false);
+        assert_eq!(unkept["store"], false);
+        for id in [unkept["id"].as_str().unwrap(), "resp_unknown"] {
+            let error = translate_in(&store, json!({"input": "more", "previous_response_id": id}))
+                .err()
+                .expect("refused");
+            assert_eq!(error.status.as_u16(), 400);
+            assert_eq!(error.param.as_deref(), Some("previous_response_id"));
+            assert_eq!(error.code, Some("previous_response_not_found"));
+        }
+        // With the store off, nothing is kept and responses say so.
+        let off = Arc::new(ResponseStore::new(0));
+        let response = answer_in(&off, json!({"input": "hi"}), true);
+        assert_eq!(response["store"], false);
+        assert_eq!(off.usage(), (0, 0));
     }
 
     #[test]
@@ -1125,17 +1404,20 @@ mod tests {
             .clone()
     }
 
-    fn responder_with(logprobs: bool) -> ResponsesResponder {
-        let plan = ChatPlan {
+    fn plan(logprobs: bool) -> ChatPlan {
+        ChatPlan {
             stream: true,
             include_usage: false,
             logprobs,
             parallel_tool_calls: true,
             prompt_tokens: 5,
             sequences: Vec::new(),
-        };
+        }
+    }
+
+    fn responder_with(logprobs: bool) -> ResponsesResponder {
         let template = translate_json(json!({"input": "hi"})).unwrap().template;
-        ResponsesResponder::new(&plan, template, tokenizer())
+        ResponsesResponder::new(&plan(logprobs), template, tokenizer(), None)
     }
 
     /// A token event with the logprob of token `id` (and one alternative).

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::rejection::PathRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
-use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Query, Request, State};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -24,6 +24,7 @@ use crate::completions::{self, CompletionResponder};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::params;
+use crate::response_store::StoredResponse;
 use crate::responses::{self, ResponsesResponder};
 use crate::server::{AppState, Ready};
 use crate::types::*;
@@ -36,6 +37,8 @@ pub fn router(state: AppStateRef) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(text_completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/responses/{id}", get(get_response).delete(delete_response))
+        .route("/v1/responses/{id}/input_items", get(list_input_items))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route("/tokenize", post(tokenize))
@@ -64,7 +67,7 @@ fn cors(origins: &[String]) -> tower_http::cors::CorsLayer {
     };
     CorsLayer::new()
         .allow_origin(allow_origin)
-        .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+        .allow_methods([Method::GET, Method::POST, Method::DELETE])
         .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, REQUEST_ID])
         .expose_headers([REQUEST_ID, header::RETRY_AFTER])
         .max_age(std::time::Duration::from_secs(3600))
@@ -171,6 +174,9 @@ async fn metrics(State(state): State<AppStateRef>) -> Response {
         let bytes = ready.tokenizer.word_cache_bytes();
         state.metrics.word_cache_bytes.set(bytes as f64);
     }
+    let (stored, bytes) = state.responses.usage();
+    state.metrics.responses_stored.set(stored as f64);
+    state.metrics.response_store_bytes.set(bytes as f64);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         state.metrics.render(),
@@ -632,9 +638,10 @@ async fn responses(State(state): State<AppStateRef>, request: Request) -> Respon
         check_model(request.model.as_deref(), state)?;
         let ready = ready(state)?;
         check_queue(state)?;
-        let translated = responses::translate(request, &sampling, state.config.model_id.clone())?;
+        let model = state.config.model_id.clone();
+        let translated = responses::translate(request, &sampling, model, &state.responses)?;
         let plan = chat::prepare(translated.chat, sampling, ready).map_err(responses::responses_param)?;
-        let responder = ResponsesResponder::new(&plan, translated.template, ready.tokenizer.clone());
+        let responder = ResponsesResponder::new(&plan, translated.template, ready.tokenizer.clone(), translated.keep);
         Ok(Prepared {
             stream: plan.stream,
             sequences: plan.sequences,
@@ -642,6 +649,41 @@ async fn responses(State(state): State<AppStateRef>, request: Request) -> Respon
         })
     })
     .await
+}
+
+/// The kept response that the path names, or 404.
+fn stored_response(state: &AppState, id: Result<Path<String>, PathRejection>) -> Result<Arc<StoredResponse>, ApiError> {
+    // An id that is not UTF-8 once its percent escapes are decoded names no response either.
+    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
+    state.responses.get(&id).ok_or_else(|| responses::not_found(&id))
+}
+
+async fn get_response(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<ResponseObject>, ApiError> {
+    Ok(Json(stored_response(&state, id)?.response.clone()))
+}
+
+async fn delete_response(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
+    match state.responses.remove(&id) {
+        true => Ok(Json(json!({"id": id, "object": "response", "deleted": true}))),
+        false => Err(responses::not_found(&id)),
+    }
+}
+
+async fn list_input_items(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+    query: Result<Query<InputItemsQuery>, QueryRejection>,
+) -> Result<Json<ItemList>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
+    let response = stored_response(&state, id)?;
+    responses::input_items_page(response.input_items(), &query).map(Json)
 }
 
 async fn tokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<TokenizeResponse>, ApiError> {

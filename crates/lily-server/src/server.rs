@@ -19,6 +19,7 @@ use crate::engine::{Engine, EngineHandle, EngineOptions, EngineShared, JobQueue}
 use crate::limits::{RequestLimits, DEFAULT_REQUEST_CONTEXTS};
 use crate::metrics::Metrics;
 use crate::params::GenerationDefaults;
+use crate::response_store::ResponseStore;
 
 /// Builds the batch backend, on the engine thread, for a context of the given number of tokens per sequence and
 /// the pool the server was asked for.
@@ -82,6 +83,8 @@ pub struct ServerConfig {
     pub pool: PoolOptions,
     /// How the engine schedules (prompt tokens per iteration).
     pub engine: EngineOptions,
+    /// Bytes of finished `/v1/responses` answers kept for `previous_response_id` and retrieval (0: none kept).
+    pub response_store_bytes: usize,
 }
 
 impl ServerConfig {
@@ -107,9 +110,13 @@ impl ServerConfig {
             max_request_tokens: None,
             pool: PoolOptions::default(),
             engine: EngineOptions::default(),
+            response_store_bytes: DEFAULT_RESPONSE_STORE_MIB << 20,
         }
     }
 }
+
+/// MiB of finished responses the server keeps by default (`--response-store-mib`).
+pub const DEFAULT_RESPONSE_STORE_MIB: usize = 256;
 
 /// What requests need once the model is loaded.
 pub struct Ready {
@@ -179,6 +186,8 @@ pub struct AppState {
     pub created: u64,
     /// Requests being parsed, rendered and tokenized on the blocking pool at once: one per core.
     pub prepare_slots: Arc<tokio::sync::Semaphore>,
+    /// The finished `/v1/responses` answers kept for their clients.
+    pub responses: Arc<ResponseStore>,
 }
 
 impl AppState {
@@ -331,6 +340,7 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
         prepare_slots: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )),
+        responses: Arc::new(ResponseStore::new(config.response_store_bytes)),
     });
 
     let (status_tx, status_rx) = watch::channel(Status::Loading);
@@ -664,6 +674,10 @@ async fn run_async(args: ServeArgs, backend: impl FnOnce(PathBuf) -> BackendFact
     config.allowed_origins = args.allowed_origins.clone();
     config.special_tokens_in_content = args.allow_special_tokens_in_content;
     config.max_request_tokens = args.max_request_tokens;
+    config.response_store_bytes = args
+        .response_store_mib
+        .checked_mul(1 << 20)
+        .context("--response-store-mib is too large")?;
     let prefix_cache_bytes = match args.prefix_cache_gib {
         _ if args.no_prefix_cache => Some(0),
         Some(gib) if gib.is_finite() && gib >= 0.0 => Some((gib * (1u64 << 30) as f64) as usize),

@@ -360,7 +360,7 @@ pub struct ErrorDetail {
 }
 
 /// A `/v1/responses` request's own fields (OpenAI's Responses API); its sampling fields are a [`RawSampling`].
-/// The server keeps no state between requests, so the fields that refer to stored responses are refused.
+/// `previous_response_id` names a response the server kept; conversations and stored prompts are refused.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ResponsesRequest {
     pub model: Option<String>,
@@ -386,6 +386,26 @@ pub struct ResponsesRequest {
     pub truncation: Option<String>,
     pub metadata: Option<Json>,
     pub top_logprobs: Option<i64>,
+}
+
+/// The query of `GET /v1/responses/{id}/input_items`: a page of `limit` items (1 to 100, 20 by default) in `order`
+/// (`desc`, the default, or `asc`), after or before the item with the given id.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct InputItemsQuery {
+    pub limit: Option<i64>,
+    pub order: Option<String>,
+    pub after: Option<String>,
+    pub before: Option<String>,
+}
+
+/// A page of items (`object: "list"`), with the ids of its first and last and whether more follow.
+#[derive(Debug, Clone, Serialize)]
+pub struct ItemList {
+    pub object: &'static str,
+    pub data: Vec<Json>,
+    pub first_id: Option<String>,
+    pub last_id: Option<String>,
+    pub has_more: bool,
 }
 
 /// A response of `/v1/responses`, streamed (in the `response.*` events) or whole.

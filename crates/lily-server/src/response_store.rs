@@ -1,0 +1,309 @@
+//! The responses `/v1/responses` keeps (`store`, on by default as in OpenAI's API), so that a request can continue
+//! one by its id (`previous_response_id`) instead of sending the whole conversation again, and so that clients can
+//! read one back (`GET /v1/responses/{id}`, its input items) or delete it.
+//!
+//! The store lives in memory and holds at most `--response-store-mib` of responses; past that the least recently
+//! used are dropped. A response links to the one it continues, so a conversation's context stays whole while any of
+//! its responses is kept, even where older ones were dropped: a client that continues a kept response never finds a
+//! hole in the middle of its conversation. The store counts each response as the bytes of its whole conversation, so
+//! what it holds never exceeds its limit, however the conversations share their older responses.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde_json::Value as Json;
+
+use crate::types::ResponseObject;
+
+/// A kept response: the response object as it was answered, the input items its request gave, and the response it
+/// continued.
+pub struct StoredResponse {
+    pub response: ResponseObject,
+    /// The request's own input items, each with an `id`.
+    pub input: Vec<Json>,
+    /// The response this one continued (`previous_response_id`).
+    pub previous: Option<Arc<StoredResponse>>,
+    /// The bytes of this response's JSON and input items, and those of every response it continues.
+    conversation_bytes: usize,
+}
+
+impl StoredResponse {
+    pub fn new(response: ResponseObject, input: Vec<Json>, previous: Option<Arc<StoredResponse>>) -> StoredResponse {
+        let own = serde_json::to_vec(&response).map_or(0, |v| v.len())
+            + input
+                .iter()
+                .map(|item| serde_json::to_vec(item).map_or(0, |v| v.len()))
+                .sum::<usize>();
+        let conversation_bytes = own + previous.as_ref().map_or(0, |p| p.conversation_bytes);
+        StoredResponse {
+            response,
+            input,
+            previous,
+            conversation_bytes,
+        }
+    }
+
+    /// Every input item that led to this response, oldest first: the input and output items of the responses it
+    /// continues, then its own input items. This is what `GET /v1/responses/{id}/input_items` lists.
+    pub fn input_items(&self) -> Vec<Json> {
+        let mut chain = Vec::new();
+        let mut next = self.previous.as_deref();
+        while let Some(response) = next {
+            chain.push(response);
+            next = response.previous.as_deref();
+        }
+        let mut items = Vec::new();
+        for response in chain.iter().rev() {
+            items.extend(response.input.iter().cloned());
+            items.extend(response.output_items());
+        }
+        items.extend(self.input.iter().cloned());
+        items
+    }
+
+    /// The conversation that a response continuing this one starts from: its input items, then its output items
+    /// (which the Responses API takes back as input items).
+    pub fn conversation(&self) -> Vec<Json> {
+        let mut items = self.input_items();
+        items.extend(self.output_items());
+        items
+    }
+
+    fn output_items(&self) -> impl Iterator<Item = Json> + '_ {
+        (self.response.output.iter()).filter_map(|item| serde_json::to_value(item).ok())
+    }
+}
+
+impl Drop for StoredResponse {
+    /// Drops a long chain of responses one link at a time: the default drop would recurse once per response.
+    fn drop(&mut self) {
+        let mut next = self.previous.take();
+        while let Some(response) = next {
+            next = match Arc::try_unwrap(response) {
+                Ok(mut response) => response.previous.take(),
+                Err(_) => None,
+            };
+        }
+    }
+}
+
+/// The kept responses by id, with the order in which they were last used.
+pub struct ResponseStore {
+    capacity_bytes: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Each response and the tick of its last use.
+    entries: HashMap<String, (Arc<StoredResponse>, u64)>,
+    /// The ids by the tick of their last use, oldest first.
+    recency: BTreeMap<u64, String>,
+    tick: u64,
+    bytes: usize,
+}
+
+impl Inner {
+    fn touch(&mut self, id: &str) -> Option<Arc<StoredResponse>> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (response, used) = self.entries.get_mut(id)?;
+        self.recency.remove(used);
+        *used = tick;
+        self.recency.insert(tick, id.to_string());
+        Some(response.clone())
+    }
+
+    fn remove(&mut self, id: &str) -> Option<Arc<StoredResponse>> {
+        let (response, used) = self.entries.remove(id)?;
+        self.recency.remove(&used);
+        self.bytes -= response.conversation_bytes;
+        Some(response)
+    }
+}
+
+impl ResponseStore {
+    /// A store that holds up to `capacity_bytes` (0: keeps nothing).
+    pub fn new(capacity_bytes: usize) -> ResponseStore {
+        ResponseStore {
+            capacity_bytes,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Whether the store keeps responses at all.
+    pub fn enabled(&self) -> bool {
+        self.capacity_bytes > 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // The store's state stays consistent between statements, so a panic elsewhere leaves it usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `response`, dropping the least recently used ones until it fits. Returns false where it is not kept:
+    /// the store is off, or the response's conversation alone is larger than the store.
+    pub fn insert(&self, response: StoredResponse) -> bool {
+        let bytes = response.conversation_bytes;
+        if bytes > self.capacity_bytes {
+            return false;
+        }
+        let id = response.response.id.clone();
+        let mut inner = self.lock();
+        inner.remove(&id);
+        while inner.bytes + bytes > self.capacity_bytes {
+            let Some((_, oldest)) = inner.recency.pop_first() else {
+                break;
+            };
+            if let Some((response, _)) = inner.entries.remove(&oldest) {
+                inner.bytes -= response.conversation_bytes;
+            }
+        }
+        inner.tick += 1;
+        let tick = inner.tick;
+        inner.recency.insert(tick, id.clone());
+        inner.entries.insert(id, (Arc::new(response), tick));
+        inner.bytes += bytes;
+        true
+    }
+
+    /// The response with this id, now the most recently used.
+    pub fn get(&self, id: &str) -> Option<Arc<StoredResponse>> {
+        self.lock().touch(id)
+    }
+
+    /// Forgets the response with this id; false where there was none.
+    pub fn remove(&self, id: &str) -> bool {
+        self.lock().remove(id).is_some()
+    }
+
+    /// The responses kept and the bytes they count for.
+    pub fn usage(&self) -> (usize, usize) {
+        let inner = self.lock();
+        (inner.entries.len(), inner.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{ResponseItem, ResponsePart};
+    use serde_json::json;
+
+    fn response(id: &str, text: &str) -> ResponseObject {
+        ResponseObject {
+            id: id.to_string(),
+            object: "response",
+            created_at: 0,
+            status: "completed",
+            model: "m".into(),
+            output: vec![ResponseItem::Message {
+                id: format!("msg_{id}"),
+                status: "completed",
+                role: "assistant",
+                content: vec![ResponsePart::OutputText {
+                    text: text.into(),
+                    annotations: Vec::new(),
+                    logprobs: Vec::new(),
+                }],
+            }],
+            usage: None,
+            incomplete_details: None,
+            error: None,
+            instructions: None,
+            max_output_tokens: None,
+            parallel_tool_calls: true,
+            temperature: None,
+            top_p: None,
+            tool_choice: json!("auto"),
+            tools: Vec::new(),
+            text: json!({}),
+            reasoning: json!({}),
+            metadata: json!({}),
+            store: true,
+            previous_response_id: None,
+            truncation: "disabled",
+        }
+    }
+
+    fn user(text: &str) -> Json {
+        json!({"type": "message", "role": "user", "content": text, "id": format!("in_{text}")})
+    }
+
+    fn texts(items: &[Json]) -> Vec<String> {
+        let text = |item: &Json| match &item["content"] {
+            Json::String(s) => s.clone(),
+            parts => parts[0]["text"].as_str().unwrap_or_default().to_string(),
+        };
+        items.iter().map(text).collect()
+    }
+
+    #[test]
+    fn a_chain_gives_back_its_whole_conversation_in_order() {
+        let first = Arc::new(StoredResponse::new(response("a", "one"), vec![user("hi")], None));
+        let second = Arc::new(StoredResponse::new(
+            response("b", "two"),
+            vec![user("more")],
+            Some(first),
+        ));
+        let third = StoredResponse::new(response("c", "three"), vec![user("again")], Some(second));
+        assert_eq!(texts(&third.input_items()), ["hi", "one", "more", "two", "again"]);
+        assert_eq!(
+            texts(&third.conversation()),
+            ["hi", "one", "more", "two", "again", "three"]
+        );
+        assert_eq!(third.conversation()[1]["type"], "message");
+        assert_eq!(third.conversation()[1]["role"], "assistant");
+    }
+
+    #[test]
+    fn the_least_recently_used_go_first_and_chains_survive_eviction() {
+        let a = StoredResponse::new(response("a", "one"), vec![user("hi")], None);
+        let size = a.conversation_bytes;
+        // Room for three responses of the first one's size.
+        let store = ResponseStore::new(3 * size + size / 2);
+        assert!(store.insert(a));
+        assert!(store.insert(StoredResponse::new(response("x", "one"), vec![user("hi")], None)));
+        assert!(store.insert(StoredResponse::new(response("y", "one"), vec![user("hi")], None)));
+        // `a` is used, so `x` is the least recently used when `z` comes.
+        let a = store.get("a").expect("kept");
+        assert!(store.insert(StoredResponse::new(response("z", "one"), vec![user("hi")], None)));
+        assert!(store.get("x").is_none());
+        assert!(store.get("y").is_some() && store.get("z").is_some());
+        // A continuation counts its whole conversation (about twice one response), so two more go.
+        let b = StoredResponse::new(response("b", "two"), vec![user("more")], Some(a));
+        assert!(b.conversation_bytes > size);
+        assert!(store.insert(b));
+        assert!(store.get("a").is_none());
+        let b = store.get("b").expect("the newest is kept");
+        assert_eq!(texts(&b.conversation()), ["hi", "one", "more", "two"]);
+        let (count, bytes) = store.usage();
+        assert!(bytes <= 3 * size + size / 2, "{bytes} bytes in {count} responses");
+    }
+
+    #[test]
+    fn removed_and_oversized_responses_are_not_kept() {
+        let store = ResponseStore::new(1 << 20);
+        assert!(store.insert(StoredResponse::new(response("a", "one"), vec![user("hi")], None)));
+        assert!(store.remove("a"));
+        assert!(!store.remove("a"));
+        assert!(store.get("a").is_none());
+        assert_eq!(store.usage(), (0, 0));
+        let big = "x".repeat(2 << 20);
+        assert!(!store.insert(StoredResponse::new(response("b", &big), vec![user("hi")], None)));
+        assert!(store.get("b").is_none());
+        let off = ResponseStore::new(0);
+        assert!(!off.enabled());
+        assert!(!off.insert(StoredResponse::new(response("c", "one"), vec![user("hi")], None)));
+    }
+
+    #[test]
+    fn a_long_chain_drops_without_deep_recursion() {
+        let mut last: Option<Arc<StoredResponse>> = None;
+        for i in 0..200_000 {
+            let id = format!("r{i}");
+            last = Some(Arc::new(StoredResponse::new(response(&id, "t"), Vec::new(), last)));
+        }
+        drop(last);
+    }
+}
