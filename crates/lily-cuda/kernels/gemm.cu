@@ -1665,6 +1665,210 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 #endif
 }
 
+// ---- The experts' down with the weights in registers (moe_down_rs, Hopper) ----
+// The down product of moe_gate_up_rs's tiles, in the same operand roles: the down weights are wgmma's A operand,
+// dequantized into registers by each consumer thread one step ahead of its MMAs, and the tile's SwiGLU rows the B
+// operand (m64nTk16 with T = MOE_RS_TOKENS). A work item is (tile, column block of 128 hidden rows); consumer
+// warpgroup w takes the block's hidden rows 64 w .. 64 w + 63 against the tile's token rows.
+// A tile's SwiGLU rows are consecutive rows of `act` (sorted entries), so one tensor copy brings a step's activation
+// box (64 inputs by the tile's rows, 128-byte swizzle); rows past the tile belong to the next expert's entries or
+// lie past the matrix (zero-filled), and only the token columns they feed, which the epilogue drops, see them.
+// k is MOE_INTER (512): eight steps, too few to hide a block's prologue and epilogue, so the kernel is persistent:
+// a block an SM walks the items (gridDim.x apart), and the producer's copies run on into the next item while the
+// consumers finish the last one. Stages and barrier phases count steps over all of a block's items.
+// The epilogue stages the tile, transposed to token rows, in shared memory of its own (so the next item's stages
+// can fill meanwhile), then writes each valid token's 128 weighted columns to its entry's row of `out` in 16-byte
+// stores, as moe_down writes them.
+#ifndef MOE_DOWN_RS
+#define MOE_DOWN_RS 0
+#endif
+#ifndef MOE_DOWN_RS_STAGES
+#define MOE_DOWN_RS_STAGES 6
+#endif
+constexpr int MOE_DOWN_RS_COLS = 128;                                   // hidden rows of an item (two m64)
+constexpr int MOE_DOWN_RS_COL_BLOCKS = HIDDEN / MOE_DOWN_RS_COLS;
+constexpr int MOE_DOWN_RS_STEPS = MOE_INTER / KT;                       // k steps of an item
+constexpr int MOE_DOWN_RS_X = MOE_RS_TOKENS * 128;                      // the activation box of a step
+constexpr int MOE_DOWN_RS_STAGE = MOE_DOWN_RS_X + MOE_DOWN_RS_COLS * 32;  // and the codes of 128 rows
+constexpr int MOE_DOWN_RS_PAIRS = MOE_DOWN_RS_COLS * 8;                 // a piece's pairs of 128 rows
+constexpr int MOE_DOWN_RS_PAIR_SLOTS = 4;
+constexpr int MOE_DOWN_RS_ROW = MOE_DOWN_RS_COLS * 4 + 16;              // a staged token row: 128 f32 and padding
+constexpr int MOE_DOWN_RS_SMEM = MOE_DOWN_RS_STAGES * MOE_DOWN_RS_STAGE + MOE_DOWN_RS_PAIR_SLOTS * MOE_DOWN_RS_PAIRS +
+                                 MOE_RS_TOKENS * MOE_DOWN_RS_ROW + 2 * MOE_DOWN_RS_STAGES * 8 + 1024;
+static_assert(HIDDEN % MOE_DOWN_RS_COLS == 0 && MOE_DOWN_RS_COLS == TILED_ROWS && MOE_INTER % TILED_PIECE == 0 &&
+                  TILED_PIECE == 2 * KT,
+              "an item's rows are one block of the tiled matrix, and a piece is two steps");
+static_assert(MOE_DOWN_RS_STAGE % 1024 == 0, "every activation box starts on a swizzle atom");
+// Piece p's pairs' slot is refilled for piece p + slots, at step 2 (p + slots), once step 2 (p + slots) - stages is
+// complete; its last reader, step 2 p + 1, must be no later.
+static_assert(MOE_DOWN_RS_STAGES >= 2 && MOE_DOWN_RS_STAGES + 1 <= 2 * MOE_DOWN_RS_PAIR_SLOTS,
+              "a pairs' slot is refilled after its last reader");
+static_assert(MOE_DOWN_RS_SMEM <= 227 * 1024, "a block's shared memory on Hopper");
+// The consumers hold half the dense kernel's accumulators, so the producer, whose thread 0 walks the items, keeps a
+// few more registers than there.
+constexpr int MOE_DOWN_RS_PRODUCER_REGS = 56;
+constexpr int MOE_DOWN_RS_CONSUMER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 128 * MOE_DOWN_RS_PRODUCER_REGS) / 256 / 8 * 8;
+static_assert(MOE_DOWN_RS_CONSUMER_REGS >= RS_LAUNCH_REGS, "the consumers gain registers, the producer gives them up");
+__device__ int moe_rs_down = WGMMA_BUILT && MOE_DOWN_RS;
+__device__ int moe_down_rs_smem = MOE_DOWN_RS_SMEM;
+__device__ int moe_down_rs_col_blocks = MOE_DOWN_RS_COL_BLOCKS;
+
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
+    moe_down_rs(const __grid_constant__ TmaMap act_map, const __grid_constant__ TmaMap down_map,
+                const __grid_constant__ TmaMap shared_down_map, const int* entries, const int* tiles,
+                const int* tile_count, const int* offsets, const float* route_w, Q4 down, Q4 shared_down,
+                float* out) {
+#if WGMMA_BUILT
+    extern __shared__ __align__(128) unsigned char moe_down_rs_raw[];
+    // The host's launch is not the kernel's.
+    if (dynamic_smem_bytes() < MOE_DOWN_RS_SMEM || blockDim.x != RS_THREADS) __trap();
+    wait_previous();  // the tiles, and the SwiGLU rows, come from the kernels before
+    constexpr int STAGES = MOE_DOWN_RS_STAGES, STEPS = MOE_DOWN_RS_STEPS;
+    const u32 raw0 = smem_addr(moe_down_rs_raw), smem0 = (raw0 + 1023) & ~1023u;
+    unsigned char* smem = moe_down_rs_raw + (smem0 - raw0);
+    const u32 pairs0 = smem0 + STAGES * MOE_DOWN_RS_STAGE;
+    const u32 staged0 = pairs0 + MOE_DOWN_RS_PAIR_SLOTS * MOE_DOWN_RS_PAIRS;
+    const u32 full = staged0 + MOE_RS_TOKENS * MOE_DOWN_RS_ROW, empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, lane = tid % WARP;
+    // The count comes through a shuffle so ptxas knows the loop bound is warp-uniform.
+    const int items = __shfl_sync(0xffffffffu, *tile_count, 0) * MOE_DOWN_RS_COL_BLOCKS;
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(full + 8 * s, 1);
+            mbarrier_init(empty + 8 * s, 8);
+        }
+        mbarrier_init_fence();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
+    }
+    __syncthreads();  // the barriers are initialised
+
+    if (tid < 128) {
+        // The producer: thread 0 brings every step of the block's items, each stage once the consumers are done
+        // with its previous step.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MOE_DOWN_RS_PRODUCER_REGS) : "memory");
+        if (tid == 0) {
+            int step = 0;
+#pragma unroll 1
+            for (int item = blockIdx.x; item < items; item += gridDim.x) {
+                const int tile = item / MOE_DOWN_RS_COL_BLOCKS, cb = item % MOE_DOWN_RS_COL_BLOCKS;
+                const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+                const bool routed = expert < NUM_EXPERTS;
+                const int row0 = (routed ? expert * HIDDEN : 0) + cb * MOE_DOWN_RS_COLS;
+                const int map_row0 = row0 / TILED_ROWS * (MOE_INTER / TILED_PIECE) * TILED_ROWS;
+                const TmaMap* w_map = routed ? &down_map : &shared_down_map;
+                const u32* pairs = tiled_row_pairs(routed ? down : shared_down, row0, MOE_INTER);
+#pragma unroll 1
+                for (int kt = 0; kt < STEPS; kt++, step++) {
+                    const int s = step % STAGES;
+                    if (step >= STAGES) mbarrier_wait(empty + 8 * s, (step / STAGES - 1) % 2);
+                    const u32 bar = full + 8 * s, stage = smem0 + s * MOE_DOWN_RS_STAGE;
+                    mbarrier_arrive_expect(
+                        bar, MOE_DOWN_RS_X + MOE_DOWN_RS_COLS * 32 + (kt % 2 == 0 ? MOE_DOWN_RS_PAIRS : 0));
+                    tma_load_2d(stage + MOE_DOWN_RS_X, *w_map, (kt % 2) * (KT / 2), map_row0 + kt / 2 * TILED_ROWS,
+                                bar);
+                    if (kt % 2 == 0)
+                        bulk_load(pairs0 + (step / 2 % MOE_DOWN_RS_PAIR_SLOTS) * MOE_DOWN_RS_PAIRS,
+                                  pairs + kt / 2 * TILED_PAIR_STEP, MOE_DOWN_RS_PAIRS, bar);
+                    tma_load_2d(stage, act_map, kt * KT, first, bar);
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MOE_DOWN_RS_CONSUMER_REGS) : "memory");
+    const int ct = tid - 128, wg = ct / 128, q = (ct % 128) / WARP, g = lane / 4, t = lane % 4;
+    const int row0 = wg * 64 + q * 16 + g;  // this thread's weight rows: row0 and row0 + 8 of the item's 128
+    const u32 sel = 0x0400u + 0x0101u * (u32)t;  // byte t of a word: inputs 2t, 2t + 1
+    constexpr int ACC = MOE_RS_TOKENS / 2;
+    float d[ACC];
+    // Step `step`'s A fragments of its four k16 slices, dequantized from its stage's codes (after its barrier).
+    auto dequant = [&](int step, u32 (&a)[4][4]) {
+        mbarrier_wait(full + 8 * (step % STAGES), (step / STAGES) % 2);
+        const unsigned char* codes = smem + (step % STAGES) * MOE_DOWN_RS_STAGE + MOE_DOWN_RS_X;
+        const unsigned char* pairs =
+            smem + (pairs0 - smem0) + (step / 2 % MOE_DOWN_RS_PAIR_SLOTS) * MOE_DOWN_RS_PAIRS + (step % 2) * 4;
+        const uint4 lo0 = *(const uint4*)(codes + row0 * 32), hi0 = *(const uint4*)(codes + row0 * 32 + 16);
+        const uint4 lo1 = *(const uint4*)(codes + (row0 + 8) * 32), hi1 = *(const uint4*)(codes + (row0 + 8) * 32 + 16);
+        const u32 sb0 = *(const u32*)(pairs + row0 * 8), sb1 = *(const u32*)(pairs + (row0 + 8) * 8);
+        const u32 scale0 = __byte_perm(sb0, sb0, 0x1010), bias0 = __byte_perm(sb0, sb0, 0x3232);
+        const u32 scale1 = __byte_perm(sb1, sb1, 0x1010), bias1 = __byte_perm(sb1, sb1, 0x3232);
+#pragma unroll
+        for (int s = 0; s < KT / 16; s++) {
+            const u32 w0a = word_of(s < 2 ? lo0 : hi0, (2 * s) % 4), w0b = word_of(s < 2 ? lo0 : hi0, (2 * s + 1) % 4);
+            const u32 w1a = word_of(s < 2 ? lo1 : hi1, (2 * s) % 4), w1b = word_of(s < 2 ? lo1 : hi1, (2 * s + 1) % 4);
+            a[s][0] = dequant_q4(w0a, sel, scale0, bias0);
+            a[s][1] = dequant_q4(w1a, sel, scale1, bias1);
+            a[s][2] = dequant_q4(w0b, sel, scale0, bias0);
+            a[s][3] = dequant_q4(w1b, sel, scale1, bias1);
+        }
+    };
+    // Step `step` (the item's kt-th) from fragments a; then, once the item's step before has completed, that step's
+    // stage is released.
+    auto mma = [&](int step, int kt, const u32 (&a)[4][4]) {
+        const u32 x_tile = smem0 + (step % STAGES) * MOE_DOWN_RS_STAGE;
+        wgmma_fence();
+        wgmma_hold(d);
+#pragma unroll
+        for (int s = 0; s < KT / 16; s++) wgmma_m64k16_rs<MOE_RS_TOKENS>(d, a[s], wgmma_desc(x_tile + 32 * s));
+        wgmma_commit();
+        wgmma_wait<1>();
+        wgmma_hold(d);
+        if (kt > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % STAGES));
+    };
+    u32 a0[4][4], a1[4][4];
+    int step = 0;
+#pragma unroll 1
+    for (int item = blockIdx.x; item < items; item += gridDim.x, step += STEPS) {
+        const int tile = item / MOE_DOWN_RS_COL_BLOCKS, cb = item % MOE_DOWN_RS_COL_BLOCKS;
+        const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+        const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
+#pragma unroll
+        for (int i = 0; i < ACC; i++) d[i] = 0.f;
+        dequant(step, a0);
+#pragma unroll 1
+        for (int kt = 0; kt < STEPS; kt += 2) {
+            mma(step + kt, kt, a0);
+            dequant(step + kt + 1, a1);
+            mma(step + kt + 1, kt + 1, a1);
+            if (kt + 2 < STEPS) dequant(step + kt + 2, a0);
+        }
+        wgmma_wait<0>();
+        wgmma_hold(d);
+        if (lane == 0) mbarrier_arrive(empty + 8 * ((step + STEPS - 1) % STAGES));
+
+        // The epilogue: d holds weight rows row0 (+ 8 h) at token rows 8 j + 2 t (+ e), registers 4 j + 2 h (+ e),
+        // staged by token row once every consumer has copied the last item's rows out.
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int j = 0; j < MOE_RS_TOKENS / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const u32 dst = staged0 + (8 * j + 2 * t + e) * MOE_DOWN_RS_ROW + (row0 + 8 * h) * 4;
+                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(dst), "f"(d[4 * j + 2 * h + e]) : "memory");
+                }
+            }
+        }
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        const int n0 = cb * MOE_DOWN_RS_COLS;
+        for (int i = ct; i < rows * (MOE_DOWN_RS_COLS / 4); i += 256) {
+            const int r = i / (MOE_DOWN_RS_COLS / 4), chunk = i % (MOE_DOWN_RS_COLS / 4);
+            const int entry = entries[first + r];
+            const float weight = route_w[entry];
+            float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
+            v.x *= weight, v.y *= weight, v.z *= weight, v.w *= weight;
+            *(float4*)(out + (size_t)entry * HIDDEN + n0 + chunk * 4) = v;
+        }
+    }
+#else
+    wait_previous();
+    __trap();  // built without wgmma: the host never launches it (moe_rs_down is 0)
+#endif
+}
+
 // ---- The small tiling: few entries per expert, on the integer tensor cores ----
 // A batched decode step or a short prompt routes a few tokens to each expert, so its grouped products stream each
 // chosen expert's weights once for a handful of rows, and the time goes into the bytes and into turning 4-bit codes

@@ -670,8 +670,9 @@ pub struct Sorted {
     pub work: DevPtr<i32>,
     pub max_tiles: usize,
     pub tile_rows: usize,
-    /// Tokens of the routing.
+    /// Tokens of the routing, and the entries a token has ([`moe_slots`]).
     pub tokens: usize,
+    pub slots: usize,
     /// Whether the large tiling's gate/up runs on `moe_gate_up_rs` (tiles of `moe_rs_tile_rows`; see
     /// [`moe_takes_rs`]).
     pub rs: bool,
@@ -805,7 +806,8 @@ pub fn moe_experts(
             s.work,
         );
     }
-    // Down runs on mma.sync in 64-row tiles, a taller tile (the warpgroup gate/up's) as parts of 64 rows.
+    // Down runs on mma.sync in 64-row tiles, a taller tile (the warpgroup gate/up's) as parts of 64 rows, or, on
+    // moe_gate_up_rs's tiles where the build has it, on moe_down_rs.
     let down_rows = k.constant("moe_tile_rows");
     let grid =
         |col_blocks: &'static str, parts: usize| (k.constant(col_blocks) as u32, s.max_tiles as u32, parts as u32);
@@ -863,6 +865,39 @@ pub fn moe_experts(
             shared_up,
             act,
         )?;
+    }
+    if s.rs && k.constant("moe_rs_down") == 1 {
+        let act_map = l.gpu.tensor_map_2d(
+            act,
+            cudarc::driver::sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            m.down.cols,
+            s.tokens * s.slots,
+            m.down.cols * 2,
+            K_STEP as u32,
+            s.tile_rows as u32,
+            cudarc::driver::sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        )?;
+        let (down_map, shared_down_map) = (tiled_codes_map(l.gpu, m.down)?, tiled_codes_map(l.gpu, m.shared_down)?);
+        // Persistent: at most a block an SM (its shared memory allows no second), never more than the items.
+        let items = s.max_tiles * k.constant("moe_down_rs_col_blocks");
+        let blocks = items.min(l.gpu.sm_count) as u32;
+        let threads = k.constant("gemm_wgmma_rs_threads") as u32;
+        let dims = Dims::linear(blocks, threads).shared(k.constant("moe_down_rs_smem") as u32);
+        return gemm::moe_down_rs(
+            l,
+            dims,
+            act_map,
+            down_map,
+            shared_down_map,
+            s.entries,
+            s.tiles,
+            s.tile_count,
+            s.offsets,
+            route_w,
+            m.down.tiled_q4(),
+            m.shared_down.tiled_q4(),
+            out,
+        );
     }
     gemm::moe_down(
         l,

@@ -119,6 +119,7 @@ impl PrefillScratch {
             max_tiles: gemm::max_tiles(c, t, tile_rows).min(self.max_tiles),
             tile_rows,
             tokens: t,
+            slots: gemm::moe_slots(c),
             rs: gemm::moe_takes_rs(kernels, t),
         }
     }

@@ -58,6 +58,9 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_rs_smem",
         "moe_rs_tile_rows",
         "moe_rs_min_tokens",
+        "moe_rs_down",
+        "moe_down_rs_smem",
+        "moe_down_rs_col_blocks",
         "gemm_rows64_two",
     ],
 };
@@ -190,6 +193,25 @@ launchers! {
         shared_gate: Q4,
         shared_up: Q4,
         act: DevPtr<bf16>,
+    );
+    /// `moe_down`'s product on `moe_gate_up_rs`'s tiles with the weights dequantized into registers as wgmma's A
+    /// operand (`gemm_wgmma_rs_threads` threads, `moe_down_rs_smem` bytes of shared memory a block; Hopper builds
+    /// only, where `moe_rs_down` is 1): a persistent launch of at most one block an SM walking the (tile, column
+    /// block of 128 hidden rows) items. `act_map` is over `act` (bf16 `[tokens * moe_slots][moe inter]`, boxes of 64
+    /// inputs by `moe_rs_tile_rows` rows, 128-byte swizzle); the others are the tiled codes of down and the shared
+    /// expert's down as rows of 64 bytes, in boxes of 32 bytes by 128 rows (`gemm::tiled_codes_map`).
+    moe_down_rs(
+        act_map: TensorMap,
+        down_map: TensorMap,
+        shared_down_map: TensorMap,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        down: Q4,
+        shared_down: Q4,
+        out: DevPtr<f32>,
     );
     /// The small tiling's input: `rows` rows of `hi + lo` (`lo` may be null) as Q8x2 codes and group pairs.
     moe_quantize_rows(hi: DevPtr<bf16>, lo: DevPtr<bf16>, rows: i32, out: Q8x2);

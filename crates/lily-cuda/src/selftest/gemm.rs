@@ -360,6 +360,7 @@ fn check_moe(
         max_tiles,
         tile_rows,
         tokens,
+        slots,
         rs,
     };
     let small = sorted.small(l.kernels);
@@ -448,6 +449,9 @@ fn check_moe(
             }
         }
     }
+    // Down takes moe_gate_up_rs's tiles on mma.sync, or on moe_down_rs where the build has it on.
+    let down_rs = rs && l.kernels.constant("moe_rs_down") == 1;
+    let kernel = if down_rs { ", weights in registers" } else { "" };
     let name = format!("moe down ({tokens} tokens, {tile_count} tiles of {tile_rows}{kernel}, weighted, by entry)");
     report.check(
         &name,
