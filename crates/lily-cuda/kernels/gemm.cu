@@ -1678,7 +1678,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 // consumers finish the last one. Stages and barrier phases count steps over all of a block's items.
 // The epilogue stages the tile, transposed to token rows, in shared memory of its own (so the next item's stages
 // can fill meanwhile), then writes each valid token's 128 weighted columns to its entry's row of `out` in 16-byte
-// stores, as moe_down writes them.
+// stores, as moe_down writes them. Which entry a token row is and its routing weight come from a table that the
+// producer's other warps fill for each item ahead of its epilogue (two tables, by item parity, each released by
+// the consumers once they have read it), so the consumers wait on no global load between their MMAs.
 #ifndef MOE_DOWN_RS
 #define MOE_DOWN_RS 0
 #endif
@@ -1693,8 +1695,12 @@ constexpr int MOE_DOWN_RS_STAGE = MOE_DOWN_RS_X + MOE_DOWN_RS_COLS * 32;  // and
 constexpr int MOE_DOWN_RS_PAIRS = MOE_DOWN_RS_COLS * 8;                 // a piece's pairs of 128 rows
 constexpr int MOE_DOWN_RS_PAIR_SLOTS = 4;
 constexpr int MOE_DOWN_RS_ROW = MOE_DOWN_RS_COLS * 4 + 16;              // a staged token row: 128 f32 and padding
+// An item's table: (entry, routing weight) of each token row, then the item's count of valid rows.
+constexpr int MOE_DOWN_RS_TABLE = MOE_RS_TOKENS * 8 + 16;
+constexpr int MOE_DOWN_RS_TABLE_THREADS = 96;  // the producer's warps 1 to 3
 constexpr int MOE_DOWN_RS_SMEM = MOE_DOWN_RS_STAGES * MOE_DOWN_RS_STAGE + MOE_DOWN_RS_PAIR_SLOTS * MOE_DOWN_RS_PAIRS +
-                                 MOE_RS_TOKENS * MOE_DOWN_RS_ROW + 2 * MOE_DOWN_RS_STAGES * 8 + 1024;
+                                 MOE_RS_TOKENS * MOE_DOWN_RS_ROW + 2 * MOE_DOWN_RS_TABLE +
+                                 (2 * MOE_DOWN_RS_STAGES + 4) * 8 + 1024;
 static_assert(HIDDEN % MOE_DOWN_RS_COLS == 0 && MOE_DOWN_RS_COLS == TILED_ROWS && MOE_INTER % TILED_PIECE == 0 &&
                   TILED_PIECE == 2 * KT,
               "an item's rows are one block of the tiled matrix, and a piece is two steps");
@@ -1728,7 +1734,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     unsigned char* smem = moe_down_rs_raw + (smem0 - raw0);
     const u32 pairs0 = smem0 + STAGES * MOE_DOWN_RS_STAGE;
     const u32 staged0 = pairs0 + MOE_DOWN_RS_PAIR_SLOTS * MOE_DOWN_RS_PAIRS;
-    const u32 full = staged0 + MOE_RS_TOKENS * MOE_DOWN_RS_ROW, empty = full + 8 * STAGES;
+    const u32 table0 = staged0 + MOE_RS_TOKENS * MOE_DOWN_RS_ROW;
+    const u32 full = table0 + 2 * MOE_DOWN_RS_TABLE, empty = full + 8 * STAGES;
+    const u32 table_full = empty + 8 * STAGES, table_empty = table_full + 16;
     const int tid = threadIdx.x, lane = tid % WARP;
     // The count comes through a shuffle so ptxas knows the loop bound is warp-uniform.
     const int items = __shfl_sync(0xffffffffu, *tile_count, 0) * MOE_DOWN_RS_COL_BLOCKS;
@@ -1738,6 +1746,10 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
             mbarrier_init(full + 8 * s, 1);
             mbarrier_init(empty + 8 * s, 8);
         }
+        for (int s = 0; s < 2; s++) {
+            mbarrier_init(table_full + 8 * s, MOE_DOWN_RS_TABLE_THREADS);
+            mbarrier_init(table_empty + 8 * s, 8);
+        }
         mbarrier_init_fence();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // and to the copies' proxy
     }
@@ -1745,9 +1757,27 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 
     if (tid < 128) {
         // The producer: thread 0 brings every step of the block's items, each stage once the consumers are done
-        // with its previous step.
+        // with its previous step; warps 1 to 3 fill each item's table once the consumers are done with the one
+        // two items before.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MOE_DOWN_RS_PRODUCER_REGS) : "memory");
-        if (tid == 0) {
+        if (tid >= WARP) {
+            const int h = tid - WARP;
+            int n = 0;
+#pragma unroll 1
+            for (int item = blockIdx.x; item < items; item += gridDim.x, n++) {
+                if (n >= 2) mbarrier_wait(table_empty + 8 * (n % 2), (n / 2 - 1) % 2);
+                const int tile = item / MOE_DOWN_RS_COL_BLOCKS;
+                const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+                const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
+                unsigned char* table = smem + (table0 - smem0) + (n % 2) * MOE_DOWN_RS_TABLE;
+                for (int r = h; r < rows; r += MOE_DOWN_RS_TABLE_THREADS) {
+                    const int entry = entries[first + r];
+                    *(int2*)(table + r * 8) = make_int2(entry, __float_as_int(route_w[entry]));
+                }
+                if (h == 0) *(int*)(table + MOE_RS_TOKENS * 8) = rows;
+                mbarrier_arrive(table_full + 8 * (n % 2));  // releases this thread's writes
+            }
+        } else if (tid == 0) {
             int step = 0;
 #pragma unroll 1
             for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -1818,12 +1848,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
         if (kt > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % STAGES));
     };
     u32 a0[4][4], a1[4][4];
-    int step = 0;
+    int step = 0, n = 0;
 #pragma unroll 1
-    for (int item = blockIdx.x; item < items; item += gridDim.x, step += STEPS) {
-        const int tile = item / MOE_DOWN_RS_COL_BLOCKS, cb = item % MOE_DOWN_RS_COL_BLOCKS;
-        const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
-        const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
+    for (int item = blockIdx.x; item < items; item += gridDim.x, step += STEPS, n++) {
 #pragma unroll
         for (int i = 0; i < ACC; i++) d[i] = 0.f;
         dequant(step, a0);
@@ -1853,15 +1880,20 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
             }
         }
         asm volatile("bar.sync 1, 256;" ::: "memory");
-        const int n0 = cb * MOE_DOWN_RS_COLS;
+        mbarrier_wait(table_full + 8 * (n % 2), (n / 2) % 2);
+        const unsigned char* table = smem + (table0 - smem0) + (n % 2) * MOE_DOWN_RS_TABLE;
+        const int rows = *(const int*)(table + MOE_RS_TOKENS * 8);
+        const int n0 = item % MOE_DOWN_RS_COL_BLOCKS * MOE_DOWN_RS_COLS;
         for (int i = ct; i < rows * (MOE_DOWN_RS_COLS / 4); i += 256) {
             const int r = i / (MOE_DOWN_RS_COLS / 4), chunk = i % (MOE_DOWN_RS_COLS / 4);
-            const int entry = entries[first + r];
-            const float weight = route_w[entry];
+            const int2 row = *(const int2*)(table + r * 8);
+            const float weight = __int_as_float(row.y);
             float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
             v.x *= weight, v.y *= weight, v.z *= weight, v.w *= weight;
-            *(float4*)(out + (size_t)entry * HIDDEN + n0 + chunk * 4) = v;
+            *(float4*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 4) = v;
         }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(table_empty + 8 * (n % 2));  // this warp is done with the table
     }
 #else
     wait_previous();

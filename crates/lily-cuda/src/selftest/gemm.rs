@@ -240,10 +240,13 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
     // The small tiling's codes hold the routings it takes (`moe_small_max_tokens`, a tuning constant), so it is
     // checked up to there.
     let small_max = kernels.constant("moe_small_max_tokens");
-    for tokens in [1, 3, 16, 300] {
+    // moe_gate_up_rs's tiles also at a prompt's size (2,048 tokens: more tiles than SMs, so the persistent
+    // moe_down_rs walks several items a block and its pipeline wraps).
+    for tokens in [1, 3, 16, 300, 2048] {
         for &tiling in tilings
             .iter()
             .filter(|&&(rows, _)| rows != small_rows || tokens <= small_max)
+            .filter(|&&(_, rs)| rs || tokens <= 300)
         {
             check_moe(&mut l, config, &experts_q4, tokens, tiling, &mut rng, report)?;
         }
