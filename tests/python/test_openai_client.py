@@ -6,6 +6,7 @@ constraint makes it call one."""
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -586,6 +587,42 @@ def test_responses_are_kept_continued_listed_and_deleted(client, model, base_url
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request)
         assert info.value.code == 401
+
+
+def poll(client, response_id, seconds=60):
+    """A background response once it has ended."""
+    deadline = time.monotonic() + seconds
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_responses_in_the_background_are_polled_and_cancelled(client, model):
+    kwargs = dict(model=model, input="What light through yonder window breaks?", max_output_tokens=8,
+                  temperature=0, reasoning={"effort": "none"})
+    accepted = client.responses.create(background=True, **kwargs)
+    assert accepted.background and accepted.status in ("queued", "in_progress") and not accepted.output
+    done = poll(client, accepted.id)
+    assert done.status in ("completed", "incomplete") and done.background
+    assert done.output_text == client.responses.create(store=False, **kwargs).output_text
+    assert client.responses.cancel(done.id).status == done.status  # ended already: answered as it is
+
+    # A long one, cancelled while it runs.
+    long = client.responses.create(background=True, extra_body={"ignore_eos": True},
+                                   **{**kwargs, "max_output_tokens": 3000})
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+    plain = client.responses.create(**kwargs)
+    expect_error(openai.BadRequestError, lambda: client.responses.cancel(plain.id))
+    expect_error(openai.NotFoundError, lambda: client.responses.cancel("resp_unknown"))
+    expect_error(openai.BadRequestError, lambda: client.responses.create(background=True, stream=True, **kwargs),
+                 param="background")
+    expect_error(openai.BadRequestError, lambda: client.responses.create(background=True, store=False, **kwargs),
+                 param="background")
 
 
 def test_responses_json_schema_and_errors(client, model):

@@ -2,6 +2,10 @@
 //! one by its id (`previous_response_id`) instead of sending the whole conversation again, and so that clients can
 //! read one back (`GET /v1/responses/{id}`, its input items) or delete it.
 //!
+//! A `background` response is kept from the moment it is accepted (`in_progress`), and replaced by its final form
+//! when it ends (completed, incomplete, failed or cancelled); the store also holds the means to cancel it
+//! (`POST /v1/responses/{id}/cancel`) and to wait until it has ended.
+//!
 //! The store lives in memory and holds at most `--response-store-mib` of responses; past that the least recently
 //! used are dropped. A response links to the one it continues, so a conversation's context stays whole while any of
 //! its responses is kept, even where older ones were dropped: a client that continues a kept response never finds a
@@ -87,10 +91,34 @@ impl Drop for StoredResponse {
     }
 }
 
-/// The kept responses by id, with the order in which they were last used.
+/// The kept responses by id, with the order in which they were last used, and the background responses still
+/// running.
 pub struct ResponseStore {
     capacity_bytes: usize,
     inner: Mutex<Inner>,
+    running: Mutex<HashMap<String, Running>>,
+}
+
+/// A background response still running: what asks it to stop, and what tells that it has ended.
+struct Running {
+    cancel: Arc<tokio::sync::Notify>,
+    ended: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Held by the task that runs a background response: its cancel request, and (dropped or [`Background::end`]ed)
+/// the signal that it has ended, which also takes it out of the running ones.
+pub struct Background {
+    store: Arc<ResponseStore>,
+    id: String,
+    pub cancel: Arc<tokio::sync::Notify>,
+    ended: tokio::sync::watch::Sender<bool>,
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.store.lock_running().remove(&self.id);
+        let _ = self.ended.send(true);
+    }
 }
 
 #[derive(Default)]
@@ -128,6 +156,7 @@ impl ResponseStore {
         ResponseStore {
             capacity_bytes,
             inner: Mutex::new(Inner::default()),
+            running: Mutex::new(HashMap::new()),
         }
     }
 
@@ -141,16 +170,68 @@ impl ResponseStore {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn lock_running(&self) -> MutexGuard<'_, HashMap<String, Running>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers the background response `id` as running; the task that runs it holds what this returns.
+    pub fn start_background(self: &Arc<Self>, id: &str) -> Background {
+        let cancel = Arc::new(tokio::sync::Notify::new());
+        let (ended, ended_rx) = tokio::sync::watch::channel(false);
+        let running = Running {
+            cancel: cancel.clone(),
+            ended: ended_rx,
+        };
+        self.lock_running().insert(id.to_string(), running);
+        Background {
+            store: self.clone(),
+            id: id.to_string(),
+            cancel,
+            ended,
+        }
+    }
+
+    /// Asks the background response `id` to stop and waits (up to `wait`) until it has ended. False where it was
+    /// not running.
+    pub async fn cancel_background(&self, id: &str, wait: std::time::Duration) -> bool {
+        let ended = {
+            let running = self.lock_running();
+            let Some(run) = running.get(id) else {
+                return false;
+            };
+            // A permit is stored if the task is not waiting yet, so the request is never lost.
+            run.cancel.notify_one();
+            run.ended.clone()
+        };
+        let mut ended = ended;
+        let _ = tokio::time::timeout(wait, ended.wait_for(|ended| *ended)).await;
+        true
+    }
+
+    /// Replaces the kept response with `response`'s id by `response` (a background response's final form), keeping
+    /// nothing where it is no longer kept (deleted, or dropped for room, while it ran).
+    pub fn replace(&self, response: StoredResponse) -> bool {
+        self.put(response, true)
+    }
+
     /// Keeps `response`, dropping the least recently used ones until it fits. Returns false where it is not kept:
     /// the store is off, or the response's conversation alone is larger than the store.
     pub fn insert(&self, response: StoredResponse) -> bool {
+        self.put(response, false)
+    }
+
+    /// Keeps `response` where `only_replacing` is false or a response of its id is kept.
+    fn put(&self, response: StoredResponse, only_replacing: bool) -> bool {
         let bytes = response.conversation_bytes;
+        let id = response.response.id.clone();
+        let mut inner = self.lock();
+        if only_replacing && !inner.entries.contains_key(&id) {
+            return false;
+        }
+        inner.remove(&id);
         if bytes > self.capacity_bytes {
             return false;
         }
-        let id = response.response.id.clone();
-        let mut inner = self.lock();
-        inner.remove(&id);
         while inner.bytes + bytes > self.capacity_bytes {
             let Some((_, oldest)) = inner.recency.pop_first() else {
                 break;
@@ -223,6 +304,7 @@ mod tests {
             store: true,
             previous_response_id: None,
             truncation: "disabled",
+            background: false,
         }
     }
 

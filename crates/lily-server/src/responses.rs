@@ -4,8 +4,9 @@
 //! chat request. The engine's events then become the response's output items: reasoning, a message, function
 //! calls. Finished responses are kept in the [`ResponseStore`] (unless `store` is false), so a request may continue
 //! one with `previous_response_id`: its context is then that response's input and output items before its own
-//! input, as OpenAI's server does (the earlier `instructions` and `tools` are not carried over). Conversations
-//! (`conversation`), stored prompt templates and `background` responses are refused.
+//! input, as OpenAI's server does (the earlier `instructions` and `tools` are not carried over). A `background`
+//! request is answered at once with the kept response `in_progress`, which its end replaces (see
+//! `routes::run_background`). Conversations (`conversation`) and stored prompt templates are refused.
 
 use std::sync::Arc;
 
@@ -16,7 +17,7 @@ use crate::chat::{logprob_entry, to_json, ChatPlan};
 use crate::engine::Event;
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
-use crate::response_store::{ResponseStore, StoredResponse};
+use crate::response_store::{Background, ResponseStore, StoredResponse};
 use crate::routes::SseData;
 use crate::types::{
     ChatCompletionRequest, ChatLogprobEntry, CompletionTokensDetails, IncompleteDetails, InputItemsQuery, ItemList,
@@ -59,6 +60,33 @@ pub fn translate(
         None => None,
         Some(id) => Some(store.get(id).ok_or_else(|| previous_not_found(id, store))?),
     };
+    if let Some(previous) = previous.as_ref().filter(|p| p.response.status == "in_progress") {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            format!(
+                "Previous response with id {:?} is still in progress; continue it once it has completed",
+                previous.response.id
+            ),
+        ));
+    }
+    let background = request.background == Some(true);
+    let store_it = request.store.unwrap_or(true) && store.enabled();
+    if background && request.stream == Some(true) {
+        return Err(ApiError::invalid(
+            "background",
+            "`background` with `stream` is not supported: poll GET /v1/responses/{id} until the response ends",
+        ));
+    }
+    if background && !store_it {
+        let why = match store.enabled() {
+            true => "`store` must not be false",
+            false => "this server keeps no responses (--response-store-mib 0)",
+        };
+        return Err(ApiError::invalid(
+            "background",
+            format!("a `background` response is read back from the server's store: {why}"),
+        ));
+    }
     if sampling.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid(
             "n",
@@ -165,6 +193,7 @@ pub fn translate(
         response_format,
         logprobs: logprobs.then_some(true),
         top_logprobs: logprobs.then_some(top_logprobs),
+        ignore_eos: request.ignore_eos,
         ..ChatCompletionRequest::default()
     };
     let template = ResponseObject {
@@ -187,9 +216,10 @@ pub fn translate(
         text,
         reasoning,
         metadata: request.metadata.unwrap_or_else(|| json!({})),
-        store: request.store.unwrap_or(true) && store.enabled(),
+        store: store_it,
         previous_response_id: request.previous_response_id,
         truncation,
+        background,
     };
     let keep = template.store.then(|| Keep {
         store: store.clone(),
@@ -327,12 +357,6 @@ fn refuse_stateful(request: &ResponsesRequest) -> Result<(), ApiError> {
         return Err(ApiError::invalid(
             "prompt",
             format!("`prompt` (a stored prompt template): {stored}"),
-        ));
-    }
-    if request.background == Some(true) {
-        return Err(ApiError::invalid(
-            "background",
-            "`background` responses are not supported",
         ));
     }
     Ok(())
@@ -718,8 +742,7 @@ impl ResponsesResponder {
                 self.close(&mut out);
                 out.push(self.event("error", fields));
                 // Clients that wait for the response's end read the error's code from `response.failed`.
-                let mut response = self.snapshot("failed");
-                response.error = Some(json!({"code": error.code.unwrap_or(error.kind), "message": error.message}));
+                let response = self.failed(&error);
                 out.push(self.event("response.failed", json!({"response": response})));
                 return (out, true);
             }
@@ -945,7 +968,14 @@ impl ResponsesResponder {
                 self.output = Some(output);
                 None
             }
-            Event::Error(error) => Some(Err(error)),
+            Event::Error(error) => {
+                // A background response's client reads the failure from the store.
+                if self.response.background {
+                    let response = self.failed(&error);
+                    self.keep(&response);
+                }
+                Some(Err(error))
+            }
             Event::Done => {
                 if let Some(output) = self.output.take() {
                     self.response.output = self.output_items(output);
@@ -959,12 +989,45 @@ impl ResponsesResponder {
 
     /// Keeps the finished response in the store, before the client can read its id: a client may continue it
     /// as soon as it has the answer. (A failed response, or one whose client left, is not kept.)
+    /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile).
     fn keep(&mut self, response: &ResponseObject) {
         if let Some(Keep { store, input, previous }) = self.keep.take() {
-            if !store.insert(StoredResponse::new(response.clone(), input, previous)) {
+            let stored = StoredResponse::new(response.clone(), input, previous);
+            let kept = match response.background {
+                true => store.replace(stored),
+                false => store.insert(stored),
+            };
+            if !kept && !response.background {
                 tracing::warn!(id = %response.id, "a response's conversation is larger than the response store");
             }
         }
+    }
+
+    /// A background request, accepted: keeps the response as it stands (`in_progress`, no output) and registers it
+    /// as running; returns it, the answer to the request, and what the task that runs it holds. `None` for a
+    /// request that is not in the background.
+    pub fn accept_background(&mut self) -> Option<(ResponseObject, Background)> {
+        let keep = self.keep.as_ref().filter(|_| self.response.background)?;
+        let response = self.snapshot("in_progress");
+        let stored = StoredResponse::new(response.clone(), keep.input.clone(), keep.previous.clone());
+        if !keep.store.insert(stored) {
+            tracing::warn!(id = %response.id, "a response's conversation is larger than the response store");
+        }
+        let background = keep.store.start_background(&response.id);
+        Some((response, background))
+    }
+
+    /// A background response cancelled (`POST /v1/responses/{id}/cancel`): kept as `cancelled`, without output.
+    pub fn cancelled(&mut self) {
+        let response = self.snapshot("cancelled");
+        self.keep(&response);
+    }
+
+    /// The response as a failure ends it, with the error's code and message.
+    fn failed(&self, error: &ApiError) -> ResponseObject {
+        let mut response = self.snapshot("failed");
+        response.error = Some(json!({"code": error.code.unwrap_or(error.kind), "message": error.message}));
+        response
     }
 
     /// Not streaming: the held logprobs that go with `deltas` join the message's.
@@ -1075,6 +1138,71 @@ mod tests {
             }
         }
         response.expect("a response at Done")
+    }
+
+    #[test]
+    fn a_background_response_is_kept_while_it_runs_and_replaced_at_its_end() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let start = |store: &Arc<ResponseStore>| {
+            let t = translate_in(store, json!({"input": "hi", "background": true})).unwrap();
+            let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+            let (accepted, background) = responder.accept_background().expect("a background request");
+            assert_eq!((accepted.status, accepted.background), ("in_progress", true));
+            let id = accepted.id.clone();
+            assert_eq!(store.get(&id).unwrap().response.status, "in_progress");
+            (responder, background, id)
+        };
+        // It ends: its final form replaces it.
+        let (mut responder, background, id) = start(&store);
+        let error = translate_in(&store, json!({"input": "more", "previous_response_id": id}))
+            .err()
+            .unwrap();
+        assert_eq!(error.param.as_deref(), Some("previous_response_id"));
+        for event in events() {
+            responder.collect_event(event);
+        }
+        drop(background);
+        let done = store.get(&id).unwrap();
+        assert_eq!(done.response.status, "completed");
+        assert_eq!(done.response.output.len(), 3);
+        assert!(translate_in(&store, json!({"input": "more", "previous_response_id": id})).is_ok());
+        // It fails: kept as failed, with the error's code.
+        let (mut responder, _background, id) = start(&store);
+        responder.collect_event(Event::Error(ApiError::engine_failed()));
+        let failed = store.get(&id).unwrap();
+        assert_eq!(failed.response.status, "failed");
+        assert_eq!(failed.response.error.as_ref().unwrap()["code"], "engine_failed");
+        // It is cancelled: kept as cancelled.
+        let (mut responder, _background, id) = start(&store);
+        responder.cancelled();
+        assert_eq!(store.get(&id).unwrap().response.status, "cancelled");
+        // It is deleted while it runs: its end does not bring it back.
+        let (mut responder, _background, id) = start(&store);
+        assert!(store.remove(&id));
+        for event in events() {
+            responder.collect_event(event);
+        }
+        assert!(store.get(&id).is_none());
+        // A response that is not in the background is not accepted early.
+        let t = translate_in(&store, json!({"input": "hi"})).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        assert!(responder.accept_background().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_cancel_reaches_the_running_task_and_waits_for_its_end() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let wait = std::time::Duration::from_secs(5);
+        assert!(!store.cancel_background("resp_none", wait).await);
+        let background = store.start_background("resp_1");
+        let task = tokio::spawn(async move {
+            background.cancel.notified().await;
+            drop(background);
+        });
+        assert!(store.cancel_background("resp_1", wait).await);
+        task.await.unwrap();
+        // Ended: no longer running.
+        assert!(!store.cancel_background("resp_1", wait).await);
     }
 
     #[test]
@@ -1291,7 +1419,8 @@ mod tests {
                 "previous_response_id",
             ),
             (json!({"input": "hi", "conversation": "conv_1"}), "conversation"),
-            (json!({"input": "hi", "background": true}), "background"),
+            (json!({"input": "hi", "background": true, "stream": true}), "background"),
+            (json!({"input": "hi", "background": true, "store": false}), "background"),
             (json!({"input": "hi", "truncation": "sometimes"}), "truncation"),
             (json!({"input": "hi", "prompt": {"id": "pmpt_1"}}), "prompt"),
             (

@@ -24,7 +24,7 @@ use crate::completions::{self, CompletionResponder};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::params;
-use crate::response_store::StoredResponse;
+use crate::response_store::{Background, StoredResponse};
 use crate::responses::{self, ResponsesResponder};
 use crate::server::{AppState, Ready};
 use crate::types::*;
@@ -39,6 +39,7 @@ pub fn router(state: AppStateRef) -> Router {
         .route("/v1/responses", post(responses))
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
         .route("/v1/responses/{id}/input_items", get(list_input_items))
+        .route("/v1/responses/{id}/cancel", post(cancel_response))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route("/tokenize", post(tokenize))
@@ -472,6 +473,13 @@ trait Responder: Send + 'static {
     fn take_reply(&mut self) -> Option<String> {
         None
     }
+    /// A request to run in the background: its answer now, and what its task holds while it runs
+    /// ([`run_background`]). `None` for the others.
+    fn accept_background(&mut self) -> Option<(Self::Response, Background)> {
+        None
+    }
+    /// The background request was cancelled.
+    fn cancelled(&mut self) {}
 }
 
 impl Responder for ChatResponder {
@@ -498,6 +506,12 @@ impl Responder for ResponsesResponder {
     }
     fn take_reply(&mut self) -> Option<String> {
         ResponsesResponder::take_reply(self)
+    }
+    fn accept_background(&mut self) -> Option<(ResponseObject, Background)> {
+        ResponsesResponder::accept_background(self)
+    }
+    fn cancelled(&mut self) {
+        ResponsesResponder::cancelled(self)
     }
 }
 
@@ -550,6 +564,11 @@ where
             "request read, rendered and tokenized"
         );
         let (receiver, guard) = submit(&state, counted, sequences, arrived)?;
+        if let Some((accepted, background)) = responder.accept_background() {
+            let span = tracing::Span::current();
+            tokio::spawn(run_background(receiver, guard, responder, background).instrument(span));
+            return Ok(Json(accepted).into_response());
+        }
         if stream {
             let span = tracing::Span::current();
             let mut first = true;
@@ -577,6 +596,38 @@ where
         }
     };
     result.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// Runs a background request to its end, whose responder keeps it (or its failure) in the response store, or
+/// until it is cancelled: then the job is cancelled and the response kept as `cancelled`. The request stays in
+/// flight until then, so a graceful shutdown waits for it as for any other.
+async fn run_background<R: Responder>(
+    mut receiver: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    mut responder: R,
+    background: Background,
+) {
+    let cancel = background.cancel.clone();
+    loop {
+        tokio::select! {
+            event = receiver.recv() => {
+                let event = event.unwrap_or_else(|| {
+                    Event::Error(ApiError::internal("the engine stopped before finishing the request"))
+                });
+                if responder.collect_event(event).is_some() {
+                    break;
+                }
+            }
+            _ = cancel.notified() => {
+                tracing::debug!("background response cancelled");
+                drop(guard);
+                responder.cancelled();
+                return;
+            }
+        }
+    }
+    drop(guard);
+    drop(background);
 }
 
 async fn chat_completions(State(state): State<AppStateRef>, request: Request) -> Response {
@@ -675,6 +726,24 @@ async fn delete_response(
         false => Err(responses::not_found(&id)),
     }
 }
+
+/// Cancels a background response that is still running and answers it as it stands then (`cancelled`, or how it
+/// ended where it ended first); a background response that has ended is answered as it is.
+async fn cancel_response(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<ResponseObject>, ApiError> {
+    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
+    state.responses.cancel_background(&id, CANCEL_WAIT).await;
+    let response = state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
+    if !response.response.background {
+        return Err(ApiError::bad_request("only a `background` response can be cancelled"));
+    }
+    Ok(Json(response.response.clone()))
+}
+
+/// How long a cancel waits for its background response to stop (a step of the engine, normally).
+const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 async fn list_input_items(
     State(state): State<AppStateRef>,

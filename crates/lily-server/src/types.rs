@@ -386,6 +386,8 @@ pub struct ResponsesRequest {
     pub truncation: Option<String>,
     pub metadata: Option<Json>,
     pub top_logprobs: Option<i64>,
+    /// vLLM extension, as for chat: keep generating past end-of-sequence tokens.
+    pub ignore_eos: Option<bool>,
 }
 
 /// The query of `GET /v1/responses/{id}/input_items`: a page of `limit` items (1 to 100, 20 by default) in `order`
@@ -414,7 +416,8 @@ pub struct ResponseObject {
     pub id: String,
     pub object: &'static str,
     pub created_at: u64,
-    /// `in_progress`, `completed`, `incomplete` (cut by `max_output_tokens`) or `failed`.
+    /// `in_progress`, `completed`, `incomplete` (cut by `max_output_tokens`), `failed`, or `cancelled` (a background
+    /// response cancelled).
     pub status: &'static str,
     pub model: String,
     pub output: Vec<ResponseItem>,
@@ -434,6 +437,8 @@ pub struct ResponseObject {
     pub store: bool,
     pub previous_response_id: Option<String>,
     pub truncation: &'static str,
+    /// Answered at once and run on (`background: true`), its status read back with `GET /v1/responses/{id}`.
+    pub background: bool,
 }
 
 /// An output item of a response.
