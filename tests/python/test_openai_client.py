@@ -616,6 +616,13 @@ def test_responses_in_the_background_are_polled_and_cancelled(client, model):
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(long.id).status == "cancelled"
 
+    # Deleted while it runs: it stops, and its end does not bring it back.
+    deleted = client.responses.create(background=True, extra_body={"ignore_eos": True},
+                                      **{**kwargs, "max_output_tokens": 3000})
+    client.responses.delete(deleted.id)
+    time.sleep(0.3)
+    expect_error(openai.NotFoundError, lambda: client.responses.retrieve(deleted.id))
+
     plain = client.responses.create(**kwargs)
     expect_error(openai.BadRequestError, lambda: client.responses.cancel(plain.id))
     expect_error(openai.NotFoundError, lambda: client.responses.cancel("resp_unknown"))

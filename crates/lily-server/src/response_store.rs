@@ -170,6 +170,7 @@ impl ResponseStore {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Taken after `inner` where both are held (`put`), never the other way round.
     fn lock_running(&self) -> MutexGuard<'_, HashMap<String, Running>> {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -209,37 +210,52 @@ impl ResponseStore {
     }
 
     /// Replaces the kept response with `response`'s id by `response` (a background response's final form), keeping
-    /// nothing where it is no longer kept (deleted, or dropped for room, while it ran).
+    /// nothing where it is no longer kept (deleted while it ran).
     pub fn replace(&self, response: StoredResponse) -> bool {
         self.put(response, true)
     }
 
-    /// Keeps `response`, dropping the least recently used ones until it fits. Returns false where it is not kept:
-    /// the store is off, or the response's conversation alone is larger than the store.
+    /// Keeps `response`, dropping the least recently used ones (never a running background response) until it
+    /// fits. Returns false where it is not kept: the store is off, or there is no room for it.
     pub fn insert(&self, response: StoredResponse) -> bool {
         self.put(response, false)
     }
 
-    /// Keeps `response` where `only_replacing` is false or a response of its id is kept.
+    /// Whether a response of this size could be kept at all.
+    pub fn fits(&self, response: &StoredResponse) -> bool {
+        response.conversation_bytes <= self.capacity_bytes
+    }
+
+    /// Keeps `response` where `only_replacing` is false or a response of its id is kept; what it replaces stays
+    /// where it does not fit.
     fn put(&self, response: StoredResponse, only_replacing: bool) -> bool {
         let bytes = response.conversation_bytes;
         let id = response.response.id.clone();
+        if !self.fits(&response) {
+            return false;
+        }
         let mut inner = self.lock();
         if only_replacing && !inner.entries.contains_key(&id) {
             return false;
         }
         inner.remove(&id);
-        if bytes > self.capacity_bytes {
-            return false;
-        }
+        // The running background responses are never dropped for room: their end replaces them.
+        let running = self.lock_running();
         while inner.bytes + bytes > self.capacity_bytes {
-            let Some((_, oldest)) = inner.recency.pop_first() else {
-                break;
+            let victim = inner
+                .recency
+                .iter()
+                .find(|(_, id)| !running.contains_key(*id))
+                .map(|(&t, id)| (t, id.clone()));
+            let Some((tick, victim)) = victim else {
+                return false;
             };
-            if let Some((response, _)) = inner.entries.remove(&oldest) {
+            inner.recency.remove(&tick);
+            if let Some((response, _)) = inner.entries.remove(&victim) {
                 inner.bytes -= response.conversation_bytes;
             }
         }
+        drop(running);
         inner.tick += 1;
         let tick = inner.tick;
         inner.recency.insert(tick, id.clone());
@@ -361,6 +377,27 @@ mod tests {
         assert_eq!(texts(&b.conversation()), ["hi", "one", "more", "two"]);
         let (count, bytes) = store.usage();
         assert!(bytes <= 3 * size + size / 2, "{bytes} bytes in {count} responses");
+    }
+
+    #[test]
+    fn a_running_background_response_is_never_dropped_for_room() {
+        let a = StoredResponse::new(response("a", "one"), vec![user("hi")], None);
+        let size = a.conversation_bytes;
+        let store = Arc::new(ResponseStore::new(2 * size + size / 2));
+        let running = store.start_background("a");
+        assert!(store.insert(a));
+        assert!(store.insert(StoredResponse::new(response("x", "one"), vec![user("hi")], None)));
+        // `a` is the least recently used, but running: `x` goes instead.
+        assert!(store.insert(StoredResponse::new(response("y", "one"), vec![user("hi")], None)));
+        assert!(store.get("a").is_some() && store.get("x").is_none());
+        // Its end replaces it; once ended it may go like any other.
+        assert!(store.replace(StoredResponse::new(response("a", "two"), vec![user("hi")], None)));
+        drop(running);
+        assert!(store.insert(StoredResponse::new(response("z", "one"), vec![user("hi")], None)));
+        assert!(store.get("y").is_none() || store.get("a").is_none());
+        // Replacing what is not kept keeps nothing.
+        assert!(!store.replace(StoredResponse::new(response("gone", "one"), vec![user("hi")], None)));
+        assert!(store.get("gone").is_none());
     }
 
     #[test]

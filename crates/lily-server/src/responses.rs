@@ -8,6 +8,7 @@
 //! request is answered at once with the kept response `in_progress`, which its end replaces (see
 //! `routes::run_background`). Conversations (`conversation`) and stored prompt templates are refused.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use lily_chat::{Delta, FinalOutput, FinishReason, Tokenizer};
@@ -127,19 +128,27 @@ pub fn translate(
             ))
         }
     };
-    let input = with_ids(match request.input.clone() {
-        Some(Json::String(text)) => {
-            vec![json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})]
-        }
-        Some(Json::Array(items)) => items,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "input",
-                "`input` must be a string or an array of input items",
-            ))
-        }
-        None => return Err(ApiError::invalid("input", "`input` is required")),
-    });
+    // The ids of the conversation continued, which the request's own items must not repeat.
+    let taken = previous
+        .iter()
+        .flat_map(|p| p.conversation())
+        .filter_map(|item| item["id"].as_str().map(String::from));
+    let input = normalized(
+        match request.input.clone() {
+            Some(Json::String(text)) => {
+                vec![json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})]
+            }
+            Some(Json::Array(items)) => items,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "input",
+                    "`input` must be a string or an array of input items",
+                ))
+            }
+            None => return Err(ApiError::invalid("input", "`input` is required")),
+        },
+        taken.collect(),
+    );
     let mut messages = Vec::new();
     if let Some(instructions) = &request.instructions {
         messages.push(json!({"role": "system", "content": instructions}));
@@ -299,8 +308,13 @@ pub fn input_items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result
     };
     let end = end.max(start);
     let take = (end - start).min(limit as usize);
-    let has_more = start + take < end;
-    let data: Vec<Json> = items.drain(start..start + take).collect();
+    // A page after a cursor (or from the first item) starts there; a page before a cursor ends there.
+    let from = match query.before.is_some() && query.after.is_none() {
+        true => end - take,
+        false => start,
+    };
+    let has_more = end - start > take;
+    let data: Vec<Json> = items.drain(from..from + take).collect();
     let id_of = |item: Option<&Json>| item.and_then(|i| i["id"].as_str()).map(String::from);
     Ok(ItemList {
         object: "list",
@@ -311,20 +325,42 @@ pub fn input_items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result
     })
 }
 
-/// Gives each input item that has none an `id` (by its type, as the API's own items are named), so that the stored
-/// items can be listed page by page.
-fn with_ids(mut items: Vec<Json>) -> Vec<Json> {
+/// The input items as they are kept and listed: each message with its `type`, its content as parts (`input_text`,
+/// or `output_text` for the assistant's) and a `status`, and every item with an `id` (by its type, as the API's
+/// own items are named) that no item before it (those of `taken`, the conversation continued) has, so that the
+/// kept items can be listed page by page. The text the model sees is the same.
+fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Vec<Json> {
     for item in items.iter_mut().filter_map(Json::as_object_mut) {
-        if item.get("id").is_some_and(Json::is_string) {
-            continue;
+        let kind = item.get("type").and_then(Json::as_str).unwrap_or("message").to_string();
+        if kind == "message" {
+            item.insert("type".into(), json!("message"));
+            if let Some(Json::String(text)) = item.get("content") {
+                let part = match item.get("role").and_then(Json::as_str) {
+                    Some("assistant") => "output_text",
+                    _ => "input_text",
+                };
+                let content = json!([{"type": part, "text": text}]);
+                item.insert("content".into(), content);
+            }
+            item.entry("status").or_insert(json!("completed"));
         }
-        let prefix = match item.get("type").and_then(Json::as_str) {
-            Some("reasoning") => "rs_",
-            Some("function_call") => "fc_",
-            Some("function_call_output") => "fco_",
-            _ => "msg_",
-        };
-        item.insert("id".into(), Json::String(params::random_id(prefix)));
+        let id = item.get("id").and_then(Json::as_str).map(String::from);
+        match id {
+            Some(id) if !taken.contains(&id) => {
+                taken.insert(id);
+            }
+            _ => {
+                let prefix = match kind.as_str() {
+                    "reasoning" => "rs_",
+                    "function_call" => "fc_",
+                    "function_call_output" => "fco_",
+                    _ => "msg_",
+                };
+                let id = params::random_id(prefix);
+                taken.insert(id.clone());
+                item.insert("id".into(), Json::String(id));
+            }
+        }
     }
     items
 }
@@ -726,8 +762,8 @@ impl ResponsesResponder {
                     "incomplete" => "response.incomplete",
                     _ => "response.completed",
                 };
-                let response = self.snapshot(status);
-                self.keep(&response);
+                let mut response = self.snapshot(status);
+                self.keep(&mut response);
                 out.push(self.event(kind, json!({"response": response})));
                 return (out, true);
             }
@@ -971,8 +1007,8 @@ impl ResponsesResponder {
             Event::Error(error) => {
                 // A background response's client reads the failure from the store.
                 if self.response.background {
-                    let response = self.failed(&error);
-                    self.keep(&response);
+                    let mut response = self.failed(&error);
+                    self.keep(&mut response);
                 }
                 Some(Err(error))
             }
@@ -980,47 +1016,64 @@ impl ResponsesResponder {
                 if let Some(output) = self.output.take() {
                     self.response.output = self.output_items(output);
                 }
-                let response = self.snapshot(self.status());
-                self.keep(&response);
+                let mut response = self.snapshot(self.status());
+                self.keep(&mut response);
                 Some(Ok(response))
             }
         }
     }
 
     /// Keeps the finished response in the store, before the client can read its id: a client may continue it
-    /// as soon as it has the answer. (A failed response, or one whose client left, is not kept.)
-    /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile).
-    fn keep(&mut self, response: &ResponseObject) {
-        if let Some(Keep { store, input, previous }) = self.keep.take() {
-            let stored = StoredResponse::new(response.clone(), input, previous);
-            let kept = match response.background {
-                true => store.replace(stored),
-                false => store.insert(stored),
-            };
-            if !kept && !response.background {
-                tracing::warn!(id = %response.id, "a response's conversation is larger than the response store");
+    /// as soon as it has the answer. (A failed response, or one whose client left, is not kept.) Where it cannot be
+    /// kept (no room), the response says `store: false`.
+    /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile);
+    /// one too large for the store is replaced by its failure, so its client does not poll forever.
+    fn keep(&mut self, response: &mut ResponseObject) {
+        let Some(Keep { store, input, previous }) = self.keep.take() else {
+            return;
+        };
+        let stored = StoredResponse::new(response.clone(), input, previous);
+        if !response.background {
+            if !store.insert(stored) {
+                tracing::warn!(id = %response.id, "no room in the response store for a response's conversation");
+                response.store = false;
             }
+            return;
         }
+        if store.fits(&stored) {
+            store.replace(stored);
+            return;
+        }
+        let error =
+            ApiError::internal("the response is larger than the server's response store (--response-store-mib)");
+        let mut failed = self.failed(&error);
+        failed.output.clear();
+        let (input, previous) = (stored.input.clone(), stored.previous.clone());
+        store.replace(StoredResponse::new(failed, input, previous));
     }
 
     /// A background request, accepted: keeps the response as it stands (`in_progress`, no output) and registers it
     /// as running; returns it, the answer to the request, and what the task that runs it holds. `None` for a
-    /// request that is not in the background.
-    pub fn accept_background(&mut self) -> Option<(ResponseObject, Background)> {
+    /// request that is not in the background; an error where the store has no room for it.
+    pub fn accept_background(&mut self) -> Option<Result<(ResponseObject, Background), ApiError>> {
         let keep = self.keep.as_ref().filter(|_| self.response.background)?;
         let response = self.snapshot("in_progress");
+        // Registered first, so that no other response's arrival drops it for room.
+        let background = keep.store.start_background(&response.id);
         let stored = StoredResponse::new(response.clone(), keep.input.clone(), keep.previous.clone());
         if !keep.store.insert(stored) {
-            tracing::warn!(id = %response.id, "a response's conversation is larger than the response store");
+            return Some(Err(ApiError::invalid(
+                "background",
+                "the response store has no room for this background response (--response-store-mib)",
+            )));
         }
-        let background = keep.store.start_background(&response.id);
-        Some((response, background))
+        Some(Ok((response, background)))
     }
 
     /// A background response cancelled (`POST /v1/responses/{id}/cancel`): kept as `cancelled`, without output.
     pub fn cancelled(&mut self) {
-        let response = self.snapshot("cancelled");
-        self.keep(&response);
+        let mut response = self.snapshot("cancelled");
+        self.keep(&mut response);
     }
 
     /// The response as a failure ends it, with the error's code and message.
@@ -1146,7 +1199,7 @@ mod tests {
         let start = |store: &Arc<ResponseStore>| {
             let t = translate_in(store, json!({"input": "hi", "background": true})).unwrap();
             let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
-            let (accepted, background) = responder.accept_background().expect("a background request");
+            let (accepted, background) = responder.accept_background().expect("a background request").unwrap();
             assert_eq!((accepted.status, accepted.background), ("in_progress", true));
             let id = accepted.id.clone();
             assert_eq!(store.get(&id).unwrap().response.status, "in_progress");
@@ -1187,6 +1240,79 @@ mod tests {
         let t = translate_in(&store, json!({"input": "hi"})).unwrap();
         let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
         assert!(responder.accept_background().is_none());
+    }
+
+    #[test]
+    fn kept_input_items_are_normalized_with_ids_of_their_own() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let first = answer_in(&store, json!({"input": "Weather?"}), false);
+        let id = first["id"].as_str().unwrap();
+        let output_id = first["output"][1]["id"].clone();
+        let t = translate_in(
+            &store,
+            json!({"previous_response_id": id, "input": [
+                {"role": "user", "content": "Again?", "id": "x"},
+                {"role": "assistant", "content": "Yes.", "id": "x"},
+                // An output item sent back although the response is continued: its id is taken.
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi!"}], "id": output_id},
+            ]}),
+        )
+        .unwrap();
+        let input = t.keep.unwrap().input;
+        assert_eq!(input[0]["id"], "x");
+        assert_eq!(input[0]["type"], "message");
+        assert_eq!(input[0]["content"], json!([{"type": "input_text", "text": "Again?"}]));
+        assert_eq!(input[0]["status"], "completed");
+        assert_eq!(input[1]["content"], json!([{"type": "output_text", "text": "Yes."}]));
+        assert_ne!(input[1]["id"], "x");
+        assert_ne!(input[2]["id"], output_id);
+        // The model reads the same text.
+        let messages = t.chat.messages.unwrap();
+        assert_eq!(messages[messages.len() - 2]["content"], "Again?");
+    }
+
+    #[test]
+    fn a_background_response_too_large_for_the_store_ends_failed() {
+        // Room for the accepted response, not for its output.
+        let store = Arc::new(ResponseStore::new(16 << 10));
+        let t = translate_in(&store, json!({"input": "hi", "background": true})).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let (accepted, _background) = responder.accept_background().unwrap().unwrap();
+        let output = FinalOutput {
+            deltas: Vec::new(),
+            reasoning: String::new(),
+            content: "x".repeat(64 << 10),
+            content_is_reasoning: false,
+            tool_calls: Vec::new(),
+            finish_reason: FinishReason::Stop,
+            completion_tokens: 1,
+            reasoning_tokens: 0,
+        };
+        responder.collect_event(Event::Finished {
+            index: 0,
+            output,
+            cached_tokens: 0,
+        });
+        let answer = responder.collect_event(Event::Done).unwrap().unwrap();
+        assert_eq!(answer.status, "completed");
+        let kept = store.get(&accepted.id).unwrap();
+        assert_eq!(kept.response.status, "failed");
+        assert!(kept.response.output.is_empty());
+        // Too large to accept at all: refused.
+        let tiny = Arc::new(ResponseStore::new(64));
+        let t = translate_in(&tiny, json!({"input": "hi", "background": true})).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let error = responder.accept_background().unwrap().err().unwrap();
+        assert_eq!(error.param.as_deref(), Some("background"));
+        // A response that is not in the background and finds no room says it was not stored.
+        let t = translate_in(&tiny, json!({"input": "hi"})).unwrap();
+        assert!(t.template.store);
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut response = None;
+        for event in events() {
+            response = response.or(responder.collect_event(event));
+        }
+        assert!(!response.unwrap().unwrap().store);
     }
 
     #[tokio::test]
@@ -1271,6 +1397,9 @@ mod tests {
         assert_eq!((ids.as_str(), more), ("i4", false));
         assert_eq!(page(json!({"limit": 2, "after": "i4"})).unwrap().0, "i3,i2");
         assert_eq!(page(json!({"order": "asc", "before": "i2"})).unwrap().0, "i0,i1");
+        // A page before a cursor is the one next to it.
+        let (ids, more, ..) = page(json!({"order": "asc", "before": "i3", "limit": 2})).unwrap();
+        assert_eq!((ids.as_str(), more), ("i1,i2", true));
         assert_eq!(
             page(json!({"order": "asc", "after": "i3", "before": "i1"})).unwrap().0,
             ""

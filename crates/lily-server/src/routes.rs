@@ -474,8 +474,8 @@ trait Responder: Send + 'static {
         None
     }
     /// A request to run in the background: its answer now, and what its task holds while it runs
-    /// ([`run_background`]). `None` for the others.
-    fn accept_background(&mut self) -> Option<(Self::Response, Background)> {
+    /// ([`run_background`]), or why it cannot run there. `None` for the others.
+    fn accept_background(&mut self) -> Option<Result<(Self::Response, Background), ApiError>> {
         None
     }
     /// The background request was cancelled.
@@ -507,7 +507,7 @@ impl Responder for ResponsesResponder {
     fn take_reply(&mut self) -> Option<String> {
         ResponsesResponder::take_reply(self)
     }
-    fn accept_background(&mut self) -> Option<(ResponseObject, Background)> {
+    fn accept_background(&mut self) -> Option<Result<(ResponseObject, Background), ApiError>> {
         ResponsesResponder::accept_background(self)
     }
     fn cancelled(&mut self) {
@@ -564,7 +564,9 @@ where
             "request read, rendered and tokenized"
         );
         let (receiver, guard) = submit(&state, counted, sequences, arrived)?;
-        if let Some((accepted, background)) = responder.accept_background() {
+        if let Some(accepted) = responder.accept_background() {
+            // Refused: the job is cancelled with the guard.
+            let (accepted, background) = accepted?;
             let span = tracing::Span::current();
             tokio::spawn(run_background(receiver, guard, responder, background).instrument(span));
             return Ok(Json(accepted).into_response());
@@ -712,7 +714,15 @@ fn stored_response(state: &AppState, id: Result<Path<String>, PathRejection>) ->
 async fn get_response(
     State(state): State<AppStateRef>,
     id: Result<Path<String>, PathRejection>,
+    query: Result<Query<RetrieveQuery>, QueryRejection>,
 ) -> Result<Json<ResponseObject>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
+    if query.stream == Some(true) {
+        return Err(ApiError::invalid(
+            "stream",
+            "a kept response is read whole: streaming it again is not supported",
+        ));
+    }
     Ok(Json(stored_response(&state, id)?.response.clone()))
 }
 
@@ -721,10 +731,12 @@ async fn delete_response(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let id = id.map_or_else(|_| String::new(), |Path(id)| id);
-    match state.responses.remove(&id) {
-        true => Ok(Json(json!({"id": id, "object": "response", "deleted": true}))),
-        false => Err(responses::not_found(&id)),
+    if !state.responses.remove(&id) {
+        return Err(responses::not_found(&id));
     }
+    // A background response deleted while it runs stops (its end is not kept).
+    state.responses.cancel_background(&id, std::time::Duration::ZERO).await;
+    Ok(Json(json!({"id": id, "object": "response", "deleted": true})))
 }
 
 /// Cancels a background response that is still running and answers it as it stands then (`cancelled`, or how it
@@ -752,7 +764,12 @@ async fn list_input_items(
 ) -> Result<Json<ItemList>, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
     let response = stored_response(&state, id)?;
-    responses::input_items_page(response.input_items(), &query).map(Json)
+    // A long conversation's items are copied off the async threads.
+    off_runtime(&state, move |_| {
+        responses::input_items_page(response.input_items(), &query)
+    })
+    .await
+    .map(Json)
 }
 
 async fn tokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<TokenizeResponse>, ApiError> {

@@ -400,6 +400,13 @@ pub struct InputItemsQuery {
     pub before: Option<String>,
 }
 
+/// The query of `GET /v1/responses/{id}`: `stream` (a background response's events again) is refused; `include`
+/// and others are ignored.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RetrieveQuery {
+    pub stream: Option<bool>,
+}
+
 /// A page of items (`object: "list"`), with the ids of its first and last and whether more follow.
 #[derive(Debug, Clone, Serialize)]
 pub struct ItemList {
