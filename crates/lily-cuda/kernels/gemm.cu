@@ -1705,6 +1705,8 @@ static_assert(HIDDEN % MOE_DOWN_RS_COLS == 0 && MOE_DOWN_RS_COLS == TILED_ROWS &
                   TILED_PIECE == 2 * KT,
               "an item's rows are one block of the tiled matrix, and a piece is two steps");
 static_assert(MOE_DOWN_RS_STAGE % 1024 == 0, "every activation box starts on a swizzle atom");
+static_assert(MOE_DOWN_RS_STEPS % 2 == 0, "the consumers take an item's steps in pairs");
+static_assert(MOE_DOWN_RS_TABLE_THREADS == 128 - WARP, "the producer's warps but the first fill the tables");
 // Piece p's pairs' slot is refilled for piece p + slots, at step 2 (p + slots), once step 2 (p + slots) - stages is
 // complete; its last reader, step 2 p + 1, must be no later.
 static_assert(MOE_DOWN_RS_STAGES >= 2 && MOE_DOWN_RS_STAGES + 1 <= 2 * MOE_DOWN_RS_PAIR_SLOTS,
