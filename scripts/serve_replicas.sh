@@ -32,6 +32,11 @@
 # send X-Session-ID too. `--policy consistent_hash` maps the header's value to a replica by hashing instead (no
 # state in the router, but no regard for load); `--policy cache_aware` needs no header and matches each prompt's
 # text against the prompts every replica was sent before.
+#
+# Responses (`/v1/responses`): each replica keeps the responses it answered, so a client that continues one
+# (`previous_response_id`) or reads one back must reach the same replica: send X-Session-ID with every request of
+# the conversation. vllm-router 0.1.17 does not pass the client's Authorization header on for `/v1/responses`, so
+# with --api-key on the replicas the router's Responses requests are refused (401); chat and completions are not.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
