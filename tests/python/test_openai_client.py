@@ -632,6 +632,45 @@ def test_responses_in_the_background_are_polled_and_cancelled(client, model):
                  param="background")
 
 
+def test_conversations_hold_the_items_their_responses_add(client, model):
+    question = "What light through yonder window breaks?"
+    conv = client.conversations.create(items=[{"role": "user", "content": question}], metadata={"topic": "verona"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "verona"}
+    kwargs = dict(model=model, max_output_tokens=8, temperature=0, reasoning={"effort": "none"})
+    first = client.responses.create(conversation=conv.id, input="Speak again.", **kwargs)
+    assert first.conversation.id == conv.id
+    items = list(client.conversations.items.list(conv.id, order="asc"))
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert items[2].content[0].text == first.output_text
+    # It reads as the conversation sent whole.
+    whole = [{"role": "user", "content": question}, {"role": "user", "content": "Speak again."}]
+    sent = client.responses.create(input=whole, store=False, **kwargs)
+    assert sent.usage.input_tokens == first.usage.input_tokens and sent.output_text == first.output_text
+    second = client.responses.create(conversation={"id": conv.id}, input="Once more.", **kwargs)
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert len(list(client.conversations.items.list(conv.id, limit=2))) == 5
+
+    added = client.conversations.items.create(
+        conv.id, items=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hark!"}]}])
+    item_id = added.data[0].id
+    assert client.conversations.items.retrieve(item_id, conversation_id=conv.id).content[0].text == "Hark!"
+    assert client.conversations.items.delete(item_id, conversation_id=conv.id).id == conv.id
+    expect_error(openai.NotFoundError, lambda: client.conversations.items.retrieve(item_id, conversation_id=conv.id))
+    assert client.conversations.update(conv.id, metadata={"topic": "mantua"}).metadata == {"topic": "mantua"}
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "mantua"}
+    expect_error(openai.BadRequestError, lambda: client.responses.create(
+        conversation=conv.id, previous_response_id=first.id, input="x", **kwargs), param="conversation")
+    deleted = client.conversations.delete(conv.id)
+    assert deleted.deleted and deleted.id == conv.id
+    expect_error(openai.NotFoundError, lambda: client.conversations.retrieve(conv.id))
+    expect_error(openai.NotFoundError, lambda: client.responses.create(conversation=conv.id, input="x", **kwargs),
+                 param="conversation")
+    expect_error(openai.BadRequestError, lambda: client.conversations.create(items=[{"type": "input_image"}]),
+                 param="items[0].type")
+    expect_error(openai.BadRequestError, lambda: client.conversations.create(metadata={"k": "v" * 513}),
+                 param="metadata")
+
+
 def test_responses_json_schema_and_errors(client, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}},
               "required": ["name"], "additionalProperties": False}

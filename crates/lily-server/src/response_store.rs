@@ -12,11 +12,12 @@
 //! hole in the middle of its conversation. The store counts each response as the bytes of its whole conversation, so
 //! what it holds never exceeds its limit, however the conversations share their older responses.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::Value as Json;
 
+use crate::lru::Lru;
 use crate::types::ResponseObject;
 
 /// A kept response: the response object as it was answered, the input items its request gave, and the response it
@@ -94,9 +95,9 @@ impl Drop for StoredResponse {
 /// The kept responses by id, with the order in which they were last used, and the background responses still
 /// running.
 pub struct ResponseStore {
-    capacity_bytes: usize,
-    inner: Mutex<Inner>,
+    inner: Mutex<Lru<Arc<StoredResponse>>>,
     running: Mutex<HashMap<String, Running>>,
+    enabled: bool,
 }
 
 /// A background response still running: what asks it to stop, and what tells that it has ended.
@@ -121,51 +122,22 @@ impl Drop for Background {
     }
 }
 
-#[derive(Default)]
-struct Inner {
-    /// Each response and the tick of its last use.
-    entries: HashMap<String, (Arc<StoredResponse>, u64)>,
-    /// The ids by the tick of their last use, oldest first.
-    recency: BTreeMap<u64, String>,
-    tick: u64,
-    bytes: usize,
-}
-
-impl Inner {
-    fn touch(&mut self, id: &str) -> Option<Arc<StoredResponse>> {
-        self.tick += 1;
-        let tick = self.tick;
-        let (response, used) = self.entries.get_mut(id)?;
-        self.recency.remove(used);
-        *used = tick;
-        self.recency.insert(tick, id.to_string());
-        Some(response.clone())
-    }
-
-    fn remove(&mut self, id: &str) -> Option<Arc<StoredResponse>> {
-        let (response, used) = self.entries.remove(id)?;
-        self.recency.remove(&used);
-        self.bytes -= response.conversation_bytes;
-        Some(response)
-    }
-}
-
 impl ResponseStore {
     /// A store that holds up to `capacity_bytes` (0: keeps nothing).
     pub fn new(capacity_bytes: usize) -> ResponseStore {
         ResponseStore {
-            capacity_bytes,
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(Lru::new(capacity_bytes)),
             running: Mutex::new(HashMap::new()),
+            enabled: capacity_bytes > 0,
         }
     }
 
     /// Whether the store keeps responses at all.
     pub fn enabled(&self) -> bool {
-        self.capacity_bytes > 0
+        self.enabled
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> MutexGuard<'_, Lru<Arc<StoredResponse>>> {
         // The store's state stays consistent between statements, so a panic elsewhere leaves it usable.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -223,50 +195,25 @@ impl ResponseStore {
 
     /// Whether a response of this size could be kept at all.
     pub fn fits(&self, response: &StoredResponse) -> bool {
-        response.conversation_bytes <= self.capacity_bytes
+        self.lock().fits(response.conversation_bytes)
     }
 
     /// Keeps `response` where `only_replacing` is false or a response of its id is kept; what it replaces stays
-    /// where it does not fit.
+    /// where it does not fit. The running background responses are never dropped for room: their end replaces
+    /// them.
     fn put(&self, response: StoredResponse, only_replacing: bool) -> bool {
-        let bytes = response.conversation_bytes;
-        let id = response.response.id.clone();
-        if !self.fits(&response) {
-            return false;
-        }
+        let (id, bytes) = (response.response.id.clone(), response.conversation_bytes);
         let mut inner = self.lock();
-        if only_replacing && !inner.entries.contains_key(&id) {
+        if only_replacing && !inner.contains(&id) {
             return false;
         }
-        inner.remove(&id);
-        // The running background responses are never dropped for room: their end replaces them.
         let running = self.lock_running();
-        while inner.bytes + bytes > self.capacity_bytes {
-            let victim = inner
-                .recency
-                .iter()
-                .find(|(_, id)| !running.contains_key(*id))
-                .map(|(&t, id)| (t, id.clone()));
-            let Some((tick, victim)) = victim else {
-                return false;
-            };
-            inner.recency.remove(&tick);
-            if let Some((response, _)) = inner.entries.remove(&victim) {
-                inner.bytes -= response.conversation_bytes;
-            }
-        }
-        drop(running);
-        inner.tick += 1;
-        let tick = inner.tick;
-        inner.recency.insert(tick, id.clone());
-        inner.entries.insert(id, (Arc::new(response), tick));
-        inner.bytes += bytes;
-        true
+        inner.insert(id, Arc::new(response), bytes, |id| running.contains_key(id))
     }
 
     /// The response with this id, now the most recently used.
     pub fn get(&self, id: &str) -> Option<Arc<StoredResponse>> {
-        self.lock().touch(id)
+        self.lock().get(id).cloned()
     }
 
     /// Forgets the response with this id; false where there was none.
@@ -276,8 +223,7 @@ impl ResponseStore {
 
     /// The responses kept and the bytes they count for.
     pub fn usage(&self) -> (usize, usize) {
-        let inner = self.lock();
-        (inner.entries.len(), inner.bytes)
+        self.lock().usage()
     }
 }
 
@@ -321,6 +267,7 @@ mod tests {
             previous_response_id: None,
             truncation: "disabled",
             background: false,
+            conversation: None,
         }
     }
 

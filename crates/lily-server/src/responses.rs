@@ -15,6 +15,7 @@ use lily_chat::{Delta, FinalOutput, FinishReason, Tokenizer};
 use serde_json::{json, Map, Value as Json};
 
 use crate::chat::{logprob_entry, to_json, ChatPlan};
+use crate::conversations::ConversationStore;
 use crate::engine::Event;
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
@@ -36,7 +37,18 @@ const LOGPROBS: &str = "message.output_text.logprobs";
 pub struct Translated {
     pub chat: ChatCompletionRequest,
     pub template: ResponseObject,
-    pub keep: Option<Keep>,
+    pub kept: Kept,
+}
+
+/// What a responder keeps of a translated request: where the finished response is kept, and the conversation it
+/// joins.
+pub type Kept = (Option<Keep>, Option<AppendTo>);
+
+/// The conversation a response's input and output items join once it has completed.
+pub struct AppendTo {
+    conversations: Arc<ConversationStore>,
+    id: String,
+    input: Vec<Json>,
 }
 
 /// What the store needs, besides the finished response, to keep it: the request's input items (each given an id)
@@ -55,8 +67,21 @@ pub fn translate(
     sampling: &RawSampling,
     model: String,
     store: &Arc<ResponseStore>,
+    conversations: &Arc<ConversationStore>,
 ) -> Result<Translated, ApiError> {
     refuse_stateful(&request)?;
+    let conversation = conversation_id(&request.conversation)?;
+    if conversation.is_some() && request.previous_response_id.is_some() {
+        return Err(ApiError::invalid(
+            "conversation",
+            "`conversation` and `previous_response_id` cannot be used together",
+        ));
+    }
+    // The conversation's items come before the input, as a continued response's do.
+    let earlier = match &conversation {
+        Some(id) => Some(conversations.items(id).map_err(|e| e.with_param("conversation"))?),
+        None => None,
+    };
     let previous = match &request.previous_response_id {
         None => None,
         Some(id) => Some(store.get(id).ok_or_else(|| previous_not_found(id, store))?),
@@ -128,10 +153,15 @@ pub fn translate(
             ))
         }
     };
-    // The ids of the conversation continued, which the request's own items must not repeat.
-    let taken = previous
+    // The items before the input: the continued response's conversation, or the conversation's.
+    let earlier = match &previous {
+        Some(previous) => Some(previous.conversation()),
+        None => earlier,
+    };
+    // Their ids, which the request's own items must not repeat.
+    let taken = earlier
         .iter()
-        .flat_map(|p| p.conversation())
+        .flatten()
         .filter_map(|item| item["id"].as_str().map(String::from));
     let input = normalized(
         match request.input.clone() {
@@ -153,13 +183,12 @@ pub fn translate(
     if let Some(instructions) = &request.instructions {
         messages.push(json!({"role": "system", "content": instructions}));
     }
-    match &previous {
+    match earlier {
         None => input_messages(&input, &mut messages)?,
-        Some(previous) => {
+        Some(mut conversation) => {
             // The request's own items are checked alone, so that an error names them by their index in `input`;
             // the whole conversation is then read as one, so that a turn continued across the two is one turn.
             input_messages(&input, &mut Vec::new())?;
-            let mut conversation = previous.conversation();
             conversation.extend(input.iter().cloned());
             input_messages(&conversation, &mut messages)?;
         }
@@ -229,13 +258,23 @@ pub fn translate(
         previous_response_id: request.previous_response_id,
         truncation,
         background,
+        conversation: conversation.as_ref().map(|id| json!({"id": id})),
     };
+    let append = conversation.map(|id| AppendTo {
+        conversations: conversations.clone(),
+        id,
+        input: input.clone(),
+    });
     let keep = template.store.then(|| Keep {
         store: store.clone(),
         input,
         previous,
     });
-    Ok(Translated { chat, template, keep })
+    Ok(Translated {
+        chat,
+        template,
+        kept: (keep, append),
+    })
 }
 
 /// The error for a `previous_response_id` the store does not hold (never kept, deleted, or dropped for room), with
@@ -329,7 +368,7 @@ pub fn input_items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result
 /// or `output_text` for the assistant's) and a `status`, and every item with an `id` (by its type, as the API's
 /// own items are named) that no item before it (those of `taken`, the conversation continued) has, so that the
 /// kept items can be listed page by page. The text the model sees is the same.
-fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Vec<Json> {
+pub(crate) fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Vec<Json> {
     for item in items.iter_mut().filter_map(Json::as_object_mut) {
         let kind = item.get("type").and_then(Json::as_str).unwrap_or("message").to_string();
         if kind == "message" {
@@ -384,18 +423,34 @@ pub fn responses_param(mut error: ApiError) -> ApiError {
 }
 
 fn refuse_stateful(request: &ResponsesRequest) -> Result<(), ApiError> {
-    let stored = "this server keeps no conversations or prompt templates; send the conversation in `input`, or \
-                  continue a response with `previous_response_id`";
-    if request.conversation.as_ref().is_some_and(|c| !c.is_null()) {
-        return Err(ApiError::invalid("conversation", format!("`conversation`: {stored}")));
-    }
     if request.prompt.as_ref().is_some_and(|p| !p.is_null()) {
         return Err(ApiError::invalid(
             "prompt",
-            format!("`prompt` (a stored prompt template): {stored}"),
+            "`prompt` (a stored prompt template): this server keeps no prompt templates",
         ));
     }
     Ok(())
+}
+
+/// The id of the conversation a request names: `"conv_..."` or `{"id": "conv_..."}`.
+fn conversation_id(conversation: &Option<Json>) -> Result<Option<String>, ApiError> {
+    match conversation {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::String(id)) => Ok(Some(id.clone())),
+        Some(Json::Object(c)) => match c.get("id") {
+            Some(Json::String(id)) => Ok(Some(id.clone())),
+            _ => Err(ApiError::invalid("conversation", "`conversation.id` must be a string")),
+        },
+        Some(_) => Err(ApiError::invalid(
+            "conversation",
+            "`conversation` must be a conversation's id or {\"id\": ...}",
+        )),
+    }
+}
+
+/// Checks input items as a request's `input` (their types, roles and content), without keeping what they say.
+pub(crate) fn check_input_items(items: &[Json]) -> Result<(), ApiError> {
+    input_messages(items, &mut Vec::new())
 }
 
 /// The text of an input or output content part, or of a whole string content.
@@ -662,14 +717,16 @@ pub struct ResponsesResponder {
     tokenizer: Arc<Tokenizer>,
     pending: Vec<ChatLogprobEntry>,
     message_logprobs: Vec<ChatLogprobEntry>,
-    /// Where the finished response is kept, if it is to be.
+    /// Where the finished response is kept, if it is to be, and the conversation it joins.
     keep: Option<Keep>,
+    append: Option<AppendTo>,
 }
 
 impl ResponsesResponder {
-    pub fn new(plan: &ChatPlan, template: ResponseObject, tokenizer: Arc<Tokenizer>, keep: Option<Keep>) -> Self {
+    pub fn new(plan: &ChatPlan, template: ResponseObject, tokenizer: Arc<Tokenizer>, kept: Kept) -> Self {
         ResponsesResponder {
-            keep,
+            keep: kept.0,
+            append: kept.1,
             logprobs: plan.logprobs,
             tokenizer,
             pending: Vec::new(),
@@ -1029,6 +1086,25 @@ impl ResponsesResponder {
     /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile);
     /// one too large for the store is replaced by its failure, so its client does not poll forever.
     fn keep(&mut self, response: &mut ResponseObject) {
+        if let Some(AppendTo {
+            conversations,
+            id,
+            mut input,
+        }) = self.append.take()
+        {
+            // Only a response that has completed joins its conversation.
+            if response.status == "completed" || response.status == "incomplete" {
+                input.extend(
+                    response
+                        .output
+                        .iter()
+                        .filter_map(|item| serde_json::to_value(item).ok()),
+                );
+                if !conversations.append(&id, input) {
+                    tracing::warn!(conversation = %id, "a response's items could not join its conversation");
+                }
+            }
+        }
         let Some(Keep { store, input, previous }) = self.keep.take() else {
             return;
         };
@@ -1169,16 +1245,24 @@ mod tests {
     }
 
     fn translate_in(store: &Arc<ResponseStore>, body: Json) -> Result<Translated, ApiError> {
+        translate_with(store, &Arc::new(ConversationStore::new(1 << 20)), body)
+    }
+
+    fn translate_with(
+        store: &Arc<ResponseStore>,
+        conversations: &Arc<ConversationStore>,
+        body: Json,
+    ) -> Result<Translated, ApiError> {
         let request: ResponsesRequest = serde_json::from_value(body.clone()).unwrap();
         let sampling: RawSampling = serde_json::from_value(body).unwrap();
-        translate(request, &sampling, "m".into(), store)
+        translate(request, &sampling, "m".into(), store, conversations)
     }
 
     /// Answers `body` in `store` with the generation of [`events`], not streamed (or streamed), and returns the
     /// response's JSON.
     fn answer_in(store: &Arc<ResponseStore>, body: Json, stream: bool) -> Json {
         let t = translate_in(store, body).unwrap();
-        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
         let mut response = None;
         for event in events() {
             if stream {
@@ -1198,7 +1282,7 @@ mod tests {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let start = |store: &Arc<ResponseStore>| {
             let t = translate_in(store, json!({"input": "hi", "background": true})).unwrap();
-            let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+            let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
             let (accepted, background) = responder.accept_background().expect("a background request").unwrap();
             assert_eq!((accepted.status, accepted.background), ("in_progress", true));
             let id = accepted.id.clone();
@@ -1238,8 +1322,46 @@ mod tests {
         assert!(store.get(&id).is_none());
         // A response that is not in the background is not accepted early.
         let t = translate_in(&store, json!({"input": "hi"})).unwrap();
-        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
         assert!(responder.accept_background().is_none());
+    }
+
+    #[test]
+    fn a_response_in_a_conversation_reads_its_items_and_joins_it() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let conversations = Arc::new(ConversationStore::new(1 << 20));
+        let c = conversations
+            .create(None, Some(vec![json!({"role": "user", "content": "Weather?"})]))
+            .unwrap();
+        let body = json!({"input": "And tomorrow?", "conversation": {"id": c.id}, "store": false});
+        let t = translate_with(&store, &conversations, body).unwrap();
+        assert_eq!(t.template.conversation, Some(json!({"id": c.id})));
+        let messages = t.chat.messages.clone().unwrap();
+        assert_eq!(messages.len(), 2);
+        assert_eq!(
+            (&messages[0]["content"], &messages[1]["content"]),
+            (&json!("Weather?"), &json!("And tomorrow?"))
+        );
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
+        for event in events() {
+            responder.collect_event(event);
+        }
+        // The conversation now holds its item, the input and the output (reasoning, message, call).
+        let items = conversations.items(&c.id).unwrap();
+        let types: Vec<&str> = items.iter().map(|i| i["type"].as_str().unwrap()).collect();
+        assert_eq!(types, ["message", "message", "reasoning", "message", "function_call"]);
+        // A failed response does not join it, and an unknown conversation is 404.
+        let t = translate_with(&store, &conversations, json!({"input": "x", "conversation": c.id})).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
+        responder.collect_event(Event::Error(ApiError::engine_failed()));
+        assert_eq!(conversations.items(&c.id).unwrap().len(), 5);
+        let error = translate_with(&store, &conversations, json!({"input": "x", "conversation": "conv_x"}))
+            .err()
+            .unwrap();
+        assert_eq!(
+            (error.status.as_u16(), error.param.as_deref()),
+            (404, Some("conversation"))
+        );
     }
 
     #[test]
@@ -1258,7 +1380,7 @@ mod tests {
             ]}),
         )
         .unwrap();
-        let input = t.keep.unwrap().input;
+        let input = t.kept.0.unwrap().input;
         assert_eq!(input[0]["id"], "x");
         assert_eq!(input[0]["type"], "message");
         assert_eq!(input[0]["content"], json!([{"type": "input_text", "text": "Again?"}]));
@@ -1276,7 +1398,7 @@ mod tests {
         // Room for the accepted response, not for its output.
         let store = Arc::new(ResponseStore::new(16 << 10));
         let t = translate_in(&store, json!({"input": "hi", "background": true})).unwrap();
-        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
         let (accepted, _background) = responder.accept_background().unwrap().unwrap();
         let output = FinalOutput {
             deltas: Vec::new(),
@@ -1301,13 +1423,13 @@ mod tests {
         // Too large to accept at all: refused.
         let tiny = Arc::new(ResponseStore::new(64));
         let t = translate_in(&tiny, json!({"input": "hi", "background": true})).unwrap();
-        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
         let error = responder.accept_background().unwrap().err().unwrap();
         assert_eq!(error.param.as_deref(), Some("background"));
         // A response that is not in the background and finds no room says it was not stored.
         let t = translate_in(&tiny, json!({"input": "hi"})).unwrap();
         assert!(t.template.store);
-        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.keep);
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
         let mut response = None;
         for event in events() {
             response = response.or(responder.collect_event(event));
@@ -1363,7 +1485,7 @@ mod tests {
             let roles: Vec<Json> = sent.chat.messages.unwrap().iter().map(|m| m["role"].clone()).collect();
             assert_eq!(roles, ["system", "user", "assistant", "tool"]);
             // The continuation is kept too, and lists every input item that led to it.
-            let keep = continued.keep.expect("kept");
+            let keep = continued.kept.0.expect("kept");
             let second = StoredResponse::new(continued.template, keep.input, keep.previous);
             let types = |items: &[Json]| -> Vec<Json> { items.iter().map(|i| i["type"].clone()).collect() };
             let mut expected = vec![json!("message")];
@@ -1547,7 +1669,11 @@ mod tests {
                 json!({"input": "hi", "previous_response_id": "resp_1"}),
                 "previous_response_id",
             ),
-            (json!({"input": "hi", "conversation": "conv_1"}), "conversation"),
+            (
+                json!({"input": "hi", "conversation": "conv_1", "previous_response_id": "resp_1"}),
+                "conversation",
+            ),
+            (json!({"input": "hi", "conversation": 3}), "conversation"),
             (json!({"input": "hi", "background": true, "stream": true}), "background"),
             (json!({"input": "hi", "background": true, "store": false}), "background"),
             (json!({"input": "hi", "truncation": "sometimes"}), "truncation"),
@@ -1675,7 +1801,7 @@ mod tests {
 
     fn responder_with(logprobs: bool) -> ResponsesResponder {
         let template = translate_json(json!({"input": "hi"})).unwrap().template;
-        ResponsesResponder::new(&plan(logprobs), template, tokenizer(), None)
+        ResponsesResponder::new(&plan(logprobs), template, tokenizer(), (None, None))
     }
 
     /// A token event with the logprob of token `id` (and one alternative).

@@ -21,6 +21,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::chat::{self, ChatResponder};
 use crate::completions::{self, CompletionResponder};
+use crate::conversations::{self, ConversationObject};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::params;
@@ -40,6 +41,21 @@ pub fn router(state: AppStateRef) -> Router {
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
         .route("/v1/responses/{id}/input_items", get(list_input_items))
         .route("/v1/responses/{id}/cancel", post(cancel_response))
+        .route("/v1/conversations", post(create_conversation))
+        .route(
+            "/v1/conversations/{id}",
+            get(get_conversation)
+                .post(update_conversation)
+                .delete(delete_conversation),
+        )
+        .route(
+            "/v1/conversations/{id}/items",
+            get(list_conversation_items).post(add_conversation_items),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            get(get_conversation_item).delete(delete_conversation_item),
+        )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route("/tokenize", post(tokenize))
@@ -692,9 +708,9 @@ async fn responses(State(state): State<AppStateRef>, request: Request) -> Respon
         let ready = ready(state)?;
         check_queue(state)?;
         let model = state.config.model_id.clone();
-        let translated = responses::translate(request, &sampling, model, &state.responses)?;
+        let translated = responses::translate(request, &sampling, model, &state.responses, &state.conversations)?;
         let plan = chat::prepare(translated.chat, sampling, ready).map_err(responses::responses_param)?;
-        let responder = ResponsesResponder::new(&plan, translated.template, ready.tokenizer.clone(), translated.keep);
+        let responder = ResponsesResponder::new(&plan, translated.template, ready.tokenizer.clone(), translated.kept);
         Ok(Prepared {
             stream: plan.stream,
             sequences: plan.sequences,
@@ -770,6 +786,83 @@ async fn list_input_items(
     })
     .await
     .map(Json)
+}
+
+// Conversations: the handlers read the path and body and hand them to the store (conversations.rs).
+
+/// A path's ids; one that is not UTF-8 once its percent escapes are decoded names nothing (an empty id).
+fn path_id(id: Result<Path<String>, PathRejection>) -> String {
+    id.map_or_else(|_| String::new(), |Path(id)| id)
+}
+
+async fn conversation_body(request: Request, state: &AppStateRef) -> Result<ConversationRequest, ApiError> {
+    parse_json(&read_body(request, state).await?)
+}
+
+async fn create_conversation(
+    State(state): State<AppStateRef>,
+    request: Request,
+) -> Result<Json<ConversationObject>, ApiError> {
+    let body = conversation_body(request, &state).await?;
+    state.conversations.create(body.metadata, body.items).map(Json)
+}
+
+async fn get_conversation(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<ConversationObject>, ApiError> {
+    state.conversations.get(&path_id(id)).map(Json)
+}
+
+async fn update_conversation(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+    request: Request,
+) -> Result<Json<ConversationObject>, ApiError> {
+    let body = conversation_body(request, &state).await?;
+    state.conversations.update(&path_id(id), body.metadata).map(Json)
+}
+
+async fn delete_conversation(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    state.conversations.delete(&path_id(id)).map(Json)
+}
+
+async fn list_conversation_items(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+    query: Result<Query<InputItemsQuery>, QueryRejection>,
+) -> Result<Json<ItemList>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
+    let items = state.conversations.items(&path_id(id))?;
+    conversations::items_page(items, &query).map(Json)
+}
+
+async fn add_conversation_items(
+    State(state): State<AppStateRef>,
+    id: Result<Path<String>, PathRejection>,
+    request: Request,
+) -> Result<Json<ItemList>, ApiError> {
+    let body = conversation_body(request, &state).await?;
+    state.conversations.add_items(&path_id(id), body.items).map(Json)
+}
+
+async fn get_conversation_item(
+    State(state): State<AppStateRef>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let (id, item_id) = ids.map_or_else(|_| Default::default(), |Path(ids)| ids);
+    state.conversations.item(&id, &item_id).map(Json)
+}
+
+async fn delete_conversation_item(
+    State(state): State<AppStateRef>,
+    ids: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<ConversationObject>, ApiError> {
+    let (id, item_id) = ids.map_or_else(|_| Default::default(), |Path(ids)| ids);
+    state.conversations.delete_item(&id, &item_id).map(Json)
 }
 
 async fn tokenize(State(state): State<AppStateRef>, request: Request) -> Result<Json<TokenizeResponse>, ApiError> {

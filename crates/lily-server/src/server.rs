@@ -15,6 +15,7 @@ use lily_structured::StructuredEnv;
 use tokio::sync::watch;
 
 use crate::args::{ReasoningField, ServeArgs};
+use crate::conversations::ConversationStore;
 use crate::engine::{Engine, EngineHandle, EngineOptions, EngineShared, JobQueue};
 use crate::limits::{RequestLimits, DEFAULT_REQUEST_CONTEXTS};
 use crate::metrics::Metrics;
@@ -83,7 +84,8 @@ pub struct ServerConfig {
     pub pool: PoolOptions,
     /// How the engine schedules (prompt tokens per iteration).
     pub engine: EngineOptions,
-    /// Bytes of finished `/v1/responses` answers kept for `previous_response_id` and retrieval (0: none kept).
+    /// Bytes of finished `/v1/responses` answers kept for `previous_response_id` and retrieval (0: none kept), and
+    /// as many of conversations.
     pub response_store_bytes: usize,
 }
 
@@ -186,8 +188,9 @@ pub struct AppState {
     pub created: u64,
     /// Requests being parsed, rendered and tokenized on the blocking pool at once: one per core.
     pub prepare_slots: Arc<tokio::sync::Semaphore>,
-    /// The finished `/v1/responses` answers kept for their clients.
+    /// The finished `/v1/responses` answers kept for their clients, and the conversations.
     pub responses: Arc<ResponseStore>,
+    pub conversations: Arc<ConversationStore>,
 }
 
 impl AppState {
@@ -341,6 +344,7 @@ pub async fn start(config: ServerConfig, factory: BackendFactory) -> Result<Runn
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )),
         responses: Arc::new(ResponseStore::new(config.response_store_bytes)),
+        conversations: Arc::new(ConversationStore::new(config.response_store_bytes)),
     });
 
     let (status_tx, status_rx) = watch::channel(Status::Loading);

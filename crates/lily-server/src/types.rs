@@ -360,7 +360,8 @@ pub struct ErrorDetail {
 }
 
 /// A `/v1/responses` request's own fields (OpenAI's Responses API); its sampling fields are a [`RawSampling`].
-/// `previous_response_id` names a response the server kept; conversations and stored prompts are refused.
+/// `previous_response_id` names a response the server kept, `conversation` a conversation; stored prompts are
+/// refused.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ResponsesRequest {
     pub model: Option<String>,
@@ -407,6 +408,13 @@ pub struct RetrieveQuery {
     pub stream: Option<bool>,
 }
 
+/// `POST /v1/conversations` and `POST /v1/conversations/{id}` (metadata only), `POST /v1/conversations/{id}/items`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ConversationRequest {
+    pub items: Option<Vec<Json>>,
+    pub metadata: Option<Json>,
+}
+
 /// A page of items (`object: "list"`), with the ids of its first and last and whether more follow.
 #[derive(Debug, Clone, Serialize)]
 pub struct ItemList {
@@ -446,6 +454,9 @@ pub struct ResponseObject {
     pub truncation: &'static str,
     /// Answered at once and run on (`background: true`), its status read back with `GET /v1/responses/{id}`.
     pub background: bool,
+    /// `{"id": ...}` of the conversation the response joins, where it names one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<Json>,
 }
 
 /// An output item of a response.

@@ -1,0 +1,113 @@
+//! Values kept by id in memory up to a number of bytes, the least recently used dropped first: the store of the
+//! kept responses ([`crate::response_store`]) and of the conversations ([`crate::conversations`]).
+
+use std::collections::{BTreeMap, HashMap};
+
+pub struct Lru<V> {
+    capacity_bytes: usize,
+    /// Each value, the bytes it counts for, and the tick of its last use.
+    entries: HashMap<String, (V, usize, u64)>,
+    /// The ids by the tick of their last use, oldest first.
+    recency: BTreeMap<u64, String>,
+    tick: u64,
+    bytes: usize,
+}
+
+impl<V> Lru<V> {
+    pub fn new(capacity_bytes: usize) -> Lru<V> {
+        Lru {
+            capacity_bytes,
+            entries: HashMap::new(),
+            recency: BTreeMap::new(),
+            tick: 0,
+            bytes: 0,
+        }
+    }
+
+    /// Whether a value of `bytes` could be kept at all.
+    pub fn fits(&self, bytes: usize) -> bool {
+        bytes <= self.capacity_bytes
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.entries.contains_key(id)
+    }
+
+    /// The value of `id`, now the most recently used.
+    pub fn get(&mut self, id: &str) -> Option<&mut V> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (value, _, used) = self.entries.get_mut(id)?;
+        self.recency.remove(used);
+        *used = tick;
+        self.recency.insert(tick, id.to_string());
+        Some(value)
+    }
+
+    pub fn remove(&mut self, id: &str) -> Option<V> {
+        let (value, bytes, used) = self.entries.remove(id)?;
+        self.recency.remove(&used);
+        self.bytes -= bytes;
+        Some(value)
+    }
+
+    /// Keeps `value` (of `bytes`) as `id`, the most recently used, replacing what `id` held and dropping the least
+    /// recently used values that `pinned` does not name until it fits. False where it cannot be kept (then what
+    /// `id` held stays).
+    pub fn insert(&mut self, id: String, value: V, bytes: usize, pinned: impl Fn(&str) -> bool) -> bool {
+        if !self.fits(bytes) {
+            return false;
+        }
+        let held = self.entries.get(&id).map_or(0, |(_, bytes, _)| *bytes);
+        let free = |lru: &Lru<V>| lru.capacity_bytes - (lru.bytes - held);
+        while free(self) < bytes {
+            let victim = (self.recency.values())
+                .find(|victim| **victim != id && !pinned(victim))
+                .cloned();
+            let Some(victim) = victim else {
+                return false;
+            };
+            self.remove(&victim);
+        }
+        self.remove(&id);
+        self.tick += 1;
+        self.recency.insert(self.tick, id.clone());
+        self.entries.insert(id, (value, bytes, self.tick));
+        self.bytes += bytes;
+        true
+    }
+
+    /// The values kept and the bytes they count for.
+    pub fn usage(&self) -> (usize, usize) {
+        (self.entries.len(), self.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Lru;
+
+    #[test]
+    fn the_least_recently_used_unpinned_values_go_first() {
+        let mut lru = Lru::new(30);
+        for id in ["a", "b", "c"] {
+            assert!(lru.insert(id.into(), id, 10, |_| false));
+        }
+        assert!(lru.get("a").is_some());
+        // b is the least recently used, but pinned: c goes.
+        assert!(lru.insert("d".into(), "d", 10, |id| id == "b"));
+        assert!(lru.contains("a") && lru.contains("b") && !lru.contains("c") && lru.contains("d"));
+        assert_eq!(lru.usage(), (3, 30));
+        // Replacing a value counts only the difference.
+        assert!(lru.insert("d".into(), "d2", 10, |_| true));
+        assert_eq!(lru.usage(), (3, 30));
+        // No room, everything pinned: nothing changes.
+        assert!(!lru.insert("e".into(), "e", 10, |_| true));
+        assert!(!lru.insert("f".into(), "f", 31, |_| false));
+        assert_eq!(lru.usage(), (3, 30));
+        assert_eq!(lru.remove("a"), Some("a"));
+        assert_eq!(lru.usage(), (2, 20));
+        assert!(lru.insert("big".into(), "big", 30, |_| false));
+        assert_eq!(lru.usage(), (1, 30));
+    }
+}
