@@ -4,7 +4,8 @@
 //! to the conversation. Conversations live in memory, up to `--response-store-mib` of them (apart from the kept
 //! responses), the least recently used dropped first, until the server restarts.
 
-use std::sync::Mutex;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 use serde_json::{json, Value as Json};
@@ -39,15 +40,31 @@ struct Conversation {
 }
 
 impl Conversation {
+    /// Counts the conversation's JSON, and for each item what holding it costs beyond its text.
     fn measure(&mut self) {
-        let json_bytes = |v: &Json| serde_json::to_vec(v).map_or(0, |v| v.len());
+        const ITEM_OVERHEAD: usize = 256;
+        let json_bytes = |v: &Json| serde_json::to_vec(v).map_or(0, |v| v.len()) + ITEM_OVERHEAD;
         self.bytes = json_bytes(&self.object.metadata) + self.items.iter().map(json_bytes).sum::<usize>();
     }
 }
 
-/// The kept conversations.
+/// The kept conversations, and those a response is using (which take no other response, and are never dropped
+/// for room, until it ends).
 pub struct ConversationStore {
     inner: Mutex<Lru<Conversation>>,
+    busy: Mutex<HashSet<String>>,
+}
+
+/// A conversation's hold by the response that uses it; dropped, the conversation takes responses again.
+pub struct Busy {
+    store: Arc<ConversationStore>,
+    id: String,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.store.lock_busy().remove(&self.id);
+    }
 }
 
 impl ConversationStore {
@@ -55,7 +72,36 @@ impl ConversationStore {
     pub fn new(capacity_bytes: usize) -> ConversationStore {
         ConversationStore {
             inner: Mutex::new(Lru::new(capacity_bytes)),
+            busy: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Taken after `inner` where both are held, never the other way round.
+    fn lock_busy(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds conversation `id` for a response until what this returns is dropped; refused (400
+    /// `conversation_locked`, as OpenAI's API does) while another response holds it, so that each response reads
+    /// the items of the ones before it.
+    pub fn begin(self: &Arc<Self>, id: &str) -> Result<Busy, ApiError> {
+        if !self.lock().contains(id) {
+            return Err(not_found(id).with_param("conversation"));
+        }
+        if !self.lock_busy().insert(id.to_string()) {
+            return Err(ApiError::invalid(
+                "conversation",
+                format!(
+                    "Another response is in progress for conversation {:?}; send this one once it has ended",
+                    shown(id)
+                ),
+            )
+            .with_code("conversation_locked"));
+        }
+        Ok(Busy {
+            store: self.clone(),
+            id: id.to_string(),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Lru<Conversation>> {
@@ -79,7 +125,9 @@ impl ConversationStore {
         conversation.measure();
         let object = conversation.object.clone();
         let bytes = conversation.bytes;
-        if !self.lock().insert(object.id.clone(), conversation, bytes, |_| false) {
+        let mut inner = self.lock();
+        let busy = self.lock_busy();
+        if !inner.insert(object.id.clone(), conversation, bytes, |id| busy.contains(id)) {
             return Err(ApiError::bad_request(
                 "no room for this conversation in the server's store (--response-store-mib)",
             ));
@@ -169,14 +217,23 @@ impl ConversationStore {
             conversation.object.metadata = before_metadata;
             conversation.measure();
             let bytes = conversation.bytes;
-            inner.insert(id.to_string(), conversation, bytes, |_| false);
+            self.put_back(&mut inner, id, conversation, bytes);
             return Err(ApiError::bad_request(
                 "the conversation would be larger than the server's store (--response-store-mib)",
             ));
         }
         let bytes = conversation.bytes;
-        inner.insert(id.to_string(), conversation, bytes, |_| false);
+        self.put_back(&mut inner, id, conversation, bytes);
         result
+    }
+
+    /// Puts a conversation taken out by `modify` back (it fits: it was checked), dropping others for room but
+    /// never one a response is using.
+    fn put_back(&self, inner: &mut Lru<Conversation>, id: &str, conversation: Conversation, bytes: usize) {
+        let busy = self.lock_busy();
+        if !inner.insert(id.to_string(), conversation, bytes, |id| busy.contains(id)) {
+            tracing::warn!(conversation = %id, "a conversation found no room in the store and was dropped");
+        }
     }
 
     /// The conversations kept and the bytes they count for.
@@ -287,7 +344,7 @@ mod tests {
 
     #[test]
     fn items_are_added_listed_and_deleted() {
-        let store = ConversationStore::new(1 << 20);
+        let store = Arc::new(ConversationStore::new(1 << 20));
         let c = store
             .create(Some(json!({"topic": "verona"})), Some(vec![user("hi")]))
             .unwrap();
@@ -317,8 +374,26 @@ mod tests {
     }
 
     #[test]
+    fn a_conversation_takes_one_response_at_a_time_and_is_not_dropped_meanwhile() {
+        // Room for about three small conversations.
+        let store = Arc::new(ConversationStore::new(3000));
+        let c = store.create(None, Some(vec![user("hi")])).unwrap();
+        let busy = store.begin(&c.id).unwrap();
+        let error = store.begin(&c.id).err().unwrap();
+        assert_eq!((error.status.as_u16(), error.code), (400, Some("conversation_locked")));
+        // Other conversations push each other out, never the busy one.
+        for _ in 0..5 {
+            store.create(None, Some(vec![user("more")])).unwrap();
+        }
+        assert!(store.get(&c.id).is_ok());
+        drop(busy);
+        assert!(store.begin(&c.id).is_ok());
+        assert_eq!(store.begin("conv_none").err().unwrap().status.as_u16(), 404);
+    }
+
+    #[test]
     fn bad_items_metadata_and_oversized_conversations_are_refused() {
-        let store = ConversationStore::new(1 << 20);
+        let store = Arc::new(ConversationStore::new(1 << 20));
         let too_many = (0..21).map(|i| user(&i.to_string())).collect();
         for (metadata, items, param) in [
             (None, Some(too_many), "items"),
@@ -331,9 +406,9 @@ mod tests {
             assert_eq!(error.param.as_deref(), Some(param), "{}", error.message);
         }
         // A conversation never grows past the store: the change is refused and it stays as it was.
-        let small = ConversationStore::new(400);
+        let small = ConversationStore::new(1500);
         let c = small.create(None, Some(vec![user("hi")])).unwrap();
-        let error = small.add_items(&c.id, Some(vec![user(&"x".repeat(500))])).unwrap_err();
+        let error = small.add_items(&c.id, Some(vec![user(&"x".repeat(1000))])).unwrap_err();
         assert_eq!(error.status.as_u16(), 400);
         assert_eq!(small.items(&c.id).unwrap().len(), 1);
     }

@@ -3,6 +3,15 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+/// What an entry costs beyond the bytes its owner counts (its id held thrice, the map's and the value's headers):
+/// this many bytes and its id's length three times.
+const ENTRY_OVERHEAD: usize = 256;
+
+/// What an entry of id `id` whose owner counts `bytes` counts for in the store.
+pub fn entry_bytes(id: &str, bytes: usize) -> usize {
+    bytes.saturating_add(ENTRY_OVERHEAD + 3 * id.len())
+}
+
 pub struct Lru<V> {
     capacity_bytes: usize,
     /// Each value, the bytes it counts for, and the tick of its last use.
@@ -26,7 +35,7 @@ impl<V> Lru<V> {
 
     /// Whether a value of `bytes` could be kept at all.
     pub fn fits(&self, bytes: usize) -> bool {
-        bytes <= self.capacity_bytes
+        bytes.saturating_add(ENTRY_OVERHEAD) <= self.capacity_bytes
     }
 
     pub fn contains(&self, id: &str) -> bool {
@@ -55,11 +64,20 @@ impl<V> Lru<V> {
     /// recently used values that `pinned` does not name until it fits. False where it cannot be kept (then what
     /// `id` held stays).
     pub fn insert(&mut self, id: String, value: V, bytes: usize, pinned: impl Fn(&str) -> bool) -> bool {
-        if !self.fits(bytes) {
+        let bytes = entry_bytes(&id, bytes);
+        if bytes > self.capacity_bytes {
             return false;
         }
         let held = self.entries.get(&id).map_or(0, |(_, bytes, _)| *bytes);
         let free = |lru: &Lru<V>| lru.capacity_bytes - (lru.bytes - held);
+        // Nothing is dropped unless dropping what may go makes room.
+        let evictable: usize = (self.entries.iter())
+            .filter(|(victim, _)| **victim != id && !pinned(victim))
+            .map(|(_, (_, bytes, _))| bytes)
+            .sum();
+        if free(self) < bytes && free(self) + evictable < bytes {
+            return false;
+        }
         while free(self) < bytes {
             let victim = (self.recency.values())
                 .find(|victim| **victim != id && !pinned(victim))
@@ -87,9 +105,12 @@ impl<V> Lru<V> {
 mod tests {
     use super::Lru;
 
+    /// What a value of 10 bytes with a one-letter id counts for.
+    const TEN: usize = 10 + super::ENTRY_OVERHEAD + 3;
+
     #[test]
     fn the_least_recently_used_unpinned_values_go_first() {
-        let mut lru = Lru::new(30);
+        let mut lru = Lru::new(3 * TEN);
         for id in ["a", "b", "c"] {
             assert!(lru.insert(id.into(), id, 10, |_| false));
         }
@@ -97,17 +118,19 @@ mod tests {
         // b is the least recently used, but pinned: c goes.
         assert!(lru.insert("d".into(), "d", 10, |id| id == "b"));
         assert!(lru.contains("a") && lru.contains("b") && !lru.contains("c") && lru.contains("d"));
-        assert_eq!(lru.usage(), (3, 30));
-        // Replacing a value counts only the difference.
-        assert!(lru.insert("d".into(), "d2", 10, |_| true));
-        assert_eq!(lru.usage(), (3, 30));
-        // No room, everything pinned: nothing changes.
+        assert_eq!(lru.usage(), (3, 3 * TEN));
+        // Replacing a value counts only the difference, and the oldest value may be the one replaced.
+        assert!(lru.insert("b".into(), "b2", 10, |_| false));
+        assert_eq!(lru.usage(), (3, 3 * TEN));
+        assert!(lru.contains("a") && lru.contains("d"));
+        // No room, everything pinned: nothing changes, nothing is dropped.
         assert!(!lru.insert("e".into(), "e", 10, |_| true));
-        assert!(!lru.insert("f".into(), "f", 31, |_| false));
-        assert_eq!(lru.usage(), (3, 30));
+        assert!(!lru.insert("f".into(), "f", 3 * TEN, |_| false));
+        assert!(!lru.insert("g".into(), "g", 2 * TEN, |id| id != "a"));
+        assert_eq!(lru.usage(), (3, 3 * TEN));
         assert_eq!(lru.remove("a"), Some("a"));
-        assert_eq!(lru.usage(), (2, 20));
-        assert!(lru.insert("big".into(), "big", 30, |_| false));
-        assert_eq!(lru.usage(), (1, 30));
+        assert_eq!(lru.usage(), (2, 2 * TEN));
+        assert!(lru.insert("h".into(), "h", 2 * TEN, |_| false));
+        assert_eq!(lru.usage(), (1, 2 * TEN + super::ENTRY_OVERHEAD + 3));
     }
 }

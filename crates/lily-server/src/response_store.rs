@@ -304,7 +304,7 @@ mod tests {
     #[test]
     fn the_least_recently_used_go_first_and_chains_survive_eviction() {
         let a = StoredResponse::new(response("a", "one"), vec![user("hi")], None);
-        let size = a.conversation_bytes;
+        let size = crate::lru::entry_bytes("a", a.conversation_bytes);
         // Room for three responses of the first one's size.
         let store = ResponseStore::new(3 * size + size / 2);
         assert!(store.insert(a));
@@ -329,7 +329,7 @@ mod tests {
     #[test]
     fn a_running_background_response_is_never_dropped_for_room() {
         let a = StoredResponse::new(response("a", "one"), vec![user("hi")], None);
-        let size = a.conversation_bytes;
+        let size = crate::lru::entry_bytes("a", a.conversation_bytes);
         let store = Arc::new(ResponseStore::new(2 * size + size / 2));
         let running = store.start_background("a");
         assert!(store.insert(a));

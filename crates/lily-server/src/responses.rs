@@ -15,7 +15,7 @@ use lily_chat::{Delta, FinalOutput, FinishReason, Tokenizer};
 use serde_json::{json, Map, Value as Json};
 
 use crate::chat::{logprob_entry, to_json, ChatPlan};
-use crate::conversations::ConversationStore;
+use crate::conversations::{Busy, ConversationStore};
 use crate::engine::Event;
 use crate::error::ApiError;
 use crate::params::{self, MAX_TOP_LOGPROBS};
@@ -44,11 +44,13 @@ pub struct Translated {
 /// joins.
 pub type Kept = (Option<Keep>, Option<AppendTo>);
 
-/// The conversation a response's input and output items join once it has completed.
+/// The conversation a response's input and output items join once it has completed, held by the response until
+/// then (see [`ConversationStore::begin`]).
 pub struct AppendTo {
     conversations: Arc<ConversationStore>,
     id: String,
     input: Vec<Json>,
+    busy: Busy,
 }
 
 /// What the store needs, besides the finished response, to keep it: the request's input items (each given an id)
@@ -77,10 +79,17 @@ pub fn translate(
             "`conversation` and `previous_response_id` cannot be used together",
         ));
     }
-    // The conversation's items come before the input, as a continued response's do.
-    let earlier = match &conversation {
-        Some(id) => Some(conversations.items(id).map_err(|e| e.with_param("conversation"))?),
-        None => None,
+    // The conversation's items come before the input, as a continued response's do; it takes one response at a
+    // time.
+    let (earlier, busy) = match &conversation {
+        Some(id) => {
+            let busy = conversations.begin(id)?;
+            (
+                Some(conversations.items(id).map_err(|e| e.with_param("conversation"))?),
+                Some(busy),
+            )
+        }
+        None => (None, None),
     };
     let previous = match &request.previous_response_id {
         None => None,
@@ -260,10 +269,11 @@ pub fn translate(
         background,
         conversation: conversation.as_ref().map(|id| json!({"id": id})),
     };
-    let append = conversation.map(|id| AppendTo {
+    let append = conversation.zip(busy).map(|(id, busy)| AppendTo {
         conversations: conversations.clone(),
         id,
         input: input.clone(),
+        busy,
     });
     let keep = template.store.then(|| Keep {
         store: store.clone(),
@@ -305,6 +315,9 @@ pub fn not_found(id: &str) -> ApiError {
 fn shown(id: &str) -> &str {
     id.char_indices().nth(64).map_or(id, |(end, _)| &id[..end])
 }
+
+/// The longest item id a client may give (longer ones are replaced).
+const MAX_ID: usize = 128;
 
 /// The most items a page of input items may hold, and how many it holds where the query does not say.
 const MAX_PAGE: i64 = 100;
@@ -383,7 +396,12 @@ pub(crate) fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Ve
             }
             item.entry("status").or_insert(json!("completed"));
         }
-        let id = item.get("id").and_then(Json::as_str).map(String::from);
+        // A client's id is kept where it is new and of a sensible length.
+        let id = item
+            .get("id")
+            .and_then(Json::as_str)
+            .filter(|id| id.len() <= MAX_ID)
+            .map(String::from);
         match id {
             Some(id) if !taken.contains(&id) => {
                 taken.insert(id);
@@ -1086,27 +1104,38 @@ impl ResponsesResponder {
     /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile);
     /// one too large for the store is replaced by its failure, so its client does not poll forever.
     fn keep(&mut self, response: &mut ResponseObject) {
-        if let Some(AppendTo {
+        let completed = self.keep_response(response);
+        let Some(AppendTo {
             conversations,
             id,
             mut input,
+            busy,
         }) = self.append.take()
-        {
-            // Only a response that has completed joins its conversation.
-            if response.status == "completed" || response.status == "incomplete" {
-                input.extend(
-                    response
-                        .output
-                        .iter()
-                        .filter_map(|item| serde_json::to_value(item).ok()),
-                );
-                if !conversations.append(&id, input) {
-                    tracing::warn!(conversation = %id, "a response's items could not join its conversation");
-                }
+        else {
+            return;
+        };
+        // Only a response that has completed joins its conversation (a background one as its client will read
+        // it), and the conversation is free for the next response once it has.
+        if completed {
+            input.extend(
+                response
+                    .output
+                    .iter()
+                    .filter_map(|item| serde_json::to_value(item).ok()),
+            );
+            if !conversations.append(&id, input) {
+                tracing::warn!(conversation = %id, "a response's items could not join its conversation");
             }
         }
+        drop(busy);
+    }
+
+    /// Keeps the response in the store where it is to be kept; whether it has completed (or is incomplete) as
+    /// its client reads it.
+    fn keep_response(&mut self, response: &mut ResponseObject) -> bool {
+        let completed = response.status == "completed" || response.status == "incomplete";
         let Some(Keep { store, input, previous }) = self.keep.take() else {
-            return;
+            return completed;
         };
         let stored = StoredResponse::new(response.clone(), input, previous);
         if !response.background {
@@ -1114,18 +1143,21 @@ impl ResponsesResponder {
                 tracing::warn!(id = %response.id, "no room in the response store for a response's conversation");
                 response.store = false;
             }
-            return;
+            return completed;
         }
-        if store.fits(&stored) {
-            store.replace(stored);
-            return;
+        let (input, previous) = (stored.input.clone(), stored.previous.clone());
+        if store.replace(stored) {
+            return completed;
         }
-        let error =
-            ApiError::internal("the response is larger than the server's response store (--response-store-mib)");
+        // The final form found no room (or the response was deleted): its client reads a failure instead, or
+        // nothing at all, never an `in_progress` that does not end.
+        let error = ApiError::internal("the response is larger than the room in the server's response store");
         let mut failed = self.failed(&error);
         failed.output.clear();
-        let (input, previous) = (stored.input.clone(), stored.previous.clone());
-        store.replace(StoredResponse::new(failed, input, previous));
+        if !store.replace(StoredResponse::new(failed, input, previous)) {
+            store.remove(&response.id);
+        }
+        false
     }
 
     /// A background request, accepted: keeps the response as it stands (`in_progress`, no output) and registers it
