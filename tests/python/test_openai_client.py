@@ -632,7 +632,7 @@ def test_responses_in_the_background_are_polled_and_cancelled(client, model):
                  param="background")
 
 
-def test_conversations_hold_the_items_their_responses_add(client, model):
+def test_conversations_hold_the_items_their_responses_add(client, model, base_url):
     question = "What light through yonder window breaks?"
     conv = client.conversations.create(items=[{"role": "user", "content": question}], metadata={"topic": "verona"})
     assert conv.id.startswith("conv_") and conv.metadata == {"topic": "verona"}
@@ -660,6 +660,9 @@ def test_conversations_hold_the_items_their_responses_add(client, model):
     assert client.conversations.retrieve(conv.id).metadata == {"topic": "mantua"}
     expect_error(openai.BadRequestError, lambda: client.responses.create(
         conversation=conv.id, previous_response_id=first.id, input="x", **kwargs), param="conversation")
+    metrics = urllib.request.urlopen(base_url + "/metrics").read().decode()
+    kept = re.search(r"^lily_conversations (\S+)$", metrics, re.M)
+    assert kept and float(kept.group(1)) >= 1, metrics[-2000:]
     deleted = client.conversations.delete(conv.id)
     assert deleted.deleted and deleted.id == conv.id
     expect_error(openai.NotFoundError, lambda: client.conversations.retrieve(conv.id))

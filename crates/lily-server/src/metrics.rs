@@ -26,6 +26,8 @@ pub const SEGMENT_CACHE_BYTES: &str = "lily_tokenizer_segment_cache_bytes";
 pub const WORD_CACHE_BYTES: &str = "lily_tokenizer_word_cache_bytes";
 pub const RESPONSES_STORED: &str = "lily_responses_stored";
 pub const RESPONSE_STORE_BYTES: &str = "lily_response_store_bytes";
+pub const CONVERSATIONS: &str = "lily_conversations";
+pub const CONVERSATION_STORE_BYTES: &str = "lily_conversation_store_bytes";
 
 const METADATA: Metadata<'static> = Metadata::new("lily_server", Level::INFO, Some("lily_server::metrics"));
 
@@ -53,6 +55,8 @@ pub struct Metrics {
     pub word_cache_bytes: Gauge,
     pub responses_stored: Gauge,
     pub response_store_bytes: Gauge,
+    pub conversations: Gauge,
+    pub conversation_store_bytes: Gauge,
 }
 
 impl Metrics {
@@ -170,6 +174,16 @@ impl Metrics {
             Some(Unit::Bytes),
             SharedString::const_str("Bytes the kept responses count for (each its whole conversation's)."),
         );
+        recorder.describe_gauge(
+            KeyName::from_const_str(CONVERSATIONS),
+            None,
+            SharedString::const_str("Conversations kept (the Conversations API)."),
+        );
+        recorder.describe_gauge(
+            KeyName::from_const_str(CONVERSATION_STORE_BYTES),
+            Some(Unit::Bytes),
+            SharedString::const_str("Bytes the kept conversations count for."),
+        );
         let key = |name: &'static str| Key::from_static_name(name);
         Metrics {
             prompt_tokens: recorder.register_counter(&key(PROMPT_TOKENS), &METADATA),
@@ -193,6 +207,8 @@ impl Metrics {
             word_cache_bytes: recorder.register_gauge(&key(WORD_CACHE_BYTES), &METADATA),
             responses_stored: recorder.register_gauge(&key(RESPONSES_STORED), &METADATA),
             response_store_bytes: recorder.register_gauge(&key(RESPONSE_STORE_BYTES), &METADATA),
+            conversations: recorder.register_gauge(&key(CONVERSATIONS), &METADATA),
+            conversation_store_bytes: recorder.register_gauge(&key(CONVERSATION_STORE_BYTES), &METADATA),
             recorder,
             handle,
         }

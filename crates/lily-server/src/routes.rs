@@ -194,6 +194,9 @@ async fn metrics(State(state): State<AppStateRef>) -> Response {
     let (stored, bytes) = state.responses.usage();
     state.metrics.responses_stored.set(stored as f64);
     state.metrics.response_store_bytes.set(bytes as f64);
+    let (kept, bytes) = state.conversations.usage();
+    state.metrics.conversations.set(kept as f64);
+    state.metrics.conversation_store_bytes.set(bytes as f64);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         state.metrics.render(),
