@@ -1681,6 +1681,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 // stores, as moe_down writes them. Which entry a token row is and its routing weight come from a table that the
 // producer's other warps fill for each item ahead of its epilogue (two tables, by item parity, each released by
 // the consumers once they have read it), so the consumers wait on no global load between their MMAs.
+// MOE_DOWN_RS 1 gives moe_gate_up_rs's tiles' down product to this kernel, 0 to moe_down (mma.sync). It is 0 until
+// the kernel has been checked on a GPU (LILY_KERNEL_DEFINES=MOE_DOWN_RS=1 turns it on, bench/ab_defines.sh checks
+// and times it).
 #ifndef MOE_DOWN_RS
 #define MOE_DOWN_RS 0
 #endif
@@ -1712,11 +1715,12 @@ static_assert(MOE_DOWN_RS_TABLE_THREADS == 128 - WARP, "the producer's warps but
 static_assert(MOE_DOWN_RS_STAGES >= 2 && MOE_DOWN_RS_STAGES + 1 <= 2 * MOE_DOWN_RS_PAIR_SLOTS,
               "a pairs' slot is refilled after its last reader");
 static_assert(MOE_DOWN_RS_SMEM <= 227 * 1024, "a block's shared memory on Hopper");
-// The consumers hold half the dense kernel's accumulators, so the producer, whose thread 0 walks the items, keeps a
-// few more registers than there.
+// The consumers hold half the dense kernel's accumulators, so the producer, whose thread 0 walks the items and whose
+// other warps fill the tables, keeps more registers than RS_PRODUCER_REGS.
 constexpr int MOE_DOWN_RS_PRODUCER_REGS = 56;
 constexpr int MOE_DOWN_RS_CONSUMER_REGS = (RS_THREADS * RS_LAUNCH_REGS - 128 * MOE_DOWN_RS_PRODUCER_REGS) / 256 / 8 * 8;
 static_assert(MOE_DOWN_RS_CONSUMER_REGS >= RS_LAUNCH_REGS, "the consumers gain registers, the producer gives them up");
+// Read by the host (the kernel has the name moe_down_rs).
 __device__ int moe_rs_down = WGMMA_BUILT && MOE_DOWN_RS;
 __device__ int moe_down_rs_smem = MOE_DOWN_RS_SMEM;
 __device__ int moe_down_rs_col_blocks = MOE_DOWN_RS_COL_BLOCKS;

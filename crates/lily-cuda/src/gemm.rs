@@ -670,8 +670,9 @@ pub struct Sorted {
     pub work: DevPtr<i32>,
     pub max_tiles: usize,
     pub tile_rows: usize,
-    /// Tokens of the routing, and the entries a token has ([`moe_slots`]).
+    /// Tokens of the routing.
     pub tokens: usize,
+    /// The entries a token has ([`moe_slots`]), which size the SwiGLU rows' tensor map.
     pub slots: usize,
     /// Whether the large tiling's gate/up runs on `moe_gate_up_rs` (tiles of `moe_rs_tile_rows`; see
     /// [`moe_takes_rs`]).
@@ -867,15 +868,16 @@ pub fn moe_experts(
         )?;
     }
     if s.rs && k.constant("moe_rs_down") == 1 {
+        use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
         let act_map = l.gpu.tensor_map_2d(
             act,
-            cudarc::driver::sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            Type::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             m.down.cols,
             s.tokens * s.slots,
             m.down.cols * 2,
             K_STEP as u32,
             s.tile_rows as u32,
-            cudarc::driver::sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         )?;
         let (down_map, shared_down_map) = (tiled_codes_map(l.gpu, m.down)?, tiled_codes_map(l.gpu, m.shared_down)?);
         // Persistent: at most a block an SM (its shared memory allows no second), never more than the items.

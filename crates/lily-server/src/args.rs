@@ -103,7 +103,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = crate::engine::DEFAULT_SNAPSHOT_INTERVAL)]
     pub prefix_cache_interval: usize,
     /// MiB of finished `/v1/responses` answers kept in memory (least recently used dropped first), so that clients
-    /// can continue one with `previous_response_id` or read it back, and as many of conversations; 0 keeps none.
+    /// can continue one with `previous_response_id` or read it back; conversations have the same amount again; 0
+    /// keeps none.
     #[arg(long, default_value_t = crate::server::DEFAULT_RESPONSE_STORE_MIB)]
     pub response_store_mib: usize,
     /// Seconds in-flight requests may run on after SIGTERM/SIGINT before they are cancelled.

@@ -7,14 +7,13 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use serde::Serialize;
 use serde_json::{json, Value as Json};
 
 use crate::error::ApiError;
 use crate::lru::Lru;
 use crate::params;
 use crate::responses;
-use crate::types::{InputItemsQuery, ItemList};
+use crate::types::{ConversationObject, ItemList};
 
 /// The most items one request may add (OpenAI's limit), and the most metadata pairs and their lengths.
 const MAX_ADDED_ITEMS: usize = 20;
@@ -22,15 +21,7 @@ const MAX_METADATA_PAIRS: usize = 16;
 const MAX_METADATA_KEY: usize = 64;
 const MAX_METADATA_VALUE: usize = 512;
 
-/// A conversation as the API shows it (its items are listed apart).
-#[derive(Debug, Clone, Serialize)]
-pub struct ConversationObject {
-    pub id: String,
-    pub object: &'static str,
-    pub created_at: u64,
-    pub metadata: Json,
-}
-
+#[derive(Clone)]
 struct Conversation {
     object: ConversationObject,
     /// Oldest first, each with an `id` of its own.
@@ -42,8 +33,7 @@ struct Conversation {
 impl Conversation {
     /// Counts the conversation's JSON, and for each item what holding it costs beyond its text.
     fn measure(&mut self) {
-        const ITEM_OVERHEAD: usize = 256;
-        let json_bytes = |v: &Json| serde_json::to_vec(v).map_or(0, |v| v.len()) + ITEM_OVERHEAD;
+        let json_bytes = |v: &Json| serde_json::to_vec(v).map_or(0, |v| v.len()) + crate::lru::ENTRY_OVERHEAD;
         self.bytes = json_bytes(&self.object.metadata) + self.items.iter().map(json_bytes).sum::<usize>();
     }
 }
@@ -93,7 +83,7 @@ impl ConversationStore {
                 "conversation",
                 format!(
                     "Another response is in progress for conversation {:?}; send this one once it has ended",
-                    shown(id)
+                    params::shown_id(id)
                 ),
             )
             .with_code("conversation_locked"));
@@ -198,42 +188,32 @@ impl ConversationStore {
         })
     }
 
-    /// Applies `change` to the conversation `id` and counts its new size; where `change` fails, or the conversation
-    /// would no longer fit, it stays as it was.
+    /// Applies `change` to the conversation `id` and counts its new size; where `change` fails, or the changed
+    /// conversation finds no room, it stays as it was.
     fn modify<R>(
         &self,
         id: &str,
         change: impl FnOnce(&mut Conversation) -> Result<R, ApiError>,
     ) -> Result<R, ApiError> {
         let mut inner = self.lock();
-        let Some(mut conversation) = inner.remove(id) else {
+        let Some(original) = inner.remove(id) else {
             return Err(not_found(id));
         };
-        let (before_items, before_metadata) = (conversation.items.len(), conversation.object.metadata.clone());
-        let result = change(&mut conversation);
-        conversation.measure();
-        if result.is_ok() && !inner.fits(conversation.bytes) {
-            conversation.items.truncate(before_items);
-            conversation.object.metadata = before_metadata;
-            conversation.measure();
-            let bytes = conversation.bytes;
-            self.put_back(&mut inner, id, conversation, bytes);
-            return Err(ApiError::bad_request(
-                "the conversation would be larger than the server's store (--response-store-mib)",
-            ));
-        }
-        let bytes = conversation.bytes;
-        self.put_back(&mut inner, id, conversation, bytes);
-        result
-    }
-
-    /// Puts a conversation taken out by `modify` back (it fits: it was checked), dropping others for room but
-    /// never one a response is using.
-    fn put_back(&self, inner: &mut Lru<Conversation>, id: &str, conversation: Conversation, bytes: usize) {
+        let mut changed = original.clone();
+        let result = change(&mut changed);
+        changed.measure();
         let busy = self.lock_busy();
-        if !inner.insert(id.to_string(), conversation, bytes, |id| busy.contains(id)) {
-            tracing::warn!(conversation = %id, "a conversation found no room in the store and was dropped");
+        let pinned = |other: &str| busy.contains(other);
+        let bytes = changed.bytes;
+        if result.is_ok() && inner.insert(id.to_string(), changed, bytes, pinned) {
+            return result;
         }
+        // The original was just taken out, so its room is free.
+        let bytes = original.bytes;
+        inner.insert(id.to_string(), original, bytes, pinned);
+        result.and(Err(ApiError::bad_request(
+            "no room for the changed conversation in the server's store (--response-store-mib)",
+        )))
     }
 
     /// The conversations kept and the bytes they count for.
@@ -244,11 +224,6 @@ impl ConversationStore {
 
 fn item_id(item: &Json) -> Option<String> {
     item["id"].as_str().map(String::from)
-}
-
-/// A page of a conversation's items as `query` asks for it.
-pub fn items_page(items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemList, ApiError> {
-    responses::input_items_page(items, query)
 }
 
 fn list(data: Vec<Json>) -> ItemList {
@@ -314,23 +289,19 @@ fn checked_metadata(metadata: Option<Json>) -> Result<Json, ApiError> {
     Ok(Json::Object(metadata))
 }
 
-fn shown(id: &str) -> &str {
-    id.char_indices().nth(64).map_or(id, |(end, _)| &id[..end])
-}
-
 pub fn not_found(id: &str) -> ApiError {
     ApiError::not_found(format!(
         "No conversation with id {:?} (never created, deleted, or dropped for room; conversations are kept in \
          memory until the server restarts)",
-        shown(id)
+        params::shown_id(id)
     ))
 }
 
 fn item_not_found(id: &str, item_id: &str) -> ApiError {
     ApiError::not_found(format!(
         "Conversation {:?} has no item with id {:?}",
-        shown(id),
-        shown(item_id)
+        params::shown_id(id),
+        params::shown_id(item_id)
     ))
 }
 

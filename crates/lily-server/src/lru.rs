@@ -4,14 +4,15 @@
 use std::collections::{BTreeMap, HashMap};
 
 /// What an entry costs beyond the bytes its owner counts (its id held thrice, the map's and the value's headers):
-/// this many bytes and its id's length three times.
-const ENTRY_OVERHEAD: usize = 256;
+/// this many bytes and its id's length three times. The stores count their values' items at the same cost.
+pub const ENTRY_OVERHEAD: usize = 256;
 
 /// What an entry of id `id` whose owner counts `bytes` counts for in the store.
 pub fn entry_bytes(id: &str, bytes: usize) -> usize {
     bytes.saturating_add(ENTRY_OVERHEAD + 3 * id.len())
 }
 
+/// The values by id, with the order of their last use and the bytes they count for.
 pub struct Lru<V> {
     capacity_bytes: usize,
     /// Each value, the bytes it counts for, and the tick of its last use.
@@ -31,11 +32,6 @@ impl<V> Lru<V> {
             tick: 0,
             bytes: 0,
         }
-    }
-
-    /// Whether a value of `bytes` could be kept at all.
-    pub fn fits(&self, bytes: usize) -> bool {
-        bytes.saturating_add(ENTRY_OVERHEAD) <= self.capacity_bytes
     }
 
     pub fn contains(&self, id: &str) -> bool {
@@ -75,7 +71,7 @@ impl<V> Lru<V> {
             .filter(|(victim, _)| **victim != id && !pinned(victim))
             .map(|(_, (_, bytes, _))| bytes)
             .sum();
-        if free(self) < bytes && free(self) + evictable < bytes {
+        if free(self) + evictable < bytes {
             return false;
         }
         while free(self) < bytes {

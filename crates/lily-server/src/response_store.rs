@@ -106,8 +106,8 @@ struct Running {
     ended: tokio::sync::watch::Receiver<bool>,
 }
 
-/// Held by the task that runs a background response: its cancel request, and (dropped or [`Background::end`]ed)
-/// the signal that it has ended, which also takes it out of the running ones.
+/// Held by the task that runs a background response: its cancel request, and (once dropped) the signal that it has
+/// ended, which also takes it out of the running ones.
 pub struct Background {
     store: Arc<ResponseStore>,
     id: String,
@@ -191,11 +191,6 @@ impl ResponseStore {
     /// fits. Returns false where it is not kept: the store is off, or there is no room for it.
     pub fn insert(&self, response: StoredResponse) -> bool {
         self.put(response, false)
-    }
-
-    /// Whether a response of this size could be kept at all.
-    pub fn fits(&self, response: &StoredResponse) -> bool {
-        self.lock().fits(response.conversation_bytes)
     }
 
     /// Keeps `response` where `only_replacing` is false or a response of its id is kept; what it replaces stays

@@ -6,7 +6,9 @@
 //! one with `previous_response_id`: its context is then that response's input and output items before its own
 //! input, as OpenAI's server does (the earlier `instructions` and `tools` are not carried over). A `background`
 //! request is answered at once with the kept response `in_progress`, which its end replaces (see
-//! `routes::run_background`). Conversations (`conversation`) and stored prompt templates are refused.
+//! `routes::run_background`). A request in a `conversation` reads the conversation's items before its input, and
+//! its input and output items join the conversation once it has completed ([`ConversationStore`]). Stored prompt
+//! templates are refused.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -33,16 +35,19 @@ const INCLUDES: [&str; 2] = ["reasoning.encrypted_content", LOGPROBS];
 const LOGPROBS: &str = "message.output_text.logprobs";
 
 /// A Responses request translated: the chat request to prepare, what the response echoes of the request, and what
-/// the store keeps of it once it is answered (`None` where it is not to be kept).
+/// the stores keep of it once it is answered.
 pub struct Translated {
     pub chat: ChatCompletionRequest,
     pub template: ResponseObject,
     pub kept: Kept,
 }
 
-/// What a responder keeps of a translated request: where the finished response is kept, and the conversation it
-/// joins.
-pub type Kept = (Option<Keep>, Option<AppendTo>);
+/// What a responder keeps of a translated request: where the finished response is kept (`None` where it is not to
+/// be kept), and the conversation it joins.
+pub struct Kept {
+    pub response: Option<Keep>,
+    pub conversation: Option<AppendTo>,
+}
 
 /// The conversation a response's input and output items join once it has completed, held by the response until
 /// then (see [`ConversationStore::begin`]).
@@ -283,7 +288,10 @@ pub fn translate(
     Ok(Translated {
         chat,
         template,
-        kept: (keep, append),
+        kept: Kept {
+            response: keep,
+            conversation: append,
+        },
     })
 }
 
@@ -294,7 +302,7 @@ fn previous_not_found(id: &str, store: &ResponseStore) -> ApiError {
         true => "responses are kept in memory, up to the server's --response-store-mib, until the server restarts",
         false => "this server keeps no responses (--response-store-mib 0)",
     };
-    let id = shown(id);
+    let id = params::shown_id(id);
     ApiError::invalid(
         "previous_response_id",
         format!("Previous response with id {id:?} not found ({why}); send the whole conversation in `input`"),
@@ -304,16 +312,11 @@ fn previous_not_found(id: &str, store: &ResponseStore) -> ApiError {
 
 /// The error for a response id the store does not hold.
 pub fn not_found(id: &str) -> ApiError {
-    let id = shown(id);
+    let id = params::shown_id(id);
     ApiError::not_found(format!(
         "No response with id {id:?} is kept (never stored, deleted, or dropped for room; responses are kept in \
          memory until the server restarts)"
     ))
-}
-
-/// An id as an error message shows it: its first 64 characters (ids the server gives are shorter).
-fn shown(id: &str) -> &str {
-    id.char_indices().nth(64).map_or(id, |(end, _)| &id[..end])
 }
 
 /// The longest item id a client may give (longer ones are replaced).
@@ -323,8 +326,9 @@ const MAX_ID: usize = 128;
 const MAX_PAGE: i64 = 100;
 const DEFAULT_PAGE: i64 = 20;
 
-/// A page of a response's input items (oldest first in `items`) as `query` asks for it.
-pub fn input_items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemList, ApiError> {
+/// A page of a list of items (a response's input items, a conversation's items; oldest first in `items`) as `query`
+/// asks for it.
+pub fn items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemList, ApiError> {
     let limit = query.limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(ApiError::invalid(
@@ -743,8 +747,8 @@ pub struct ResponsesResponder {
 impl ResponsesResponder {
     pub fn new(plan: &ChatPlan, template: ResponseObject, tokenizer: Arc<Tokenizer>, kept: Kept) -> Self {
         ResponsesResponder {
-            keep: kept.0,
-            append: kept.1,
+            keep: kept.response,
+            append: kept.conversation,
             logprobs: plan.logprobs,
             tokenizer,
             pending: Vec::new(),
@@ -1099,7 +1103,8 @@ impl ResponsesResponder {
     }
 
     /// Keeps the finished response in the store, before the client can read its id: a client may continue it
-    /// as soon as it has the answer. (A failed response, or one whose client left, is not kept.) Where it cannot be
+    /// as soon as it has the answer. (A response whose client left is not kept, nor a failed one unless it ran in
+    /// the background, whose client reads its failure from the store.) Where it cannot be
     /// kept (no room), the response says `store: false`.
     /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile);
     /// one too large for the store is replaced by its failure, so its client does not poll forever.
@@ -1412,7 +1417,7 @@ mod tests {
             ]}),
         )
         .unwrap();
-        let input = t.kept.0.unwrap().input;
+        let input = t.kept.response.unwrap().input;
         assert_eq!(input[0]["id"], "x");
         assert_eq!(input[0]["type"], "message");
         assert_eq!(input[0]["content"], json!([{"type": "input_text", "text": "Again?"}]));
@@ -1517,7 +1522,7 @@ mod tests {
             let roles: Vec<Json> = sent.chat.messages.unwrap().iter().map(|m| m["role"].clone()).collect();
             assert_eq!(roles, ["system", "user", "assistant", "tool"]);
             // The continuation is kept too, and lists every input item that led to it.
-            let keep = continued.kept.0.expect("kept");
+            let keep = continued.kept.response.expect("kept");
             let second = StoredResponse::new(continued.template, keep.input, keep.previous);
             let types = |items: &[Json]| -> Vec<Json> { items.iter().map(|i| i["type"].clone()).collect() };
             let mut expected = vec![json!("message")];
@@ -1533,7 +1538,7 @@ mod tests {
         let items: Vec<Json> = (0..5).map(|i| json!({"id": format!("i{i}")})).collect();
         let page = |query: Json| {
             let query: InputItemsQuery = serde_json::from_value(query).unwrap();
-            input_items_page(items.clone(), &query).map(|page| {
+            items_page(items.clone(), &query).map(|page| {
                 let ids: Vec<String> = page
                     .data
                     .iter()
@@ -1833,7 +1838,15 @@ mod tests {
 
     fn responder_with(logprobs: bool) -> ResponsesResponder {
         let template = translate_json(json!({"input": "hi"})).unwrap().template;
-        ResponsesResponder::new(&plan(logprobs), template, tokenizer(), (None, None))
+        ResponsesResponder::new(
+            &plan(logprobs),
+            template,
+            tokenizer(),
+            Kept {
+                response: None,
+                conversation: None,
+            },
+        )
     }
 
     /// A token event with the logprob of token `id` (and one alternative).

@@ -21,7 +21,6 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::chat::{self, ChatResponder};
 use crate::completions::{self, CompletionResponder};
-use crate::conversations::{self, ConversationObject};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::params;
@@ -584,7 +583,7 @@ where
         );
         let (receiver, guard) = submit(&state, counted, sequences, arrived)?;
         if let Some(accepted) = responder.accept_background() {
-            // Refused: the job is cancelled with the guard.
+            // Where it is refused, `?` returns the error and dropping `guard` cancels the job just submitted.
             let (accepted, background) = accepted?;
             let span = tracing::Span::current();
             tokio::spawn(run_background(receiver, guard, responder, background).instrument(span));
@@ -723,10 +722,14 @@ async fn responses(State(state): State<AppStateRef>, request: Request) -> Respon
     .await
 }
 
+/// A query string that does not parse: 400 with what is wrong.
+fn bad_query(rejection: QueryRejection) -> ApiError {
+    ApiError::bad_request(format!("invalid query: {}", rejection.body_text()))
+}
+
 /// The kept response that the path names, or 404.
 fn stored_response(state: &AppState, id: Result<Path<String>, PathRejection>) -> Result<Arc<StoredResponse>, ApiError> {
-    // An id that is not UTF-8 once its percent escapes are decoded names no response either.
-    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
+    let id = path_id(id);
     state.responses.get(&id).ok_or_else(|| responses::not_found(&id))
 }
 
@@ -735,7 +738,7 @@ async fn get_response(
     id: Result<Path<String>, PathRejection>,
     query: Result<Query<RetrieveQuery>, QueryRejection>,
 ) -> Result<Json<ResponseObject>, ApiError> {
-    let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
+    let Query(query) = query.map_err(bad_query)?;
     if query.stream == Some(true) {
         return Err(ApiError::invalid(
             "stream",
@@ -749,7 +752,7 @@ async fn delete_response(
     State(state): State<AppStateRef>,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
+    let id = path_id(id);
     if !state.responses.remove(&id) {
         return Err(responses::not_found(&id));
     }
@@ -764,7 +767,7 @@ async fn cancel_response(
     State(state): State<AppStateRef>,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<ResponseObject>, ApiError> {
-    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
+    let id = path_id(id);
     state.responses.cancel_background(&id, CANCEL_WAIT).await;
     let response = state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
     if !response.response.background {
@@ -781,14 +784,12 @@ async fn list_input_items(
     id: Result<Path<String>, PathRejection>,
     query: Result<Query<InputItemsQuery>, QueryRejection>,
 ) -> Result<Json<ItemList>, ApiError> {
-    let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
+    let Query(query) = query.map_err(bad_query)?;
     let response = stored_response(&state, id)?;
     // A long conversation's items are copied off the async threads.
-    off_runtime(&state, move |_| {
-        responses::input_items_page(response.input_items(), &query)
-    })
-    .await
-    .map(Json)
+    off_runtime(&state, move |_| responses::items_page(response.input_items(), &query))
+        .await
+        .map(Json)
 }
 
 // Conversations: the handlers read the path and body and hand them to the store (conversations.rs).
@@ -838,9 +839,9 @@ async fn list_conversation_items(
     id: Result<Path<String>, PathRejection>,
     query: Result<Query<InputItemsQuery>, QueryRejection>,
 ) -> Result<Json<ItemList>, ApiError> {
-    let Query(query) = query.map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))?;
+    let Query(query) = query.map_err(bad_query)?;
     let items = state.conversations.items(&path_id(id))?;
-    conversations::items_page(items, &query).map(Json)
+    responses::items_page(items, &query).map(Json)
 }
 
 async fn add_conversation_items(

@@ -84,8 +84,8 @@ pub struct ServerConfig {
     pub pool: PoolOptions,
     /// How the engine schedules (prompt tokens per iteration).
     pub engine: EngineOptions,
-    /// Bytes of finished `/v1/responses` answers kept for `previous_response_id` and retrieval (0: none kept), and
-    /// as many of conversations.
+    /// Bytes of finished `/v1/responses` answers kept for `previous_response_id` and retrieval (0: none kept);
+    /// conversations have the same amount again.
     pub response_store_bytes: usize,
 }
 

@@ -408,6 +408,15 @@ pub struct RetrieveQuery {
     pub stream: Option<bool>,
 }
 
+/// A conversation as the API shows it (its items are listed apart).
+#[derive(Debug, Clone, Serialize)]
+pub struct ConversationObject {
+    pub id: String,
+    pub object: &'static str,
+    pub created_at: u64,
+    pub metadata: Json,
+}
+
 /// `POST /v1/conversations` and `POST /v1/conversations/{id}` (metadata only), `POST /v1/conversations/{id}/items`.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ConversationRequest {
