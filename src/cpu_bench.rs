@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use lily_model::cpu::{CpuModel, State};
+use lily_model::cpu::{CpuModel, DecodeRow, State};
 use lily_model::quant::QMatrix;
 use lily_model::rng::Rng;
 use lily_model::weights::Mixer;
@@ -69,6 +69,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let prompts: Vec<usize> = args.prompts.into_iter().flat_map(|l| l.0).collect();
     let depths: Vec<usize> = args.depths.into_iter().flat_map(|l| l.0).collect();
     let threads: Vec<usize> = args.threads.into_iter().flat_map(|l| l.0).collect();
+    let batches: Vec<usize> = args.batch.into_iter().flat_map(|l| l.0).collect();
+    if !batches.is_empty() && (!prompts.is_empty() || args.generate == 0 || batches.contains(&0)) {
+        bail!("on the CPU, --batch times decode steps only: give -n, no -p, and batch sizes of at least 1");
+    }
     if depths.is_empty() || args.repetitions == 0 {
         bail!("give at least one depth and one repetition");
     }
@@ -104,6 +108,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!(
             "depth + tokens ({max_context}) exceeds the model's {} positions",
             c.max_position_embeddings
+        );
+    }
+    if !batches.is_empty() {
+        return run_batched(
+            &model,
+            &model_name,
+            &threads,
+            &depths,
+            &batches,
+            args.generate,
+            args.repetitions,
         );
     }
     let mut state = model.new_state(max_context);
@@ -167,6 +182,89 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 };
                 println!(
                     "| {model_name} | {device} | {n_threads} | {name} | {depth} | {mean:.2} ± {std:.2} | {bytes} | {gbs} |"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `--batch`: for each thread count, depth and batch size, that many sequences filled to the depth by a prefill of
+/// random tokens, then `generate` decode steps of all of them at once (`CpuModel::decode_rows`, the server's
+/// batched step), timed `repetitions` times after one warm-up. Reports the step time and the tokens per second of
+/// all rows together.
+fn run_batched(
+    model: &CpuModel,
+    model_name: &str,
+    threads: &[usize],
+    depths: &[usize],
+    batches: &[usize],
+    generate: usize,
+    repetitions: usize,
+) -> Result<()> {
+    let c = model.config().clone();
+    let max_context = depths.iter().max().copied().unwrap_or(0) + generate + 1;
+    if max_context > c.max_position_embeddings {
+        bail!(
+            "depth + tokens ({max_context}) exceeds the model's {} positions",
+            c.max_position_embeddings
+        );
+    }
+    let mut rng = Rng::new(0xbe9c);
+    println!(
+        "| model | device | threads | test | depth (filled by prefill) | batch | step ms | t/s (all rows) |\n| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"
+    );
+    let threads = if threads.is_empty() {
+        vec![rayon::current_num_threads()]
+    } else {
+        threads.to_vec()
+    };
+    let device = format!("cpu ({})", lily_model::cpu::linalg::simd_path().name());
+    for &n_threads in &threads {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n_threads)
+            .build()
+            .context("starting the thread pool")?;
+        for &depth in depths {
+            for &batch in batches {
+                let mut states: Vec<State> = (0..batch).map(|_| model.new_state(max_context)).collect();
+                let mut outs = vec![vec![0.0f32; c.vocab_size]; batch];
+                let mut samples = Vec::new();
+                for rep in 0..=repetitions {
+                    pool.install(|| -> Result<()> {
+                        for (state, out) in states.iter_mut().zip(outs.iter_mut()) {
+                            state.reset();
+                            if depth > 0 {
+                                model.prefill(state, &random_tokens(&mut rng, c.vocab_size, depth), out)?;
+                            }
+                        }
+                        Ok(())
+                    })?;
+                    let tokens: Vec<Vec<u32>> = (0..generate)
+                        .map(|_| random_tokens(&mut rng, c.vocab_size, batch))
+                        .collect();
+                    let secs = pool.install(|| -> Result<f64> {
+                        let start = Instant::now();
+                        for step in &tokens {
+                            let mut rows: Vec<DecodeRow> = states
+                                .iter_mut()
+                                .zip(outs.iter_mut())
+                                .zip(step)
+                                .map(|((state, logits), &token)| DecodeRow { state, token, logits })
+                                .collect();
+                            model.decode_rows(&mut rows)?;
+                        }
+                        Ok(start.elapsed().as_secs_f64())
+                    })?;
+                    if rep > 0 {
+                        samples.push(secs);
+                    }
+                }
+                let steps: Vec<f64> = samples.iter().map(|s| s / generate as f64 * 1e3).collect();
+                let rates: Vec<f64> = samples.iter().map(|s| (batch * generate) as f64 / s).collect();
+                let ((step, step_std), (rate, rate_std)) = (mean_std(&steps), mean_std(&rates));
+                println!(
+                    "| {model_name} | {device} | {n_threads} | tg{generate} | {depth} | {batch} | {step:.2} ± {step_std:.2} | {rate:.2} ± {rate_std:.2} |"
                 );
             }
         }

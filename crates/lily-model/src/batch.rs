@@ -1,12 +1,13 @@
 //! [`BatchBackend`]s built on the single-sequence pieces: [`CpuBatchBackend`] keeps one CPU [`State`] per slot and
-//! runs a step's rows one after another; [`SingleSlot`] serves any [`Backend`] as a batch backend of one slot.
+//! runs a step's rows in one batched decode step; [`SingleSlot`] serves any [`Backend`] as a batch backend of one
+//! slot.
 
 use std::collections::HashMap;
 
 use crate::backend::{check_parts, Backend, BatchBackend, ForwardError, Pick, PrefillPart, Slot, SnapshotId, StepRow};
 use crate::config::Config;
 use crate::cpu::model::{SavedState, PREFILL_SLICE};
-use crate::cpu::{CpuModel, State};
+use crate::cpu::{CpuModel, DecodeRow, State};
 
 /// The unit in which the CPU batch backend grants context: a slot's reservation is a multiple of it, as a GPU pool
 /// grants whole pages.
@@ -14,8 +15,8 @@ pub const CPU_POOL_UNIT: usize = 64;
 
 /// The CPU model serving several sequences: each slot has its own [`State`], created when the slot is first
 /// reserved and dropped when it is released, with a KV cache as long as its reservation. The pool is a budget of
-/// context tokens shared by the slots; a step runs its rows one after another through `CpuModel::decode`, each
-/// row's logits kept for sampling.
+/// context tokens shared by the slots; a step runs its rows together through `CpuModel::decode_rows`, each row's
+/// logits kept for sampling.
 ///
 /// Snapshots (for the prefix cache) are copies of a slot's state, held in host memory up to a budget of bytes set
 /// by [`CpuBatchBackend::with_snapshot_budget`] (none by default); they do not count against the pool.
@@ -237,6 +238,8 @@ impl BatchBackend for CpuBatchBackend {
         target.state = Some(state);
         Ok(())
     }
+    /// Every row in one decode step of the model ([`CpuModel::decode_rows`]), which reads each matrix once for all
+    /// of them. Every row is checked before any runs, so a bad one changes nothing.
     fn step(&mut self, rows: &[StepRow]) -> Result<(), ForwardError> {
         if rows.is_empty() || rows.len() > self.slots.len() {
             return Err(ForwardError::Device(format!(
@@ -245,19 +248,33 @@ impl BatchBackend for CpuBatchBackend {
                 rows.len()
             )));
         }
+        let mut taken = vec![false; self.slots.len()];
+        for row in rows {
+            state_for(&mut self.slots, self.max_context, row.slot, 1)?;
+            if std::mem::replace(&mut taken[row.slot], true) {
+                return Err(ForwardError::Device(format!(
+                    "slot {} has two rows in one step",
+                    row.slot
+                )));
+            }
+        }
         self.output_rows(rows.len());
         let vocab = self.model.config().vocab_size;
         let mut logits = std::mem::take(&mut self.logits);
-        let mut result = Ok(());
-        for (i, row) in rows.iter().enumerate() {
-            result = state_for(&mut self.slots, self.max_context, row.slot, 1).and_then(|state| {
-                self.model
-                    .decode(state, row.token, &mut logits[i * vocab..(i + 1) * vocab])
-            });
-            if result.is_err() {
-                break;
-            }
-        }
+        let mut states: Vec<Option<&mut State>> = self.slots.iter_mut().map(|s| s.state.as_mut()).collect();
+        let mut decode: Vec<DecodeRow> = rows
+            .iter()
+            .zip(logits.chunks_exact_mut(vocab))
+            .map(|(row, out)| DecodeRow {
+                state: states[row.slot]
+                    .take()
+                    .expect("each row's slot was checked to hold a state"),
+                token: row.token,
+                logits: out,
+            })
+            .collect();
+        let result = self.model.decode_rows(&mut decode);
+        drop(decode);
         self.logits = logits;
         result
     }

@@ -1,13 +1,19 @@
-//! One decode step on the CPU, run by a [`team`] of the pool's threads: the same forward pass as a prompt of one
-//! token (the same operations in the same order, so the same results), as a list of steps that every thread
-//! executes, the products split into tasks of rows, the DeltaNet into tasks of key heads, attention into tasks of
-//! query heads, the short row-wise steps (norms, quantizing an input, routing) on one thread.
+//! The decode step on the CPU, run by a [`team`] of the pool's threads for one sequence or for several at once (a
+//! batched step of the server's engine): for each row the same forward pass as a prompt of one token (the same
+//! operations in the same order, so the same results, whatever rows are beside it), as a list of steps that every
+//! thread executes. The products split into tasks of matrix rows, each task computing its rows for every row of the
+//! step that reads that matrix, so a matrix is read from memory once a step however many sequences it serves
+//! ([`team_matvec_runs`]); the experts' products likewise for the rows routed to each expert. The DeltaNet splits
+//! into tasks of (row, key head), attention into tasks of (row, query head), and the short row-wise steps (norms,
+//! quantizing an input, routing) into a task a row.
+
+use smallvec::SmallVec;
 
 use super::attention::{attend_head, rope};
 use super::deltanet::{decode_key_head, DecodeInputs};
-use super::linalg::{rmsnorm_row, rmsnorm_row_in_place, sigmoid, team_matvecs, TeamMatVec};
+use super::linalg::{rmsnorm_row, rmsnorm_row_in_place, sigmoid, team_matvec_runs, TeamMatVec};
 use super::model::{CpuModel, State};
-use super::moe::{team_moe_decode, MoeParts};
+use super::moe::{team_moe_decode, MoeParts, MoeRow};
 use super::simd::QInput;
 use super::team::{self, Shared, Team};
 use crate::quant::QMatrix;
@@ -95,45 +101,100 @@ fn add(acc: &mut [f32], x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
 }
 
+/// One sequence of a batched decode step: its state, the token it appends, and where its next-token logits go.
+pub struct DecodeRow<'a> {
+    pub state: &'a mut State,
+    pub token: u32,
+    pub logits: &'a mut [f32],
+}
+
+/// Products of one step of the team, in runs that share a matrix ([`team_matvec_runs`]): a step of one row keeps
+/// them inline.
+type Products<'a> = SmallVec<[TeamMatVec<'a>; 24]>;
+type Runs = SmallVec<[usize; 25]>;
+
+/// Where a product writes a row's output.
+type RowOutput<'a, 'f> = &'f dyn Fn(&Buffers<'a>) -> Shared<'a, [f32]>;
+
+/// Appends a run of `matrix` times the input of each row (quantized for its bits) into the output `out(row)`.
+fn push_run<'a>(
+    products: &mut Products<'a>,
+    runs: &mut Runs,
+    matrix: &'a QMatrix,
+    rows: &[Buffers<'a>],
+    out: impl Fn(&Buffers<'a>) -> Shared<'a, [f32]>,
+) {
+    for b in rows {
+        // SAFETY: read between the step that quantized the inputs and the next one that does.
+        let (x4, x8) = unsafe { b.inputs() };
+        products.push(TeamMatVec {
+            w: matrix.view(),
+            x: if matrix.bits == 4 { x4 } else { x8 },
+            out: out(b),
+        });
+    }
+    runs.push(products.len());
+}
+
+/// Runs the products of `matrices` (each a run over every row) as one step of the team.
+fn run_products<'a>(team: &Team, rows: &[Buffers<'a>], matrices: &[(&'a QMatrix, RowOutput<'a, '_>)]) {
+    let (mut products, mut runs) = (Products::new(), Runs::new());
+    runs.push(0);
+    for &(matrix, out) in matrices {
+        push_run(&mut products, &mut runs, matrix, rows, out);
+    }
+    team_matvec_runs(team, &products, &runs);
+}
+
 impl CpuModel {
-    /// One decode step (see the module comment): appends `token` to the sequence and writes the next-token logits.
-    /// Returns false, changing nothing, when another team is running (see [`team::try_run`]).
+    /// One decode step of one sequence ([`CpuModel::decode_rows_step`] with one row).
     pub(super) fn decode_step(&self, state: &mut State, token: u32, logits: &mut [f32]) -> bool {
+        self.decode_rows_step(&mut [DecodeRow { state, token, logits }])
+    }
+
+    /// One decode step of every row at once (see the module comment): appends each row's token to its sequence and
+    /// writes its next-token logits, exactly as a step of that sequence alone would. The rows' states must be
+    /// distinct and have room for a token (the caller checks). Returns false, changing nothing, when another team
+    /// is running (see [`team::try_run`]).
+    pub(super) fn decode_rows_step(&self, rows: &mut [DecodeRow]) -> bool {
         let c = self.config();
         let w = &self.weights;
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        let position = state.position;
-        let b = Buffers::new(state, logits);
-        // SAFETY (every access to `b` below): the team's steps follow the rules of `Shared`: a step of one thread
-        // (`single`) writes while the others wait, a parallel step writes disjoint parts, and barriers separate
-        // writes from later reads.
-        let ran = team::try_run(|team| unsafe {
-            let mut margin = f32::INFINITY;
-            for (l, layer) in w.layers.iter().enumerate() {
-                team.single(|| {
-                    let hidden = b.hidden.part(0, h);
-                    if l == 0 {
-                        w.embed_tokens.view().dequantize_row(token as usize, hidden);
-                    } else {
-                        add(hidden, b.moe_out.part(0, h));
-                    }
-                    let normed = b.normed.part(0, h);
-                    rmsnorm_row(hidden, &layer.input_layernorm, eps, normed);
+        let tokens: SmallVec<[u32; 8]> = rows.iter().map(|r| r.token).collect();
+        let positions: SmallVec<[usize; 8]> = rows.iter().map(|r| r.state.position).collect();
+        let n = rows.len();
+        let ran = {
+            let b: SmallVec<[Buffers; 1]> = rows
+                .iter_mut()
+                .map(|r| Buffers::new(&mut *r.state, &mut *r.logits))
+                .collect();
+            let b = &b[..];
+            // SAFETY (every access to `b` below): the team's steps follow the rules of `Shared`: a task writes
+            // only its own row's buffers (or disjoint parts of them), and barriers separate writes from later
+            // reads.
+            team::try_run(|team| unsafe {
+                for (l, layer) in w.layers.iter().enumerate() {
                     let matrices = match &layer.mixer {
                         Mixer::Linear(d) => [&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
                         Mixer::Full(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.v_proj],
                     };
-                    b.quantize_for(normed, &matrices);
-                });
-                match &layer.mixer {
-                    Mixer::Linear(deltanet) => self.team_deltanet(team, deltanet, self.slot[l], &b),
-                    Mixer::Full(attn) => self.team_attention(team, attn, self.slot[l], position, &b),
-                }
-                team.single(|| {
-                    let hidden = b.hidden.part(0, h);
-                    add(hidden, b.mixer_out.part(0, h));
-                    let normed = b.normed.part(0, h);
-                    rmsnorm_row(hidden, &layer.post_attention_layernorm, eps, normed);
+                    team.tasks(n, |r| {
+                        let b = &b[r];
+                        let hidden = b.hidden.part(0, h);
+                        if l == 0 {
+                            w.embed_tokens.view().dequantize_row(tokens[r] as usize, hidden);
+                            *b.route_margin.get() = f32::INFINITY;
+                        } else {
+                            add(hidden, b.moe_out.part(0, h));
+                        }
+                        let normed = b.normed.part(0, h);
+                        rmsnorm_row(hidden, &layer.input_layernorm, eps, normed);
+                        b.quantize_for(normed, &matrices);
+                    });
+                    match &layer.mixer {
+                        Mixer::Linear(deltanet) => self.team_deltanet(team, deltanet, self.slot[l], b),
+                        Mixer::Full(attn) => self.team_attention(team, attn, self.slot[l], &positions, b),
+                    }
                     let m = &layer.moe;
                     let matrices = [
                         &m.router,
@@ -143,43 +204,55 @@ impl CpuModel {
                         &m.experts_gate,
                         &m.experts_up,
                     ];
-                    b.quantize_for(normed, &matrices);
+                    team.tasks(n, |r| {
+                        let b = &b[r];
+                        let hidden = b.hidden.part(0, h);
+                        add(hidden, b.mixer_out.part(0, h));
+                        let normed = b.normed.part(0, h);
+                        rmsnorm_row(hidden, &layer.post_attention_layernorm, eps, normed);
+                        b.quantize_for(normed, &matrices);
+                    });
+                    let moe_rows: SmallVec<[MoeRow; 1]> = b
+                        .iter()
+                        .map(|b| {
+                            let (x4, x8) = b.inputs();
+                            MoeRow {
+                                x4,
+                                x8,
+                                parts: &b.moe,
+                                out: b.moe_out.sub(0, h),
+                                margin: b.route_margin,
+                            }
+                        })
+                        .collect();
+                    team_moe_decode(team, m, c.num_experts, c.num_experts_per_tok, &moe_rows);
+                }
+                team.tasks(n, |r| {
+                    let b = &b[r];
+                    let hidden = b.hidden.part(0, h);
+                    add(hidden, b.moe_out.part(0, h));
+                    let normed = b.normed.part(0, h);
+                    rmsnorm_row(hidden, &w.final_norm, eps, normed);
+                    b.quantize_for(normed, &[&w.lm_head]);
                 });
-                let (x4, x8) = b.inputs();
-                let (experts, top_k) = (c.num_experts, c.num_experts_per_tok);
-                let m = team_moe_decode(team, &layer.moe, experts, top_k, x4, x8, &b.moe, b.moe_out.sub(0, h));
-                margin = margin.min(m);
-            }
-            team.single(|| {
-                let hidden = b.hidden.part(0, h);
-                add(hidden, b.moe_out.part(0, h));
-                let normed = b.normed.part(0, h);
-                rmsnorm_row(hidden, &w.final_norm, eps, normed);
-                b.quantize_for(normed, &[&w.lm_head]);
-                *b.route_margin.get() = margin;
-            });
-            let (x4, x8) = b.inputs();
-            let x = if w.lm_head.bits == 4 { x4 } else { x8 };
-            let product = TeamMatVec {
-                w: w.lm_head.view(),
-                x,
-                out: b.logits,
-            };
-            team_matvecs(team, &[product]);
-        });
+                run_products(team, b, &[(&w.lm_head, &|b| b.logits)]);
+            })
+        };
         if ran {
-            state.position += 1;
+            for r in rows.iter_mut() {
+                r.state.position += 1;
+            }
         }
         ran
     }
 
-    /// The Gated DeltaNet of one token: its projections, the heads in tasks of key heads ([`decode_key_head`]),
-    /// the output projection.
+    /// The Gated DeltaNet of each row's token: the projections, the heads in tasks of (row, key head)
+    /// ([`decode_key_head`]), the output projection.
     ///
     /// # Safety
-    /// Called by every thread of the team, `b.x4` and `b.x8` holding the normed input quantized for the
+    /// Called by every thread of the team, each row's `x4` and `x8` holding its normed input quantized for the
     /// projections.
-    unsafe fn team_deltanet(&self, team: &Team, deltanet: &GatedDeltaNet, slot: usize, b: &Buffers) {
+    unsafe fn team_deltanet(&self, team: &Team, deltanet: &GatedDeltaNet, slot: usize, b: &[Buffers]) {
         let c = self.config();
         let (nk, nv, dv) = (
             c.linear_num_key_heads,
@@ -188,113 +261,81 @@ impl CpuModel {
         );
         let conv_dim = c.linear_conv_dim();
         unsafe {
-            let (x4, x8) = b.inputs();
-            let input = |m: &QMatrix| if m.bits == 4 { x4 } else { x8 };
-            team_matvecs(
+            run_products(
                 team,
+                b,
                 &[
-                    TeamMatVec {
-                        w: deltanet.in_proj_qkv.view(),
-                        x: input(&deltanet.in_proj_qkv),
-                        out: b.projected.sub(0, conv_dim),
-                    },
-                    TeamMatVec {
-                        w: deltanet.in_proj_z.view(),
-                        x: input(&deltanet.in_proj_z),
-                        out: b.z.sub(0, nv * dv),
-                    },
-                    TeamMatVec {
-                        w: deltanet.in_proj_b.view(),
-                        x: input(&deltanet.in_proj_b),
-                        out: b.beta.sub(0, nv),
-                    },
-                    TeamMatVec {
-                        w: deltanet.in_proj_a.view(),
-                        x: input(&deltanet.in_proj_a),
-                        out: b.decay.sub(0, nv),
-                    },
+                    (&deltanet.in_proj_qkv, &|b| b.projected.sub(0, conv_dim)),
+                    (&deltanet.in_proj_z, &|b| b.z.sub(0, nv * dv)),
+                    (&deltanet.in_proj_b, &|b| b.beta.sub(0, nv)),
+                    (&deltanet.in_proj_a, &|b| b.decay.sub(0, nv)),
                 ],
             );
-            let inputs = DecodeInputs {
-                weights: deltanet,
-                key_heads: nk,
-                value_heads: nv,
-                dk: c.linear_key_head_dim,
-                dv,
-                taps: c.linear_conv_kernel_dim,
-                eps: c.rms_norm_eps,
-                qkv: &b.projected.read()[..conv_dim],
-                z: &b.z.read()[..nv * dv],
-                b: &b.beta.read()[..nv],
-                a: &b.decay.read()[..nv],
-            };
-            let (conv_out, core) = (b.conv_out.sub(0, conv_dim), b.core.sub(0, nv * dv));
-            team.tasks(nk, |kh| {
+            team.tasks(b.len() * nk, |task| {
+                let (b, kh) = (&b[task / nk], task % nk);
+                let inputs = DecodeInputs {
+                    weights: deltanet,
+                    key_heads: nk,
+                    value_heads: nv,
+                    dk: c.linear_key_head_dim,
+                    dv,
+                    taps: c.linear_conv_kernel_dim,
+                    eps: c.rms_norm_eps,
+                    qkv: &b.projected.read()[..conv_dim],
+                    z: &b.z.read()[..nv * dv],
+                    b: &b.beta.read()[..nv],
+                    a: &b.decay.read()[..nv],
+                };
+                let (conv_out, core) = (b.conv_out.sub(0, conv_dim), b.core.sub(0, nv * dv));
                 decode_key_head(&inputs, kh, b.conv[slot], conv_out, b.recurrent[slot], core);
             });
-            team.single(|| b.quantize_for(&b.core.read()[..nv * dv], &[&deltanet.out_proj]));
-            let (x4, x8) = b.inputs();
-            team_matvecs(
-                team,
-                &[TeamMatVec {
-                    w: deltanet.out_proj.view(),
-                    x: if deltanet.out_proj.bits == 4 { x4 } else { x8 },
-                    out: b.mixer_out.sub(0, c.hidden_size),
-                }],
-            );
+            team.tasks(b.len(), |r| {
+                b[r].quantize_for(&b[r].core.read()[..nv * dv], &[&deltanet.out_proj])
+            });
+            run_products(team, b, &[(&deltanet.out_proj, &|b| b.mixer_out.sub(0, c.hidden_size))]);
         }
     }
 
-    /// Gated full attention of the token at `position`: its projections, its key normed and rotated and the key
-    /// and value written to the cache (one thread), the query heads in tasks (norm, rotation, attention over the
-    /// cache, sigmoid gate), the output projection.
+    /// Gated full attention of each row's token at its position: the projections; each row's key normed and
+    /// rotated and its key and value written to its cache (a task a row); the query heads in tasks of (row, head)
+    /// (norm, rotation, attention over the row's cache, sigmoid gate); the output projection.
     ///
     /// # Safety
     /// As for [`CpuModel::team_deltanet`].
-    unsafe fn team_attention(&self, team: &Team, attn: &Attention, slot: usize, position: usize, b: &Buffers) {
+    unsafe fn team_attention(&self, team: &Team, attn: &Attention, slot: usize, positions: &[usize], b: &[Buffers]) {
         let c = self.config();
         let (hd, heads, kv_heads) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let (q_dim, kv_dim, eps) = (c.q_dim(), c.kv_dim(), c.rms_norm_eps);
         unsafe {
-            let (x4, x8) = b.inputs();
-            let input = |m: &QMatrix| if m.bits == 4 { x4 } else { x8 };
-            team_matvecs(
+            run_products(
                 team,
+                b,
                 &[
-                    TeamMatVec {
-                        w: attn.q_proj.view(),
-                        x: input(&attn.q_proj),
-                        out: b.projected.sub(0, 2 * q_dim),
-                    },
-                    TeamMatVec {
-                        w: attn.k_proj.view(),
-                        x: input(&attn.k_proj),
-                        out: b.keys.sub(0, kv_dim),
-                    },
-                    TeamMatVec {
-                        w: attn.v_proj.view(),
-                        x: input(&attn.v_proj),
-                        out: b.values.sub(0, kv_dim),
-                    },
+                    (&attn.q_proj, &|b| b.projected.sub(0, 2 * q_dim)),
+                    (&attn.k_proj, &|b| b.keys.sub(0, kv_dim)),
+                    (&attn.v_proj, &|b| b.values.sub(0, kv_dim)),
                 ],
             );
-            let (k_cache, v_cache) = (b.k_cache[slot], b.v_cache[slot]);
-            team.single(|| {
+            team.tasks(b.len(), |r| {
+                let (b, position) = (&b[r], positions[r]);
                 let keys = b.keys.part(0, kv_dim);
                 for head in keys.chunks_exact_mut(hd) {
                     rmsnorm_row_in_place(head, &attn.k_norm, eps);
                     rope(head, position, &self.inv_freq);
                 }
-                k_cache.part(position * kv_dim, kv_dim).copy_from_slice(keys);
-                v_cache
+                b.k_cache[slot].part(position * kv_dim, kv_dim).copy_from_slice(keys);
+                b.v_cache[slot]
                     .part(position * kv_dim, kv_dim)
                     .copy_from_slice(&b.values.read()[..kv_dim]);
             });
-            let visible = position + 1;
-            let (k_cache, v_cache) = (&k_cache.read()[..visible * kv_dim], &v_cache.read()[..visible * kv_dim]);
-            let projected = &b.projected.read()[..2 * q_dim];
             let scale = 1.0 / (hd as f32).sqrt();
-            team.tasks(heads, |head| {
+            team.tasks(b.len() * heads, |task| {
+                let (r, head) = (task / heads, task % heads);
+                let (b, position) = (&b[r], positions[r]);
+                let visible = position + 1;
+                let k_cache = &b.k_cache[slot].read()[..visible * kv_dim];
+                let v_cache = &b.v_cache[slot].read()[..visible * kv_dim];
+                let projected = &b.projected.read()[..2 * q_dim];
                 let q = b.queries.part(head * hd, hd);
                 rmsnorm_row(&projected[head * 2 * hd..head * 2 * hd + hd], &attn.q_norm, eps, q);
                 rope(q, position, &self.inv_freq);
@@ -314,16 +355,10 @@ impl CpuModel {
                     *v *= sigmoid(*g);
                 }
             });
-            team.single(|| b.quantize_for(&b.core.read()[..q_dim], &[&attn.o_proj]));
-            let (x4, x8) = b.inputs();
-            team_matvecs(
-                team,
-                &[TeamMatVec {
-                    w: attn.o_proj.view(),
-                    x: if attn.o_proj.bits == 4 { x4 } else { x8 },
-                    out: b.mixer_out.sub(0, c.hidden_size),
-                }],
-            );
+            team.tasks(b.len(), |r| {
+                b[r].quantize_for(&b[r].core.read()[..q_dim], &[&attn.o_proj])
+            });
+            run_products(team, b, &[(&attn.o_proj, &|b| b.mixer_out.sub(0, c.hidden_size))]);
         }
     }
 }
@@ -366,6 +401,71 @@ mod tests {
                 }
                 assert!(team.recurrent == regions.recurrent && team.conv == regions.conv);
                 assert!(team.k_cache == regions.k_cache && team.v_cache == regions.v_cache);
+            });
+        }
+    }
+    /// A batched step gives each row the logits, routing margin and state of that row's step alone, bit for bit, on
+    /// pools of 1 and 3 threads: rows at different positions (attention over caches of different lengths), steps
+    /// whose rows change, and a step of one row.
+    #[test]
+    fn batched_rows_match_each_sequence_alone_bit_for_bit() {
+        let mut config = Config::tiny_shape();
+        config.quantization = Config::from_json(&config.to_mlx_json()).unwrap().quantization;
+        let checkpoint = crate::synth::checkpoint_in_memory(&config, 11).unwrap();
+        let weights = crate::Weights::from_checkpoint(config.clone(), &checkpoint).unwrap();
+        let model = CpuModel::new(weights);
+        let vocab = config.vocab_size;
+        let prompts: [&[u32]; 4] = [&[5, 17, 3], &[9], &[200, 1, 2, 3, 4, 5, 6], &[42, 42]];
+        // Which sequences take part in each step.
+        let steps: [&[usize]; 5] = [&[0, 1, 2, 3], &[2, 0], &[3], &[1, 3, 0, 2], &[0, 1, 2, 3]];
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let mut batched: Vec<State> = prompts.iter().map(|_| model.new_state(32)).collect();
+                let mut alone: Vec<State> = prompts.iter().map(|_| model.new_state(32)).collect();
+                let mut scratch = vec![0.0; vocab];
+                for (i, prompt) in prompts.iter().enumerate() {
+                    model.prefill(&mut batched[i], prompt, &mut scratch).unwrap();
+                    model.prefill(&mut alone[i], prompt, &mut scratch).unwrap();
+                }
+                for (step, members) in steps.iter().enumerate() {
+                    let tokens: Vec<u32> = members
+                        .iter()
+                        .map(|&i| (step * 31 + i * 7) as u32 % vocab as u32)
+                        .collect();
+                    let mut outs = vec![vec![0.0f32; vocab]; members.len()];
+                    {
+                        let mut states: Vec<Option<&mut State>> = batched.iter_mut().map(Some).collect();
+                        let mut rows: Vec<DecodeRow> = members
+                            .iter()
+                            .zip(&tokens)
+                            .zip(outs.iter_mut())
+                            .map(|((&i, &token), logits)| DecodeRow {
+                                state: states[i].take().unwrap(),
+                                token,
+                                logits,
+                            })
+                            .collect();
+                        // The team's step (retried while another test's team runs), not the fallback.
+                        let start = std::time::Instant::now();
+                        while !model.decode_rows_step(&mut rows) {
+                            assert!(start.elapsed().as_secs() < 60, "another team ran for a minute");
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                    }
+                    for ((&i, &token), out) in members.iter().zip(&tokens).zip(&outs) {
+                        let mut expected = vec![0.0; vocab];
+                        model.decode_in_regions(&mut alone[i], token, &mut expected).unwrap();
+                        let same = out.iter().zip(&expected).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(same, "{threads} threads, step {step}, sequence {i}: logits differ");
+                        assert_eq!(batched[i].route_margin.to_bits(), alone[i].route_margin.to_bits());
+                        assert_eq!(batched[i].position, alone[i].position);
+                    }
+                }
+                for (a, b) in batched.iter().zip(&alone) {
+                    assert!(a.recurrent == b.recurrent && a.conv == b.conv);
+                    assert!(a.k_cache == b.k_cache && a.v_cache == b.v_cache);
+                }
             });
         }
     }

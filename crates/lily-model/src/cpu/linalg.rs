@@ -121,38 +121,73 @@ pub fn matvecs(products: &mut [MatVec]) {
     });
 }
 
-/// One product of a batch run by [`team_matvecs`]: `out = w . x`, `x` quantized for `w`'s bits.
+/// One product of a step run by [`team_matvec_runs`]: `out = w . x`, `x` quantized for `w`'s bits.
 pub struct TeamMatVec<'a> {
     pub w: QView<'a>,
     pub x: &'a QInput,
     pub out: Shared<'a, [f32]>,
 }
 
-/// Runs every product of the batch as one parallel step of the team, rows split into tasks across its threads,
-/// then waits for all of them. Every thread of the team calls it with the same batch.
-pub fn team_matvecs(team: &Team, products: &[TeamMatVec]) {
-    assert!(products.len() <= MAX_BATCH, "{} products in one step", products.len());
+thread_local! {
+    /// Per thread, the first task of each run of the last [`team_matvec_runs`]: reused so that a step allocates
+    /// nothing once the buffer has grown to the longest list of runs.
+    static RUN_TASKS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs products that share matrices as one parallel step of the team, then waits for all of them. `products`
+/// comes in runs of the same matrix: run `g` is `products[runs[g]..runs[g + 1]]`, every entry with the same `w` and
+/// its own input and output (the rows of a batched step that read one matrix, or the tokens routed to one expert).
+/// A task takes a few rows of one run's matrix and computes them for every input of the run, so those rows are read
+/// from memory once for all of its inputs while they are in the core's cache. Each output row is the dot product
+/// [`matvecs`] computes, bit for bit. Every thread of the team calls it with the same batch.
+pub fn team_matvec_runs(team: &Team, products: &[TeamMatVec], runs: &[usize]) {
     let path = simd_path();
-    let n = products.len();
-    // Product p owns tasks first_task[p]..first_task[p + 1].
-    let mut first_task = [0usize; MAX_BATCH + 1];
-    let total_rows: usize = products.iter().map(|p| p.w.rows).sum();
-    let rows_per_task = total_rows.div_ceil(16 * team.count()).clamp(8, 1024);
-    for (p, product) in products.iter().enumerate() {
-        assert_eq!(product.out.len(), product.w.rows);
-        assert_eq!(product.x.bits(), product.w.bits);
-        assert_eq!(product.x.cols(), product.w.cols);
-        first_task[p + 1] = first_task[p] + product.w.rows.div_ceil(rows_per_task);
+    assert!(
+        runs.first() == Some(&0) && runs.last() == Some(&products.len()) && runs.is_sorted(),
+        "runs cover the products in order"
+    );
+    let run = |g: usize| &products[runs[g]..runs[g + 1]];
+    let count = runs.len() - 1;
+    for g in 0..count {
+        let Some(first) = run(g).first() else {
+            continue;
+        };
+        for product in run(g) {
+            assert!(
+                product.w.packed.as_ptr() == first.w.packed.as_ptr() && product.w.rows == first.w.rows,
+                "a run's products share their matrix"
+            );
+            assert_eq!(product.out.len(), product.w.rows);
+            assert_eq!(product.x.bits(), product.w.bits);
+            assert_eq!(product.x.cols(), product.w.cols);
+        }
     }
-    let first_task = &first_task[..=n];
-    team.tasks(first_task[n], |task| {
-        let p = first_task.partition_point(|&first| first <= task) - 1;
-        let product = &products[p];
-        let start = (task - first_task[p]) * rows_per_task;
-        let rows = rows_per_task.min(product.w.rows - start);
-        // SAFETY: the tasks of the step cover disjoint row ranges of each output.
-        let out = unsafe { product.out.part(start, rows) };
-        simd::dot_rows(path, rows_of(&product.w.rows_view(start, rows)), product.x, out);
+    // Tasks of about equal numbers of dot products, about 16 a thread: a run of n inputs takes 1/n as many rows a
+    // task (between 8 and 1024).
+    let rows = |g: usize| run(g).first().map_or(0, |p| p.w.rows);
+    let work: usize = (0..count).map(|g| run(g).len() * rows(g)).sum();
+    let per_task = work.div_ceil(16 * team.count()).max(1);
+    let rows_per_task = |g: usize| (per_task / run(g).len().max(1)).clamp(8, 1024);
+    RUN_TASKS.with_borrow_mut(|first_task| {
+        // Run g owns tasks first_task[g]..first_task[g + 1].
+        first_task.clear();
+        first_task.push(0);
+        for g in 0..count {
+            let tasks = rows(g).div_ceil(rows_per_task(g));
+            first_task.push(first_task[g] + tasks);
+        }
+        let first_task = &first_task[..];
+        team.tasks(first_task[count], |task| {
+            let g = first_task.partition_point(|&first| first <= task) - 1;
+            let block = rows_per_task(g);
+            let start = (task - first_task[g]) * block;
+            let n = block.min(rows(g) - start);
+            for product in run(g) {
+                // SAFETY: the tasks of the step cover disjoint row ranges of each output.
+                let out = unsafe { product.out.part(start, n) };
+                simd::dot_rows(path, rows_of(&product.w.rows_view(start, n)), product.x, out);
+            }
+        });
     });
 }
 

@@ -12,4 +12,5 @@ pub mod numerics;
 pub mod simd;
 pub mod team;
 
+pub use decode::DecodeRow;
 pub use model::{CpuModel, State};

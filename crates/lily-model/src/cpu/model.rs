@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 
 use super::attention::{attend, rope};
+use super::decode::DecodeRow;
 use super::deltanet::{self, conv_sequence, l2norm};
 use super::linalg::{qmatmul, qmatmuls, rmsnorm, rmsnorm_in_place, sigmoid, silu, softplus};
 use super::moe::{moe_decode, moe_forward, MoeScratch};
@@ -282,6 +283,23 @@ impl CpuModel {
             return Ok(());
         }
         self.decode_in_regions(state, token, logits)
+    }
+
+    /// One decode step of several sequences at once (the rows' states distinct): appends each row's token to its
+    /// sequence and writes its next-token logits, exactly as [`CpuModel::decode`] of each alone would. Every row is
+    /// checked before any runs, so a bad row changes nothing. The products read each matrix once for all the rows
+    /// (and each expert once for the rows routed to it), so a step of many rows costs little more than one.
+    pub fn decode_rows(&self, rows: &mut [DecodeRow]) -> Result<(), ForwardError> {
+        for row in rows.iter() {
+            self.check(row.state, &[row.token])?;
+        }
+        if self.decode_rows_step(rows) {
+            return Ok(());
+        }
+        for row in rows.iter_mut() {
+            self.decode_in_regions(row.state, row.token, row.logits)?;
+        }
+        Ok(())
     }
 
     /// [`CpuModel::decode`] as a sequence of the pool's fork-join regions, one per step of the layers (the same

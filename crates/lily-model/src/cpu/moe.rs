@@ -5,7 +5,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::linalg::{gemms, matvecs, sigmoid, silu, team_matvecs, Gemm, MatVec, TeamMatVec};
+use smallvec::SmallVec;
+
+use super::linalg::{gemms, matvecs, sigmoid, silu, team_matvec_runs, Gemm, MatVec, TeamMatVec};
 use super::simd::QInput;
 use super::team::{Shared, Team};
 use crate::config::Config;
@@ -427,89 +429,119 @@ impl MoeScratch {
     }
 }
 
-/// `out = moe(x)` for one token as steps of a team, computing what [`moe_decode`] computes: the router and the
-/// shared expert's projections; the routing (one thread); the routed experts' gate and up projections; each
-/// expert's SwiGLU and its quantization; every expert's down projection; their weighted sum (one thread). `x4` and
-/// `x8` hold `x` quantized for the bits of the matrices that read it. Returns the routing margin on the team's
-/// first thread (infinity on the others).
-#[allow(clippy::too_many_arguments)]
-pub fn team_moe_decode(
-    team: &Team,
-    moe: &Moe,
-    num_experts: usize,
-    top_k: usize,
-    x4: &QInput,
-    x8: &QInput,
-    s: &MoeParts,
-    out: Shared<[f32]>,
-) -> f32 {
+/// One row of a batched step for [`team_moe_decode`]: its input quantized for the bits of the matrices that read it,
+/// its buffers, its output, and its routing margin (lowered to this layer's where that is smaller).
+pub struct MoeRow<'a> {
+    pub x4: &'a QInput,
+    pub x8: &'a QInput,
+    pub parts: &'a MoeParts<'a>,
+    pub out: Shared<'a, [f32]>,
+    pub margin: Shared<'a, f32>,
+}
+
+/// Products of one step of the team, in runs that share a matrix (inline up to a step of one row's experts).
+type Products<'a> = SmallVec<[TeamMatVec<'a>; 24]>;
+type Runs = SmallVec<[usize; 25]>;
+
+/// `out = moe(x)` for each row's token as steps of a team, computing what [`moe_decode`] computes for it: the
+/// router and the shared expert's projections; the routing (a task a row); the routed experts' gate and up
+/// projections; each (row, expert) SwiGLU and its quantization; every expert's down projection; each row's weighted
+/// sum. An expert's products take every row routed to it at once, so its rows are read from memory once a step.
+pub fn team_moe_decode<'a>(team: &Team, moe: &'a Moe, num_experts: usize, top_k: usize, rows: &[MoeRow<'a>]) {
+    let input = |row: &MoeRow<'a>, bits: u32| -> &'a QInput { input_for(bits, row.x4, row.x8) };
     let hidden = moe.router.cols;
     let inter = moe.experts_gate.rows / num_experts;
     let shared_inter = moe.shared_gate.rows;
     let slots = top_k + 1;
-    assert!(top_k <= MAX_TOP_K && s.chosen.len() == top_k && out.len() == hidden);
-    assert!(s.logits.len() == num_experts && s.gate.len() >= slots * inter.max(shared_inter));
-    let input = |bits: u32| input_for(bits, x4, x8);
-    // SAFETY (every access below): each step writes disjoint parts of the buffers (one task per row range, per
-    // expert or per thread 0) and reads only what earlier steps wrote, after their barrier.
+    assert!(top_k <= MAX_TOP_K);
+    for row in rows {
+        let s = row.parts;
+        assert!(s.chosen.len() == top_k && row.out.len() == hidden);
+        assert!(s.logits.len() == num_experts && s.gate.len() >= slots * inter.max(shared_inter));
+    }
+    // SAFETY (every access below): each step writes disjoint parts of the buffers (one task per row range of a
+    // matrix, per row, or per (row, expert)) and reads only what earlier steps wrote, after their barrier.
     unsafe {
         let shared_offset = top_k * inter;
-        team_matvecs(
-            team,
-            &[
-                TeamMatVec {
-                    w: moe.router.view(),
-                    x: input(moe.router.bits),
-                    out: s.logits,
-                },
-                TeamMatVec {
-                    w: moe.shared_expert_gate.view(),
-                    x: input(moe.shared_expert_gate.bits),
-                    out: s.shared_gate,
-                },
-                TeamMatVec {
-                    w: moe.shared_gate.view(),
-                    x: input(moe.shared_gate.bits),
-                    out: s.gate.sub(shared_offset, shared_inter),
-                },
-                TeamMatVec {
-                    w: moe.shared_up.view(),
-                    x: input(moe.shared_up.bits),
-                    out: s.up.sub(shared_offset, shared_inter),
-                },
-            ],
-        );
-        let mut margin = f32::INFINITY;
-        team.single(|| {
+        let (mut products, mut runs) = (Products::new(), Runs::new());
+        runs.push(0);
+        for (k, matrix) in [&moe.router, &moe.shared_expert_gate, &moe.shared_gate, &moe.shared_up]
+            .into_iter()
+            .enumerate()
+        {
+            for row in rows {
+                let s = row.parts;
+                let out = match k {
+                    0 => s.logits,
+                    1 => s.shared_gate,
+                    2 => s.gate.sub(shared_offset, shared_inter),
+                    _ => s.up.sub(shared_offset, shared_inter),
+                };
+                products.push(TeamMatVec {
+                    w: matrix.view(),
+                    x: input(row, matrix.bits),
+                    out,
+                });
+            }
+            runs.push(products.len());
+        }
+        team_matvec_runs(team, &products, &runs);
+
+        team.tasks(rows.len(), |r| {
+            let (s, margin) = (rows[r].parts, rows[r].margin.get());
             let logits = s.logits.read();
             route(logits, top_k, s.chosen.part(0, top_k), s.weights.part(0, top_k));
-            margin = route_margin(logits, s.chosen.read());
+            *margin = margin.min(route_margin(logits, s.chosen.read()));
         });
-        let chosen = s.chosen.read();
-        let mut batch: [TeamMatVec; 2 * MAX_TOP_K] = std::array::from_fn(|_| TeamMatVec {
-            w: moe.router.rows_view(0, 0),
-            x: x8,
-            out: Shared::new(&mut []),
-        });
-        for (i, &e) in chosen.iter().enumerate() {
-            let (gate_w, up_w) = (
-                moe.experts_gate.rows_view(e * inter, inter),
-                moe.experts_up.rows_view(e * inter, inter),
-            );
-            batch[2 * i] = TeamMatVec {
-                x: input(gate_w.bits),
-                w: gate_w,
-                out: s.gate.sub(i * inter, inter),
-            };
-            batch[2 * i + 1] = TeamMatVec {
-                x: input(up_w.bits),
-                w: up_w,
-                out: s.up.sub(i * inter, inter),
-            };
-        }
-        team_matvecs(team, &batch[..2 * top_k]);
 
-        team.tasks(slots, |i| {
+        // The (expert, row, slot) of every routed choice, by expert: each expert's choices form a run.
+        let mut choices: SmallVec<[(usize, usize, usize); 8]> = rows
+            .iter()
+            .enumerate()
+            .flat_map(|(r, row)| row.parts.chosen.read().iter().enumerate().map(move |(i, &e)| (e, r, i)))
+            .collect();
+        choices.sort_unstable();
+        let by_expert = |choices: &[(usize, usize, usize)]| {
+            let mut runs = Runs::new();
+            runs.push(0);
+            for (i, pair) in choices.windows(2).enumerate() {
+                if pair[0].0 != pair[1].0 {
+                    runs.push(i + 1);
+                }
+            }
+            if !choices.is_empty() {
+                runs.push(choices.len());
+            }
+            runs
+        };
+        let expert_runs = by_expert(&choices);
+
+        let (mut products, mut runs) = (Products::new(), Runs::new());
+        runs.push(0);
+        for run in expert_runs.windows(2) {
+            let expert = choices[run[0]].0;
+            let gate_w = moe.experts_gate.rows_view(expert * inter, inter);
+            let up_w = moe.experts_up.rows_view(expert * inter, inter);
+            for (w, out) in [(gate_w, true), (up_w, false)] {
+                for &(_, r, i) in &choices[run[0]..run[1]] {
+                    let s = rows[r].parts;
+                    products.push(TeamMatVec {
+                        x: input(&rows[r], w.bits),
+                        w,
+                        out: if out {
+                            s.gate.sub(i * inter, inter)
+                        } else {
+                            s.up.sub(i * inter, inter)
+                        },
+                    });
+                }
+                runs.push(products.len());
+            }
+        }
+        team_matvec_runs(team, &products, &runs);
+
+        team.tasks(rows.len() * slots, |task| {
+            let (s, i) = (rows[task / slots].parts, task % slots);
             let (n, bits) = if i < top_k {
                 (inter, moe.experts_down.bits)
             } else {
@@ -522,28 +554,34 @@ pub fn team_moe_decode(
             s.acts.part(i, 1)[0].quantize(g, bits);
         });
 
-        let acts = s.acts.read();
-        let mut batch: [TeamMatVec; MAX_TOP_K + 1] = std::array::from_fn(|_| TeamMatVec {
-            w: moe.router.rows_view(0, 0),
-            x: x8,
-            out: Shared::new(&mut []),
-        });
-        for (i, slot) in batch.iter_mut().take(slots).enumerate() {
-            let w = if i < top_k {
-                moe.experts_down.rows_view(chosen[i] * hidden, hidden)
-            } else {
-                moe.shared_down.view()
-            };
-            *slot = TeamMatVec {
-                w,
-                x: &acts[i],
-                out: s.down.sub(i * hidden, hidden),
-            };
+        let (mut products, mut runs) = (Products::new(), Runs::new());
+        runs.push(0);
+        for run in expert_runs.windows(2) {
+            let w = moe.experts_down.rows_view(choices[run[0]].0 * hidden, hidden);
+            for &(_, r, i) in &choices[run[0]..run[1]] {
+                let s = rows[r].parts;
+                products.push(TeamMatVec {
+                    w,
+                    x: &s.acts.read()[i],
+                    out: s.down.sub(i * hidden, hidden),
+                });
+            }
+            runs.push(products.len());
         }
-        team_matvecs(team, &batch[..slots]);
+        for row in rows {
+            let s = row.parts;
+            products.push(TeamMatVec {
+                w: moe.shared_down.view(),
+                x: &s.acts.read()[top_k],
+                out: s.down.sub(top_k * hidden, hidden),
+            });
+        }
+        runs.push(products.len());
+        team_matvec_runs(team, &products, &runs);
 
-        team.single(|| {
-            let (out, down, weights) = (out.part(0, hidden), s.down.read(), s.weights.read());
+        team.tasks(rows.len(), |r| {
+            let s = rows[r].parts;
+            let (out, down, weights) = (rows[r].out.part(0, hidden), s.down.read(), s.weights.read());
             let shared = sigmoid(s.shared_gate.read()[0]);
             let y = &down[top_k * hidden..slots * hidden];
             out.iter_mut().zip(y).for_each(|(o, v)| *o = v * shared);
@@ -552,7 +590,6 @@ pub fn team_moe_decode(
                 out.iter_mut().zip(y).for_each(|(o, v)| *o += w * v);
             }
         });
-        margin
     }
 }
 
