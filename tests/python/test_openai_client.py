@@ -626,10 +626,56 @@ def test_responses_in_the_background_are_polled_and_cancelled(client, model):
     plain = client.responses.create(**kwargs)
     expect_error(openai.BadRequestError, lambda: client.responses.cancel(plain.id))
     expect_error(openai.NotFoundError, lambda: client.responses.cancel("resp_unknown"))
-    expect_error(openai.BadRequestError, lambda: client.responses.create(background=True, stream=True, **kwargs),
-                 param="background")
     expect_error(openai.BadRequestError, lambda: client.responses.create(background=True, store=False, **kwargs),
                  param="background")
+
+
+def test_streamed_background_responses_resume_from_any_event(client, model):
+    kwargs = dict(model=model, input="What light through yonder window breaks?", max_output_tokens=24,
+                  temperature=0, reasoning={"effort": "none"})
+    expected = client.responses.create(store=False, **kwargs).output_text
+    stream = client.responses.create(background=True, stream=True, **kwargs)
+    events = []
+    for event in stream:
+        events.append(event)
+        if len(events) == 5:
+            break  # the client leaves: the response goes on in the background
+    stream.close()
+    response_id = events[0].response.id
+    assert events[0].type == "response.created" and events[0].response.background
+    assert [e.sequence_number for e in events] == list(range(5))
+    done = poll(client, response_id)
+    assert done.status in ("completed", "incomplete") and done.output_text == expected
+
+    # Resumed after the fourth event: the rest, numbered on, ending with the response as kept.
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in rest] == list(range(4, 4 + len(rest)))
+    assert rest[0].type == events[4].type
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    assert rest[-1].response.output_text == expected
+    text = "".join(e.delta for e in events[:4] + rest if e.type == "response.output_text.delta")
+    assert text == expected
+    # From the start, and past the end.
+    assert len(list(client.responses.retrieve(response_id, stream=True))) == 4 + len(rest)
+    assert list(client.responses.retrieve(response_id, stream=True, starting_after=10_000)) == []
+
+    # Followed live while it runs, then cancelled: the stream ends, the response is kept as cancelled.
+    long = client.responses.create(background=True, stream=True, extra_body={"ignore_eos": True},
+                                   **{**kwargs, "max_output_tokens": 3000})
+    first = next(iter(long))
+    long.close()
+    follower = client.responses.retrieve(first.response.id, stream=True, starting_after=0)
+    assert next(iter(follower)).sequence_number == 1
+    assert client.responses.cancel(first.response.id).status == "cancelled"
+    assert all(e.sequence_number > 1 for e in follower)  # ends once the response has
+
+    # Only a streamed background response streams again; `starting_after` goes with `stream`.
+    plain = client.responses.create(**kwargs)
+    expect_error(openai.BadRequestError, lambda: list(client.responses.retrieve(plain.id, stream=True)),
+                 param="stream")
+    expect_error(openai.NotFoundError, lambda: list(client.responses.retrieve("resp_unknown", stream=True)))
+    expect_error(openai.BadRequestError, lambda: client.responses.retrieve(plain.id, starting_after=2),
+                 param="starting_after")
 
 
 def test_conversations_hold_the_items_their_responses_add(client, model, base_url):

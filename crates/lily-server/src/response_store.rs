@@ -4,7 +4,10 @@
 //!
 //! A `background` response is kept from the moment it is accepted (`in_progress`), and replaced by its final form
 //! when it ends (completed, incomplete, failed or cancelled); the store also holds the means to cancel it
-//! (`POST /v1/responses/{id}/cancel`) and to wait until it has ended.
+//! (`POST /v1/responses/{id}/cancel`) and to wait until it has ended. A background response created with
+//! `stream` also keeps its stream's events ([`EventLog`]): its client reads them as they come, and any client can
+//! read them again from any point (`GET /v1/responses/{id}?stream=true&starting_after=N`), while it runs and after,
+//! for as long as the response is kept.
 //!
 //! The store lives in memory and holds at most `--response-store-mib` of responses; past that the least recently
 //! used are dropped. A response links to the one it continues, so a conversation's context stays whole while any of
@@ -18,7 +21,69 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::Value as Json;
 
 use crate::lru::Lru;
+use crate::routes::SseData;
 use crate::types::ResponseObject;
+
+/// The events of a streamed background response, in order (an event's index is its `sequence_number`), and whether
+/// the stream has ended. Readers follow it from any point while it grows.
+pub struct EventLog {
+    events: Mutex<(Vec<SseData>, bool)>,
+    /// The number of events, and whether the stream has ended, for readers waiting for more.
+    changed: tokio::sync::watch::Sender<(usize, bool)>,
+}
+
+impl EventLog {
+    fn new() -> EventLog {
+        EventLog {
+            events: Mutex::new((Vec::new(), false)),
+            changed: tokio::sync::watch::channel((0, false)).0,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, (Vec<SseData>, bool)> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Appends events (none once the stream has ended).
+    pub fn push(&self, events: Vec<SseData>) {
+        let mut log = self.lock();
+        if log.1 || events.is_empty() {
+            return;
+        }
+        log.0.extend(events);
+        self.changed.send_replace((log.0.len(), false));
+    }
+
+    /// Ends the stream: readers stop once they have read every event.
+    pub fn end(&self) {
+        let mut log = self.lock();
+        log.1 = true;
+        self.changed.send_replace((log.0.len(), true));
+    }
+
+    /// The bytes its events hold.
+    pub fn bytes(&self) -> usize {
+        self.lock().0.iter().map(|e| e.data.len() + 64).sum()
+    }
+
+    /// The events from index `from` on, waiting for more while the stream runs: empty once it has ended and every
+    /// event is read.
+    pub async fn read_from(&self, from: usize) -> Vec<SseData> {
+        let mut changed = self.changed.subscribe();
+        loop {
+            {
+                let log = self.lock();
+                if log.0.len() > from || log.1 {
+                    return log.0.get(from..).map_or_else(Vec::new, <[SseData]>::to_vec);
+                }
+            }
+            // The sender lives as long as the log, which the caller holds.
+            if changed.changed().await.is_err() {
+                return Vec::new();
+            }
+        }
+    }
+}
 
 /// A kept response: the response object as it was answered, the input items its request gave, and the response it
 /// continued.
@@ -30,6 +95,8 @@ pub struct StoredResponse {
     pub previous: Option<Arc<StoredResponse>>,
     /// The bytes of this response's JSON and input items, and those of every response it continues.
     conversation_bytes: usize,
+    /// A streamed background response's events (attached by the store when its final form replaces it).
+    events: Option<Arc<EventLog>>,
 }
 
 impl StoredResponse {
@@ -45,6 +112,7 @@ impl StoredResponse {
             input,
             previous,
             conversation_bytes,
+            events: None,
         }
     }
 
@@ -100,10 +168,12 @@ pub struct ResponseStore {
     enabled: bool,
 }
 
-/// A background response still running: what asks it to stop, and what tells that it has ended.
+/// A background response still running: what asks it to stop, what tells that it has ended, and its stream's
+/// events where it was created with `stream`.
 struct Running {
     cancel: Arc<tokio::sync::Notify>,
     ended: tokio::sync::watch::Receiver<bool>,
+    events: Option<Arc<EventLog>>,
 }
 
 /// Held by the task that runs a background response: its cancel request, and (once dropped) the signal that it has
@@ -113,11 +183,16 @@ pub struct Background {
     id: String,
     pub cancel: Arc<tokio::sync::Notify>,
     ended: tokio::sync::watch::Sender<bool>,
+    /// Where a streamed response's events go.
+    pub events: Option<Arc<EventLog>>,
 }
 
 impl Drop for Background {
     fn drop(&mut self) {
         self.store.lock_running().remove(&self.id);
+        if let Some(events) = &self.events {
+            events.end();
+        }
         let _ = self.ended.send(true);
     }
 }
@@ -147,13 +222,16 @@ impl ResponseStore {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers the background response `id` as running; the task that runs it holds what this returns.
-    pub fn start_background(self: &Arc<Self>, id: &str) -> Background {
+    /// Registers the background response `id` as running, with a log of its stream's events where `streamed`; the
+    /// task that runs it holds what this returns.
+    pub fn start_background(self: &Arc<Self>, id: &str, streamed: bool) -> Background {
         let cancel = Arc::new(tokio::sync::Notify::new());
         let (ended, ended_rx) = tokio::sync::watch::channel(false);
+        let events = streamed.then(|| Arc::new(EventLog::new()));
         let running = Running {
             cancel: cancel.clone(),
             ended: ended_rx,
+            events: events.clone(),
         };
         self.lock_running().insert(id.to_string(), running);
         Background {
@@ -161,7 +239,17 @@ impl ResponseStore {
             id: id.to_string(),
             cancel,
             ended,
+            events,
         }
+    }
+
+    /// The stream's events of the response `id`, running or kept; `None` where it was not a streamed background
+    /// response (or is not kept).
+    pub fn events(&self, id: &str) -> Option<Arc<EventLog>> {
+        if let Some(events) = self.lock_running().get(id).and_then(|run| run.events.clone()) {
+            return Some(events);
+        }
+        self.get(id).and_then(|response| response.events.clone())
     }
 
     /// Asks the background response `id` to stop and waits (up to `wait`) until it has ended. False where it was
@@ -196,13 +284,21 @@ impl ResponseStore {
     /// Keeps `response` where `only_replacing` is false or a response of its id is kept; what it replaces stays
     /// where it does not fit. The running background responses are never dropped for room: their end replaces
     /// them.
-    fn put(&self, response: StoredResponse, only_replacing: bool) -> bool {
-        let (id, bytes) = (response.response.id.clone(), response.conversation_bytes);
+    ///
+    /// A streamed background response's final form takes its stream's events along, counted in its bytes (with
+    /// room for the last event, which carries the response and comes after it is kept).
+    fn put(&self, mut response: StoredResponse, only_replacing: bool) -> bool {
+        let (id, mut bytes) = (response.response.id.clone(), response.conversation_bytes);
         let mut inner = self.lock();
         if only_replacing && !inner.contains(&id) {
             return false;
         }
         let running = self.lock_running();
+        if let Some(events) = running.get(&id).and_then(|run| run.events.clone()) {
+            let last = serde_json::to_vec(&response.response).map_or(0, |v| v.len());
+            bytes += events.bytes() + last;
+            response.events = Some(events);
+        }
         inner.insert(id, Arc::new(response), bytes, |id| running.contains_key(id))
     }
 
@@ -326,7 +422,7 @@ mod tests {
         let a = StoredResponse::new(response("a", "one"), vec![user("hi")], None);
         let size = crate::lru::entry_bytes("a", a.conversation_bytes);
         let store = Arc::new(ResponseStore::new(2 * size + size / 2));
-        let running = store.start_background("a");
+        let running = store.start_background("a", false);
         assert!(store.insert(a));
         assert!(store.insert(StoredResponse::new(response("x", "one"), vec![user("hi")], None)));
         // `a` is the least recently used, but running: `x` goes instead.
@@ -340,6 +436,50 @@ mod tests {
         // Replacing what is not kept keeps nothing.
         assert!(!store.replace(StoredResponse::new(response("gone", "one"), vec![user("hi")], None)));
         assert!(store.get("gone").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_streamed_background_response_keeps_its_events_for_readers_from_any_point() {
+        let event = |n: usize| SseData {
+            event: Some("response.output_text.delta"),
+            data: format!("{{\"sequence_number\":{n}}}"),
+        };
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let running = store.start_background("a", true);
+        assert!(store.insert(StoredResponse::new(response("a", ""), vec![user("hi")], None)));
+        let log = store.events("a").expect("a streamed response has a log");
+        log.push(vec![event(0), event(1)]);
+        // A reader past the end waits for the next event.
+        let reader = {
+            let log = log.clone();
+            tokio::spawn(async move { log.read_from(2).await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!reader.is_finished());
+        log.push(vec![event(2)]);
+        let read = reader.await.unwrap();
+        assert_eq!(
+            read.iter().map(|e| e.data.as_str()).collect::<Vec<_>>(),
+            [event(2).data]
+        );
+        // The final form takes the log along, counted in its bytes; the log ends with the running response.
+        let (_, before) = store.usage();
+        assert!(store.replace(StoredResponse::new(response("a", "done"), vec![user("hi")], None)));
+        let (_, after) = store.usage();
+        assert!(after >= before + log.bytes(), "{before} -> {after} bytes");
+        log.push(vec![event(3)]);
+        drop(running);
+        log.push(vec![event(4)]);
+        let kept = store.events("a").expect("kept with the response");
+        assert_eq!(kept.read_from(1).await.len(), 3);
+        assert!(
+            kept.read_from(4).await.is_empty(),
+            "a reader at the end of an ended log stops"
+        );
+        // A response that did not stream has none.
+        let _plain = store.start_background("b", false);
+        assert!(store.insert(StoredResponse::new(response("b", ""), vec![user("hi")], None)));
+        assert!(store.events("b").is_none() && store.events("missing").is_none());
     }
 
     #[test]

@@ -111,12 +111,6 @@ pub fn translate(
     }
     let background = request.background == Some(true);
     let store_it = request.store.unwrap_or(true) && store.enabled();
-    if background && request.stream == Some(true) {
-        return Err(ApiError::invalid(
-            "background",
-            "`background` with `stream` is not supported: poll GET /v1/responses/{id} until the response ends",
-        ));
-    }
     if background && !store_it {
         let why = match store.enabled() {
             true => "`store` must not be false",
@@ -726,6 +720,8 @@ pub struct ResponsesResponder {
     reasoning_tokens: usize,
     cached_tokens: usize,
     finish: Option<FinishReason>,
+    /// Whether the response streams its events.
+    streamed: bool,
     /// Streaming: the next event's `sequence_number` (0: `response.created` has not gone out), and the item open.
     sequence: u64,
     open: Option<Open>,
@@ -759,6 +755,7 @@ impl ResponsesResponder {
             reasoning_tokens: 0,
             cached_tokens: 0,
             finish: None,
+            streamed: plan.stream,
             sequence: 0,
             open: None,
             output: None,
@@ -856,8 +853,12 @@ impl ResponsesResponder {
                 });
                 self.close(&mut out);
                 out.push(self.event("error", fields));
-                // Clients that wait for the response's end read the error's code from `response.failed`.
-                let response = self.failed(&error);
+                // Clients that wait for the response's end read the error's code from `response.failed`, and
+                // those of a background response also from the store.
+                let mut response = self.failed(&error);
+                if self.response.background {
+                    self.keep(&mut response);
+                }
                 out.push(self.event("response.failed", json!({"response": response})));
                 return (out, true);
             }
@@ -1172,7 +1173,7 @@ impl ResponsesResponder {
         let keep = self.keep.as_ref().filter(|_| self.response.background)?;
         let response = self.snapshot("in_progress");
         // Registered first, so that no other response's arrival drops it for room.
-        let background = keep.store.start_background(&response.id);
+        let background = keep.store.start_background(&response.id, self.streamed);
         let stored = StoredResponse::new(response.clone(), keep.input.clone(), keep.previous.clone());
         if !keep.store.insert(stored) {
             return Some(Err(ApiError::invalid(
@@ -1479,7 +1480,7 @@ mod tests {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let wait = std::time::Duration::from_secs(5);
         assert!(!store.cancel_background("resp_none", wait).await);
-        let background = store.start_background("resp_1");
+        let background = store.start_background("resp_1", false);
         let task = tokio::spawn(async move {
             background.cancel.notified().await;
             drop(background);

@@ -24,7 +24,7 @@ use crate::completions::{self, CompletionResponder};
 use crate::engine::{EngineShared, Event, Job, SequenceSpec, SubmitError};
 use crate::error::{parse_json, parse_json_with_sampling, ApiError};
 use crate::params;
-use crate::response_store::{Background, StoredResponse};
+use crate::response_store::{Background, EventLog, StoredResponse};
 use crate::responses::{self, ResponsesResponder};
 use crate::server::{AppState, Ready};
 use crate::types::*;
@@ -365,6 +365,7 @@ fn submit(
 
 /// One server-sent event: its `data:` payload, and the `event:` name it carries where the endpoint names its events
 /// (the Responses API names each by its `type`, as OpenAI's server does; chat and completions send data only).
+#[derive(Clone)]
 pub struct SseData {
     pub event: Option<&'static str>,
     pub data: String,
@@ -375,6 +376,15 @@ impl SseData {
     pub fn data(data: String) -> SseData {
         SseData { event: None, data }
     }
+}
+
+/// One server-sent event, named where it has a name.
+fn sse_event(d: SseData) -> Result<SseEvent, Infallible> {
+    let event = SseEvent::default().data(d.data);
+    Ok(match d.event {
+        Some(name) => event.event(name),
+        None => event,
+    })
 }
 
 /// Server-sent events: each engine event becomes zero or more events; chat and completion streams end with `[DONE]`.
@@ -403,15 +413,7 @@ where
             }
         }
     })
-    .flat_map(|data| {
-        futures_util::stream::iter(data.into_iter().map(|d| {
-            let event = SseEvent::default().data(d.data);
-            Ok::<_, Infallible>(match d.event {
-                Some(name) => event.event(name),
-                None => event,
-            })
-        }))
-    });
+    .flat_map(|data| futures_util::stream::iter(data.into_iter().map(sse_event)));
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }
 
@@ -586,8 +588,13 @@ where
             // Where it is refused, `?` returns the error and dropping `guard` cancels the job just submitted.
             let (accepted, background) = accepted?;
             let span = tracing::Span::current();
+            let events = background.events.clone();
             tokio::spawn(run_background(receiver, guard, responder, background).instrument(span));
-            return Ok(Json(accepted).into_response());
+            // A streamed one answers with its events as they come; its client may leave and read them again.
+            return Ok(match events {
+                Some(events) => event_log_response(events, 0),
+                None => Json(accepted).into_response(),
+            });
         }
         if stream {
             let span = tracing::Span::current();
@@ -619,8 +626,9 @@ where
 }
 
 /// Runs a background request to its end, whose responder keeps it (or its failure) in the response store, or
-/// until it is cancelled: then the job is cancelled and the response kept as `cancelled`. The request stays in
-/// flight until then, so a graceful shutdown waits for it as for any other.
+/// until it is cancelled: then the job is cancelled and the response kept as `cancelled`. A streamed one's events
+/// go to its log as they come (which ends when this does). The request stays in flight until then, so a graceful
+/// shutdown waits for it as for any other.
 async fn run_background<R: Responder>(
     mut receiver: UnboundedReceiver<Event>,
     guard: CancelOnDrop,
@@ -634,7 +642,15 @@ async fn run_background<R: Responder>(
                 let event = event.unwrap_or_else(|| {
                     Event::Error(ApiError::internal("the engine stopped before finishing the request"))
                 });
-                if responder.collect_event(event).is_some() {
+                let done = match &background.events {
+                    Some(events) => {
+                        let (data, done) = responder.stream_event(event);
+                        events.push(data);
+                        done
+                    }
+                    None => responder.collect_event(event).is_some(),
+                };
+                if done {
                     break;
                 }
             }
@@ -733,19 +749,50 @@ fn stored_response(state: &AppState, id: Result<Path<String>, PathRejection>) ->
     state.responses.get(&id).ok_or_else(|| responses::not_found(&id))
 }
 
+/// A kept response, or with `stream=true` a streamed background response's events from `starting_after` on
+/// (following it while it runs).
 async fn get_response(
     State(state): State<AppStateRef>,
     id: Result<Path<String>, PathRejection>,
     query: Result<Query<RetrieveQuery>, QueryRejection>,
-) -> Result<Json<ResponseObject>, ApiError> {
+) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(bad_query)?;
-    if query.stream == Some(true) {
+    let id = path_id(id);
+    if query.stream != Some(true) {
+        if query.starting_after.is_some() {
+            return Err(ApiError::invalid(
+                "starting_after",
+                "`starting_after` goes with `stream=true`",
+            ));
+        }
+        let response = state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
+        return Ok(Json(response.response.clone()).into_response());
+    }
+    let Some(events) = state.responses.events(&id) else {
+        state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
         return Err(ApiError::invalid(
             "stream",
-            "a kept response is read whole: streaming it again is not supported",
+            "only a response created with `background` and `stream` can be streamed again",
         ));
-    }
-    Ok(Json(stored_response(&state, id)?.response.clone()))
+    };
+    let from = query.starting_after.map_or(0, |n| n.saturating_add(1));
+    Ok(event_log_response(events, usize::try_from(from).unwrap_or(usize::MAX)))
+}
+
+/// Server-sent events of a streamed background response's log from event `from` on, following it until it ends.
+/// A client that leaves stops only its own reading.
+fn event_log_response(events: Arc<EventLog>, from: usize) -> Response {
+    let stream = futures_util::stream::unfold(Some((events, from)), |state| async move {
+        let (events, from) = state?;
+        let data = events.read_from(from).await;
+        if data.is_empty() {
+            return None;
+        }
+        let next = from + data.len();
+        Some((data, Some((events, next))))
+    })
+    .flat_map(|data| futures_util::stream::iter(data.into_iter().map(sse_event)));
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }
 
 async fn delete_response(

@@ -401,11 +401,12 @@ pub struct InputItemsQuery {
     pub before: Option<String>,
 }
 
-/// The query of `GET /v1/responses/{id}`: `stream` (a background response's events again) is refused; `include`
-/// and others are ignored.
+/// The query of `GET /v1/responses/{id}`: `stream` reads a streamed background response's events again, those
+/// after `starting_after` (a `sequence_number`); `include` and others are ignored.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct RetrieveQuery {
     pub stream: Option<bool>,
+    pub starting_after: Option<u64>,
 }
 
 /// A conversation as the API shows it (its items are listed apart).
