@@ -24,6 +24,9 @@ use crate::lru::Lru;
 use crate::routes::SseData;
 use crate::types::ResponseObject;
 
+/// The most events [`EventLog::read_from`] returns at a time.
+const READ_EVENTS: usize = 256;
+
 /// The events of a streamed background response, in order (an event's index is its `sequence_number`), and whether
 /// the stream has ended. Readers follow it from any point while it grows.
 pub struct EventLog {
@@ -66,15 +69,16 @@ impl EventLog {
         self.lock().0.iter().map(|e| e.data.len() + 64).sum()
     }
 
-    /// The events from index `from` on, waiting for more while the stream runs: empty once it has ended and every
-    /// event is read.
+    /// The events from index `from` on (at most [`READ_EVENTS`] at a time, so that readers of a long log do not
+    /// hold its lock long), waiting for more while the stream runs: empty once it has ended and every event is read.
     pub async fn read_from(&self, from: usize) -> Vec<SseData> {
         let mut changed = self.changed.subscribe();
         loop {
             {
                 let log = self.lock();
                 if log.0.len() > from || log.1 {
-                    return log.0.get(from..).map_or_else(Vec::new, <[SseData]>::to_vec);
+                    let end = log.0.len().min(from.saturating_add(READ_EVENTS));
+                    return log.0.get(from..end).map_or_else(Vec::new, <[SseData]>::to_vec);
                 }
             }
             // The sender lives as long as the log, which the caller holds.
@@ -272,33 +276,41 @@ impl ResponseStore {
     /// Replaces the kept response with `response`'s id by `response` (a background response's final form), keeping
     /// nothing where it is no longer kept (deleted while it ran).
     pub fn replace(&self, response: StoredResponse) -> bool {
-        self.put(response, true)
+        self.put(response, true, true)
+    }
+
+    /// [`ResponseStore::replace`] without the stream's events: the small failure kept where a final form with
+    /// them found no room.
+    pub fn replace_without_events(&self, response: StoredResponse) -> bool {
+        self.put(response, true, false)
     }
 
     /// Keeps `response`, dropping the least recently used ones (never a running background response) until it
     /// fits. Returns false where it is not kept: the store is off, or there is no room for it.
     pub fn insert(&self, response: StoredResponse) -> bool {
-        self.put(response, false)
+        self.put(response, false, true)
     }
 
     /// Keeps `response` where `only_replacing` is false or a response of its id is kept; what it replaces stays
     /// where it does not fit. The running background responses are never dropped for room: their end replaces
     /// them.
     ///
-    /// A streamed background response's final form takes its stream's events along, counted in its bytes (with
-    /// room for the last event, which carries the response and comes after it is kept).
-    fn put(&self, mut response: StoredResponse, only_replacing: bool) -> bool {
-        let (id, mut bytes) = (response.response.id.clone(), response.conversation_bytes);
+    /// Where `events`, a streamed background response takes its stream's events along, counted in its
+    /// conversation's bytes (a response that continues it holds them too), with room for the events that end the
+    /// stream, which come after it is kept and repeat its output about four times.
+    fn put(&self, mut response: StoredResponse, only_replacing: bool, events: bool) -> bool {
+        let id = response.response.id.clone();
         let mut inner = self.lock();
         if only_replacing && !inner.contains(&id) {
             return false;
         }
         let running = self.lock_running();
-        if let Some(events) = running.get(&id).and_then(|run| run.events.clone()) {
+        if let Some(log) = running.get(&id).and_then(|run| run.events.clone()).filter(|_| events) {
             let last = serde_json::to_vec(&response.response).map_or(0, |v| v.len());
-            bytes += events.bytes() + last;
-            response.events = Some(events);
+            response.conversation_bytes += log.bytes() + 4 * last;
+            response.events = Some(log);
         }
+        let bytes = response.conversation_bytes;
         inner.insert(id, Arc::new(response), bytes, |id| running.contains_key(id))
     }
 

@@ -1160,7 +1160,7 @@ impl ResponsesResponder {
         let error = ApiError::internal("the response is larger than the room in the server's response store");
         let mut failed = self.failed(&error);
         failed.output.clear();
-        if !store.replace(StoredResponse::new(failed, input, previous)) {
+        if !store.replace_without_events(StoredResponse::new(failed, input, previous)) {
             store.remove(&response.id);
         }
         false
@@ -1185,9 +1185,17 @@ impl ResponsesResponder {
     }
 
     /// A background response cancelled (`POST /v1/responses/{id}/cancel`): kept as `cancelled`, without output.
-    pub fn cancelled(&mut self) {
+    /// Returns the events that close a streamed one's open item (there is no stream event for a cancel: readers
+    /// see the stream end, and the response's status says why).
+    pub fn cancelled(&mut self) -> Vec<SseData> {
         let mut response = self.snapshot("cancelled");
+        response.output.clear();
         self.keep(&mut response);
+        let mut out = Vec::new();
+        if self.streamed && self.sequence > 0 {
+            self.close(&mut out);
+        }
+        out
     }
 
     /// The response as a failure ends it, with the error's code and message.

@@ -498,8 +498,10 @@ trait Responder: Send + 'static {
     fn accept_background(&mut self) -> Option<Result<(Self::Response, Background), ApiError>> {
         None
     }
-    /// The background request was cancelled.
-    fn cancelled(&mut self) {}
+    /// The background request was cancelled; the events that end a streamed one's stream.
+    fn cancelled(&mut self) -> Vec<SseData> {
+        Vec::new()
+    }
 }
 
 impl Responder for ChatResponder {
@@ -530,7 +532,7 @@ impl Responder for ResponsesResponder {
     fn accept_background(&mut self) -> Option<Result<(ResponseObject, Background), ApiError>> {
         ResponsesResponder::accept_background(self)
     }
-    fn cancelled(&mut self) {
+    fn cancelled(&mut self) -> Vec<SseData> {
         ResponsesResponder::cancelled(self)
     }
 }
@@ -657,7 +659,10 @@ async fn run_background<R: Responder>(
             _ = cancel.notified() => {
                 tracing::debug!("background response cancelled");
                 drop(guard);
-                responder.cancelled();
+                let data = responder.cancelled();
+                if let Some(events) = &background.events {
+                    events.push(data);
+                }
                 return;
             }
         }

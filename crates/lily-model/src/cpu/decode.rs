@@ -78,7 +78,7 @@ impl<'a> Buffers<'a> {
     /// Quantizes `x` into `x4` and `x8` for the bit widths of `matrices`.
     ///
     /// # Safety
-    /// On one thread while the others wait (in [`Team::single`]).
+    /// By the task of this row alone, no thread reading the row's inputs until the next barrier.
     unsafe fn quantize_for(&self, x: &[f32], matrices: &[&QMatrix]) {
         for (bits, input) in [(4, self.x4), (8, self.x8)] {
             if matrices.iter().any(|m| m.bits == bits) {

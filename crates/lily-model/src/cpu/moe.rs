@@ -440,8 +440,8 @@ pub struct MoeRow<'a> {
 }
 
 /// Products of one step of the team, in runs that share a matrix (inline up to a step of one row's experts).
-type Products<'a> = SmallVec<[TeamMatVec<'a>; 24]>;
-type Runs = SmallVec<[usize; 25]>;
+type Products<'a> = SmallVec<[TeamMatVec<'a>; 2 * MAX_TOP_K + 1]>;
+type Runs = SmallVec<[usize; 2 * MAX_TOP_K + 2]>;
 
 /// `out = moe(x)` for each row's token as steps of a team, computing what [`moe_decode`] computes for it: the
 /// router and the shared expert's projections; the routing (a task a row); the routed experts' gate and up
@@ -495,7 +495,7 @@ pub fn team_moe_decode<'a>(team: &Team, moe: &'a Moe, num_experts: usize, top_k:
         });
 
         // The (expert, row, slot) of every routed choice, by expert: each expert's choices form a run.
-        let mut choices: SmallVec<[(usize, usize, usize); 8]> = rows
+        let mut choices: SmallVec<[(usize, usize, usize); MAX_TOP_K]> = rows
             .iter()
             .enumerate()
             .flat_map(|(r, row)| row.parts.chosen.read().iter().enumerate().map(move |(i, &e)| (e, r, i)))
