@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU host: a kernel variant, given as kernel constants (LILY_KERNEL_DEFINES, e.g. "MOE_DOWN_RS=1"), against
+# On a GPU host: a kernel variant, given as kernel constants (LILY_KERNEL_DEFINES, e.g. "MOE_DOWN_RS=0"), against
 # the default kernels. First the variant's selftest against the CPU twins (the tiny config, then with --full-shape
 # the real widths), then the synthetic full-shape benchmark of the default kernels and of the variant, one after the
 # other in the same run, so that both sets of figures come from the same GPU.

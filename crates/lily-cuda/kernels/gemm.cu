@@ -1681,11 +1681,10 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 // stores, as moe_down writes them. Which entry a token row is and its routing weight come from a table that the
 // producer's other warps fill for each item ahead of its epilogue (two tables, by item parity, each released by
 // the consumers once they have read it), so the consumers wait on no global load between their MMAs.
-// MOE_DOWN_RS 1 gives moe_gate_up_rs's tiles' down product to this kernel, 0 to moe_down (mma.sync). It is 0 until
-// the kernel has been checked on a GPU (LILY_KERNEL_DEFINES=MOE_DOWN_RS=1 turns it on, bench/ab_defines.sh checks
-// and times it).
+// MOE_DOWN_RS 1 gives moe_gate_up_rs's tiles' down product to this kernel, 0 to moe_down (mma.sync): it makes the
+// 4,096-token prefill about 5% faster on the H200 (bench/RESULTS.md).
 #ifndef MOE_DOWN_RS
-#define MOE_DOWN_RS 0
+#define MOE_DOWN_RS 1
 #endif
 #ifndef MOE_DOWN_RS_STAGES
 #define MOE_DOWN_RS_STAGES 6
