@@ -672,6 +672,14 @@ def test_streamed_background_responses_resume_from_any_event(client, model):
     assert all(e.sequence_number > 1 for e in followed) and len(followed) < 1000
     assert client.responses.retrieve(first.response.id).status == "cancelled"
 
+    # Deleted while it runs: its events are gone with it.
+    deleted = client.responses.create(background=True, stream=True, extra_body={"ignore_eos": True},
+                                      **{**kwargs, "max_output_tokens": 3000})
+    deleted_id = next(iter(deleted)).response.id
+    deleted.close()
+    client.responses.delete(deleted_id)
+    expect_error(openai.NotFoundError, lambda: list(client.responses.retrieve(deleted_id, stream=True)))
+
     # Only a streamed background response streams again; `starting_after` goes with `stream`.
     plain = client.responses.create(**kwargs)
     expect_error(openai.BadRequestError, lambda: list(client.responses.retrieve(plain.id, stream=True)),

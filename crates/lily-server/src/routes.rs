@@ -773,8 +773,9 @@ async fn get_response(
         let response = state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
         return Ok(Json(response.response.clone()).into_response());
     }
+    // A response deleted while it runs is gone, though its task has not yet stopped.
+    state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
     let Some(events) = state.responses.events(&id) else {
-        state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
         return Err(ApiError::invalid(
             "stream",
             "only a response created with `background` and `stream` can be streamed again",
