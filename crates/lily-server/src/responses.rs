@@ -1720,7 +1720,6 @@ mod tests {
                 "conversation",
             ),
             (json!({"input": "hi", "conversation": 3}), "conversation"),
-            (json!({"input": "hi", "background": true, "stream": true}), "background"),
             (json!({"input": "hi", "background": true, "store": false}), "background"),
             (json!({"input": "hi", "truncation": "sometimes"}), "truncation"),
             (json!({"input": "hi", "prompt": {"id": "pmpt_1"}}), "prompt"),
