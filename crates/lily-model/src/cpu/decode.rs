@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use super::attention::{attend_head, rope};
 use super::deltanet::{decode_key_head, DecodeInputs};
-use super::linalg::{rmsnorm_row, rmsnorm_row_in_place, sigmoid, team_matvec_runs, TeamMatVec};
+use super::linalg::{rmsnorm_row, rmsnorm_row_in_place, sigmoid, team_matvec_runs, TeamMatVec, TeamProducts, TeamRuns};
 use super::model::{CpuModel, State};
 use super::moe::{team_moe_decode, MoeParts, MoeRow};
 use super::simd::QInput;
@@ -108,18 +108,13 @@ pub struct DecodeRow<'a> {
     pub logits: &'a mut [f32],
 }
 
-/// Products of one step of the team, in runs that share a matrix ([`team_matvec_runs`]): a step of one row keeps
-/// them inline.
-type Products<'a> = SmallVec<[TeamMatVec<'a>; 24]>;
-type Runs = SmallVec<[usize; 25]>;
-
 /// Where a product writes a row's output.
 type RowOutput<'a, 'f> = &'f dyn Fn(&Buffers<'a>) -> Shared<'a, [f32]>;
 
 /// Appends a run of `matrix` times the input of each row (quantized for its bits) into the output `out(row)`.
 fn push_run<'a>(
-    products: &mut Products<'a>,
-    runs: &mut Runs,
+    products: &mut TeamProducts<'a>,
+    runs: &mut TeamRuns,
     matrix: &'a QMatrix,
     rows: &[Buffers<'a>],
     out: impl Fn(&Buffers<'a>) -> Shared<'a, [f32]>,
@@ -138,7 +133,7 @@ fn push_run<'a>(
 
 /// Runs the products of `matrices` (each a run over every row) as one step of the team.
 fn run_products<'a>(team: &Team, rows: &[Buffers<'a>], matrices: &[(&'a QMatrix, RowOutput<'a, '_>)]) {
-    let (mut products, mut runs) = (Products::new(), Runs::new());
+    let (mut products, mut runs) = (TeamProducts::new(), TeamRuns::new());
     runs.push(0);
     for &(matrix, out) in matrices {
         push_run(&mut products, &mut runs, matrix, rows, out);

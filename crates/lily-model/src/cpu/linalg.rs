@@ -3,7 +3,9 @@
 //! time, never a whole matrix, [`gemms`]), RMSNorm, activations.
 
 use rayon::prelude::*;
+use smallvec::SmallVec;
 
+use crate::config::MAX_TOP_K;
 use crate::quant::QView;
 
 use std::cell::RefCell;
@@ -120,6 +122,11 @@ pub fn matvecs(products: &mut [MatVec]) {
         simd::dot_rows(path, rows_of(&product.w.rows_view(start, rows)), product.x, out);
     });
 }
+
+/// The products of one step of the team in runs that share a matrix, and the runs' bounds ([`team_matvec_runs`]):
+/// inline up to a step of one row's experts (gate and up of each, and one more).
+pub type TeamProducts<'a> = SmallVec<[TeamMatVec<'a>; 2 * MAX_TOP_K + 1]>;
+pub type TeamRuns = SmallVec<[usize; 2 * MAX_TOP_K + 2]>;
 
 /// One product of a step run by [`team_matvec_runs`]: `out = w . x`, `x` quantized for `w`'s bits.
 pub struct TeamMatVec<'a> {

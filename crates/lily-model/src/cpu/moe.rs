@@ -7,7 +7,9 @@ use rayon::prelude::*;
 
 use smallvec::SmallVec;
 
-use super::linalg::{gemms, matvecs, sigmoid, silu, team_matvec_runs, Gemm, MatVec, TeamMatVec};
+use super::linalg::{
+    gemms, matvecs, sigmoid, silu, team_matvec_runs, Gemm, MatVec, TeamMatVec, TeamProducts, TeamRuns,
+};
 use super::simd::QInput;
 use super::team::{Shared, Team};
 use crate::config::Config;
@@ -439,10 +441,6 @@ pub struct MoeRow<'a> {
     pub margin: Shared<'a, f32>,
 }
 
-/// Products of one step of the team, in runs that share a matrix (inline up to a step of one row's experts).
-type Products<'a> = SmallVec<[TeamMatVec<'a>; 2 * MAX_TOP_K + 1]>;
-type Runs = SmallVec<[usize; 2 * MAX_TOP_K + 2]>;
-
 /// `out = moe(x)` for each row's token as steps of a team, computing what [`moe_decode`] computes for it: the
 /// router and the shared expert's projections; the routing (a task a row); the routed experts' gate and up
 /// projections; each (row, expert) SwiGLU and its quantization; every expert's down projection; each row's weighted
@@ -463,7 +461,7 @@ pub fn team_moe_decode<'a>(team: &Team, moe: &'a Moe, num_experts: usize, top_k:
     // matrix, per row, or per (row, expert)) and reads only what earlier steps wrote, after their barrier.
     unsafe {
         let shared_offset = top_k * inter;
-        let (mut products, mut runs) = (Products::new(), Runs::new());
+        let (mut products, mut runs) = (TeamProducts::new(), TeamRuns::new());
         runs.push(0);
         for (k, matrix) in [&moe.router, &moe.shared_expert_gate, &moe.shared_gate, &moe.shared_up]
             .into_iter()
@@ -502,7 +500,7 @@ pub fn team_moe_decode<'a>(team: &Team, moe: &'a Moe, num_experts: usize, top_k:
             .collect();
         choices.sort_unstable();
         let by_expert = |choices: &[(usize, usize, usize)]| {
-            let mut runs = Runs::new();
+            let mut runs = TeamRuns::new();
             runs.push(0);
             for (i, pair) in choices.windows(2).enumerate() {
                 if pair[0].0 != pair[1].0 {
@@ -516,7 +514,7 @@ pub fn team_moe_decode<'a>(team: &Team, moe: &'a Moe, num_experts: usize, top_k:
         };
         let expert_runs = by_expert(&choices);
 
-        let (mut products, mut runs) = (Products::new(), Runs::new());
+        let (mut products, mut runs) = (TeamProducts::new(), TeamRuns::new());
         runs.push(0);
         for run in expert_runs.windows(2) {
             let expert = choices[run[0]].0;
@@ -554,7 +552,7 @@ pub fn team_moe_decode<'a>(team: &Team, moe: &'a Moe, num_experts: usize, top_k:
             s.acts.part(i, 1)[0].quantize(g, bits);
         });
 
-        let (mut products, mut runs) = (Products::new(), Runs::new());
+        let (mut products, mut runs) = (TeamProducts::new(), TeamRuns::new());
         runs.push(0);
         for run in expert_runs.windows(2) {
             let w = moe.experts_down.rows_view(choices[run[0]].0 * hidden, hidden);
