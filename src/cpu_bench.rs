@@ -110,16 +110,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
             c.max_position_embeddings
         );
     }
+    let threads = if threads.is_empty() {
+        vec![rayon::current_num_threads()]
+    } else {
+        threads
+    };
+    let device = format!("cpu ({})", lily_model::cpu::linalg::simd_path().name());
     if !batches.is_empty() {
-        return run_batched(
-            &model,
-            &model_name,
-            &threads,
-            &depths,
-            &batches,
-            args.generate,
-            args.repetitions,
-        );
+        let runs = Batched {
+            threads: &threads,
+            depths: &depths,
+            batches: &batches,
+            max_context,
+            generate: args.generate,
+            repetitions: args.repetitions,
+        };
+        return run_batched(&model, &model_name, &device, runs);
     }
     let mut state = model.new_state(max_context);
     let mut logits = vec![0.0f32; c.vocab_size];
@@ -127,12 +133,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
     println!(
         "| model | device | threads | test | depth (filled by prefill) | t/s | bytes/token | GB/s |\n| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"
     );
-    let threads = if threads.is_empty() {
-        vec![rayon::current_num_threads()]
-    } else {
-        threads
-    };
-    let device = format!("cpu ({})", lily_model::cpu::linalg::simd_path().name());
     for &n_threads in &threads {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(n_threads)
@@ -189,38 +189,36 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// What `--batch` times: thread counts, depths, batch sizes, the context each sequence needs, steps and
+/// repetitions.
+struct Batched<'a> {
+    threads: &'a [usize],
+    depths: &'a [usize],
+    batches: &'a [usize],
+    max_context: usize,
+    generate: usize,
+    repetitions: usize,
+}
+
 /// `--batch`: for each thread count, depth and batch size, that many sequences filled to the depth by a prefill of
 /// random tokens, then `generate` decode steps of all of them at once (`CpuModel::decode_rows`, the server's
 /// batched step), timed `repetitions` times after one warm-up. Reports the step time and the tokens per second of
 /// all rows together.
-fn run_batched(
-    model: &CpuModel,
-    model_name: &str,
-    threads: &[usize],
-    depths: &[usize],
-    batches: &[usize],
-    generate: usize,
-    repetitions: usize,
-) -> Result<()> {
+fn run_batched(model: &CpuModel, model_name: &str, device: &str, runs: Batched) -> Result<()> {
+    let Batched {
+        threads,
+        depths,
+        batches,
+        max_context,
+        generate,
+        repetitions,
+    } = runs;
     let c = model.config().clone();
-    let max_context = depths.iter().max().copied().unwrap_or(0) + generate + 1;
-    if max_context > c.max_position_embeddings {
-        bail!(
-            "depth + tokens ({max_context}) exceeds the model's {} positions",
-            c.max_position_embeddings
-        );
-    }
     let mut rng = Rng::new(0xbe9c);
     println!(
         "| model | device | threads | test | depth (filled by prefill) | batch | step ms | t/s (all rows) |\n| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"
     );
-    let threads = if threads.is_empty() {
-        vec![rayon::current_num_threads()]
-    } else {
-        threads.to_vec()
-    };
-    let device = format!("cpu ({})", lily_model::cpu::linalg::simd_path().name());
-    for &n_threads in &threads {
+    for &n_threads in threads {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(n_threads)
             .build()
