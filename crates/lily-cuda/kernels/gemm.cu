@@ -1491,12 +1491,29 @@ __device__ int moe_rs_smem = MOE_RS_SMEM;
 __device__ int moe_rs_tile_rows = MOE_RS_TOKENS;
 __device__ int moe_rs_min_tokens = MOE_RS_MIN_TOKENS;
 
-extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
-    moe_gate_up_rs(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
-                   const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
-                   const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-                   Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+// MOE_RS_NARROW 1 runs moe_gate_up_rs's tiles in two launches by the token rows they hold: those of more than 64 in
+// moe_gate_up_rs (m64n128k16), those of at most 64 (an expert's last tile, about half the time) in
+// moe_gate_up_rs_narrow, the same kernel on m64n64k16, which runs half the MMAs on the same dequantized weights and
+// copies half the rows. 0 runs every tile in moe_gate_up_rs. It is 0 until it has been checked and timed on a GPU
+// (bench/ab_defines.sh "MOE_RS_NARROW=1").
+#ifndef MOE_RS_NARROW
+#define MOE_RS_NARROW 0
+#endif
+__device__ int moe_rs_narrow = WGMMA_BUILT && MOE_RS && MOE_RS_NARROW && MOE_RS_TOKENS == 128;
+// Which of the routing's tiles a launch of moe_gate_up_rs_tile takes: all, those of more than 64 token rows, or
+// those of at most 64.
+enum MoeRsTiles { MOE_RS_ALL, MOE_RS_WIDE, MOE_RS_NARROW_ONLY };
+
+// moe_gate_up_rs's work for the tiles of kind TILES, with wgmma N = the tile's token rows the MMAs run on (N =
+// MOE_RS_TOKENS, or 64 for the narrow tiles).
+template <int N, MoeRsTiles TILES>
+__device__ __forceinline__ void moe_gate_up_rs_tile(const TmaMap& gate_map, const TmaMap& up_map,
+                                                    const TmaMap& shared_gate_map, const TmaMap& shared_up_map,
+                                                    const bf16* x, const int* entries, const int* tiles,
+                                                    const int* tile_count, const int* offsets, Q4 gate, Q4 up,
+                                                    Q4 shared_gate, Q4 shared_up, bf16* act) {
 #if WGMMA_BUILT
+    static_assert(N == MOE_RS_TOKENS || (N == 64 && TILES == MOE_RS_NARROW_ONLY), "a tile's rows fit its MMAs");
     extern __shared__ __align__(128) unsigned char moe_rs_raw[];
     // The host's launch is not the kernel's.
     if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != RS_THREADS) __trap();
@@ -1511,6 +1528,11 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     const int tid = threadIdx.x, lane = tid % WARP;
     const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
+    // A tile of the other launch's kind (the same for the whole block) is left to it.
+    if constexpr (TILES != MOE_RS_ALL) {
+        const bool other = TILES == MOE_RS_WIDE ? rows <= 64 : rows > 64;
+        if (__shfl_sync(0xffffffffu, (int)other, 0)) return;
+    }
     const int n0 = blockIdx.x * (WROWS / 2);
 
     if (tid == 0) {
@@ -1546,7 +1568,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
                 bulk_load(slot + TILED_ROWS * 8, u_pairs + piece * TILED_PAIR_STEP, TILED_ROWS * 8, bar);
             }
         };
-        constexpr int A_ROWS = MOE_RS_TOKENS / 16;  // a thread's token rows
+        constexpr int A_ROWS = N / 16;  // a thread's token rows (those the MMAs read)
         const int a_chunk = tid % 8, a_first = tid / 8;
         u32 a_from[A_ROWS], a_valid = 0;
 #pragma unroll
@@ -1575,7 +1597,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     const int ct = tid - 128, wg = ct / 128, q = (ct % 128) / WARP, g = lane / 4, t = lane % 4;
     const int c0 = wg * 64 + q * 16 + g;  // this thread's columns: c0 and c0 + 8 of the block's 128
     const u32 sel = 0x0400u + 0x0101u * (u32)t;  // byte t of a word: inputs 2t, 2t + 1
-    constexpr int ACC = MOE_RS_TOKENS / 2;
+    constexpr int ACC = N / 2;
     float dg[ACC], du[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; i++) dg[i] = 0.f, du[i] = 0.f;
@@ -1610,8 +1632,8 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 #pragma unroll
         for (int s = 0; s < 2; s++) {
             const u64 desc = wgmma_desc(x_tile + 32 * (2 * half + s));
-            wgmma_m64k16_rs<MOE_RS_TOKENS>(dg, ah[s][0], desc);
-            wgmma_m64k16_rs<MOE_RS_TOKENS>(du, ah[s][1], desc);
+            wgmma_m64k16_rs<N>(dg, ah[s][0], desc);
+            wgmma_m64k16_rs<N>(du, ah[s][1], desc);
         }
         wgmma_commit();
     };
@@ -1644,7 +1666,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
 #pragma unroll
-        for (int j = 0; j < MOE_RS_TOKENS / 8; j++) {
+        for (int j = 0; j < N / 8; j++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int i = 4 * j + 2 * h + e, r = 8 * j + 2 * t + e;
@@ -1663,6 +1685,26 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     wait_previous();
     __trap();  // built without wgmma: the host never launches it (moe_rs is 0)
 #endif
+}
+
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
+    moe_gate_up_rs(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
+                   const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
+                   const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
+                   Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+    constexpr MoeRsTiles TILES = MOE_RS_NARROW && MOE_RS_TOKENS == 128 ? MOE_RS_WIDE : MOE_RS_ALL;
+    moe_gate_up_rs_tile<MOE_RS_TOKENS, TILES>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
+                                              tile_count, offsets, gate, up, shared_gate, shared_up, act);
+}
+
+// The tiles of at most 64 token rows where MOE_RS_NARROW is 1 (the host launches it only then).
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
+    moe_gate_up_rs_narrow(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
+                          const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
+                          const bf16* x, const int* entries, const int* tiles, const int* tile_count,
+                          const int* offsets, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
+    moe_gate_up_rs_tile<64, MOE_RS_NARROW_ONLY>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
+                                                tile_count, offsets, gate, up, shared_gate, shared_up, act);
 }
 
 // ---- The experts' down with the weights in registers (moe_down_rs, Hopper) ----

@@ -59,6 +59,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_rs_tile_rows",
         "moe_rs_min_tokens",
         "moe_rs_down",
+        "moe_rs_narrow",
         "moe_down_rs_smem",
         "moe_down_rs_col_blocks",
         "gemm_rows64_two",
@@ -179,6 +180,24 @@ launchers! {
     /// 1), on tiles of `moe_rs_tile_rows`. The maps are the tiled codes of gate, up and the shared expert's gate and
     /// up as rows of 64 bytes, in boxes of 32 bytes by 128 rows (`gemm::tiled_codes_map`).
     moe_gate_up_rs(
+        gate_map: TensorMap,
+        up_map: TensorMap,
+        shared_gate_map: TensorMap,
+        shared_up_map: TensorMap,
+        x: DevPtr<bf16>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+        offsets: DevPtr<i32>,
+        gate: Q4,
+        up: Q4,
+        shared_gate: Q4,
+        shared_up: Q4,
+        act: DevPtr<bf16>,
+    );
+    /// `moe_gate_up_rs` for the tiles of at most 64 token rows, on m64n64k16, where `moe_rs_narrow` is 1 (then
+    /// `moe_gate_up_rs` leaves those tiles to it); the same arguments and launch.
+    moe_gate_up_rs_narrow(
         gate_map: TensorMap,
         up_map: TensorMap,
         shared_gate_map: TensorMap,

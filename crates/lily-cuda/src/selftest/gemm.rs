@@ -422,7 +422,11 @@ fn check_moe(
             *d = silu(*g) * u;
         }
     }
-    let kernel = if rs { ", weights in registers" } else { "" };
+    let kernel = match (rs, l.kernels.constant("moe_rs_narrow") == 1) {
+        (true, true) => ", weights in registers, tiles of <= 64 rows narrow",
+        (true, false) => ", weights in registers",
+        _ => "",
+    };
     let name = format!("moe gate/up ({tokens} tokens, {tile_count} tiles of {tile_rows}{kernel})");
     let act_in = match small {
         true => dequantize_q8x2(
