@@ -1491,29 +1491,25 @@ __device__ int moe_rs_smem = MOE_RS_SMEM;
 __device__ int moe_rs_tile_rows = MOE_RS_TOKENS;
 __device__ int moe_rs_min_tokens = MOE_RS_MIN_TOKENS;
 
-// MOE_RS_NARROW 1 runs moe_gate_up_rs's tiles in two launches by the token rows they hold: those of more than 64 in
-// moe_gate_up_rs (m64n128k16), those of at most 64 (an expert's last tile, about half the time) in
-// moe_gate_up_rs_narrow, the same kernel on m64n64k16, which runs half the MMAs on the same dequantized weights and
-// copies half the rows. 0 runs every tile in moe_gate_up_rs. It is 0 until it has been checked and timed on a GPU
-// (bench/ab_defines.sh "MOE_RS_NARROW=1").
+// MOE_RS_NARROW 1 runs the tiles of at most 64 token rows (an expert's last tile, about half the time) on m64n64k16:
+// half the MMAs and half the row copies on the same dequantized weights. A block picks the width from its tile's
+// rows, so both widths share one launch (and its waves). 0 runs every tile on MOE_RS_TOKENS rows. It is 0 until it
+// has been checked and timed on a GPU (bench/ab_defines.sh "MOE_RS_NARROW=1").
 #ifndef MOE_RS_NARROW
 #define MOE_RS_NARROW 0
 #endif
 __device__ int moe_rs_narrow = WGMMA_BUILT && MOE_RS && MOE_RS_NARROW && MOE_RS_TOKENS == 128;
-// Which of the routing's tiles a launch of moe_gate_up_rs_tile takes: all, those of more than 64 token rows, or
-// those of at most 64.
-enum MoeRsTiles { MOE_RS_ALL, MOE_RS_WIDE, MOE_RS_NARROW_ONLY };
 
-// moe_gate_up_rs's work for the tiles of kind TILES, with wgmma N = the tile's token rows the MMAs run on (N =
-// MOE_RS_TOKENS, or 64 for the narrow tiles).
-template <int N, MoeRsTiles TILES>
+// moe_gate_up_rs's work for its block's tile with wgmma N = the token rows the MMAs run on (MOE_RS_TOKENS). Where
+// NARROW, a tile of at most 64 rows goes on with N = 64 instead (the prologue before that choice is the same).
+template <int N, bool NARROW>
 __device__ __forceinline__ void moe_gate_up_rs_tile(const TmaMap& gate_map, const TmaMap& up_map,
                                                     const TmaMap& shared_gate_map, const TmaMap& shared_up_map,
                                                     const bf16* x, const int* entries, const int* tiles,
                                                     const int* tile_count, const int* offsets, Q4 gate, Q4 up,
                                                     Q4 shared_gate, Q4 shared_up, bf16* act) {
 #if WGMMA_BUILT
-    static_assert(N == MOE_RS_TOKENS || (N == 64 && TILES == MOE_RS_NARROW_ONLY), "a tile's rows fit its MMAs");
+    static_assert(N == MOE_RS_TOKENS || (N == 64 && !NARROW), "a width wgmma_m64k16_rs takes, within the tile");
     extern __shared__ __align__(128) unsigned char moe_rs_raw[];
     // The host's launch is not the kernel's.
     if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != RS_THREADS) __trap();
@@ -1528,10 +1524,14 @@ __device__ __forceinline__ void moe_gate_up_rs_tile(const TmaMap& gate_map, cons
     const int tid = threadIdx.x, lane = tid % WARP;
     const int expert = tiles[2 * blockIdx.y], first = tiles[2 * blockIdx.y + 1];
     const int rows = min(MOE_RS_TOKENS, offsets[expert + 1] - first);
-    // A tile of the other launch's kind (the same for the whole block) is left to it.
-    if constexpr (TILES != MOE_RS_ALL) {
-        const bool other = TILES == MOE_RS_WIDE ? rows <= 64 : rows > 64;
-        if (__shfl_sync(0xffffffffu, (int)other, 0)) return;
+    if constexpr (NARROW) {
+        // The width is the same for the whole block (through a shuffle, so ptxas knows it is warp-uniform); the
+        // narrow tile's run repeats the prologue up to here, which reads the same values.
+        if (__shfl_sync(0xffffffffu, (int)(rows <= 64), 0)) {
+            moe_gate_up_rs_tile<64, false>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
+                                           tile_count, offsets, gate, up, shared_gate, shared_up, act);
+            return;
+        }
     }
     const int n0 = blockIdx.x * (WROWS / 2);
 
@@ -1692,19 +1692,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
                    const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
                    const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
                    Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
-    constexpr MoeRsTiles TILES = MOE_RS_NARROW && MOE_RS_TOKENS == 128 ? MOE_RS_WIDE : MOE_RS_ALL;
-    moe_gate_up_rs_tile<MOE_RS_TOKENS, TILES>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
-                                              tile_count, offsets, gate, up, shared_gate, shared_up, act);
-}
-
-// The tiles of at most 64 token rows where MOE_RS_NARROW is 1 (the host launches it only then).
-extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
-    moe_gate_up_rs_narrow(const __grid_constant__ TmaMap gate_map, const __grid_constant__ TmaMap up_map,
-                          const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
-                          const bf16* x, const int* entries, const int* tiles, const int* tile_count,
-                          const int* offsets, Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
-    moe_gate_up_rs_tile<64, MOE_RS_NARROW_ONLY>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
-                                                tile_count, offsets, gate, up, shared_gate, shared_up, act);
+    constexpr bool NARROW = MOE_RS_NARROW && MOE_RS_TOKENS == 128;
+    moe_gate_up_rs_tile<MOE_RS_TOKENS, NARROW>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
+                                               tile_count, offsets, gate, up, shared_gate, shared_up, act);
 }
 
 // ---- The experts' down with the weights in registers (moe_down_rs, Hopper) ----

@@ -829,31 +829,24 @@ pub fn moe_experts(
             [map(m.gate)?, map(m.up)?, map(m.shared_gate)?, map(m.shared_up)?];
         let block = k.constant("gemm_wgmma_rs_threads") as u32;
         let dims = Dims::new(grid("moe_gate_up_col_blocks", 1), block).shared(k.constant("moe_rs_smem") as u32);
-        // With moe_rs_narrow, the tiles of at most 64 token rows go to a launch of their own on narrower MMAs.
-        let launches: &[RsGateUpLauncher] = match k.constant("moe_rs_narrow") {
-            1 => &[gemm::moe_gate_up_rs, gemm::moe_gate_up_rs_narrow],
-            _ => &[gemm::moe_gate_up_rs],
-        };
-        for launch in launches {
-            launch(
-                l,
-                dims,
-                gate_map,
-                up_map,
-                shared_gate_map,
-                shared_up_map,
-                x,
-                s.entries,
-                s.tiles,
-                s.tile_count,
-                s.offsets,
-                gate,
-                up,
-                shared_gate,
-                shared_up,
-                act,
-            )?;
-        }
+        gemm::moe_gate_up_rs(
+            l,
+            dims,
+            gate_map,
+            up_map,
+            shared_gate_map,
+            shared_up_map,
+            x,
+            s.entries,
+            s.tiles,
+            s.tile_count,
+            s.offsets,
+            gate,
+            up,
+            shared_gate,
+            shared_up,
+            act,
+        )?;
     } else {
         let (gate_up, gate_up_shared): (GateUpLauncher, u32) = match s.wgmma(k) {
             true => (gemm::moe_gate_up_wgmma, k.constant("gemm_wgmma_smem") as u32),
@@ -950,26 +943,6 @@ fn tiled_codes_map(gpu: &Gpu, w: &GpuMatrix) -> Result<TensorMap> {
 type GateUpLauncher = fn(
     &mut Launcher,
     Dims,
-    DevPtr<bf16>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    DevPtr<i32>,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    crate::kernels::Q4,
-    DevPtr<bf16>,
-) -> Result<()>;
-
-/// `moe_gate_up_rs`'s launchers (the narrow tiles' takes the same arguments).
-type RsGateUpLauncher = fn(
-    &mut Launcher,
-    Dims,
-    TensorMap,
-    TensorMap,
-    TensorMap,
-    TensorMap,
     DevPtr<bf16>,
     DevPtr<i32>,
     DevPtr<i32>,

@@ -195,24 +195,6 @@ launchers! {
         shared_up: Q4,
         act: DevPtr<bf16>,
     );
-    /// `moe_gate_up_rs` for the tiles of at most 64 token rows, on m64n64k16, where `moe_rs_narrow` is 1 (then
-    /// `moe_gate_up_rs` leaves those tiles to it); the same arguments and launch.
-    moe_gate_up_rs_narrow(
-        gate_map: TensorMap,
-        up_map: TensorMap,
-        shared_gate_map: TensorMap,
-        shared_up_map: TensorMap,
-        x: DevPtr<bf16>,
-        entries: DevPtr<i32>,
-        tiles: DevPtr<i32>,
-        tile_count: DevPtr<i32>,
-        offsets: DevPtr<i32>,
-        gate: Q4,
-        up: Q4,
-        shared_gate: Q4,
-        shared_up: Q4,
-        act: DevPtr<bf16>,
-    );
     /// `moe_down`'s product on `moe_gate_up_rs`'s tiles with the weights dequantized into registers as wgmma's A
     /// operand (`gemm_wgmma_rs_threads` threads, `moe_down_rs_smem` bytes of shared memory a block; Hopper builds
     /// only, where `moe_rs_down` is 1): a persistent launch of at most one block an SM walking the (tile, column
