@@ -227,12 +227,12 @@ pub fn random_u64() -> u64 {
     h.finish()
 }
 
-/// `prefix` followed by 24 random lowercase letters and digits, like OpenAI's ids.
 /// An id as an error message shows it: its first 64 characters (ids the server gives are shorter).
 pub fn shown_id(id: &str) -> &str {
     id.char_indices().nth(64).map_or(id, |(end, _)| &id[..end])
 }
 
+/// `prefix` followed by 24 random lowercase letters and digits, like OpenAI's ids.
 pub fn random_id(prefix: &str) -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut out = String::from(prefix);

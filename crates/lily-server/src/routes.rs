@@ -762,7 +762,8 @@ async fn get_response(
     query: Result<Query<RetrieveQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(bad_query)?;
-    let id = path_id(id);
+    // A response deleted while it runs is gone here, though its task has not yet stopped.
+    let response = stored_response(&state, id)?;
     if query.stream != Some(true) {
         if query.starting_after.is_some() {
             return Err(ApiError::invalid(
@@ -770,12 +771,9 @@ async fn get_response(
                 "`starting_after` goes with `stream=true`",
             ));
         }
-        let response = state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
         return Ok(Json(response.response.clone()).into_response());
     }
-    // A response deleted while it runs is gone, though its task has not yet stopped.
-    state.responses.get(&id).ok_or_else(|| responses::not_found(&id))?;
-    let Some(events) = state.responses.events(&id) else {
+    let Some(events) = state.responses.events(&response.response.id) else {
         return Err(ApiError::invalid(
             "stream",
             "only a response created with `background` and `stream` can be streamed again",
