@@ -833,13 +833,15 @@ impl ResponsesResponder {
             }
             Event::Done => {
                 self.close(&mut out);
-                let status = self.status();
-                let kind = match status {
+                let mut response = self.snapshot(self.status());
+                // Keeping it may turn a background response into its failure (no room for its final form): the
+                // stream then ends as the store has it.
+                self.keep(&mut response);
+                let kind = match response.status {
                     "incomplete" => "response.incomplete",
+                    "failed" => "response.failed",
                     _ => "response.completed",
                 };
-                let mut response = self.snapshot(status);
-                self.keep(&mut response);
                 out.push(self.event(kind, json!({"response": response})));
                 return (out, true);
             }
@@ -1108,7 +1110,8 @@ impl ResponsesResponder {
     /// the background, whose client reads its failure from the store.) Where it cannot be
     /// kept (no room), the response says `store: false`.
     /// A background response's final form replaces the one kept while it ran (unless that was deleted meanwhile);
-    /// one too large for the store is replaced by its failure, so its client does not poll forever.
+    /// one too large for the store is replaced by its failure, so its client does not poll forever, and `response`
+    /// becomes that failure.
     fn keep(&mut self, response: &mut ResponseObject) {
         let completed = self.keep_response(response);
         let Some(AppendTo {
@@ -1160,7 +1163,10 @@ impl ResponsesResponder {
         let error = ApiError::internal("the response is larger than the room in the server's response store");
         let mut failed = self.failed(&error);
         failed.output.clear();
-        if !store.replace_without_events(StoredResponse::new(failed, input, previous)) {
+        if store.replace_without_events(StoredResponse::new(failed.clone(), input, previous)) {
+            // Its live stream, if any, ends with the failure its client would read from the store.
+            *response = failed;
+        } else {
             store.remove(&response.id);
         }
         false
@@ -1443,10 +1449,7 @@ mod tests {
     fn a_background_response_too_large_for_the_store_ends_failed() {
         // Room for the accepted response, not for its output.
         let store = Arc::new(ResponseStore::new(16 << 10));
-        let t = translate_in(&store, json!({"input": "hi", "background": true})).unwrap();
-        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
-        let (accepted, _background) = responder.accept_background().unwrap().unwrap();
-        let output = FinalOutput {
+        let output = || FinalOutput {
             deltas: Vec::new(),
             reasoning: String::new(),
             content: "x".repeat(64 << 10),
@@ -1456,16 +1459,34 @@ mod tests {
             completion_tokens: 1,
             reasoning_tokens: 0,
         };
-        responder.collect_event(Event::Finished {
+        let finished = |output| Event::Finished {
             index: 0,
             output,
             cached_tokens: 0,
-        });
+        };
+        let t = translate_in(&store, json!({"input": "hi", "background": true})).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
+        let (accepted, _background) = responder.accept_background().unwrap().unwrap();
+        responder.collect_event(finished(output()));
         let answer = responder.collect_event(Event::Done).unwrap().unwrap();
-        assert_eq!(answer.status, "completed");
+        assert_eq!(answer.status, "failed");
         let kept = store.get(&accepted.id).unwrap();
         assert_eq!(kept.response.status, "failed");
         assert!(kept.response.output.is_empty());
+        // Streamed, its live stream ends with the same failure.
+        let t = translate_in(&store, json!({"input": "hi", "background": true, "stream": true})).unwrap();
+        let mut responder = ResponsesResponder::new(&plan(false), t.template, tokenizer(), t.kept);
+        let (accepted, _background) = responder.accept_background().unwrap().unwrap();
+        // A stream's output is its deltas.
+        let mut streamed = output();
+        streamed.deltas = vec![Delta::Content(std::mem::take(&mut streamed.content))];
+        responder.stream_event(finished(streamed));
+        let (lines, done) = responder.stream_event(Event::Done);
+        assert!(done);
+        let last = parse(lines.last().unwrap());
+        assert_eq!(last["type"], "response.failed");
+        assert_eq!(last["response"]["status"], "failed");
+        assert_eq!(store.get(&accepted.id).unwrap().response.status, "failed");
         // Too large to accept at all: refused.
         let tiny = Arc::new(ResponseStore::new(64));
         let t = translate_in(&tiny, json!({"input": "hi", "background": true})).unwrap();
