@@ -1493,10 +1493,9 @@ __device__ int moe_rs_min_tokens = MOE_RS_MIN_TOKENS;
 
 // MOE_RS_NARROW 1 runs the tiles of at most 64 token rows (an expert's last tile, about half the time) on m64n64k16:
 // half the MMAs and half the row copies on the same dequantized weights. A block picks the width from its tile's
-// rows, so both widths share one launch (and its waves). 0 runs every tile on MOE_RS_TOKENS rows. It is 0 until it
-// has been checked and timed on a GPU (bench/ab_defines.sh "MOE_RS_NARROW=1").
+// rows, so both widths share one launch (and its waves). 0 runs every tile on MOE_RS_TOKENS rows.
 #ifndef MOE_RS_NARROW
-#define MOE_RS_NARROW 0
+#define MOE_RS_NARROW 1
 #endif
 __device__ int moe_rs_narrow = WGMMA_BUILT && MOE_RS && MOE_RS_NARROW && MOE_RS_TOKENS == 128;
 
