@@ -412,8 +412,28 @@ pub(crate) fn router_logits(
 }
 
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of
-/// their (token, slot) entries by expert, with the tiles of the grouped products.
+/// their (token, slot) entries by expert, with the tiles of the grouped products: one block of `moe_route_sort`
+/// up to `route_sort_max_tokens` tokens, else the counts cleared, `route_rows` and `moe_sort`.
 pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t: usize) -> Result<()> {
+    let tile_rows = gemm::moe_tile_rows(l.kernels, t) as i32;
+    let groups = c.num_experts + 1;
+    if t <= l.kernels.constant("route_sort_max_tokens") {
+        return prefill::moe_route_sort(
+            l,
+            Dims::linear(1, l.kernels.constant("route_sort_threads") as u32),
+            s.router_logits.ptr(),
+            t as i32,
+            tile_rows,
+            s.route_ids.ptr(),
+            s.route_w.ptr(),
+            s.counts.ptr(),
+            (s.counts.len() - groups) as i32,
+            s.offsets.ptr(),
+            s.entries.ptr(),
+            s.tiles.ptr(),
+            s.tile_count.ptr(),
+        );
+    }
     l.gpu.memset_u32(s.counts.ptr(), 0, s.counts.len())?;
     let warps_per_block = ROW_THREADS as usize / 32;
     prefill::route_rows(
@@ -425,10 +445,9 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_w.ptr(),
         s.counts.ptr(),
     )?;
-    let tile_rows = gemm::moe_tile_rows(l.kernels, t) as i32;
     prefill::moe_sort(
         l,
-        Dims::linear(c.num_experts as u32 + 1, 256),
+        Dims::linear(groups as u32, 256),
         s.route_ids.ptr(),
         t as i32,
         s.counts.ptr(),

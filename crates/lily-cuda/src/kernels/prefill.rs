@@ -18,6 +18,8 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "router_threads",
         "router_tall_strips",
         "router_tall_min_tokens",
+        "route_sort_max_tokens",
+        "route_sort_threads",
     ],
 };
 
@@ -55,6 +57,21 @@ launchers! {
         t: i32,
         counts: DevPtr<i32>,
         tile_rows: i32,
+        offsets: DevPtr<i32>,
+        entries: DevPtr<i32>,
+        tiles: DevPtr<i32>,
+        tile_count: DevPtr<i32>,
+    );
+    /// For at most `route_sort_max_tokens` tokens, in one block: `route_rows` after the counts are cleared (and the
+    /// `work_len` work counters after them), then `moe_sort`, with their results.
+    moe_route_sort(
+        logits: DevPtr<f32>,
+        t: i32,
+        tile_rows: i32,
+        route_ids: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        counts: DevPtr<i32>,
+        work_len: i32,
         offsets: DevPtr<i32>,
         entries: DevPtr<i32>,
         tiles: DevPtr<i32>,

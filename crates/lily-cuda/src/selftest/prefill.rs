@@ -92,8 +92,9 @@ pub(crate) fn check(
 
     check_router(l, w, gw, &s, &mut rng, report)?;
 
-    // Routing, the stable sort by expert and the tiles, at a short prompt's and a batched step's token counts too.
-    for t in [1, 13, 64, t] {
+    // Routing, the stable sort by expert and the tiles, at a short prompt's and a batched step's token counts too,
+    // on both sides of moe_route_sort's limit.
+    for t in [1, 13, 16, 17, 64, t] {
         check_routing(gpu, l, c, &s, t, &mut rng, report)?;
     }
 
@@ -418,7 +419,7 @@ fn check_router(
             differ += (!same && !near_tie) as usize;
         }
         report.check_eq(
-            &format!("{kernel} ({t} tokens) then route_rows: top-k as the twin's"),
+            &format!("{kernel} ({t} tokens) then the routing: top-k as the twin's"),
             differ == 0,
             &format!("{differ} tokens differ, {near_ties} near-ties excused"),
         );
@@ -454,6 +455,12 @@ fn check_routing(
     poison(gpu, &s.entries)?;
     let tile_rows = crate::gemm::moe_tile_rows(kernels, t);
     route_and_sort(l, c, s, t)?;
+    // The kernels that ran: one block up to route_sort_max_tokens tokens, else the routing then the sort.
+    let (route_name, sort_name) = if t <= kernels.constant("route_sort_max_tokens") {
+        ("moe_route_sort", "moe_route_sort")
+    } else {
+        ("route_rows", "moe_sort")
+    };
     // Each token's slots: its top-k experts, then the shared expert (number e) with its sigmoid gate.
     let (mut ids, mut weights) = (vec![0usize; t * slots], vec![0.0f32; t * slots]);
     for r in 0..t {
@@ -470,12 +477,12 @@ fn check_routing(
     let mut gpu_ids = vec![0i32; t * slots];
     gpu.download(s.route_ids.ptr(), &mut gpu_ids)?;
     report.check_eq(
-        &format!("route_rows: top-k experts of every token, then the shared expert ({t} tokens)"),
+        &format!("{route_name}: top-k experts of every token, then the shared expert ({t} tokens)"),
         gpu_ids.iter().zip(&ids).all(|(a, b)| *a as usize == *b),
         "",
     );
     report.check(
-        &format!("route_rows: routing weights and the shared expert's gate ({t} tokens)"),
+        &format!("{route_name}: routing weights and the shared expert's gate ({t} tokens)"),
         rel_err(&download_f32(gpu, &s.route_w, t * slots)?, &weights),
         1e-5,
     );
@@ -501,12 +508,12 @@ fn check_routing(
     gpu.download(s.tiles.ptr(), &mut gpu_tiles)?;
     let sorted = gpu_entries.iter().zip(&order).all(|(a, b)| *a as usize == *b) && gpu_offsets == offsets;
     report.check_eq(
-        &format!("moe_sort: entries stably sorted by expert, offsets ({t} tokens)"),
+        &format!("{sort_name}: entries stably sorted by expert, offsets ({t} tokens)"),
         sorted,
         "",
     );
     report.check_eq(
-        &format!("moe_sort: tiles ({t} tokens)"),
+        &format!("{sort_name}: tiles ({t} tokens)"),
         gpu_count[0] as usize * 2 == tiles.len() && gpu_tiles == tiles,
         &format!("{} tiles", tiles.len() / 2),
     );
@@ -514,7 +521,7 @@ fn check_routing(
     let mut counts = vec![0i32; s.counts.len()];
     gpu.download(s.counts.ptr(), &mut counts)?;
     report.check_eq(
-        &format!("route_rows: counts, and the work counters after them zeroed ({t} tokens)"),
+        &format!("{route_name}: counts, and the work counters after them zeroed ({t} tokens)"),
         counts[..=e] == expected_counts[..] && counts[e + 1..].iter().all(|&v| v == 0),
         "",
     );
