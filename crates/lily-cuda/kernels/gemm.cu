@@ -1343,7 +1343,7 @@ __device__ __forceinline__ void moe_gate_up_tile(int tile, int cb, const bf16* x
 template <class T>
 __device__ __forceinline__ void moe_down_tile(int tile, int part, int cb, const bf16* act, const int* entries,
                                               const int* tiles, const int* offsets, const float* route_w, Q4 down,
-                                              Q4 shared_down, float* out) {
+                                              Q4 shared_down, bf16* out) {
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1] + part * T::BM;
     const int n0 = cb * T::BN, rows = min(T::BM, offsets[expert + 1] - first);
     if (rows <= 0) return;  // a partial tile's parts past its entries
@@ -1356,7 +1356,7 @@ __device__ __forceinline__ void moe_down_tile(int tile, int part, int cb, const 
             if (col >= HIDDEN) return;
             const int entry = entries[first + r];
             const float weight = route_w[entry];
-            *(float2*)(out + (size_t)entry * HIDDEN + col) = make_float2(weight * v0, weight * v1);
+            *(u32*)(out + (size_t)entry * HIDDEN + col) = pack_bf16x2(weight * v0, weight * v1);
         });
 }
 
@@ -1374,7 +1374,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     moe_down(const bf16* act, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
-             const float* route_w, Q4 down, Q4 shared_down, float* out) {
+             const float* route_w, Q4 down, Q4 shared_down, bf16* out) {
     wait_previous();
     if ((int)blockIdx.y >= *tile_count) return;
     moe_down_tile<MoeDown>(blockIdx.y, blockIdx.z, blockIdx.x, act, entries, tiles, offsets, route_w, down,
@@ -1759,7 +1759,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     moe_down_rs(const __grid_constant__ TmaMap act_map, const __grid_constant__ TmaMap down_map,
                 const __grid_constant__ TmaMap shared_down_map, const int* entries, const int* tiles,
                 const int* tile_count, const int* offsets, const float* route_w, Q4 down, Q4 shared_down,
-                float* out) {
+                bf16* out) {
 #if WGMMA_BUILT
     extern __shared__ __align__(128) unsigned char moe_down_rs_raw[];
     // The host's launch is not the kernel's.
@@ -1924,9 +1924,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
             const int r = i / (MOE_DOWN_RS_COLS / 4), chunk = i % (MOE_DOWN_RS_COLS / 4);
             const int2 row = *(const int2*)(table + r * 8);
             const float weight = __int_as_float(row.y);
-            float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
-            v.x *= weight, v.y *= weight, v.z *= weight, v.w *= weight;
-            *(float4*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 4) = v;
+            const float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
+            *(uint2*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 4) =
+                make_uint2(pack_bf16x2(v.x * weight, v.y * weight), pack_bf16x2(v.z * weight, v.w * weight));
         }
         __syncwarp();
         if (lane == 0) mbarrier_arrive(table_empty + 8 * (n % 2));  // this warp is done with the table
@@ -2311,7 +2311,7 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 // before the wait.
 __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_codes, const float* act_pairs,
                                             const int* entries, const int* tiles, const int* offsets,
-                                            const float* route_w, Q4 down, Q4 shared_down, float* out,
+                                            const float* route_w, Q4 down, Q4 shared_down, bf16* out,
                                             const int* done) {
     const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
     const int rows = min(SMALL_ROWS, offsets[expert + 1] - first), n0 = cb * WROWS;
@@ -2336,7 +2336,7 @@ __device__ __noinline__ void moe_small_down(int tile, int cb, const u32* act_cod
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int col = n0 + 32 * warp + 16 * f + g + 8 * h;
-                if (col < HIDDEN) out[(size_t)entry * HIDDEN + col] = weight * acc[f][nf][h];
+                if (col < HIDDEN) out[(size_t)entry * HIDDEN + col] = float_to_bf16(weight * acc[f][nf][h]);
             }
     }
 }
@@ -2360,7 +2360,7 @@ __device__ int moe_small_items_per_tile = MOE_GATE_UP_COLS + MOE_DOWN_COLS;
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MOE_SMALL_MIN_BLOCKS)
     moe_small(Q8x2 x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
               const float* route_w, Q4 gate, Q4 up, Q4 down, Q4 shared_gate, Q4 shared_up, Q4 shared_down, Q8x2 act,
-              float* out, int* work) {
+              bf16* out, int* work) {
     __shared__ int taken;
     wait_previous();  // the tiles and the weights they pick come from the routing
     const int n_tiles = *tile_count;

@@ -7,12 +7,20 @@
 #define SORT_THREADS 256
 
 // Column c of row r's MoE output: the sum over its slots of expert_out[r * MOE_SLOTS + slot] (each already
-// weighted; the shared expert's last), in slot order.
-__device__ __forceinline__ float combined_experts(const float* expert_out, size_t r, int c) {
+// weighted and rounded to bf16, as transformers keeps each expert's rows; the shared expert's last), in slot order
+// in f32.
+__device__ __forceinline__ float combined_experts(const bf16* expert_out, size_t r, int c) {
     float s = 0.f;
 #pragma unroll
-    for (int k = 0; k < MOE_SLOTS; k++) s += expert_out[(r * MOE_SLOTS + k) * HIDDEN + c];
+    for (int k = 0; k < MOE_SLOTS; k++) s += bf16_to_float(expert_out[(r * MOE_SLOTS + k) * HIDDEN + c]);
     return s;
+}
+
+// Four consecutive bf16 expert-row values as f32.
+__device__ __forceinline__ float4 expert_run(const bf16* at) {
+    const uint2 raw = *(const uint2*)at;
+    return make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
+                       __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
 }
 
 // hidden[r] = the dequantized embedding row of tokens[start + r]. Grid (t).
@@ -37,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 // with `accumulate` would add them (a launch less). Where `codes.codes` is not null, row r of out (+ out_lo) is also
 // coded as Q8x2 into `codes`, as gemm_quantize_rows or moe_quantize_rows would code it: the input of the integer
 // small tiling without a launch of its own. Grid (t).
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hidden, const float* expert_out,
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hidden, const bf16* expert_out,
                                                                       const float* partials, int parts,
                                                                       const float* norm, bf16* out, bf16* out_lo,
                                                                       Q8x2 codes) {
@@ -77,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
             const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
 #pragma unroll
             for (int k = 0; k < MOE_SLOTS; k++)
-                e[j][k] = in[j] ? *(const float4*)(expert_out + (r * MOE_SLOTS + k) * HIDDEN + c0)
+                e[j][k] = in[j] ? expert_run(expert_out + (r * MOE_SLOTS + k) * HIDDEN + c0)
                                 : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
@@ -596,7 +604,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_SORT_THREADS)
 
 // hidden[r] += the sum over slots of expert_out[r * MOE_SLOTS + slot] (each already weighted; the shared expert's
 // last), for the rows whose next kernel is not an rmsnorm_rows that adds them itself. Grid (t).
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) moe_combine(float* hidden, const float* expert_out) {
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) moe_combine(float* hidden, const bf16* expert_out) {
     wait_previous();
     const size_t r = blockIdx.x;
     for (int c = threadIdx.x; c < HIDDEN; c += ROW_THREADS) hidden[r * HIDDEN + c] += combined_experts(expert_out, r, c);

@@ -280,7 +280,7 @@ fn enqueue_head(
     l: &mut Launcher,
     w: &GpuWeights,
     hidden: DevPtr<f32>,
-    experts: DevPtr<f32>,
+    experts: DevPtr<bf16>,
     s: &PrefillScratch,
     b: &StepScratch,
     t: usize,

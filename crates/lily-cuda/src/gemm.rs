@@ -759,7 +759,7 @@ pub fn moe_experts(
     act: DevPtr<bf16>,
     codes: &SmallCodes,
     x_coded: bool,
-    out: DevPtr<f32>,
+    out: DevPtr<bf16>,
 ) -> Result<()> {
     let k = l.kernels;
     if s.small(k) {

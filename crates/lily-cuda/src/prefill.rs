@@ -67,8 +67,9 @@ pub struct PrefillScratch {
     pub(crate) act: DevBuf<bf16>,
     /// The small tiling's input and act as integer digits.
     pub(crate) codes: gemm::SmallCodes,
-    /// f32 `[chunk * slots][hidden]` by entry, weighted.
-    pub(crate) expert_out: DevBuf<f32>,
+    /// bf16 `[chunk * slots][hidden]` by entry, weighted (each expert's rows rounded to bf16, as transformers keeps
+    /// them; the sums over a token's slots are f32).
+    pub(crate) expert_out: DevBuf<bf16>,
     pub(crate) deltanet: DeltaNetScratch,
     pub(crate) attn: AttentionScratch,
     /// f32 `[PREFILL_PARTS][hidden]`: each part's last hidden row, the head's input.
@@ -294,7 +295,7 @@ pub(crate) fn enqueue_input_norm(
     layer: &GpuLayer,
     s: &PrefillScratch,
     t: usize,
-    experts: DevPtr<f32>,
+    experts: DevPtr<bf16>,
 ) -> Result<Option<Q8x2>> {
     let codes = gemm::small_codes(l, t, layer.mixer.input_projection());
     prefill::rmsnorm_rows(

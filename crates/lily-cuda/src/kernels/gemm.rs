@@ -160,7 +160,7 @@ launchers! {
         route_w: DevPtr<f32>,
         down: Q4,
         shared_down: Q4,
-        out: DevPtr<f32>,
+        out: DevPtr<bf16>,
     );
     /// `moe_gate_up` in 128-row tiles on the warpgroup tensor cores (Hopper builds only: `moe_wgmma` is 1).
     moe_gate_up_wgmma(
@@ -212,7 +212,7 @@ launchers! {
         route_w: DevPtr<f32>,
         down: Q4,
         shared_down: Q4,
-        out: DevPtr<f32>,
+        out: DevPtr<bf16>,
     );
     /// The small tiling's input: `rows` rows of `hi + lo` (`lo` may be null) as Q8x2 codes and group pairs.
     moe_quantize_rows(hi: DevPtr<bf16>, lo: DevPtr<bf16>, rows: i32, out: Q8x2);
@@ -232,7 +232,7 @@ launchers! {
         shared_up: Q4,
         shared_down: Q4,
         act: Q8x2,
-        out: DevPtr<f32>,
+        out: DevPtr<bf16>,
         work: DevPtr<i32>,
     );
     /// The small tiling's dense input: `m` rows of `k` inputs of `a` as Q8x2 rows, into the kernels' own buffer.

@@ -33,7 +33,7 @@ launchers! {
     /// coded as the small tiling's Q8x2 rows.
     rmsnorm_rows(
         hidden: DevPtr<f32>,
-        expert_out: DevPtr<f32>,
+        expert_out: DevPtr<bf16>,
         partials: DevPtr<f32>,
         parts: i32,
         norm: DevPtr<f32>,
@@ -78,5 +78,5 @@ launchers! {
         tile_count: DevPtr<i32>,
     );
     /// `hidden[r] +=` the sum of row r's weighted expert outputs (the shared expert's last).
-    moe_combine(hidden: DevPtr<f32>, expert_out: DevPtr<f32>);
+    moe_combine(hidden: DevPtr<f32>, expert_out: DevPtr<bf16>);
 }

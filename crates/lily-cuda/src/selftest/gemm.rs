@@ -462,8 +462,8 @@ fn check_moe(
     let name = format!("moe down ({tokens} tokens, {tile_count} tiles of {tile_rows}{kernel}, weighted, by entry)");
     report.check(
         &name,
-        rel_err(&download_f32(gpu, &out, tokens * slots * h)?, &expected),
-        TOL_Q4,
+        rel_err(&download_bf16(gpu, &out, tokens * slots * h)?, &expected),
+        TOL_Q4_BF16_OUT,
     );
     Ok(())
 }

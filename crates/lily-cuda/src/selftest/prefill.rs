@@ -99,8 +99,13 @@ pub(crate) fn check(
     }
 
     // Combine into the residual stream.
-    let expert_out = normals(&mut rng, t * slots * h, 1.0);
-    gpu.upload(s.expert_out.ptr(), &expert_out)?;
+    // The expert rows are bf16; the sums over a token's slots f32.
+    let expert_rows: Vec<bf16> = normals(&mut rng, t * slots * h, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    gpu.upload(s.expert_out.ptr(), &expert_rows)?;
+    let expert_out: Vec<f32> = expert_rows.iter().map(|v| v.to_f32()).collect();
     gpu.upload(s.hidden.ptr(), &hidden)?;
     prefill::moe_combine(l, rows, s.hidden.ptr(), s.expert_out.ptr())?;
     let expected: Vec<f32> = (0..t * h)
