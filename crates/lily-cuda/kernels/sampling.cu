@@ -91,6 +91,10 @@ struct SampleRow {
 };
 
 #define SAMPLE_THREADS 1024
+// Tokens a run of the whole-vocabulary draw's sums (lily_model::sampling::WHOLE_RUN): a thread a run.
+#define WHOLE_RUN 256
+#define WHOLE_RUNS ((VOCAB + WHOLE_RUN - 1) / WHOLE_RUN)
+static_assert(WHOLE_RUNS <= SAMPLE_THREADS, "a thread sums a run");
 // u32 words of one allowed-token bitmask: bit t % 32 of word t / 32 allows token t.
 #define MASK_WORDS ((VOCAB + 31) / 32)
 
@@ -129,6 +133,68 @@ __device__ int row_argmax(const float* row, const u32* mask, float* warp_best, i
     return arg;
 }
 
+// The draw of a row with nothing cut off (no top-k, top-p or min-p) from the softmax of all its scaled logits, as
+// lily_model::sampling::Sampler::sample_whole draws it: each token's weight exp(scaled - mx) (exp in double rounded
+// to float, as the CPU's f32 exp), summed in double over runs of WHOLE_RUN tokens in order (a thread a run), the
+// runs' sums in order; the uniform times that total walks the runs in order, then the chosen run's weights. A walk
+// that runs past the end (rounding) takes the argmax. Every thread of the block calls it; thread 0's is the token.
+__device__ int sample_whole_row(const float* row, const u32* mask, float temperature, float mx, float u,
+                                float* warp_best, int* warp_arg) {
+    __shared__ double run_sums[WHOLE_RUNS];
+    __shared__ float weights[WHOLE_RUN];
+    __shared__ int chosen_run, chosen;
+    __shared__ double rest;
+    const int t = threadIdx.x;
+    const bool unit = temperature == 1.f;
+    auto weight = [&](int i) {
+        const float l = allowed_logit(row, mask, i);
+        return (float)exp((double)__fsub_rn(unit ? l : l / temperature, mx));
+    };
+    if (t < WHOLE_RUNS) {
+        double sum = 0.0;
+        const int end = min(VOCAB, (t + 1) * WHOLE_RUN);
+        for (int i = t * WHOLE_RUN; i < end; i++) sum += (double)weight(i);
+        run_sums[t] = sum;
+    }
+    __syncthreads();
+    if (t == 0) {
+        double total = 0.0;
+        for (int b = 0; b < WHOLE_RUNS; b++) total += run_sums[b];
+        double r = (double)u * total;
+        chosen_run = -1, chosen = -1;
+        for (int b = 0; b < WHOLE_RUNS; b++) {
+            if (r < run_sums[b]) {
+                chosen_run = b;
+                break;
+            }
+            r -= run_sums[b];
+        }
+        rest = r;
+    }
+    __syncthreads();
+    const int b = chosen_run;
+    if (b >= 0) {
+        const int i = b * WHOLE_RUN + t;
+        if (t < WHOLE_RUN && i < VOCAB) weights[t] = weight(i);
+        __syncthreads();
+        if (t == 0) {
+            double r = rest;
+            const int n = min(WHOLE_RUN, VOCAB - b * WHOLE_RUN);
+            for (int j = 0; j < n; j++) {
+                const double w = (double)weights[j];
+                if (r < w) {
+                    chosen = b * WHOLE_RUN + j;
+                    break;
+                }
+                r -= w;
+            }
+        }
+        __syncthreads();
+    }
+    if (chosen >= 0) return chosen;
+    return row_argmax(row, mask, warp_best, warp_arg);
+}
+
 // One block per row r of `rows`: the next token drawn from logits row `rows[r].logits_row` (`logits` is
 // [*][VOCAB]) with the row's parameters and its allowed-token bitmask (row `mask_row` of `masks`, [*][MASK_WORDS])
 // applied before anything else, into `out[r]`.
@@ -136,7 +202,9 @@ __device__ int row_argmax(const float* row, const u32* mask, float* warp_best, i
 // logits are divided by the temperature, the top_k (1..=SAMPLE_MAX_CANDIDATES) largest are found by a radix select
 // over the candidate keys, sorted, turned into probabilities (exp in double rounded to float, a double total),
 // cut by top-p then min-p, and the uniform hash3(seed, 0, counter) picks among them with the CPU's f32 arithmetic.
-// A row with another top_k (no limit, or one beyond SAMPLE_MAX_CANDIDATES) is sampled on the host: its out is -1.
+// A row with no top-k (0, or the whole vocabulary), top-p or min-p draws from the whole softmax (sample_whole_row).
+// A row with another top_k (none with a top-p or min-p, or one beyond SAMPLE_MAX_CANDIDATES) is sampled on the
+// host: its out is -1.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* logits, const SampleRow* rows, const u32* masks, int* out) {
     wait_previous();
@@ -159,7 +227,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (t == 0) out[r] = arg;
         return;
     }
-    if (p.top_k < 1 || p.top_k > SAMPLE_MAX_CANDIDATES) {
+    const bool whole = (p.top_k == 0 || p.top_k >= VOCAB) && p.top_p >= 1.f && p.min_p <= 0.f;
+    if (!whole && (p.top_k < 1 || p.top_k > SAMPLE_MAX_CANDIDATES)) {
         if (t == 0) out[r] = -1;
         return;
     }
@@ -170,6 +239,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         const float l = allowed_logit(row, mask, i);
         return unit ? l : l / temperature;
     };
+    if (whole) {
+        // The largest scaled logit (f32::max over them on the CPU: NaN is passed over, as by fmaxf).
+        float mx = -INF_F;
+        for (int i = t; i < VOCAB; i += blockDim.x) mx = fmaxf(mx, scaled_at(i));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (t % WARP == 0) warp_best[t / WARP] = mx;
+        __syncthreads();
+        mx = -INF_F;
+        for (int w = 0; w < (int)(blockDim.x / WARP); w++) mx = fmaxf(mx, warp_best[w]);
+        __syncthreads();  // warp_best is reused by the argmax
+        const int drawn = mx == INF_F ? row_argmax(row, mask, warp_best, warp_arg)
+                                      : sample_whole_row(row, mask, temperature, mx,
+                                                         uniform_at(p.seed, 0, p.counter), warp_best, warp_arg);
+        if (t == 0) out[r] = drawn;
+        return;
+    }
     const int want = min(p.top_k, VOCAB);
     // Radix select, 8 bits a pass from the top: `prefix` narrows to the bucket that holds the want-th largest key,
     // and stops as soon as that bucket is taken whole (at the latest when one key remains).

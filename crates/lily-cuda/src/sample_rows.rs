@@ -2,8 +2,8 @@
 //! parameters and allowed-token masks, and the chosen tokens in pinned host memory.
 //!
 //! A row draws on the GPU exactly as `lily_model::sampling::Sampler` would on the host when [`on_device`] holds
-//! (greedy, or a top-k of at most `SAMPLE_MAX_CANDIDATES`); for other parameters the caller copies the row's logits
-//! out and samples it on the host.
+//! (greedy, a top-k of at most `SAMPLE_MAX_CANDIDATES`, or the whole softmax: no top-k, top-p or min-p); for other
+//! parameters (top-p or min-p without a top-k) the caller copies the row's logits out and samples it on the host.
 
 use lily_model::sampling::SamplingParams;
 
@@ -14,7 +14,8 @@ use crate::launch::{Dims, Launcher};
 
 /// Whether `sample_rows` draws a row with `params` as the host `Sampler` would.
 pub fn on_device(params: &SamplingParams) -> bool {
-    params.is_greedy() || (1..=SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+    let whole = params.top_k == 0 && params.top_p >= 1.0 && params.min_p <= 0.0;
+    params.is_greedy() || whole || (1..=SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
 }
 
 /// The batched sampler's buffers for up to `max_rows` rows of `vocab` logits.

@@ -220,10 +220,12 @@ impl Sampler {
         c.last().unwrap().0
     }
 
-    /// A draw from the softmax of the whole vocabulary at the sampler's temperature, in passes in token order and
-    /// without sorting: with nothing cut off, the order in which tokens take their share of the draw does not
-    /// change the distribution. Each token's weight is computed once, kept (in the thread's [`WEIGHTS`]) for the walk
-    /// that finds the draw.
+    /// A draw from the softmax of the whole vocabulary at the sampler's temperature, without sorting: with nothing
+    /// cut off, the order in which tokens take their share of the draw does not change the distribution. Each token's
+    /// weight `exp(logit / temperature - max)` is computed once (in the thread's [`WEIGHTS`]) and summed in f64 over
+    /// runs of [`WHOLE_RUN`] consecutive tokens; the uniform times the runs' total walks the runs in order, then the
+    /// chosen run's tokens. The GPU sampler (`sample_rows`) draws with the same arithmetic in the same order, one run
+    /// a thread, so both pick the same token.
     fn sample_whole(&mut self, logits: &[f32]) -> u32 {
         let temperature = self.params.temperature;
         let max = logits
@@ -237,21 +239,35 @@ impl Sampler {
         let drawn = WEIGHTS.with_borrow_mut(|weights| {
             weights.clear();
             weights.extend(logits.iter().map(|&l| (l / temperature - max).exp()));
-            let total: f64 = weights.iter().map(|&w| w as f64).sum();
+            let sums: Vec<f64> = (weights.chunks(WHOLE_RUN))
+                .map(|run| run.iter().fold(0.0f64, |sum, &w| sum + w as f64))
+                .collect();
+            let total = sums.iter().fold(0.0f64, |total, &sum| total + sum);
             let mut r = rng.uniform() as f64 * total;
-            for (i, &w) in weights.iter().enumerate() {
-                let w = w as f64;
-                if r < w {
-                    return Some(i as u32);
+            for (i, (run, &sum)) in weights.chunks(WHOLE_RUN).zip(&sums).enumerate() {
+                if r < sum {
+                    for (j, &w) in run.iter().enumerate() {
+                        let w = w as f64;
+                        if r < w {
+                            return Some((i * WHOLE_RUN + j) as u32);
+                        }
+                        r -= w;
+                    }
+                    return None;
                 }
-                r -= w;
+                r -= sum;
             }
             None
         });
-        // Rounding can leave a sliver of the draw past the last token: it goes to the most likely one.
+        // Rounding can leave a sliver of the draw past the last token (of the run, or of all): it goes to the most
+        // likely one.
         drawn.unwrap_or_else(|| argmax(logits))
     }
 }
+
+/// Tokens a run of [`Sampler::sample_whole`]'s sums: the GPU sampler's `WHOLE_RUN` (kernels/sampling.cu), which
+/// takes a run a thread.
+pub const WHOLE_RUN: usize = 256;
 
 /// The tokens a search for what `top_p` and `min_p` keep starts from: a real model's nucleus is almost always
 /// within its few hundred most likely tokens.
@@ -334,6 +350,26 @@ mod tests {
             let freq = draws.iter().filter(|&&t| t == token).count() as f64 / draws.len() as f64;
             assert!((freq - expected).abs() < 0.03, "token {token}: {freq}");
         }
+    }
+
+    #[test]
+    fn whole_softmax_draws_follow_it_across_runs() {
+        // Three tokens in three different runs of the draw's sums, the rest impossible.
+        let mut logits = vec![f32::NEG_INFINITY; 3 * WHOLE_RUN + 5];
+        let tokens = [10, WHOLE_RUN + 44, 3 * WHOLE_RUN + 4];
+        for (&token, weight) in tokens.iter().zip([1.0f32, 2.0, 3.0]) {
+            logits[token] = weight.ln();
+        }
+        let mut s = Sampler::new(SamplingParams {
+            seed: 5,
+            ..params(1.0, 0, 1.0, 0.0)
+        });
+        let draws: Vec<u32> = (0..6000).map(|_| s.sample(&logits)).collect();
+        for (&token, expected) in tokens.iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
+            let freq = draws.iter().filter(|&&t| t as usize == token).count() as f64 / draws.len() as f64;
+            assert!((freq - expected).abs() < 0.03, "token {token}: {freq}");
+        }
+        assert!(draws.iter().all(|t| tokens.contains(&(*t as usize))));
     }
 
     /// The sampler as it was before its head search: every candidate sorted, for every draw.

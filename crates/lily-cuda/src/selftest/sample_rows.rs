@@ -33,8 +33,8 @@ fn row_logits(rng: &mut Rng, vocab: usize, kind: usize) -> Vec<f32> {
     l
 }
 
-/// Row `i`'s parameters: greedy (by temperature or top-k 1), top-k alone and with top-p and min-p at several
-/// temperatures, and a row without a top-k (sampled on the host).
+/// Row `i`'s parameters: greedy (by temperature or top-k 1), the whole softmax (no top-k, top-p or min-p), top-k
+/// alone and with top-p and min-p at several temperatures, and top-p or min-p without a top-k (sampled on the host).
 fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
     let pick = |rng: &mut Rng, xs: &[f32]| xs[(rng.next_u64() % xs.len() as u64) as usize];
     let seed = rng.next_u64();
@@ -51,11 +51,18 @@ fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
             seed,
             ..Default::default()
         },
-        2 => SamplingParams {
+        2 | 3 => SamplingParams {
             temperature,
             top_k: 0,
             seed,
             ..Default::default()
+        },
+        4 => SamplingParams {
+            temperature,
+            top_k: 0,
+            top_p: pick(rng, &[0.95, 0.8]),
+            min_p: pick(rng, &[0.0, 0.05]),
+            seed,
         },
         _ => SamplingParams {
             temperature,
@@ -126,8 +133,7 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
     let mut rng = Rng::new(seed ^ 0x05a3_b1e5);
     let mut sampler_rows = SampleRows::new(gpu, ROWS, vocab)?;
     let logits_dev = gpu.alloc::<f32>(ROWS * vocab)?;
-    let (mut greedy, mut sampled, mut masked, mut host_rows) =
-        (Tally::default(), Tally::default(), Tally::default(), Tally::default());
+    let [mut greedy, mut sampled, mut whole, mut masked, mut host_rows]: [Tally; 5] = Default::default();
     let mut distinct = std::collections::BTreeSet::new();
     for _ in 0..ROUNDS {
         let logits: Vec<Vec<f32>> = (0..ROWS).map(|i| row_logits(&mut rng, vocab, i % 4)).collect();
@@ -176,9 +182,10 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
                 host_rows.add(got[i] == u32::MAX, detail);
                 continue;
             }
-            let tally = match (masks[i].is_some(), p.is_greedy()) {
+            let tally: &mut Tally = match (masks[i].is_some(), p.is_greedy()) {
                 (true, _) => &mut masked,
                 (false, true) => &mut greedy,
+                (false, false) if p.top_k == 0 => &mut whole,
                 (false, false) => &mut sampled,
             };
             tally.add(got[i] == want, detail);
@@ -189,8 +196,12 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
     }
     greedy.report("sample_rows: greedy rows == argmax (ties: lowest id)", report);
     sampled.report("sample_rows: top-k/top-p/min-p rows == host Sampler", report);
+    whole.report("sample_rows: whole-softmax rows (no top-k) == host Sampler", report);
     masked.report("sample_rows: masked rows == host Sampler.sample_masked", report);
-    host_rows.report("sample_rows: rows without a top-k are left to the host", report);
+    host_rows.report(
+        "sample_rows: top-p or min-p rows without a top-k are left to the host",
+        report,
+    );
     report.check_eq(
         "sample_rows: sampled rows draw varied tokens",
         distinct.len() > 10,
