@@ -128,6 +128,7 @@ def main():
     ap.add_argument("--vocab-low", type=int, default=1000, help="random prompt ids are drawn from [low, high)")
     ap.add_argument("--vocab-high", type=int, default=150000)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=None, help="top_p of every request (default: left out)")
     ap.add_argument("--no-max-tokens", action="store_true",
                     help="send no max_tokens and honour end-of-sequence, as clients that leave it out do: requests "
                          "then end at a --stop string, an end-of-sequence token or the end of the context")
@@ -156,6 +157,8 @@ def main():
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if args.top_p is not None:
+            body["top_p"] = args.top_p
         if args.stop:
             body["stop"] = args.stop
         if args.no_max_tokens:

@@ -91,10 +91,15 @@ struct SampleRow {
 };
 
 #define SAMPLE_THREADS 1024
-// Tokens a run of the whole-vocabulary draw's sums (lily_model::sampling::WHOLE_RUN): a thread a run.
-#define WHOLE_RUN 256
+// WHOLE_RUN (a -D define from lily_model::sampling::WHOLE_RUN): tokens a run of the whole-vocabulary sums, a
+// thread a run.
 #define WHOLE_RUNS ((VOCAB + WHOLE_RUN - 1) / WHOLE_RUN)
 static_assert(WHOLE_RUNS <= SAMPLE_THREADS, "a thread sums a run");
+// SAMPLE_HEAD (a -D define from lily_model::sampling::HEAD): the most likely tokens a top-p or min-p draw without a
+// top-k looks among; where what they keep does not end inside them, the row is left to the host, which looks
+// further.
+#define SAMPLE_SLOTS (SAMPLE_HEAD > SAMPLE_MAX_CANDIDATES ? SAMPLE_HEAD : SAMPLE_MAX_CANDIDATES)
+static_assert(SAMPLE_SLOTS <= SAMPLE_THREADS, "a thread a candidate when they are ranked");
 // u32 words of one allowed-token bitmask: bit t % 32 of word t / 32 allows token t.
 #define MASK_WORDS ((VOCAB + 31) / 32)
 
@@ -133,11 +138,39 @@ __device__ int row_argmax(const float* row, const u32* mask, float* warp_best, i
     return arg;
 }
 
+// A token's weight in the softmax of a row's scaled logits: exp(scaled - mx), in double rounded to float (as the
+// CPU's f32 exp gives it), mx the largest scaled logit.
+__device__ __forceinline__ float softmax_weight(const float* row, const u32* mask, int i, float temperature, float mx) {
+    const float l = allowed_logit(row, mask, i);
+    return (float)exp((double)__fsub_rn(temperature == 1.f ? l : l / temperature, mx));
+}
+
+// The sum of every token's softmax_weight as lily_model::sampling sums them: in double over runs of WHOLE_RUN tokens
+// in order (a thread a run here), then the runs' sums in order; run_sums[b] is run b's. Every thread of the block
+// calls it and gets the total.
+__device__ double softmax_total(const float* row, const u32* mask, float temperature, float mx, double* run_sums) {
+    __shared__ double total;
+    const int t = threadIdx.x;
+    if (t < WHOLE_RUNS) {
+        double sum = 0.0;
+        const int end = min(VOCAB, (t + 1) * WHOLE_RUN);
+        for (int i = t * WHOLE_RUN; i < end; i++) sum += (double)softmax_weight(row, mask, i, temperature, mx);
+        run_sums[t] = sum;
+    }
+    __syncthreads();
+    if (t == 0) {
+        double sum = 0.0;
+        for (int b = 0; b < WHOLE_RUNS; b++) sum += run_sums[b];
+        total = sum;
+    }
+    __syncthreads();
+    return total;
+}
+
 // The draw of a row with nothing cut off (no top-k, top-p or min-p) from the softmax of all its scaled logits, as
-// lily_model::sampling::Sampler::sample_whole draws it: each token's weight exp(scaled - mx) (exp in double rounded
-// to float, as the CPU's f32 exp), summed in double over runs of WHOLE_RUN tokens in order (a thread a run), the
-// runs' sums in order; the uniform times that total walks the runs in order, then the chosen run's weights. A walk
-// that runs past the end (rounding) takes the argmax. Every thread of the block calls it; thread 0's is the token.
+// lily_model::sampling::Sampler::sample_whole draws it: the uniform times softmax_total walks the runs in order,
+// then the chosen run's weights. A walk that runs past the end (rounding) takes the argmax. Every thread of the
+// block calls it; thread 0's is the token.
 __device__ int sample_whole_row(const float* row, const u32* mask, float temperature, float mx, float u,
                                 float* warp_best, int* warp_arg) {
     __shared__ double run_sums[WHOLE_RUNS];
@@ -145,21 +178,8 @@ __device__ int sample_whole_row(const float* row, const u32* mask, float tempera
     __shared__ int chosen_run, chosen;
     __shared__ double rest;
     const int t = threadIdx.x;
-    const bool unit = temperature == 1.f;
-    auto weight = [&](int i) {
-        const float l = allowed_logit(row, mask, i);
-        return (float)exp((double)__fsub_rn(unit ? l : l / temperature, mx));
-    };
-    if (t < WHOLE_RUNS) {
-        double sum = 0.0;
-        const int end = min(VOCAB, (t + 1) * WHOLE_RUN);
-        for (int i = t * WHOLE_RUN; i < end; i++) sum += (double)weight(i);
-        run_sums[t] = sum;
-    }
-    __syncthreads();
+    const double total = softmax_total(row, mask, temperature, mx, run_sums);
     if (t == 0) {
-        double total = 0.0;
-        for (int b = 0; b < WHOLE_RUNS; b++) total += run_sums[b];
         double r = (double)u * total;
         chosen_run = -1, chosen = -1;
         for (int b = 0; b < WHOLE_RUNS; b++) {
@@ -175,7 +195,7 @@ __device__ int sample_whole_row(const float* row, const u32* mask, float tempera
     const int b = chosen_run;
     if (b >= 0) {
         const int i = b * WHOLE_RUN + t;
-        if (t < WHOLE_RUN && i < VOCAB) weights[t] = weight(i);
+        if (t < WHOLE_RUN && i < VOCAB) weights[t] = softmax_weight(row, mask, i, temperature, mx);
         __syncthreads();
         if (t == 0) {
             double r = rest;
@@ -203,8 +223,10 @@ __device__ int sample_whole_row(const float* row, const u32* mask, float tempera
 // over the candidate keys, sorted, turned into probabilities (exp in double rounded to float, a double total),
 // cut by top-p then min-p, and the uniform hash3(seed, 0, counter) picks among them with the CPU's f32 arithmetic.
 // A row with no top-k (0, or the whole vocabulary), top-p or min-p draws from the whole softmax (sample_whole_row).
-// A row with another top_k (none with a top-p or min-p, or one beyond SAMPLE_MAX_CANDIDATES) is sampled on the
-// host: its out is -1.
+// A row with top-p or min-p but no top-k takes the SAMPLE_HEAD most likely tokens as its candidates and the whole
+// softmax's total (softmax_total), as the CPU sampler does when what top-p and min-p keep ends inside its first
+// head; where it does not, the row is left to the host. A row with a top_k beyond SAMPLE_MAX_CANDIDATES is too.
+// A row left to the host has out -1.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* logits, const SampleRow* rows, const u32* masks, int* out) {
     wait_previous();
@@ -212,10 +234,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ u64 prefix, prefix_mask;
     __shared__ u32 remaining, taken;
     __shared__ bool resolved;
-    __shared__ u64 cand_key[SAMPLE_MAX_CANDIDATES];
-    __shared__ float cand_scaled[SAMPLE_MAX_CANDIDATES];
-    __shared__ float sorted_scaled[SAMPLE_MAX_CANDIDATES];
-    __shared__ int sorted_id[SAMPLE_MAX_CANDIDATES];
+    __shared__ u64 cand_key[SAMPLE_SLOTS];
+    __shared__ float cand_scaled[SAMPLE_SLOTS];
+    __shared__ float sorted_scaled[SAMPLE_SLOTS];
+    __shared__ int sorted_id[SAMPLE_SLOTS];
+    __shared__ double run_sums[WHOLE_RUNS];
     __shared__ float warp_best[SAMPLE_THREADS / WARP];
     __shared__ int warp_arg[SAMPLE_THREADS / WARP];
     const int t = threadIdx.x, r = blockIdx.x;
@@ -227,8 +250,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (t == 0) out[r] = arg;
         return;
     }
-    const bool whole = (p.top_k == 0 || p.top_k >= VOCAB) && p.top_p >= 1.f && p.min_p <= 0.f;
-    if (!whole && (p.top_k < 1 || p.top_k > SAMPLE_MAX_CANDIDATES)) {
+    const bool no_top_k = p.top_k == 0 || p.top_k >= VOCAB;
+    const bool whole = no_top_k && p.top_p >= 1.f && p.min_p <= 0.f, nucleus = no_top_k && !whole;
+    if (!no_top_k && (p.top_k < 1 || p.top_k > SAMPLE_MAX_CANDIDATES)) {
         if (t == 0) out[r] = -1;
         return;
     }
@@ -239,8 +263,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         const float l = allowed_logit(row, mask, i);
         return unit ? l : l / temperature;
     };
-    if (whole) {
-        // The largest scaled logit (f32::max over them on the CPU: NaN is passed over, as by fmaxf).
+    // Without a top-k: the largest scaled logit (f32::max over them on the CPU: NaN is passed over, as by fmaxf)
+    // and the softmax's total over the whole vocabulary.
+    double whole_total = 0.0;
+    if (no_top_k) {
         float mx = -INF_F;
         for (int i = t; i < VOCAB; i += blockDim.x) mx = fmaxf(mx, scaled_at(i));
 #pragma unroll
@@ -250,13 +276,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         mx = -INF_F;
         for (int w = 0; w < (int)(blockDim.x / WARP); w++) mx = fmaxf(mx, warp_best[w]);
         __syncthreads();  // warp_best is reused by the argmax
-        const int drawn = mx == INF_F ? row_argmax(row, mask, warp_best, warp_arg)
-                                      : sample_whole_row(row, mask, temperature, mx,
-                                                         uniform_at(p.seed, 0, p.counter), warp_best, warp_arg);
-        if (t == 0) out[r] = drawn;
-        return;
+        if (mx == INF_F || whole) {
+            const int drawn = mx == INF_F ? row_argmax(row, mask, warp_best, warp_arg)
+                                          : sample_whole_row(row, mask, temperature, mx,
+                                                             uniform_at(p.seed, 0, p.counter), warp_best, warp_arg);
+            if (t == 0) out[r] = drawn;
+            return;
+        }
+        whole_total = softmax_total(row, mask, temperature, mx, run_sums);
     }
-    const int want = min(p.top_k, VOCAB);
+    const int want = min(nucleus ? SAMPLE_HEAD : p.top_k, VOCAB);
     // Radix select, 8 bits a pass from the top: `prefix` narrows to the bucket that holds the want-th largest key,
     // and stops as soon as that bucket is taken whole (at the latest when one key remains).
     if (t == 0) prefix = 0, prefix_mask = 0, remaining = want, taken = 0, resolved = false;
@@ -311,15 +340,32 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         return;
     }
     if (t != 0) return;
-    float probs[SAMPLE_MAX_CANDIDATES];
-    int ids[SAMPLE_MAX_CANDIDATES];
+    float probs[SAMPLE_SLOTS];
+    int ids[SAMPLE_SLOTS];
     double total = 0.0;
     for (int i = 0; i < want; i++) {
         probs[i] = (float)exp((double)__fsub_rn(sorted_scaled[i], mx));
         ids[i] = sorted_id[i];
         total += (double)probs[i];
     }
+    if (nucleus) total = whole_total;  // the candidates' probabilities are their share of the whole softmax
     for (int i = 0; i < want; i++) probs[i] = (float)((double)probs[i] / total);
+    if (nucleus && want < VOCAB) {
+        // The CPU sampler's test that what top-p and min-p keep ends inside the head (its holds_kept).
+        bool top_p_inside = p.top_p >= 1.f, min_p_inside = p.min_p <= 0.f;
+        float cumulative = 0.f;
+        for (int i = 0; i < want && !top_p_inside; i++) {
+            cumulative = __fadd_rn(cumulative, probs[i]);
+            top_p_inside = cumulative >= p.top_p;
+        }
+        if (!min_p_inside) min_p_inside = probs[want - 1] < __fmul_rn(probs[0], p.min_p);
+        const bool held = p.top_p < 1.f && p.min_p > 0.f ? top_p_inside || min_p_inside
+                                                          : top_p_inside && min_p_inside;
+        if (!held) {
+            out[r] = -1;
+            return;
+        }
+    }
     int keep = want;
     if (p.top_p < 1.f) {
         float cumulative = 0.f;

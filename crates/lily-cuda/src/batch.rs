@@ -890,13 +890,26 @@ impl BatchBackend for CudaBatchBackend {
             m.gpu.sync().map_err(device_err)?;
             drawn = self.sampler.read().into_iter();
         }
+        // Each row's token where the GPU drew it. It leaves a row to the host (u32::MAX) where what a top-p or
+        // min-p keeps runs past its head; that row's draw goes back to the sampler, which makes it on the host.
+        let mut tokens: Vec<Option<u32>> = Vec::with_capacity(picks.len());
+        for (pick, &here) in picks.iter_mut().zip(&on_device) {
+            let token = match here {
+                true => Some(drawn.next().expect("one draw per row on the device")),
+                false => None,
+            };
+            if token == Some(u32::MAX) {
+                pick.sampler.return_draw();
+            }
+            tokens.push(token.filter(|&t| t != u32::MAX));
+        }
         // The other rows come out whole and are drawn on the host, in parallel: a row is ~250 K logits, so drawing
         // the rows one after another is the longest part of a step where many rows sample on the host.
         let vocab = self.model.config.vocab_size;
         let mut host_picks: Vec<&mut Pick<'_>> = picks
             .iter_mut()
-            .zip(&on_device)
-            .filter(|(_, &here)| !here)
+            .zip(&tokens)
+            .filter(|(_, token)| token.is_none())
             .map(|(pick, _)| pick)
             .collect();
         self.host_rows.resize(host_picks.len() * vocab, 0.0);
@@ -912,12 +925,9 @@ impl BatchBackend for CudaBatchBackend {
             })
             .collect::<Vec<u32>>()
             .into_iter();
-        let tokens = on_device
-            .iter()
-            .map(|&here| match here {
-                true => drawn.next().expect("one draw per row on the device"),
-                false => on_host.next().expect("one draw per row on the host"),
-            })
+        let tokens = tokens
+            .into_iter()
+            .map(|token| token.unwrap_or_else(|| on_host.next().expect("one draw per row on the host")))
             .collect();
         Ok(tokens)
     }

@@ -1028,7 +1028,14 @@ impl Backend for CudaBackend {
         let row = RowParams::new(sampler.params(), counter);
         self.model.gpu.bind().map_err(device_err)?;
         self.model.enqueue_sample(row, None).map_err(device_err)?;
-        self.model.sampled_token().map_err(device_err)
+        match self.model.sampled_token().map_err(device_err)? {
+            // Left to the host (what a top-p or min-p keeps runs past the GPU's head): the draw is made here.
+            u32::MAX => {
+                sampler.return_draw();
+                Ok(sampler.sample(self.logits()?))
+            }
+            token => Ok(token),
+        }
     }
     /// The mask goes to the GPU (vocab / 8 bytes) and `sample_rows` draws there, instead of the logits coming out.
     fn sample_masked(&mut self, sampler: &mut Sampler, allowed: &[u32]) -> std::result::Result<u32, ForwardError> {
@@ -1041,10 +1048,18 @@ impl Backend for CudaBackend {
         let row = RowParams::new(sampler.params(), counter);
         self.model.gpu.bind().map_err(device_err)?;
         self.model.enqueue_sample(row, Some(allowed)).map_err(device_err)?;
-        self.model.sampled_token().map_err(device_err)
+        match self.model.sampled_token().map_err(device_err)? {
+            u32::MAX => {
+                sampler.return_draw();
+                let mut logits = self.logits()?.to_vec();
+                Ok(sampler.sample_masked(&mut logits, allowed))
+            }
+            token => Ok(token),
+        }
     }
-    /// `sample_rows` draws as `Sampler` does for greedy and for top-k in 1..=SAMPLE_MAX_CANDIDATES; other
-    /// parameters need every token's probability, so `sample` copies the logits out for them.
+    /// `sample_rows` draws as `Sampler` does for greedy, for top-k in 1..=SAMPLE_MAX_CANDIDATES and without a
+    /// top-k (the whole softmax, or a top-p or min-p that ends within the GPU's head of candidates, else the draw
+    /// falls back to the host); a top-k past SAMPLE_MAX_CANDIDATES needs the logits copied out.
     fn samples_on_device(&self, params: &SamplingParams) -> bool {
         sample_rows::on_device(params)
     }

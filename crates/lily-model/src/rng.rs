@@ -45,6 +45,11 @@ impl Rng {
         self.counter
     }
 
+    /// Takes back the last draw (of `advance`, `next_u64` or `uniform`): the next one repeats it.
+    pub fn retreat(&mut self) {
+        self.counter = self.counter.saturating_sub(1);
+    }
+
     pub fn uniform(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
     }

@@ -134,6 +134,12 @@ impl Sampler {
         self.rng.advance()
     }
 
+    /// Gives back the draw [`Sampler::next_draw`] took, for a device that left the row to the host: the next
+    /// `sample` here then makes that draw.
+    pub fn return_draw(&mut self) {
+        self.rng.retreat();
+    }
+
     /// Samples among the tokens the mask allows ([`apply_token_mask`], applied to `logits` in place). The mask
     /// must allow at least one token.
     pub fn sample_masked(&mut self, logits: &mut [f32], allowed: &[u32]) -> u32 {
@@ -165,7 +171,10 @@ impl Sampler {
             c.sort_unstable_by(by_logit_desc);
         } else {
             let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
-            let sum: f64 = c.iter().map(|cand| (cand.1 - max).exp() as f64).sum();
+            // Summed in runs as sample_whole sums, the order the GPU sampler repeats.
+            let sum = c.chunks(WHOLE_RUN).fold(0.0f64, |total, run| {
+                total + run.iter().fold(0.0f64, |sum, cand| sum + (cand.1 - max).exp() as f64)
+            });
             total = Some(sum);
             let mut head = HEAD.min(c.len());
             loop {
@@ -265,13 +274,35 @@ impl Sampler {
     }
 }
 
-/// Tokens a run of [`Sampler::sample_whole`]'s sums: the GPU sampler's `WHOLE_RUN` (kernels/sampling.cu), which
-/// takes a run a thread.
+/// Tokens a run of the softmax's sums over the whole vocabulary ([`Sampler::sample_whole`], and the total of a
+/// top-p or min-p draw without a top-k): the GPU sampler's `WHOLE_RUN` (kernels/sampling.cu), which takes a run a
+/// thread.
 pub const WHOLE_RUN: usize = 256;
 
 /// The tokens a search for what `top_p` and `min_p` keep starts from: a real model's nucleus is almost always
-/// within its few hundred most likely tokens.
-const HEAD: usize = 256;
+/// within its few hundred most likely tokens. The GPU sampler's `SAMPLE_HEAD` is the same: it takes the rows whose
+/// search ends in the first head and leaves the others to the host.
+pub const HEAD: usize = 256;
+
+/// Whether a draw with `params` but no top-k finds what its `top_p` and `min_p` keep among the [`HEAD`] most likely
+/// tokens of `logits` (masked ones at negative infinity): the rows the GPU sampler draws itself; it leaves the
+/// others to the host.
+pub fn kept_within_head(params: &SamplingParams, logits: &[f32]) -> bool {
+    if logits.len() <= HEAD {
+        return true;
+    }
+    let mut c: Vec<(u32, f32)> = (logits.iter().enumerate())
+        .map(|(i, &l)| (i as u32, l / params.temperature))
+        .collect();
+    let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
+    let sum = c.chunks(WHOLE_RUN).fold(0.0f64, |total, run| {
+        total + run.iter().fold(0.0f64, |sum, cand| sum + (cand.1 - max).exp() as f64)
+    });
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    c.select_nth_unstable_by(HEAD - 1, by_logit_desc);
+    c[..HEAD].sort_unstable_by(by_logit_desc);
+    holds_kept(&c[..HEAD], max, sum, params.top_p, params.min_p)
+}
 
 /// Whether `head`, the most likely candidates in order (logits divided by the temperature), holds every candidate
 /// that `top_p` and `min_p` keep, given the largest of all the candidates' scaled logits `max` and the sum `total`

@@ -93,6 +93,9 @@ pub fn defines(c: &Config) -> Vec<(String, String)> {
         ("RMS_EPS".into(), format!("{:e}f", c.rms_norm_eps)),
         ("ATTN_SPLITS".into(), n(ATTN_SPLITS)),
         ("SAMPLE_MAX_CANDIDATES".into(), n(SAMPLE_MAX_CANDIDATES)),
+        // The host sampler's run of sums and head, which the GPU sampler repeats.
+        ("WHOLE_RUN".into(), n(lily_model::sampling::WHOLE_RUN)),
+        ("SAMPLE_HEAD".into(), n(lily_model::sampling::HEAD)),
     ]
 }
 

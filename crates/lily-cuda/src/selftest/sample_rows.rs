@@ -4,7 +4,7 @@
 
 use lily_model::backend::Backend;
 use lily_model::rng::Rng;
-use lily_model::sampling::{Sampler, SamplingParams};
+use lily_model::sampling::{kept_within_head, Sampler, SamplingParams};
 use lily_model::Config;
 
 use super::{normals, Report};
@@ -33,8 +33,9 @@ fn row_logits(rng: &mut Rng, vocab: usize, kind: usize) -> Vec<f32> {
     l
 }
 
-/// Row `i`'s parameters: greedy (by temperature or top-k 1), the whole softmax (no top-k, top-p or min-p), top-k
-/// alone and with top-p and min-p at several temperatures, and top-p or min-p without a top-k (sampled on the host).
+/// Row `i`'s parameters: greedy (by temperature or top-k 1), the whole softmax (no top-k, top-p or min-p), top-p or
+/// min-p without a top-k, a top-k past the GPU's candidates (sampled on the host), and top-k alone and with top-p
+/// and min-p at several temperatures.
 fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
     let pick = |rng: &mut Rng, xs: &[f32]| xs[(rng.next_u64() % xs.len() as u64) as usize];
     let seed = rng.next_u64();
@@ -60,9 +61,15 @@ fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
         4 => SamplingParams {
             temperature,
             top_k: 0,
-            top_p: pick(rng, &[0.95, 0.8]),
-            min_p: pick(rng, &[0.0, 0.05]),
+            top_p: pick(rng, &[1.0, 0.95, 0.8]),
+            min_p: if rng.uniform() < 0.5 { 0.05 } else { 0.0 },
             seed,
+        },
+        5 => SamplingParams {
+            temperature,
+            top_k: crate::kernels::SAMPLE_MAX_CANDIDATES + 36,
+            seed,
+            ..Default::default()
         },
         _ => SamplingParams {
             temperature,
@@ -133,10 +140,13 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
     let mut rng = Rng::new(seed ^ 0x05a3_b1e5);
     let mut sampler_rows = SampleRows::new(gpu, ROWS, vocab)?;
     let logits_dev = gpu.alloc::<f32>(ROWS * vocab)?;
-    let [mut greedy, mut sampled, mut whole, mut masked, mut host_rows]: [Tally; 5] = Default::default();
+    let [mut greedy, mut sampled, mut whole, mut nucleus, mut masked, mut host_rows, mut left]: [Tally; 7] =
+        Default::default();
     let mut distinct = std::collections::BTreeSet::new();
     for _ in 0..ROUNDS {
-        let logits: Vec<Vec<f32>> = (0..ROWS).map(|i| row_logits(&mut rng, vocab, i % 4)).collect();
+        let logits: Vec<Vec<f32>> = (0..ROWS)
+            .map(|i| row_logits(&mut rng, vocab, (i + i / 8) % 4))
+            .collect();
         let params: Vec<SamplingParams> = (0..ROWS).map(|i| row_params(&mut rng, i)).collect();
         let masks: Vec<Option<Vec<u32>>> = (0..ROWS).map(|i| row_mask(&mut rng, vocab, i)).collect();
         let flat: Vec<f32> = logits.iter().flatten().copied().collect();
@@ -182,7 +192,16 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
                 host_rows.add(got[i] == u32::MAX, detail);
                 continue;
             }
+            // A row without a top-k whose top-p or min-p keeps tokens past the head is left to the host, and only
+            // such a row (`row` is masked now, as the host sampler saw it).
+            let cut = !p.is_greedy() && p.top_k == 0 && (p.top_p < 1.0 || p.min_p > 0.0);
+            let past_head = cut && !kept_within_head(p, &row);
+            if got[i] == u32::MAX || past_head {
+                left.add(got[i] == u32::MAX && past_head, detail);
+                continue;
+            }
             let tally: &mut Tally = match (masks[i].is_some(), p.is_greedy()) {
+                _ if cut => &mut nucleus,
                 (true, _) => &mut masked,
                 (false, true) => &mut greedy,
                 (false, false) if p.top_k == 0 => &mut whole,
@@ -197,9 +216,17 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
     greedy.report("sample_rows: greedy rows == argmax (ties: lowest id)", report);
     sampled.report("sample_rows: top-k/top-p/min-p rows == host Sampler", report);
     whole.report("sample_rows: whole-softmax rows (no top-k) == host Sampler", report);
+    nucleus.report(
+        "sample_rows: top-p/min-p rows without a top-k (masked or not) == host Sampler",
+        report,
+    );
+    left.report(
+        "sample_rows: rows whose top-p/min-p runs past the head are left to the host, only those",
+        report,
+    );
     masked.report("sample_rows: masked rows == host Sampler.sample_masked", report);
     host_rows.report(
-        "sample_rows: top-p or min-p rows without a top-k are left to the host",
+        "sample_rows: rows of a top-k past the candidates are left to the host",
         report,
     );
     report.check_eq(
