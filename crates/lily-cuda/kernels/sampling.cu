@@ -172,22 +172,22 @@ __device__ double softmax_total(const float* row, const u32* mask, float tempera
 // then the chosen run's weights. A walk that runs past the end (rounding) takes the argmax. Every thread of the
 // block calls it; thread 0's is the token.
 __device__ int sample_whole_row(const float* row, const u32* mask, float temperature, float mx, float u,
-                                float* warp_best, int* warp_arg) {
-    __shared__ double run_sums[WHOLE_RUNS];
+                                double* run_sums, float* warp_best, int* warp_arg) {
     __shared__ float weights[WHOLE_RUN];
     __shared__ int chosen_run, chosen;
     __shared__ double rest;
     const int t = threadIdx.x;
     const double total = softmax_total(row, mask, temperature, mx, run_sums);
     if (t == 0) {
-        double r = (double)u * total;
+        // Rounded operations throughout, as the CPU's (never contracted into a fused multiply-add).
+        double r = __dmul_rn((double)u, total);
         chosen_run = -1, chosen = -1;
         for (int b = 0; b < WHOLE_RUNS; b++) {
             if (r < run_sums[b]) {
                 chosen_run = b;
                 break;
             }
-            r -= run_sums[b];
+            r = __dsub_rn(r, run_sums[b]);
         }
         rest = r;
     }
@@ -206,7 +206,7 @@ __device__ int sample_whole_row(const float* row, const u32* mask, float tempera
                     chosen = b * WHOLE_RUN + j;
                     break;
                 }
-                r -= w;
+                r = __dsub_rn(r, w);
             }
         }
         __syncthreads();
@@ -279,7 +279,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (mx == INF_F || whole) {
             const int drawn = mx == INF_F ? row_argmax(row, mask, warp_best, warp_arg)
                                           : sample_whole_row(row, mask, temperature, mx,
-                                                             uniform_at(p.seed, 0, p.counter), warp_best, warp_arg);
+                                                             uniform_at(p.seed, 0, p.counter), run_sums, warp_best,
+                                                             warp_arg);
             if (t == 0) out[r] = drawn;
             return;
         }
@@ -339,13 +340,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (t == 0) out[r] = arg;
         return;
     }
+    __syncthreads();  // every thread has read mx before thread 0 overwrites sorted_scaled
     if (t != 0) return;
-    float probs[SAMPLE_SLOTS];
-    int ids[SAMPLE_SLOTS];
+    // Thread 0 alone from here: the sorted candidates turn into their probabilities in place (arrays of its own
+    // would be 2 KB of stack a thread, which the driver reserves for every thread the GPU can hold).
+    float* probs = sorted_scaled;
+    int* ids = sorted_id;
     double total = 0.0;
     for (int i = 0; i < want; i++) {
-        probs[i] = (float)exp((double)__fsub_rn(sorted_scaled[i], mx));
-        ids[i] = sorted_id[i];
+        probs[i] = (float)exp((double)__fsub_rn(probs[i], mx));
         total += (double)probs[i];
     }
     if (nucleus) total = whole_total;  // the candidates' probabilities are their share of the whole softmax

@@ -136,7 +136,7 @@ impl SampleRows {
     }
 
     /// The token of each row of the last `enqueue` (call after synchronising the stream); `u32::MAX` for a row
-    /// whose parameters are not [`on_device`].
+    /// left to the host: its parameters are not [`on_device`], or what its top-p or min-p keeps runs past the head.
     pub fn read(&self) -> Vec<u32> {
         (0..self.rows).map(|i| self.out.read(i) as u32).collect()
     }
