@@ -171,10 +171,7 @@ impl Sampler {
             c.sort_unstable_by(by_logit_desc);
         } else {
             let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
-            // Summed in runs as sample_whole sums, the order the GPU sampler repeats.
-            let sum = c.chunks(WHOLE_RUN).fold(0.0f64, |total, run| {
-                total + run.iter().fold(0.0f64, |sum, cand| sum + (cand.1 - max).exp() as f64)
-            });
+            let sum = softmax_total(c, max);
             total = Some(sum);
             let mut head = HEAD.min(c.len());
             loop {
@@ -284,6 +281,14 @@ pub const WHOLE_RUN: usize = 256;
 /// search ends in the first head and leaves the others to the host.
 pub const HEAD: usize = 256;
 
+/// The sum of `exp(scaled - max)` over the candidates in token order, in f64 over runs of [`WHOLE_RUN`], then the
+/// runs' sums: the order `sample_whole` sums in and the GPU sampler repeats.
+fn softmax_total(candidates: &[(u32, f32)], max: f32) -> f64 {
+    candidates.chunks(WHOLE_RUN).fold(0.0f64, |total, run| {
+        total + run.iter().fold(0.0f64, |sum, cand| sum + (cand.1 - max).exp() as f64)
+    })
+}
+
 /// Whether a draw with `params` but no top-k finds what its `top_p` and `min_p` keep among the [`HEAD`] most likely
 /// tokens of `logits` (masked ones at negative infinity): the rows the GPU sampler draws itself; it leaves the
 /// others to the host.
@@ -295,9 +300,7 @@ pub fn kept_within_head(params: &SamplingParams, logits: &[f32]) -> bool {
         .map(|(i, &l)| (i as u32, l / params.temperature))
         .collect();
     let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
-    let sum = c.chunks(WHOLE_RUN).fold(0.0f64, |total, run| {
-        total + run.iter().fold(0.0f64, |sum, cand| sum + (cand.1 - max).exp() as f64)
-    });
+    let sum = softmax_total(&c, max);
     let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     c.select_nth_unstable_by(HEAD - 1, by_logit_desc);
     c[..HEAD].sort_unstable_by(by_logit_desc);
@@ -401,6 +404,21 @@ mod tests {
             assert!((freq - expected).abs() < 0.03, "token {token}: {freq}");
         }
         assert!(draws.iter().all(|t| tokens.contains(&(*t as usize))));
+    }
+
+    #[test]
+    fn kept_within_head_finds_peaked_nuclei_only() {
+        let p = |top_p, min_p| params(1.0, 0, top_p, min_p);
+        let mut peaked = vec![0.0f32; 5000];
+        peaked[1234] = 20.0;
+        assert!(kept_within_head(&p(0.9, 0.0), &peaked));
+        assert!(kept_within_head(&p(1.0, 0.05), &peaked));
+        // A flat softmax keeps 90% of 5,000 tokens, and every token is above 5% of the largest.
+        let flat = vec![0.0f32; 5000];
+        assert!(!kept_within_head(&p(0.9, 0.0), &flat));
+        assert!(!kept_within_head(&p(1.0, 0.05), &flat));
+        // A vocabulary no longer than the head is all inside it.
+        assert!(kept_within_head(&p(0.9, 0.0), &flat[..HEAD]));
     }
 
     /// The sampler as it was before its head search: every candidate sorted, for every draw.
