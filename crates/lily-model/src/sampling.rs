@@ -159,26 +159,21 @@ impl Sampler {
         let c = &mut self.candidates;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         // The candidates in order, most likely first: the `top_k`, or, without a top-k, the shortest run of the
         // most likely that holds what `top_p` and `min_p` keep. That run is found by sorting a head of the
         // vocabulary, eight times longer each time it falls short, rather than sorting the whole vocabulary for
         // every token (on the host, most of a sampled step's time).
         let mut total = None;
         if !whole {
-            c.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            sort_head(c, p.top_k);
             c.truncate(p.top_k);
-            c.sort_unstable_by(by_logit_desc);
         } else {
             let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
             let sum = softmax_total(c, max);
             total = Some(sum);
             let mut head = HEAD.min(c.len());
             loop {
-                if head < c.len() {
-                    c.select_nth_unstable_by(head - 1, by_logit_desc);
-                }
-                c[..head].sort_unstable_by(by_logit_desc);
+                sort_head(c, head);
                 if head == c.len() || holds_kept(&c[..head], max, sum, p.top_p, p.min_p) {
                     c.truncate(head);
                     break;
@@ -281,6 +276,16 @@ pub const WHOLE_RUN: usize = 256;
 /// search ends in the first head and leaves the others to the host.
 pub const HEAD: usize = 256;
 
+/// Puts the `head` most likely candidates first, in order: the larger scaled logit first, then the lower id (the GPU
+/// sampler's candidate keys rank them the same way).
+fn sort_head(candidates: &mut [(u32, f32)], head: usize) {
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if head < candidates.len() {
+        candidates.select_nth_unstable_by(head - 1, by_logit_desc);
+    }
+    candidates[..head].sort_unstable_by(by_logit_desc);
+}
+
 /// The sum of `exp(scaled - max)` over the candidates in token order, in f64 over runs of [`WHOLE_RUN`], then the
 /// runs' sums: the order `sample_whole` sums in and the GPU sampler repeats.
 fn softmax_total(candidates: &[(u32, f32)], max: f32) -> f64 {
@@ -301,9 +306,7 @@ pub fn kept_within_head(params: &SamplingParams, logits: &[f32]) -> bool {
         .collect();
     let max = c.iter().map(|cand| cand.1).fold(f32::NEG_INFINITY, f32::max);
     let sum = softmax_total(&c, max);
-    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    c.select_nth_unstable_by(HEAD - 1, by_logit_desc);
-    c[..HEAD].sort_unstable_by(by_logit_desc);
+    sort_head(&mut c, HEAD);
     holds_kept(&c[..HEAD], max, sum, params.top_p, params.min_p)
 }
 
