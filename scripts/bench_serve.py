@@ -129,6 +129,7 @@ def main():
     ap.add_argument("--vocab-high", type=int, default=150000)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=None, help="top_p of every request (default: left out)")
+    ap.add_argument("--top-k", type=int, default=None, help="top_k of every request (default: left out)")
     ap.add_argument("--no-max-tokens", action="store_true",
                     help="send no max_tokens and honour end-of-sequence, as clients that leave it out do: requests "
                          "then end at a --stop string, an end-of-sequence token or the end of the context")
@@ -159,6 +160,8 @@ def main():
         }
         if args.top_p is not None:
             body["top_p"] = args.top_p
+        if args.top_k is not None:
+            body["top_k"] = args.top_k
         if args.stop:
             body["stop"] = args.stop
         if args.no_max_tokens:

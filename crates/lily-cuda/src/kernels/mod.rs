@@ -64,8 +64,9 @@ pub const FILES: &[KernelFile<'static>] = &[
 
 /// Parts each KV head's context is split into by the attention decode kernel.
 pub const ATTN_SPLITS: usize = 256;
-/// Most candidates the sampler considers (see sampling.cu).
-pub const SAMPLE_MAX_CANDIDATES: usize = 64;
+/// Most candidates the sampler considers, the largest top-k it draws (see sampling.cu): the host sampler's head, so
+/// a top-k row takes the candidate slots a top-p row does.
+pub const SAMPLE_MAX_CANDIDATES: usize = lily_model::sampling::HEAD;
 
 /// The `-D` defines that specialise the kernels to a model.
 pub fn defines(c: &Config) -> Vec<(String, String)> {

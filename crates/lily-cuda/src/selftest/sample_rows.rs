@@ -40,7 +40,7 @@ fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
     let pick = |rng: &mut Rng, xs: &[f32]| xs[(rng.next_u64() % xs.len() as u64) as usize];
     let seed = rng.next_u64();
     let temperature = pick(rng, &[0.3, 0.7, 1.0, 1.5]);
-    let top_k = [2usize, 5, 10, 40, 64][(rng.next_u64() % 5) as usize];
+    let top_k = [2usize, 5, 10, 40, 64, 200, crate::kernels::SAMPLE_MAX_CANDIDATES][(rng.next_u64() % 7) as usize];
     match i % 8 {
         0 => SamplingParams {
             seed,
