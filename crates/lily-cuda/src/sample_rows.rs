@@ -141,3 +141,29 @@ impl SampleRows {
         (0..self.rows).map(|i| self.out.read(i) as u32).collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::on_device;
+    use lily_model::sampling::{SamplingParams, HEAD};
+
+    #[test]
+    fn the_gpu_draws_top_k_rows_up_to_the_host_samplers_head() {
+        let sampled = |top_k| SamplingParams {
+            temperature: 1.0,
+            top_k,
+            ..Default::default()
+        };
+        assert!(on_device(&SamplingParams::default()), "greedy");
+        for top_k in [0, 1, 64, 65, 200, HEAD] {
+            assert!(on_device(&sampled(top_k)), "top_k {top_k}");
+        }
+        assert!(!on_device(&sampled(HEAD + 1)), "a top_k past the head goes to the host");
+        // A top-k of 1 is greedy whatever the temperature.
+        assert!(on_device(&SamplingParams {
+            top_k: 1,
+            temperature: 2.0,
+            ..Default::default()
+        }));
+    }
+}
