@@ -240,12 +240,12 @@ impl Sampler {
         let drawn = WEIGHTS.with_borrow_mut(|weights| {
             weights.clear();
             weights.extend(logits.iter().map(|&l| (l / temperature - max).exp()));
-            let sums: Vec<f64> = (weights.chunks(WHOLE_RUN))
-                .map(|run| run.iter().fold(0.0f64, |sum, &w| sum + w as f64))
-                .collect();
-            let total = sums.iter().fold(0.0f64, |total, &sum| total + sum);
+            let runs = || weights.chunks(WHOLE_RUN);
+            let total = runs().fold(0.0f64, |total, run| total + run_sum(run.iter().copied()));
             let mut r = rng.uniform() as f64 * total;
-            for (i, (run, &sum)) in weights.chunks(WHOLE_RUN).zip(&sums).enumerate() {
+            // Each run's sum again on the walk (the same additions, so the same bits), rather than kept per draw.
+            for (i, run) in runs().enumerate() {
+                let sum = run_sum(run.iter().copied());
                 if r < sum {
                     for (j, &w) in run.iter().enumerate() {
                         let w = w as f64;
@@ -286,11 +286,16 @@ fn sort_head(candidates: &mut [(u32, f32)], head: usize) {
     candidates[..head].sort_unstable_by(by_logit_desc);
 }
 
+/// A run's weights summed in f64 in order, as a thread of the GPU sampler sums its run.
+fn run_sum(weights: impl Iterator<Item = f32>) -> f64 {
+    weights.fold(0.0f64, |sum, w| sum + w as f64)
+}
+
 /// The sum of `exp(scaled - max)` over the candidates in token order, in f64 over runs of [`WHOLE_RUN`], then the
 /// runs' sums: the order `sample_whole` sums in and the GPU sampler repeats.
 fn softmax_total(candidates: &[(u32, f32)], max: f32) -> f64 {
     candidates.chunks(WHOLE_RUN).fold(0.0f64, |total, run| {
-        total + run.iter().fold(0.0f64, |sum, cand| sum + (cand.1 - max).exp() as f64)
+        total + run_sum(run.iter().map(|cand| (cand.1 - max).exp()))
     })
 }
 
