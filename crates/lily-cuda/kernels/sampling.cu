@@ -95,11 +95,10 @@ struct SampleRow {
 // thread a run.
 #define WHOLE_RUNS ((VOCAB + WHOLE_RUN - 1) / WHOLE_RUN)
 static_assert(WHOLE_RUNS <= SAMPLE_THREADS, "a thread sums a run");
-// SAMPLE_HEAD (a -D define from lily_model::sampling::HEAD): the most likely tokens a top-p or min-p draw without a
-// top-k looks among; where what they keep does not end inside them, the row is left to the host, which looks
-// further.
-#define SAMPLE_SLOTS (SAMPLE_HEAD > SAMPLE_MAX_CANDIDATES ? SAMPLE_HEAD : SAMPLE_MAX_CANDIDATES)
-static_assert(SAMPLE_SLOTS <= SAMPLE_THREADS, "a thread a candidate when they are ranked");
+// SAMPLE_HEAD (a -D define from lily_model::sampling::HEAD): the candidate slots, so the largest top-k drawn here,
+// and the most likely tokens a top-p or min-p draw without a top-k looks among; where what they keep does not end
+// inside them, the row is left to the host, which looks further.
+static_assert(SAMPLE_HEAD <= SAMPLE_THREADS, "a thread a candidate when they are ranked");
 // u32 words of one allowed-token bitmask: bit t % 32 of word t / 32 allows token t.
 #define MASK_WORDS ((VOCAB + 31) / 32)
 
@@ -219,13 +218,13 @@ __device__ int sample_whole_row(const float* row, const u32* mask, float tempera
 // [*][VOCAB]) with the row's parameters and its allowed-token bitmask (row `mask_row` of `masks`, [*][MASK_WORDS])
 // applied before anything else, into `out[r]`.
 // The draw is the CPU sampler's (lily_model::sampling::Sampler) step by step: greedy is the argmax; otherwise the
-// logits are divided by the temperature, the top_k (1..=SAMPLE_MAX_CANDIDATES) largest are found by a radix select
+// logits are divided by the temperature, the top_k (1..=SAMPLE_HEAD) largest are found by a radix select
 // over the candidate keys, sorted, turned into probabilities (exp in double rounded to float, a double total),
 // cut by top-p then min-p, and the uniform hash3(seed, 0, counter) picks among them with the CPU's f32 arithmetic.
 // A row with no top-k (0, or the whole vocabulary), top-p or min-p draws from the whole softmax (sample_whole_row).
 // A row with top-p or min-p but no top-k takes the SAMPLE_HEAD most likely tokens as its candidates and the whole
 // softmax's total (softmax_total), as the CPU sampler does when what top-p and min-p keep ends inside its first
-// head; where it does not, the row is left to the host. A row with a top_k beyond SAMPLE_MAX_CANDIDATES is too.
+// head; where it does not, the row is left to the host. A row with a top_k beyond SAMPLE_HEAD is too.
 // A row left to the host has out -1.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* logits, const SampleRow* rows, const u32* masks, int* out) {
@@ -234,10 +233,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ u64 prefix, prefix_mask;
     __shared__ u32 remaining, taken;
     __shared__ bool resolved;
-    __shared__ u64 cand_key[SAMPLE_SLOTS];
-    __shared__ float cand_scaled[SAMPLE_SLOTS];
-    __shared__ float sorted_scaled[SAMPLE_SLOTS];
-    __shared__ int sorted_id[SAMPLE_SLOTS];
+    __shared__ u64 cand_key[SAMPLE_HEAD];
+    __shared__ float cand_scaled[SAMPLE_HEAD];
+    __shared__ float sorted_scaled[SAMPLE_HEAD];
+    __shared__ int sorted_id[SAMPLE_HEAD];
     __shared__ double run_sums[WHOLE_RUNS];
     __shared__ float warp_best[SAMPLE_THREADS / WARP];
     __shared__ int warp_arg[SAMPLE_THREADS / WARP];
@@ -252,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     const bool no_top_k = p.top_k == 0 || p.top_k >= VOCAB;
     const bool whole = no_top_k && p.top_p >= 1.f && p.min_p <= 0.f, nucleus = no_top_k && !whole;
-    if (!no_top_k && (p.top_k < 1 || p.top_k > SAMPLE_MAX_CANDIDATES)) {
+    if (!no_top_k && (p.top_k < 1 || p.top_k > SAMPLE_HEAD)) {
         if (t == 0) out[r] = -1;
         return;
     }

@@ -1057,9 +1057,9 @@ impl Backend for CudaBackend {
             token => Ok(token),
         }
     }
-    /// `sample_rows` draws as `Sampler` does for greedy, for top-k in 1..=SAMPLE_MAX_CANDIDATES and without a
+    /// `sample_rows` draws as `Sampler` does for greedy, for top-k in 1..=HEAD (the host sampler's) and without a
     /// top-k (the whole softmax, or a top-p or min-p that ends within the GPU's head of candidates, else the draw
-    /// falls back to the host); a top-k past SAMPLE_MAX_CANDIDATES needs the logits copied out.
+    /// falls back to the host); a top-k past HEAD needs the logits copied out.
     fn samples_on_device(&self, params: &SamplingParams) -> bool {
         sample_rows::on_device(params)
     }

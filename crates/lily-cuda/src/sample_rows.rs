@@ -2,22 +2,21 @@
 //! parameters and allowed-token masks, and the chosen tokens in pinned host memory.
 //!
 //! A row draws on the GPU exactly as `lily_model::sampling::Sampler` would on the host when [`on_device`] holds
-//! (greedy, a top-k of at most `SAMPLE_MAX_CANDIDATES`, or no top-k); for other parameters (a larger top-k) the
+//! (greedy, a top-k of at most `lily_model::sampling::HEAD`, or no top-k); for other parameters (a larger top-k) the
 //! caller copies the row's logits out and samples it on the host. A row with a top-p or min-p but no top-k whose
 //! kept tokens run past the GPU's head of candidates (`lily_model::sampling::HEAD`, rare: a nearly flat softmax)
 //! comes back as `u32::MAX`: the caller gives the draw back (`Sampler::return_draw`) and samples it on the host.
 
-use lily_model::sampling::SamplingParams;
+use lily_model::sampling::{SamplingParams, HEAD};
 
 use crate::driver::{DevBuf, DevPtr, Gpu, GpuError, HostBuf, Result};
 use crate::kernels::sampling::{self, RowParams};
-use crate::kernels::SAMPLE_MAX_CANDIDATES;
 use crate::launch::{Dims, Launcher};
 
 /// Whether `sample_rows` takes a row with `params`: it draws it as the host `Sampler` would, or (a top-p or min-p
 /// past its head) leaves it to the host with `u32::MAX`.
 pub fn on_device(params: &SamplingParams) -> bool {
-    params.is_greedy() || (0..=SAMPLE_MAX_CANDIDATES).contains(&params.top_k)
+    params.is_greedy() || (0..=HEAD).contains(&params.top_k)
 }
 
 /// The batched sampler's buffers for up to `max_rows` rows of `vocab` logits.

@@ -64,9 +64,6 @@ pub const FILES: &[KernelFile<'static>] = &[
 
 /// Parts each KV head's context is split into by the attention decode kernel.
 pub const ATTN_SPLITS: usize = 256;
-/// Most candidates the sampler considers, the largest top-k it draws (see sampling.cu): the host sampler's head, so
-/// a top-k row takes the candidate slots a top-p row does.
-pub const SAMPLE_MAX_CANDIDATES: usize = lily_model::sampling::HEAD;
 
 /// The `-D` defines that specialise the kernels to a model.
 pub fn defines(c: &Config) -> Vec<(String, String)> {
@@ -93,8 +90,8 @@ pub fn defines(c: &Config) -> Vec<(String, String)> {
         ("SHARED_INTER".into(), n(c.shared_expert_intermediate_size)),
         ("RMS_EPS".into(), format!("{:e}f", c.rms_norm_eps)),
         ("ATTN_SPLITS".into(), n(ATTN_SPLITS)),
-        ("SAMPLE_MAX_CANDIDATES".into(), n(SAMPLE_MAX_CANDIDATES)),
-        // The host sampler's run of sums and head, which the GPU sampler repeats.
+        // The host sampler's run of sums and head, which the GPU sampler repeats (the head is also its candidate
+        // slots, so the largest top-k it draws).
         ("WHOLE_RUN".into(), n(lily_model::sampling::WHOLE_RUN)),
         ("SAMPLE_HEAD".into(), n(lily_model::sampling::HEAD)),
     ]

@@ -4,7 +4,7 @@
 
 use lily_model::backend::Backend;
 use lily_model::rng::Rng;
-use lily_model::sampling::{kept_within_head, Sampler, SamplingParams};
+use lily_model::sampling::{kept_within_head, Sampler, SamplingParams, HEAD};
 use lily_model::Config;
 
 use super::{normals, Report};
@@ -40,7 +40,7 @@ fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
     let pick = |rng: &mut Rng, xs: &[f32]| xs[(rng.next_u64() % xs.len() as u64) as usize];
     let seed = rng.next_u64();
     let temperature = pick(rng, &[0.3, 0.7, 1.0, 1.5]);
-    let top_k = [2usize, 5, 10, 40, 64, 200, crate::kernels::SAMPLE_MAX_CANDIDATES][(rng.next_u64() % 7) as usize];
+    let top_k = [2usize, 5, 10, 40, 64, 200, HEAD][(rng.next_u64() % 7) as usize];
     match i % 8 {
         0 => SamplingParams {
             seed,
@@ -67,7 +67,7 @@ fn row_params(rng: &mut Rng, i: usize) -> SamplingParams {
         },
         5 => SamplingParams {
             temperature,
-            top_k: crate::kernels::SAMPLE_MAX_CANDIDATES + 36,
+            top_k: HEAD + 36,
             seed,
             ..Default::default()
         },
