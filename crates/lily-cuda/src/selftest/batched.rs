@@ -258,12 +258,14 @@ pub fn check(
             unexplained = unexplained.max(gap);
         }
     }
-    // Near-ties are rare: most sequences must give the same tokens in the batch as alone.
+    // Near-ties are rare: most sequences must give the same tokens in the batch as alone. On the default model's
+    // random prompts 2 to 9 of 64 sequences part at some near-tie within their 12 tokens (seeds 5, 7, 9, 11, 13),
+    // so a quarter is far past chance; rows wrong by a little everywhere would part far more often.
     report.check_eq(
         &format!("batched backend: {count} sequences (prompts 1 ..= {longest}) vs each alone"),
-        unexplained == 0.0 && 8 * same >= 7 * count,
+        unexplained == 0.0 && 4 * same >= 3 * count,
         &format!(
-            "{same} of {count} gave identical greedy tokens (at least 7 in 8 must); where not, the two choices were \
+            "{same} of {count} gave identical greedy tokens (at least 3 in 4 must); where not, the two choices were \
              {worst_gap:.1e} apart (a near-tie: <= {NEAR_TIE:.0e} of the largest logit, or a routing near-tie of the \
              CPU's with both runs within {FLIPPED_EXPERT:.0e} of the CPU; {unexplained:.1e} was neither)"
         ),
