@@ -88,6 +88,19 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
+// Four 8 x 8 matrices of 16-bit elements from shared memory (lane L gives the address of row L % 8 of matrix L / 8,
+// 16 contiguous bytes); register i of lane L holds the 32-bit word L % 4 of row L / 4 of matrix i, or with `trans`
+// of the transposed matrix. The word view also serves 32-bit (tf32) fragments: row L / 4, word L % 4.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
 // The same for bytes a kernel reads once (the experts' weights in a batched step): L2 is asked to evict them before
 // other lines, so they pass through without pushing out what the step reads again soon (the dense products' weights,
 // which each row tile reads, and the activations).

@@ -134,6 +134,35 @@ __device__ __forceinline__ void store_c(float* tile, int r0, int c0, const float
     *(float2*)&tile[at<WIDTH>(r0 + g + 8, c0 + 2 * t)] = make_float2(round_tf32(d[2] * scale), round_tf32(d[3] * scale));
 }
 
+// The fragments the state pass reads most, by ldmatrix: one instruction for what load_a or two load_b_transposed
+// read in eight or four. A 16-byte run of a swizzled row is 4 consecutive columns, and the 8 rows of a matrix fall
+// in 8 different runs of banks.
+// The A fragment of rows r0.., columns k0.. of A = tile, as load_a reads it.
+template <int WIDTH>
+__device__ __forceinline__ void load_a_ldsm(u32 (&a)[4], const float* tile, int r0, int k0) {
+    const int lane = threadIdx.x % WARP;
+    const int r = r0 + (lane & 7) + 8 * ((lane >> 3) & 1), c = k0 + 4 * (lane >> 4);
+    ldmatrix_x4(a, (u32)__cvta_generic_to_shared(tile + at<WIDTH>(r, c)));
+}
+// The B fragments of rows k0.., columns n0.. (b[0], b[1]) and n0 + 8.. (b[2], b[3]) of B = tile^T, as two
+// load_b_transposed read them.
+template <int WIDTH>
+__device__ __forceinline__ void load_b2_ldsm(u32 (&b)[4], const float* tile, int k0, int n0) {
+    const int lane = threadIdx.x % WARP;
+    const int r = n0 + (lane & 7) + 8 * ((lane >> 4) & 1), c = k0 + 4 * ((lane >> 3) & 1);
+    ldmatrix_x4(b, (u32)__cvta_generic_to_shared(tile + at<WIDTH>(r, c)));
+}
+// Stores the accumulator tile of rows r0.., columns c0.. times `scale`, rounded to tf32, transposed: element
+// (r, c) at row c, column r of `tile`.
+template <int WIDTH>
+__device__ __forceinline__ void store_c_transposed(float* tile, int r0, int c0, const float (&d)[4], float scale) {
+    const int g = frag_g(), t = frag_t();
+    tile[at<WIDTH>(c0 + 2 * t, r0 + g)] = round_tf32(d[0] * scale);
+    tile[at<WIDTH>(c0 + 2 * t + 1, r0 + g)] = round_tf32(d[1] * scale);
+    tile[at<WIDTH>(c0 + 2 * t, r0 + g + 8)] = round_tf32(d[2] * scale);
+    tile[at<WIDTH>(c0 + 2 * t + 1, r0 + g + 8)] = round_tf32(d[3] * scale);
+}
+
 // Copies a [ROWS][WIDTH] f32 block (rows `stride` floats apart) into a swizzled tile, 16 bytes per cp.async.
 template <int ROWS, int WIDTH>
 __device__ __forceinline__ void copy_tile(float* tile, const float* src, int stride) {
@@ -446,11 +475,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     float* ts = ks + 2 * CHUNK * DK;    // [CHUNK][CHUNK] T
     float* ps = ts + CHUNK * CHUNK;     // [CHUNK][CHUNK] P
     float* vs = ps + CHUNK * CHUNK;     // [CHUNK][COLS] v
-    float* xs = vs + CHUNK * COLS;      // [CHUNK][COLS] X
-    float* vps = xs + CHUNK * COLS;     // [CHUNK][COLS] V'
-    float* vds = vps + CHUNK * COLS;    // [CHUNK][COLS] e^(c_last - c_s) V'_s
-    float* vcs = vds + CHUNK * COLS;    // [CHUNK][COLS] e^(c_p - c_s) V'_s up to a cut's row p, zero after
-    float* ss = vcs + CHUNK * COLS;     // [DK][COLS] S, tf32
+    // The operands read as B are kept transposed (a row per column of the state), so that ldmatrix reads them.
+    float* xs = vs + CHUNK * COLS;      // [COLS][CHUNK] X^T
+    float* vps = xs + CHUNK * COLS;     // [COLS][CHUNK] V'^T
+    float* vds = vps + CHUNK * COLS;    // [COLS][CHUNK] (e^(c_last - c_s) V'_s)^T
+    float* vcs = vds + CHUNK * COLS;    // [COLS][CHUNK] (e^(c_p - c_s) V'_s)^T up to a cut's row p, zero after
+    float* ss = vcs + CHUNK * COLS;     // [COLS][DK] S^T, tf32
     float* decay_s = ss + DK * COLS;    // [2][CHUNK] c, by chunk parity
     float* beta_s = decay_s + 2 * CHUNK;  // [2][CHUNK] beta, by chunk parity
     const int chunks = (t + CHUNK - 1) / CHUNK, padded = chunks * CHUNK;
@@ -503,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
         s_rows[n][1] = lo.y;
         s_rows[n][2] = hi.x;
         s_rows[n][3] = hi.y;
-        store_c<COLS>(ss, 16 * warp, 8 * n, s_rows[n], 1.f);
+        store_c_transposed<DK>(ss, 16 * warp, 8 * n, s_rows[n], 1.f);
     }
     load_k(0);
     load_q(0);
@@ -532,12 +562,13 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 #pragma unroll 4
             for (int k0 = 0; k0 < DK; k0 += 8) {
                 u32 a[4];
-                load_a<DK>(a, rows, m0, k0);
+                load_a_ldsm<DK>(a, rows, m0, k0);
 #pragma unroll
-                for (int j = 0; j < COLS / 8; j++) {
-                    u32 b[2];
-                    load_b<COLS>(b, ss, k0, 8 * j);
-                    mma_tf32(acc[j], a, b);
+                for (int j = 0; j < COLS / 8; j += 2) {
+                    u32 b[4];
+                    load_b2_ldsm<DK>(b, ss, k0, 8 * j);
+                    mma_tf32(acc[j], a, {b[0], b[1]});
+                    mma_tf32(acc[j + 1], a, {b[2], b[3]});
                 }
             }
         }
@@ -564,10 +595,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 for (int j = 0; j < COLS / 8; j++) {
                     const float2 v0 = *(const float2*)&vs[at<COLS>(r0, 8 * j + t2)];
                     const float2 v1 = *(const float2*)&vs[at<COLS>(r1, 8 * j + t2)];
-                    *(float2*)&xs[at<COLS>(r0, 8 * j + t2)] = make_float2(round_tf32(b0 * (v0.x - e0 * acc[j][0])),
-                                                                           round_tf32(b0 * (v0.y - e0 * acc[j][1])));
-                    *(float2*)&xs[at<COLS>(r1, 8 * j + t2)] = make_float2(round_tf32(b1 * (v1.x - e1 * acc[j][2])),
-                                                                           round_tf32(b1 * (v1.y - e1 * acc[j][3])));
+                    xs[at<CHUNK>(8 * j + t2, r0)] = round_tf32(b0 * (v0.x - e0 * acc[j][0]));
+                    xs[at<CHUNK>(8 * j + t2 + 1, r0)] = round_tf32(b0 * (v0.y - e0 * acc[j][1]));
+                    xs[at<CHUNK>(8 * j + t2, r1)] = round_tf32(b1 * (v1.x - e1 * acc[j][2]));
+                    xs[at<CHUNK>(8 * j + t2 + 1, r1)] = round_tf32(b1 * (v1.y - e1 * acc[j][3]));
                 }
             }
         }
@@ -582,22 +613,19 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
             const int n0 = 16 * (warp / 4);
             float vacc[2][4] = {};
             for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-                u32 a[4];
-                load_a<CHUNK>(a, ts, m0, k0);
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    u32 b[2];
-                    load_b<COLS>(b, xs, k0, n0 + 8 * j);
-                    mma_tf32(vacc[j], a, b);
-                }
+                u32 a[4], b[4];
+                load_a_ldsm<CHUNK>(a, ts, m0, k0);
+                load_b2_ldsm<CHUNK>(b, xs, k0, n0);
+                mma_tf32(vacc[0], a, {b[0], b[1]});
+                mma_tf32(vacc[1], a, {b[2], b[3]});
             }
             const float last = c[CHUNK - 1];
             const float w0 = expf(last - c[m0 + g]), w1 = expf(last - c[m0 + g + 8]);
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                store_c<COLS>(vps, m0, n0 + 8 * j, vacc[j], 1.f);
+                store_c_transposed<CHUNK>(vps, m0, n0 + 8 * j, vacc[j], 1.f);
                 const float scaled[4] = {vacc[j][0] * w0, vacc[j][1] * w0, vacc[j][2] * w1, vacc[j][3] * w1};
-                store_c<COLS>(vds, m0, n0 + 8 * j, scaled, 1.f);
+                store_c_transposed<CHUNK>(vds, m0, n0 + 8 * j, scaled, 1.f);
             }
             if (cut_here) {
                 const float at_cut = c[cut_rows - 1];
@@ -607,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     const float scaled[4] = {vacc[j][0] * u0, vacc[j][1] * u0, vacc[j][2] * u1, vacc[j][3] * u1};
-                    store_c<COLS>(vcs, m0, n0 + 8 * j, scaled, 1.f);
+                    store_c_transposed<CHUNK>(vcs, m0, n0 + 8 * j, scaled, 1.f);
                 }
             }
         }
@@ -620,12 +648,13 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
         if (warp < 4) {
             for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
                 u32 a[4];
-                load_a<CHUNK>(a, ps, m0, k0);
+                load_a_ldsm<CHUNK>(a, ps, m0, k0);
 #pragma unroll
-                for (int j = 0; j < COLS / 8; j++) {
-                    u32 b[2];
-                    load_b<COLS>(b, vps, k0, 8 * j);
-                    mma_tf32(acc[j], a, b);
+                for (int j = 0; j < COLS / 8; j += 2) {
+                    u32 b[4];
+                    load_b2_ldsm<CHUNK>(b, vps, k0, 8 * j);
+                    mma_tf32(acc[j], a, {b[0], b[1]});
+                    mma_tf32(acc[j + 1], a, {b[2], b[3]});
                 }
             }
             const int tok = n * CHUNK + m0 + g;
@@ -649,10 +678,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 u32 a[4];
                 load_a_transposed<DK>(a, kt, 16 * warp, k0);
 #pragma unroll
-                for (int j = 0; j < COLS / 8; j++) {
-                    u32 b[2];
-                    load_b<COLS>(b, vcs, k0, 8 * j);
-                    mma_tf32(at_cut[j], a, b);
+                for (int j = 0; j < COLS / 8; j += 2) {
+                    u32 b[4];
+                    load_b2_ldsm<CHUNK>(b, vcs, k0, 8 * j);
+                    mma_tf32(at_cut[j], a, {b[0], b[1]});
+                    mma_tf32(at_cut[j + 1], a, {b[2], b[3]});
                 }
             }
             f16* cut_block = (first_here ? cut_state : cut_state2) + (size_t)head * DK * DV + col0;
@@ -674,14 +704,15 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 u32 a[4];
                 load_a_transposed<DK>(a, kt, 16 * warp, k0);
 #pragma unroll
-                for (int j = 0; j < COLS / 8; j++) {
-                    u32 b[2];
-                    load_b<COLS>(b, vds, k0, 8 * j);
-                    mma_tf32(s_rows[j], a, b);
+                for (int j = 0; j < COLS / 8; j += 2) {
+                    u32 b[4];
+                    load_b2_ldsm<CHUNK>(b, vds, k0, 8 * j);
+                    mma_tf32(s_rows[j], a, {b[0], b[1]});
+                    mma_tf32(s_rows[j + 1], a, {b[2], b[3]});
                 }
             }
 #pragma unroll
-            for (int j = 0; j < COLS / 8; j++) store_c<COLS>(ss, 16 * warp, 8 * j, s_rows[j], 1.f);
+            for (int j = 0; j < COLS / 8; j++) store_c_transposed<DK>(ss, 16 * warp, 8 * j, s_rows[j], 1.f);
         }
         __syncthreads();
         load_p(n + 1);

@@ -124,12 +124,6 @@ __device__ __forceinline__ void cp_async_ca(u32 dst, const void* src, u32 bytes)
                  : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
     u32 d;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
