@@ -90,6 +90,14 @@ __device__ __forceinline__ int at(int r, int c) {
     return r * WIDTH + (c ^ (((r & 3) << 3) | (r & 4)));
 }
 
+// The state pass keeps the operands it reads as B (S, X, V' and V''s scaled copies) transposed, a row per column
+// of the state, written by scalar stores whose lanes span 4 rows 2 apart by 8 columns and read only by ldmatrix
+// (8 rows by 4 columns). Their columns are XOR-swizzled by 4 (row % 8), which keeps both ways conflict-free.
+template <int WIDTH>
+__device__ __forceinline__ int at_t(int r, int c) {
+    return r * WIDTH + (c ^ ((r & 7) << 2));
+}
+
 // Fragment coordinates of this lane: row group g (0..7) and column pair / k index t (0..3).
 __device__ __forceinline__ int frag_g() { return (threadIdx.x % WARP) / 4; }
 __device__ __forceinline__ int frag_t() { return threadIdx.x % 4; }
@@ -119,13 +127,6 @@ __device__ __forceinline__ void load_b(u32 (&b)[2], const float* tile, int k0, i
     b[0] = __float_as_uint(tile[at<WIDTH>(k0 + t, n0 + g)]);
     b[1] = __float_as_uint(tile[at<WIDTH>(k0 + t + 4, n0 + g)]);
 }
-// The B fragment of rows k0.., columns n0.. of B = tile^T.
-template <int WIDTH>
-__device__ __forceinline__ void load_b_transposed(u32 (&b)[2], const float* tile, int k0, int n0) {
-    const int g = frag_g(), t = frag_t();
-    b[0] = __float_as_uint(tile[at<WIDTH>(n0 + g, k0 + t)]);
-    b[1] = __float_as_uint(tile[at<WIDTH>(n0 + g, k0 + t + 4)]);
-}
 // Stores the accumulator tile of rows r0.., columns c0.. times `scale`, rounded to tf32.
 template <int WIDTH>
 __device__ __forceinline__ void store_c(float* tile, int r0, int c0, const float (&d)[4], float scale) {
@@ -134,9 +135,8 @@ __device__ __forceinline__ void store_c(float* tile, int r0, int c0, const float
     *(float2*)&tile[at<WIDTH>(r0 + g + 8, c0 + 2 * t)] = make_float2(round_tf32(d[2] * scale), round_tf32(d[3] * scale));
 }
 
-// The fragments the state pass reads most, by ldmatrix: one instruction for what load_a or two load_b_transposed
-// read in eight or four. A 16-byte run of a swizzled row is 4 consecutive columns, and the 8 rows of a matrix fall
-// in 8 different runs of banks.
+// Fragments by ldmatrix, one instruction for four scalar loads: ldmatrix's 16-byte rows are runs of 4 consecutive
+// columns of a swizzled row, and the 8 rows of one of its matrices fall in 8 different runs of banks.
 // The A fragment of rows r0.., columns k0.. of A = tile, as load_a reads it.
 template <int WIDTH>
 __device__ __forceinline__ void load_a_ldsm(u32 (&a)[4], const float* tile, int r0, int k0) {
@@ -144,33 +144,37 @@ __device__ __forceinline__ void load_a_ldsm(u32 (&a)[4], const float* tile, int 
     const int r = r0 + (lane & 7) + 8 * ((lane >> 3) & 1), c = k0 + 4 * (lane >> 4);
     ldmatrix_x4(a, (u32)__cvta_generic_to_shared(tile + at<WIDTH>(r, c)));
 }
-// The B fragments of rows k0.., columns n0.. (b[0], b[1]) and n0 + 8.. (b[2], b[3]) of B = tile^T, as two
-// load_b_transposed read them.
-template <int WIDTH>
+// The B fragments of rows k0.., columns n0.. (b[0], b[1]) and n0 + 8.. (b[2], b[3]) of B = tile^T: b[0] is
+// tile(n0 + g, k0 + t), b[1] tile(n0 + g, k0 + t + 4). TRANSPOSED: a tile of the state pass's B operands (at_t).
+template <int WIDTH, bool TRANSPOSED>
 __device__ __forceinline__ void load_b2_ldsm(u32 (&b)[4], const float* tile, int k0, int n0) {
     const int lane = threadIdx.x % WARP;
     const int r = n0 + (lane & 7) + 8 * ((lane >> 4) & 1), c = k0 + 4 * ((lane >> 3) & 1);
-    ldmatrix_x4(b, (u32)__cvta_generic_to_shared(tile + at<WIDTH>(r, c)));
+    ldmatrix_x4(b, (u32)__cvta_generic_to_shared(tile + (TRANSPOSED ? at_t<WIDTH>(r, c) : at<WIDTH>(r, c))));
 }
 // Stores the accumulator tile of rows r0.., columns c0.. times `scale`, rounded to tf32, transposed: element
-// (r, c) at row c, column r of `tile`.
+// (r, c) at row c, column r of `tile` (at_t).
 template <int WIDTH>
 __device__ __forceinline__ void store_c_transposed(float* tile, int r0, int c0, const float (&d)[4], float scale) {
     const int g = frag_g(), t = frag_t();
-    tile[at<WIDTH>(c0 + 2 * t, r0 + g)] = round_tf32(d[0] * scale);
-    tile[at<WIDTH>(c0 + 2 * t + 1, r0 + g)] = round_tf32(d[1] * scale);
-    tile[at<WIDTH>(c0 + 2 * t, r0 + g + 8)] = round_tf32(d[2] * scale);
-    tile[at<WIDTH>(c0 + 2 * t + 1, r0 + g + 8)] = round_tf32(d[3] * scale);
+    tile[at_t<WIDTH>(c0 + 2 * t, r0 + g)] = round_tf32(d[0] * scale);
+    tile[at_t<WIDTH>(c0 + 2 * t + 1, r0 + g)] = round_tf32(d[1] * scale);
+    tile[at_t<WIDTH>(c0 + 2 * t, r0 + g + 8)] = round_tf32(d[2] * scale);
+    tile[at_t<WIDTH>(c0 + 2 * t + 1, r0 + g + 8)] = round_tf32(d[3] * scale);
 }
 
-// Copies a [ROWS][WIDTH] f32 block (rows `stride` floats apart) into a swizzled tile, 16 bytes per cp.async.
+// Copies a [ROWS][WIDTH] f32 block (rows `stride` floats apart) into a swizzled tile, 16 bytes per cp.async. A
+// thread's runs lie STEP rows apart, a multiple of 8, so they share one swizzle and their addresses differ by
+// constants.
 template <int ROWS, int WIDTH>
 __device__ __forceinline__ void copy_tile(float* tile, const float* src, int stride) {
-    constexpr int PER_ROW = WIDTH / 4;
-    for (int e = threadIdx.x; e < ROWS * PER_ROW; e += PREFILL_THREADS) {
-        const int r = e / PER_ROW, c = 4 * (e % PER_ROW);
-        cp_async16(tile + at<WIDTH>(r, c), src + (size_t)r * stride + c);
-    }
+    constexpr int PER_ROW = WIDTH / 4, STEP = PREFILL_THREADS / PER_ROW;
+    static_assert(PREFILL_THREADS % PER_ROW == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "whole passes of 8k rows");
+    const int r = threadIdx.x / PER_ROW, c = 4 * (threadIdx.x % PER_ROW);
+    float* to = tile + at<WIDTH>(r, c);
+    const float* from = src + (size_t)r * stride + c;
+#pragma unroll
+    for (int i = 0; i < ROWS / STEP; i++) cp_async16(to + i * STEP * WIDTH, from + (size_t)i * STEP * stride);
 }
 
 // The raw conv inputs of channel c for the chunk's tokens tok0 .. tok0 + CHUNK: those of the CONV_K - 1 tokens
@@ -355,12 +359,13 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
 #pragma unroll 4
         for (int k0 = 0; k0 < DK; k0 += 8) {
             u32 a[4];
-            load_a<DK>(a, rows, m0, k0);
+            load_a_ldsm<DK>(a, rows, m0, k0);
 #pragma unroll
-            for (int n = 0; n < CHUNK / 8; n++) {
-                u32 b[2];
-                load_b_transposed<DK>(b, ks, k0, 8 * n);
-                mma_tf32(acc[n], a, b);
+            for (int n = 0; n < CHUNK / 8; n += 2) {
+                u32 b[4];
+                load_b2_ldsm<DK, false>(b, ks, k0, 8 * n);
+                mma_tf32(acc[n], a, {b[0], b[1]});
+                mma_tf32(acc[n + 1], a, {b[2], b[3]});
             }
         }
         const int g = frag_g(), t2 = 2 * frag_t();
@@ -475,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     float* ts = ks + 2 * CHUNK * DK;    // [CHUNK][CHUNK] T
     float* ps = ts + CHUNK * CHUNK;     // [CHUNK][CHUNK] P
     float* vs = ps + CHUNK * CHUNK;     // [CHUNK][COLS] v
-    // The operands read as B are kept transposed (a row per column of the state), so that ldmatrix reads them.
+    // The operands read as B are kept transposed (at_t), so that ldmatrix reads them.
     float* xs = vs + CHUNK * COLS;      // [COLS][CHUNK] X^T
     float* vps = xs + CHUNK * COLS;     // [COLS][CHUNK] V'^T
     float* vds = vps + CHUNK * COLS;    // [COLS][CHUNK] (e^(c_last - c_s) V'_s)^T
@@ -566,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < COLS / 8; j += 2) {
                     u32 b[4];
-                    load_b2_ldsm<DK>(b, ss, k0, 8 * j);
+                    load_b2_ldsm<DK, true>(b, ss, k0, 8 * j);
                     mma_tf32(acc[j], a, {b[0], b[1]});
                     mma_tf32(acc[j + 1], a, {b[2], b[3]});
                 }
@@ -595,10 +600,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 for (int j = 0; j < COLS / 8; j++) {
                     const float2 v0 = *(const float2*)&vs[at<COLS>(r0, 8 * j + t2)];
                     const float2 v1 = *(const float2*)&vs[at<COLS>(r1, 8 * j + t2)];
-                    xs[at<CHUNK>(8 * j + t2, r0)] = round_tf32(b0 * (v0.x - e0 * acc[j][0]));
-                    xs[at<CHUNK>(8 * j + t2 + 1, r0)] = round_tf32(b0 * (v0.y - e0 * acc[j][1]));
-                    xs[at<CHUNK>(8 * j + t2, r1)] = round_tf32(b1 * (v1.x - e1 * acc[j][2]));
-                    xs[at<CHUNK>(8 * j + t2 + 1, r1)] = round_tf32(b1 * (v1.y - e1 * acc[j][3]));
+                    xs[at_t<CHUNK>(8 * j + t2, r0)] = round_tf32(b0 * (v0.x - e0 * acc[j][0]));
+                    xs[at_t<CHUNK>(8 * j + t2 + 1, r0)] = round_tf32(b0 * (v0.y - e0 * acc[j][1]));
+                    xs[at_t<CHUNK>(8 * j + t2, r1)] = round_tf32(b1 * (v1.x - e1 * acc[j][2]));
+                    xs[at_t<CHUNK>(8 * j + t2 + 1, r1)] = round_tf32(b1 * (v1.y - e1 * acc[j][3]));
                 }
             }
         }
@@ -615,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
             for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
                 u32 a[4], b[4];
                 load_a_ldsm<CHUNK>(a, ts, m0, k0);
-                load_b2_ldsm<CHUNK>(b, xs, k0, n0);
+                load_b2_ldsm<CHUNK, true>(b, xs, k0, n0);
                 mma_tf32(vacc[0], a, {b[0], b[1]});
                 mma_tf32(vacc[1], a, {b[2], b[3]});
             }
@@ -652,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < COLS / 8; j += 2) {
                     u32 b[4];
-                    load_b2_ldsm<CHUNK>(b, vps, k0, 8 * j);
+                    load_b2_ldsm<CHUNK, true>(b, vps, k0, 8 * j);
                     mma_tf32(acc[j], a, {b[0], b[1]});
                     mma_tf32(acc[j + 1], a, {b[2], b[3]});
                 }
@@ -680,7 +685,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < COLS / 8; j += 2) {
                     u32 b[4];
-                    load_b2_ldsm<CHUNK>(b, vcs, k0, 8 * j);
+                    load_b2_ldsm<CHUNK, true>(b, vcs, k0, 8 * j);
                     mma_tf32(at_cut[j], a, {b[0], b[1]});
                     mma_tf32(at_cut[j + 1], a, {b[2], b[3]});
                 }
@@ -706,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < COLS / 8; j += 2) {
                     u32 b[4];
-                    load_b2_ldsm<CHUNK>(b, vds, k0, 8 * j);
+                    load_b2_ldsm<CHUNK, true>(b, vds, k0, 8 * j);
                     mma_tf32(s_rows[j], a, {b[0], b[1]});
                     mma_tf32(s_rows[j + 1], a, {b[2], b[3]});
                 }
