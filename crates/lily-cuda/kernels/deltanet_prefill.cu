@@ -499,9 +499,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
     const float* inverse_head = inverse + (size_t)head * chunks * CHUNK * CHUNK;
     const float* attn_head = attn + (size_t)head * chunks * CHUNK * CHUNK;
 
-    // Every chunk issues the same five groups, each once its buffer's last reader is done: q (after [q; k] S),
-    // v with c and beta (after X), T (after T X), P (after P V'), k of the chunk after next (after the state
-    // update). So the group a step waits for is always the fifth newest: cp_async_wait<4>.
+    // Every chunk issues the same five groups, each right after the barrier that follows its buffer's last reader:
+    // q (after [q; k] S), v with c and beta (after X), T (after T X), P and k of the chunk after next (after the
+    // state update). A step waits for its own copies of the group it needs, then the barrier makes every thread's
+    // copies visible: the chunk's q and k are the fifth newest group at its start (cp_async_wait<4>), v, T and P
+    // the fourth newest at their steps (cp_async_wait<3>).
     auto load_q = [&](int n) {
         if (n < chunks) copy_tile<CHUNK, DK>(qs, q_head + (size_t)n * CHUNK * DK, DK);
         cp_async_commit();
@@ -577,10 +579,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 }
             }
         }
+        cp_async_wait<3>();
         __syncthreads();
         load_q(n + 1);
-        cp_async_wait<4>();
-        __syncthreads();
 
         // o starts as e^c q S; X = beta (v - e^c k S).
         {
@@ -607,10 +608,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 }
             }
         }
+        cp_async_wait<3>();
         __syncthreads();
         load_v(n + 1);
-        cp_async_wait<4>();
-        __syncthreads();
 
         // V' = T X: warp w on rows 16 (w % 4), columns 16 (w / 4); T is lower triangular, so only the column
         // blocks up to the diagonal count.
@@ -644,10 +644,9 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
                 }
             }
         }
+        cp_async_wait<3>();
         __syncthreads();
         load_t(n + 1);
-        cp_async_wait<4>();
-        __syncthreads();
 
         // o += P V' (warps 0-3), written over v's rows of this chunk.
         if (warp < 4) {
