@@ -192,6 +192,10 @@ __device__ __forceinline__ void conv_inputs(const float* proj, const float* ring
     for (int r = 0; r < CHUNK; r++) x[CONV_K - 1 + r] = tok0 + r < t ? proj[(size_t)(tok0 + r) * PROJ_DIM + c] : 0.f;
 }
 
+// The chunks kernel's SiLU and decays use the hardware's exp and division (a few ulp from expf and IEEE division):
+// what they feed is rounded to tf32 (q, k, A, P, and v inside X) before any product.
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+
 // The causal conv + SiLU of one channel over `count` tokens whose raw inputs are staged in shared memory
 // (in(r) for token r), `before` the raw inputs of the CONV_K - 1 tokens before the first: out(r, value) per token,
 // zero from token `valid` on. A rolled loop: unrolled over the chunk, the conv's divisions alone would be enough
@@ -206,7 +210,7 @@ __device__ __forceinline__ void conv_staged(const float (&w)[CONV_K], float (&be
 #pragma unroll
         for (int j = 0; j < CONV_K - 1; j++) acc += w[j] * before[j];
         float y = 0.f;
-        if (r < valid) y = siluf_(acc);
+        if (r < valid) y = silu_fast(acc);
         out(r, y);
 #pragma unroll
         for (int j = 0; j < CONV_K - 2; j++) before[j] = before[j + 1];
@@ -383,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
         const int head = key_head * HEADS_PER_KEY + hh;
         float a = 0.f, p = 0.f;
         if (s <= r) {
-            const float between = expf(decay[hh][r] - decay[hh][s]);
+            const float between = __expf(decay[hh][r] - decay[hh][s]);
             p = qk[at<CHUNK>(r, s)] * between;
             if (s < r) a = beta[hh][r] * kk[at<CHUNK>(r, s)] * between;
         }
@@ -452,11 +456,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
         __syncthreads();
     }
 
-    for (int e = tid; e < HEADS_PER_KEY * CHUNK * CHUNK; e += PREFILL_THREADS) {
+    // T out, 4 consecutive columns (one 16-byte run of the swizzled tile) a thread at a time.
+    for (int e = 4 * tid; e < HEADS_PER_KEY * CHUNK * CHUNK; e += 4 * PREFILL_THREADS) {
         const int hh = e / (CHUNK * CHUNK), r = (e / CHUNK) % CHUNK, s = e % CHUNK;
         const int head = key_head * HEADS_PER_KEY + hh;
-        inverse_out[(((size_t)head * chunks + chunk) * CHUNK + r) * CHUNK + s] =
-            t_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)];
+        *(float4*)&inverse_out[(((size_t)head * chunks + chunk) * CHUNK + r) * CHUNK + s] =
+            *(const float4*)&t_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)];
     }
 }
 
