@@ -36,8 +36,9 @@
 // Precision: every matrix product runs on tensor cores in tf32 (mma.m16n8k8, f32 accumulation): k k^T, q k^T,
 // the off-diagonal blocks of T, [q; k] S, T X, P V' and k^T V'. Operands are rounded to nearest tf32 (11
 // significant bits, relative error <= 2^-11) where they are stored for a product; the state, the conv, norms,
-// gates, decays and every elementwise step stay f32, and the state is rounded only in its operand copy (and to f16
-// when it is stored at the end of the call).
+// gates, decays and every elementwise step stay f32 (the chunks kernel's SiLU and in-chunk decays with the
+// hardware's exp and division, a few ulp off), and the state is rounded only in its operand copy (and to f16 when it
+// is stored at the end of the call).
 //
 // Scratch (from the host's DeltaNetScratch), with padded = chunks * 64 (tokens past t are zeros, with g = beta = 0,
 // which leaves T, the decays and the state untouched):
@@ -90,9 +91,9 @@ __device__ __forceinline__ int at(int r, int c) {
     return r * WIDTH + (c ^ (((r & 3) << 3) | (r & 4)));
 }
 
-// The state pass keeps the operands it reads as B (S, X, V' and V''s scaled copies) transposed, a row per column
-// of the state, written by scalar stores whose lanes span 4 rows 2 apart by 8 columns and read only by ldmatrix
-// (8 rows by 4 columns). Their columns are XOR-swizzled by 4 (row % 8), which keeps both ways conflict-free.
+// The state pass keeps the operands it reads as B (S, X, V' and the scaled copies of V') transposed, a row per
+// column of the state. Scalar stores whose lanes span 4 rows 2 apart by 8 columns write them, and only ldmatrix
+// (8 rows by 4 columns) reads them: their columns XOR-swizzled by 4 (row % 8) keep both ways conflict-free.
 template <int WIDTH>
 __device__ __forceinline__ int at_t(int r, int c) {
     return r * WIDTH + (c ^ ((r & 7) << 2));
