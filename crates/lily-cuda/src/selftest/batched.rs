@@ -25,8 +25,8 @@ const END_TO_END: f32 = 6e-2;
 /// How far from the CPU's a run's logits may be where the CPU's routing had a near-tie, so that the run may have
 /// chosen one expert otherwise. One such expert moves the default model's logits by up to ~1e-1 of the largest:
 /// on the CPU, choosing the ninth expert at a near-tie (margin 6.7e-5) of the second layer moved a 57-token
-/// prompt's logits by 1.0e-1 and made its third most likely token the first. A run with another sequence's rows
-/// or a stale state is off by the size of the logits themselves.
+/// prompt's logits by 1.0e-1 and made its third most likely token the first. A run that read another sequence's
+/// rows or a stale state would give another sequence's logits, not ones this close.
 const FLIPPED_EXPERT: f32 = 2e-1;
 
 /// The CPU's view of a sequence that parts between the batch and alone: its logits after `prompt` and `tokens` and
