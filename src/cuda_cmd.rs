@@ -184,6 +184,10 @@ pub struct SelftestArgs {
     /// Only compile every kernel with NVRTC for sm_90a at both shapes (no GPU needed); fails if one does not.
     #[arg(long)]
     pub compile_only: bool,
+    /// With --compile-only, also write each file's sm_90a code to DIR/<shape>/<file>.cubin (for a disassembler
+    /// such as nvdisasm).
+    #[arg(long, value_name = "DIR", requires = "compile_only")]
+    pub dump: Option<PathBuf>,
     /// Also compare GPU and CPU logits at the full shape (builds the 19.5 GB synthetic checkpoint on both).
     #[arg(long)]
     pub full_shape: bool,
@@ -200,14 +204,23 @@ pub fn selftest(args: SelftestArgs) -> Result<()> {
         if !lily_cuda::kernels::nvrtc_available() {
             bail!("libnvrtc not found: pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH");
         }
-        for config in [Config::full_shape(), Config::tiny_shape()] {
-            for (name, bytes, log) in lily_cuda::kernels::compile_all(&config, "sm_90a", false)? {
+        for (shape, config) in [("full", Config::full_shape()), ("tiny", Config::tiny_shape())] {
+            let dir = args.dump.as_ref().map(|d| d.join(shape));
+            if let Some(dir) = &dir {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            }
+            for (name, image, log) in lily_cuda::kernels::compile_all(&config, "sm_90a", false)? {
                 println!(
-                    "ok   {name:<14} hidden {:<5} {bytes} bytes of sm_90a code",
-                    config.hidden_size
+                    "ok   {name:<14} hidden {:<5} {} bytes of sm_90a code",
+                    config.hidden_size,
+                    image.len()
                 );
                 if !log.trim().is_empty() {
                     println!("{log}");
+                }
+                if let Some(dir) = &dir {
+                    let path = dir.join(format!("{name}.cubin"));
+                    std::fs::write(&path, &image).with_context(|| format!("writing {}", path.display()))?;
                 }
             }
         }

@@ -234,15 +234,16 @@ pub fn compile(name: &str, source: &str, opts: &[String], machine_code: bool) ->
     }
 }
 
-/// Compiles every kernel file for `arch` with `config`'s dimensions, without a GPU (the CI check).
-pub fn compile_all(config: &Config, arch: &str, timeline: bool) -> Result<Vec<(String, usize, String)>> {
+/// Compiles every kernel file for `arch` with `config`'s dimensions, without a GPU (the CI check): each file's name,
+/// its image (machine code for an `sm_` arch, else PTX) and NVRTC's log.
+pub fn compile_all(config: &Config, arch: &str, timeline: bool) -> Result<Vec<(String, Vec<u8>, String)>> {
     let target = Target { arch: arch.into() };
     let opts = options(config, &target, timeline);
     FILES
         .iter()
         .map(|file| {
             let (image, log) = compile(file.name, file.source, &opts, target.is_machine_code())?;
-            Ok((file.name.to_string(), image.len(), log))
+            Ok((file.name.to_string(), image, log))
         })
         .collect()
 }
@@ -485,8 +486,12 @@ mod tests {
             eprintln!("SKIPPED: libnvrtc not found (pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)");
             return false;
         }
-        for (name, bytes, log) in compile_all(config, arch, timeline).unwrap_or_else(|e| panic!("{e}")) {
-            assert!(bytes > 0, "{name}: empty image");
+        for (name, image, log) in compile_all(config, arch, timeline).unwrap_or_else(|e| panic!("{e}")) {
+            assert!(!image.is_empty(), "{name}: empty image");
+            if (Target { arch: arch.into() }).is_machine_code() {
+                // What `lily selftest --compile-only --dump` writes for a disassembler: an ELF cubin.
+                assert!(image.starts_with(b"\x7fELF"), "{name}: not an ELF image");
+            }
             assert!(!log.contains("warning"), "{name}: {log}");
         }
         true
