@@ -103,15 +103,6 @@ __device__ __forceinline__ int at_t(int r, int c) {
 __device__ __forceinline__ int frag_g() { return (threadIdx.x % WARP) / 4; }
 __device__ __forceinline__ int frag_t() { return threadIdx.x % 4; }
 
-// The A fragment of rows r0.., columns k0.. of A = tile.
-template <int WIDTH>
-__device__ __forceinline__ void load_a(u32 (&a)[4], const float* tile, int r0, int k0) {
-    const int g = frag_g(), t = frag_t();
-    a[0] = __float_as_uint(tile[at<WIDTH>(r0 + g, k0 + t)]);
-    a[1] = __float_as_uint(tile[at<WIDTH>(r0 + g + 8, k0 + t)]);
-    a[2] = __float_as_uint(tile[at<WIDTH>(r0 + g, k0 + t + 4)]);
-    a[3] = __float_as_uint(tile[at<WIDTH>(r0 + g + 8, k0 + t + 4)]);
-}
 // The A fragment of rows r0.., columns k0.. of A = tile^T.
 template <int WIDTH>
 __device__ __forceinline__ void load_a_transposed(u32 (&a)[4], const float* tile, int r0, int k0) {
@@ -138,7 +129,8 @@ __device__ __forceinline__ void store_c(float* tile, int r0, int c0, const float
 
 // Fragments by ldmatrix, one instruction for four scalar loads: ldmatrix's 16-byte rows are runs of 4 consecutive
 // columns of a swizzled row, and the 8 rows of one of its matrices fall in 8 different runs of banks.
-// The A fragment of rows r0.., columns k0.. of A = tile, as load_a reads it.
+// The A fragment of rows r0.., columns k0.. of A = tile: a[0] is tile(r0 + g, k0 + t), a[1] tile(r0 + g + 8, k0 + t),
+// a[2] tile(r0 + g, k0 + t + 4), a[3] tile(r0 + g + 8, k0 + t + 4).
 template <int WIDTH>
 __device__ __forceinline__ void load_a_ldsm(u32 (&a)[4], const float* tile, int r0, int k0) {
     const int lane = threadIdx.x % WARP;
@@ -235,7 +227,8 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     float* qk = kk + CHUNK * CHUNK;     // [CHUNK][CHUNK] q k^T
     float* a_tiles = qs;
     float* t_tiles = ks;
-    __shared__ float decay[HEADS_PER_KEY][CHUNK], beta[HEADS_PER_KEY][CHUNK];
+    __shared__ __align__(16) float decay[HEADS_PER_KEY][CHUNK];  // read 4 at a time below
+    __shared__ float beta[HEADS_PER_KEY][CHUNK];
     __shared__ float first_half[HEADS_PER_KEY];
     const int chunk = blockIdx.x, chunks = gridDim.x, padded = chunks * CHUNK, key_head = blockIdx.y;
     const int tok0 = chunk * CHUNK;
@@ -382,19 +375,28 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
     }
     __syncthreads();
 
-    // A (into q's place) and P (to global) for both value heads; T cleared (into k's place).
-    for (int e = tid; e < HEADS_PER_KEY * CHUNK * CHUNK; e += PREFILL_THREADS) {
-        const int hh = e / (CHUNK * CHUNK), r = (e / CHUNK) % CHUNK, s = e % CHUNK;
-        const int head = key_head * HEADS_PER_KEY + hh;
-        float a = 0.f, p = 0.f;
-        if (s <= r) {
-            const float between = __expf(decay[hh][r] - decay[hh][s]);
-            p = qk[at<CHUNK>(r, s)] * between;
-            if (s < r) a = beta[hh][r] * kk[at<CHUNK>(r, s)] * between;
+    // A (into q's place) and P (to global) for both value heads; T cleared (into k's place). A thread takes 4
+    // consecutive columns s0 .. s0 + 3 of a row (one 16-byte run of the swizzled tiles) at a time.
+    for (int e = 4 * tid; e < HEADS_PER_KEY * CHUNK * CHUNK; e += 4 * PREFILL_THREADS) {
+        const int hh = e / (CHUNK * CHUNK), r = (e / CHUNK) % CHUNK, s0 = e % CHUNK;
+        const int head = key_head * HEADS_PER_KEY + hh, run = at<CHUNK>(r, s0);
+        const float4 qk4 = *(const float4*)&qk[run], kk4 = *(const float4*)&kk[run];
+        const float4 c4 = *(const float4*)&decay[hh][s0];
+        const float qkv[4] = {qk4.x, qk4.y, qk4.z, qk4.w}, kkv[4] = {kk4.x, kk4.y, kk4.z, kk4.w};
+        const float cs[4] = {c4.x, c4.y, c4.z, c4.w};
+        const float cr = decay[hh][r], br = beta[hh][r];
+        float a[4], p[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int s = s0 + i;
+            const float between = __expf(cr - cs[i]);
+            p[i] = s <= r ? round_tf32(qkv[i] * between) : 0.f;
+            a[i] = s < r ? round_tf32(br * kkv[i] * between) : 0.f;
         }
-        a_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)] = round_tf32(a);
-        t_tiles[hh * CHUNK * CHUNK + at<CHUNK>(r, s)] = 0.f;
-        attn_out[(((size_t)head * chunks + chunk) * CHUNK + r) * CHUNK + s] = round_tf32(p);
+        *(float4*)&a_tiles[hh * CHUNK * CHUNK + run] = make_float4(a[0], a[1], a[2], a[3]);
+        *(float4*)&t_tiles[hh * CHUNK * CHUNK + run] = make_float4(0.f, 0.f, 0.f, 0.f);
+        *(float4*)&attn_out[(((size_t)head * chunks + chunk) * CHUNK + r) * CHUNK + s0] =
+            make_float4(p[0], p[1], p[2], p[3]);
     }
     __syncthreads();
 
@@ -428,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
             float sum[2][4] = {};
             for (int k0 = 16 * bj; k0 < 16 * bi; k0 += 8) {
                 u32 af[4];
-                load_a<CHUNK>(af, a, 16 * bi, k0);
+                load_a_ldsm<CHUNK>(af, a, 16 * bi, k0);
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
                     u32 bf[2];
@@ -443,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)
 #pragma unroll
             for (int k0 = 0; k0 < 16; k0 += 8) {
                 u32 af[4];
-                load_a<CHUNK>(af, inv, 16 * bi, 16 * bi + k0);
+                load_a_ldsm<CHUNK>(af, inv, 16 * bi, 16 * bi + k0);
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
                     u32 bf[2];
