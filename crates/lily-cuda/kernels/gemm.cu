@@ -555,11 +555,11 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], u64 desc_a, u64 
     }
 }
 // d += A (64 x 16, from registers: this thread's mma.m16n8k16 A fragment of its warp's 16 rows) B (N x 16)^T,
-// asynchronously, for N = 256, 128 or 64 (N / 2 f32 accumulators a thread); a's registers must keep their values
-// until the MMA has completed.
+// asynchronously, for N = 256, 128, 64, 32 or 16 (N / 2 f32 accumulators a thread); a's registers must keep their
+// values until the MMA has completed.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b) {
-    static_assert(N == 256 || N == 128 || N == 64, "a width the kernels instantiate");
+    static_assert(N == 256 || N == 128 || N == 64 || N == 32 || N == 16, "a width the kernels instantiate");
     if constexpr (N == 256) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
@@ -587,7 +587,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
             "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
             : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-    } else {
+    } else if constexpr (N == 64) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
@@ -595,6 +595,22 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
             "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
             "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
             : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    } else if constexpr (N == 32) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+            "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+            : WG_D8(0), WG_D8(8)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+            "%0,%1,%2,%3,%4,%5,%6,%7"
+            "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+            : WG_D8(0)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
     }
 }
@@ -1485,16 +1501,25 @@ __device__ int moe_rs_smem = MOE_RS_SMEM;
 __device__ int moe_rs_tile_rows = MOE_RS_TOKENS;
 __device__ int moe_rs_min_tokens = MOE_RS_MIN_TOKENS;
 
-// MOE_RS_NARROW 1 runs the tiles of at most 64 token rows (an expert's last tile, about half the time) on m64n64k16:
-// half the MMAs and half the row copies on the same dequantized weights. A block picks the width from its tile's
-// rows, so both widths share one launch (and its waves). 0 runs every tile on MOE_RS_TOKENS rows.
+// MOE_RS_NARROW 1 runs a tile of at most 64 token rows (an expert's last tile, about half the time) on the narrowest
+// of m64n16k16, m64n32k16 and m64n64k16 that holds its rows: fewer MMAs and row copies on the same dequantized
+// weights. Each block picks the width from its tile's rows (moe_rs_width), so all widths share one launch (and its
+// waves); moe_down_rs takes the same widths. 0 runs every tile on MOE_RS_TOKENS rows.
 #ifndef MOE_RS_NARROW
 #define MOE_RS_NARROW 1
 #endif
 __device__ int moe_rs_narrow = WGMMA_BUILT && MOE_RS && MOE_RS_NARROW && MOE_RS_TOKENS == 128;
+constexpr bool MOE_RS_WIDTHS = MOE_RS_NARROW && MOE_RS_TOKENS == 128;
+
+// The token rows the MMAs of a tile of `rows` rows run on: 16, 32, 64, or MOE_RS_TOKENS.
+__device__ __forceinline__ int moe_rs_width(int rows) {
+    if (!MOE_RS_WIDTHS) return MOE_RS_TOKENS;
+    return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : MOE_RS_TOKENS;
+}
 
 // moe_gate_up_rs's work for its block's tile with wgmma N = the token rows the MMAs run on (MOE_RS_TOKENS). Where
-// NARROW, a tile of at most 64 rows goes on with N = 64 instead (the prologue before that choice is the same).
+// NARROW, a tile of at most 64 rows goes on with N = moe_rs_width(rows) instead (the prologue before that choice is
+// the same).
 template <int N, bool NARROW>
 __device__ __forceinline__ void moe_gate_up_rs_tile(const TmaMap& gate_map, const TmaMap& up_map,
                                                     const TmaMap& shared_gate_map, const TmaMap& shared_up_map,
@@ -1502,7 +1527,7 @@ __device__ __forceinline__ void moe_gate_up_rs_tile(const TmaMap& gate_map, cons
                                                     const int* tile_count, const int* offsets, Q4 gate, Q4 up,
                                                     Q4 shared_gate, Q4 shared_up, bf16* act) {
 #if WGMMA_BUILT
-    static_assert(N == MOE_RS_TOKENS || (N == 64 && !NARROW), "a width wgmma_m64k16_rs takes, within the tile");
+    static_assert(N == MOE_RS_TOKENS || (N <= 64 && !NARROW), "a width wgmma_m64k16_rs takes, within the tile");
     extern __shared__ __align__(128) unsigned char moe_rs_raw[];
     // The host's launch is not the kernel's.
     if (dynamic_smem_bytes() < MOE_RS_SMEM || blockDim.x != RS_THREADS) __trap();
@@ -1520,7 +1545,18 @@ __device__ __forceinline__ void moe_gate_up_rs_tile(const TmaMap& gate_map, cons
     if constexpr (NARROW) {
         // The width is the same for the whole block (through a shuffle, so ptxas knows it is warp-uniform); the
         // narrow tile's run repeats the prologue up to here, which reads the same values.
-        if (__shfl_sync(0xffffffffu, (int)(rows <= 64), 0)) {
+        const int width = __shfl_sync(0xffffffffu, moe_rs_width(rows), 0);
+        if (width == 16) {
+            moe_gate_up_rs_tile<16, false>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
+                                           tile_count, offsets, gate, up, shared_gate, shared_up, act);
+            return;
+        }
+        if (width == 32) {
+            moe_gate_up_rs_tile<32, false>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
+                                           tile_count, offsets, gate, up, shared_gate, shared_up, act);
+            return;
+        }
+        if (width == 64) {
             moe_gate_up_rs_tile<64, false>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
                                            tile_count, offsets, gate, up, shared_gate, shared_up, act);
             return;
@@ -1685,7 +1721,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
                    const __grid_constant__ TmaMap shared_gate_map, const __grid_constant__ TmaMap shared_up_map,
                    const bf16* x, const int* entries, const int* tiles, const int* tile_count, const int* offsets,
                    Q4 gate, Q4 up, Q4 shared_gate, Q4 shared_up, bf16* act) {
-    constexpr bool NARROW = MOE_RS_NARROW && MOE_RS_TOKENS == 128;
+    constexpr bool NARROW = MOE_RS_WIDTHS;
     moe_gate_up_rs_tile<MOE_RS_TOKENS, NARROW>(gate_map, up_map, shared_gate_map, shared_up_map, x, entries, tiles,
                                                tile_count, offsets, gate, up, shared_gate, shared_up, act);
 }
@@ -1701,6 +1737,9 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
 // k is MOE_INTER (512): eight steps, too few to hide a block's prologue and epilogue, so the kernel is persistent:
 // a block an SM walks the items (gridDim.x apart), and the producer's copies run on into the next item while the
 // consumers finish the last one. Stages and barrier phases count steps over all of a block's items.
+// An item's MMAs run on the width of its tile's rows (moe_rs_width: 16, 32, 64 or all MOE_RS_TOKENS), and the
+// producer brings only those rows, in boxes of MOE_DOWN_RS_BOX_ROWS rows where the width is narrower; the consumers
+// learn the width from the item's table (below).
 // The epilogue stages the tile, transposed to token rows, in shared memory of its own (so the next item's stages
 // can fill meanwhile), then writes each valid token's 128 weighted columns to its entry's row of `out` in 16-byte
 // stores, as moe_down writes them. Which entry a token row is and its routing weight come from a table that the
@@ -1718,6 +1757,7 @@ constexpr int MOE_DOWN_RS_COLS = 128;                                   // hidde
 constexpr int MOE_DOWN_RS_COL_BLOCKS = HIDDEN / MOE_DOWN_RS_COLS;
 constexpr int MOE_DOWN_RS_STEPS = MOE_INTER / KT;                       // k steps of an item
 constexpr int MOE_DOWN_RS_X = MOE_RS_TOKENS * 128;                      // the activation box of a step
+constexpr int MOE_DOWN_RS_BOX_ROWS = 16;  // the rows of a narrower tile's activation boxes (act_box_map)
 constexpr int MOE_DOWN_RS_STAGE = MOE_DOWN_RS_X + MOE_DOWN_RS_COLS * 32;  // and the codes of 128 rows
 constexpr int MOE_DOWN_RS_PAIRS = MOE_DOWN_RS_COLS * 8;                 // a piece's pairs of 128 rows
 constexpr int MOE_DOWN_RS_PAIR_SLOTS = 4;
@@ -1731,7 +1771,9 @@ constexpr int MOE_DOWN_RS_SMEM = MOE_DOWN_RS_STAGES * MOE_DOWN_RS_STAGE + MOE_DO
 static_assert(HIDDEN % MOE_DOWN_RS_COLS == 0 && MOE_DOWN_RS_COLS == TILED_ROWS && MOE_INTER % TILED_PIECE == 0 &&
                   TILED_PIECE == 2 * KT,
               "an item's rows are one block of the tiled matrix, and a piece is two steps");
-static_assert(MOE_DOWN_RS_STAGE % 1024 == 0, "every activation box starts on a swizzle atom");
+static_assert(MOE_DOWN_RS_STAGE % 1024 == 0 && (MOE_DOWN_RS_BOX_ROWS * 128) % 1024 == 0,
+              "every activation box starts on a swizzle atom");
+static_assert(16 % MOE_DOWN_RS_BOX_ROWS == 0, "the narrower widths (moe_rs_width) are whole boxes");
 static_assert(MOE_DOWN_RS_STEPS % 2 == 0, "the consumers take an item's steps in pairs");
 static_assert(MOE_DOWN_RS_TABLE_THREADS == 128 - WARP, "the producer's warps but the first fill the tables");
 // Piece p's pairs' slot is refilled for piece p + slots, at step 2 (p + slots), once step 2 (p + slots) - stages is
@@ -1748,9 +1790,107 @@ static_assert(MOE_DOWN_RS_CONSUMER_REGS >= RS_LAUNCH_REGS, "the consumers gain r
 __device__ int moe_rs_down = WGMMA_BUILT && MOE_DOWN_RS;
 __device__ int moe_down_rs_smem = MOE_DOWN_RS_SMEM;
 __device__ int moe_down_rs_col_blocks = MOE_DOWN_RS_COL_BLOCKS;
+__device__ int moe_down_rs_box_rows = MOE_DOWN_RS_BOX_ROWS;
+
+#if WGMMA_BUILT
+// A consumer thread of moe_down_rs: where its block's shared memory and barriers lie, and which rows it holds.
+struct MoeDownRsConsumer {
+    unsigned char* smem;  // at smem0
+    u32 smem0, pairs0, staged0, full, empty, table_empty;
+    int row0, lane, ct, t;  // weight rows row0 and row0 + 8 of the item's 128; lane (g, t); index among consumers
+    u32 sel;
+    bf16* out;
+
+    // Step `step`'s A fragments of its four k16 slices, dequantized from its stage's codes (after its barrier).
+    __device__ __forceinline__ void dequant(int step, u32 (&a)[4][4]) const {
+        constexpr int STAGES = MOE_DOWN_RS_STAGES;
+        mbarrier_wait(full + 8 * (step % STAGES), (step / STAGES) % 2);
+        const unsigned char* codes = smem + (step % STAGES) * MOE_DOWN_RS_STAGE + MOE_DOWN_RS_X;
+        const unsigned char* pairs =
+            smem + (pairs0 - smem0) + (step / 2 % MOE_DOWN_RS_PAIR_SLOTS) * MOE_DOWN_RS_PAIRS + (step % 2) * 4;
+        const uint4 lo0 = *(const uint4*)(codes + row0 * 32), hi0 = *(const uint4*)(codes + row0 * 32 + 16);
+        const uint4 lo1 = *(const uint4*)(codes + (row0 + 8) * 32), hi1 = *(const uint4*)(codes + (row0 + 8) * 32 + 16);
+        const u32 sb0 = *(const u32*)(pairs + row0 * 8), sb1 = *(const u32*)(pairs + (row0 + 8) * 8);
+        const u32 scale0 = __byte_perm(sb0, sb0, 0x1010), bias0 = __byte_perm(sb0, sb0, 0x3232);
+        const u32 scale1 = __byte_perm(sb1, sb1, 0x1010), bias1 = __byte_perm(sb1, sb1, 0x3232);
+#pragma unroll
+        for (int s = 0; s < KT / 16; s++) {
+            const u32 w0a = word_of(s < 2 ? lo0 : hi0, (2 * s) % 4), w0b = word_of(s < 2 ? lo0 : hi0, (2 * s + 1) % 4);
+            const u32 w1a = word_of(s < 2 ? lo1 : hi1, (2 * s) % 4), w1b = word_of(s < 2 ? lo1 : hi1, (2 * s + 1) % 4);
+            a[s][0] = dequant_q4(w0a, sel, scale0, bias0);
+            a[s][1] = dequant_q4(w1a, sel, scale1, bias1);
+            a[s][2] = dequant_q4(w0b, sel, scale0, bias0);
+            a[s][3] = dequant_q4(w1b, sel, scale1, bias1);
+        }
+    }
+
+    // Item `it`, the block's n-th (its steps from `step` on), with wgmma N = the token rows its MMAs run on (the width of its
+    // tile's `rows`): the MMAs, then the epilogue from its table `table`.
+    template <int N>
+    __device__ __forceinline__ void item(int it, int step, int n, const unsigned char* table, int rows) const {
+        constexpr int STAGES = MOE_DOWN_RS_STAGES, STEPS = MOE_DOWN_RS_STEPS, ACC = N / 2;
+        float d[ACC];
+        // Step `step` (the item's kt-th) from fragments a; then, once the item's step before has completed, that
+        // step's stage is released.
+        auto mma = [&](int step, int kt, const u32 (&a)[4][4]) {
+            const u32 x_tile = smem0 + (step % STAGES) * MOE_DOWN_RS_STAGE;
+            wgmma_fence();
+            wgmma_hold(d);
+#pragma unroll
+            for (int s = 0; s < KT / 16; s++) wgmma_m64k16_rs<N>(d, a[s], wgmma_desc(x_tile + 32 * s));
+            wgmma_commit();
+            wgmma_wait<1>();
+            wgmma_hold(d);
+            if (kt > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % STAGES));
+        };
+        u32 a0[4][4], a1[4][4];
+#pragma unroll
+        for (int i = 0; i < ACC; i++) d[i] = 0.f;
+        dequant(step, a0);
+#pragma unroll 1
+        for (int kt = 0; kt < STEPS; kt += 2) {
+            mma(step + kt, kt, a0);
+            dequant(step + kt + 1, a1);
+            mma(step + kt + 1, kt + 1, a1);
+            if (kt + 2 < STEPS) dequant(step + kt + 2, a0);
+        }
+        wgmma_wait<0>();
+        wgmma_hold(d);
+        if (lane == 0) mbarrier_arrive(empty + 8 * ((step + STEPS - 1) % STAGES));
+
+        // The epilogue: d holds weight rows row0 (+ 8 h) at token rows 8 j + 2 t (+ e), registers 4 j + 2 h (+ e),
+        // staged by token row once every consumer has copied the last item's rows out.
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int j = 0; j < N / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const u32 dst = staged0 + (8 * j + 2 * t + e) * MOE_DOWN_RS_ROW + (row0 + 8 * h) * 4;
+                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(dst), "f"(d[4 * j + 2 * h + e]) : "memory");
+                }
+            }
+        }
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        const int n0 = it % MOE_DOWN_RS_COL_BLOCKS * MOE_DOWN_RS_COLS;
+        for (int i = ct; i < rows * (MOE_DOWN_RS_COLS / 4); i += 256) {
+            const int r = i / (MOE_DOWN_RS_COLS / 4), chunk = i % (MOE_DOWN_RS_COLS / 4);
+            const int2 row = *(const int2*)(table + r * 8);
+            const float weight = __int_as_float(row.y);
+            const float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
+            *(uint2*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 4) =
+                make_uint2(pack_bf16x2(v.x * weight, v.y * weight), pack_bf16x2(v.z * weight, v.w * weight));
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(table_empty + 8 * (n % 2));  // this warp is done with the table
+    }
+};
+#endif
 
 extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
-    moe_down_rs(const __grid_constant__ TmaMap act_map, const __grid_constant__ TmaMap down_map,
+    moe_down_rs(const __grid_constant__ TmaMap act_map, const __grid_constant__ TmaMap act_box_map,
+                const __grid_constant__ TmaMap down_map,
                 const __grid_constant__ TmaMap shared_down_map, const int* entries, const int* tiles,
                 const int* tile_count, const int* offsets, const float* route_w, Q4 down, Q4 shared_down,
                 bf16* out) {
@@ -1813,6 +1953,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
             for (int item = blockIdx.x; item < items; item += gridDim.x) {
                 const int tile = item / MOE_DOWN_RS_COL_BLOCKS, cb = item % MOE_DOWN_RS_COL_BLOCKS;
                 const int expert = tiles[2 * tile], first = tiles[2 * tile + 1];
+                const int width = moe_rs_width(min(MOE_RS_TOKENS, offsets[expert + 1] - first));
                 const bool routed = expert < NUM_EXPERTS;
                 const int row0 = (routed ? expert * HIDDEN : 0) + cb * MOE_DOWN_RS_COLS;
                 const int map_row0 = row0 / TILED_ROWS * (MOE_INTER / TILED_PIECE) * TILED_ROWS;
@@ -1824,13 +1965,18 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
                     if (step >= STAGES) mbarrier_wait(empty + 8 * s, (step / STAGES - 1) % 2);
                     const u32 bar = full + 8 * s, stage = smem0 + s * MOE_DOWN_RS_STAGE;
                     mbarrier_arrive_expect(
-                        bar, MOE_DOWN_RS_X + MOE_DOWN_RS_COLS * 32 + (kt % 2 == 0 ? MOE_DOWN_RS_PAIRS : 0));
+                        bar, width * 128 + MOE_DOWN_RS_COLS * 32 + (kt % 2 == 0 ? MOE_DOWN_RS_PAIRS : 0));
                     tma_load_2d(stage + MOE_DOWN_RS_X, *w_map, (kt % 2) * (KT / 2), map_row0 + kt / 2 * TILED_ROWS,
                                 bar);
                     if (kt % 2 == 0)
                         bulk_load(pairs0 + (step / 2 % MOE_DOWN_RS_PAIR_SLOTS) * MOE_DOWN_RS_PAIRS,
                                   pairs + kt / 2 * TILED_PAIR_STEP, MOE_DOWN_RS_PAIRS, bar);
-                    tma_load_2d(stage, act_map, kt * KT, first, bar);
+                    if (width == MOE_RS_TOKENS) {
+                        tma_load_2d(stage, act_map, kt * KT, first, bar);
+                    } else {
+                        for (int r = 0; r < width; r += MOE_DOWN_RS_BOX_ROWS)
+                            tma_load_2d(stage + r * 128, act_box_map, kt * KT, first + r, bar);
+                    }
                 }
             }
         }
@@ -1841,89 +1987,24 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, 1)
     const int ct = tid - 128, wg = ct / 128, q = (ct % 128) / WARP, g = lane / 4, t = lane % 4;
     const int row0 = wg * 64 + q * 16 + g;  // this thread's weight rows: row0 and row0 + 8 of the item's 128
     const u32 sel = 0x0400u + 0x0101u * (u32)t;  // byte t of a word: inputs 2t, 2t + 1
-    constexpr int ACC = MOE_RS_TOKENS / 2;
-    float d[ACC];
-    // Step `step`'s A fragments of its four k16 slices, dequantized from its stage's codes (after its barrier).
-    auto dequant = [&](int step, u32 (&a)[4][4]) {
-        mbarrier_wait(full + 8 * (step % STAGES), (step / STAGES) % 2);
-        const unsigned char* codes = smem + (step % STAGES) * MOE_DOWN_RS_STAGE + MOE_DOWN_RS_X;
-        const unsigned char* pairs =
-            smem + (pairs0 - smem0) + (step / 2 % MOE_DOWN_RS_PAIR_SLOTS) * MOE_DOWN_RS_PAIRS + (step % 2) * 4;
-        const uint4 lo0 = *(const uint4*)(codes + row0 * 32), hi0 = *(const uint4*)(codes + row0 * 32 + 16);
-        const uint4 lo1 = *(const uint4*)(codes + (row0 + 8) * 32), hi1 = *(const uint4*)(codes + (row0 + 8) * 32 + 16);
-        const u32 sb0 = *(const u32*)(pairs + row0 * 8), sb1 = *(const u32*)(pairs + (row0 + 8) * 8);
-        const u32 scale0 = __byte_perm(sb0, sb0, 0x1010), bias0 = __byte_perm(sb0, sb0, 0x3232);
-        const u32 scale1 = __byte_perm(sb1, sb1, 0x1010), bias1 = __byte_perm(sb1, sb1, 0x3232);
-#pragma unroll
-        for (int s = 0; s < KT / 16; s++) {
-            const u32 w0a = word_of(s < 2 ? lo0 : hi0, (2 * s) % 4), w0b = word_of(s < 2 ? lo0 : hi0, (2 * s + 1) % 4);
-            const u32 w1a = word_of(s < 2 ? lo1 : hi1, (2 * s) % 4), w1b = word_of(s < 2 ? lo1 : hi1, (2 * s + 1) % 4);
-            a[s][0] = dequant_q4(w0a, sel, scale0, bias0);
-            a[s][1] = dequant_q4(w1a, sel, scale1, bias1);
-            a[s][2] = dequant_q4(w0b, sel, scale0, bias0);
-            a[s][3] = dequant_q4(w1b, sel, scale1, bias1);
-        }
-    };
-    // Step `step` (the item's kt-th) from fragments a; then, once the item's step before has completed, that step's
-    // stage is released.
-    auto mma = [&](int step, int kt, const u32 (&a)[4][4]) {
-        const u32 x_tile = smem0 + (step % STAGES) * MOE_DOWN_RS_STAGE;
-        wgmma_fence();
-        wgmma_hold(d);
-#pragma unroll
-        for (int s = 0; s < KT / 16; s++) wgmma_m64k16_rs<MOE_RS_TOKENS>(d, a[s], wgmma_desc(x_tile + 32 * s));
-        wgmma_commit();
-        wgmma_wait<1>();
-        wgmma_hold(d);
-        if (kt > 0 && lane == 0) mbarrier_arrive(empty + 8 * ((step - 1) % STAGES));
-    };
-    u32 a0[4][4], a1[4][4];
+    const MoeDownRsConsumer c{smem, smem0, pairs0, staged0, full, empty, table_empty, row0, lane, ct, t, sel, out};
     int step = 0, n = 0;
 #pragma unroll 1
     for (int item = blockIdx.x; item < items; item += gridDim.x, step += STEPS, n++) {
-#pragma unroll
-        for (int i = 0; i < ACC; i++) d[i] = 0.f;
-        dequant(step, a0);
-#pragma unroll 1
-        for (int kt = 0; kt < STEPS; kt += 2) {
-            mma(step + kt, kt, a0);
-            dequant(step + kt + 1, a1);
-            mma(step + kt + 1, kt + 1, a1);
-            if (kt + 2 < STEPS) dequant(step + kt + 2, a0);
-        }
-        wgmma_wait<0>();
-        wgmma_hold(d);
-        if (lane == 0) mbarrier_arrive(empty + 8 * ((step + STEPS - 1) % STAGES));
-
-        // The epilogue: d holds weight rows row0 (+ 8 h) at token rows 8 j + 2 t (+ e), registers 4 j + 2 h (+ e),
-        // staged by token row once every consumer has copied the last item's rows out.
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-#pragma unroll
-            for (int j = 0; j < MOE_RS_TOKENS / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const u32 dst = staged0 + (8 * j + 2 * t + e) * MOE_DOWN_RS_ROW + (row0 + 8 * h) * 4;
-                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(dst), "f"(d[4 * j + 2 * h + e]) : "memory");
-                }
-            }
-        }
-        asm volatile("bar.sync 1, 256;" ::: "memory");
+        // The item's table gives its rows, and so the width of its MMAs (the producer's is the same).
         mbarrier_wait(table_full + 8 * (n % 2), (n / 2) % 2);
         const unsigned char* table = smem + (table0 - smem0) + (n % 2) * MOE_DOWN_RS_TABLE;
         const int rows = *(const int*)(table + MOE_RS_TOKENS * 8);
-        const int n0 = item % MOE_DOWN_RS_COL_BLOCKS * MOE_DOWN_RS_COLS;
-        for (int i = ct; i < rows * (MOE_DOWN_RS_COLS / 4); i += 256) {
-            const int r = i / (MOE_DOWN_RS_COLS / 4), chunk = i % (MOE_DOWN_RS_COLS / 4);
-            const int2 row = *(const int2*)(table + r * 8);
-            const float weight = __int_as_float(row.y);
-            const float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
-            *(uint2*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 4) =
-                make_uint2(pack_bf16x2(v.x * weight, v.y * weight), pack_bf16x2(v.z * weight, v.w * weight));
-        }
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(table_empty + 8 * (n % 2));  // this warp is done with the table
+        // Through a shuffle, so ptxas knows the width is warp-uniform.
+        const int width = __shfl_sync(0xffffffffu, moe_rs_width(rows), 0);
+        if (width == 16)
+            c.item<16>(item, step, n, table, rows);
+        else if (width == 32)
+            c.item<32>(item, step, n, table, rows);
+        else if (width == 64)
+            c.item<64>(item, step, n, table, rows);
+        else
+            c.item<MOE_RS_TOKENS>(item, step, n, table, rows);
     }
 #else
     wait_previous();

@@ -869,16 +869,19 @@ pub fn moe_experts(
     }
     if s.rs && k.constant("moe_rs_down") == 1 {
         use cudarc::driver::sys::{CUtensorMapDataType as Type, CUtensorMapSwizzle as Swizzle};
-        let act_map = l.gpu.tensor_map_2d(
-            act,
-            Type::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            m.down.cols,
-            s.tokens * s.slots,
-            m.down.cols * 2,
-            K_STEP as u32,
-            s.tile_rows as u32,
-            Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-        )?;
+        let act_map = |box_rows: usize| {
+            l.gpu.tensor_map_2d(
+                act,
+                Type::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                m.down.cols,
+                s.tokens * s.slots,
+                m.down.cols * 2,
+                K_STEP as u32,
+                box_rows as u32,
+                Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            )
+        };
+        let (act_map, act_box_map) = (act_map(s.tile_rows)?, act_map(k.constant("moe_down_rs_box_rows"))?);
         let (down_map, shared_down_map) = (tiled_codes_map(l.gpu, m.down)?, tiled_codes_map(l.gpu, m.shared_down)?);
         // Persistent: at most a block an SM (its shared memory allows no second), never more than the items.
         let items = s.max_tiles * k.constant("moe_down_rs_col_blocks");
@@ -889,6 +892,7 @@ pub fn moe_experts(
             l,
             dims,
             act_map,
+            act_box_map,
             down_map,
             shared_down_map,
             s.entries,

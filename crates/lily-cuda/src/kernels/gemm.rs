@@ -62,6 +62,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "moe_rs_narrow",
         "moe_down_rs_smem",
         "moe_down_rs_col_blocks",
+        "moe_down_rs_box_rows",
         "gemm_rows64_two",
     ],
 };
@@ -199,10 +200,13 @@ launchers! {
     /// operand (`gemm_wgmma_rs_threads` threads, `moe_down_rs_smem` bytes of shared memory a block; Hopper builds
     /// only, where `moe_rs_down` is 1): a persistent launch of at most one block an SM walking the (tile, column
     /// block of 128 hidden rows) items. `act_map` is over `act` (bf16 `[tokens * moe_slots][moe inter]`, boxes of 64
-    /// inputs by `moe_rs_tile_rows` rows, 128-byte swizzle); the others are the tiled codes of down and the shared
-    /// expert's down as rows of 64 bytes, in boxes of 32 bytes by 128 rows (`gemm::tiled_codes_map`).
+    /// inputs by `moe_rs_tile_rows` rows, 128-byte swizzle), and `act_box_map` the same in boxes of
+    /// `moe_down_rs_box_rows` rows (for the tiles whose MMAs run on fewer rows); the others are the tiled codes of
+    /// down and the shared expert's down as rows of 64 bytes, in boxes of 32 bytes by 128 rows
+    /// (`gemm::tiled_codes_map`).
     moe_down_rs(
         act_map: TensorMap,
+        act_box_map: TensorMap,
         down_map: TensorMap,
         shared_down_map: TensorMap,
         entries: DevPtr<i32>,

@@ -423,7 +423,7 @@ fn check_moe(
         }
     }
     let kernel = match (rs, l.kernels.constant("moe_rs_narrow") == 1) {
-        (true, true) => ", weights in registers, tiles of <= 64 rows narrow",
+        (true, true) => ", weights in registers, narrower tiles on 16, 32 or 64 rows",
         (true, false) => ", weights in registers",
         _ => "",
     };
