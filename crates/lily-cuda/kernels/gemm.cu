@@ -1874,13 +1874,18 @@ struct MoeDownRsConsumer {
         }
         asm volatile("bar.sync 1, 256;" ::: "memory");
         const int n0 = it % MOE_DOWN_RS_COL_BLOCKS * MOE_DOWN_RS_COLS;
-        for (int i = ct; i < rows * (MOE_DOWN_RS_COLS / 4); i += 256) {
-            const int r = i / (MOE_DOWN_RS_COLS / 4), chunk = i % (MOE_DOWN_RS_COLS / 4);
+        for (int i = ct; i < rows * (MOE_DOWN_RS_COLS / 8); i += 256) {
+            const int r = i / (MOE_DOWN_RS_COLS / 8), chunk = i % (MOE_DOWN_RS_COLS / 8);
             const int2 row = *(const int2*)(table + r * 8);
             const float weight = __int_as_float(row.y);
-            const float4 v = *(const float4*)(smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 16);
-            *(uint2*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 4) =
-                make_uint2(pack_bf16x2(v.x * weight, v.y * weight), pack_bf16x2(v.z * weight, v.w * weight));
+            // Each quarter-warp's first loads fall in all 32 banks: chunks 4 to 7 take their upper half first.
+            const unsigned char* staged = smem + (staged0 - smem0) + r * MOE_DOWN_RS_ROW + chunk * 32;
+            const int upper = (chunk / 4) % 2 * 16;
+            const float4 first = *(const float4*)(staged + upper), second = *(const float4*)(staged + 16 - upper);
+            const float4 v = upper ? second : first, w = upper ? first : second;
+            *(uint4*)(out + (size_t)row.x * HIDDEN + n0 + chunk * 8) =
+                make_uint4(pack_bf16x2(v.x * weight, v.y * weight), pack_bf16x2(v.z * weight, v.w * weight),
+                           pack_bf16x2(w.x * weight, w.y * weight), pack_bf16x2(w.z * weight, w.w * weight));
         }
         __syncwarp();
         if (lane == 0) mbarrier_arrive(table_empty + 8 * (n % 2));  // this warp is done with the table
