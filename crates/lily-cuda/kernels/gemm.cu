@@ -1824,8 +1824,8 @@ struct MoeDownRsConsumer {
         }
     }
 
-    // Item `it`, the block's n-th (its steps from `step` on), with wgmma N = the token rows its MMAs run on (the width of its
-    // tile's `rows`): the MMAs, then the epilogue from its table `table`.
+    // Item `it`, the block's n-th (its steps from `step` on), with wgmma N = the token rows its MMAs run on (the
+    // width of its tile's `rows`): the MMAs, then the epilogue from its table `table`.
     template <int N>
     __device__ __forceinline__ void item(int it, int step, int n, const unsigned char* table, int rows) const {
         constexpr int STAGES = MOE_DOWN_RS_STAGES, STEPS = MOE_DOWN_RS_STEPS, ACC = N / 2;
