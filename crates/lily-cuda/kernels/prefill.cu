@@ -347,6 +347,217 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     router_strips<RT_TALL_STRIPS>(x_hi, x_lo, m, router, logits);
 }
 
+// router_rows_wide, for a prompt's chunk of thousands of tokens: router_rows_tall still fetches each tile's inputs
+// once per three strips and each strip's weights once per 16 tokens, about 340 MB from L2 a layer at 4,096 tokens,
+// and is bound by L2. Here a block takes RW_TOKENS tokens (RW_TOKEN_WARPS pairs of token fragments) by RW_STRIPS
+// strips and stages each group of 64 inputs in shared memory (cp.async, RW_STAGES deep): the codes of its rows, the
+// inputs of its tokens. Warp (r, p) takes token pair p and strips r, r + RW_ROW_WARPS, ..., so each staged code
+// feeds RW_TOKEN_WARPS warps and each staged input RW_ROW_WARPS warps. A warp walks every group of k itself and
+// keeps one partial sum per run of RT_GROUPS groups, added to its total in order of run: the same products,
+// fragment positions and additions as router_rows, whose warp w sums run w, so the two give the same bits.
+#ifndef RW_ROW_WARPS
+#define RW_ROW_WARPS 3
+#endif
+#ifndef RW_TOKEN_WARPS
+#define RW_TOKEN_WARPS 4
+#endif
+#ifndef RW_STRIPS
+#define RW_STRIPS 9
+#endif
+#ifndef RW_STAGES
+#define RW_STAGES 4
+#endif
+// Counts of RW_MIN_TOKENS tokens or more take router_rows_wide (0: never).
+#ifndef RW_MIN_TOKENS
+#define RW_MIN_TOKENS 2048
+#endif
+#define RW_THREADS (WARP * RW_ROW_WARPS * RW_TOKEN_WARPS)
+#define RW_TOKENS (2 * 8 * RW_TOKEN_WARPS)
+#define RW_ROWS (RT_ROWS * RW_STRIPS)
+static_assert(RW_STRIPS % RW_ROW_WARPS == 0, "every row warp takes as many strips");
+constexpr int RW_GROUPS = HIDDEN / GROUP;
+// A stage: the block's rows' codes of one group (64 bytes a row), then its tokens' inputs (x_hi's 128 bytes, then
+// x_lo's, a token). A token's 16-byte chunk c lies at chunk c ^ (token & 1), so that the eight lanes of a
+// quarter-warp (two tokens, four chunks each) read eight different banks.
+constexpr int RW_CODE_BYTES = RW_ROWS * GROUP;
+constexpr int RW_STAGE_BYTES = RW_CODE_BYTES + RW_TOKENS * 4 * GROUP;
+// After the stages: the (scale, bias) pairs of the block's rows, [group][row].
+constexpr int RW_PAIRS_AT = RW_STAGES * RW_STAGE_BYTES;
+// The results before their coalesced store, [token][row], in the stages' space; a token's row of RW_ROWS + 4
+// floats puts the lanes of a fragment (rows g, tokens 2 t) on 32 different banks.
+constexpr int RW_OUT_STRIDE = RW_ROWS + 4;
+static_assert(RW_TOKENS * RW_OUT_STRIDE * 4 <= RW_PAIRS_AT, "the results fit in the stages");
+constexpr int RW_SMEM = RW_PAIRS_AT + RW_GROUPS * RW_ROWS * 4;
+
+__device__ int router_wide_min_tokens = RW_MIN_TOKENS;
+__device__ int router_wide_strips = RW_STRIPS;
+__device__ int router_wide_tokens = RW_TOKENS;
+__device__ int router_wide_threads = RW_THREADS;
+__device__ int router_wide_smem = RW_SMEM;
+
+extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
+    router_rows_wide(const bf16* x_hi, const bf16* x_lo, int m, Q4 router, float* logits) {
+    if (blockDim.x != RW_THREADS) __trap();  // the host's plan is not the kernel's
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 base = (u32)__cvta_generic_to_shared(smem);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
+    const int row_warp = warp % RW_ROW_WARPS, pair = warp / RW_ROW_WARPS;
+    const int row0 = blockIdx.x * RW_ROWS, tok0 = blockIdx.y * RW_TOKENS;
+    const int tokens = min(RW_TOKENS, m - tok0);
+
+    // The block's pairs do not depend on the previous kernel: they are read before waiting for it. Rows past the
+    // last read the last row (their sums are never stored).
+    u32* pairs = (u32*)(smem + RW_PAIRS_AT);
+    for (int i = threadIdx.x; i < RW_GROUPS * RW_ROWS; i += RW_THREADS) {
+        const int group = i / RW_ROWS, r = i % RW_ROWS;
+        pairs[i] = __ldg(router.scale_bias + (size_t)min(row0 + r, RT_OUT - 1) * RW_GROUPS + group);
+    }
+    auto load_codes = [&](int stage, int group) {
+        for (int c = threadIdx.x; c < RW_ROWS * 4; c += RW_THREADS) {
+            const size_t row = min(row0 + c / 4, RT_OUT - 1);
+            const u32* src = router.packed + row * (HIDDEN / 4) + group * (GROUP / 4) + 4 * (c % 4);
+            cp_async_16(base + stage * RW_STAGE_BYTES + 16 * c, src, 16);
+        }
+    };
+    // Tokens past the count read zeros (their sums are never stored).
+    auto load_inputs = [&](int stage, int group) {
+        for (int c = threadIdx.x; c < RW_TOKENS * 16; c += RW_THREADS) {
+            const int n = c / 16, chunk = c % 16;
+            const bf16* x = chunk < 8 ? x_hi : x_lo;
+            const bf16* src = x + (size_t)(tok0 + min(n, tokens - 1)) * HIDDEN + group * GROUP + 8 * (chunk % 8);
+            const u32 dst = base + stage * RW_STAGE_BYTES + RW_CODE_BYTES + n * 4 * GROUP + 16 * (chunk ^ (n & 1));
+            cp_async_16(dst, src, n < tokens ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < RW_STAGES - 1; s++)
+        if (s < RW_GROUPS) load_codes(s, s);
+    wait_previous();
+#pragma unroll
+    for (int s = 0; s < RW_STAGES - 1; s++) {
+        if (s < RW_GROUPS) load_inputs(s, s);
+        cp_async_commit();
+    }
+
+    constexpr int MINE = RW_STRIPS / RW_ROW_WARPS;
+    float part[MINE][2][4], total[MINE][2][4];
+#pragma unroll
+    for (int s = 0; s < MINE; s++)
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) part[s][f][j] = 0.f, total[s][f][j] = 0.f;
+    const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
+    auto b_words = [](const uint4 (&x)[2][2], int f, int s, u32& w0, u32& w1) {
+        w0 = word_of(x[f][s / 2], 2 * (s % 2)), w1 = word_of(x[f][s / 2], 2 * (s % 2) + 1);
+    };
+    for (int i = 0; i < RW_GROUPS; i++) {
+        cp_async_wait<RW_STAGES - 2>();
+        __syncthreads();
+        if (i + RW_STAGES - 1 < RW_GROUPS) {
+            const int next = i + RW_STAGES - 1;
+            load_codes(next % RW_STAGES, next);
+            load_inputs(next % RW_STAGES, next);
+        }
+        cp_async_commit();
+        const unsigned char* stage = smem + (i % RW_STAGES) * RW_STAGE_BYTES;
+        // Lane (g, t)'s 16 inputs 16 t .. 16 t + 15 of tokens g and 8 + g of its pair, as router_rows loads them.
+        uint4 hi[2][2], lo[2][2];
+#pragma unroll
+        for (int f = 0; f < 2; f++) {
+            const int n = 16 * pair + 8 * f + g;
+            const unsigned char* x = stage + RW_CODE_BYTES + n * 4 * GROUP;
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                hi[f][u] = *(const uint4*)(x + 16 * ((2 * t + u) ^ (n & 1)));
+                lo[f][u] = *(const uint4*)(x + 16 * ((8 + 2 * t + u) ^ (n & 1)));
+            }
+        }
+        float sx[2][4];
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) sx[f][j] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int f = 0; f < 2; f++) {
+                u32 h0, h1, l0, l1;
+                b_words(hi, f, s, h0, h1), b_words(lo, f, s, l0, l1);
+                mma_bf16(sx[f], ones, h0, h1);
+                mma_bf16(sx[f], ones, l0, l1);
+            }
+#pragma unroll
+        for (int k = 0; k < MINE; k++) {
+            const int strip = row_warp + RW_ROW_WARPS * k;
+            if (row0 + RT_ROWS * strip >= RT_OUT) continue;  // a strip wholly past the last row
+            uint4 codes[2];
+            u32 pair_of[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = RT_ROWS * strip + g + 8 * h;
+                codes[h] = *(const uint4*)(stage + r * GROUP + 16 * t);
+                pair_of[h] = pairs[i * RW_ROWS + r];
+            }
+            float qx[2][4];
+#pragma unroll
+            for (int f = 0; f < 2; f++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) qx[f][j] = 0.f;
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const u32 a[4] = {codes_bf16x2(word_of(codes[0], s), 0), codes_bf16x2(word_of(codes[1], s), 0),
+                                  codes_bf16x2(word_of(codes[0], s), 1), codes_bf16x2(word_of(codes[1], s), 1)};
+#pragma unroll
+                for (int f = 0; f < 2; f++) {
+                    u32 h0, h1, l0, l1;
+                    b_words(hi, f, s, h0, h1), b_words(lo, f, s, l0, l1);
+                    mma_bf16(qx[f], a, h0, h1);
+                    mma_bf16(qx[f], a, l0, l1);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float2 sb = pair_to_float2(pair_of[h]);
+#pragma unroll
+                for (int f = 0; f < 2; f++)
+#pragma unroll
+                    for (int j = 2 * h; j < 2 * h + 2; j++)
+                        part[k][f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], part[k][f][j]));
+            }
+        }
+        // The end of a run of RT_GROUPS groups (router_rows' warp): its sum joins the total, in order of run.
+        if ((i + 1) % RT_GROUPS == 0) {
+#pragma unroll
+            for (int k = 0; k < MINE; k++)
+#pragma unroll
+                for (int f = 0; f < 2; f++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) total[k][f][j] += part[k][f][j], part[k][f][j] = 0.f;
+        }
+    }
+
+    // The totals through shared memory ([token][row]), then out in rows of consecutive logits.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* out = (float*)smem;
+#pragma unroll
+    for (int k = 0; k < MINE; k++)
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int r = RT_ROWS * (row_warp + RW_ROW_WARPS * k) + g + 8 * (j / 2);
+                out[(16 * pair + 8 * f + 2 * t + j % 2) * RW_OUT_STRIDE + r] = total[k][f][j];
+            }
+    __syncthreads();
+    for (int o = threadIdx.x; o < RW_TOKENS * RW_ROWS; o += RW_THREADS) {
+        const int token = o / RW_ROWS, r = o % RW_ROWS;
+        if (row0 + r < RT_OUT && token < tokens)
+            logits[(size_t)(tok0 + token) * RT_OUT + row0 + r] = out[token * RW_OUT_STRIDE + r];
+    }
+}
+
 // Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.
 __device__ void route(const float* logits, int* ids, float* weights) {
     constexpr int PER_LANE = (NUM_EXPERTS + WARP - 1) / WARP;

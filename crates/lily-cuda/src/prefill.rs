@@ -351,8 +351,8 @@ pub(crate) fn enqueue_moe(
         normed_lo,
         norm_codes,
     )?;
-    let tall = router_takes_tall(l, t);
-    router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr(), tall)?;
+    let kernel = router_kernel(l, t);
+    router_logits(l, c, &layer.router, normed, normed_lo, t, s.router_logits.ptr(), kernel)?;
     route_and_sort(l, c, s, t)?;
     let (act, expert_out) = (s.act.ptr(), s.expert_out.ptr());
     let (route_w, codes) = (s.route_w.ptr(), &s.codes);
@@ -370,17 +370,37 @@ pub(crate) fn enqueue_moe(
     )
 }
 
-/// Whether the router's logits of `t` tokens take `router_rows_tall` (from the kernels' `router_tall_min_tokens`
-/// tokens; 0: never) rather than `router_rows`. The two give the same bits.
-pub(crate) fn router_takes_tall(l: &Launcher, t: usize) -> bool {
-    let min = l.kernels.constant("router_tall_min_tokens");
-    min > 0 && t >= min
+/// The kernels of the router's logits; all three give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RouterKernel {
+    /// `router_rows`: a strip of 16 router rows by 16 tokens a block (a batched step's rows, short prompts).
+    Rows,
+    /// `router_rows_tall`: several strips a block, each tile's inputs fetched once per group of strips.
+    Tall,
+    /// `router_rows_wide`: a block's inputs and codes staged in shared memory once for all its strips and tokens.
+    Wide,
+}
+
+/// The router's kernel for `t` tokens: `router_rows_wide` from the kernels' `router_wide_min_tokens` tokens,
+/// `router_rows_tall` from `router_tall_min_tokens`, else `router_rows` (a threshold of 0: never).
+pub(crate) fn router_kernel(l: &Launcher, t: usize) -> RouterKernel {
+    let from = |name| {
+        let min = l.kernels.constant(name);
+        min > 0 && t >= min
+    };
+    if from("router_wide_min_tokens") {
+        RouterKernel::Wide
+    } else if from("router_tall_min_tokens") {
+        RouterKernel::Tall
+    } else {
+        RouterKernel::Rows
+    }
 }
 
 /// `logits[r][e] = router[e] . (normed[r] + normed_lo[r])` for `t` rows (row stride experts + 1), one launch of
-/// `router_rows_tall` where `tall`, else `router_rows`, at every count (a batched step's rows and a prompt's chunk
-/// alike). Routing follows small differences between logits, so the router sees the normed input to about 16 bits
-/// (the bf16 part and what its rounding lost), and a token's logits do not depend on the rows beside it.
+/// `kernel` at every count (a batched step's rows and a prompt's chunk alike). Routing follows small differences
+/// between logits, so the router sees the normed input to about 16 bits (the bf16 part and what its rounding lost),
+/// and a token's logits do not depend on the rows beside it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn router_logits(
     l: &mut Launcher,
@@ -390,26 +410,43 @@ pub(crate) fn router_logits(
     normed_lo: DevPtr<bf16>,
     t: usize,
     logits: DevPtr<f32>,
-    tall: bool,
+    kernel: RouterKernel,
 ) -> Result<()> {
     assert!(
         router.bits == 8 && router.rows == c.num_experts + 1 && router.cols == c.hidden_size,
         "router_rows takes the 8-bit [experts + 1][hidden] router"
     );
-    let (strip, tile, threads) = (
-        l.kernels.constant("router_strip_rows"),
-        l.kernels.constant("router_tile_tokens"),
-        l.kernels.constant("router_threads"),
-    );
+    let k = |name| l.kernels.constant(name);
+    let strip = k("router_strip_rows");
     let strips = router.rows.div_ceil(strip);
-    let tiles = t.div_ceil(tile) as u32;
-    if tall {
-        let per_block = l.kernels.constant("router_tall_strips");
-        let dims = Dims::new((strips.div_ceil(per_block) as u32, tiles, 1), threads as u32);
-        return prefill::router_rows_tall(l, dims, normed, normed_lo, t as i32, router.q4(), logits);
+    let (x, m, q) = (normed, t as i32, router.q4());
+    match kernel {
+        RouterKernel::Rows => {
+            let dims = Dims::new(
+                (strips as u32, t.div_ceil(k("router_tile_tokens")) as u32, 1),
+                k("router_threads") as u32,
+            );
+            prefill::router_rows(l, dims, x, normed_lo, m, q, logits)
+        }
+        RouterKernel::Tall => {
+            let blocks = (
+                strips.div_ceil(k("router_tall_strips")) as u32,
+                t.div_ceil(k("router_tile_tokens")) as u32,
+                1,
+            );
+            let dims = Dims::new(blocks, k("router_threads") as u32);
+            prefill::router_rows_tall(l, dims, x, normed_lo, m, q, logits)
+        }
+        RouterKernel::Wide => {
+            let blocks = (
+                strips.div_ceil(k("router_wide_strips")) as u32,
+                t.div_ceil(k("router_wide_tokens")) as u32,
+                1,
+            );
+            let dims = Dims::new(blocks, k("router_wide_threads") as u32).shared(k("router_wide_smem") as u32);
+            prefill::router_rows_wide(l, dims, x, normed_lo, m, q, logits)
+        }
     }
-    let dims = Dims::new((strips as u32, tiles, 1), threads as u32);
-    prefill::router_rows(l, dims, normed, normed_lo, t as i32, router.q4(), logits)
 }
 
 /// The routing of `t` tokens from `s.router_logits` (ids, weights, the shared expert's gate) and the stable sort of

@@ -18,6 +18,11 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "router_threads",
         "router_tall_strips",
         "router_tall_min_tokens",
+        "router_wide_min_tokens",
+        "router_wide_strips",
+        "router_wide_tokens",
+        "router_wide_threads",
+        "router_wide_smem",
         "route_sort_max_tokens",
         "route_sort_threads",
     ],
@@ -48,6 +53,10 @@ launchers! {
     /// `router_rows` with `router_tall_strips` strips a block (grid x: groups of that many strips): the same bits,
     /// each tile's inputs fetched once per group of strips, for long prompts.
     router_rows_tall(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
+    /// `router_rows` again, for a prompt's chunk of thousands of tokens: grid (groups of `router_wide_strips`
+    /// strips, tiles of `router_wide_tokens` tokens), `router_wide_threads` threads and `router_wide_smem` bytes of
+    /// shared memory a block, each group of 64 inputs staged once for all of a block's strips and tokens.
+    router_rows_wide(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
     /// Each token's top-k experts and weights, then the shared expert (number `experts`) and its gate, and the
     /// count of entries per expert.
     route_rows(logits: DevPtr<f32>, t: i32, route_ids: DevPtr<i32>, route_w: DevPtr<f32>, counts: DevPtr<i32>);

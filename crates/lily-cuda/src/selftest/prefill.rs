@@ -10,7 +10,7 @@ use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
 use crate::kernels::{gemm, prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
-use crate::prefill::{route_and_sort, router_logits, PrefillScratch, ROW_THREADS};
+use crate::prefill::{route_and_sort, router_logits, PrefillScratch, RouterKernel, ROW_THREADS};
 use crate::weights::GpuWeights;
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
@@ -379,7 +379,7 @@ fn check_router(
         poison(gpu, &s.router_logits)?;
         let (normed, normed_lo, logits) = (s.normed.ptr(), s.normed_lo.ptr(), s.router_logits.ptr());
         let router = &gw.layers[0].router;
-        router_logits(l, c, router, normed, normed_lo, t, logits, false)?;
+        router_logits(l, c, router, normed, normed_lo, t, logits, RouterKernel::Rows)?;
         let got = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
         let (kernel, tol) = ("router_rows", TOL_ROUTER_ROWS);
         first_rows.push((t, got[..e + 1].to_vec()));
@@ -390,18 +390,24 @@ fn check_router(
             got[t * (e + 1)..].iter().all(|v| v.is_nan()),
             "",
         );
-        // The long prompts' kernel, several strips a block: the same bits, and no row past the count written.
-        poison(gpu, &s.router_logits)?;
-        router_logits(l, c, router, normed, normed_lo, t, logits, true)?;
-        let tall = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
-        let differ = (0..t * (e + 1))
-            .filter(|&i| tall[i].to_bits() != got[i].to_bits())
-            .count();
-        report.check_eq(
-            &format!("router_rows_tall ({t} tokens): logits equal router_rows' bit for bit, rows past untouched"),
-            differ == 0 && tall[t * (e + 1)..].iter().all(|v| v.is_nan()),
-            &format!("{differ} of {} logits differ", t * (e + 1)),
-        );
+        // The long prompts' kernels (several strips a block; a block's inputs staged): the same bits, and no row
+        // past the count written.
+        for (kernel, name) in [
+            (RouterKernel::Tall, "router_rows_tall"),
+            (RouterKernel::Wide, "router_rows_wide"),
+        ] {
+            poison(gpu, &s.router_logits)?;
+            router_logits(l, c, router, normed, normed_lo, t, logits, kernel)?;
+            let other = download_f32(gpu, &s.router_logits, (t + 1) * (e + 1))?;
+            let differ = (0..t * (e + 1))
+                .filter(|&i| other[i].to_bits() != got[i].to_bits())
+                .count();
+            report.check_eq(
+                &format!("{name} ({t} tokens): logits equal router_rows' bit for bit, rows past untouched"),
+                differ == 0 && other[t * (e + 1)..].iter().all(|v| v.is_nan()),
+                &format!("{differ} of {} logits differ", t * (e + 1)),
+            );
+        }
 
         // The routing of these logits, GPU against the twin's.
         route_and_sort(l, c, s, t)?;
