@@ -204,6 +204,74 @@ struct RouterGroup {
     uint4 hi[2][2], lo[2][2];
 };
 
+// Step s's B fragment (two words) of token fragment f from a group's 16 inputs a lane holds (hi or lo).
+__device__ __forceinline__ void router_b_words(const uint4 (&x)[2][2], int f, int s, u32& w0, u32& w1) {
+    w0 = word_of(x[f][s / 2], 2 * (s % 2)), w1 = word_of(x[f][s / 2], 2 * (s % 2) + 1);
+}
+
+// [token fragment]: sum(x) over a group of the lane's inputs (hi + lo), by MMAs against ones; the same for every
+// strip.
+__device__ __forceinline__ void router_group_sums(const uint4 (&hi)[2][2], const uint4 (&lo)[2][2], float (&sx)[2][4]) {
+    const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) sx[f][j] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+#pragma unroll
+        for (int f = 0; f < 2; f++) {
+            u32 h0, h1, l0, l1;
+            router_b_words(hi, f, s, h0, h1), router_b_words(lo, f, s, l0, l1);
+            mma_bf16(sx[f], ones, h0, h1);
+            mma_bf16(sx[f], ones, l0, l1);
+        }
+}
+
+// The A fragment of step s for rows g and g + 8 of a strip, from the 16 codes of each that a lane holds (inputs
+// 16 t .. 16 t + 15, in the order the B fragments take them).
+struct RouterCodes {
+    const uint4 (&codes)[2];
+    __device__ __forceinline__ void operator()(int s, u32 (&a)[4]) const {
+        a[0] = codes_bf16x2(word_of(codes[0], s), 0), a[1] = codes_bf16x2(word_of(codes[1], s), 0);
+        a[2] = codes_bf16x2(word_of(codes[0], s), 1), a[3] = codes_bf16x2(word_of(codes[1], s), 1);
+    }
+};
+
+// One strip's group: acc += scale * sum(q x) + bias * sum(x) for rows g and g + 8 (their (scale, bias) `pairs`)
+// and the lane's two token fragments, sum(q x) by MMAs over the four steps, `a_of(s, a)` giving step s's A
+// fragment. Fragment entry j: row g + 8 (j / 2), token 2 t + j % 2 of the fragment.
+template <typename AOf>
+__device__ __forceinline__ void router_strip_group(const AOf& a_of, const u32 (&pairs)[2], const uint4 (&hi)[2][2],
+                                                   const uint4 (&lo)[2][2], const float (&sx)[2][4],
+                                                   float (&acc)[2][4]) {
+    float qx[2][4];  // [token fragment]: sum(q x) over the group
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) qx[f][j] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        u32 a[4];
+        a_of(s, a);
+#pragma unroll
+        for (int f = 0; f < 2; f++) {
+            u32 h0, h1, l0, l1;
+            router_b_words(hi, f, s, h0, h1), router_b_words(lo, f, s, l0, l1);
+            mma_bf16(qx[f], a, h0, h1);
+            mma_bf16(qx[f], a, l0, l1);
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float2 sb = pair_to_float2(pairs[h]);
+#pragma unroll
+        for (int f = 0; f < 2; f++)
+#pragma unroll
+            for (int j = 2 * h; j < 2 * h + 2; j++) acc[f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], acc[f][j]));
+    }
+}
+
 // The body of router_rows (STRIPS 1) and router_rows_tall: a block takes STRIPS consecutive strips of RT_ROWS
 // router rows (rows past the last read the last row; their sums are never stored). Every logit is summed the
 // same way in both, so the two give the same bits.
@@ -257,62 +325,17 @@ __device__ __forceinline__ void router_strips(const bf16* x_hi, const bf16* x_lo
         for (int f = 0; f < 2; f++)
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[s][f][i] = 0.f;
-    const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
-    // Step s's B fragment (two words) of token fragment f from a group's 16 inputs a lane holds (hi or lo).
-    auto b_words = [](const uint4 (&x)[2][2], int f, int s, u32& w0, u32& w1) {
-        w0 = word_of(x[f][s / 2], 2 * (s % 2)), w1 = word_of(x[f][s / 2], 2 * (s % 2) + 1);
-    };
 #pragma unroll
     for (int i = 0; i < RT_GROUPS; i++) {
         if (i + 1 < RT_GROUPS) {
             load_weights(next, group0 + i + 1);
             load_inputs(next, group0 + i + 1);
         }
-        // [token fragment]: sum(x) over the group, the same for every strip.
         float sx[2][4];
-#pragma unroll
-        for (int f = 0; f < 2; f++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) sx[f][j] = 0.f;
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int f = 0; f < 2; f++) {
-                u32 h0, h1, l0, l1;
-                b_words(cur.hi, f, s, h0, h1), b_words(cur.lo, f, s, l0, l1);
-                mma_bf16(sx[f], ones, h0, h1);
-                mma_bf16(sx[f], ones, l0, l1);
-            }
+        router_group_sums(cur.hi, cur.lo, sx);
 #pragma unroll
         for (int strip = 0; strip < STRIPS; strip++) {
-            float qx[2][4];  // [token fragment]: sum(q x) over the group
-#pragma unroll
-            for (int f = 0; f < 2; f++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) qx[f][j] = 0.f;
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                const uint4* codes = cur.codes[strip];
-                const u32 a[4] = {codes_bf16x2(word_of(codes[0], s), 0), codes_bf16x2(word_of(codes[1], s), 0),
-                                  codes_bf16x2(word_of(codes[0], s), 1), codes_bf16x2(word_of(codes[1], s), 1)};
-#pragma unroll
-                for (int f = 0; f < 2; f++) {
-                    u32 h0, h1, l0, l1;
-                    b_words(cur.hi, f, s, h0, h1), b_words(cur.lo, f, s, l0, l1);
-                    mma_bf16(qx[f], a, h0, h1);
-                    mma_bf16(qx[f], a, l0, l1);
-                }
-            }
-            // Fragment entry j: row g + 8 (j / 2), token 2 t + j % 2 of the fragment.
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float2 sb = pair_to_float2(cur.pairs[strip][h]);
-#pragma unroll
-                for (int f = 0; f < 2; f++)
-#pragma unroll
-                    for (int j = 2 * h; j < 2 * h + 2; j++)
-                        acc[strip][f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], acc[strip][f][j]));
-            }
+            router_strip_group(RouterCodes{cur.codes[strip]}, cur.pairs[strip], cur.hi, cur.lo, sx, acc[strip]);
         }
         if (i + 1 < RT_GROUPS) cur = next;
     }
@@ -373,6 +396,15 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 #define RW_BF16_CODES 0
 #endif
 static_assert(!RW_BF16_CODES || RW_STAGES >= 3, "group i + 1 has landed while group i is multiplied");
+// The A fragment of step s from the bf16 codes a lane holds: w[h][u] holds row g + 8 h's inputs 16 t + 8 u ..
+// 16 t + 8 u + 7.
+struct RouterBf16 {
+    const uint4 (&w)[2][2];
+    __device__ __forceinline__ void operator()(int s, u32 (&a)[4]) const {
+        a[0] = word_of(w[0][s / 2], 2 * (s % 2)), a[1] = word_of(w[1][s / 2], 2 * (s % 2));
+        a[2] = word_of(w[0][s / 2], 2 * (s % 2) + 1), a[3] = word_of(w[1][s / 2], 2 * (s % 2) + 1);
+    }
+};
 // Counts of RW_MIN_TOKENS tokens or more take router_rows_wide (0: never).
 #ifndef RW_MIN_TOKENS
 #define RW_MIN_TOKENS 2048
@@ -475,10 +507,6 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
         for (int f = 0; f < 2; f++)
 #pragma unroll
             for (int j = 0; j < 4; j++) part[s][f][j] = 0.f, total[s][f][j] = 0.f;
-    const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
-    auto b_words = [](const uint4 (&x)[2][2], int f, int s, u32& w0, u32& w1) {
-        w0 = word_of(x[f][s / 2], 2 * (s % 2)), w1 = word_of(x[f][s / 2], 2 * (s % 2) + 1);
-    };
     for (int i = 0; i < RW_GROUPS; i++) {
         if (RW_BF16_CODES)
             cp_async_wait<RW_BF16_CODES ? RW_STAGES - 3 : 0>();
@@ -507,67 +535,30 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             }
         }
         float sx[2][4];
-#pragma unroll
-        for (int f = 0; f < 2; f++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) sx[f][j] = 0.f;
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int f = 0; f < 2; f++) {
-                u32 h0, h1, l0, l1;
-                b_words(hi, f, s, h0, h1), b_words(lo, f, s, l0, l1);
-                mma_bf16(sx[f], ones, h0, h1);
-                mma_bf16(sx[f], ones, l0, l1);
-            }
+        router_group_sums(hi, lo, sx);
 #pragma unroll
         for (int k = 0; k < MINE; k++) {
             const int strip = row_warp + RW_ROW_WARPS * k;
             if (row0 + RT_ROWS * strip >= RT_OUT) continue;  // a strip wholly past the last row
-            uint4 codes[2], w[2][2];
             u32 pair_of[2];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = RT_ROWS * strip + g + 8 * h;
-                if (RW_BF16_CODES) {
+            for (int h = 0; h < 2; h++) pair_of[h] = pairs[i * RW_ROWS + RT_ROWS * strip + g + 8 * h];
+            if (RW_BF16_CODES) {
+                uint4 w[2][2];  // rows g and g + 8: inputs 16 t .. 16 t + 7, 16 t + 8 .. 16 t + 15
 #pragma unroll
-                    for (int u = 0; u < 2; u++) w[h][u] = *(const uint4*)(wq + r * 2 * GROUP + 16 * ((2 * t + u) ^ (r & 1)));
-                } else {
-                    codes[h] = *(const uint4*)(stage + r * GROUP + 16 * t);
+                for (int h = 0; h < 2; h++) {
+                    const int r = RT_ROWS * strip + g + 8 * h;
+#pragma unroll
+                    for (int u = 0; u < 2; u++)
+                        w[h][u] = *(const uint4*)(wq + r * 2 * GROUP + 16 * ((2 * t + u) ^ (r & 1)));
                 }
-                pair_of[h] = pairs[i * RW_ROWS + r];
-            }
-            float qx[2][4];
+                router_strip_group(RouterBf16{w}, pair_of, hi, lo, sx, part[k]);
+            } else {
+                uint4 codes[2];
 #pragma unroll
-            for (int f = 0; f < 2; f++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) qx[f][j] = 0.f;
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 a[4];
-                if (RW_BF16_CODES) {
-                    a[0] = word_of(w[0][s / 2], 2 * (s % 2)), a[1] = word_of(w[1][s / 2], 2 * (s % 2));
-                    a[2] = word_of(w[0][s / 2], 2 * (s % 2) + 1), a[3] = word_of(w[1][s / 2], 2 * (s % 2) + 1);
-                } else {
-                    a[0] = codes_bf16x2(word_of(codes[0], s), 0), a[1] = codes_bf16x2(word_of(codes[1], s), 0);
-                    a[2] = codes_bf16x2(word_of(codes[0], s), 1), a[3] = codes_bf16x2(word_of(codes[1], s), 1);
-                }
-#pragma unroll
-                for (int f = 0; f < 2; f++) {
-                    u32 h0, h1, l0, l1;
-                    b_words(hi, f, s, h0, h1), b_words(lo, f, s, l0, l1);
-                    mma_bf16(qx[f], a, h0, h1);
-                    mma_bf16(qx[f], a, l0, l1);
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float2 sb = pair_to_float2(pair_of[h]);
-#pragma unroll
-                for (int f = 0; f < 2; f++)
-#pragma unroll
-                    for (int j = 2 * h; j < 2 * h + 2; j++)
-                        part[k][f][j] = fmaf(sb.x, qx[f][j], fmaf(sb.y, sx[f][j], part[k][f][j]));
+                for (int h = 0; h < 2; h++)
+                    codes[h] = *(const uint4*)(stage + (RT_ROWS * strip + g + 8 * h) * GROUP + 16 * t);
+                router_strip_group(RouterCodes{codes}, pair_of, hi, lo, sx, part[k]);
             }
         }
         // The end of a run of RT_GROUPS groups (router_rows' warp): its sum joins the total, in order of run.
