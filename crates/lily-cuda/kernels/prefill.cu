@@ -209,24 +209,35 @@ __device__ __forceinline__ void router_b_words(const uint4 (&x)[2][2], int f, in
     w0 = word_of(x[f][s / 2], 2 * (s % 2)), w1 = word_of(x[f][s / 2], 2 * (s % 2) + 1);
 }
 
-// [token fragment]: sum(x) over a group of the lane's inputs (hi + lo), by MMAs against ones; the same for every
-// strip.
-__device__ __forceinline__ void router_group_sums(const uint4 (&hi)[2][2], const uint4 (&lo)[2][2], float (&sx)[2][4]) {
-    const u32 ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 1.0 pairs
+// [token fragment]: the sums over a group's four steps of A times the lane's inputs (hi + lo), by MMAs in f32,
+// `a_of(s, a)` giving step s's A fragment.
+template <typename AOf>
+__device__ __forceinline__ void router_products(const AOf& a_of, const uint4 (&hi)[2][2], const uint4 (&lo)[2][2],
+                                                float (&d)[2][4]) {
 #pragma unroll
     for (int f = 0; f < 2; f++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) sx[f][j] = 0.f;
+        for (int j = 0; j < 4; j++) d[f][j] = 0.f;
 #pragma unroll
-    for (int s = 0; s < 4; s++)
+    for (int s = 0; s < 4; s++) {
+        u32 a[4];
+        a_of(s, a);
 #pragma unroll
         for (int f = 0; f < 2; f++) {
             u32 h0, h1, l0, l1;
             router_b_words(hi, f, s, h0, h1), router_b_words(lo, f, s, l0, l1);
-            mma_bf16(sx[f], ones, h0, h1);
-            mma_bf16(sx[f], ones, l0, l1);
+            mma_bf16(d[f], a, h0, h1);
+            mma_bf16(d[f], a, l0, l1);
         }
+    }
 }
+
+// An A of ones: the products are the sums of x over the group, the same for every strip.
+struct RouterOnes {
+    __device__ __forceinline__ void operator()(int, u32 (&a)[4]) const {
+        a[0] = a[1] = a[2] = a[3] = 0x3F803F80u;  // bf16 1.0 pairs
+    }
+};
 
 // The A fragment of step s for rows g and g + 8 of a strip, from the 16 codes of each that a lane holds (inputs
 // 16 t .. 16 t + 15, in the order the B fragments take them).
@@ -246,22 +257,7 @@ __device__ __forceinline__ void router_strip_group(const AOf& a_of, const u32 (&
                                                    const uint4 (&lo)[2][2], const float (&sx)[2][4],
                                                    float (&acc)[2][4]) {
     float qx[2][4];  // [token fragment]: sum(q x) over the group
-#pragma unroll
-    for (int f = 0; f < 2; f++)
-#pragma unroll
-        for (int j = 0; j < 4; j++) qx[f][j] = 0.f;
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-        u32 a[4];
-        a_of(s, a);
-#pragma unroll
-        for (int f = 0; f < 2; f++) {
-            u32 h0, h1, l0, l1;
-            router_b_words(hi, f, s, h0, h1), router_b_words(lo, f, s, l0, l1);
-            mma_bf16(qx[f], a, h0, h1);
-            mma_bf16(qx[f], a, l0, l1);
-        }
-    }
+    router_products(a_of, hi, lo, qx);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const float2 sb = pair_to_float2(pairs[h]);
@@ -331,8 +327,8 @@ __device__ __forceinline__ void router_strips(const bf16* x_hi, const bf16* x_lo
             load_weights(next, group0 + i + 1);
             load_inputs(next, group0 + i + 1);
         }
-        float sx[2][4];
-        router_group_sums(cur.hi, cur.lo, sx);
+        float sx[2][4];  // [token fragment]: sum(x) over the group, the same for every strip
+        router_products(RouterOnes{}, cur.hi, cur.lo, sx);
 #pragma unroll
         for (int strip = 0; strip < STRIPS; strip++) {
             router_strip_group(RouterCodes{cur.codes[strip]}, cur.pairs[strip], cur.hi, cur.lo, sx, acc[strip]);
@@ -535,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             }
         }
         float sx[2][4];
-        router_group_sums(hi, lo, sx);
+        router_products(RouterOnes{}, hi, lo, sx);
 #pragma unroll
         for (int k = 0; k < MINE; k++) {
             const int strip = row_warp + RW_ROW_WARPS * k;
