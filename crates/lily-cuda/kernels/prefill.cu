@@ -386,21 +386,6 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 #ifndef RW_STAGES
 #define RW_STAGES 4
 #endif
-// RW_BF16_CODES 1: the codes of group i + 1 are turned into bf16 once a block (into one of two buffers, a row's
-// 16-byte chunk c at c ^ (row & 1)) while the warps multiply group i, instead of by each token pair's warp.
-#ifndef RW_BF16_CODES
-#define RW_BF16_CODES 0
-#endif
-static_assert(!RW_BF16_CODES || RW_STAGES >= 3, "group i + 1 has landed while group i is multiplied");
-// The A fragment of step s from the bf16 codes a lane holds: w[h][u] holds row g + 8 h's inputs 16 t + 8 u ..
-// 16 t + 8 u + 7.
-struct RouterBf16 {
-    const uint4 (&w)[2][2];
-    __device__ __forceinline__ void operator()(int s, u32 (&a)[4]) const {
-        a[0] = word_of(w[0][s / 2], 2 * (s % 2)), a[1] = word_of(w[1][s / 2], 2 * (s % 2));
-        a[2] = word_of(w[0][s / 2], 2 * (s % 2) + 1), a[3] = word_of(w[1][s / 2], 2 * (s % 2) + 1);
-    }
-};
 // Counts of RW_MIN_TOKENS tokens or more take router_rows_wide (0: never).
 #ifndef RW_MIN_TOKENS
 #define RW_MIN_TOKENS 2048
@@ -421,9 +406,7 @@ constexpr int RW_PAIRS_AT = RW_STAGES * RW_STAGE_BYTES;
 // floats puts the lanes of a fragment (rows g, tokens 2 t) on 32 different banks.
 constexpr int RW_OUT_STRIDE = RW_ROWS + 4;
 static_assert(RW_TOKENS * RW_OUT_STRIDE * 4 <= RW_PAIRS_AT, "the results fit in the stages");
-constexpr int RW_BF16_AT = RW_PAIRS_AT + RW_GROUPS * RW_ROWS * 4;
-constexpr int RW_BF16_BYTES = RW_ROWS * GROUP * 2;
-constexpr int RW_SMEM = RW_BF16_AT + (RW_BF16_CODES ? 2 * RW_BF16_BYTES : 0);
+constexpr int RW_SMEM = RW_PAIRS_AT + RW_GROUPS * RW_ROWS * 4;
 
 __device__ int router_wide_min_tokens = RW_MIN_TOKENS;
 __device__ int router_wide_strips = RW_STRIPS;
@@ -475,26 +458,6 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
         cp_async_commit();
     }
 
-    // Group `group`'s codes (landed at `stage`) into bf16 buffer `group % 2`.
-    auto codes_to_bf16 = [&](int stage, int group) {
-        unsigned char* to = smem + RW_BF16_AT + (group % 2) * RW_BF16_BYTES;
-        for (int q = threadIdx.x; q < RW_ROWS * 4; q += RW_THREADS) {
-            const int r = q / 4, c = q % 4;
-            const uint4 v = *(const uint4*)(smem + stage * RW_STAGE_BYTES + r * GROUP + 16 * c);
-            const uint4 lo = make_uint4(codes_bf16x2(v.x, 0), codes_bf16x2(v.x, 1), codes_bf16x2(v.y, 0),
-                                        codes_bf16x2(v.y, 1));
-            const uint4 hi = make_uint4(codes_bf16x2(v.z, 0), codes_bf16x2(v.z, 1), codes_bf16x2(v.w, 0),
-                                        codes_bf16x2(v.w, 1));
-            *(uint4*)(to + r * 2 * GROUP + 16 * ((2 * c) ^ (r & 1))) = lo;
-            *(uint4*)(to + r * 2 * GROUP + 16 * ((2 * c + 1) ^ (r & 1))) = hi;
-        }
-    };
-    if (RW_BF16_CODES) {
-        cp_async_wait<RW_STAGES - 2>();
-        __syncthreads();
-        codes_to_bf16(0, 0);
-    }
-
     constexpr int MINE = RW_STRIPS / RW_ROW_WARPS;
     float part[MINE][2][4], total[MINE][2][4];
 #pragma unroll
@@ -504,10 +467,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
 #pragma unroll
             for (int j = 0; j < 4; j++) part[s][f][j] = 0.f, total[s][f][j] = 0.f;
     for (int i = 0; i < RW_GROUPS; i++) {
-        if (RW_BF16_CODES)
-            cp_async_wait<RW_BF16_CODES ? RW_STAGES - 3 : 0>();
-        else
-            cp_async_wait<RW_STAGES - 2>();
+        cp_async_wait<RW_STAGES - 2>();
         __syncthreads();
         if (i + RW_STAGES - 1 < RW_GROUPS) {
             const int next = i + RW_STAGES - 1;
@@ -515,9 +475,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             load_inputs(next % RW_STAGES, next);
         }
         cp_async_commit();
-        if (RW_BF16_CODES && i + 1 < RW_GROUPS) codes_to_bf16((i + 1) % RW_STAGES, i + 1);
         const unsigned char* stage = smem + (i % RW_STAGES) * RW_STAGE_BYTES;
-        const unsigned char* wq = smem + RW_BF16_AT + (i % 2) * RW_BF16_BYTES;
         // Lane (g, t)'s 16 inputs 16 t .. 16 t + 15 of tokens g and 8 + g of its pair, as router_rows loads them.
         uint4 hi[2][2], lo[2][2];
 #pragma unroll
@@ -539,23 +497,11 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             u32 pair_of[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) pair_of[h] = pairs[i * RW_ROWS + RT_ROWS * strip + g + 8 * h];
-            if (RW_BF16_CODES) {
-                uint4 w[2][2];  // rows g and g + 8: inputs 16 t .. 16 t + 7, 16 t + 8 .. 16 t + 15
+            uint4 codes[2];
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = RT_ROWS * strip + g + 8 * h;
-#pragma unroll
-                    for (int u = 0; u < 2; u++)
-                        w[h][u] = *(const uint4*)(wq + r * 2 * GROUP + 16 * ((2 * t + u) ^ (r & 1)));
-                }
-                router_strip_group(RouterBf16{w}, pair_of, hi, lo, sx, part[k]);
-            } else {
-                uint4 codes[2];
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    codes[h] = *(const uint4*)(stage + (RT_ROWS * strip + g + 8 * h) * GROUP + 16 * t);
-                router_strip_group(RouterCodes{codes}, pair_of, hi, lo, sx, part[k]);
-            }
+            for (int h = 0; h < 2; h++)
+                codes[h] = *(const uint4*)(stage + (RT_ROWS * strip + g + 8 * h) * GROUP + 16 * t);
+            router_strip_group(RouterCodes{codes}, pair_of, hi, lo, sx, part[k]);
         }
         // The end of a run of RT_GROUPS groups (router_rows' warp): its sum joins the total, in order of run.
         if ((i + 1) % RT_GROUPS == 0) {
