@@ -492,8 +492,9 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
         router_products(RouterOnes{}, hi, lo, sx);
 #pragma unroll
         for (int k = 0; k < MINE; k++) {
+            // A strip wholly past the last row is summed too (its codes are the last row's, its sums never
+            // stored): with no branch between them, the strips' chains of MMAs overlap.
             const int strip = row_warp + RW_ROW_WARPS * k;
-            if (row0 + RT_ROWS * strip >= RT_OUT) continue;  // a strip wholly past the last row
             u32 pair_of[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) pair_of[h] = pairs[i * RW_ROWS + RT_ROWS * strip + g + 8 * h];
