@@ -370,10 +370,11 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 // once per three strips and each strip's weights once per 16 tokens, about 340 MB from L2 a layer at 4,096 tokens,
 // and is bound by L2. Here a block takes RW_TOKENS tokens (RW_TOKEN_WARPS pairs of token fragments) by RW_STRIPS
 // strips and stages each group of 64 inputs in shared memory (cp.async, RW_STAGES deep): the codes of its rows, the
-// inputs of its tokens. Warp (r, p) takes token pair p and strips r, r + RW_ROW_WARPS, ..., so each staged code
-// feeds RW_TOKEN_WARPS warps and each staged input RW_ROW_WARPS warps. A warp walks every group of k itself and
-// keeps one partial sum per run of RT_GROUPS groups, added to its total in order of run: the same products,
-// fragment positions and additions as router_rows, whose warp w sums run w, so the two give the same bits.
+// inputs of its tokens. The codes of group i + 1 are turned into bf16 once for the block, into one of two buffers,
+// while the warps multiply group i. Warp (r, p) takes token pair p and strips r, r + RW_ROW_WARPS, ..., so each
+// converted code feeds RW_TOKEN_WARPS warps and each staged input RW_ROW_WARPS warps. A warp walks every group of k
+// itself and keeps one partial sum per run of RT_GROUPS groups, added to its total in order of run: the same
+// products, fragment positions and additions as router_rows, whose warp w sums run w, so the two give the same bits.
 #ifndef RW_ROW_WARPS
 #define RW_ROW_WARPS 3
 #endif
@@ -394,6 +395,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 #define RW_TOKENS (2 * 8 * RW_TOKEN_WARPS)
 #define RW_ROWS (RT_ROWS * RW_STRIPS)
 static_assert(RW_STRIPS % RW_ROW_WARPS == 0, "every row warp takes as many strips");
+static_assert(RW_STAGES >= 3, "group i + 1 has landed while group i is multiplied");
 constexpr int RW_GROUPS = HIDDEN / GROUP;
 // A stage: the block's rows' codes of one group (64 bytes a row), then its tokens' inputs (x_hi's 128 bytes, then
 // x_lo's, a token). A token's 16-byte chunk c lies at chunk c ^ (token & 1), so that the eight lanes of a
@@ -402,17 +404,32 @@ constexpr int RW_CODE_BYTES = RW_ROWS * GROUP;
 constexpr int RW_STAGE_BYTES = RW_CODE_BYTES + RW_TOKENS * 4 * GROUP;
 // After the stages: the (scale, bias) pairs of the block's rows, [group][row].
 constexpr int RW_PAIRS_AT = RW_STAGES * RW_STAGE_BYTES;
+// After the pairs: two buffers of a group's codes in bf16, [strip][step][lane] of 16 bytes: lane (g, t)'s A
+// fragment of that step for the strip, so that a warp reads a step's fragments in one conflict-free load.
+constexpr int RW_BF16_AT = RW_PAIRS_AT + RW_GROUPS * RW_ROWS * 4;
+constexpr int RW_BF16_BYTES = RW_ROWS * GROUP * 2;
 // The results before their coalesced store, [token][row], in the stages' space; a token's row of RW_ROWS + 4
 // floats puts the lanes of a fragment (rows g, tokens 2 t) on 32 different banks.
 constexpr int RW_OUT_STRIDE = RW_ROWS + 4;
 static_assert(RW_TOKENS * RW_OUT_STRIDE * 4 <= RW_PAIRS_AT, "the results fit in the stages");
-constexpr int RW_SMEM = RW_PAIRS_AT + RW_GROUPS * RW_ROWS * 4;
+constexpr int RW_SMEM = RW_BF16_AT + 2 * RW_BF16_BYTES;
+// The 16-byte copies of a stage that a thread makes: codes, then inputs.
+constexpr int RW_CODE_COPIES = (RW_ROWS * 4 + RW_THREADS - 1) / RW_THREADS;
+constexpr int RW_INPUT_COPIES = (RW_TOKENS * 16 + RW_THREADS - 1) / RW_THREADS;
 
 __device__ int router_wide_min_tokens = RW_MIN_TOKENS;
 __device__ int router_wide_strips = RW_STRIPS;
 __device__ int router_wide_tokens = RW_TOKENS;
 __device__ int router_wide_threads = RW_THREADS;
 __device__ int router_wide_smem = RW_SMEM;
+
+// The A fragments of a strip's four steps, converted to bf16 beforehand: the values are RouterCodes'.
+struct RouterStepCodes {
+    const uint4 (&w)[4];
+    __device__ __forceinline__ void operator()(int s, u32 (&a)[4]) const {
+        a[0] = w[s].x, a[1] = w[s].y, a[2] = w[s].z, a[3] = w[s].w;
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
     router_rows_wide(const bf16* x_hi, const bf16* x_lo, int m, Q4 router, float* logits) {
@@ -431,21 +448,56 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
         const int group = i / RW_ROWS, r = i % RW_ROWS;
         pairs[i] = __ldg(router.scale_bias + (size_t)min(row0 + r, RT_OUT - 1) * RW_GROUPS + group);
     }
+    // Each copy's source at group 0 and its place in a stage, worked out once: a group's copies only move the
+    // source on by GROUP inputs. Copies past a stage's count are not made; tokens past the count read zeros (their
+    // sums are never stored).
+    const u32* code_src[RW_CODE_COPIES];
+    u32 code_dst[RW_CODE_COPIES];
+#pragma unroll
+    for (int k = 0; k < RW_CODE_COPIES; k++) {
+        const int c = threadIdx.x + k * RW_THREADS;
+        const size_t row = min(row0 + c / 4, RT_OUT - 1);
+        code_src[k] = router.packed + row * (HIDDEN / 4) + 4 * (c % 4);
+        code_dst[k] = c < RW_ROWS * 4 ? 16 * c : ~0u;
+    }
+    const bf16* input_src[RW_INPUT_COPIES];
+    u32 input_dst[RW_INPUT_COPIES];
+#pragma unroll
+    for (int k = 0; k < RW_INPUT_COPIES; k++) {
+        const int c = threadIdx.x + k * RW_THREADS, n = c / 16, chunk = c % 16;
+        input_src[k] = (chunk < 8 ? x_hi : x_lo) + (size_t)(tok0 + min(n, tokens - 1)) * HIDDEN + 8 * (chunk % 8);
+        input_dst[k] = c >= RW_TOKENS * 16 ? ~0u : RW_CODE_BYTES + n * 4 * GROUP + 16 * (chunk ^ (n & 1));
+        if (c < RW_TOKENS * 16 && n >= tokens) input_dst[k] |= 1u << 31;  // a token past the count: zeros
+    }
     auto load_codes = [&](int stage, int group) {
-        for (int c = threadIdx.x; c < RW_ROWS * 4; c += RW_THREADS) {
-            const size_t row = min(row0 + c / 4, RT_OUT - 1);
-            const u32* src = router.packed + row * (HIDDEN / 4) + group * (GROUP / 4) + 4 * (c % 4);
-            cp_async_16(base + stage * RW_STAGE_BYTES + 16 * c, src, 16);
-        }
+#pragma unroll
+        for (int k = 0; k < RW_CODE_COPIES; k++)
+            if (code_dst[k] != ~0u)
+                cp_async_16(base + stage * RW_STAGE_BYTES + code_dst[k], code_src[k] + group * (GROUP / 4), 16);
     };
-    // Tokens past the count read zeros (their sums are never stored).
     auto load_inputs = [&](int stage, int group) {
-        for (int c = threadIdx.x; c < RW_TOKENS * 16; c += RW_THREADS) {
-            const int n = c / 16, chunk = c % 16;
-            const bf16* x = chunk < 8 ? x_hi : x_lo;
-            const bf16* src = x + (size_t)(tok0 + min(n, tokens - 1)) * HIDDEN + group * GROUP + 8 * (chunk % 8);
-            const u32 dst = base + stage * RW_STAGE_BYTES + RW_CODE_BYTES + n * 4 * GROUP + 16 * (chunk ^ (n & 1));
-            cp_async_16(dst, src, n < tokens ? 16 : 0);
+#pragma unroll
+        for (int k = 0; k < RW_INPUT_COPIES; k++)
+            if (input_dst[k] != ~0u)
+                cp_async_16(base + stage * RW_STAGE_BYTES + (input_dst[k] & ~(1u << 31)), input_src[k] + group * GROUP,
+                            input_dst[k] >> 31 ? 0 : 16);
+    };
+    // Group `group`'s codes, landed at `stage`, into bf16 buffer group % 2: item (strip, lane (g, t)) turns the
+    // 16 codes of rows g and g + 8 that RouterCodes would take into the lane's four A fragments.
+    auto codes_to_bf16 = [&](int stage, int group) {
+        uint4* to = (uint4*)(smem + RW_BF16_AT + (group % 2) * RW_BF16_BYTES);
+        for (int q = threadIdx.x; q < RW_STRIPS * WARP; q += RW_THREADS) {
+            const int strip = q / WARP, l = q % WARP, r = RT_ROWS * strip + l / 4;
+            uint4 codes[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                codes[h] = *(const uint4*)(smem + stage * RW_STAGE_BYTES + (r + 8 * h) * GROUP + 16 * (l % 4));
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 a[4];
+                RouterCodes{codes}(s, a);
+                to[(4 * strip + s) * WARP + l] = make_uint4(a[0], a[1], a[2], a[3]);
+            }
         }
     };
 #pragma unroll
@@ -457,6 +509,9 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
         if (s < RW_GROUPS) load_inputs(s, s);
         cp_async_commit();
     }
+    cp_async_wait<RW_STAGES - 2>();
+    __syncthreads();
+    codes_to_bf16(0, 0);
 
     constexpr int MINE = RW_STRIPS / RW_ROW_WARPS;
     float part[MINE][2][4], total[MINE][2][4];
@@ -467,7 +522,8 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
 #pragma unroll
             for (int j = 0; j < 4; j++) part[s][f][j] = 0.f, total[s][f][j] = 0.f;
     for (int i = 0; i < RW_GROUPS; i++) {
-        cp_async_wait<RW_STAGES - 2>();
+        // Groups up to i + 1 have landed, and every warp is done with group i - 1's stage and bf16 buffer.
+        cp_async_wait<RW_STAGES - 3>();
         __syncthreads();
         if (i + RW_STAGES - 1 < RW_GROUPS) {
             const int next = i + RW_STAGES - 1;
@@ -475,7 +531,9 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             load_inputs(next % RW_STAGES, next);
         }
         cp_async_commit();
+        if (i + 1 < RW_GROUPS) codes_to_bf16((i + 1) % RW_STAGES, i + 1);
         const unsigned char* stage = smem + (i % RW_STAGES) * RW_STAGE_BYTES;
+        const uint4* wq = (const uint4*)(smem + RW_BF16_AT + (i % 2) * RW_BF16_BYTES);
         // Lane (g, t)'s 16 inputs 16 t .. 16 t + 15 of tokens g and 8 + g of its pair, as router_rows loads them.
         uint4 hi[2][2], lo[2][2];
 #pragma unroll
@@ -498,11 +556,10 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             u32 pair_of[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) pair_of[h] = pairs[i * RW_ROWS + RT_ROWS * strip + g + 8 * h];
-            uint4 codes[2];
+            uint4 w[4];
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-                codes[h] = *(const uint4*)(stage + (RT_ROWS * strip + g + 8 * h) * GROUP + 16 * t);
-            router_strip_group(RouterCodes{codes}, pair_of, hi, lo, sx, part[k]);
+            for (int s = 0; s < 4; s++) w[s] = wq[(4 * strip + s) * WARP + lane];
+            router_strip_group(RouterStepCodes{w}, pair_of, hi, lo, sx, part[k]);
         }
         // The end of a run of RT_GROUPS groups (router_rows' warp): its sum joins the total, in order of run.
         if ((i + 1) % RT_GROUPS == 0) {
