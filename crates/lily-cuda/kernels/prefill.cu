@@ -387,9 +387,11 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 #ifndef RW_STAGES
 #define RW_STAGES 4
 #endif
-// Counts of RW_MIN_TOKENS tokens or more take router_rows_wide (0: never).
+// Counts of RW_MIN_TOKENS tokens or more take router_rows_wide (0: never). A block's time hardly depends on how
+// many blocks run, so the kernel pays once most SMs have a block: on an H100 it was slower than router_rows_tall at
+// 2,048 tokens (64 blocks) and faster from 3,072 (96 blocks); bench/RESULTS.md has the figures.
 #ifndef RW_MIN_TOKENS
-#define RW_MIN_TOKENS 2048
+#define RW_MIN_TOKENS 3072
 #endif
 #define RW_THREADS (WARP * RW_ROW_WARPS * RW_TOKEN_WARPS)
 #define RW_TOKENS (2 * 8 * RW_TOKEN_WARPS)
