@@ -398,6 +398,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 #define RW_ROWS (RT_ROWS * RW_STRIPS)
 static_assert(RW_STRIPS % RW_ROW_WARPS == 0, "every row warp takes as many strips");
 static_assert(RW_STAGES >= 3, "group i + 1 has landed while group i is multiplied");
+static_assert(RW_STRIPS * WARP <= RW_THREADS, "a thread converts at most one strip's lane of codes");
 constexpr int RW_GROUPS = HIDDEN / GROUP;
 // A stage: the block's rows' codes of one group (64 bytes a row), then its tokens' inputs (x_hi's 128 bytes, then
 // x_lo's, a token). A token's 16-byte chunk c lies at chunk c ^ (token & 1), so that the eight lanes of a
@@ -484,22 +485,24 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
                 cp_async_16(base + stage * RW_STAGE_BYTES + (input_dst[k] & ~(1u << 31)), input_src[k] + group * GROUP,
                             input_dst[k] >> 31 ? 0 : 16);
     };
-    // Group `group`'s codes, landed at `stage`, into bf16 buffer group % 2: item (strip, lane (g, t)) turns the
-    // 16 codes of rows g and g + 8 that RouterCodes would take into the lane's four A fragments.
-    auto codes_to_bf16 = [&](int stage, int group) {
+    // Group `group`'s codes, landed at `stage`, into bf16 buffer group % 2 (when `on`): item (strip, lane (g, t))
+    // turns the 16 codes of rows g and g + 8 that RouterCodes would take into the lane's four A fragments. Thread q
+    // takes item q. The work has no branch, only predicated stores, so that the compiler can interleave it with the
+    // MMAs of the group before.
+    auto codes_to_bf16 = [&](int stage, int group, bool on) {
         uint4* to = (uint4*)(smem + RW_BF16_AT + (group % 2) * RW_BF16_BYTES);
-        for (int q = threadIdx.x; q < RW_STRIPS * WARP; q += RW_THREADS) {
-            const int strip = q / WARP, l = q % WARP, r = RT_ROWS * strip + l / 4;
-            uint4 codes[2];
+        const int q = min((int)threadIdx.x, RW_STRIPS * WARP - 1);
+        const int strip = q / WARP, l = q % WARP, r = RT_ROWS * strip + l / 4;
+        uint4 codes[2];
 #pragma unroll
-            for (int h = 0; h < 2; h++)
-                codes[h] = *(const uint4*)(smem + stage * RW_STAGE_BYTES + (r + 8 * h) * GROUP + 16 * (l % 4));
+        for (int h = 0; h < 2; h++)
+            codes[h] = *(const uint4*)(smem + stage * RW_STAGE_BYTES + (r + 8 * h) * GROUP + 16 * (l % 4));
+        on = on && threadIdx.x < RW_STRIPS * WARP;
 #pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 a[4];
-                RouterCodes{codes}(s, a);
-                to[(4 * strip + s) * WARP + l] = make_uint4(a[0], a[1], a[2], a[3]);
-            }
+        for (int s = 0; s < 4; s++) {
+            u32 a[4];
+            RouterCodes{codes}(s, a);
+            if (on) to[(4 * strip + s) * WARP + l] = make_uint4(a[0], a[1], a[2], a[3]);
         }
     };
 #pragma unroll
@@ -513,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
     }
     cp_async_wait<RW_STAGES - 2>();
     __syncthreads();
-    codes_to_bf16(0, 0);
+    codes_to_bf16(0, 0, true);
 
     constexpr int MINE = RW_STRIPS / RW_ROW_WARPS;
     float part[MINE][2][4], total[MINE][2][4];
@@ -533,7 +536,6 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             load_inputs(next % RW_STAGES, next);
         }
         cp_async_commit();
-        if (i + 1 < RW_GROUPS) codes_to_bf16((i + 1) % RW_STAGES, i + 1);
         const unsigned char* stage = smem + (i % RW_STAGES) * RW_STAGE_BYTES;
         const uint4* wq = (const uint4*)(smem + RW_BF16_AT + (i % 2) * RW_BF16_BYTES);
         // Lane (g, t)'s 16 inputs 16 t .. 16 t + 15 of tokens g and 8 + g of its pair, as router_rows loads them.
@@ -563,6 +565,8 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
             for (int s = 0; s < 4; s++) w[s] = wq[(4 * strip + s) * WARP + lane];
             router_strip_group(RouterStepCodes{w}, pair_of, hi, lo, sx, part[k]);
         }
+        // Group i + 1's codes in bf16, after group i's fragments have been read (its stores may not pass them).
+        codes_to_bf16((i + 1) % RW_STAGES, i + 1, i + 1 < RW_GROUPS);
         // The end of a run of RT_GROUPS groups (router_rows' warp): its sum joins the total, in order of run.
         if ((i + 1) % RT_GROUPS == 0) {
 #pragma unroll
