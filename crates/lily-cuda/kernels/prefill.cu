@@ -370,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
 // once per three strips and each strip's weights once per 16 tokens, about 340 MB from L2 a layer at 4,096 tokens.
 // Here a block takes RW_TOKENS tokens (RW_TOKEN_WARPS pairs of token fragments) by RW_STRIPS strips and stages each
 // group of 64 inputs in shared memory (cp.async, RW_STAGES deep): the codes of its rows, the inputs of its tokens.
-// In the pass over group i, before its MMAs, the block turns group i + 1's codes into bf16 once, into one of two
+// In the pass over group i, beside its MMAs, the block turns group i + 1's codes into bf16 once, into one of two
 // buffers. Warp (r, p) takes token pair p and strips r, r + RW_ROW_WARPS, ..., so each converted code feeds
 // RW_TOKEN_WARPS warps and each staged input RW_ROW_WARPS warps. A warp walks every group of k itself and keeps one
 // partial sum per run of RT_GROUPS groups, added to its total in order of run: the same products, fragment positions
