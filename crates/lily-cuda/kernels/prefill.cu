@@ -16,9 +16,8 @@ __device__ __forceinline__ float combined_experts(const bf16* expert_out, size_t
     return s;
 }
 
-// Four consecutive bf16 expert-row values as f32.
-__device__ __forceinline__ float4 expert_run(const bf16* at) {
-    const uint2 raw = *(const uint2*)at;
+// Four consecutive bf16 values, packed as a load leaves them, as f32.
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 raw) {
     return make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
                        __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
 }
@@ -45,7 +44,10 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 // with `accumulate` would add them (a launch less). Where `codes.codes` is not null, row r of out (+ out_lo) is also
 // coded as Q8x2 into `codes`, as gemm_quantize_rows or moe_quantize_rows would code it: the input of the integer
 // small tiling without a launch of its own. Grid (t).
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hidden, const bf16* expert_out,
+#ifndef NORM_MIN_BLOCKS
+#define NORM_MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(ROW_THREADS, NORM_MIN_BLOCKS) rmsnorm_rows(float* hidden, const bf16* expert_out,
                                                                       const float* partials, int parts,
                                                                       const float* norm, bf16* out, bf16* out_lo,
                                                                       Q8x2 codes) {
@@ -79,21 +81,24 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_rows(float* hi
         }
     }
     if (expert_out) {
-        float4 e[RUNS][MOE_SLOTS];
+        // The runs stay packed (two registers a run) until they are summed, so all of them are in flight at once
+        // without the registers that would keep more blocks off the SM.
+        uint2 e[RUNS][MOE_SLOTS];
 #pragma unroll
         for (int j = 0; j < RUNS; j++) {
             const int c0 = 4 * (threadIdx.x + j * ROW_THREADS);
 #pragma unroll
             for (int k = 0; k < MOE_SLOTS; k++)
-                e[j][k] = in[j] ? expert_run(expert_out + (r * MOE_SLOTS + k) * HIDDEN + c0)
-                                : make_float4(0.f, 0.f, 0.f, 0.f);
+                e[j][k] = in[j] ? *(const uint2*)(expert_out + (r * MOE_SLOTS + k) * HIDDEN + c0) : make_uint2(0u, 0u);
         }
 #pragma unroll
         for (int j = 0; j < RUNS; j++) {
             float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);  // in slot order, as combined_experts
 #pragma unroll
-            for (int k = 0; k < MOE_SLOTS; k++)
-                sum.x += e[j][k].x, sum.y += e[j][k].y, sum.z += e[j][k].z, sum.w += e[j][k].w;
+            for (int k = 0; k < MOE_SLOTS; k++) {
+                const float4 x = bf16x4_to_float4(e[j][k]);
+                sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+            }
             v[j].x += sum.x, v[j].y += sum.y, v[j].z += sum.z, v[j].w += sum.w;
             if (in[j]) *(float4*)(h + 4 * (threadIdx.x + j * ROW_THREADS)) = v[j];
         }
