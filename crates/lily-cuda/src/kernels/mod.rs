@@ -549,6 +549,49 @@ mod tests {
         }
     }
 
+    /// Every constant the host reads by a literal name (a `constant` call anywhere in the crate's sources) is listed
+    /// in a file of FILES, and every listed constant is defined in its file's source: an unlisted one would panic at
+    /// its first read, on a GPU only.
+    #[test]
+    fn every_constant_the_host_reads_is_listed_and_defined() {
+        let listed: Vec<&str> = FILES.iter().flat_map(|f| f.constants.iter().copied()).collect();
+        for file in FILES {
+            for name in file.constants {
+                assert!(
+                    file.source.contains(&format!(" {name} =")),
+                    "{}: constant {name} is listed but not defined",
+                    file.name
+                );
+            }
+        }
+        let mut dirs = vec![std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/src"))];
+        let mut read = 0;
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                if path.extension().is_none_or(|e| e != "rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                read += 1;
+                for (at, _) in text.match_indices(".constant(\"") {
+                    let rest = &text[at + ".constant(\"".len()..];
+                    let name = &rest[..rest.find('"').unwrap()];
+                    assert!(
+                        listed.contains(&name),
+                        "{}: constant {name} is not in FILES",
+                        path.display()
+                    );
+                }
+            }
+        }
+        assert!(read > 10, "only {read} source files found");
+    }
+
     /// The kernels of `lily bench --timeline` (a clock probe after each kernel's wait) compile too.
     #[test]
     fn every_kernel_compiles_with_the_timeline() {
