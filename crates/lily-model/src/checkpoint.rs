@@ -134,7 +134,7 @@ impl TensorRef<'_> {
             }
         };
         let b = &self.bytes()[start * size..(start + len) * size];
-        Ok(match self.info.dtype {
+        let values: Vec<f32> = match self.info.dtype {
             Dtype::F32 => b
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -148,7 +148,39 @@ impl TensorRef<'_> {
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
             _ => unreachable!("checked above"),
-        })
+        };
+        match values.iter().position(|v| !v.is_finite()) {
+            Some(i) => Err(self.not_finite(start + i, values[i])),
+            None => Ok(values),
+        }
+    }
+
+    /// The first element of a bf16 tensor (an MLX module's scales or biases, which the backends take as stored)
+    /// that is a NaN or an infinity, as an error.
+    pub fn check_finite_bf16(&self) -> Result<(), CheckpointError> {
+        if self.info.dtype != Dtype::BF16 {
+            return Err(self.error(format!("expected BF16, found {:?}", self.info.dtype)));
+        }
+        // A bf16 is not finite when its 8 exponent bits are all set.
+        let found = self
+            .bytes()
+            .chunks_exact(2)
+            .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80);
+        match found {
+            Some(i) => {
+                let b = &self.bytes()[2 * i..2 * i + 2];
+                Err(self.not_finite(i, half::bf16::from_le_bytes([b[0], b[1]]).to_f32()))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Weights must be finite: a NaN or an infinity would make every logit after it NaN, and the GPU's routing and
+    /// sampling pick experts and tokens by comparisons that a NaN never wins.
+    fn not_finite(&self, index: usize, value: f32) -> CheckpointError {
+        self.error(format!(
+            "element {index} is {value}, not a finite number: the checkpoint is corrupt"
+        ))
     }
 }
 

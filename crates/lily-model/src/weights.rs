@@ -343,6 +343,8 @@ impl Loader<'_> {
         scales.expect(Dtype::BF16, &shape(cols / GROUP_SIZE))?;
         let biases = self.get(&format!("{module}.biases"))?;
         biases.expect(Dtype::BF16, &shape(cols / GROUP_SIZE))?;
+        scales.check_finite_bf16()?;
+        biases.check_finite_bf16()?;
         Ok(QMatrix {
             rows,
             cols,

@@ -129,6 +129,32 @@ fn wrong_shape_and_dtype_are_named_with_their_file() {
     assert!(err.contains(SCALES) && err.contains("F16"), "{err}");
 }
 
+/// A NaN or an infinity in a float tensor (a norm's weight) or in a quantized module's scales or biases is refused
+/// at load, naming the tensor and the element: finite weights are what the backends assume.
+#[test]
+fn weights_that_are_not_finite_are_named() {
+    const NORM: &str = "language_model.model.layers.0.input_layernorm.weight";
+    const BIASES: &str = "language_model.model.layers.2.mlp.switch_mlp.down_proj.biases";
+    let tmp = tempfile::tempdir().unwrap();
+    for (i, (tensor, value)) in [(NORM, f32::NAN), (SCALES, f32::INFINITY), (BIASES, f32::NEG_INFINITY)]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = tmp.path().join(format!("case{i}"));
+        synth::write_dir(&Config::tiny_shape(), 3, &dir, &|_, _| {}).unwrap();
+        rewrite_tensor(&dir, tensor, |d, s, mut b| {
+            assert_eq!(d, Dtype::BF16, "{tensor}");
+            b[6..8].copy_from_slice(&bf16::from_f32(value).to_le_bytes());
+            Some((d, s, b))
+        });
+        let err = load_err(&dir);
+        assert!(
+            err.contains(tensor) && err.contains("element 3") && err.contains("not a finite number"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn truncated_and_corrupt_shards_are_named() {
     let tmp = tempfile::tempdir().unwrap();
