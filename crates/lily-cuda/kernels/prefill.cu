@@ -44,13 +44,13 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) embed_rows(const int* 
 // with `accumulate` would add them (a launch less). Where `codes.codes` is not null, row r of out (+ out_lo) is also
 // coded as Q8x2 into `codes`, as gemm_quantize_rows or moe_quantize_rows would code it: the input of the integer
 // small tiling without a launch of its own. Grid (t).
+// NORM_MIN_BLOCKS asks the compiler for registers enough that this many blocks fit an SM (1: its own choice).
 #ifndef NORM_MIN_BLOCKS
 #define NORM_MIN_BLOCKS 1
 #endif
-extern "C" __global__ void __launch_bounds__(ROW_THREADS, NORM_MIN_BLOCKS) rmsnorm_rows(float* hidden, const bf16* expert_out,
-                                                                      const float* partials, int parts,
-                                                                      const float* norm, bf16* out, bf16* out_lo,
-                                                                      Q8x2 codes) {
+extern "C" __global__ void __launch_bounds__(ROW_THREADS, NORM_MIN_BLOCKS)
+    rmsnorm_rows(float* hidden, const bf16* expert_out, const float* partials, int parts, const float* norm, bf16* out,
+                 bf16* out_lo, Q8x2 codes) {
     wait_previous();
     __shared__ float scratch[32];
     // The row's rounded values, hi + lo, for the coding: a thread then takes 8 consecutive inputs (a Q8x2 word).
