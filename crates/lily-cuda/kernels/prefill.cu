@@ -18,8 +18,8 @@ __device__ __forceinline__ float combined_experts(const bf16* expert_out, size_t
 
 // Four consecutive bf16 values, packed as a load leaves them, as f32.
 __device__ __forceinline__ float4 bf16x4_to_float4(uint2 raw) {
-    return make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
-                       __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
+    const float2 a = pair_to_float2(raw.x), b = pair_to_float2(raw.y);
+    return make_float4(a.x, a.y, b.x, b.y);
 }
 
 // hidden[r] = the dequantized embedding row of tokens[start + r]. Grid (t).

@@ -158,19 +158,13 @@ impl TensorRef<'_> {
     /// The first element of a bf16 tensor (an MLX module's scales or biases, which the backends take as stored)
     /// that is a NaN or an infinity, as an error.
     pub fn check_finite_bf16(&self) -> Result<(), CheckpointError> {
-        if self.info.dtype != Dtype::BF16 {
-            return Err(self.error(format!("expected BF16, found {:?}", self.info.dtype)));
-        }
-        // A bf16 is not finite when its 8 exponent bits are all set.
-        let found = self
+        self.expect(Dtype::BF16, &self.info.shape)?;
+        let values = self
             .bytes()
             .chunks_exact(2)
-            .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80);
-        match found {
-            Some(i) => {
-                let b = &self.bytes()[2 * i..2 * i + 2];
-                Err(self.not_finite(i, half::bf16::from_le_bytes([b[0], b[1]]).to_f32()))
-            }
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]));
+        match values.enumerate().find(|(_, v)| !v.is_finite()) {
+            Some((i, v)) => Err(self.not_finite(i, v.to_f32())),
             None => Ok(()),
         }
     }
