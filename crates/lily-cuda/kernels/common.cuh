@@ -11,6 +11,7 @@ typedef signed char i8;
 // bf16 as raw bits: NVRTC's own headers are all the kernels rely on, so CI compiles them with NVRTC alone.
 typedef unsigned short bf16;
 #define INF_F __int_as_float(0x7f800000)
+#define NAN_F __int_as_float(0x7fc00000)
 
 __device__ __forceinline__ float bf16_to_float(bf16 h) { return __uint_as_float((u32)h << 16); }
 // Round to nearest even, as half::bf16::from_f32.
@@ -187,6 +188,10 @@ __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log
 // function, for rank counting over arrays.
 #define RANKS_BEFORE(va, a, vb, b) ((va) > (vb) || ((va) == (vb) && (a) < (b)))
 __device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) { return RANKS_BEFORE(va, a, vb, b); }
+// A value as those choices rank it: a NaN as negative infinity. A NaN compares false with everything, so it would
+// never be chosen, and a row of NaNs would leave a choice at its starting index (past the end); ranked as negative
+// infinity, every value has a place in the order and a row of NaNs chooses its lowest index, as the CPU twins do.
+__device__ __forceinline__ float rank_value(float v) { return isnan(v) ? -INF_F : v; }
 
 // 2^23 + q as a float's bits, minus 2^23: a 4-bit integer to float in two integer/float ops, no conversion unit.
 __device__ __forceinline__ float nibble_to_float(u32 word, int shift) {

@@ -79,11 +79,12 @@ __device__ __forceinline__ void top_k(const float* logits, float* cand_v, int* c
     constexpr int GROUP_SIZE = TOP_K_GROUP, CANDIDATES = TOP_K_CANDIDATES;
     const int e = threadIdx.x, group = e / GROUP_SIZE;
     if (e < NUM_EXPERTS) {
-        const float v = logits[e];
+        const float v = rank_value(logits[e]);
         const float* peers = logits + group * GROUP_SIZE;
         int rank = 0;
 #pragma unroll 8
-        for (int i = 0; i < GROUP_SIZE; i++) rank += ranks_before(peers[i], group * GROUP_SIZE + i, v, e);
+        for (int i = 0; i < GROUP_SIZE; i++)
+            rank += ranks_before(rank_value(peers[i]), group * GROUP_SIZE + i, v, e);
         if (rank < TOP_K) cand_v[group * TOP_K + rank] = v, cand_e[group * TOP_K + rank] = e;
     }
     __syncthreads();

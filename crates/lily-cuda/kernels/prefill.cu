@@ -604,7 +604,9 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 1)
     }
 }
 
-// Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp.
+// Softmax over the router logits, the TOP_K largest (lowest index first on ties), renormalised; one warp. A NaN
+// logit ranks and weighs as negative infinity (rank_value), and a chosen expert's value becomes NaN, which never
+// ranks before another, so the TOP_K experts are distinct and in range whatever the logits (as cpu::moe::route).
 __device__ void route(const float* logits, int* ids, float* weights) {
     constexpr int PER_LANE = (NUM_EXPERTS + WARP - 1) / WARP;
     const int lane = threadIdx.x % WARP;
@@ -613,7 +615,7 @@ __device__ void route(const float* logits, int* ids, float* weights) {
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
         const int e = lane + WARP * i;
-        v[i] = e < NUM_EXPERTS ? logits[e] : -INF_F;
+        v[i] = e < NUM_EXPERTS ? rank_value(logits[e]) : -INF_F;
         mx = fmaxf(mx, v[i]);
     }
     mx = warp_max(mx);
@@ -639,7 +641,7 @@ __device__ void route(const float* logits, int* ids, float* weights) {
         }
 #pragma unroll
         for (int i = 0; i < PER_LANE; i++)
-            if (lane + WARP * i == best_e) v[i] = -INF_F;
+            if (lane + WARP * i == best_e) v[i] = NAN_F;  // never ranks before anything: chosen once
         const float p = expf(best - mx) / denom;
         chosen_sum += p;
         if (lane == 0) ids[slot] = best_e, weights[slot] = p;
@@ -759,8 +761,8 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
 // tokens). Then one warp scans the counts and tiles into each expert's offset and first tile, and every entry goes
 // straight to its place: an expert holds at most one entry a token (the routed experts are distinct, the shared
 // one is apart), so an entry's rank within its expert is the number of earlier tokens in the mask, which keeps the
-// order stable. Router logits that are not finite can make route() pick an expert twice for a token; where that
-// happened, each expert's entries are placed by a thread that walks all the entries in order instead.
+// order stable. route() picks distinct experts for any logits; should a token still hold an expert twice, each
+// expert's entries are placed by a thread that walks all the entries in order instead, so every entry has a place.
 // The limit is 16 tokens, a warp each: beyond that a warp routes several tokens one after another, and the three
 // launches, whose routing spreads over blocks, are faster (32 tokens 2% and a 64-row decode step 5% slower on one
 // block). ROUTE_SORT_MAX_TOKENS 0 keeps the three launches at every count.

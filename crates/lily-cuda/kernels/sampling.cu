@@ -19,7 +19,7 @@ extern "C" __global__ void __launch_bounds__(MV_THREADS, 3) lm_head(const float*
         __device__ __forceinline__ void store(int r, float dot, float sum_sq, float) {
             const float v = dot * rms_inv(sum_sq, HIDDEN);
             logits[r] = v;
-            if (RANKS_BEFORE(v, r, best, arg)) best = v, arg = r;
+            if (RANKS_BEFORE(rank_value(v), r, best, arg)) best = rank_value(v), arg = r;
         }
     };
     Stager<HIDDEN, M::WARPS, NormedInput> stager{NormedInput{hidden, norm}};
@@ -120,7 +120,7 @@ __device__ int row_argmax(const float* row, const u32* mask, float* warp_best, i
     float best = -INF_F;
     int arg = 0x7fffffff;
     for (int i = threadIdx.x; i < VOCAB; i += blockDim.x) {
-        const float v = allowed_logit(row, mask, i);
+        const float v = rank_value(allowed_logit(row, mask, i));
         if (RANKS_BEFORE(v, i, best, arg)) best = v, arg = i;
     }
 #pragma unroll

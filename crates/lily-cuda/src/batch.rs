@@ -465,6 +465,19 @@ impl CudaBatchBackend {
         Ok(())
     }
 
+    /// The drawn tokens, or a device error if one lies outside the vocabulary: the kernels choose within it for any
+    /// logits (a NaN ranks as negative infinity), so such an id means the device's results cannot be trusted, and
+    /// it must not reach the tokenizer or the next step.
+    fn drawn_in_vocabulary(&self, tokens: Vec<u32>) -> std::result::Result<Vec<u32>, ForwardError> {
+        let vocab = self.model.config.vocab_size;
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(ForwardError::Device(format!(
+                "the sampler drew token {bad}, outside the vocabulary"
+            ))),
+            None => Ok(tokens),
+        }
+    }
+
     fn check_tokens(&self, tokens: impl IntoIterator<Item = u32>) -> std::result::Result<(), ForwardError> {
         let vocab = self.model.config.vocab_size;
         match tokens.into_iter().find(|&t| t as usize >= vocab) {
@@ -861,7 +874,7 @@ impl BatchBackend for CudaBatchBackend {
         if let [pick] = picks {
             if self.single_greedy && pick.allowed.is_none() && pick.sampler.params().is_greedy() {
                 self.model.gpu.sync().map_err(device_err)?;
-                return Ok(vec![self.model.state.next_token.read() as u32]);
+                return self.drawn_in_vocabulary(vec![self.model.state.next_token.read() as u32]);
             }
         }
         let mut params = Vec::with_capacity(picks.len());
@@ -929,7 +942,7 @@ impl BatchBackend for CudaBatchBackend {
             .into_iter()
             .map(|token| token.unwrap_or_else(|| on_host.next().expect("one draw per row on the host")))
             .collect();
-        Ok(tokens)
+        self.drawn_in_vocabulary(tokens)
     }
     fn synchronize(&mut self) -> std::result::Result<(), ForwardError> {
         self.model.gpu.sync().map_err(device_err)

@@ -79,11 +79,22 @@ impl SamplingParams {
     }
 }
 
-/// Index of the largest logit (the lowest index among equals).
+/// A value as the choices of the largest rank it ([`argmax`], the router's top-k): a NaN as negative infinity, so
+/// every value has a place in the order and a row of NaNs chooses its lowest index. The GPU kernels' `rank_value`
+/// ranks the same way.
+pub fn rank_value(l: f32) -> f32 {
+    if l.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        l
+    }
+}
+
+/// Index of the largest logit (the lowest index among equals; a NaN ranks as negative infinity).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
+        if rank_value(l) > rank_value(logits[best]) {
             best = i;
         }
     }
@@ -358,6 +369,15 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 0.0]), 1);
         assert_eq!(Sampler::new(params(0.0, 0, 1.0, 0.0)).sample(&[0.0, 5.0, 1.0]), 1);
+    }
+
+    #[test]
+    fn greedy_ranks_a_nan_as_negative_infinity() {
+        let nan = f32::NAN;
+        assert_eq!(argmax(&[nan, -3.0, nan, 1.0]), 3);
+        assert_eq!(argmax(&[nan, nan, nan]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, nan, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[nan, f32::NEG_INFINITY, 2.0]), 2);
     }
 
     #[test]

@@ -986,6 +986,23 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
             rel_err(&download_f32(g, &s.hidden, h)?, &expected),
             1e-4,
         );
+        // A NaN in the input makes every router logit NaN: the routing still names k distinct experts in range,
+        // the first k as the host's route.
+        let mut hidden = normals(&mut rng, h, 1.0);
+        hidden[h / 2] = f32::NAN;
+        g.upload(s.hidden.ptr(), &hidden)?;
+        run(model, Op::ExpertsGateUp(l))?;
+        run(model, Op::ExpertsDown(l))?;
+        let gpu_logits = download_f32(g, &s.router_logits, e + 1)?;
+        route(&gpu_logits[..e], c.num_experts_per_tok, &mut ids, &mut weights);
+        g.download(s.route_ids.ptr(), &mut gpu_ids)?;
+        report.check_eq(
+            "routing: router logits all NaN, the first k experts as the host's route",
+            gpu_logits[..e].iter().all(|v| v.is_nan())
+                && gpu_ids.iter().map(|&i| i as usize).eq(ids.iter().copied())
+                && ids.iter().copied().eq(0..c.num_experts_per_tok),
+            &format!("{gpu_ids:?}"),
+        );
     }
 
     // lm_head with the fused greedy choice.
@@ -1029,6 +1046,20 @@ fn kernel_checks(model: &CudaModel, w: &Weights, seed: u64, report: &mut Report)
                 1e-4,
             );
         }
+        // A NaN in the input makes every logit NaN: the greedy choice is still a token, the first (a NaN ranks as
+        // negative infinity, as in the host's argmax).
+        let mut hidden = normals(&mut rng, h, 1.0);
+        hidden[h / 3] = f32::NAN;
+        g.upload(s.hidden.ptr(), &hidden)?;
+        run(model, Op::LmHead)?;
+        g.sync()?;
+        let token = s.next_token.read();
+        let host = lily_model::sampling::argmax(&download_f32(g, &s.logits, c.vocab_size)?);
+        report.check_eq(
+            "lm_head: logits all NaN, the greedy choice is token 0 as the host's argmax",
+            token == 0 && host == 0,
+            &format!("{token} (host {host})"),
+        );
     }
     batch::check(model, w, seed, report)
 }

@@ -234,12 +234,71 @@ pub(super) fn check(gpu: &Gpu, kernels: &Kernels, c: &Config, seed: u64, report:
         distinct.len() > 10,
         &format!("{} distinct tokens", distinct.len()),
     );
+    check_not_finite(gpu, kernels, &mut sampler_rows, &logits_dev, vocab, &mut rng, report)?;
     let too_many = vec![RowParams::new(&SamplingParams::default(), 0); ROWS + 1];
     let refused = sampler_rows.enqueue(&mut Launcher::new(gpu, kernels), logits_dev.ptr(), &too_many, &[]);
     report.check_eq(
         "sample_rows: more rows than its buffers hold are refused",
         matches!(refused, Err(GpuError::Other(_))),
         &format!("{} rows", ROWS + 1),
+    );
+    Ok(())
+}
+
+/// Greedy rows of logits that are not finite against the host's `argmax`: all NaN (token 0), NaN at every even id,
+/// NaN at id 0 only, negative infinity but for one NaN, and all NaN under a mask (token 0, allowed or not, as
+/// `sample_masked`). Each is a token of the vocabulary, never the kernel's starting index past it.
+fn check_not_finite(
+    gpu: &Gpu,
+    kernels: &Kernels,
+    sampler_rows: &mut SampleRows,
+    logits_dev: &crate::driver::DevBuf<f32>,
+    vocab: usize,
+    rng: &mut Rng,
+    report: &mut Report,
+) -> Result<()> {
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    rows.push(vec![f32::NAN; vocab]);
+    let mut l = normals(rng, vocab, 1.0);
+    l.iter_mut().step_by(2).for_each(|v| *v = f32::NAN);
+    rows.push(l);
+    let mut l = normals(rng, vocab, 1.0);
+    l[0] = f32::NAN;
+    rows.push(l);
+    let mut l = vec![f32::NEG_INFINITY; vocab];
+    l[vocab / 2] = f32::NAN;
+    rows.push(l);
+    rows.push(vec![f32::NAN; vocab]);
+    let mut mask = vec![0u32; vocab.div_ceil(32)];
+    mask[(vocab / 2) / 32] |= 1 << ((vocab / 2) % 32);
+    let masks: Vec<Option<&[u32]>> = (0..rows.len())
+        .map(|i| (i == rows.len() - 1).then_some(&mask[..]))
+        .collect();
+    let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+    gpu.upload(logits_dev.ptr(), &flat)?;
+    let params: Vec<RowParams> = (0..rows.len())
+        .map(|i| RowParams {
+            logits_row: i as i32,
+            ..RowParams::new(&SamplingParams::default(), 0)
+        })
+        .collect();
+    sampler_rows.enqueue(&mut Launcher::new(gpu, kernels), logits_dev.ptr(), &params, &masks)?;
+    gpu.sync()?;
+    let got = sampler_rows.read();
+    let mut tally = Tally::default();
+    for (i, row) in rows.iter().enumerate() {
+        let mut row = row.clone();
+        let want = match masks[i] {
+            Some(mask) => Sampler::new(SamplingParams::default()).sample_masked(&mut row, mask),
+            None => Sampler::new(SamplingParams::default()).sample(&row),
+        };
+        tally.add(got[i] == want && (got[i] as usize) < vocab, || {
+            format!("row {i}: {} vs {want}", got[i] as i32)
+        });
+    }
+    tally.report(
+        "sample_rows: greedy rows of NaN or infinite logits == host argmax, within the vocabulary",
+        report,
     );
     Ok(())
 }

@@ -13,22 +13,26 @@ use super::linalg::{
 use super::simd::QInput;
 use super::team::{Shared, Team};
 use crate::config::Config;
+use crate::sampling::rank_value;
 use crate::weights::Moe;
 
-/// Softmax over the router logits, the `k` largest (lowest index first on ties), renormalised to sum to one.
+/// Softmax over the router logits, the `k` largest (lowest index first on ties), renormalised to sum to one. A NaN
+/// logit counts as negative infinity ([`rank_value`]): it weighs nothing, and the `k` experts are distinct however
+/// many logits are NaN.
 pub fn route(logits: &[f32], k: usize, experts: &mut [usize], weights: &mut [f32]) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let denom: f32 = logits.iter().map(|l| (l - max).exp()).sum();
+    let value = |e: usize| rank_value(logits[e]);
+    let max = (0..logits.len()).map(value).fold(f32::NEG_INFINITY, f32::max);
+    let denom: f32 = (0..logits.len()).map(|e| (value(e) - max).exp()).sum();
     let mut chosen_sum = 0.0;
     for slot in 0..k {
         let mut best = usize::MAX;
-        for (e, l) in logits.iter().enumerate() {
-            if !experts[..slot].contains(&e) && (best == usize::MAX || *l > logits[best]) {
+        for e in 0..logits.len() {
+            if !experts[..slot].contains(&e) && (best == usize::MAX || value(e) > value(best)) {
                 best = e;
             }
         }
         experts[slot] = best;
-        weights[slot] = (logits[best] - max).exp() / denom;
+        weights[slot] = (value(best) - max).exp() / denom;
         chosen_sum += weights[slot];
     }
     weights[..k].iter_mut().for_each(|w| *w /= chosen_sum);
@@ -649,6 +653,30 @@ mod tests {
         let total = e(3.0) + 2.0 * e(2.0);
         assert!((weights[0] - e(3.0) / total).abs() < 1e-6);
         assert!((weights[1] - e(2.0) / total).abs() < 1e-6);
+    }
+
+    #[test]
+    fn route_picks_distinct_experts_whatever_the_logits() {
+        let nan = f32::NAN;
+        let (mut experts, mut weights) = ([0; 3], [0.0; 3]);
+        // A NaN weighs and ranks as negative infinity.
+        route(&[nan, 1.0, nan, 0.0, -1.0], 3, &mut experts, &mut weights);
+        assert_eq!(experts, [1, 3, 4]);
+        let total = 1.0f32.exp() + 1.0 + (-1.0f32).exp();
+        assert!((weights[0] - 1.0f32.exp() / total).abs() < 1e-6);
+        // Fewer finite logits than k: the rest are the lowest-numbered others, each once.
+        route(
+            &[f32::NEG_INFINITY, nan, 2.0, f32::NEG_INFINITY],
+            3,
+            &mut experts,
+            &mut weights,
+        );
+        assert_eq!(experts, [2, 0, 1]);
+        assert_eq!(weights, [1.0, 0.0, 0.0]);
+        // All NaN: the first k, and weights that are NaN too.
+        route(&[nan; 5], 3, &mut experts, &mut weights);
+        assert_eq!(experts, [0, 1, 2]);
+        assert!(weights.iter().all(|w| w.is_nan()));
     }
 
     #[test]
