@@ -654,9 +654,12 @@ __device__ void route(const float* logits, int* ids, float* weights) {
 // The grouped expert products take the shared expert as expert NUM_EXPERTS: a token has MOE_SLOTS entries,
 // token * MOE_SLOTS + slot.
 // One warp per token: route_ids/route_w [t][MOE_SLOTS] (the shared expert and its sigmoid gate in the last slot),
-// counts[e] += entries of expert e (zeroed before; e = NUM_EXPERTS the shared one). logits: [t][NUM_EXPERTS + 1].
+// counts[e] += entries of expert e (zeroed before; e = NUM_EXPERTS the shared one), and bit token % 32 of word
+// masks[e][token / 32] set for each routed expert e (zeroed before; `mask_words` words an expert), from which
+// moe_sort lists an expert's tokens. logits: [t][NUM_EXPERTS + 1].
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float* logits, int t, int* route_ids,
-                                                                    float* route_w, int* counts) {
+                                                                    float* route_w, int* counts, u32* masks,
+                                                                    int mask_words) {
     wait_previous();
     __shared__ int ids[ROW_THREADS / WARP][TOP_K];
     __shared__ float weights[ROW_THREADS / WARP][TOP_K];
@@ -669,6 +672,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float
         route_ids[token * MOE_SLOTS + lane] = ids[warp][lane];
         route_w[token * MOE_SLOTS + lane] = weights[warp][lane];
         atomicAdd(&counts[ids[warp][lane]], 1);
+        atomicOr(&masks[(size_t)ids[warp][lane] * mask_words + token / 32], 1u << (token % 32));
     }
     if (lane == TOP_K) {
         route_ids[token * MOE_SLOTS + TOP_K] = NUM_EXPERTS;
@@ -693,10 +697,12 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
 // Block e: expert e's place in the sorted order (offsets[e], and offsets[GROUPS] = t * MOE_SLOTS), its tiles of
 // `tile_rows` entries (tiles[i] = (expert, first sorted index); *tile_count = all tiles), and its entries in
 // ascending order (a stable sort, so the grouped products and their sums are deterministic). Grid (GROUPS): the
-// routed experts and the shared one.
+// routed experts and the shared one. A routed expert's tokens come from its bits in `masks` (route_rows'), so a
+// block reads mask_words words and its tokens' slots rather than every entry.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* route_ids, int t, const int* counts,
-                                                                   int tile_rows, int* offsets, int* entries,
-                                                                   int* tiles, int* tile_count) {
+                                                                   const u32* masks, int mask_words, int tile_rows,
+                                                                   int* offsets, int* entries, int* tiles,
+                                                                   int* tile_count) {
     wait_previous();
     __shared__ int scratch[SORT_THREADS / WARP];
     __shared__ int warp_totals[SORT_THREADS / WARP];
@@ -720,37 +726,35 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
         tiles[2 * (first_tile + j)] = e;
         tiles[2 * (first_tile + j) + 1] = offset + j * tile_rows;
     }
-    // Four consecutive entries a thread per pass; ranks from a warp scan of the match counts, then the warps'.
-    const int n_entries = t * MOE_SLOTS;
-    int rank = offset;
-    for (int base = 0; base < n_entries; base += 4 * SORT_THREADS) {
-        const int i0 = base + 4 * threadIdx.x;
-        int match[4], mine = 0;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            match[j] = i0 + j < n_entries && route_ids[i0 + j] == e;
-            mine += match[j];
-        }
-        int inclusive = mine;
-#pragma unroll
-        for (int o = 1; o < WARP; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-            if (lane >= o) inclusive += v;
-        }
-        if (lane == WARP - 1) warp_totals[warp] = inclusive;
-        __syncthreads();
-        int at = rank + inclusive - mine, pass_total = 0;
-#pragma unroll
-        for (int w = 0; w < SORT_THREADS / WARP; w++) {
-            if (w < warp) at += warp_totals[w];
-            pass_total += warp_totals[w];
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            if (match[j]) entries[at++] = i0 + j;
-        rank += pass_total;
-        __syncthreads();
+    // The shared expert is in every token's last slot: its entries are the tokens in order.
+    if (e == NUM_EXPERTS) {
+        for (int r = threadIdx.x; r < t; r += SORT_THREADS) entries[offset + r] = r * MOE_SLOTS + TOP_K;
+        return;
     }
+    // Thread u takes mask words [u per, (u + 1) per): its rank is the bits before them (a warp scan, then the
+    // warps'), and each set bit r is token r's entry in the slot that holds e.
+    const u32* mask = masks + (size_t)e * mask_words;
+    const int per = (mask_words + SORT_THREADS - 1) / SORT_THREADS, w0 = threadIdx.x * per;
+    const int w1 = min(w0 + per, mask_words);
+    int mine = 0;
+    for (int w = w0; w < w1; w++) mine += __popc(mask[w]);
+    int inclusive = mine;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += v;
+    }
+    if (lane == WARP - 1) warp_totals[warp] = inclusive;
+    __syncthreads();
+    int at = offset + inclusive - mine;
+    for (int w = 0; w < warp; w++) at += warp_totals[w];
+    for (int w = w0; w < w1; w++)
+        for (u32 bits = mask[w]; bits; bits &= bits - 1) {
+            const int r = 32 * w + __ffs(bits) - 1;
+            int slot = 0;
+            while (slot < TOP_K - 1 && route_ids[r * MOE_SLOTS + slot] != e) slot++;
+            entries[at++] = r * MOE_SLOTS + slot;
+        }
 }
 
 // ---- Short routings in one block (moe_route_sort) ----

@@ -62,6 +62,9 @@ pub struct PrefillScratch {
     pub(crate) entries: DevBuf<i32>,
     pub(crate) tiles: DevBuf<i32>,
     pub(crate) tile_count: DevBuf<i32>,
+    /// u32 `[experts][t.div_ceil(32)]` for `t` rows: each routed expert's tokens as bits, from `route_rows` to
+    /// `moe_sort` (room for a chunk).
+    pub(crate) expert_masks: DevBuf<u32>,
     pub(crate) max_tiles: usize,
     /// bf16 `[chunk * slots][moe inter]` by sorted entry (the large tiling's).
     pub(crate) act: DevBuf<bf16>,
@@ -97,6 +100,7 @@ impl PrefillScratch {
             entries: gpu.alloc(chunk * k)?,
             tiles: gpu.alloc(max_tiles * 2)?,
             tile_count: gpu.alloc(1)?,
+            expert_masks: gpu.alloc(c.num_experts * chunk.div_ceil(32))?,
             max_tiles,
             act: gpu.alloc(chunk * k * c.moe_intermediate_size)?,
             codes: gemm::SmallCodes::new(gpu, kernels, c, chunk)?,
@@ -472,7 +476,9 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
             s.tile_count.ptr(),
         );
     }
+    let mask_words = t.div_ceil(32);
     l.gpu.memset_u32(s.counts.ptr(), 0, s.counts.len())?;
+    l.gpu.memset_u32(s.expert_masks.ptr(), 0, c.num_experts * mask_words)?;
     let warps_per_block = ROW_THREADS as usize / 32;
     prefill::route_rows(
         l,
@@ -482,6 +488,8 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_ids.ptr(),
         s.route_w.ptr(),
         s.counts.ptr(),
+        s.expert_masks.ptr(),
+        mask_words as i32,
     )?;
     prefill::moe_sort(
         l,
@@ -489,6 +497,8 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_ids.ptr(),
         t as i32,
         s.counts.ptr(),
+        s.expert_masks.ptr(),
+        mask_words as i32,
         tile_rows,
         s.offsets.ptr(),
         s.entries.ptr(),

@@ -57,14 +57,25 @@ launchers! {
     /// strips, tiles of `router_wide_tokens` tokens), `router_wide_threads` threads and `router_wide_smem` bytes of
     /// shared memory a block, each group of 64 inputs staged once for all of a block's strips and tokens.
     router_rows_wide(x_hi: DevPtr<bf16>, x_lo: DevPtr<bf16>, m: i32, router: Q4, logits: DevPtr<f32>);
-    /// Each token's top-k experts and weights, then the shared expert (number `experts`) and its gate, and the
-    /// count of entries per expert.
-    route_rows(logits: DevPtr<f32>, t: i32, route_ids: DevPtr<i32>, route_w: DevPtr<f32>, counts: DevPtr<i32>);
+    /// Each token's top-k experts and weights, then the shared expert (number `experts`) and its gate, the count
+    /// of entries per expert, and each routed expert's tokens as bits (`mask_words` words an expert; the counts
+    /// and masks zeroed before).
+    route_rows(
+        logits: DevPtr<f32>,
+        t: i32,
+        route_ids: DevPtr<i32>,
+        route_w: DevPtr<f32>,
+        counts: DevPtr<i32>,
+        masks: DevPtr<u32>,
+        mask_words: i32,
+    );
     /// The entries stably sorted by expert, each expert's offset, and the tiles of `tile_rows` entries.
     moe_sort(
         route_ids: DevPtr<i32>,
         t: i32,
         counts: DevPtr<i32>,
+        masks: DevPtr<u32>,
+        mask_words: i32,
         tile_rows: i32,
         offsets: DevPtr<i32>,
         entries: DevPtr<i32>,

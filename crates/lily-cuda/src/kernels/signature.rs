@@ -451,19 +451,19 @@ mod tests {
         let problems = check_against_sources(std::slice::from_ref(&broken));
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(
-            problems[0].contains("kernel route_rows") && problems[0].contains("passes 4 parameters"),
+            problems[0].contains("kernel route_rows") && problems[0].contains("passes 6 parameters"),
             "{}",
             problems[0]
         );
     }
 
     /// The load-time comparison: the layout a compiled kernel reports (here written out as the driver reports it
-    /// for route_rows: a pointer at 0, the int at 8, then three pointers from 16) accepts the right launcher and
-    /// refuses one with an argument dropped, naming the kernel.
+    /// for route_rows: a pointer at 0, the int at 8, four pointers from 16, then an int at 48) accepts the right
+    /// launcher and refuses one with an argument dropped, naming the kernel.
     #[test]
     fn a_launcher_missing_an_argument_fails_the_layout_check() {
         let sig = signature("route_rows");
-        let reported = [(0, 8), (8, 4), (16, 8), (24, 8), (32, 8)];
+        let reported = [(0, 8), (8, 4), (16, 8), (24, 8), (32, 8), (40, 8), (48, 4)];
         assert_eq!(sig.layout(), reported);
         assert_eq!(sig.check_layout(&reported), Ok(()));
         let params = without_param(sig, 2);
@@ -473,7 +473,7 @@ mod tests {
         };
         let err = dropped.check_layout(&reported).unwrap_err();
         assert!(
-            err.starts_with("kernel route_rows:") && err.contains("passes 4 parameters"),
+            err.starts_with("kernel route_rows:") && err.contains("passes 6 parameters"),
             "{err}"
         );
         // Same count, a wrong size: an i32 where the kernel takes a pointer.

@@ -460,6 +460,8 @@ fn check_routing(
     let (e, k, slots) = (c.num_experts, c.num_experts_per_tok, moe_slots(c));
     let kernels = l.kernels;
     gpu.upload(s.counts.ptr(), &vec![-1i32; s.counts.len()])?;
+    // Set bits in every mask word: route_and_sort must clear the words it uses.
+    gpu.upload(s.expert_masks.ptr(), &vec![u32::MAX; s.expert_masks.len()])?;
     let mut logits = normals(rng, t * (e + 1), 2.0);
     // Logits that are not finite, in the first rows where there are three or more: all NaN (every expert ranks as
     // negative infinity: the lowest k, weights NaN), every other expert NaN, and all but three experts negative
