@@ -654,9 +654,9 @@ __device__ void route(const float* logits, int* ids, float* weights) {
 // The grouped expert products take the shared expert as expert NUM_EXPERTS: a token has MOE_SLOTS entries,
 // token * MOE_SLOTS + slot.
 // One warp per token: route_ids/route_w [t][MOE_SLOTS] (the shared expert and its sigmoid gate in the last slot),
-// counts[e] += entries of expert e (zeroed before; e = NUM_EXPERTS the shared one), and bit token % 32 of word
-// masks[e][token / 32] set for each routed expert e (zeroed before; `mask_words` words an expert), from which
-// moe_sort lists an expert's tokens. logits: [t][NUM_EXPERTS + 1].
+// counts[e] += entries of routed expert e (zeroed before) and counts[NUM_EXPERTS] = t (the shared one), and bit
+// token % 32 of word masks[e][token / 32] set for each routed expert e (zeroed before; `mask_words` words an
+// expert), from which moe_sort lists an expert's tokens. logits: [t][NUM_EXPERTS + 1].
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float* logits, int t, int* route_ids,
                                                                     float* route_w, int* counts, u32* masks,
                                                                     int mask_words) {
@@ -677,8 +677,9 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float
     if (lane == TOP_K) {
         route_ids[token * MOE_SLOTS + TOP_K] = NUM_EXPERTS;
         route_w[token * MOE_SLOTS + TOP_K] = sigmoidf_(l[NUM_EXPERTS]);
-        atomicAdd(&counts[NUM_EXPERTS], 1);
     }
+    // Every token has the shared expert: its count is t, written once rather than added to by every token.
+    if (token == 0 && lane == 0) counts[NUM_EXPERTS] = t;
 }
 
 __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
