@@ -695,11 +695,48 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
     return total;
 }
 
+// Expert e's entries in ascending order from `at` on, found by a pass over all t * MOE_SLOTS entries: four
+// consecutive entries a thread per pass, ranked by a warp scan of the match counts, then the warps'. moe_sort's
+// fallback for an expert that some token holds in more than one slot (its bits then count it once).
+__device__ void sort_by_scan(const int* route_ids, int t, int e, int at, int* entries, int* warp_totals) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, n_entries = t * MOE_SLOTS;
+    for (int base = 0; base < n_entries; base += 4 * SORT_THREADS) {
+        const int i0 = base + 4 * threadIdx.x;
+        int match[4], mine = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            match[j] = i0 + j < n_entries && route_ids[i0 + j] == e;
+            mine += match[j];
+        }
+        int inclusive = mine;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+            if (lane >= o) inclusive += v;
+        }
+        __syncthreads();  // the previous pass has read warp_totals
+        if (lane == WARP - 1) warp_totals[warp] = inclusive;
+        __syncthreads();
+        int mine_at = at + inclusive - mine, pass_total = 0;
+#pragma unroll
+        for (int w = 0; w < SORT_THREADS / WARP; w++) {
+            if (w < warp) mine_at += warp_totals[w];
+            pass_total += warp_totals[w];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (match[j]) entries[mine_at++] = i0 + j;
+        at += pass_total;
+    }
+}
+
 // Block e: expert e's place in the sorted order (offsets[e], and offsets[GROUPS] = t * MOE_SLOTS), its tiles of
 // `tile_rows` entries (tiles[i] = (expert, first sorted index); *tile_count = all tiles), and its entries in
 // ascending order (a stable sort, so the grouped products and their sums are deterministic). Grid (GROUPS): the
 // routed experts and the shared one. A routed expert's tokens come from its bits in `masks` (route_rows'), so a
-// block reads mask_words words and its tokens' slots rather than every entry.
+// block reads mask_words words and its tokens' slots rather than every entry. Where its bits are fewer than its
+// count, a token holds the expert in more than one slot (route() can pick an expert twice when logits are not
+// finite), and the block finds its entries by a pass over all of them instead, so every entry still has its place.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* route_ids, int t, const int* counts,
                                                                    const u32* masks, int mask_words, int tile_rows,
                                                                    int* offsets, int* entries, int* tiles,
@@ -747,8 +784,12 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
     }
     if (lane == WARP - 1) warp_totals[warp] = inclusive;
     __syncthreads();
-    int at = offset + inclusive - mine;
-    for (int w = 0; w < warp; w++) at += warp_totals[w];
+    int at = offset + inclusive - mine, bits_all = 0;
+    for (int w = 0; w < SORT_THREADS / WARP; w++) {
+        if (w < warp) at += warp_totals[w];
+        bits_all += warp_totals[w];
+    }
+    if (bits_all != count) return sort_by_scan(route_ids, t, e, offset, entries, warp_totals);  // uniform
     for (int w = w0; w < w1; w++)
         for (u32 bits = mask[w]; bits; bits &= bits - 1) {
             const int r = 32 * w + __ffs(bits) - 1;

@@ -56,15 +56,14 @@ pub struct PrefillScratch {
     pub(crate) route_ids: DevBuf<i32>,
     pub(crate) route_w: DevBuf<f32>,
     /// i32 `[experts + 1]` and then `[1 + max_tiles]`, `[experts + 2]`, `[chunk * slots]`, `[max_tiles][2]`, `[1]`:
-    /// the sort by expert (the first buffer also holds the small tiling's work counters, zeroed with the counts).
+    /// the sort by expert. The first buffer also holds, after the counts, the small tiling's work counters and
+    /// then each routed expert's tokens as bits (u32 `[experts][t.div_ceil(32)]` for `t` rows, from `route_rows`
+    /// to `moe_sort`), so that one clearing zeroes all three.
     pub(crate) counts: DevBuf<i32>,
     pub(crate) offsets: DevBuf<i32>,
     pub(crate) entries: DevBuf<i32>,
     pub(crate) tiles: DevBuf<i32>,
     pub(crate) tile_count: DevBuf<i32>,
-    /// u32 `[experts][t.div_ceil(32)]` for `t` rows: each routed expert's tokens as bits, from `route_rows` to
-    /// `moe_sort` (room for a chunk).
-    pub(crate) expert_masks: DevBuf<u32>,
     pub(crate) max_tiles: usize,
     /// bf16 `[chunk * slots][moe inter]` by sorted entry (the large tiling's).
     pub(crate) act: DevBuf<bf16>,
@@ -95,12 +94,11 @@ impl PrefillScratch {
             router_logits: gpu.alloc(chunk * (c.num_experts + 1))?,
             route_ids: gpu.alloc(chunk * k)?,
             route_w: gpu.alloc(chunk * k)?,
-            counts: gpu.alloc(c.num_experts + 1 + 1 + max_tiles)?,
+            counts: gpu.alloc(c.num_experts + 1 + 1 + max_tiles + c.num_experts * chunk.div_ceil(32))?,
             offsets: gpu.alloc(c.num_experts + 2)?,
             entries: gpu.alloc(chunk * k)?,
             tiles: gpu.alloc(max_tiles * 2)?,
             tile_count: gpu.alloc(1)?,
-            expert_masks: gpu.alloc(c.num_experts * chunk.div_ceil(32))?,
             max_tiles,
             act: gpu.alloc(chunk * k * c.moe_intermediate_size)?,
             codes: gemm::SmallCodes::new(gpu, kernels, c, chunk)?,
@@ -109,6 +107,16 @@ impl PrefillScratch {
             attn: AttentionScratch::new(gpu, kernels, c, chunk, max_context)?,
             last: gpu.alloc(PREFILL_PARTS * h)?,
         })
+    }
+
+    /// How many of `counts`' words follow the counts before the masks: the small tiling's work counters.
+    pub(crate) fn work_len(&self) -> usize {
+        1 + self.max_tiles
+    }
+
+    /// Where the routed experts' token bits start in `counts` (see there).
+    pub(crate) fn masks(&self, c: &Config) -> DevPtr<u32> {
+        self.counts.at(c.num_experts + 1 + self.work_len()).cast()
     }
 
     /// The entries of `t` rows sorted by expert, as the grouped expert products take them (their grids cover the
@@ -469,7 +477,7 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
             s.route_ids.ptr(),
             s.route_w.ptr(),
             s.counts.ptr(),
-            (s.counts.len() - groups) as i32,
+            s.work_len() as i32,
             s.offsets.ptr(),
             s.entries.ptr(),
             s.tiles.ptr(),
@@ -477,8 +485,9 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         );
     }
     let mask_words = t.div_ceil(32);
-    l.gpu.memset_u32(s.counts.ptr(), 0, s.counts.len())?;
-    l.gpu.memset_u32(s.expert_masks.ptr(), 0, c.num_experts * mask_words)?;
+    // The counts, the work counters and the masks of t rows, in one clearing.
+    l.gpu
+        .memset_u32(s.counts.ptr(), 0, groups + s.work_len() + c.num_experts * mask_words)?;
     let warps_per_block = ROW_THREADS as usize / 32;
     prefill::route_rows(
         l,
@@ -488,7 +497,7 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_ids.ptr(),
         s.route_w.ptr(),
         s.counts.ptr(),
-        s.expert_masks.ptr(),
+        s.masks(c),
         mask_words as i32,
     )?;
     prefill::moe_sort(
@@ -497,7 +506,7 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_ids.ptr(),
         t as i32,
         s.counts.ptr(),
-        s.expert_masks.ptr(),
+        s.masks(c),
         mask_words as i32,
         tile_rows,
         s.offsets.ptr(),

@@ -97,6 +97,9 @@ pub(crate) fn check(
     for t in [1, 13, 16, 17, 64, t] {
         check_routing(gpu, l, c, &s, t, &mut rng, report)?;
     }
+    for t in [17, 200, t] {
+        check_sort_repeated(gpu, l, c, &s, t, &mut rng, report)?;
+    }
 
     // Combine into the residual stream.
     // The expert rows are bf16; the sums over a token's slots f32.
@@ -445,6 +448,79 @@ fn check_router(
     Ok(())
 }
 
+/// moe_sort where some tokens hold an expert in two slots (route() picks an expert again when a token's logits
+/// are not finite): that expert's bits count such a token once, fewer than its count, so the block must find its
+/// entries by a pass over all of them. The routing is written here as route_rows would leave it (ids, counts, bits),
+/// and the entries must come out stably sorted by expert with their offsets.
+fn check_sort_repeated(
+    gpu: &Gpu,
+    l: &mut Launcher,
+    c: &lily_model::Config,
+    s: &PrefillScratch,
+    t: usize,
+    rng: &mut Rng,
+    report: &mut Report,
+) -> Result<()> {
+    let (e, k, slots) = (c.num_experts, c.num_experts_per_tok, moe_slots(c));
+    let mask_words = t.div_ceil(32);
+    let mut ids = vec![0usize; t * slots];
+    for r in 0..t {
+        // k distinct routed experts from a random start, then the shared one.
+        let first = rng.next_u64() as usize % e;
+        (0..k).for_each(|j| ids[r * slots + j] = (first + j) % e);
+        ids[r * slots + k] = e;
+        // Every fifth token holds its second expert again in its last routed slot.
+        if r % 5 == 0 {
+            ids[r * slots + k - 1] = ids[r * slots + 1];
+        }
+    }
+    let mut words = vec![0i32; e + 1 + s.work_len() + e * mask_words];
+    for r in 0..t {
+        for j in 0..slots {
+            let id = ids[r * slots + j];
+            words[id] += 1;
+            if j < k {
+                words[e + 1 + s.work_len() + id * mask_words + r / 32] |= (1u32 << (r % 32)) as i32;
+            }
+        }
+    }
+    let route_ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+    gpu.upload(s.route_ids.ptr(), &route_ids)?;
+    gpu.upload(s.counts.ptr(), &words)?;
+    poison(gpu, &s.entries)?;
+    let tile_rows = crate::gemm::moe_tile_rows(l.kernels, t);
+    prefill::moe_sort(
+        l,
+        Dims::linear((e + 1) as u32, 256),
+        s.route_ids.ptr(),
+        t as i32,
+        s.counts.ptr(),
+        s.masks(c),
+        mask_words as i32,
+        tile_rows as i32,
+        s.offsets.ptr(),
+        s.entries.ptr(),
+        s.tiles.ptr(),
+        s.tile_count.ptr(),
+    )?;
+    let mut order: Vec<usize> = (0..t * slots).collect();
+    order.sort_by_key(|&i| ids[i]);
+    let mut offsets = vec![0i32; e + 2];
+    for x in 0..=e {
+        offsets[x + 1] = offsets[x] + words[x];
+    }
+    let mut gpu_entries = vec![0i32; t * slots];
+    gpu.download(s.entries.ptr(), &mut gpu_entries)?;
+    let mut gpu_offsets = vec![0i32; e + 2];
+    gpu.download(s.offsets.ptr(), &mut gpu_offsets)?;
+    report.check_eq(
+        &format!("moe_sort: entries stably sorted by expert, an expert in two slots of a token ({t} tokens)"),
+        gpu_entries.iter().zip(&order).all(|(a, b)| *a as usize == *b) && gpu_offsets == offsets,
+        "",
+    );
+    Ok(())
+}
+
 /// Routing and the sort of `t` tokens' entries by expert (`route_and_sort`) against the CPU twin: exact ids,
 /// weights within 1e-5, entries, offsets, tiles and counts exact, and the small tiling's work counters after the
 /// counts zeroed.
@@ -459,9 +535,9 @@ fn check_routing(
 ) -> Result<()> {
     let (e, k, slots) = (c.num_experts, c.num_experts_per_tok, moe_slots(c));
     let kernels = l.kernels;
+    // Every count and work counter -1, and every bit of the experts' masks set: route_and_sort must clear what it
+    // uses.
     gpu.upload(s.counts.ptr(), &vec![-1i32; s.counts.len()])?;
-    // Set bits in every mask word: route_and_sort must clear the words it uses.
-    gpu.upload(s.expert_masks.ptr(), &vec![u32::MAX; s.expert_masks.len()])?;
     let mut logits = normals(rng, t * (e + 1), 2.0);
     // Logits that are not finite, in the first rows where there are three or more: all NaN (every expert ranks as
     // negative infinity: the lowest k, weights NaN), every other expert NaN, and all but three experts negative
@@ -546,7 +622,7 @@ fn check_routing(
     gpu.download(s.counts.ptr(), &mut counts)?;
     report.check_eq(
         &format!("{route_name}: counts, and the work counters after them zeroed ({t} tokens)"),
-        counts[..=e] == expected_counts[..] && counts[e + 1..].iter().all(|&v| v == 0),
+        counts[..=e] == expected_counts[..] && counts[e + 1..][..s.work_len()].iter().all(|&v| v == 0),
         "",
     );
     Ok(())
