@@ -654,9 +654,9 @@ __device__ void route(const float* logits, int* ids, float* weights) {
 // The grouped expert products take the shared expert as expert NUM_EXPERTS: a token has MOE_SLOTS entries,
 // token * MOE_SLOTS + slot.
 // One warp per token: route_ids/route_w [t][MOE_SLOTS] (the shared expert and its sigmoid gate in the last slot),
-// counts[e] += entries of routed expert e (zeroed before) and counts[NUM_EXPERTS] = t (the shared one), and bit
-// token % 32 of word masks[e][token / 32] set for each routed expert e (zeroed before; `mask_words` words an
-// expert), from which moe_sort lists an expert's tokens. logits: [t][NUM_EXPERTS + 1].
+// counts[e] += entries of routed expert e (zeroed before) and counts[NUM_EXPERTS] = t (the shared one), and, where
+// `masks` is not null, bit token % 32 of word masks[e][token / 32] set for each routed expert e (zeroed before;
+// `mask_words` words an expert), from which moe_sort lists an expert's tokens. logits: [t][NUM_EXPERTS + 1].
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float* logits, int t, int* route_ids,
                                                                     float* route_w, int* counts, u32* masks,
                                                                     int mask_words) {
@@ -672,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) route_rows(const float
         route_ids[token * MOE_SLOTS + lane] = ids[warp][lane];
         route_w[token * MOE_SLOTS + lane] = weights[warp][lane];
         atomicAdd(&counts[ids[warp][lane]], 1);
-        atomicOr(&masks[(size_t)ids[warp][lane] * mask_words + token / 32], 1u << (token % 32));
+        if (masks) atomicOr(&masks[(size_t)ids[warp][lane] * mask_words + token / 32], 1u << (token % 32));
     }
     if (lane == TOP_K) {
         route_ids[token * MOE_SLOTS + TOP_K] = NUM_EXPERTS;
@@ -694,6 +694,15 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
     for (int w = 0; w < SORT_THREADS / WARP; w++) total += scratch[w];
     return total;
 }
+
+// From this many tokens the routing also leaves each routed expert's tokens as bits, and moe_sort's block for an
+// expert reads its bits instead of passing over every entry. The pass costs a block ~t * MOE_SLOTS reads, the bits
+// t / 32 words and an atomic an entry in route_rows: below the limit the pass is as fast or faster, and the launch
+// that clears the bits is the same one that clears the counts. The host reads the limit.
+#ifndef SORT_MASKS_MIN_TOKENS
+#define SORT_MASKS_MIN_TOKENS 1024
+#endif
+extern "C" __device__ const int sort_masks_min_tokens = SORT_MASKS_MIN_TOKENS;
 
 // Expert e's entries in ascending order from `at` on, found by a pass over all t * MOE_SLOTS entries: four
 // consecutive entries a thread per pass, ranked by a warp scan of the match counts, then the warps'. moe_sort's
@@ -737,6 +746,7 @@ __device__ void sort_by_scan(const int* route_ids, int t, int e, int at, int* en
 // block reads mask_words words and its tokens' slots rather than every entry. Where its bits are fewer than its
 // count, a token holds the expert in more than one slot (route() can pick an expert twice when logits are not
 // finite), and the block finds its entries by a pass over all of them instead, so every entry still has its place.
+// Where `masks` is null (fewer than SORT_MASKS_MIN_TOKENS tokens), every block makes that pass.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* route_ids, int t, const int* counts,
                                                                    const u32* masks, int mask_words, int tile_rows,
                                                                    int* offsets, int* entries, int* tiles,
@@ -769,6 +779,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* r
         for (int r = threadIdx.x; r < t; r += SORT_THREADS) entries[offset + r] = r * MOE_SLOTS + TOP_K;
         return;
     }
+    if (!masks) return sort_by_scan(route_ids, t, e, offset, entries, warp_totals);  // uniform
     // Thread u takes mask words [u per, (u + 1) per): its rank is the bits before them (a warp scan, then the
     // warps'), and each set bit r is token r's entry in the slot that holds e.
     const u32* mask = masks + (size_t)e * mask_words;

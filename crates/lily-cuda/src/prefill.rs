@@ -465,6 +465,13 @@ pub(crate) fn router_logits(
 /// their (token, slot) entries by expert, with the tiles of the grouped products: one block of `moe_route_sort`
 /// up to `route_sort_max_tokens` tokens, else the counts cleared, `route_rows` and `moe_sort`.
 pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t: usize) -> Result<()> {
+    let masks = t >= l.kernels.constant("sort_masks_min_tokens");
+    route_and_sort_by(l, c, s, t, masks)
+}
+
+/// [`route_and_sort`], with `moe_sort` reading each expert's tokens from bits that `route_rows` sets (`masks`)
+/// or passing over every entry: the two give the same order, and the selftest checks both at every count.
+pub(crate) fn route_and_sort_by(l: &mut Launcher, c: &Config, s: &PrefillScratch, t: usize, masks: bool) -> Result<()> {
     let tile_rows = gemm::moe_tile_rows(l.kernels, t) as i32;
     let groups = c.num_experts + 1;
     if t <= l.kernels.constant("route_sort_max_tokens") {
@@ -484,7 +491,8 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
             s.tile_count.ptr(),
         );
     }
-    let mask_words = t.div_ceil(32);
+    let mask_words = if masks { t.div_ceil(32) } else { 0 };
+    let mask_ptr = if masks { s.masks(c) } else { DevPtr::NULL };
     // The counts, the work counters and the masks of t rows, in one clearing.
     l.gpu
         .memset_u32(s.counts.ptr(), 0, groups + s.work_len() + c.num_experts * mask_words)?;
@@ -497,7 +505,7 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_ids.ptr(),
         s.route_w.ptr(),
         s.counts.ptr(),
-        s.masks(c),
+        mask_ptr,
         mask_words as i32,
     )?;
     prefill::moe_sort(
@@ -506,7 +514,7 @@ pub(crate) fn route_and_sort(l: &mut Launcher, c: &Config, s: &PrefillScratch, t
         s.route_ids.ptr(),
         t as i32,
         s.counts.ptr(),
-        s.masks(c),
+        mask_ptr,
         mask_words as i32,
         tile_rows,
         s.offsets.ptr(),

@@ -10,7 +10,7 @@ use crate::driver::{DevBuf, DevPtr, Gpu, Result};
 use crate::gemm::moe_slots;
 use crate::kernels::{gemm, prefill, Kernels, Q8x2};
 use crate::launch::{Dims, Launcher};
-use crate::prefill::{route_and_sort, router_logits, PrefillScratch, RouterKernel, ROW_THREADS};
+use crate::prefill::{route_and_sort, route_and_sort_by, router_logits, PrefillScratch, RouterKernel, ROW_THREADS};
 use crate::weights::GpuWeights;
 
 /// `lily selftest`'s checks of the glue kernels against their CPU twins: embedding rows, RMSNorm rows (bf16 out:
@@ -94,8 +94,12 @@ pub(crate) fn check(
 
     // Routing, the stable sort by expert and the tiles, at a short prompt's and a batched step's token counts too,
     // on both sides of moe_route_sort's limit.
+    // Above that limit, moe_sort both from route_rows' bits and by its pass over every entry.
     for t in [1, 13, 16, 17, 64, t] {
-        check_routing(gpu, l, c, &s, t, &mut rng, report)?;
+        check_routing(gpu, l, c, &s, t, false, &mut rng, report)?;
+        if t > l.kernels.constant("route_sort_max_tokens") {
+            check_routing(gpu, l, c, &s, t, true, &mut rng, report)?;
+        }
     }
     for t in [17, 200, t] {
         check_sort_repeated(gpu, l, c, &s, t, &mut rng, report)?;
@@ -521,15 +525,17 @@ fn check_sort_repeated(
     Ok(())
 }
 
-/// Routing and the sort of `t` tokens' entries by expert (`route_and_sort`) against the CPU twin: exact ids,
-/// weights within 1e-5, entries, offsets, tiles and counts exact, and the small tiling's work counters after the
-/// counts zeroed.
+/// Routing and the sort of `t` tokens' entries by expert (`route_and_sort_by`, `moe_sort` from the experts' bits
+/// where `masks`) against the CPU twin: exact ids, weights within 1e-5, entries, offsets, tiles and counts exact,
+/// and the small tiling's work counters after the counts zeroed.
+#[allow(clippy::too_many_arguments)]
 fn check_routing(
     gpu: &Gpu,
     l: &mut Launcher,
     c: &lily_model::Config,
     s: &PrefillScratch,
     t: usize,
+    masks: bool,
     rng: &mut Rng,
     report: &mut Report,
 ) -> Result<()> {
@@ -551,10 +557,12 @@ fn check_routing(
     poison(gpu, &s.route_w)?;
     poison(gpu, &s.entries)?;
     let tile_rows = crate::gemm::moe_tile_rows(kernels, t);
-    route_and_sort(l, c, s, t)?;
+    route_and_sort_by(l, c, s, t, masks)?;
     // The kernels that ran: one block up to route_sort_max_tokens tokens, else the routing then the sort.
     let (route_name, sort_name) = if t <= kernels.constant("route_sort_max_tokens") {
         ("moe_route_sort", "moe_route_sort")
+    } else if masks {
+        ("route_rows (bits)", "moe_sort (bits)")
     } else {
         ("route_rows", "moe_sort")
     };
