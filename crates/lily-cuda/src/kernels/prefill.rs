@@ -25,6 +25,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "router_wide_smem",
         "route_sort_max_tokens",
         "route_sort_threads",
+        "sort_masks_min_tokens",
     ],
 };
 
