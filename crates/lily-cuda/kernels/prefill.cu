@@ -744,8 +744,8 @@ __device__ void sort_by_scan(const int* route_ids, int t, int e, int at, int* en
 // ascending order (a stable sort, so the grouped products and their sums are deterministic). Grid (GROUPS): the
 // routed experts and the shared one. A routed expert's tokens come from its bits in `masks` (route_rows'), so a
 // block reads mask_words words and its tokens' slots rather than every entry. Where its bits are fewer than its
-// count, a token holds the expert in more than one slot (route() can pick an expert twice when logits are not
-// finite), and the block finds its entries by a pass over all of them instead, so every entry still has its place.
+// count, a token holds the expert in more than one slot (route() picks distinct experts, so only a routing written
+// otherwise could), and the block finds its entries by a pass over all of them instead: every entry has its place.
 // Where `masks` is null (fewer than SORT_MASKS_MIN_TOKENS tokens), every block makes that pass.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort(const int* route_ids, int t, const int* counts,
                                                                    const u32* masks, int mask_words, int tile_rows,

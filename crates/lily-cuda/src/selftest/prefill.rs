@@ -452,8 +452,8 @@ fn check_router(
     Ok(())
 }
 
-/// moe_sort where some tokens hold an expert in two slots (route() picks an expert again when a token's logits
-/// are not finite): that expert's bits count such a token once, fewer than its count, so the block must find its
+/// moe_sort where some tokens hold an expert in two slots (route() never leaves such a routing, but moe_sort must
+/// not depend on it): that expert's bits count such a token once, fewer than its count, so the block must find its
 /// entries by a pass over all of them. The routing is written here as route_rows would leave it (ids, counts, bits),
 /// and the entries must come out stably sorted by expert with their offsets.
 fn check_sort_repeated(
