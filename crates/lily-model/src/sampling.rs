@@ -81,7 +81,7 @@ impl SamplingParams {
 
 /// A value as the choices of the largest rank it ([`argmax`], the router's top-k): a NaN as negative infinity, so
 /// every value has a place in the order and a row of NaNs chooses its lowest index. The GPU kernels' `rank_value`
-/// ranks the same way.
+/// ranks the same way. (`argmax` gets this order without calling it on every logit; a test checks that they agree.)
 pub fn rank_value(l: f32) -> f32 {
     if l.is_nan() {
         f32::NEG_INFINITY
@@ -92,13 +92,21 @@ pub fn rank_value(l: f32) -> f32 {
 
 /// Index of the largest logit (the lowest index among equals; a NaN ranks as negative infinity).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if rank_value(l) > rank_value(logits[best]) {
+    // A NaN never compares greater, so from a first value that is a number the plain comparison passes over every
+    // NaN as it would negative infinity. Where the largest is negative infinity, all rank equal and the first wins.
+    let Some(start) = logits.iter().position(|l| !l.is_nan()) else {
+        return 0;
+    };
+    let mut best = start;
+    for (i, &l) in logits.iter().enumerate().skip(start + 1) {
+        if l > logits[best] {
             best = i;
         }
     }
-    best as u32
+    match logits[best] == f32::NEG_INFINITY {
+        true => 0,
+        false => best as u32,
+    }
 }
 
 /// Keeps only the tokens a mask allows: bit `t % 32` of word `t / 32` allows token `t`; every other logit (the
@@ -378,6 +386,22 @@ mod tests {
         assert_eq!(argmax(&[nan, nan, nan]), 0);
         assert_eq!(argmax(&[f32::NEG_INFINITY, nan, f32::NEG_INFINITY]), 0);
         assert_eq!(argmax(&[nan, f32::NEG_INFINITY, 2.0]), 2);
+        assert_eq!(argmax(&[nan, f32::NEG_INFINITY]), 0);
+        // Against the rule written out (the largest rank_value, the lowest index among equals) on short rows of
+        // NaNs, infinities and a few numbers with many ties.
+        let values = [nan, f32::NEG_INFINITY, f32::INFINITY, -1.0, 0.0, 1.0];
+        let mut rng = crate::rng::Rng::new(7);
+        for _ in 0..5000 {
+            let len = 1 + (rng.next_u64() % 6) as usize;
+            let row: Vec<f32> = (0..len).map(|_| values[(rng.next_u64() % 6) as usize]).collect();
+            let mut want = 0;
+            for (i, &l) in row.iter().enumerate() {
+                if rank_value(l) > rank_value(row[want]) {
+                    want = i;
+                }
+            }
+            assert_eq!(argmax(&row), want as u32, "{row:?}");
+        }
     }
 
     #[test]
