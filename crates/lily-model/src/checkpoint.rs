@@ -169,8 +169,8 @@ impl TensorRef<'_> {
         }
     }
 
-    /// Weights must be finite: a NaN or an infinity would make every logit after it NaN, and the GPU's routing and
-    /// sampling pick experts and tokens by comparisons that a NaN never wins.
+    /// Weights must be finite: a NaN or an infinity would make every logit after it NaN, and the routing and
+    /// sampling would then pick experts and tokens from values that mean nothing.
     fn not_finite(&self, index: usize, value: f32) -> CheckpointError {
         self.error(format!(
             "element {index} is {value}, not a finite number: the checkpoint is corrupt"
