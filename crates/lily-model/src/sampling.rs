@@ -14,7 +14,7 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// 0 means no limit.
     pub top_k: usize,
-    /// 1 means no limit.
+    /// 1 means no limit; 0 keeps only the most likely token (greedy).
     pub top_p: f32,
     /// 0 means no limit.
     pub min_p: f32,
@@ -37,7 +37,7 @@ impl Default for SamplingParams {
 pub enum SamplingError {
     #[error("temperature must be a finite number >= 0, got {0}")]
     Temperature(f32),
-    #[error("top_p must be in (0, 1], got {0}")]
+    #[error("top_p must be in [0, 1], got {0}")]
     TopP(f32),
     #[error("min_p must be in [0, 1], got {0}")]
     MinP(f32),
@@ -61,7 +61,7 @@ impl SamplingParams {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(SamplingError::Temperature(self.temperature));
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+        if !(0.0..=1.0).contains(&self.top_p) {
             return Err(SamplingError::TopP(self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
@@ -73,9 +73,10 @@ impl SamplingParams {
         Ok(self)
     }
 
-    /// Whether these parameters always choose the most likely token.
+    /// Whether these parameters always choose the most likely token. A top-p of 0 does: the smallest run of the
+    /// most likely tokens whose probability reaches 0 is the most likely token alone (the OpenAI API takes 0).
     pub fn is_greedy(&self) -> bool {
-        self.temperature < MIN_TEMPERATURE || self.top_k == 1
+        self.temperature < MIN_TEMPERATURE || self.top_k == 1 || self.top_p == 0.0
     }
 }
 
@@ -565,6 +566,20 @@ mod tests {
     }
 
     #[test]
+    fn a_top_p_of_zero_is_greedy() {
+        let p = params(1.0, 0, 0.0, 0.0).validate().unwrap();
+        assert!(p.is_greedy());
+        let mut rng = Rng::new(7);
+        let mut s = Sampler::new(p.clone());
+        for _ in 0..200 {
+            let logits: Vec<f32> = (0..50).map(|_| 4.0 * rng.uniform()).collect();
+            assert_eq!(s.sample(&logits), argmax(&logits));
+        }
+        // A greedy choice takes no draw from the random stream.
+        assert_eq!(s.next_draw(), Sampler::new(p).next_draw());
+    }
+
+    #[test]
     fn a_mask_restricts_greedy_and_sampled_draws() {
         // Tokens 1 and 33 allowed (word 0 bit 1, word 1 bit 1); token 2 has the largest logit but is masked out.
         let mut logits = vec![0.0f32; 40];
@@ -606,7 +621,8 @@ mod tests {
     fn bad_parameters_are_refused() {
         assert_eq!(params(-1.0, 0, 1.0, 0.0).validate().unwrap_err().param(), "temperature");
         assert!(params(f32::NAN, 0, 1.0, 0.0).validate().is_err());
-        assert!(params(1.0, 0, 0.0, 0.0).validate().is_err());
+        assert!(params(1.0, 0, -0.1, 0.0).validate().is_err());
+        assert!(params(1.0, 0, 1.01, 0.0).validate().is_err());
         assert!(params(1.0, 0, 1.0, 1.5).validate().is_err());
         assert!(params(0.7, 20, 0.95, 0.05).validate().is_ok());
     }

@@ -575,7 +575,7 @@ async fn completions_max_tokens_zero_with_echo_scores_the_prompt() {
 
 /// A temperature too small to divide the logits by (they would overflow to NaN) samples greedily.
 #[tokio::test]
-async fn tiny_temperatures_are_greedy() {
+async fn tiny_temperatures_and_a_top_p_of_zero_are_greedy() {
     let s = TestServer::real(config()).await;
     let body = |t: f64| json!({"prompt": "ROMEO.\n", "max_tokens": 8, "temperature": t, "seed": 3});
     let (status, greedy) = s.post("/v1/completions", &body(0.0)).await;
@@ -588,5 +588,14 @@ async fn tiny_temperatures_are_greedy() {
             "temperature {t}"
         );
     }
+    // A top_p of 0 keeps only the most likely token, whatever the temperature (the OpenAI API takes it). The same
+    // request without it draws another text, so the comparison below can fail.
+    let (_, sampled) = s.post("/v1/completions", &body(1.0)).await;
+    assert_ne!(sampled["choices"][0]["text"], greedy["choices"][0]["text"]);
+    let mut top_p_zero = body(1.0);
+    top_p_zero["top_p"] = json!(0);
+    let (status, nucleus) = s.post("/v1/completions", &top_p_zero).await;
+    assert_eq!(status, 200, "{nucleus}");
+    assert_eq!(nucleus["choices"][0]["text"], greedy["choices"][0]["text"]);
     s.shutdown().await;
 }

@@ -72,7 +72,7 @@ async fn every_bad_request_is_an_openai_error() {
         (with("max_tokens", json!("ten")), 400, Some("max_tokens")),
         (with("temperature", json!(-1)), 400, Some("temperature")),
         (with("temperature", json!("hot")), 400, Some("temperature")),
-        (with("top_p", json!(0)), 400, Some("top_p")),
+        (with("top_p", json!(-0.1)), 400, Some("top_p")),
         (with("top_p", json!(1.5)), 400, Some("top_p")),
         (with("top_k", json!(-3)), 400, Some("top_k")),
         (with("min_p", json!(2)), 400, Some("min_p")),
