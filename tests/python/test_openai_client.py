@@ -107,6 +107,10 @@ def test_sampling_seed_n_and_stop(client, model):
     assert stopped.choices[0].finish_reason == "stop"
     one = client.chat.completions.create(model=model, messages=ask(), max_completion_tokens=1, extra_body=NO_THINKING)
     assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+    # A top_p of 0 keeps only the most likely token: the greedy answer at any temperature.
+    nucleus = client.chat.completions.create(model=model, messages=ask(), max_tokens=24, temperature=1.0, top_p=0,
+                                             seed=5, extra_body=NO_THINKING)
+    assert nucleus.choices[0].message.content == text
 
 
 def test_logprobs(client, model):
