@@ -573,7 +573,8 @@ async fn completions_max_tokens_zero_with_echo_scores_the_prompt() {
     s.shutdown().await;
 }
 
-/// A temperature too small to divide the logits by (they would overflow to NaN) samples greedily.
+/// A temperature too small to divide the logits by (they would overflow to NaN) samples greedily, and so does a
+/// top_p of 0.
 #[tokio::test]
 async fn tiny_temperatures_and_a_top_p_of_zero_are_greedy() {
     let s = TestServer::real(config()).await;
