@@ -598,5 +598,29 @@ async fn tiny_temperatures_and_a_top_p_of_zero_are_greedy() {
     let (status, nucleus) = s.post("/v1/completions", &top_p_zero).await;
     assert_eq!(status, 200, "{nucleus}");
     assert_eq!(nucleus["choices"][0]["text"], greedy["choices"][0]["text"]);
+    // The Responses endpoint takes the same parameters: its `top_p` of 0 is the greedy answer too.
+    let response = |t: f64, top_p: Option<f64>| {
+        let mut body = json!({"input": "Say something.", "max_output_tokens": 8, "temperature": t, "seed": 3});
+        if let Some(p) = top_p {
+            body["top_p"] = json!(p);
+        }
+        body
+    };
+    // The output's texts, without the item ids that differ from response to response.
+    let text = |r: &serde_json::Value| {
+        let items = r["output"].as_array().cloned().unwrap_or_default();
+        let parts = items
+            .iter()
+            .flat_map(|item| item["content"].as_array().cloned().unwrap_or_default());
+        parts.map(|part| part["text"].to_string()).collect::<Vec<_>>()
+    };
+    let (status, greedy) = s.post("/v1/responses", &response(0.0, None)).await;
+    assert_eq!(status, 200, "{greedy}");
+    let (_, sampled) = s.post("/v1/responses", &response(1.0, None)).await;
+    assert_ne!(text(&sampled), text(&greedy));
+    let (status, nucleus) = s.post("/v1/responses", &response(1.0, Some(0.0))).await;
+    assert_eq!(status, 200, "{nucleus}");
+    assert_eq!(nucleus["top_p"], 0.0);
+    assert_eq!(text(&nucleus), text(&greedy));
     s.shutdown().await;
 }
