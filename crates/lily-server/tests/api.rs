@@ -608,10 +608,8 @@ async fn tiny_temperatures_and_a_top_p_of_zero_are_greedy() {
     };
     // The output's texts, without the item ids that differ from response to response.
     let text = |r: &serde_json::Value| {
-        let items = r["output"].as_array().cloned().unwrap_or_default();
-        let parts = items
-            .iter()
-            .flat_map(|item| item["content"].as_array().cloned().unwrap_or_default());
+        let items = r["output"].as_array().into_iter().flatten();
+        let parts = items.flat_map(|item| item["content"].as_array().into_iter().flatten());
         parts.map(|part| part["text"].to_string()).collect::<Vec<_>>()
     };
     let (status, greedy) = s.post("/v1/responses", &response(0.0, None)).await;
