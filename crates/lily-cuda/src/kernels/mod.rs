@@ -592,6 +592,29 @@ mod tests {
         assert!(read > 10, "only {read} source files found");
     }
 
+    /// No kernel's warpgroup MMAs are serialized. ptxas serializes every `wgmma` of a kernel (waiting for each
+    /// one as it is issued, its info C7514) when it finds an accumulator touched inside a pipeline stage; the
+    /// kernel still computes the right values, only without overlapping its products with anything else.
+    #[test]
+    fn no_kernel_serializes_its_warpgroup_mmas() {
+        if !nvrtc_available() {
+            eprintln!("SKIPPED: libnvrtc not found");
+            return;
+        }
+        let target = Target { arch: "sm_90a".into() };
+        let mut opts = options(&Config::full_shape(), &target, false);
+        opts.push("--ptxas-options=-v".into());
+        let mut checked = 0;
+        for file in FILES.iter().filter(|f| f.source.contains("wgmma.mma_async")) {
+            let (_, log) = compile(file.name, file.source, &opts, true).unwrap_or_else(|e| panic!("{e}"));
+            assert!(log.contains("Used"), "{}: ptxas wrote no report: {log}", file.name);
+            let serialized: Vec<&str> = log.lines().filter(|l| l.contains("C7514")).collect();
+            assert!(serialized.is_empty(), "{}: {}", file.name, serialized.join("\n"));
+            checked += 1;
+        }
+        assert!(checked >= 2, "only {checked} files use warpgroup MMAs");
+    }
+
     /// The kernels of `lily bench --timeline` (a clock probe after each kernel's wait) compile too.
     #[test]
     fn every_kernel_compiles_with_the_timeline() {
