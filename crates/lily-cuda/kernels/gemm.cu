@@ -1470,10 +1470,10 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 #ifndef MOE_RS_TOKENS
 #define MOE_RS_TOKENS 128
 #endif
-// From 2,048 tokens (an expert's ~72 entries a 128-token tile) this kernel is ahead of mma.sync's 64-row tiles on
-// the H100 (the 2,048-token prefill 0.5-0.7%); at 1,024 tokens 128-token tiles lose ~9%.
+// Past the small tiling (from 513 tokens, an expert's ~18 entries a 128-token tile) this kernel is ahead of
+// mma.sync's 64-row tiles on the H100: the 768-token prefill 4.5%, 1,024 tokens 3.9%, 1,536 tokens 7.3%.
 #ifndef MOE_RS_MIN_TOKENS
-#define MOE_RS_MIN_TOKENS 2048
+#define MOE_RS_MIN_TOKENS 512
 #endif
 // The registers at launch go to the consumers as for gemm_q4_wgmma_rs, the producer keeping more (its threads hold
 // their rows' offsets).
