@@ -26,10 +26,10 @@
 //!
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
-//! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take 64-row
-//! tiles, and from `moe_rs_min_tokens` tokens on Hopper 128-row tiles whose gate/up runs on the warpgroup MMA with
-//! the weights in registers (`moe_gate_up_rs`; `moe_gate_up_wgmma` from `moe_wgmma_min_tokens` where the build has
-//! not that kernel) and whose down runs on mma.sync in two 64-row parts.
+//! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take, on
+//! Hopper from `moe_rs_min_tokens` tokens (all of them past the small tiling, by default), 128-row tiles whose
+//! gate/up runs on the warpgroup MMA with the weights in registers (`moe_gate_up_rs`; `moe_gate_up_wgmma` from `moe_wgmma_min_tokens` where the build has
+//! not that kernel) and whose down runs on mma.sync in two 64-row parts, and elsewhere 64-row tiles.
 
 use half::bf16;
 use lily_model::Config;
@@ -588,7 +588,8 @@ fn planned_dims(l: &Launcher, m: usize, k: usize, n: usize, bits: u32, plan: Pla
 }
 
 /// Tokens up to which the grouped expert products take the small tiling (`moe_small_tile_rows` entries a tile, the
-/// integer tensor cores; the kernels' `moe_small_max_tokens`). Longer prompts take 64-row tiles.
+/// integer tensor cores; the kernels' `moe_small_max_tokens`). Longer prompts take the taller tilings of
+/// [`moe_tile_rows`].
 fn small_max_tokens(kernels: &Kernels) -> usize {
     kernels.constant("moe_small_max_tokens")
 }
