@@ -26,10 +26,11 @@
 //!
 //! The grouped products of up to 512 tokens (a few entries per expert) take the small tiling: 16-row tiles on the
 //! integer tensor cores, the activations as two 8-bit digits an input ([`SmallCodes`]), gate/up and down in one
-//! persistent launch (`moe_small`, its shared memory read from the kernels' constants); longer prompts take, on
-//! Hopper from `moe_rs_min_tokens` tokens (all of them past the small tiling, by default), 128-row tiles whose
-//! gate/up runs on the warpgroup MMA with the weights in registers (`moe_gate_up_rs`; `moe_gate_up_wgmma` from `moe_wgmma_min_tokens` where the build has
-//! not that kernel) and whose down runs on mma.sync in two 64-row parts, and elsewhere 64-row tiles.
+//! persistent launch (`moe_small`, its shared memory read from the kernels' constants). Longer prompts take 64-row
+//! tiles, except on Hopper from `moe_rs_min_tokens` tokens (by default every prompt past the small tiling): there
+//! they take 128-row tiles whose gate/up runs on the warpgroup MMA with the weights in registers (`moe_gate_up_rs`;
+//! `moe_gate_up_wgmma` from `moe_wgmma_min_tokens` where the build has not that kernel) and whose down runs on
+//! mma.sync in two 64-row parts.
 
 use half::bf16;
 use lily_model::Config;
