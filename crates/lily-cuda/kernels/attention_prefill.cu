@@ -588,12 +588,13 @@ __device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int
 struct ApwBf16Scores {
     using Acc = float;
     static constexpr u32 Q_BYTES = APW_Q_BYTES, K_BYTES = APW_KV_BYTES;
-    static constexpr float LOG2_SCALE = LOG2E;
     const bf16* q;
     const bf16* k_pool;
     const int* pages;
 
     __device__ __forceinline__ void bind(const unsigned char*, u32, u32) {}
+    // What turns row r's scores into log2 units.
+    __device__ __forceinline__ float log2_scale(int) const { return LOG2E; }
     __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
         apw_load_q(q, q_smem, tok0, tokens, kv_head);
     }
@@ -617,11 +618,12 @@ struct ApwBf16Scores {
 };
 
 // S on 8-bit codes: Q codes (8 chunks a thread) and key tiles of codes with their scales, eight k32 steps. The
-// scores come out in log2 units: code sum x q scale x k scale, the q scale holding LOG2E.
+// scores come out as code sum x k scale; the softmax multiplies them by the row's q scale (holding LOG2E) in the
+// exponential's multiply-add, which saves a multiplication a score (the q scale is positive, so it commutes with
+// the row's maximum).
 struct ApwI8Scores {
     using Acc = int;
     static constexpr u32 Q_BYTES = API_Q_BYTES, K_BYTES = API_K_BYTES;
-    static constexpr float LOG2_SCALE = 1.f;
     const i8* q8;
     const float* q_scale;
     const i8* k8;
@@ -635,6 +637,7 @@ struct ApwI8Scores {
         ks_smem = after_values;
         ks_base = (const float*)(smem_raw + (ks_smem - raw0));
     }
+    __device__ __forceinline__ float log2_scale(int r) const { return q_log2[r]; }
     __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
         apw_load_q(q8, q_smem, tok0, tokens, kv_head);
     }
@@ -657,12 +660,13 @@ struct ApwI8Scores {
             cp_async_16(ks_smem + (buf * KEY_TILE + 4 * threadIdx.x) * 4,
                         k_scale + (size_t)kv_head * scale_stride + key0 + 4 * threadIdx.x, 16u);
     }
-    // The thread's rows' query scales in log2 units; rows past the end read token tok0's.
+    // The thread's rows' query scales in log2 units; rows past the end read token tok0's. A row of zero codes
+    // (scale 0) gets a tiny positive scale instead, so that a masked score (-inf) times it stays -inf.
     __device__ __forceinline__ void rows(int tok0, int tokens, int head, int g) {
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int token = tok0 + g + 8 * r;
-            q_log2[r] = q_scale[(size_t)(token < tokens ? token : tok0) * N_HEADS + head] * LOG2E;
+            q_log2[r] = fmaxf(q_scale[(size_t)(token < tokens ? token : tok0) * N_HEADS + head] * LOG2E, 1e-30f);
         }
     }
     __device__ __forceinline__ void issue(int (&s)[32], u32 q_wg, u32 k_tile) const {
@@ -679,10 +683,10 @@ struct ApwI8Scores {
 #pragma unroll
         for (int n = 0; n < KEY_TILE / 8; n++) {
             const float2 kk = *(const float2*)(k_scales + 8 * n + 2 * c);
-            x[4 * n] = api_to_float(s[4 * n]) * (q_log2[0] * kk.x);
-            x[4 * n + 1] = api_to_float(s[4 * n + 1]) * (q_log2[0] * kk.y);
-            x[4 * n + 2] = api_to_float(s[4 * n + 2]) * (q_log2[1] * kk.x);
-            x[4 * n + 3] = api_to_float(s[4 * n + 3]) * (q_log2[1] * kk.y);
+            x[4 * n] = api_to_float(s[4 * n]) * kk.x;
+            x[4 * n + 1] = api_to_float(s[4 * n + 1]) * kk.y;
+            x[4 * n + 2] = api_to_float(s[4 * n + 2]) * kk.x;
+            x[4 * n + 3] = api_to_float(s[4 * n + 3]) * kk.y;
         }
     }
 };
@@ -781,34 +785,43 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             for (int n = 0; n < KEY_TILE / 8; n++) m = fmaxf(m, fmaxf(x[4 * n + 2 * r], x[4 * n + 2 * r + 1]));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const float new_max = fmaxf(row_max[r], m * Scores::LOG2_SCALE);
+            const float scale = sc.log2_scale(r);
+            const float new_max = fmaxf(row_max[r], m * scale);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
             alpha[r] = exp2_approx(row_max[r] - base);
             row_max[r] = new_max;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < KEY_TILE / 8; n++) {
-                x[4 * n + 2 * r] = exp2_approx(fmaf(x[4 * n + 2 * r], Scores::LOG2_SCALE, -base));
-                x[4 * n + 2 * r + 1] = exp2_approx(fmaf(x[4 * n + 2 * r + 1], Scores::LOG2_SCALE, -base));
+                x[4 * n + 2 * r] = exp2_approx(fmaf(x[4 * n + 2 * r], scale, -base));
+                x[4 * n + 2 * r + 1] = exp2_approx(fmaf(x[4 * n + 2 * r + 1], scale, -base));
                 sum += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
             }
             row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
-        // O += P V of the tile before is done: O and P are free again.
-        wgmma_wait<0>();
-        wgmma_hold(o);
-        apw_hold(p);
+        // The softmax is done before the wait for O += P V below, so that the two overlap. In straight-line code
+        // ptxas hoists that wait above the softmax (to start O's rescaling early), which serializes them; a wait
+        // inside a block behind a branch it cannot resolve stays where it is written. Every block that gets here
+        // has tokens > 0.
+        wgmma_hold(x);
+        wgmma_hold(alpha);
+        if (tokens > 0) {
+            // O += P V of the tile before is done: O and P are free again.
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            apw_hold(p);
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; n++) {
-            o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
-        }
+            for (int n = 0; n < HEAD_DIM / 8; n++) {
+                o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
+                o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+            }
 #pragma unroll
-        for (int j = 0; j < KEY_TILE / 16; j++) {
-            p[j][0] = pack_bf16x2(x[8 * j], x[8 * j + 1]);
-            p[j][1] = pack_bf16x2(x[8 * j + 2], x[8 * j + 3]);
-            p[j][2] = pack_bf16x2(x[8 * j + 4], x[8 * j + 5]);
-            p[j][3] = pack_bf16x2(x[8 * j + 6], x[8 * j + 7]);
+            for (int j = 0; j < KEY_TILE / 16; j++) {
+                p[j][0] = pack_bf16x2(x[8 * j], x[8 * j + 1]);
+                p[j][1] = pack_bf16x2(x[8 * j + 2], x[8 * j + 3]);
+                p[j][2] = pack_bf16x2(x[8 * j + 4], x[8 * j + 5]);
+                p[j][3] = pack_bf16x2(x[8 * j + 6], x[8 * j + 7]);
+            }
         }
     }
     // O += P V of the last tile, once its values have landed for every thread.
