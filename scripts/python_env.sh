@@ -24,5 +24,9 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 lily_nvrtc_lib="$(python -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null || true)"
 if [ -n "$lily_nvrtc_lib" ] && [ -d "$lily_nvrtc_lib" ]; then
   export LD_LIBRARY_PATH="$lily_nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # nvdisasm, for the test that reads the attention kernels' machine code.
+  if [ -x "$lily_nvrtc_lib/../bin/nvdisasm" ]; then
+    export PATH="$(cd "$lily_nvrtc_lib/../bin" && pwd):$PATH"
+  fi
 fi
 unset lily_venv lily_requirements lily_nvrtc_lib

@@ -615,6 +615,80 @@ mod tests {
         assert!(checked >= 2, "only {checked} files use warpgroup MMAs");
     }
 
+    /// nvdisasm from `NVDISASM` or the PATH (scripts/python_env.sh puts the pip package's on it), if there is one.
+    fn nvdisasm() -> Option<std::path::PathBuf> {
+        if let Some(path) = std::env::var_os("NVDISASM") {
+            return Some(path.into());
+        }
+        let path = std::env::var_os("PATH")?;
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("nvdisasm"))
+            .find(|p| p.is_file())
+    }
+
+    /// In both warpgroup attention kernels the softmax of a key tile runs beside the previous tile's O += P V: in
+    /// their machine code, the wait for that product (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) follows the tile's
+    /// exponentials. Written as straight-line code, ptxas hoists that wait above the softmax (see apw_attention),
+    /// and every other check still passes. Read from the disassembly: after the loop's first value product
+    /// (`GMMA.64x256`), the wait must come after 32 `MUFU.EX2` and before the next product.
+    #[test]
+    fn attention_softmax_overlaps_the_value_product() {
+        if !nvrtc_available() {
+            eprintln!("SKIPPED: libnvrtc not found");
+            return;
+        }
+        let Some(nvdisasm) = nvdisasm() else {
+            eprintln!("SKIPPED: nvdisasm not found (pip install nvidia-cuda-nvdisasm, its nvidia/cu13/bin on PATH)");
+            return;
+        };
+        let target = Target { arch: "sm_90a".into() };
+        let opts = options(&Config::full_shape(), &target, false);
+        let file = FILES
+            .iter()
+            .find(|f| f.name == "attention_prefill.cu")
+            .expect("the attention file");
+        let (image, _) = compile(file.name, file.source, &opts, true).unwrap_or_else(|e| panic!("{e}"));
+        let cubin = std::env::temp_dir().join(format!("lily-attention-{}.cubin", std::process::id()));
+        std::fs::write(&cubin, &image).expect("writing the cubin");
+        let out = std::process::Command::new(&nvdisasm).arg("-c").arg(&cubin).output();
+        let _ = std::fs::remove_file(&cubin);
+        let out = out.unwrap_or_else(|e| panic!("running {}: {e}", nvdisasm.display()));
+        assert!(
+            out.status.success(),
+            "nvdisasm: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let sass = String::from_utf8_lossy(&out.stdout);
+        for kernel in ["attn_prefill_wgmma", "attn_prefill_i8"] {
+            let start = sass
+                .find(&format!(".text.{kernel}:"))
+                .unwrap_or_else(|| panic!("{kernel} not found"));
+            let body = &sass[start + 1..];
+            let body = &body[..body.find(".text.").unwrap_or(body.len())];
+            let code: Vec<&str> = body.lines().filter(|l| l.contains("/*")).collect();
+            let first = code
+                .iter()
+                .position(|l| l.contains("GMMA.64x256"))
+                .expect("a value product");
+            let mut exponentials = 0;
+            let mut overlapped = false;
+            for line in &code[first + 1..] {
+                if line.contains("MUFU.EX2") {
+                    exponentials += 1;
+                } else if exponentials >= 32 && line.contains("WARPGROUP.DEPBAR.LE gsb0, 0x0") {
+                    overlapped = true;
+                    break;
+                } else if exponentials >= 32 && line.contains("GMMA") {
+                    break;
+                }
+            }
+            assert!(
+                overlapped,
+                "{kernel}: the wait for O += P V is not after the softmax's exponentials"
+            );
+        }
+    }
+
     /// The kernels of `lily bench --timeline` (a clock probe after each kernel's wait) compile too.
     #[test]
     fn every_kernel_compiles_with_the_timeline() {
