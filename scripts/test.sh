@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The Python test tools (and NVRTC 13.0 for the kernel compile check) go into a virtual environment under target/,
-# never into the system's Python; scripts/python_env.sh also puts NVRTC's library directory on LD_LIBRARY_PATH.
+# never into the system's Python; scripts/python_env.sh also puts NVRTC's library directory on LD_LIBRARY_PATH and
+# nvdisasm (for the test that reads the attention kernels' machine code) on PATH.
 source scripts/python_env.sh
 
 # Formatting and lints are part of the suite: either failing fails CI.
