@@ -521,6 +521,122 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// ---- Values in e4m3 for attn_prefill_i8 (ATTN_I8_V8=1: a switch, off by default) ----
+// O += P V on e4m3 operands (m64n256k32, twice bf16's rate) with the values coded per (KV head, block of 64
+// positions: a key tile) with the block's largest magnitude at 448, and each key tile's probabilities scaled per row
+// so that the tile's largest is 448 too (the two scales fold into O's per-row rescaling). It halves the bytes a key
+// tile's values copy and the time of their product, at a logit error that bench/RESULTS.md states (the CPU numerics
+// study's Operand::E4m3Scaled is the same format); the default keeps the values in bf16.
+//
+// wgmma takes 8-bit B operands K-major only, so the codes are stored transposed: block b of KV head h is 16 KiB at
+// v8 + (h * blocks + b) * 16384, four 4 KiB chunks of 16 key slots, each chunk 256 dims x 16 bytes (a core matrix
+// is 8 dims x 16 slots, 128 contiguous bytes). Within each group of 32 keys, key j sits in slot v8_slot(j): the
+// order in which a thread's S accumulators already hold P, so that P feeds the A operand from registers unshuffled.
+#ifndef ATTN_I8_V8
+#define ATTN_I8_V8 0
+#endif
+__device__ int attn_prefill_i8_v8 = ATTN_I8_V8;
+#define V8_BLOCK_BYTES (KEY_TILE * HEAD_DIM)     // 16 KiB
+#define V8_CHUNK_BYTES (16 * HEAD_DIM)           // 4 KiB: 16 key slots of every dim
+#define E4M3_MAX 448.f
+// Slot k (0 .. 31) of a 32-key group holds key 16 (k / 16) + 8 (i / 2) + 2 c + i % 2, c = k % 16 / 4, i = k % 4:
+// the A fragment's bytes 4 c .. 4 c + 3 (and 16 + ..) are the keys the thread's accumulators hold for row g.
+__device__ __forceinline__ int v8_slot(int key32) {
+    const int half = key32 / 16, r = key32 % 16, m = r / 8, c = (r % 8) / 2, e = r % 2;
+    return 16 * half + 4 * c + 2 * m + e;
+}
+
+// Grid (blocks of 64 positions, N_KV_HEADS) x 256 threads: the values of positions 0 .. positions - 1 as e4m3
+// codes and one scale per (KV head, block) into v8 and v_scale ([kv head][scale_stride / 64]); positions past the
+// end of the last block read as zero.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_v_codes(const bf16* v_pool, const int* pages, int positions, int scale_stride, u8* v8,
+                         float* v_scale) {
+    wait_previous();
+#if API_BUILT  // e4m3 conversions need sm_89 on; the host launches it only where attn_prefill_i8 is built
+    __shared__ __align__(16) unsigned char tile[V8_BLOCK_BYTES];
+    __shared__ float block_max[256 / WARP];
+    const int block = blockIdx.x, h = blockIdx.y, blocks = scale_stride / KEY_TILE;
+    const int key = threadIdx.x / 4, d0 = (threadIdx.x % 4) * (HEAD_DIM / 4);  // 64 dims a thread
+    const int position = block * KEY_TILE + key;
+    float x[HEAD_DIM / 4];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 4; i += 8) {
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (position < positions) load8_bf16(v_pool + kv_offset(pages, position) + h * HEAD_DIM + d0 + i, v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) x[i + j] = v[j];
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 4; i++) amax = fmaxf(amax, fabsf(x[i]));
+    amax = warp_max(amax);
+    if (threadIdx.x % WARP == 0) block_max[threadIdx.x / WARP] = amax;
+    __syncthreads();
+    amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < 256 / WARP; w++) amax = fmaxf(amax, block_max[w]);
+    // A block of zeros gets a small positive scale: the attention divides by it.
+    const float scale = fmaxf(amax / E4M3_MAX, 1e-20f), inv = 1.f / scale;
+    const int slot = v8_slot(key % 32), chunk = 2 * (key / 32) + slot / 16;
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 4; i += 2) {
+        unsigned short two;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(x[i + 1] * inv), "f"(x[i] * inv));
+        tile[chunk * V8_CHUNK_BYTES + (d0 + i) * 16 + slot % 16] = (unsigned char)(two & 0xff);
+        tile[chunk * V8_CHUNK_BYTES + (d0 + i + 1) * 16 + slot % 16] = (unsigned char)(two >> 8);
+    }
+    __syncthreads();
+    uint4* dst = (uint4*)(v8 + ((size_t)h * blocks + block) * V8_BLOCK_BYTES);
+#pragma unroll
+    for (int i = 0; i < V8_BLOCK_BYTES / 16 / 256; i++)
+        dst[threadIdx.x + 256 * i] = ((const uint4*)tile)[threadIdx.x + 256 * i];
+    if (threadIdx.x == 0) v_scale[(size_t)h * blocks + block] = scale;
+#else
+    __trap();
+#endif
+}
+
+#if API_BUILT
+// d += A (64 x 32 e4m3, registers: the mma.sync m16n8k32 A fragment of each warp's 16 rows) B (32 x 256 e4m3,
+// shared, K-major without swizzle: 16-slot core matrices 4,096 bytes apart along the keys, 8-dim groups 128 bytes
+// apart): 128 f32.
+#define APW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                  "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void api_m64n256k32_e4m3(float (&d)[128], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+        : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24), APW_D8(32), APW_D8(40), APW_D8(48), APW_D8(56),
+          APW_D8(64), APW_D8(72), APW_D8(80), APW_D8(88), APW_D8(96), APW_D8(104), APW_D8(112), APW_D8(120)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+#undef APW_D8
+// The descriptor of 32 key slots x 256 dims of a value-code block at `addr` (no swizzle: LBO the next 16 slots,
+// SBO the next 8 dims).
+__device__ __forceinline__ u64 api_v8_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(V8_CHUNK_BYTES >> 4) << 16) | ((u64)(128 >> 4) << 32);
+}
+// Four floats as e4m3 in one register, the first in the lowest byte.
+__device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
+    u32 r;
+    asm("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n}"
+        : "=r"(r)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+}
+#endif
+
 #if API_BUILT
 // s = A (64 x 32 codes, shared) B (64 x 32 codes, shared)^T (+ s unless scale_d is 0): 32 s32 a thread, in the
 // f32 accumulators' layout.
@@ -587,6 +703,7 @@ __device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int
 // scores come out in natural units; the softmax scales them by LOG2E as it reads them.
 struct ApwBf16Scores {
     using Acc = float;
+    static constexpr bool V8 = false;  // the values stay bf16
     static constexpr u32 Q_BYTES = APW_Q_BYTES, K_BYTES = APW_KV_BYTES;
     const bf16* q;
     const bf16* k_pool;
@@ -595,6 +712,8 @@ struct ApwBf16Scores {
     __device__ __forceinline__ void bind(const unsigned char*, u32, u32) {}
     // What turns row r's scores into log2 units.
     __device__ __forceinline__ float log2_scale(int) const { return LOG2E; }
+    __device__ __forceinline__ void load_values8(u32, int, int) const {}
+    __device__ __forceinline__ float value_scale(int, int) const { return 1.f; }
     __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
         apw_load_q(q, q_smem, tok0, tokens, kv_head);
     }
@@ -623,12 +742,15 @@ struct ApwBf16Scores {
 // the row's maximum).
 struct ApwI8Scores {
     using Acc = int;
+    static constexpr bool V8 = ATTN_I8_V8;
     static constexpr u32 Q_BYTES = API_Q_BYTES, K_BYTES = API_K_BYTES;
     const i8* q8;
     const float* q_scale;
     const i8* k8;
     const float* k_scale;
     int scale_stride;
+    const u8* v8;  // with V8: the value codes and their scales (attn_prefill_v_codes)
+    const float* v_scale;
     u32 ks_smem;  // three tiles' key scales, after the value tiles
     const float* ks_base;
     float q_log2[2];
@@ -638,6 +760,19 @@ struct ApwI8Scores {
         ks_base = (const float*)(smem_raw + (ks_smem - raw0));
     }
     __device__ __forceinline__ float log2_scale(int r) const { return q_log2[r]; }
+    // The value codes of the key tile from key key0 on (a block of 64 positions) into the V buffer at `buf`.
+    __device__ __forceinline__ void load_values8(u32 buf, int key0, int kv_head) const {
+        const unsigned char* src =
+            v8 + ((size_t)kv_head * (scale_stride / KEY_TILE) + key0 / KEY_TILE) * V8_BLOCK_BYTES;
+#pragma unroll
+        for (int i = 0; i < V8_BLOCK_BYTES / 16 / PF_THREADS; i++) {
+            const int at = 16 * ((int)threadIdx.x + PF_THREADS * i);
+            cp_async_16(buf + at, src + at, 16u);
+        }
+    }
+    __device__ __forceinline__ float value_scale(int key0, int kv_head) const {
+        return V8 ? v_scale[(size_t)kv_head * (scale_stride / KEY_TILE) + key0 / KEY_TILE] : 1.f;
+    }
     __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
         apw_load_q(q8, q_smem, tok0, tokens, kv_head);
     }
@@ -691,6 +826,44 @@ struct ApwI8Scores {
     }
 };
 
+// O += P V of one key tile: P as bf16 A fragments (four k16 steps) over the bf16 value tile as copied, or with V8
+// as e4m3 A fragments (two k32 steps, p[0] and p[1]) over the tile's value codes.
+template <bool V8>
+__device__ __forceinline__ void apw_add_pv(float (&o)[128], const u32 (&p)[KEY_TILE / 16][4], u32 v_tile) {
+    if constexpr (V8) {
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 32; j++)
+            api_m64n256k32_e4m3(o, p[j], api_v8_desc(v_tile + 2 * j * V8_CHUNK_BYTES));
+    } else {
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
+    }
+}
+// P (the accumulators' layout: x[4 n + e] row g, x[4 n + 2 + e] row g + 8, key 8 n + 2 c + e) as A fragments. bf16:
+// keys 16 j .. 16 j + 15 in p[j]. e4m3: keys 32 j .. 32 j + 31 in p[j], bytes in the slot order of v8_slot (p[j][0]
+// row g's keys 2 c, 2 c + 1, 8 + 2 c, 9 + 2 c of the group; p[j][2] the same 16 keys on; [1] and [3] row g + 8).
+template <bool V8>
+__device__ __forceinline__ void apw_pack_p(u32 (&p)[KEY_TILE / 16][4], const float (&x)[32]) {
+    if constexpr (V8) {
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 32; j++) {
+            const float* y = x + 16 * j;
+            p[j][0] = pack_e4m3x4(y[0], y[1], y[4], y[5]);
+            p[j][1] = pack_e4m3x4(y[2], y[3], y[6], y[7]);
+            p[j][2] = pack_e4m3x4(y[8], y[9], y[12], y[13]);
+            p[j][3] = pack_e4m3x4(y[10], y[11], y[14], y[15]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < KEY_TILE / 16; j++) {
+            p[j][0] = pack_bf16x2(x[8 * j], x[8 * j + 1]);
+            p[j][1] = pack_bf16x2(x[8 * j + 2], x[8 * j + 3]);
+            p[j][2] = pack_bf16x2(x[8 * j + 4], x[8 * j + 5]);
+            p[j][3] = pack_bf16x2(x[8 * j + 6], x[8 * j + 7]);
+        }
+    }
+}
+
 // The body of both kernels (grid and ownership as attn_prefill_wgmma's header says), `smem_raw` the kernel's
 // dynamic shared memory.
 template <class Scores>
@@ -729,6 +902,7 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
     for (int i = 0; i < 128; i++) o[i] = 0.f;
     float row_max[2] = {-INF_F, -INF_F};  // log2 units
     float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
+    float o_div[2] = {1.f, 1.f};          // with V8: what O is held divided by
     const u32 q_wg = q_smem + wg * 64 * 128;
     // P of the tile before as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1.
     u32 p[KEY_TILE / 16][4];
@@ -740,8 +914,12 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
         cp_async_wait<1>();  // Q, key tile it and value tile it - 1 (this thread's copies; key tile it + 1 may fly)
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();  // ... everyone's; every warpgroup is done with key tile it - 1 and value tile it - 2
-        apw_load_tile(v_pool, pages, v_smem + (it % 2) * APW_KV_BYTES, it, key_begin, key_end, kv_head);
+        if constexpr (Scores::V8)
+            sc.load_values8(v_smem + (it % 2) * APW_KV_BYTES, key0, kv_head);
+        else
+            apw_load_tile(v_pool, pages, v_smem + (it % 2) * APW_KV_BYTES, it, key_begin, key_end, kv_head);
         cp_async_commit();
+        const float value_scale = sc.value_scale(key0, kv_head);  // with V8: tile it's values' scale
         if (it + 2 < key_tiles) sc.load_keys(k_smem, (it + 2) % 3, it + 2, key_begin, key_end, kv_head);
         cp_async_commit();
 
@@ -754,8 +932,7 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
         wgmma_commit();
         if (it > 0) {
             const u32 v_tile = v_smem + ((it - 1) % 2) * APW_KV_BYTES;
-#pragma unroll
-            for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
+            apw_add_pv<Scores::V8>(o, p, v_tile);
             wgmma_commit();
             wgmma_wait<1>();
         } else {
@@ -786,18 +963,31 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
             const float scale = sc.log2_scale(r);
-            const float new_max = fmaxf(row_max[r], m * scale);
+            const float tile_max = m * scale;
+            const float new_max = fmaxf(row_max[r], tile_max);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
             alpha[r] = exp2_approx(row_max[r] - base);
             row_max[r] = new_max;
+            // With V8 the tile's probabilities are taken against their own maximum (at most 2^16 below the row's)
+            // and scaled so that it is 448, e4m3's largest: P' = P x 448 / 2^(tile max - row max).
+            const float exp_base = Scores::V8 ? fmaxf(tile_max, base - 16.f) - 8.807354922f : base;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < KEY_TILE / 8; n++) {
-                x[4 * n + 2 * r] = exp2_approx(fmaf(x[4 * n + 2 * r], scale, -base));
-                x[4 * n + 2 * r + 1] = exp2_approx(fmaf(x[4 * n + 2 * r + 1], scale, -base));
+                x[4 * n + 2 * r] = exp2_approx(fmaf(x[4 * n + 2 * r], scale, -exp_base));
+                x[4 * n + 2 * r + 1] = exp2_approx(fmaf(x[4 * n + 2 * r + 1], scale, -exp_base));
                 sum += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
             }
-            row_sum[r] = row_sum[r] * alpha[r] + sum;
+            if constexpr (Scores::V8) {
+                // P = P' x to_true; O is held divided by f (to_true x the values' scale, as of the last tile), so
+                // its rescaling before this tile's product is alpha x f_before / f.
+                const float to_true = exp2_approx(exp_base - base), f = to_true * value_scale;
+                row_sum[r] = row_sum[r] * alpha[r] + sum * to_true;
+                alpha[r] = alpha[r] * __fdividef(o_div[r], f);
+                o_div[r] = f;
+            } else {
+                row_sum[r] = row_sum[r] * alpha[r] + sum;
+            }
         }
         // The softmax is done before the wait for O += P V below, so that the two overlap. In straight-line code
         // ptxas hoists that wait above the softmax (to start O's rescaling early), which serializes them; a wait
@@ -815,13 +1005,7 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
                 o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
                 o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
             }
-#pragma unroll
-            for (int j = 0; j < KEY_TILE / 16; j++) {
-                p[j][0] = pack_bf16x2(x[8 * j], x[8 * j + 1]);
-                p[j][1] = pack_bf16x2(x[8 * j + 2], x[8 * j + 3]);
-                p[j][2] = pack_bf16x2(x[8 * j + 4], x[8 * j + 5]);
-                p[j][3] = pack_bf16x2(x[8 * j + 6], x[8 * j + 7]);
-            }
+            apw_pack_p<Scores::V8>(p, x);
         }
     }
     // O += P V of the last tile, once its values have landed for every thread.
@@ -832,11 +1016,17 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
         const u32 v_tile = v_smem + ((key_tiles - 1) % 2) * APW_KV_BYTES;
         wgmma_fence();
         wgmma_hold(o);
-#pragma unroll
-        for (int j = 0; j < KEY_TILE / 16; j++) apw_m64n256k16_rs_t(o, p[j], apw_v_desc(v_tile + 2048 * j));
+        apw_add_pv<Scores::V8>(o, p, v_tile);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(o);
+    }
+    if constexpr (Scores::V8) {
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n++) {
+            o[4 * n] *= o_div[0], o[4 * n + 1] *= o_div[0];
+            o[4 * n + 2] *= o_div[1], o[4 * n + 3] *= o_div[1];
+        }
     }
     attn_prefill_store(o, row_max, row_sum, tok0, tokens, head, g, c, proj, out, part_o, part_ml);
 }
@@ -859,12 +1049,12 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
 // Grid, outputs and per-row ownership as attn_prefill_wgmma; API_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
     attn_prefill_i8(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, int scale_stride,
-                    const bf16* v_pool, const int* pages, const float* proj, int tokens, int start, int chunk,
-                    bf16* out, float* part_o, float* part_ml) {
+                    const u8* v8, const float* v_scale, const bf16* v_pool, const int* pages,
+                    const float* proj, int tokens, int start, int chunk, bf16* out, float* part_o, float* part_ml) {
     wait_previous();
 #if API_BUILT
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    ApwI8Scores scores{q8, q_scale, k8, k_scale, scale_stride};
+    ApwI8Scores scores{q8, q_scale, k8, k_scale, scale_stride, v8, v_scale};
     apw_attention(scores, smem_raw, v_pool, pages, proj, tokens, start, chunk, out, part_o, part_ml);
 #else
     __trap();  // built without it: the host never launches it (attn_prefill_i8_built is 0)

@@ -8,6 +8,7 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef signed char i8;
+typedef unsigned char u8;
 // bf16 as raw bits: NVRTC's own headers are all the kernels rely on, so CI compiles them with NVRTC alone.
 typedef unsigned short bf16;
 #define INF_F __int_as_float(0x7f800000)

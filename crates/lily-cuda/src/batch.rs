@@ -348,7 +348,13 @@ pub fn fit_capacity(
         + (max_seqs + snapshots) * state_per_seq
         + chunk * PREFILL_SCRATCH_PER_TOKEN
         + StepScratch::bytes(c, max_seqs)
-        + crate::prefill_attention::score_codes_context_bytes(c, gpu.compute_capability, chunk, max_context)
+        + crate::prefill_attention::score_codes_context_bytes(
+            c,
+            gpu.compute_capability,
+            chunk,
+            max_context,
+            crate::prefill_attention::values8_requested(),
+        )
         + RESERVE_BYTES;
     let page_bytes = Capacity::kv_bytes_per_page(c);
     let left = free.saturating_sub(fixed) as f64 * fraction.clamp(0.0, 1.0);

@@ -146,11 +146,14 @@ pub(crate) struct ScoreCodes {
     k8: DevBuf<i8>,
     k_scale: DevBuf<f32>,
     scale_stride: usize,
+    /// With ATTN_I8_V8 (else one element each): u8 `[kv heads][scale_stride / 64][16 KiB]` and f32 `[kv
+    /// heads][scale_stride / 64]`, the values as e4m3 codes (see attn_prefill_v_codes).
+    v8: Option<(DevBuf<u8>, DevBuf<f32>)>,
 }
 
 impl ScoreCodes {
     /// Codes for calls of up to `max_tokens` tokens in contexts of up to `positions` positions.
-    fn new(gpu: &Gpu, config: &Config, max_tokens: usize, positions: usize) -> Result<ScoreCodes> {
+    fn new(gpu: &Gpu, config: &Config, max_tokens: usize, positions: usize, values: bool) -> Result<ScoreCodes> {
         let c = config;
         // A key tile reads 64 scales from its first key on: whole tiles past the last position stay in the row.
         let scale_stride = positions.next_multiple_of(KEY_TILE);
@@ -161,8 +164,21 @@ impl ScoreCodes {
             k8: gpu.alloc(positions * c.kv_dim())?,
             k_scale: gpu.alloc_zeroed(c.num_key_value_heads * scale_stride)?,
             scale_stride,
+            v8: match values {
+                true => Some((
+                    gpu.alloc(scale_stride * c.kv_dim())?,
+                    gpu.alloc_zeroed(c.num_key_value_heads * scale_stride / KEY_TILE)?,
+                )),
+                false => None,
+            },
         })
     }
+}
+
+/// Whether the kernel file was built with the values in e4m3 (ATTN_I8_V8), which `attn_prefill_i8` then reads
+/// from codes of their own.
+fn values8(kernels: &Kernels) -> bool {
+    kernels.constant("attn_prefill_i8_v8") == 1
 }
 
 /// When `attn_prefill_i8` takes the scores from 8-bit codes instead of `attn_prefill_wgmma` from bf16.
@@ -206,21 +222,33 @@ impl Int8Scores {
     }
 }
 
+/// Whether `LILY_KERNEL_DEFINES` sets ATTN_I8_V8=1, which the kernels will then be compiled with (their constant
+/// `attn_prefill_i8_v8`), for the memory plan made before they are.
+pub(crate) fn values8_requested() -> bool {
+    crate::kernels::tuning_define("ATTN_I8_V8").is_some_and(|v| v == "1")
+}
+
 /// Device bytes of `ScoreCodes` beside the per-token ones (a key row and a scale for each of `max_context`
-/// positions) that an engine with calls of up to `max_tokens` tokens holds on a GPU of compute capability `cc`
-/// under the kernel file's default gate: none where the kernel is not built (other GPUs than sm_90a) or no call
-/// could pass the gate.
+/// positions, and with `values8` a value row and a scale per KEY_TILE positions) that an engine with calls of up to
+/// `max_tokens` tokens holds on a GPU of compute capability `cc` under the kernel file's default gate: none where
+/// the kernel is not built (other GPUs than sm_90a) or no call could pass the gate.
 pub(crate) fn score_codes_context_bytes(
     config: &Config,
     cc: (i32, i32),
     max_tokens: usize,
     max_context: usize,
+    values8: bool,
 ) -> usize {
     let c = config;
     let max_context = max_context.min(c.max_position_embeddings);
     let built = crate::kernels::Target::for_device(cc).has_sm90a_features();
+    let positions = max_context.next_multiple_of(KEY_TILE);
+    let value_bytes = match values8 {
+        true => positions * c.kv_dim() + positions / KEY_TILE * 4 * c.num_key_value_heads,
+        false => 0,
+    };
     match built && Int8Scores::Long.ever(max_tokens, max_context) {
-        true => max_context.next_multiple_of(KEY_TILE) * (c.kv_dim() + 4 * c.num_key_value_heads),
+        true => positions * (c.kv_dim() + 4 * c.num_key_value_heads) + value_bytes,
         false => 0,
     }
 }
@@ -284,7 +312,7 @@ impl AttentionScratch {
             // The codes only where the kernel can run by default (they hold a key row for every position):
             // `with_score_codes` adds them for the selftest.
             codes: match kernels.constant("attn_prefill_i8_built") == 1 && int8_scores.ever(max_tokens, max_context) {
-                true => Some(ScoreCodes::new(gpu, c, max_tokens, max_context)?),
+                true => Some(ScoreCodes::new(gpu, c, max_tokens, max_context, values8(kernels))?),
                 false => None,
             },
             int8_scores: std::cell::Cell::new(int8_scores),
@@ -300,7 +328,13 @@ impl AttentionScratch {
     /// The same scratch with the codes of `attn_prefill_i8` where the build has it, whatever its default.
     pub(crate) fn with_score_codes(mut self, gpu: &Gpu, kernels: &Kernels, config: &Config) -> Result<Self> {
         if self.codes.is_none() && kernels.constant("attn_prefill_i8_built") == 1 {
-            self.codes = Some(ScoreCodes::new(gpu, config, self.max_tokens, self.max_context)?);
+            self.codes = Some(ScoreCodes::new(
+                gpu,
+                config,
+                self.max_tokens,
+                self.max_context,
+                values8(kernels),
+            )?);
         }
         Ok(self)
     }
@@ -393,6 +427,23 @@ impl AttentionScratch {
                     codes.k8.ptr(),
                     codes.k_scale.ptr(),
                 )?;
+                let (v8, v_scale) = match &codes.v8 {
+                    Some((v8, v_scale)) => {
+                        let positions = start + t;
+                        attention_prefill::attn_prefill_v_codes(
+                            l,
+                            Dims::new((positions.div_ceil(KEY_TILE) as u32, kv_heads as u32, 1), 256),
+                            v_pool,
+                            pages,
+                            positions as i32,
+                            codes.scale_stride as i32,
+                            v8.ptr(),
+                            v_scale.ptr(),
+                        )?;
+                        (v8.ptr(), v_scale.ptr())
+                    }
+                    None => (DevPtr::NULL, DevPtr::NULL),
+                };
                 attention_prefill::attn_prefill_i8(
                     l,
                     Dims::new(grid, block).shared(l.kernels.constant("attn_prefill_i8_smem") as u32),
@@ -401,6 +452,8 @@ impl AttentionScratch {
                     codes.k8.ptr(),
                     codes.k_scale.ptr(),
                     codes.scale_stride as i32,
+                    v8,
+                    v_scale,
                     v_pool,
                     pages,
                     proj,
@@ -480,11 +533,19 @@ mod tests {
     fn the_memory_plan_counts_the_codes_where_they_are_allocated() {
         let c = Config::full_shape();
         // 32,768 positions a key row of 512 bytes and two 4-byte scales.
-        assert_eq!(score_codes_context_bytes(&c, (9, 0), 16_384, 32_768), 32_768 * 520);
+        assert_eq!(
+            score_codes_context_bytes(&c, (9, 0), 16_384, 32_768, false),
+            32_768 * 520
+        );
+        // With the values in e4m3, also a value row of 512 bytes a position and two scales a block of 64.
+        let values8 = 32_768 * 1032 + 512 * 8;
+        assert_eq!(score_codes_context_bytes(&c, (9, 0), 16_384, 32_768, true), values8);
         // Another GPU has no int8 kernel; a context or a chunk too small never passes the gate.
-        assert_eq!(score_codes_context_bytes(&c, (8, 9), 16_384, 32_768), 0);
-        assert_eq!(score_codes_context_bytes(&c, (9, 0), 4096, 4096), 0);
-        assert_eq!(score_codes_context_bytes(&c, (9, 0), 2048, 262_144), 0);
+        for values8 in [false, true] {
+            assert_eq!(score_codes_context_bytes(&c, (8, 9), 16_384, 32_768, values8), 0);
+            assert_eq!(score_codes_context_bytes(&c, (9, 0), 4096, 4096, values8), 0);
+            assert_eq!(score_codes_context_bytes(&c, (9, 0), 2048, 262_144, values8), 0);
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "attn_prefill_i8_built",
         "attn_prefill_i8_default",
         "attn_prefill_i8_smem",
+        "attn_prefill_i8_v8",
     ],
 };
 
@@ -91,6 +92,16 @@ launchers! {
         k8: DevPtr<i8>,
         k_scale: DevPtr<f32>,
     );
+    /// With ATTN_I8_V8: the values of positions `0 .. positions` as e4m3 codes, transposed per block of 64
+    /// positions, and one scale per (KV head, block), for `attn_prefill_i8`.
+    attn_prefill_v_codes(
+        v_pool: DevPtr<bf16>,
+        pages: DevPtr<i32>,
+        positions: i32,
+        scale_stride: i32,
+        v8: DevPtr<u8>,
+        v_scale: DevPtr<f32>,
+    );
     /// `attn_prefill_wgmma` with the scores from the 8-bit codes on the integer tensor cores (sm_90a builds):
     /// the same grid and outputs, `attn_prefill_i8_smem` bytes of shared memory a block.
     attn_prefill_i8(
@@ -99,6 +110,8 @@ launchers! {
         k8: DevPtr<i8>,
         k_scale: DevPtr<f32>,
         scale_stride: i32,
+        v8: DevPtr<u8>,
+        v_scale: DevPtr<f32>,
         v_pool: DevPtr<bf16>,
         pages: DevPtr<i32>,
         proj: DevPtr<f32>,

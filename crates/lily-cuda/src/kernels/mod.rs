@@ -158,6 +158,17 @@ fn tuning_defines() -> Vec<String> {
         .collect()
 }
 
+/// The value `LILY_KERNEL_DEFINES` gives `name`, if it names it: for host plans that must agree with a kernel
+/// constant before the kernels are compiled (the memory plan).
+pub(crate) fn tuning_define(name: &str) -> Option<String> {
+    tuning_defines().iter().find_map(|d| {
+        d.strip_prefix("-D")?
+            .strip_prefix(name)?
+            .strip_prefix('=')
+            .map(str::to_string)
+    })
+}
+
 fn full_source(file_source: &str) -> String {
     format!("{COMMON}\n{file_source}")
 }
@@ -613,6 +624,15 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 2, "only {checked} files use warpgroup MMAs");
+        // The attention's e4m3 values are a build switch (ATTN_I8_V8) that the default build does not compile.
+        let file = FILES
+            .iter()
+            .find(|f| f.name == "attention_prefill.cu")
+            .expect("the attention's file");
+        opts.push("-DATTN_I8_V8=1".into());
+        let (_, log) = compile(file.name, file.source, &opts, true).unwrap_or_else(|e| panic!("{e}"));
+        let serialized: Vec<&str> = log.lines().filter(|l| l.contains("C7514")).collect();
+        assert!(serialized.is_empty(), "ATTN_I8_V8=1: {}", serialized.join("\n"));
     }
 
     /// nvdisasm from `NVDISASM` or the PATH (scripts/python_env.sh puts the pip package's on it), if there is one.

@@ -109,6 +109,9 @@ impl DeviceType for f32 {
 impl DeviceType for i8 {
     const C_NAME: &'static str = "i8";
 }
+impl DeviceType for u8 {
+    const C_NAME: &'static str = "u8";
+}
 impl DeviceType for i32 {
     const C_NAME: &'static str = "int";
 }

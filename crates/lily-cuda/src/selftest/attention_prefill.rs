@@ -168,9 +168,9 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
         );
 
         // CPU twin of the attention over the K/V the GPU reads (its bf16 cache), with the gate.
-        let gated = |q: &[f32], k: &[f32]| -> Vec<f32> {
+        let gated = |q: &[f32], k: &[f32], v: &[f32]| -> Vec<f32> {
             let mut out = vec![0.0f32; t * q_dim];
-            attend(q, k, &v_gpu, start, heads, kv_heads, hd, &mut out);
+            attend(q, k, v, start, heads, kv_heads, hd, &mut out);
             for i in 0..t {
                 for h in 0..heads {
                     let gate = &proj[i * row + h * 2 * hd + hd..i * row + (h + 1) * 2 * hd];
@@ -181,7 +181,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             }
             out
         };
-        let expected = gated(&q, &k_gpu);
+        let expected = gated(&q, &k_gpu, &v_gpu);
         let split = key_split(t, start, kv_heads, gpu.sm_count);
         let name = format!(
             "{} t={t} start={start} ({} key chunk(s)): gated output",
@@ -197,11 +197,19 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             // Against the twin of the codes, the bf16 P and output roundings remain (as below); against the exact
             // scores, the codes' error too: a score moves by ~1e-2 at these unit-variance rows, so the output
             // moves by ~1e-2 of its largest value where few keys weigh.
-            report.check(&name, rel_err(&got, &gated(&q_codes, &k_codes)), 1e-2);
+            // With the values in e4m3 (ATTN_I8_V8) the twin takes them as the kernel does; P's e4m3 rounding (at
+            // most 2^-4 of each probability) remains, which where one key weighs most moves the output by up to
+            // that share of its largest value.
+            let values8 = kernels.constant("attn_prefill_i8_v8") == 1;
+            let (v_twin, tolerance, exact_tolerance) = match values8 {
+                true => (value_codes(&v_gpu, len, kv_heads, hd), 6e-2, 1e-1),
+                false => (v_gpu.clone(), 1e-2, 5e-2),
+            };
+            report.check(&name, rel_err(&got, &gated(&q_codes, &k_codes, &v_twin)), tolerance);
             report.check(
                 &format!("{} t={t} start={start}: against exact scores", kernel.name()),
                 rel_err(&got, &expected),
-                5e-2,
+                exact_tolerance,
             );
         } else {
             // The GPU rounds q and P to bf16 (each <= 2^-8 relative; over many keys the P errors average out) and
@@ -241,6 +249,30 @@ fn coded(row: &[f32]) -> Vec<f32> {
     row.iter()
         .map(|x| (x * inv).round_ties_even().clamp(-127.0, 127.0) * scale)
         .collect()
+}
+
+/// The twin of `attn_prefill_v_codes`: each (KV head, block of 64 positions) of the values as e4m3 with the block's
+/// largest magnitude at 448.
+fn value_codes(v: &[f32], len: usize, kv_heads: usize, hd: usize) -> Vec<f32> {
+    let kv_dim = kv_heads * hd;
+    let mut out = v[..len * kv_dim].to_vec();
+    for h in 0..kv_heads {
+        for block in (0..len).step_by(64) {
+            let rows = block..(block + 64).min(len);
+            let at = |p: usize| p * kv_dim + h * hd..p * kv_dim + (h + 1) * hd;
+            let amax = rows
+                .clone()
+                .flat_map(|p| out[at(p)].to_vec())
+                .fold(0.0f32, |m, x| m.max(x.abs()));
+            let scale = (amax / 448.0).max(1e-20);
+            for p in rows {
+                out[at(p)]
+                    .iter_mut()
+                    .for_each(|x| *x = lily_model::cpu::numerics::e4m3(*x / scale) * scale);
+            }
+        }
+    }
+    out
 }
 
 /// The CPU twin of `attn_prefill_key_mean` and `attn_prefill_codes`: the queries `q` (`[t][heads][hd]`) and the
@@ -321,11 +353,17 @@ pub(crate) fn check_default_gate(weights: &Weights, seed: u64, report: &mut Repo
             .map(|(int8, bf16)| rel_err(int8, bf16))
             .fold(0.0f64, f64::max);
         // The trained model's tolerance for two roundings of one prompt (as compare_prefill's): where a token's
-        // top-8 routing is a near-tie, the two may choose different experts for it.
+        // top-8 routing is a near-tie, the two may choose different experts for it. The values in e4m3
+        // (ATTN_I8_V8) round every probability and value to 2^-4 of itself, which moves this prompt's logits by
+        // about the whole of that tolerance (bench/RESULTS.md): their build is held to 1e-1.
+        let tolerance = match gpu.model.kernels.constant("attn_prefill_i8_v8") {
+            1 => 1e-1,
+            _ => 6e-2,
+        };
         report.check(
             &format!("default gate, prompt of {PROMPT} in calls of {chunk}, 4 steps vs bf16 scores"),
             worst,
-            6e-2,
+            tolerance,
         );
     }
     gpu.model.prefill.attn.int8_scores.set(default);
