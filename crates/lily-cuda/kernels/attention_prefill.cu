@@ -357,8 +357,21 @@ __device__ __forceinline__ u32 apw_at(int r, int c) {
 
 #if APW_BUILT
 // s = A (64 x 16, shared) B (64 x 16, shared)^T (+ s unless scale_d is 0): 32 f32 a thread.
+// The accumulators of the warpgroup MMAs below as asm operands: APW_D8(i) binds d[i .. i + 7]; APW_O128 binds the
+// 128 of an m64n256 product, which its asm names APW_O128_REGS.
 #define APW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                   "+f"(d[i + 6]), "+f"(d[i + 7])
+#define APW_O128 APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24), APW_D8(32), APW_D8(40), APW_D8(48), APW_D8(56), \
+                 APW_D8(64), APW_D8(72), APW_D8(80), APW_D8(88), APW_D8(96), APW_D8(104), APW_D8(112), APW_D8(120)
+#define APW_O128_REGS                                                                 \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                           \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                 \
+    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                 \
+    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"                 \
+    "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"                 \
+    "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"                 \
+    "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"     \
+    "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
 __device__ __forceinline__ void apw_m64n64k16(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -375,20 +388,11 @@ __device__ __forceinline__ void apw_m64n256k16_rs_t(float (&d)[128], const u32 (
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        APW_O128_REGS
         "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-        : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24), APW_D8(32), APW_D8(40), APW_D8(48), APW_D8(56),
-          APW_D8(64), APW_D8(72), APW_D8(80), APW_D8(88), APW_D8(96), APW_D8(104), APW_D8(112), APW_D8(120)
+        : APW_O128
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
-#undef APW_D8
 
 // The descriptor of 16 keys x 256 dims of a value tile at `addr` (rows of keys, 64 dims a 128-byte swizzled row, the
 // four 64-dim blocks KEY_TILE rows apart) as wgmma's MN-major B: 64 dims a row, the next 64 dims 8 KiB on (LBO), the
@@ -601,26 +605,15 @@ extern "C" __global__ void __launch_bounds__(256)
 // d += A (64 x 32 e4m3, registers: the mma.sync m16n8k32 A fragment of each warp's 16 rows) B (32 x 256 e4m3,
 // shared, K-major without swizzle: 16-slot core matrices 4,096 bytes apart along the keys, 8-dim groups 128 bytes
 // apart): 128 f32.
-#define APW_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                  "+f"(d[i + 6]), "+f"(d[i + 7])
 __device__ __forceinline__ void api_m64n256k32_e4m3(float (&d)[128], const u32 (&a)[4], u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        APW_O128_REGS
         "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
-        : APW_D8(0), APW_D8(8), APW_D8(16), APW_D8(24), APW_D8(32), APW_D8(40), APW_D8(48), APW_D8(56),
-          APW_D8(64), APW_D8(72), APW_D8(80), APW_D8(88), APW_D8(96), APW_D8(104), APW_D8(112), APW_D8(120)
+        : APW_O128
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
-#undef APW_D8
 // The descriptor of 32 key slots x 256 dims of a value-code block at `addr` (no swizzle: LBO the next 16 slots,
 // SBO the next 8 dims).
 __device__ __forceinline__ u64 api_v8_desc(u32 addr) {
