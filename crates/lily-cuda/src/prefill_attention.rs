@@ -146,8 +146,8 @@ pub(crate) struct ScoreCodes {
     k8: DevBuf<i8>,
     k_scale: DevBuf<f32>,
     scale_stride: usize,
-    /// With ATTN_I8_V8 (else one element each): u8 `[kv heads][scale_stride / 64][16 KiB]` and f32 `[kv
-    /// heads][scale_stride / 64]`, the values as e4m3 codes (see attn_prefill_v_codes).
+    /// Where the build has ATTN_I8_V8: u8 `[kv heads][scale_stride / 64][16 KiB]` and f32 `[kv heads][scale_stride
+    /// / 64]`, the values as e4m3 codes and their scales (see attn_prefill_v_codes).
     v8: Option<(DevBuf<u8>, DevBuf<f32>)>,
 }
 
