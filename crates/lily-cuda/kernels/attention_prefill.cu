@@ -550,6 +550,15 @@ __device__ __forceinline__ int v8_slot(int key32) {
     return 16 * half + 4 * c + 2 * m + e;
 }
 
+#if API_BUILT  // e4m3 conversions need sm_89 on
+// Two floats as e4m3 (rounded to nearest, saturating), the first in the low byte.
+__device__ __forceinline__ unsigned short e4m3x2(float first, float second) {
+    unsigned short two;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(second), "f"(first));
+    return two;
+}
+#endif
+
 // Grid (blocks of 64 positions, N_KV_HEADS) x 256 threads: the values of positions 0 .. positions - 1 as e4m3
 // codes and one scale per (KV head, block) into v8 and v_scale ([kv head][scale_stride / 64]); positions past the
 // end of the last block read as zero.
@@ -585,8 +594,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int slot = v8_slot(key % 32), chunk = 2 * (key / 32) + slot / 16;
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 4; i += 2) {
-        unsigned short two;
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(x[i + 1] * inv), "f"(x[i] * inv));
+        const unsigned short two = e4m3x2(x[i] * inv, x[i + 1] * inv);
         tile[chunk * V8_CHUNK_BYTES + (d0 + i) * 16 + slot % 16] = (unsigned char)(two & 0xff);
         tile[chunk * V8_CHUNK_BYTES + (d0 + i + 1) * 16 + slot % 16] = (unsigned char)(two >> 8);
     }
@@ -621,12 +629,7 @@ __device__ __forceinline__ u64 api_v8_desc(u32 addr) {
 }
 // Four floats as e4m3 in one register, the first in the lowest byte.
 __device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
-    u32 r;
-    asm("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-        "mov.b32 %0, {lo, hi};\n}"
-        : "=r"(r)
-        : "f"(a), "f"(b), "f"(c), "f"(d));
-    return r;
+    return (u32)e4m3x2(a, b) | ((u32)e4m3x2(c, d) << 16);
 }
 #endif
 
@@ -705,7 +708,6 @@ struct ApwBf16Scores {
     __device__ __forceinline__ void bind(const unsigned char*, u32, u32) {}
     // What turns row r's scores into log2 units.
     __device__ __forceinline__ float log2_scale(int) const { return LOG2E; }
-    __device__ __forceinline__ void load_values8(u32, int, int) const {}
     __device__ __forceinline__ float value_scale(int, int) const { return 1.f; }
     __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
         apw_load_q(q, q_smem, tok0, tokens, kv_head);
@@ -753,10 +755,13 @@ struct ApwI8Scores {
         ks_base = (const float*)(smem_raw + (ks_smem - raw0));
     }
     __device__ __forceinline__ float log2_scale(int r) const { return q_log2[r]; }
+    // With V8: the index of the value codes' block (and scale) of KV head kv_head from key key0 on.
+    __device__ __forceinline__ size_t value_block(int key0, int kv_head) const {
+        return (size_t)kv_head * (scale_stride / KEY_TILE) + key0 / KEY_TILE;
+    }
     // The value codes of the key tile from key key0 on (a block of 64 positions) into the V buffer at `buf`.
     __device__ __forceinline__ void load_values8(u32 buf, int key0, int kv_head) const {
-        const unsigned char* src =
-            v8 + ((size_t)kv_head * (scale_stride / KEY_TILE) + key0 / KEY_TILE) * V8_BLOCK_BYTES;
+        const unsigned char* src = v8 + value_block(key0, kv_head) * V8_BLOCK_BYTES;
 #pragma unroll
         for (int i = 0; i < V8_BLOCK_BYTES / 16 / PF_THREADS; i++) {
             const int at = 16 * ((int)threadIdx.x + PF_THREADS * i);
@@ -764,7 +769,7 @@ struct ApwI8Scores {
         }
     }
     __device__ __forceinline__ float value_scale(int key0, int kv_head) const {
-        return V8 ? v_scale[(size_t)kv_head * (scale_stride / KEY_TILE) + key0 / KEY_TILE] : 1.f;
+        return V8 ? v_scale[value_block(key0, kv_head)] : 1.f;
     }
     __device__ __forceinline__ void load_q(u32 q_smem, int tok0, int tokens, int kv_head) const {
         apw_load_q(q8, q_smem, tok0, tokens, kv_head);
