@@ -177,7 +177,7 @@ impl ScoreCodes {
 
 /// Whether the kernel file was built with the values in e4m3 (ATTN_I8_V8), which `attn_prefill_i8` then reads
 /// from codes of their own.
-fn values8(kernels: &Kernels) -> bool {
+pub(crate) fn values8(kernels: &Kernels) -> bool {
     kernels.constant("attn_prefill_i8_v8") == 1
 }
 

@@ -15,7 +15,7 @@ use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::model::{CudaBackend, CudaModel};
 use crate::pages::{pages_for, KV_PAGE};
-use crate::prefill_attention::{key_split, AttentionScratch, Int8Scores};
+use crate::prefill_attention::{key_split, values8, AttentionScratch, Int8Scores};
 use crate::weights::{GpuAttention, GpuMatrix, Source};
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
@@ -200,8 +200,7 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             // With the values in e4m3 (ATTN_I8_V8) the twin takes them as the kernel does; P's e4m3 rounding (at
             // most 2^-4 of each probability) remains, which where one key weighs most moves the output by up to
             // that share of its largest value.
-            let values8 = kernels.constant("attn_prefill_i8_v8") == 1;
-            let (v_twin, tolerance, exact_tolerance) = match values8 {
+            let (v_twin, tolerance, exact_tolerance) = match values8(kernels) {
                 true => (value_codes(&v_gpu, len, kv_heads, hd), 6e-2, 1e-1),
                 false => (v_gpu.clone(), 1e-2, 5e-2),
             };
@@ -356,9 +355,9 @@ pub(crate) fn check_default_gate(weights: &Weights, seed: u64, report: &mut Repo
         // top-8 routing is a near-tie, the two may choose different experts for it. The values in e4m3
         // (ATTN_I8_V8) round every probability and value to 2^-4 of itself, which moves this prompt's logits by
         // about the whole of that tolerance (bench/RESULTS.md): their build is held to 1e-1.
-        let tolerance = match gpu.model.kernels.constant("attn_prefill_i8_v8") {
-            1 => 1e-1,
-            _ => 6e-2,
+        let tolerance = match values8(&gpu.model.kernels) {
+            true => 1e-1,
+            false => 6e-2,
         };
         report.check(
             &format!("default gate, prompt of {PROMPT} in calls of {chunk}, 4 steps vs bf16 scores"),
