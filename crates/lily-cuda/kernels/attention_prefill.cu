@@ -695,11 +695,22 @@ __device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int
     }
 }
 
+// ATTN_LAZY, a mask: the int8 kernel with bf16 values (bit 0) and the bf16 kernel (bit 1) keep a row's maximum until
+// a tile's exceeds it by more than ATTN_RESCALE_SLACK (log2 units), and rescale O only in a warp where one moved.
+// With e4m3 values O is rescaled every tile (each tile has its own scales), so they never take it.
+#ifndef ATTN_LAZY
+#define ATTN_LAZY 0
+#endif
+#ifndef ATTN_RESCALE_SLACK
+#define ATTN_RESCALE_SLACK 8.f
+#endif
+
 // S on bf16 operands: Q (16 chunks a thread) and the key tiles as copied, sixteen k16 steps over the 256 dims. The
 // scores come out in natural units; the softmax scales them by LOG2E as it reads them.
 struct ApwBf16Scores {
     using Acc = float;
     static constexpr bool V8 = false;  // the values stay bf16
+    static constexpr bool LAZY = (ATTN_LAZY & 2) != 0;
     static constexpr u32 Q_BYTES = APW_Q_BYTES, K_BYTES = APW_KV_BYTES;
     const bf16* q;
     const bf16* k_pool;
@@ -738,6 +749,7 @@ struct ApwBf16Scores {
 struct ApwI8Scores {
     using Acc = int;
     static constexpr bool V8 = ATTN_I8_V8;
+    static constexpr bool LAZY = !V8 && (ATTN_LAZY & 1) != 0;
     static constexpr u32 Q_BYTES = API_Q_BYTES, K_BYTES = API_K_BYTES;
     const i8* q8;
     const float* q_scale;
@@ -962,7 +974,11 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
             const float scale = sc.log2_scale(r);
             const float tile_max = m * scale;
-            const float new_max = fmaxf(row_max[r], tile_max);
+            // Lazily (bf16 values): the row keeps its maximum unless the tile's exceeds it by more than
+            // ATTN_RESCALE_SLACK, so most tiles leave O as it is; probabilities then reach 2^SLACK, which bf16 and
+            // the f32 sums hold.
+            const float new_max = Scores::LAZY ? (tile_max > row_max[r] + ATTN_RESCALE_SLACK ? tile_max : row_max[r])
+                                                     : fmaxf(row_max[r], tile_max);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
             alpha[r] = exp2_approx(row_max[r] - base);
             row_max[r] = new_max;
@@ -998,10 +1014,13 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             wgmma_wait<0>();
             wgmma_hold(o);
             apw_hold(p);
+            // Lazily, only a warp one of whose rows moved its maximum rescales (a vote keeps the branch uniform).
+            if (!Scores::LAZY || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; n++) {
-                o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
-                o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+                for (int n = 0; n < HEAD_DIM / 8; n++) {
+                    o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
+                    o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+                }
             }
             apw_pack_p<Scores::V8>(p, x);
         }
