@@ -695,11 +695,14 @@ __device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int
     }
 }
 
-// ATTN_LAZY, a mask: the int8 kernel with bf16 values (bit 0) and the bf16 kernel (bit 1) keep a row's maximum until
-// a tile's exceeds it by more than ATTN_RESCALE_SLACK (log2 units), and rescale O only in a warp where one moved.
-// With e4m3 values O is rescaled every tile (each tile has its own scales), so they never take it.
+// Lazy maxima. ATTN_LAZY is a mask: the int8 kernel with bf16 values (bit 0) and the bf16 kernel (bit 1) keep a
+// row's maximum until a tile's exceeds it by more than ATTN_RESCALE_SLACK (log2 units), and a warp rescales O only
+// when one of its rows moved. Every other tile then goes from the softmax's last exponential to its O += P V without
+// 128 multiplications a thread, which lie on the path between two tiles' products now that the softmax overlaps the
+// product before. The probabilities reach 2^SLACK, which bf16 and the f32 sums hold. With e4m3 values O is
+// rescaled every tile (each tile has its own scales), so they never take it. 0 rescales every tile.
 #ifndef ATTN_LAZY
-#define ATTN_LAZY 0
+#define ATTN_LAZY 3
 #endif
 #ifndef ATTN_RESCALE_SLACK
 #define ATTN_RESCALE_SLACK 8.f
@@ -974,9 +977,7 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
             const float scale = sc.log2_scale(r);
             const float tile_max = m * scale;
-            // Lazily (bf16 values): the row keeps its maximum unless the tile's exceeds it by more than
-            // ATTN_RESCALE_SLACK, so most tiles leave O as it is; probabilities then reach 2^SLACK, which bf16 and
-            // the f32 sums hold.
+            // Lazily (ATTN_LAZY): the row keeps its maximum unless the tile's exceeds it by more than the slack.
             const float new_max = Scores::LAZY ? (tile_max > row_max[r] + ATTN_RESCALE_SLACK ? tile_max : row_max[r])
                                                      : fmaxf(row_max[r], tile_max);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys

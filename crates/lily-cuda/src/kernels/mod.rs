@@ -625,15 +625,19 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 2, "only {checked} files use warpgroup MMAs");
-        // The attention's e4m3 values are a build switch (ATTN_I8_V8) that the default build does not compile.
+        // The attention's build switches that the default build does not compile: its e4m3 values (ATTN_I8_V8)
+        // and O rescaled every key tile (ATTN_LAZY=0).
         let file = FILES
             .iter()
             .find(|f| f.name == "attention_prefill.cu")
             .expect("the attention's file");
-        opts.push("-DATTN_I8_V8=1".into());
-        let (_, log) = compile(file.name, file.source, &opts, true).unwrap_or_else(|e| panic!("{e}"));
-        let waits = added_waits(&log);
-        assert!(waits.is_empty(), "ATTN_I8_V8=1: {}", waits.join("\n"));
+        for switch in ["ATTN_I8_V8=1", "ATTN_LAZY=0"] {
+            let mut opts = opts.clone();
+            opts.push(format!("-D{switch}"));
+            let (_, log) = compile(file.name, file.source, &opts, true).unwrap_or_else(|e| panic!("{e}"));
+            let waits = added_waits(&log);
+            assert!(waits.is_empty(), "{switch}: {}", waits.join("\n"));
+        }
     }
 
     /// The lines of ptxas's report `log` that say it serialized a kernel's warpgroup MMAs or added a wait for one.
