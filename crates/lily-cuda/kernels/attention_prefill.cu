@@ -978,8 +978,8 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             const float scale = sc.log2_scale(r);
             const float tile_max = m * scale;
             // Lazily (ATTN_LAZY): the row keeps its maximum unless the tile's exceeds it by more than the slack.
-            const float new_max = Scores::LAZY ? (tile_max > row_max[r] + ATTN_RESCALE_SLACK ? tile_max : row_max[r])
-                                                     : fmaxf(row_max[r], tile_max);
+            const float moved = tile_max > row_max[r] + ATTN_RESCALE_SLACK ? tile_max : row_max[r];
+            const float new_max = Scores::LAZY ? moved : fmaxf(row_max[r], tile_max);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
             alpha[r] = exp2_approx(row_max[r] - base);
             row_max[r] = new_max;
