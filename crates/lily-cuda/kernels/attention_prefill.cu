@@ -539,7 +539,8 @@ extern "C" __global__ void __launch_bounds__(256)
 #ifndef ATTN_I8_V8
 #define ATTN_I8_V8 0
 #endif
-__device__ int attn_prefill_i8_v8 = ATTN_I8_V8;
+// Any value but 0 switches it on; the host reads 1 then (it sizes and passes the codes' buffers by this).
+__device__ int attn_prefill_i8_v8 = ATTN_I8_V8 != 0;
 #define V8_BLOCK_BYTES (KEY_TILE * HEAD_DIM)     // 16 KiB
 #define V8_CHUNK_BYTES (16 * HEAD_DIM)           // 4 KiB: 16 key slots of every dim
 #define E4M3_MAX 448.f
@@ -751,7 +752,7 @@ struct ApwBf16Scores {
 // the row's maximum).
 struct ApwI8Scores {
     using Acc = int;
-    static constexpr bool V8 = ATTN_I8_V8;
+    static constexpr bool V8 = ATTN_I8_V8 != 0;
     static constexpr bool LAZY = !V8 && (ATTN_LAZY & 1) != 0;
     static constexpr u32 Q_BYTES = API_Q_BYTES, K_BYTES = API_K_BYTES;
     const i8* q8;

@@ -222,10 +222,10 @@ impl Int8Scores {
     }
 }
 
-/// Whether `LILY_KERNEL_DEFINES` sets ATTN_I8_V8=1, which the kernels will then be compiled with (their constant
-/// `attn_prefill_i8_v8`), for the memory plan made before they are.
+/// Whether `LILY_KERNEL_DEFINES` switches ATTN_I8_V8 on (any integer but 0, as the kernels read it: their constant
+/// `attn_prefill_i8_v8`), for the memory plan made before they are compiled.
 pub(crate) fn values8_requested() -> bool {
-    crate::kernels::tuning_define("ATTN_I8_V8").is_some_and(|v| v == "1")
+    crate::kernels::tuning_define("ATTN_I8_V8").is_some_and(|v| v.trim().parse::<i64>().is_ok_and(|n| n != 0))
 }
 
 /// Device bytes of `ScoreCodes` beside the per-token ones (a key row and a scale for each of `max_context`
