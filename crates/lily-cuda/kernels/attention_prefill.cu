@@ -449,10 +449,12 @@ __device__ int attn_prefill_i8_default = ATTN_PREFILL_I8;
 __device__ int attn_prefill_i8_smem = API_SMEM;
 
 // Grid N_KV_HEADS blocks of 256 threads: mean[kv_head][HEAD_DIM] over the keys at positions (j * len) / n, j < n =
-// min(len, MEAN_SAMPLES), len = start + tokens; warp w sums samples w, w + 8, ..., a lane 8 dims.
+// min(len, MEAN_SAMPLES), len = start + tokens; warp w sums samples w, w + 8, ..., a lane 8 dims. Where v_max is not
+// null it also clears the KV head's largest value magnitude, which attn_prefill_v_max then raises.
 extern "C" __global__ void __launch_bounds__(256)
-    attn_prefill_key_mean(const bf16* k_pool, const int* pages, int tokens, int start, float* mean) {
+    attn_prefill_key_mean(const bf16* k_pool, const int* pages, int tokens, int start, float* mean, float* v_max) {
     wait_previous();
+    if (v_max && threadIdx.x == 0) v_max[blockIdx.x] = 0.f;
     __shared__ float partial[8][HEAD_DIM];
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, h = blockIdx.x;
     const int len = start + tokens, n = min(len, MEAN_SAMPLES);
@@ -541,6 +543,18 @@ extern "C" __global__ void __launch_bounds__(256)
 #endif
 // Any value but 0 switches it on; the host reads 1 then (it sizes and passes the codes' buffers by this).
 __device__ int attn_prefill_i8_v8 = ATTN_I8_V8 != 0;
+// With ATTN_I8_V8 the scales are fixed along a row rather than per key tile (ATTN_I8_V8_ROW, default 1): the values
+// have one scale per KV head (attn_prefill_v_max finds the head's largest magnitude before attn_prefill_v_codes codes
+// them), and P' = 448 x 2^(s - the row's running maximum) (x the tile's value scale / the largest the block reads,
+// which is 1 when every tile has the head's scale). Then P' V' is in the same units on every tile and O is rescaled
+// only where a row's maximum moves (the lazy maxima with no slack), which makes the kernel 6% faster than with a
+// scale per key tile. On the bundled model the row-fixed scales are as accurate as per-tile ones (bench/RESULTS.md).
+// ATTN_I8_V8_ROW=0 keeps a scale per (KV head, block of 64 positions) and the probabilities against each tile's
+// maximum, with O rescaled on every tile.
+#ifndef ATTN_I8_V8_ROW
+#define ATTN_I8_V8_ROW 1
+#endif
+__device__ int attn_prefill_i8_v8_row = ATTN_I8_V8 != 0 && ATTN_I8_V8_ROW != 0;
 #define V8_BLOCK_BYTES (KEY_TILE * HEAD_DIM)     // 16 KiB
 #define V8_CHUNK_BYTES (16 * HEAD_DIM)           // 4 KiB: 16 key slots of every dim
 #define E4M3_MAX 448.f
@@ -560,24 +574,17 @@ __device__ __forceinline__ unsigned short e4m3x2(float first, float second) {
 }
 #endif
 
-// Grid (blocks of 64 positions, N_KV_HEADS) x 256 threads: the values of positions 0 .. positions - 1 as e4m3
-// codes and one scale per (KV head, block) into v8 and v_scale ([kv head][scale_stride / 64]); positions past the
-// end of the last block read as zero.
-extern "C" __global__ void __launch_bounds__(256)
-    attn_prefill_v_codes(const bf16* v_pool, const int* pages, int positions, int scale_stride, u8* v8,
-                         float* v_scale) {
-    wait_previous();
-#if API_BUILT  // e4m3 conversions need sm_89 on; the host launches it only where attn_prefill_i8 is built
-    __shared__ __align__(16) unsigned char tile[V8_BLOCK_BYTES];
+// Thread i of 256 loads key slot i / 4's 64 dims from (i % 4) * 64 of the values of block blockIdx.x of KV head
+// blockIdx.y into x (zero past `positions`) and returns the block's largest magnitude.
+__device__ __forceinline__ float v_block_load(const bf16* v_pool, const int* pages, int positions,
+                                              float (&x)[HEAD_DIM / 4]) {
     __shared__ float block_max[256 / WARP];
-    const int block = blockIdx.x, h = blockIdx.y, blocks = scale_stride / KEY_TILE;
     const int key = threadIdx.x / 4, d0 = (threadIdx.x % 4) * (HEAD_DIM / 4);  // 64 dims a thread
-    const int position = block * KEY_TILE + key;
-    float x[HEAD_DIM / 4];
+    const int position = blockIdx.x * KEY_TILE + key;
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 4; i += 8) {
         float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (position < positions) load8_bf16(v_pool + kv_offset(pages, position) + h * HEAD_DIM + d0 + i, v);
+        if (position < positions) load8_bf16(v_pool + kv_offset(pages, position) + blockIdx.y * HEAD_DIM + d0 + i, v);
 #pragma unroll
         for (int j = 0; j < 8; j++) x[i + j] = v[j];
     }
@@ -590,6 +597,35 @@ extern "C" __global__ void __launch_bounds__(256)
     amax = 0.f;
 #pragma unroll
     for (int w = 0; w < 256 / WARP; w++) amax = fmaxf(amax, block_max[w]);
+    return amax;
+}
+
+// With ATTN_I8_V8_ROW: grid (blocks of 64 positions, N_KV_HEADS) x 256 threads raise v_max[kv head] (cleared by
+// attn_prefill_key_mean) to the largest value magnitude of positions 0 .. positions - 1. A float's bits order
+// non-negative floats as unsigned integers do.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_v_max(const bf16* v_pool, const int* pages, int positions, float* v_max) {
+    wait_previous();
+    float x[HEAD_DIM / 4];
+    const float amax = v_block_load(v_pool, pages, positions, x);
+    if (threadIdx.x == 0) atomicMax((unsigned*)v_max + blockIdx.y, __float_as_uint(amax));
+}
+
+// Grid (blocks of 64 positions, N_KV_HEADS) x 256 threads: the values of positions 0 .. positions - 1 as e4m3
+// codes and one scale per (KV head, block) into v8 and v_scale ([kv head][scale_stride / 64]); positions past the
+// end of the last block read as zero. The scale puts the block's largest magnitude at 448, or where v_max is not
+// null (ATTN_I8_V8_ROW) the KV head's largest (v_max[kv head]), so that every block of a head has the same scale.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_prefill_v_codes(const bf16* v_pool, const int* pages, int positions, int scale_stride,
+                         const float* v_max, u8* v8, float* v_scale) {
+    wait_previous();
+#if API_BUILT  // e4m3 conversions need sm_89 on; the host launches it only where attn_prefill_i8 is built
+    __shared__ __align__(16) unsigned char tile[V8_BLOCK_BYTES];
+    const int block = blockIdx.x, h = blockIdx.y, blocks = scale_stride / KEY_TILE;
+    const int key = threadIdx.x / 4, d0 = (threadIdx.x % 4) * (HEAD_DIM / 4);
+    float x[HEAD_DIM / 4];
+    float amax = v_block_load(v_pool, pages, positions, x);
+    if (v_max) amax = v_max[h];
     // A block of zeros gets a small positive scale: the attention divides by it.
     const float scale = fmaxf(amax / E4M3_MAX, 1e-20f), inv = 1.f / scale;
     const int slot = v8_slot(key % 32), chunk = 2 * (key / 32) + slot / 16;
@@ -714,6 +750,7 @@ __device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int
 struct ApwBf16Scores {
     using Acc = float;
     static constexpr bool V8 = false;  // the values stay bf16
+    static constexpr bool ROW = false;
     static constexpr bool LAZY = (ATTN_LAZY & 2) != 0;
     static constexpr u32 Q_BYTES = APW_Q_BYTES, K_BYTES = APW_KV_BYTES;
     const bf16* q;
@@ -753,7 +790,8 @@ struct ApwBf16Scores {
 struct ApwI8Scores {
     using Acc = int;
     static constexpr bool V8 = ATTN_I8_V8 != 0;
-    static constexpr bool LAZY = !V8 && (ATTN_LAZY & 1) != 0;
+    static constexpr bool ROW = V8 && ATTN_I8_V8_ROW != 0;
+    static constexpr bool LAZY = (!V8 && (ATTN_LAZY & 1) != 0) || ROW;
     static constexpr u32 Q_BYTES = API_Q_BYTES, K_BYTES = API_K_BYTES;
     const i8* q8;
     const float* q_scale;
@@ -917,6 +955,21 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
     float row_max[2] = {-INF_F, -INF_F};  // log2 units
     float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
     float o_div[2] = {1.f, 1.f};          // with V8: what O is held divided by
+    // With ROW: the largest value scale of the key tiles this block reads (value_ref), in which O is held.
+    float value_bias0 = 0.f;
+    if constexpr (Scores::ROW) {
+        __shared__ float ref_part[PF_THREADS / WARP];
+        float ref = 1e-20f;
+        for (int it = threadIdx.x; it < key_tiles; it += PF_THREADS)
+            ref = fmaxf(ref, sc.value_scale(key_begin + it * KEY_TILE, kv_head));
+        ref = warp_max(ref);
+        if (lane == 0) ref_part[warp] = ref;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < PF_THREADS / WARP; w++) ref = fmaxf(ref, ref_part[w]);
+        value_bias0 = 8.807354922f - __log2f(ref);  // log2(448 / value_ref)
+        o_div[0] = o_div[1] = ref * (1.f / E4M3_MAX);
+    }
     const u32 q_wg = q_smem + wg * 64 * 128;
     // P of the tile before as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1.
     u32 p[KEY_TILE / 16][4];
@@ -934,6 +987,8 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             apw_load_tile(v_pool, pages, v_smem + (it % 2) * APW_KV_BYTES, it, key_begin, key_end, kv_head);
         cp_async_commit();
         const float value_scale = sc.value_scale(key0, kv_head);  // with V8: tile it's values' scale
+        // With ROW: log2 of 448 x this tile's value scale / the largest the block reads.
+        const float value_bias = Scores::ROW ? __log2f(value_scale) + value_bias0 : 0.f;
         if (it + 2 < key_tiles) sc.load_keys(k_smem, (it + 2) % 3, it + 2, key_begin, key_end, kv_head);
         cp_async_commit();
 
@@ -979,14 +1034,17 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             const float scale = sc.log2_scale(r);
             const float tile_max = m * scale;
             // Lazily (ATTN_LAZY): the row keeps its maximum unless the tile's exceeds it by more than the slack.
-            const float moved = tile_max > row_max[r] + ATTN_RESCALE_SLACK ? tile_max : row_max[r];
+            const float slack = Scores::ROW ? 0.f : ATTN_RESCALE_SLACK;  // e4m3's P' may not pass 448
+            const float moved = tile_max > row_max[r] + slack ? tile_max : row_max[r];
             const float new_max = Scores::LAZY ? moved : fmaxf(row_max[r], tile_max);
             const float base = new_max == -INF_F ? 0.f : new_max;  // a row that has seen only masked keys
             alpha[r] = exp2_approx(row_max[r] - base);
             row_max[r] = new_max;
             // With V8 the tile's probabilities are taken against their own maximum (at most 2^16 below the row's)
             // and scaled so that it is 448, e4m3's largest: P' = P x 448 / 2^(tile max - row max).
-            const float exp_base = Scores::V8 ? fmaxf(tile_max, base - 16.f) - 8.807354922f : base;
+            const float exp_base = Scores::ROW  ? base - value_bias
+                                   : Scores::V8 ? fmaxf(tile_max, base - 16.f) - 8.807354922f
+                                                : base;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < KEY_TILE / 8; n++) {
@@ -994,7 +1052,10 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
                 x[4 * n + 2 * r + 1] = exp2_approx(fmaf(x[4 * n + 2 * r + 1], scale, -exp_base));
                 sum += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
             }
-            if constexpr (Scores::V8) {
+            if constexpr (Scores::ROW) {
+                // P = P' x 2^-value_bias; O is held divided by value_ref / 448 throughout.
+                row_sum[r] = row_sum[r] * alpha[r] + sum * exp2_approx(-value_bias);
+            } else if constexpr (Scores::V8) {
                 // P = P' x to_true; O is held divided by f (to_true x the values' scale, as of the last tile), so
                 // its rescaling before this tile's product is alpha x f_before / f.
                 const float to_true = exp2_approx(exp_base - base), f = to_true * value_scale;

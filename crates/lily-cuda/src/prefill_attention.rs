@@ -147,8 +147,9 @@ pub(crate) struct ScoreCodes {
     k_scale: DevBuf<f32>,
     scale_stride: usize,
     /// Where the build has ATTN_I8_V8: u8 `[kv heads][scale_stride / 64][16 KiB]` and f32 `[kv heads][scale_stride
-    /// / 64]`, the values as e4m3 codes and their scales (see attn_prefill_v_codes).
-    v8: Option<(DevBuf<u8>, DevBuf<f32>)>,
+    /// / 64]`, the values as e4m3 codes and their scales (see attn_prefill_v_codes), and f32 `[kv heads]`, each
+    /// head's largest value magnitude where the scales are per head (ATTN_I8_V8_ROW).
+    v8: Option<(DevBuf<u8>, DevBuf<f32>, DevBuf<f32>)>,
 }
 
 impl ScoreCodes {
@@ -168,6 +169,7 @@ impl ScoreCodes {
                 true => Some((
                     gpu.alloc(scale_stride * c.kv_dim())?,
                     gpu.alloc_zeroed(c.num_key_value_heads * scale_stride / KEY_TILE)?,
+                    gpu.alloc_zeroed(c.num_key_value_heads)?,
                 )),
                 false => None,
             },
@@ -179,6 +181,11 @@ impl ScoreCodes {
 /// from codes of their own.
 pub(crate) fn values8(kernels: &Kernels) -> bool {
     kernels.constant("attn_prefill_i8_v8") == 1
+}
+
+/// Whether the e4m3 values have one scale per KV head (ATTN_I8_V8_ROW) rather than per block of positions.
+pub(crate) fn values8_per_head(kernels: &Kernels) -> bool {
+    kernels.constant("attn_prefill_i8_v8_row") == 1
 }
 
 /// When `attn_prefill_i8` takes the scores from 8-bit codes instead of `attn_prefill_wgmma` from bf16.
@@ -244,7 +251,7 @@ pub(crate) fn score_codes_context_bytes(
     let built = crate::kernels::Target::for_device(cc).has_sm90a_features();
     let positions = max_context.next_multiple_of(KEY_TILE);
     let value_bytes = match values8 {
-        true => positions * c.kv_dim() + positions / KEY_TILE * 4 * c.num_key_value_heads,
+        true => positions * c.kv_dim() + (positions / KEY_TILE + 1) * 4 * c.num_key_value_heads,
         false => 0,
     };
     match built && Int8Scores::Long.ever(max_tokens, max_context) {
@@ -402,6 +409,10 @@ impl AttentionScratch {
         {
             Some(codes) => {
                 self.int8_calls.set(self.int8_calls.get() + 1);
+                let v_max = match &codes.v8 {
+                    Some((_, _, v_max)) if values8_per_head(l.kernels) => v_max.ptr(),
+                    _ => DevPtr::NULL,
+                };
                 attention_prefill::attn_prefill_key_mean(
                     l,
                     Dims::linear(kv_heads as u32, ROW_THREADS),
@@ -410,6 +421,7 @@ impl AttentionScratch {
                     t32,
                     start32,
                     codes.mean.ptr(),
+                    v_max,
                 )?;
                 let rows = t * heads + (start + t) * kv_heads;
                 attention_prefill::attn_prefill_codes(
@@ -428,15 +440,20 @@ impl AttentionScratch {
                     codes.k_scale.ptr(),
                 )?;
                 let (v8, v_scale) = match &codes.v8 {
-                    Some((v8, v_scale)) => {
+                    Some((v8, v_scale, _)) => {
                         let positions = start + t;
+                        let dims = Dims::new((positions.div_ceil(KEY_TILE) as u32, kv_heads as u32, 1), 256);
+                        if v_max.raw() != 0 {
+                            attention_prefill::attn_prefill_v_max(l, dims, v_pool, pages, positions as i32, v_max)?;
+                        }
                         attention_prefill::attn_prefill_v_codes(
                             l,
-                            Dims::new((positions.div_ceil(KEY_TILE) as u32, kv_heads as u32, 1), 256),
+                            dims,
                             v_pool,
                             pages,
                             positions as i32,
                             codes.scale_stride as i32,
+                            v_max,
                             v8.ptr(),
                             v_scale.ptr(),
                         )?;
@@ -537,8 +554,9 @@ mod tests {
             score_codes_context_bytes(&c, (9, 0), 16_384, 32_768, false),
             32_768 * 520
         );
-        // With the values in e4m3, also a value row of 512 bytes a position and two scales a block of 64.
-        let values8 = 32_768 * 1032 + 512 * 8;
+        // With the values in e4m3, also a value row of 512 bytes a position, two scales a block of 64, and each
+        // head's largest value.
+        let values8 = 32_768 * 1032 + 512 * 8 + 8;
         assert_eq!(score_codes_context_bytes(&c, (9, 0), 16_384, 32_768, true), values8);
         // Another GPU has no int8 kernel; a context or a chunk too small never passes the gate.
         for values8 in [false, true] {

@@ -22,6 +22,7 @@ pub const FILE: KernelFile<'static> = KernelFile {
         "attn_prefill_i8_default",
         "attn_prefill_i8_smem",
         "attn_prefill_i8_v8",
+        "attn_prefill_i8_v8_row",
     ],
 };
 
@@ -69,13 +70,15 @@ launchers! {
         part_o: DevPtr<f32>,
         part_ml: DevPtr<f32>,
     );
-    /// The mean of up to 256 keys spread over the context, per KV head, into `mean` (f32 `[kv heads][head_dim]`).
+    /// The mean of up to 256 keys spread over the context, per KV head, into `mean` (f32 `[kv heads][head_dim]`);
+    /// unless null, `v_max` (f32 `[kv heads]`) cleared for `attn_prefill_v_max`.
     attn_prefill_key_mean(
         k_pool: DevPtr<bf16>,
         pages: DevPtr<i32>,
         tokens: i32,
         start: i32,
         mean: DevPtr<f32>,
+        v_max: DevPtr<f32>,
     );
     /// 8-bit codes with a scale per row of the call's queries and of every key up to its last position (less
     /// `mean`), for `attn_prefill_i8`.
@@ -92,13 +95,18 @@ launchers! {
         k8: DevPtr<i8>,
         k_scale: DevPtr<f32>,
     );
+    /// With ATTN_I8_V8_ROW: each KV head's largest value magnitude over positions `0 .. positions` into `v_max`
+    /// (f32 `[kv heads]`, cleared by `attn_prefill_key_mean`).
+    attn_prefill_v_max(v_pool: DevPtr<bf16>, pages: DevPtr<i32>, positions: i32, v_max: DevPtr<f32>);
     /// With ATTN_I8_V8: the values of positions `0 .. positions` as e4m3 codes, transposed per block of 64
-    /// positions, and one scale per (KV head, block), for `attn_prefill_i8`.
+    /// positions, and one scale per (KV head, block), for `attn_prefill_i8`; unless `v_max` is null, every block of
+    /// a head with the head's scale.
     attn_prefill_v_codes(
         v_pool: DevPtr<bf16>,
         pages: DevPtr<i32>,
         positions: i32,
         scale_stride: i32,
+        v_max: DevPtr<f32>,
         v8: DevPtr<u8>,
         v_scale: DevPtr<f32>,
     );

@@ -625,15 +625,16 @@ mod tests {
             checked += 1;
         }
         assert!(checked >= 2, "only {checked} files use warpgroup MMAs");
-        // The attention's build switches that the default build does not compile: its e4m3 values (ATTN_I8_V8)
-        // and O rescaled every key tile (ATTN_LAZY=0).
+        // The attention's build switches that the default build does not compile: its e4m3 values (ATTN_I8_V8,
+        // with their scales fixed along a row), the same with a scale per key tile (ATTN_I8_V8_ROW=0), and O
+        // rescaled every key tile (ATTN_LAZY=0).
         let file = FILES
             .iter()
             .find(|f| f.name == "attention_prefill.cu")
             .expect("the attention's file");
-        for switch in ["ATTN_I8_V8=1", "ATTN_LAZY=0"] {
+        for switch in ["ATTN_I8_V8=1", "ATTN_I8_V8=1 ATTN_I8_V8_ROW=0", "ATTN_LAZY=0"] {
             let mut opts = opts.clone();
-            opts.push(format!("-D{switch}"));
+            opts.extend(switch.split(' ').map(|d| format!("-D{d}")));
             let (_, log) = compile(file.name, file.source, &opts, true).unwrap_or_else(|e| panic!("{e}"));
             let waits = added_waits(&log);
             assert!(waits.is_empty(), "{switch}: {}", waits.join("\n"));

@@ -15,7 +15,7 @@ use crate::kernels::Kernels;
 use crate::launch::Launcher;
 use crate::model::{CudaBackend, CudaModel};
 use crate::pages::{pages_for, KV_PAGE};
-use crate::prefill_attention::{key_split, values8, AttentionScratch, Int8Scores};
+use crate::prefill_attention::{key_split, values8, values8_per_head, AttentionScratch, Int8Scores};
 use crate::weights::{GpuAttention, GpuMatrix, Source};
 
 fn bf16_to_f32(v: &[bf16]) -> Vec<f32> {
@@ -201,7 +201,11 @@ pub(crate) fn check(gpu: &Gpu, kernels: &Kernels, config: &Config, seed: u64, re
             // most 2^-4 of each probability) remains, which where one key weighs most moves the output by up to
             // that share of its largest value.
             let (v_twin, tolerance, exact_tolerance) = match values8(kernels) {
-                true => (value_codes(&v_gpu, len, kv_heads, hd), 6e-2, 1e-1),
+                true => (
+                    value_codes(&v_gpu, len, kv_heads, hd, values8_per_head(kernels)),
+                    6e-2,
+                    1e-1,
+                ),
                 false => (v_gpu.clone(), 1e-2, 5e-2),
             };
             report.check(&name, rel_err(&got, &gated(&q_codes, &k_codes, &v_twin)), tolerance);
@@ -251,18 +255,21 @@ fn coded(row: &[f32]) -> Vec<f32> {
 }
 
 /// The twin of `attn_prefill_v_codes`: each (KV head, block of 64 positions) of the values as e4m3 with the block's
-/// largest magnitude at 448.
-fn value_codes(v: &[f32], len: usize, kv_heads: usize, hd: usize) -> Vec<f32> {
+/// largest magnitude at 448, or with `per_head` (ATTN_I8_V8_ROW) the head's largest.
+fn value_codes(v: &[f32], len: usize, kv_heads: usize, hd: usize, per_head: bool) -> Vec<f32> {
     let kv_dim = kv_heads * hd;
     let mut out = v[..len * kv_dim].to_vec();
     for h in 0..kv_heads {
+        let at = |p: usize| p * kv_dim + h * hd..p * kv_dim + (h + 1) * hd;
+        let largest =
+            |rows: std::ops::Range<usize>| rows.flat_map(|p| v[at(p)].to_vec()).fold(0.0f32, |m, x| m.max(x.abs()));
+        let head_amax = largest(0..len);
         for block in (0..len).step_by(64) {
             let rows = block..(block + 64).min(len);
-            let at = |p: usize| p * kv_dim + h * hd..p * kv_dim + (h + 1) * hd;
-            let amax = rows
-                .clone()
-                .flat_map(|p| out[at(p)].to_vec())
-                .fold(0.0f32, |m, x| m.max(x.abs()));
+            let amax = match per_head {
+                true => head_amax,
+                false => largest(rows.clone()),
+            };
             let scale = (amax / 448.0).max(1e-20);
             for p in rows {
                 out[at(p)]
