@@ -736,8 +736,9 @@ __device__ __forceinline__ void apw_load_q(const T* q, u32 q_smem, int tok0, int
 // row's maximum until a tile's exceeds it by more than ATTN_RESCALE_SLACK (log2 units), and a warp rescales O only
 // when one of its rows moved. Every other tile then goes from the softmax's last exponential to its O += P V without
 // 128 multiplications a thread, which lie on the path between two tiles' products now that the softmax overlaps the
-// product before. The probabilities reach 2^SLACK, which bf16 and the f32 sums hold. With e4m3 values O is
-// rescaled every tile (each tile has its own scales), so they never take it. 0 rescales every tile.
+// product before. The probabilities reach 2^SLACK, which bf16 and the f32 sums hold. The e4m3 values take the lazy
+// maxima with no slack where their scales are fixed along a row (ATTN_I8_V8_ROW, below), whatever this mask says,
+// and never with a scale per tile, whose O is rescaled every tile. 0 rescales every tile.
 #ifndef ATTN_LAZY
 #define ATTN_LAZY 3
 #endif
