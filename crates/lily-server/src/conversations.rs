@@ -13,7 +13,7 @@ use crate::error::ApiError;
 use crate::lru::Lru;
 use crate::params;
 use crate::responses;
-use crate::types::{ConversationObject, ItemList};
+use crate::types::{ConversationObject, InputItemsQuery, ItemList};
 
 /// The most items one request may add (OpenAI's limit), and the most metadata pairs and their lengths.
 const MAX_ADDED_ITEMS: usize = 20;
@@ -21,21 +21,25 @@ const MAX_METADATA_PAIRS: usize = 16;
 const MAX_METADATA_KEY: usize = 64;
 const MAX_METADATA_VALUE: usize = 512;
 
-#[derive(Clone)]
 struct Conversation {
     object: ConversationObject,
     /// Oldest first, each with an `id` of its own.
     items: Vec<Json>,
-    /// What the store counts it for: its items' and metadata's JSON.
+    /// What the store counts it for: its metadata's and items' [`json_bytes`]. A change adds or takes off what it
+    /// changes, so that a long conversation is not measured again at every turn.
     bytes: usize,
 }
 
 impl Conversation {
     /// Counts the conversation's JSON, and for each item what holding it costs beyond its text.
     fn measure(&mut self) {
-        let json_bytes = |v: &Json| serde_json::to_vec(v).map_or(0, |v| v.len()) + crate::lru::ENTRY_OVERHEAD;
         self.bytes = json_bytes(&self.object.metadata) + self.items.iter().map(json_bytes).sum::<usize>();
     }
+}
+
+/// What one item (or the metadata) counts for: its JSON text and what holding it costs beyond that.
+fn json_bytes(v: &Json) -> usize {
+    serde_json::to_vec(v).map_or(0, |v| v.len()) + crate::lru::ENTRY_OVERHEAD
 }
 
 /// The kept conversations, and those a response is using (which take no other response, and are never dropped
@@ -136,21 +140,34 @@ impl ConversationStore {
         inner.get(id).map(|c| c.items.clone()).ok_or_else(|| not_found(id))
     }
 
+    /// One page of the conversation's items (see [`responses::items_page`]); only the page is copied.
+    pub fn items_page(&self, id: &str, query: &InputItemsQuery) -> Result<ItemList, ApiError> {
+        let mut inner = self.lock();
+        let c = inner.get(id).ok_or_else(|| not_found(id))?;
+        responses::items_page(&c.items, query)
+    }
+
     pub fn item(&self, id: &str, item_id: &str) -> Result<Json, ApiError> {
-        let items = self.items(id)?;
-        items
-            .into_iter()
-            .find(|item| item["id"] == item_id)
-            .ok_or_else(|| item_not_found(id, item_id))
+        let mut inner = self.lock();
+        let c = inner.get(id).ok_or_else(|| not_found(id))?;
+        let item = c.items.iter().find(|item| item["id"] == item_id);
+        item.cloned().ok_or_else(|| item_not_found(id, item_id))
     }
 
     /// Replaces the conversation's metadata.
     pub fn update(&self, id: &str, metadata: Option<Json>) -> Result<ConversationObject, ApiError> {
         let metadata = checked_metadata(metadata)?;
-        self.modify(id, |c| {
-            c.object.metadata = metadata;
-            Ok(c.object.clone())
-        })
+        self.modify(
+            id,
+            |c| {
+                let grows = json_bytes(&metadata) as isize - json_bytes(&c.object.metadata) as isize;
+                Ok((metadata, grows))
+            },
+            |c, metadata| {
+                c.object.metadata = metadata;
+                c.object.clone()
+            },
+        )
     }
 
     pub fn delete(&self, id: &str) -> Result<Json, ApiError> {
@@ -161,59 +178,72 @@ impl ConversationStore {
     /// Adds up to 20 items a client gives (checked as a response's input is); answers them as added.
     pub fn add_items(&self, id: &str, items: Option<Vec<Json>>) -> Result<ItemList, ApiError> {
         let items = items.ok_or_else(|| ApiError::invalid("items", "`items` is required"))?;
-        self.modify(id, |c| {
-            let added = checked_items(items, &c.items)?;
-            c.items.extend(added.iter().cloned());
-            Ok(list(added))
-        })
+        self.modify(
+            id,
+            |c| {
+                let added = checked_items(items, &c.items)?;
+                let grows = added.iter().map(json_bytes).sum::<usize>() as isize;
+                Ok((added, grows))
+            },
+            |c, added| {
+                c.items.extend(added.iter().cloned());
+                list(added)
+            },
+        )
     }
 
     /// Adds a finished response's input and output items; false where the conversation is gone or full.
     pub fn append(&self, id: &str, items: Vec<Json>) -> bool {
-        self.modify(id, |c| {
-            let items = responses::normalized(items, c.items.iter().filter_map(item_id).collect());
-            c.items.extend(items);
-            Ok(())
-        })
+        self.modify(
+            id,
+            |c| {
+                let items = responses::normalized(items, c.items.iter().filter_map(item_id).collect());
+                let grows = items.iter().map(json_bytes).sum::<usize>() as isize;
+                Ok((items, grows))
+            },
+            |c, items| c.items.extend(items),
+        )
         .is_ok()
     }
 
     /// Deletes one item; answers the conversation.
     pub fn delete_item(&self, id: &str, item_id: &str) -> Result<ConversationObject, ApiError> {
-        self.modify(id, |c| {
-            let at =
-                (c.items.iter().position(|item| item["id"] == item_id)).ok_or_else(|| item_not_found(id, item_id))?;
-            c.items.remove(at);
-            Ok(c.object.clone())
-        })
+        self.modify(
+            id,
+            |c| {
+                let at = (c.items.iter().position(|item| item["id"] == item_id))
+                    .ok_or_else(|| item_not_found(id, item_id))?;
+                Ok((at, -(json_bytes(&c.items[at]) as isize)))
+            },
+            |c, at| {
+                c.items.remove(at);
+                c.object.clone()
+            },
+        )
     }
 
-    /// Applies `change` to the conversation `id` and counts its new size; where `change` fails, or the changed
-    /// conversation finds no room, it stays as it was.
-    fn modify<R>(
+    /// Changes conversation `id` in place: `plan` checks the change against the conversation as it stands and
+    /// returns what `apply` takes with the bytes the change adds (negative where it frees some); `apply` runs
+    /// where the store has room for the new size. A change refused either way leaves the conversation as it was.
+    fn modify<P, R>(
         &self,
         id: &str,
-        change: impl FnOnce(&mut Conversation) -> Result<R, ApiError>,
+        plan: impl FnOnce(&Conversation) -> Result<(P, isize), ApiError>,
+        apply: impl FnOnce(&mut Conversation, P) -> R,
     ) -> Result<R, ApiError> {
         let mut inner = self.lock();
-        let Some(original) = inner.remove(id) else {
-            return Err(not_found(id));
-        };
-        let mut changed = original.clone();
-        let result = change(&mut changed);
-        changed.measure();
+        let c = inner.get(id).ok_or_else(|| not_found(id))?;
+        let (change, grows) = plan(c)?;
+        let bytes = c.bytes.saturating_add_signed(grows);
         let busy = self.lock_busy();
-        let pinned = |other: &str| busy.contains(other);
-        let bytes = changed.bytes;
-        if result.is_ok() && inner.insert(id.to_string(), changed, bytes, pinned) {
-            return result;
+        if !inner.resize(id, bytes, |other| busy.contains(other)) {
+            return Err(ApiError::bad_request(
+                "no room for the changed conversation in the server's store (--response-store-mib)",
+            ));
         }
-        // The original was just taken out, so its room is free.
-        let bytes = original.bytes;
-        inner.insert(id.to_string(), original, bytes, pinned);
-        result.and(Err(ApiError::bad_request(
-            "no room for the changed conversation in the server's store (--response-store-mib)",
-        )))
+        let c = inner.get(id).expect("resize keeps the conversation it grows");
+        c.bytes = bytes;
+        Ok(apply(c, change))
     }
 
     /// The conversations kept and the bytes they count for.
@@ -382,5 +412,82 @@ mod tests {
         let error = small.add_items(&c.id, Some(vec![user(&"x".repeat(1000))])).unwrap_err();
         assert_eq!(error.status.as_u16(), 400);
         assert_eq!(small.items(&c.id).unwrap().len(), 1);
+    }
+
+    /// What the store counts conversation `id` for, and what measuring it again from scratch gives.
+    fn counted_and_measured(store: &ConversationStore, id: &str) -> (usize, usize) {
+        let mut inner = store.lock();
+        let c = inner.get(id).unwrap();
+        let counted = c.bytes;
+        let mut again = Conversation {
+            object: c.object.clone(),
+            items: c.items.clone(),
+            bytes: 0,
+        };
+        again.measure();
+        (counted, again.bytes)
+    }
+
+    #[test]
+    fn changes_in_place_count_what_a_fresh_measure_counts() {
+        let store = Arc::new(ConversationStore::new(1 << 20));
+        let c = store.create(Some(json!({"a": "1"})), Some(vec![user("hi")])).unwrap();
+        let (counted, measured) = counted_and_measured(&store, &c.id);
+        assert_eq!(counted, measured);
+        let added = store.add_items(&c.id, Some(vec![user("one"), user("two")])).unwrap();
+        assert!(store.append(
+            &c.id,
+            vec![json!({"type": "message", "role": "assistant", "content": "three"})]
+        ));
+        store
+            .update(&c.id, Some(json!({"a": "a longer value", "b": "2"})))
+            .unwrap();
+        let first_added = added.data[0]["id"].as_str().unwrap();
+        store.delete_item(&c.id, first_added).unwrap();
+        let (after, measured) = counted_and_measured(&store, &c.id);
+        assert_eq!(after, measured);
+        assert!(after > counted);
+        // The store's total follows: one conversation, counted with its id.
+        assert_eq!(store.usage(), (1, crate::lru::entry_bytes(&c.id, after)));
+        // A refused change (no such item) leaves it, and its count, as they were.
+        assert_eq!(store.delete_item(&c.id, "msg_none").unwrap_err().status.as_u16(), 404);
+        assert_eq!(counted_and_measured(&store, &c.id), (after, after));
+        assert_eq!(store.items(&c.id).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_page_of_items_is_listed_from_the_store() {
+        let store = Arc::new(ConversationStore::new(1 << 20));
+        let c = store
+            .create(None, Some((0..5).map(|i| user(&i.to_string())).collect()))
+            .unwrap();
+        let query = |q: Json| serde_json::from_value::<InputItemsQuery>(q).unwrap();
+        let texts = |page: &ItemList| -> Vec<String> {
+            (page.data.iter())
+                .map(|i| i["content"][0]["text"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let page = store.items_page(&c.id, &query(json!({"limit": 2}))).unwrap();
+        assert_eq!(
+            (texts(&page), page.has_more),
+            (vec!["4".to_string(), "3".to_string()], true)
+        );
+        let after = page.last_id.clone().unwrap();
+        let next = store
+            .items_page(&c.id, &query(json!({"limit": 2, "after": after})))
+            .unwrap();
+        assert_eq!(texts(&next), vec!["2".to_string(), "1".to_string()]);
+        let error = store
+            .items_page(&c.id, &query(json!({"after": "msg_none"})))
+            .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("after"));
+        assert_eq!(
+            store
+                .items_page("conv_none", &query(json!({})))
+                .unwrap_err()
+                .status
+                .as_u16(),
+            404
+        );
     }
 }

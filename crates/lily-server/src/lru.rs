@@ -61,14 +61,43 @@ impl<V> Lru<V> {
     /// `id` held stays).
     pub fn insert(&mut self, id: String, value: V, bytes: usize, pinned: impl Fn(&str) -> bool) -> bool {
         let bytes = entry_bytes(&id, bytes);
+        if !self.make_room(&id, bytes, pinned) {
+            return false;
+        }
+        self.remove(&id);
+        self.tick += 1;
+        self.recency.insert(self.tick, id.clone());
+        self.entries.insert(id, (value, bytes, self.tick));
+        self.bytes += bytes;
+        true
+    }
+
+    /// Counts the value of `id` (changed in place through [`Lru::get`]) for `bytes` from now on, the most recently
+    /// used, dropping the least recently used values that `pinned` does not name until it fits. False where `id`
+    /// is not kept or cannot count for that much (then nothing changes).
+    pub fn resize(&mut self, id: &str, bytes: usize, pinned: impl Fn(&str) -> bool) -> bool {
+        let bytes = entry_bytes(id, bytes);
+        if !self.contains(id) || !self.make_room(id, bytes, pinned) {
+            return false;
+        }
+        self.get(id);
+        let (_, held, _) = self.entries.get_mut(id).expect("make_room never drops `id`");
+        self.bytes = self.bytes - *held + bytes;
+        *held = bytes;
+        true
+    }
+
+    /// Drops the least recently used values other than `id` that `pinned` does not name until `id` can count for
+    /// `bytes` (what it counts for now is taken as free). False where dropping all of them would not do; then
+    /// nothing is dropped.
+    fn make_room(&mut self, id: &str, bytes: usize, pinned: impl Fn(&str) -> bool) -> bool {
         if bytes > self.capacity_bytes {
             return false;
         }
-        let held = self.entries.get(&id).map_or(0, |(_, bytes, _)| *bytes);
+        let held = self.entries.get(id).map_or(0, |(_, bytes, _)| *bytes);
         let free = |lru: &Lru<V>| lru.capacity_bytes - (lru.bytes - held);
-        // Nothing is dropped unless dropping what may go makes room.
         let evictable: usize = (self.entries.iter())
-            .filter(|(victim, _)| **victim != id && !pinned(victim))
+            .filter(|(victim, _)| *victim != id && !pinned(victim))
             .map(|(_, (_, bytes, _))| bytes)
             .sum();
         if free(self) + evictable < bytes {
@@ -76,18 +105,13 @@ impl<V> Lru<V> {
         }
         while free(self) < bytes {
             let victim = (self.recency.values())
-                .find(|victim| **victim != id && !pinned(victim))
+                .find(|victim| *victim != id && !pinned(victim))
                 .cloned();
             let Some(victim) = victim else {
                 return false;
             };
             self.remove(&victim);
         }
-        self.remove(&id);
-        self.tick += 1;
-        self.recency.insert(self.tick, id.clone());
-        self.entries.insert(id, (value, bytes, self.tick));
-        self.bytes += bytes;
         true
     }
 
@@ -128,5 +152,30 @@ mod tests {
         assert_eq!(lru.usage(), (2, 2 * TEN));
         assert!(lru.insert("h".into(), "h", 2 * TEN, |_| false));
         assert_eq!(lru.usage(), (1, 2 * TEN + super::ENTRY_OVERHEAD + 3));
+    }
+
+    #[test]
+    fn a_value_grown_in_place_makes_room_as_a_replacement_would() {
+        let mut lru = Lru::new(3 * TEN);
+        for id in ["a", "b", "c"] {
+            assert!(lru.insert(id.into(), id, 10, |_| false));
+        }
+        // Growing b by one value's room drops the least recently used other value (a), and b is then the newest.
+        assert!(lru.resize("b", 10 + TEN, |_| false));
+        assert!(!lru.contains("a") && lru.contains("b") && lru.contains("c"));
+        assert_eq!(lru.usage(), (2, 3 * TEN));
+        // c is now the oldest; growing past what dropping it frees changes nothing.
+        assert!(!lru.resize("b", 10 + 2 * TEN + 1, |_| false));
+        assert!(!lru.resize("b", 10 + 2 * TEN, |id| id == "c"));
+        assert_eq!(lru.usage(), (2, 3 * TEN));
+        assert!(lru.contains("c"));
+        // Shrinking always fits; an id not kept is refused.
+        assert!(lru.resize("b", 10, |_| true));
+        assert_eq!(lru.usage(), (2, 2 * TEN));
+        assert!(!lru.resize("z", 10, |_| false));
+        assert_eq!(lru.usage(), (2, 2 * TEN));
+        // The value itself is what get() changed.
+        *lru.get("c").unwrap() = "c2";
+        assert_eq!(lru.remove("c"), Some("c2"));
     }
 }

@@ -322,7 +322,7 @@ const DEFAULT_PAGE: i64 = 20;
 
 /// A page of a list of items (a response's input items, a conversation's items; oldest first in `items`) as `query`
 /// asks for it.
-pub fn items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemList, ApiError> {
+pub fn items_page(items: &[Json], query: &InputItemsQuery) -> Result<ItemList, ApiError> {
     let limit = query.limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(ApiError::invalid(
@@ -330,18 +330,24 @@ pub fn items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemL
             format!("`limit` must be between 1 and {MAX_PAGE}, got {limit}"),
         ));
     }
-    match query.order.as_deref() {
-        None | Some("desc") => items.reverse(),
-        Some("asc") => {}
+    let newest_first = match query.order.as_deref() {
+        None | Some("desc") => true,
+        Some("asc") => false,
         Some(other) => {
             return Err(ApiError::invalid(
                 "order",
                 format!("`order` must be asc or desc, got {other:?}"),
             ))
         }
-    }
+    };
+    // Item i of the listing's order.
+    let n = items.len();
+    let at = |i: usize| match newest_first {
+        true => &items[n - 1 - i],
+        false => &items[i],
+    };
     let position = |param: &str, id: &str| {
-        items.iter().position(|item| item["id"] == id).ok_or_else(|| {
+        (0..n).position(|i| at(i)["id"] == id).ok_or_else(|| {
             ApiError::invalid(
                 param,
                 format!("`{param}`: no input item of this response has id {id:?}"),
@@ -354,7 +360,7 @@ pub fn items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemL
     };
     let end = match &query.before {
         Some(id) => position("before", id)?,
-        None => items.len(),
+        None => n,
     };
     let end = end.max(start);
     let take = (end - start).min(limit as usize);
@@ -364,7 +370,7 @@ pub fn items_page(mut items: Vec<Json>, query: &InputItemsQuery) -> Result<ItemL
         false => start,
     };
     let has_more = end - start > take;
-    let data: Vec<Json> = items.drain(from..from + take).collect();
+    let data: Vec<Json> = (from..from + take).map(|i| at(i).clone()).collect();
     let id_of = |item: Option<&Json>| item.and_then(|i| i["id"].as_str()).map(String::from);
     Ok(ItemList {
         object: "list",
@@ -1568,7 +1574,7 @@ mod tests {
         let items: Vec<Json> = (0..5).map(|i| json!({"id": format!("i{i}")})).collect();
         let page = |query: Json| {
             let query: InputItemsQuery = serde_json::from_value(query).unwrap();
-            items_page(items.clone(), &query).map(|page| {
+            items_page(&items, &query).map(|page| {
                 let ids: Vec<String> = page
                     .data
                     .iter()

@@ -838,7 +838,7 @@ async fn list_input_items(
     let Query(query) = query.map_err(bad_query)?;
     let response = stored_response(&state, id)?;
     // A long conversation's items are copied off the async threads.
-    off_runtime(&state, move |_| responses::items_page(response.input_items(), &query))
+    off_runtime(&state, move |_| responses::items_page(&response.input_items(), &query))
         .await
         .map(Json)
 }
@@ -891,8 +891,7 @@ async fn list_conversation_items(
     query: Result<Query<InputItemsQuery>, QueryRejection>,
 ) -> Result<Json<ItemList>, ApiError> {
     let Query(query) = query.map_err(bad_query)?;
-    let items = state.conversations.items(&path_id(id))?;
-    responses::items_page(items, &query).map(Json)
+    state.conversations.items_page(&path_id(id), &query).map(Json)
 }
 
 async fn add_conversation_items(
