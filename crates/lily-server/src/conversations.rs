@@ -25,12 +25,33 @@ struct Conversation {
     object: ConversationObject,
     /// Oldest first, each with an `id` of its own.
     items: Vec<Json>,
+    /// The items' ids, kept beside them so that a change checks its new ids without reading every item.
+    ids: HashSet<String>,
     /// What the store counts it for: its metadata's and items' [`json_bytes`]. A change adds or takes off what it
     /// changes, so that a long conversation is not measured again at every turn.
     bytes: usize,
 }
 
 impl Conversation {
+    fn new(object: ConversationObject, items: Vec<Json>) -> Conversation {
+        let mut c = Conversation {
+            object,
+            ids: items.iter().filter_map(item_id).collect(),
+            items,
+            bytes: 0,
+        };
+        c.measure();
+        c
+    }
+
+    /// Appends items whose ids no item of the conversation has (as [`responses::normalized`] makes them).
+    fn extend(&mut self, items: impl IntoIterator<Item = Json>) {
+        for item in items {
+            self.ids.extend(item_id(&item));
+            self.items.push(item);
+        }
+    }
+
     /// Counts the conversation's JSON, and for each item what holding it costs beyond its text.
     fn measure(&mut self) {
         self.bytes = json_bytes(&self.object.metadata) + self.items.iter().map(json_bytes).sum::<usize>();
@@ -105,18 +126,14 @@ impl ConversationStore {
 
     /// A new conversation with `metadata` and up to 20 `items`.
     pub fn create(&self, metadata: Option<Json>, items: Option<Vec<Json>>) -> Result<ConversationObject, ApiError> {
-        let items = checked_items(items.unwrap_or_default(), &[])?;
-        let mut conversation = Conversation {
-            object: ConversationObject {
-                id: params::random_id("conv_"),
-                object: "conversation",
-                created_at: params::unix_now(),
-                metadata: checked_metadata(metadata)?,
-            },
-            items,
-            bytes: 0,
+        let items = checked_items(items.unwrap_or_default(), |_| false)?;
+        let object = ConversationObject {
+            id: params::random_id("conv_"),
+            object: "conversation",
+            created_at: params::unix_now(),
+            metadata: checked_metadata(metadata)?,
         };
-        conversation.measure();
+        let conversation = Conversation::new(object, items);
         let object = conversation.object.clone();
         let bytes = conversation.bytes;
         let mut inner = self.lock();
@@ -181,12 +198,12 @@ impl ConversationStore {
         self.modify(
             id,
             |c| {
-                let added = checked_items(items, &c.items)?;
+                let added = checked_items(items, |id| c.ids.contains(id))?;
                 let grows = added.iter().map(json_bytes).sum::<usize>() as isize;
                 Ok((added, grows))
             },
             |c, added| {
-                c.items.extend(added.iter().cloned());
+                c.extend(added.iter().cloned());
                 list(added)
             },
         )
@@ -197,11 +214,11 @@ impl ConversationStore {
         self.modify(
             id,
             |c| {
-                let items = responses::normalized(items, c.items.iter().filter_map(item_id).collect());
+                let items = responses::normalized(items, |id| c.ids.contains(id));
                 let grows = items.iter().map(json_bytes).sum::<usize>() as isize;
                 Ok((items, grows))
             },
-            |c, items| c.items.extend(items),
+            |c, items| c.extend(items),
         )
         .is_ok()
     }
@@ -216,7 +233,10 @@ impl ConversationStore {
                 Ok((at, -(json_bytes(&c.items[at]) as isize)))
             },
             |c, at| {
-                c.items.remove(at);
+                let item = c.items.remove(at);
+                if let Some(id) = item["id"].as_str() {
+                    c.ids.remove(id);
+                }
                 c.object.clone()
             },
         )
@@ -267,8 +287,8 @@ fn list(data: Vec<Json>) -> ItemList {
 }
 
 /// Items a client adds: at most 20, each one a response could take as input, kept in the API's form with an id
-/// that no item of `existing` has.
-fn checked_items(items: Vec<Json>, existing: &[Json]) -> Result<Vec<Json>, ApiError> {
+/// that no earlier item has (`taken` says which ids the conversation's items have).
+fn checked_items(items: Vec<Json>, taken: impl Fn(&str) -> bool) -> Result<Vec<Json>, ApiError> {
     if items.len() > MAX_ADDED_ITEMS {
         return Err(ApiError::invalid(
             "items",
@@ -285,10 +305,7 @@ fn checked_items(items: Vec<Json>, existing: &[Json]) -> Result<Vec<Json>, ApiEr
             error
         })?;
     }
-    Ok(responses::normalized(
-        items,
-        existing.iter().filter_map(item_id).collect(),
-    ))
+    Ok(responses::normalized(items, taken))
 }
 
 /// Metadata as OpenAI takes it: up to 16 string values, keys up to 64 characters and values up to 512.
@@ -419,13 +436,39 @@ mod tests {
         let mut inner = store.lock();
         let c = inner.get(id).unwrap();
         let counted = c.bytes;
-        let mut again = Conversation {
-            object: c.object.clone(),
-            items: c.items.clone(),
-            bytes: 0,
-        };
-        again.measure();
+        let again = Conversation::new(c.object.clone(), c.items.clone());
+        assert_eq!(c.ids, again.ids, "the kept ids are the items' ids");
         (counted, again.bytes)
+    }
+
+    #[test]
+    fn an_item_keeps_its_id_unless_an_item_of_the_conversation_has_it() {
+        let store = Arc::new(ConversationStore::new(1 << 20));
+        let named = |text: &str| json!({"type": "message", "role": "user", "content": text, "id": "msg_mine"});
+        let c = store.create(None, Some(vec![named("first")])).unwrap();
+        let ids = |store: &ConversationStore| -> Vec<String> {
+            let items = store.items(&c.id).unwrap();
+            items
+                .iter()
+                .map(|item| item["id"].as_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(ids(&store), ["msg_mine"]);
+        // Taken by the conversation, and twice in one request: both get new ids.
+        store
+            .add_items(&c.id, Some(vec![named("second"), named("third")]))
+            .unwrap();
+        assert!(store.append(&c.id, vec![named("fourth")]));
+        let now = ids(&store);
+        assert_eq!(now.len(), 4);
+        assert_eq!(now.iter().collect::<HashSet<_>>().len(), 4, "{now:?}");
+        // Once its item is deleted, the id is free again.
+        store.delete_item(&c.id, "msg_mine").unwrap();
+        assert!(!ids(&store).contains(&"msg_mine".to_string()));
+        store.add_items(&c.id, Some(vec![named("fifth")])).unwrap();
+        assert_eq!(ids(&store).last().unwrap(), "msg_mine");
+        let (counted, measured) = counted_and_measured(&store, &c.id);
+        assert_eq!(counted, measured);
     }
 
     #[test]

@@ -167,10 +167,11 @@ pub fn translate(
         None => earlier,
     };
     // Their ids, which the request's own items must not repeat.
-    let taken = earlier
+    let taken: HashSet<&str> = earlier
         .iter()
         .flatten()
-        .filter_map(|item| item["id"].as_str().map(String::from));
+        .filter_map(|item| item["id"].as_str())
+        .collect();
     let input = normalized(
         match request.input.clone() {
             Some(Json::String(text)) => {
@@ -185,7 +186,7 @@ pub fn translate(
             }
             None => return Err(ApiError::invalid("input", "`input` is required")),
         },
-        taken.collect(),
+        |id| taken.contains(id),
     );
     let mut messages = Vec::new();
     if let Some(instructions) = &request.instructions {
@@ -383,9 +384,11 @@ pub fn items_page(items: &[Json], query: &InputItemsQuery) -> Result<ItemList, A
 
 /// The input items as they are kept and listed: each message with its `type`, its content as parts (`input_text`,
 /// or `output_text` for the assistant's) and a `status`, and every item with an `id` (by its type, as the API's
-/// own items are named) that no item before it (those of `taken`, the conversation continued) has, so that the
-/// kept items can be listed page by page. The text the model sees is the same.
-pub(crate) fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Vec<Json> {
+/// own items are named) that no item before it has (neither an earlier one of `items` nor one for which `taken`
+/// is true: the conversation continued), so that the kept items can be listed page by page. The text the model
+/// sees is the same.
+pub(crate) fn normalized(mut items: Vec<Json>, taken: impl Fn(&str) -> bool) -> Vec<Json> {
+    let mut fresh = HashSet::new();
     for item in items.iter_mut().filter_map(Json::as_object_mut) {
         let kind = item.get("type").and_then(Json::as_str).unwrap_or("message").to_string();
         if kind == "message" {
@@ -407,8 +410,8 @@ pub(crate) fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Ve
             .filter(|id| id.len() <= MAX_ID)
             .map(String::from);
         match id {
-            Some(id) if !taken.contains(&id) => {
-                taken.insert(id);
+            Some(id) if !taken(&id) && !fresh.contains(&id) => {
+                fresh.insert(id);
             }
             _ => {
                 let prefix = match kind.as_str() {
@@ -418,7 +421,7 @@ pub(crate) fn normalized(mut items: Vec<Json>, mut taken: HashSet<String>) -> Ve
                     _ => "msg_",
                 };
                 let id = params::random_id(prefix);
-                taken.insert(id.clone());
+                fresh.insert(id.clone());
                 item.insert("id".into(), Json::String(id));
             }
         }
