@@ -545,12 +545,11 @@ extern "C" __global__ void __launch_bounds__(256)
 __device__ int attn_prefill_i8_v8 = ATTN_I8_V8 != 0;
 // With ATTN_I8_V8 the scales are fixed along a row rather than per key tile (ATTN_I8_V8_ROW, default 1): the values
 // have one scale per KV head (attn_prefill_v_max finds the head's largest magnitude before attn_prefill_v_codes codes
-// them), and P' = 448 x 2^(s - the row's running maximum) (x the tile's value scale / the largest the block reads,
-// which is 1 when every tile has the head's scale). Then P' V' is in the same units on every tile and O is rescaled
-// only where a row's maximum moves (the lazy maxima with no slack), which makes the kernel 6% faster than with a
-// scale per key tile. On the bundled model the row-fixed scales are as accurate as per-tile ones (bench/RESULTS.md).
-// ATTN_I8_V8_ROW=0 keeps a scale per (KV head, block of 64 positions) and the probabilities against each tile's
-// maximum, with O rescaled on every tile.
+// them), and P' = 448 x 2^(s - the row's running maximum). Then P' V' is in the same units on every tile and O is
+// rescaled only where a row's maximum moves (the lazy maxima with no slack), which makes the kernel 6% faster than
+// with a scale per key tile. On the bundled model the row-fixed scales are as accurate as per-tile ones
+// (bench/RESULTS.md). ATTN_I8_V8_ROW=0 keeps a scale per (KV head, block of 64 positions) and the probabilities
+// against each tile's maximum, with O rescaled on every tile.
 #ifndef ATTN_I8_V8_ROW
 #define ATTN_I8_V8_ROW 1
 #endif
@@ -956,21 +955,8 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
     float row_max[2] = {-INF_F, -INF_F};  // log2 units
     float row_sum[2] = {0.f, 0.f};        // this lane's columns only; the quad's sum at the end
     float o_div[2] = {1.f, 1.f};          // with V8: what O is held divided by
-    // With ROW: the largest value scale of the key tiles this block reads (value_ref), in which O is held.
-    float value_bias0 = 0.f;
-    if constexpr (Scores::ROW) {
-        __shared__ float ref_part[PF_THREADS / WARP];
-        float ref = 1e-20f;
-        for (int it = threadIdx.x; it < key_tiles; it += PF_THREADS)
-            ref = fmaxf(ref, sc.value_scale(key_begin + it * KEY_TILE, kv_head));
-        ref = warp_max(ref);
-        if (lane == 0) ref_part[warp] = ref;
-        __syncthreads();
-#pragma unroll
-        for (int w = 0; w < PF_THREADS / WARP; w++) ref = fmaxf(ref, ref_part[w]);
-        value_bias0 = 8.807354922f - __log2f(ref);  // log2(448 / value_ref)
-        o_div[0] = o_div[1] = ref * (1.f / E4M3_MAX);
-    }
+    // With ROW every key tile of the head has the head's value scale, in which O is held (times 1 / 448).
+    if constexpr (Scores::ROW) o_div[0] = o_div[1] = sc.value_scale(key_begin, kv_head) * (1.f / E4M3_MAX);
     const u32 q_wg = q_smem + wg * 64 * 128;
     // P of the tile before as A fragments: keys 16 j .. 16 j + 15 are the n8 blocks 2 j (k 0..7) and 2 j + 1.
     u32 p[KEY_TILE / 16][4];
@@ -988,8 +974,6 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             apw_load_tile(v_pool, pages, v_smem + (it % 2) * APW_KV_BYTES, it, key_begin, key_end, kv_head);
         cp_async_commit();
         const float value_scale = sc.value_scale(key0, kv_head);  // with V8: tile it's values' scale
-        // With ROW: log2 of 448 x this tile's value scale / the largest the block reads.
-        const float value_bias = Scores::ROW ? __log2f(value_scale) + value_bias0 : 0.f;
         if (it + 2 < key_tiles) sc.load_keys(k_smem, (it + 2) % 3, it + 2, key_begin, key_end, kv_head);
         cp_async_commit();
 
@@ -1043,7 +1027,7 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
             row_max[r] = new_max;
             // With V8 the tile's probabilities are taken against their own maximum (at most 2^16 below the row's)
             // and scaled so that it is 448, e4m3's largest: P' = P x 448 / 2^(tile max - row max).
-            const float exp_base = Scores::ROW  ? base - value_bias
+            const float exp_base = Scores::ROW  ? base - 8.807354922f  // log2(448)
                                    : Scores::V8 ? fmaxf(tile_max, base - 16.f) - 8.807354922f
                                                 : base;
             float sum = 0.f;
@@ -1054,8 +1038,8 @@ __device__ __forceinline__ void apw_attention(Scores sc, unsigned char* smem_raw
                 sum += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
             }
             if constexpr (Scores::ROW) {
-                // P = P' x 2^-value_bias; O is held divided by value_ref / 448 throughout.
-                row_sum[r] = row_sum[r] * alpha[r] + sum * exp2_approx(-value_bias);
+                // P = P' / 448; O is held divided by the head's value scale / 448 throughout.
+                row_sum[r] = row_sum[r] * alpha[r] + sum * (1.f / E4M3_MAX);
             } else if constexpr (Scores::V8) {
                 // P = P' x to_true; O is held divided by f (to_true x the values' scale, as of the last tile), so
                 // its rescaling before this tile's product is alpha x f_before / f.
