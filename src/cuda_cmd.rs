@@ -296,8 +296,9 @@ pub struct BenchArgs {
     /// Also print the per-kernel GPU time of one step at each depth (CUDA events).
     #[arg(long)]
     pub profile: bool,
-    /// Also time each kernel inside the captured decode step at each depth (kernels compiled with a clock
-    /// probe after each one's wait for the previous kernel; the timed tests then run those kernels too).
+    /// Also time each kernel inside the captured decode step and inside one prefill of each prompt size at each
+    /// depth (kernels compiled with a clock probe after each one's wait for the previous kernel; the timed tests
+    /// then run those kernels too).
     #[arg(long)]
     pub timeline: bool,
     #[arg(long, default_value_t = 1)]

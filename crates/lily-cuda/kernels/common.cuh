@@ -201,12 +201,15 @@ __device__ __forceinline__ float nibble_to_float(u32 word, int shift) {
 
 #ifdef LILY_TIMELINE
 // `lily bench --timeline`: the first thread of each kernel takes the next slot before its wait (kernels start in
-// launch order, so slots follow it) and writes the global clock (ns) there when the wait returns.
+// launch order, so slots follow it) and writes the global clock (ns) there when the wait returns, with the launch's
+// grid id. A kernel that waits more than once (a persistent product waits before each item) takes a slot each
+// time; the host keeps each launch's first.
 #define TIMELINE_SLOTS (1 << 16)
 struct Timeline {
     u32 next;
     u32 unused;
     u64 at[TIMELINE_SLOTS];
+    u64 grid[TIMELINE_SLOTS];
 };
 __device__ Timeline* timeline;  // set by the host in every module
 #endif
@@ -229,8 +232,11 @@ __device__ __forceinline__ void wait_previous() {
 #ifdef LILY_TIMELINE
     if (slot < TIMELINE_SLOTS) {
         u64 now;
+        u64 grid;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        asm("mov.u64 %0, %%gridid;" : "=l"(grid));
         timeline->at[slot] = now;
+        timeline->grid[slot] = grid;
     }
 #endif
 }

@@ -246,6 +246,25 @@ pub fn run(backend: &mut CudaBackend, plan: &Plan) -> Result<Vec<Row>> {
                 1e6 / synced - 1e6 / queued
             );
         }
+        if let Some(timeline) = &timeline {
+            for &count in &plan.prompts {
+                set_depth(backend, depth, plan.fill, &mut rng)?;
+                let ids = random_tokens(&mut rng, vocab, count);
+                // A kernel whose first block skips its wait leaves no reading: then the pass is not attributed, and
+                // the benchmark goes on.
+                match timeline.measure_prefill(backend, depth, &ids) {
+                    Ok((profile, span, (last, _))) => {
+                        println!(
+                            "\ninside a {count}-token prefill at depth {depth} (from each kernel's wait returning to \
+                             the next one's; {span:.3} ms from the first kernel's wait to the last one's, {last}, \
+                             which is not counted):"
+                        );
+                        println!("{}", profile.report("  ", 24));
+                    }
+                    Err(e) => println!("\nthe timeline of a {count}-token prefill at depth {depth}: {e}"),
+                }
+            }
+        }
         if let (Some(timeline), true) = (&timeline, plan.generate > 1) {
             set_depth(backend, depth, plan.fill, &mut rng)?;
             let tokens = random_tokens(&mut rng, vocab, plan.generate);

@@ -1,20 +1,25 @@
-//! Where the captured decode step's time goes, kernel by kernel, as it runs (`lily bench --timeline`). Kernels
-//! compiled with `-DLILY_TIMELINE` note the global clock when their wait for the previous kernel returns (see
-//! `wait_previous` in common.cuh); the time from one kernel's wait to the next one's is what that kernel adds to
-//! the step: its work after the wait, then the launch boundary. CUDA events around each launch (`--profile`)
-//! cannot see this inside a graph, where kernels overlap.
+//! Where a pass's time goes, kernel by kernel, as it runs (`lily bench --timeline`): the captured decode step, and
+//! a prompt's prefill. Kernels compiled with `-DLILY_TIMELINE` note the global clock when their wait for the
+//! previous kernel returns (see `wait_previous` in common.cuh); the time from one kernel's wait to the next one's is
+//! what that kernel adds to the pass: its work after the wait, then the launch boundary. CUDA events around each
+//! launch (`--profile`) cannot see this: they keep kernels from overlapping, and inside a graph there are none.
 
 use lily_model::backend::Backend;
 use lily_model::config::LayerKind;
 
 use crate::driver::{DevBuf, GpuError, Result};
+use crate::launch::{Profile, Shape};
 use crate::model::{CudaBackend, Op};
 
 /// Slots of the device buffer (`TIMELINE_SLOTS` in common.cuh).
 const SLOTS: usize = 1 << 16;
 
+/// A kernel that waits again takes another slot, with its launch's grid id; such a slot is dropped if a launch
+/// among the last `REPEATS_WITHIN` kept has the same id (a later launch may reuse an id, but not that soon).
+const REPEATS_WITHIN: usize = 4;
+
 pub struct Timeline {
-    /// A u32 count of entries, then up to SLOTS u64 clock readings.
+    /// A u32 count of slots taken, then SLOTS u64 clock readings, then SLOTS u64 grid ids.
     buf: DevBuf<u64>,
 }
 
@@ -29,7 +34,7 @@ impl Timeline {
     /// Needs a model whose kernels were loaded after [`crate::kernels::enable_timeline`].
     pub fn attach(backend: &CudaBackend) -> Result<Timeline> {
         let model = &backend.model;
-        let buf = model.gpu.alloc_zeroed(1 + SLOTS)?;
+        let buf = model.gpu.alloc_zeroed(1 + 2 * SLOTS)?;
         model.kernels.attach_timeline(&model.gpu, buf.ptr())?;
         Ok(Timeline { buf })
     }
@@ -53,18 +58,14 @@ impl Timeline {
             backend.decode(t).map_err(|e| GpuError::Other(e.to_string()))?;
             backend.read_next_token()?;
         }
-        let gpu = &backend.model.gpu;
-        let mut count = [0u32];
-        gpu.download(self.buf.ptr().cast::<u32>(), &mut count)?;
+        let at = self.launches(backend)?;
         let expected = tokens.len() * per_step;
-        if count[0] as usize != expected {
+        if at.len() != expected {
             return Err(GpuError::Other(format!(
-                "the timeline has {} entries where {expected} were expected",
-                count[0]
+                "the timeline has {} launches where {expected} were expected",
+                at.len()
             )));
         }
-        let mut at = vec![0u64; expected];
-        gpu.download(self.buf.at(1), &mut at)?;
         // The last step has no next kernel to close its head.
         let steps = tokens.len() - 1;
         let mut entries: Vec<Entry> = Vec::new();
@@ -89,6 +90,71 @@ impl Timeline {
         entries.sort_by(|a, b| b.us_per_step.total_cmp(&a.us_per_step));
         Ok(entries)
     }
+
+    /// Prefills `ids` after the `depth` positions the sequence holds, with no synchronisation inside the pass,
+    /// and returns what each launch adds to it (times in ms, by kernel and grid) and the pass's span in ms, from
+    /// the first kernel's wait to the last one's. The last launch has no next one to close it: it is left out and
+    /// returned apart.
+    pub fn measure_prefill(
+        &self,
+        backend: &mut CudaBackend,
+        depth: usize,
+        ids: &[u32],
+    ) -> Result<(Profile, f64, Shape)> {
+        let model = &backend.model;
+        model.gpu.upload(model.state.tokens.at(depth).cast::<u32>(), ids)?;
+        model.gpu.memset_u8(self.buf.ptr(), 0, 8)?;
+        model.gpu.sync()?;
+        let mut launched = Profile::names_only();
+        model.enqueue_prefill(depth, ids.len(), Some(&mut launched))?;
+        model.gpu.sync()?;
+        let at = self.launches(backend)?;
+        let shapes = std::mem::take(&mut launched.launched);
+        if at.len() != shapes.len() || at.len() < 2 {
+            return Err(GpuError::Other(format!(
+                "the timeline has {} launches where the prefill made {}",
+                at.len(),
+                shapes.len()
+            )));
+        }
+        let mut profile = Profile::default();
+        for (i, shape) in shapes.iter().enumerate().take(shapes.len() - 1) {
+            profile.add_time(*shape, (at[i + 1] - at[i]) as f64 / 1e6);
+        }
+        let span = (at[at.len() - 1] - at[0]) as f64 / 1e6;
+        Ok((profile, span, shapes[shapes.len() - 1]))
+    }
+
+    /// The clock reading of each launch since the count was cleared, in launch order: each launch's first slot
+    /// (see [`REPEATS_WITHIN`]).
+    fn launches(&self, backend: &CudaBackend) -> Result<Vec<u64>> {
+        let gpu = &backend.model.gpu;
+        let mut count = [0u32];
+        gpu.download(self.buf.ptr().cast::<u32>(), &mut count)?;
+        let taken = count[0] as usize;
+        if taken > SLOTS {
+            return Err(GpuError::Other(format!(
+                "the timeline holds {SLOTS} slots; {taken} were taken"
+            )));
+        }
+        let (mut at, mut grid) = (vec![0u64; taken], vec![0u64; taken]);
+        gpu.download(self.buf.at(1), &mut at)?;
+        gpu.download(self.buf.at(1 + SLOTS), &mut grid)?;
+        Ok(first_of_each_launch(&at, &grid))
+    }
+}
+
+/// The readings `at` of the slots, the grid ids `grid` beside them, less each slot whose id one of the last
+/// [`REPEATS_WITHIN`] slots kept has: a launch's later waits.
+fn first_of_each_launch(at: &[u64], grid: &[u64]) -> Vec<u64> {
+    let mut kept: Vec<(u64, u64)> = Vec::with_capacity(at.len());
+    for (&t, &g) in at.iter().zip(grid) {
+        let from = kept.len().saturating_sub(REPEATS_WITHIN);
+        if !kept[from..].iter().any(|&(_, kept_grid)| kept_grid == g) {
+            kept.push((t, g));
+        }
+    }
+    kept.into_iter().map(|(t, _)| t).collect()
 }
 
 fn label(backend: &CudaBackend, op: Op) -> String {
@@ -107,5 +173,22 @@ fn label(backend: &CudaBackend, op: Op) -> String {
         Op::ExpertsDown(_) => "experts_down".into(),
         Op::AdvancePosition => "advance_position".into(),
         Op::LmHead => "lm_head, then the host's round trip".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_of_each_launch;
+
+    #[test]
+    fn a_launch_that_waits_again_keeps_its_first_reading() {
+        // Launch 7 waits three times, the second after launch 8 took its slot; launch 9 once.
+        let at = [10, 20, 25, 30, 40];
+        let grid = [7, 8, 7, 9, 7];
+        assert_eq!(first_of_each_launch(&at, &grid), vec![10, 20, 30]);
+        // Id 7 again after four other launches is a new launch (which then waits twice).
+        let at: Vec<u64> = (0..7).collect();
+        let grid = [7, 10, 11, 12, 13, 7, 7];
+        assert_eq!(first_of_each_launch(&at, &grid), vec![0, 1, 2, 3, 4, 5]);
     }
 }
