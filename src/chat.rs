@@ -49,6 +49,8 @@ pub struct ChatArgs {
     /// Where to run: CUDA where a GPU is usable (auto), or the one named.
     #[arg(long, value_enum, default_value = "auto")]
     device: crate::cuda_cmd::Device,
+    #[command(flatten)]
+    kernels: crate::cuda_cmd::KernelArgs,
     /// Print prompt size and speed after each answer.
     #[arg(long)]
     stats: bool,
@@ -355,6 +357,7 @@ const HELP: &str = "commands: /reset (start over), /system TEXT (set the system 
                     /exit; Ctrl-C stops an answer; Ctrl-C twice or Ctrl-D at the prompt quits";
 
 pub fn run(args: ChatArgs) -> Result<()> {
+    args.kernels.apply();
     let dir = model_dir(&args.model)?;
     let params = args.sampling.params(&dir)?;
     if args.max_tokens == 0 {

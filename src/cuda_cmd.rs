@@ -22,6 +22,41 @@ pub enum Device {
     Cuda,
 }
 
+/// How the prefill's 8-bit attention (long calls on Hopper, README "The KV cache") takes the values and the
+/// probabilities that weigh them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionValues {
+    /// bf16 values and probabilities, as every other attention call.
+    #[default]
+    Bf16,
+    /// e4m3 values (one scale per KV head) and probabilities: faster after long contexts, at a larger logit error
+    /// (bench/RESULTS.md states both).
+    E4m3,
+}
+
+/// The GPU kernels' options of a command.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct KernelArgs {
+    /// The number format of the values in the prefill's 8-bit attention on Hopper GPUs (sm_90a) [default: bf16].
+    /// Given, it replaces what LILY_KERNEL_DEFINES says of ATTN_I8_V8 (e4m3 is ATTN_I8_V8=1).
+    #[arg(long, value_enum)]
+    pub attention_values: Option<AttentionValues>,
+}
+
+impl KernelArgs {
+    /// Sets the kernels' switches that were given; before the first kernel is compiled.
+    pub fn apply(&self) {
+        if let Some(values) = self.attention_values {
+            let v8 = match values {
+                AttentionValues::Bf16 => "0",
+                AttentionValues::E4m3 => "1",
+            };
+            lily_cuda::kernels::set_switch("ATTN_I8_V8", v8);
+            tracing::info!("the prefill's 8-bit attention takes {values:?} values (--attention-values)");
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Shape {
     Tiny,
@@ -197,9 +232,12 @@ pub struct SelftestArgs {
     /// Seed of the random inputs and weights (by default a new one each run, printed first): repeats a run.
     #[arg(long)]
     pub seed: Option<u64>,
+    #[command(flatten)]
+    pub kernels: KernelArgs,
 }
 
 pub fn selftest(args: SelftestArgs) -> Result<()> {
+    args.kernels.apply();
     if args.compile_only {
         if !lily_cuda::kernels::nvrtc_available() {
             bail!("libnvrtc not found: pip install nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH");
@@ -263,6 +301,8 @@ pub struct BenchArgs {
     /// Where to run: the GPU (`cuda`, the default) or the CPU backend (`cpu`: depths are filled by prefill).
     #[arg(long, value_enum, default_value = "cuda")]
     pub device: Device,
+    #[command(flatten)]
+    pub kernels: KernelArgs,
     /// CPU only: thread counts to time (comma-separated; default: one thread per core).
     #[arg(short = 't', long = "threads", value_parser = parse_list, default_value = "")]
     pub threads: Vec<List>,
@@ -316,6 +356,7 @@ pub struct BenchArgs {
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
+    args.kernels.apply();
     match args.device {
         Device::Cpu => return crate::cpu_bench::run(args),
         Device::Auto => bail!("lily bench needs --device cuda or --device cpu"),

@@ -90,6 +90,8 @@ pub struct GenerateArgs {
     /// Where to run: CUDA where a GPU is usable (auto), or the one named.
     #[arg(long, value_enum, default_value = "auto")]
     device: crate::cuda_cmd::Device,
+    #[command(flatten)]
+    kernels: crate::cuda_cmd::KernelArgs,
     /// Treat --prompt as a user message: render it with the model's chat template and print only the answer on
     /// stdout (the reasoning goes to stderr).
     #[arg(long)]
@@ -123,6 +125,7 @@ pub fn load_model(dir: &Path) -> Result<CpuModel> {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    args.kernels.apply();
     let dir = model_dir(&args.model)?;
     let params = args.sampling.params(&dir)?;
     if args.chat {

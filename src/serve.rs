@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::cuda_cmd::Device;
+use crate::cuda_cmd::{Device, KernelArgs};
 use anyhow::Result;
 use clap::Args;
 use lily_server::BackendFactory;
@@ -16,9 +16,12 @@ pub struct ServeCmd {
     /// shown by GET /health.
     #[arg(long, value_enum, default_value = "auto")]
     device: Device,
+    #[command(flatten)]
+    kernels: KernelArgs,
 }
 
 pub fn run(args: ServeCmd) -> Result<()> {
+    args.kernels.apply();
     let device = args.device;
     lily_server::run(args.serve, move |dir| backend_factory(device, dir))
 }

@@ -146,15 +146,38 @@ fn options(config: &Config, target: &Target, timeline: bool) -> Vec<String> {
     opts
 }
 
+/// The kernel switches a command line chose (see [`set_switch`]), by name.
+static SWITCHES: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Compiles every kernel from now on with `name` defined as `value`, as if `LILY_KERNEL_DEFINES` said so and in
+/// place of what it says for `name`: how a command-line option (`--attention-values`) turns a kernel file's switch.
+/// Call it before the first kernel is compiled.
+pub fn set_switch(name: &str, value: &str) {
+    let mut switches = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    switches.retain(|(n, _)| n != name);
+    switches.push((name.to_string(), value.to_string()));
+}
+
 /// Extra `-D` defines from `LILY_KERNEL_DEFINES` (space-separated `NAME=VALUE`), for trying a kernel's tuning
-/// constants (those its file guards with `#ifndef`) on a GPU without a rebuild. The kernel cache keys on them.
+/// constants (those its file guards with `#ifndef`) on a GPU without a rebuild, and the switches set by
+/// [`set_switch`]. The kernel cache keys on them.
 fn tuning_defines() -> Vec<String> {
-    let Some(list) = std::env::var_os("LILY_KERNEL_DEFINES") else {
-        return Vec::new();
+    let env = std::env::var_os("LILY_KERNEL_DEFINES").map(|v| v.to_string_lossy().into_owned());
+    let env = env.unwrap_or_default();
+    let switches = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    merged_defines(&env, &switches)
+}
+
+/// The `-D` options of `env` (space-separated `NAME=VALUE`) less those of a name in `switches`, then the switches.
+fn merged_defines(env: &str, switches: &[(String, String)]) -> Vec<String> {
+    let switched = |d: &str| {
+        let name = d.split('=').next().unwrap_or(d);
+        switches.iter().any(|(n, _)| n == name)
     };
-    list.to_string_lossy()
-        .split_whitespace()
+    let from_env = env.split_whitespace().filter(|d| !switched(d));
+    from_env
         .map(|d| format!("-D{d}"))
+        .chain(switches.iter().map(|(n, v)| format!("-D{n}={v}")))
         .collect()
 }
 
@@ -646,6 +669,17 @@ mod tests {
         log.lines()
             .filter(|l| l.contains("C7514") || l.contains("C7517"))
             .collect()
+    }
+
+    #[test]
+    fn a_switch_replaces_what_the_environment_says_for_its_name() {
+        let switches = [("ATTN_I8_V8".to_string(), "1".to_string())];
+        assert_eq!(
+            merged_defines("GEMM_SMALL_MIN_PIECES=4 ATTN_I8_V8=0  ATTN_I8_V8_ROW=0", &switches),
+            ["-DGEMM_SMALL_MIN_PIECES=4", "-DATTN_I8_V8_ROW=0", "-DATTN_I8_V8=1"]
+        );
+        assert_eq!(merged_defines("", &switches), ["-DATTN_I8_V8=1"]);
+        assert_eq!(merged_defines(" A=1 ", &[]), ["-DA=1"]);
     }
 
     /// nvdisasm from `NVDISASM` or the PATH (scripts/python_env.sh puts the pip package's on it), if there is one.
