@@ -745,10 +745,11 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 1)
 // long for 3 tokens as for 64, then the state pass: more than the recurrence itself. deltanet_prefill_short runs the
 // decode step's arithmetic (kernels/deltanet.cu) token by token instead, and leaves o in v_o as the state pass would,
 // for deltanet_prefill_norm. Grid (value heads, SHORT_SPLIT), PREFILL_THREADS threads: a block owns SHORT_COLS state
-// columns of one value head, held in registers (thread: two columns of ROWS_PER_THREAD rows). It first computes, for
+// columns of one value head, held in registers (a warp 4 columns, a lane 4 rows of them). It first computes, for
 // every token at once, the conv + SiLU of its key head's q and k (thread c takes channel c of [q; k]) and of its
-// value columns, the l2-norms and the gates, into shared memory; then, per token, two block reductions: k . S (for
-// u = beta (v - k S)) and q . S after the update. The conv's taps come from the call's own proj rows or, before its
+// value columns, the l2-norms and the gates, into shared memory; then, per token, two warp reductions: k . S (for
+// u = beta (v - k S)) and q . S after the update. A token costs no block barrier: the warps run their columns'
+// recurrences side by side. The conv's taps come from the call's own proj rows or, before its
 // first token, from the ring, which this kernel only reads (deltanet_prefill_norm updates it). At `cut` (tokens
 // into the call, 0 for none) the state goes to cut_state and the ring as those tokens leave it to cut_ring (the
 // blocks that own a channel write it: a key head's q and k by its first value head's first block, the value columns
@@ -796,16 +797,14 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     deltanet_prefill_short(const float* proj, int t, int start, const float* ring, const float* conv_w,
                            const float* a_log, const float* dt_bias, float* v_o, f16* state, int cut,
                            f16* cut_state, float* cut_ring, int cut2, f16* cut_state2, float* cut_ring2) {
-    constexpr int PAIRS = SHORT_COLS / 2;
-    constexpr int ROW_GROUPS = PREFILL_THREADS / PAIRS;
-    constexpr int ROWS_PER_THREAD = DK / ROW_GROUPS;
-    static_assert(2 * DK == PREFILL_THREADS && DK % ROW_GROUPS == 0 && PREFILL_THREADS % SHORT_COLS == 0,
-                  "a thread a channel of [q; k]; whole rows a thread; whole threads a value column");
-    static_assert(DK == 4 * WARP, "a lane takes 4 channels of q and of k in the norms");
-    __shared__ float qk[SHORT_MAX_TOKENS][2 * DK];
-    __shared__ float v[SHORT_MAX_TOKENS][SHORT_COLS];
+    constexpr int WARP_COLS = SHORT_COLS / PREFILL_WARPS, LANE_ROWS = DK / WARP;
+    constexpr int V_STEP = PREFILL_THREADS / SHORT_COLS, RAW = SHORT_MAX_TOKENS + CONV_K - 1;
+    static_assert(2 * DK == PREFILL_THREADS && WARP_COLS == 4 && LANE_ROWS == 4, "a thread a channel of [q; k]; "
+                  "a warp 4 state columns, a lane 4 rows of them");
+    static_assert(SHORT_MAX_TOKENS % V_STEP == 0, "whole rounds of the threads take the value columns' tokens");
+    __shared__ __align__(16) float qk[SHORT_MAX_TOKENS][2 * DK];
+    __shared__ __align__(16) float v[SHORT_MAX_TOKENS][SHORT_COLS];
     __shared__ float beta_s[SHORT_MAX_TOKENS], decay_s[SHORT_MAX_TOKENS];
-    __shared__ float red_kv[ROW_GROUPS][SHORT_COLS], red_o[ROW_GROUPS][SHORT_COLS];
     if (t > SHORT_MAX_TOKENS) __trap();  // the host takes the chunked form past SHORT_MAX_TOKENS
 
     const int head = blockIdx.x, key_head = head / HEADS_PER_KEY, col0 = blockIdx.y * SHORT_COLS;
@@ -819,11 +818,31 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     for (int j = 0; j < CONV_K; j++) w_qk[j] = conv_w[c_qk * CONV_K + j], w_v[j] = conv_w[c_v * CONV_K + j];
     wait_previous();
 
-    // Every token's conv + SiLU of [q; k] (thread tid: channel tid) and of the block's value columns (column vc,
-    // every (PREFILL_THREADS / SHORT_COLS)-th token), and the gates.
-    for (int i = 0; i < t; i++) qk[i][tid] = conv_silu(proj, ring, w_qk, start, i, c_qk);
-    for (int i = tid / SHORT_COLS; i < t; i += PREFILL_THREADS / SHORT_COLS)
-        v[i][vc] = conv_silu(proj, ring, w_v, start, i, c_v);
+    // Every token's conv + SiLU of [q; k] (thread tid: channel tid). The channel's inputs at positions start - 3 ..
+    // start + t - 1 are read first, all at once (raw[p] is position start + p - (CONV_K - 1)), so the reads wait
+    // for memory once rather than once a token; the sums are conv_silu's, in its order.
+    {
+        float raw[RAW];
+#pragma unroll
+        for (int p = 0; p < RAW; p++) {
+            const int i = p - (CONV_K - 1);
+            raw[p] = i < t ? conv_input(proj, ring, start, i, 0, c_qk) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < SHORT_MAX_TOKENS; i++) {
+            if (i >= t) break;
+            float acc = w_qk[CONV_K - 1] * raw[i + CONV_K - 1];
+#pragma unroll
+            for (int j = 0; j < CONV_K - 1; j++) acc += w_qk[j] * raw[i + j];
+            qk[i][tid] = siluf_(acc);
+        }
+    }
+    // The block's value columns: column vc of tokens tid / SHORT_COLS, + V_STEP, ..., each read in one go.
+#pragma unroll
+    for (int m = 0; m < SHORT_MAX_TOKENS / V_STEP; m++) {
+        const int i = tid / SHORT_COLS + m * V_STEP;
+        if (i < t) v[i][vc] = conv_silu(proj, ring, w_v, start, i, c_v);
+    }
     for (int i = tid; i < t; i += PREFILL_THREADS) {
         const float* row = proj + (size_t)i * PROJ_DIM + LIN_CONV_DIM + LIN_V_DIM;
         beta_s[i] = sigmoidf_(row[head]);
@@ -852,57 +871,64 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
         }
     }
 
-    // The state's columns col0 + j, j + 1, rows i0 .. i0 + ROWS_PER_THREAD, in f32.
-    const int j = 2 * (tid % PAIRS), group = tid / PAIRS, i0 = group * ROWS_PER_THREAD;
-    const size_t at = (size_t)head * DK * DV + col0 + j;
-    float2 col[ROWS_PER_THREAD];
+    // Warp w owns the state's columns col0 + 4 w .. + 3, lane l their rows 4 l .. 4 l + 3 (s[r][c], f32), so a
+    // token's sums over the rows are warp reductions and the warps never wait for each other.
+    const int i0 = LANE_ROWS * lane, wc = WARP_COLS * warp;
+    const size_t at = (size_t)head * DK * DV + col0 + wc;
+    float s[LANE_ROWS][WARP_COLS];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_THREAD; r++) col[r] = f16x2_to_float2(*(const u32*)&state[at + (size_t)(i0 + r) * DV]);
+    for (int r = 0; r < LANE_ROWS; r++) {
+        const uint2 h = *(const uint2*)&state[at + (size_t)(i0 + r) * DV];
+        const float2 a = f16x2_to_float2(h.x), b = f16x2_to_float2(h.y);
+        s[r][0] = a.x, s[r][1] = a.y, s[r][2] = b.x, s[r][3] = b.y;
+    }
     auto store_state = [&](f16* to) {
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_THREAD; r++)
-            *(u32*)&to[at + (size_t)(i0 + r) * DV] = float2_to_f16x2(col[r].x, col[r].y);
+        for (int r = 0; r < LANE_ROWS; r++)
+            *(uint2*)&to[at + (size_t)(i0 + r) * DV] =
+                make_uint2(float2_to_f16x2(s[r][0], s[r][1]), float2_to_f16x2(s[r][2], s[r][3]));
     };
-    __syncthreads();
+    // Each column's sum over the warp's lanes, in every lane.
+    auto warp_sums = [](float (&x)[WARP_COLS]) {
+#pragma unroll
+        for (int o = WARP / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int c = 0; c < WARP_COLS; c++) x[c] += __shfl_xor_sync(0xffffffffu, x[c], o);
+    };
+    __syncthreads();  // the norms are done
 
     const int padded = (t + CHUNK - 1) / CHUNK * CHUNK;
     for (int i = 0; i < t; i++) {
         const float decay = decay_s[i], beta = beta_s[i];
-        const float* k = &qk[i][DK];
-        const float* q = &qk[i][0];
-        float2 kv = make_float2(0.f, 0.f);
+        const float4 q4 = *(const float4*)&qk[i][i0], k4 = *(const float4*)&qk[i][DK + i0];
+        const float4 v4 = *(const float4*)&v[i][wc];
+        const float q[LANE_ROWS] = {q4.x, q4.y, q4.z, q4.w}, k[LANE_ROWS] = {k4.x, k4.y, k4.z, k4.w};
+        const float vi[WARP_COLS] = {v4.x, v4.y, v4.z, v4.w};
+        float kv[WARP_COLS], o[WARP_COLS];
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_THREAD; r++) {
-            col[r].x *= decay, col[r].y *= decay;
-            kv.x = fmaf(col[r].x, k[i0 + r], kv.x);
-            kv.y = fmaf(col[r].y, k[i0 + r], kv.y);
+        for (int c = 0; c < WARP_COLS; c++) {
+            kv[c] = 0.f;
+#pragma unroll
+            for (int r = 0; r < LANE_ROWS; r++) {
+                s[r][c] *= decay;
+                kv[c] = fmaf(s[r][c], k[r], kv[c]);
+            }
         }
-        red_kv[group][j] = kv.x;
-        red_kv[group][j + 1] = kv.y;
-        __syncthreads();
-        float2 kv_mem = make_float2(0.f, 0.f);
+        warp_sums(kv);
 #pragma unroll
-        for (int gi = 0; gi < ROW_GROUPS; gi++) kv_mem.x += red_kv[gi][j], kv_mem.y += red_kv[gi][j + 1];
-        const float u0 = (v[i][j] - kv_mem.x) * beta, u1 = (v[i][j + 1] - kv_mem.y) * beta;
-        float2 o = make_float2(0.f, 0.f);
+        for (int c = 0; c < WARP_COLS; c++) {
+            const float u = (vi[c] - kv[c]) * beta;
+            o[c] = 0.f;
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_THREAD; r++) {
-            col[r].x = fmaf(k[i0 + r], u0, col[r].x);
-            col[r].y = fmaf(k[i0 + r], u1, col[r].y);
-            o.x = fmaf(col[r].x, q[i0 + r], o.x);
-            o.y = fmaf(col[r].y, q[i0 + r], o.y);
+            for (int r = 0; r < LANE_ROWS; r++) {
+                s[r][c] = fmaf(k[r], u, s[r][c]);
+                o[c] = fmaf(s[r][c], q[r], o[c]);
+            }
         }
-        red_o[group][j] = o.x;
-        red_o[group][j + 1] = o.y;
+        warp_sums(o);
+        if (lane == 0) *(float4*)&v_o[((size_t)head * padded + i) * DV + col0 + wc] = make_float4(o[0], o[1], o[2], o[3]);
         if (i + 1 == cut) store_state(cut_state);
         if (i + 1 == cut2) store_state(cut_state2);
-        __syncthreads();
-        if (group == 0) {
-            float2 out = make_float2(0.f, 0.f);
-#pragma unroll
-            for (int gi = 0; gi < ROW_GROUPS; gi++) out.x += red_o[gi][j], out.y += red_o[gi][j + 1];
-            *(float2*)&v_o[((size_t)head * padded + i) * DV + col0 + j] = out;
-        }
     }
     store_state(state);
 }
