@@ -33,15 +33,16 @@ struct Conversation {
 }
 
 impl Conversation {
+    /// A conversation of `items`, counted once here: its metadata's and items' JSON, and for each item what
+    /// holding it costs beyond its text.
     fn new(object: ConversationObject, items: Vec<Json>) -> Conversation {
-        let mut c = Conversation {
+        let bytes = json_bytes(&object.metadata) + items.iter().map(json_bytes).sum::<usize>();
+        Conversation {
             object,
             ids: items.iter().filter_map(item_id).collect(),
             items,
-            bytes: 0,
-        };
-        c.measure();
-        c
+            bytes,
+        }
     }
 
     /// Appends items whose ids no item of the conversation has (as [`responses::normalized`] makes them).
@@ -50,11 +51,6 @@ impl Conversation {
             self.ids.extend(item_id(&item));
             self.items.push(item);
         }
-    }
-
-    /// Counts the conversation's JSON, and for each item what holding it costs beyond its text.
-    fn measure(&mut self) {
-        self.bytes = json_bytes(&self.object.metadata) + self.items.iter().map(json_bytes).sum::<usize>();
     }
 }
 
