@@ -87,6 +87,9 @@ pub struct ServerConfig {
     /// Bytes of finished `/v1/responses` answers kept for `previous_response_id` and retrieval (0: none kept);
     /// conversations have the same amount again.
     pub response_store_bytes: usize,
+    /// Build the token trie of constrained decoding while the weights load, so that the first request with a
+    /// `response_format` or tools does not wait for it; otherwise that request builds it.
+    pub structured_at_start: bool,
 }
 
 impl ServerConfig {
@@ -113,6 +116,7 @@ impl ServerConfig {
             pool: PoolOptions::default(),
             engine: EngineOptions::default(),
             response_store_bytes: DEFAULT_RESPONSE_STORE_MIB << 20,
+            structured_at_start: true,
         }
     }
 }
@@ -142,12 +146,15 @@ pub struct Ready {
     pub limits: RequestLimits,
     /// See [`ServerConfig::special_tokens_in_content`].
     pub special_tokens_in_content: bool,
-    /// The token trie for constrained decoding, built by the first constrained request.
-    pub structured: LazyStructured,
+    /// The token trie for constrained decoding: built while the weights load (`structured_at_start`), or by the
+    /// first constrained request.
+    pub structured: Arc<LazyStructured>,
 }
 
-/// The token trie for constrained decoding: it takes seconds to build, so it is built once, when the first request
-/// that needs it is prepared (on the blocking pool), rather than at every start-up.
+/// The token trie for constrained decoding. It takes about a second of one core to build, so it is built once: on a
+/// thread of its own while the weights load ([`LazyStructured::build_in_background`]), or when the first request
+/// that needs it is prepared (on the blocking pool). A request that needs it while the thread still builds it
+/// waits for that build rather than starting another.
 pub struct LazyStructured {
     tokenizer: Arc<Tokenizer>,
     vocab_size: usize,
@@ -176,6 +183,24 @@ impl LazyStructured {
                 }
             })
             .as_ref()
+    }
+
+    /// Builds the trie on a thread of its own (a no-op once built).
+    pub fn build_in_background(self: &Arc<Self>) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let lazy = self.clone();
+        std::thread::Builder::new()
+            .name("lily-structured".into())
+            .spawn(move || {
+                let start = Instant::now();
+                if lazy.get().is_some() {
+                    tracing::debug!(ms = start.elapsed().as_secs_f64() * 1e3, "built the token trie");
+                }
+            })
+    }
+
+    /// Whether the trie has been built (or found not to fit the model).
+    pub fn is_built(&self) -> bool {
+        self.env.get().is_some()
     }
 }
 
@@ -552,8 +577,20 @@ fn load(
         "--context {context} is beyond the model's max_position_embeddings ({})",
         model_config.max_position_embeddings
     );
+    // The backend's logits are config.json's vocabulary wide (a backend that says otherwise gets a trie of its own,
+    // built by the first constrained request).
+    let mut structured = Arc::new(LazyStructured::new(tokenizer.clone(), model_config.vocab_size));
+    if config.structured_at_start {
+        // A failure to start the thread only leaves the build to the first request that needs it.
+        if let Err(e) = structured.build_in_background() {
+            tracing::warn!("the token trie will be built by the first constrained request: {e}");
+        }
+    }
     eprintln!("lily serve: loading weights (context {context} tokens) ...");
     let backend = factory(context, &config.pool).context("loading the weights")?;
+    if backend.config().vocab_size != model_config.vocab_size {
+        structured = Arc::new(LazyStructured::new(tokenizer.clone(), backend.config().vocab_size));
+    }
     let context = backend.max_context();
     let engine = EngineOptions {
         max_prefill_tokens: Some(
@@ -564,7 +601,6 @@ fn load(
         ),
         ..config.engine
     };
-    let structured = LazyStructured::new(tokenizer.clone(), backend.config().vocab_size);
     let ready = Ready {
         tokenizer: tokenizer.clone(),
         template,
@@ -767,5 +803,25 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = terminate => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The background build leaves the trie built, and a request after it finds the same trie rather than building
+    /// another.
+    #[test]
+    fn the_token_trie_builds_in_the_background() {
+        let dir = lily_model::default_model::locate().expect("the default model");
+        let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+        let vocab_size = lily_model::Config::from_dir(&dir).expect("config").vocab_size;
+        let lazy = Arc::new(LazyStructured::new(tokenizer, vocab_size));
+        assert!(!lazy.is_built());
+        lazy.build_in_background().unwrap().join().unwrap();
+        assert!(lazy.is_built());
+        let built = lazy.env.get().unwrap().as_ref().expect("the trie fits the model") as *const StructuredEnv;
+        assert!(std::ptr::eq(lazy.get().unwrap(), built));
     }
 }

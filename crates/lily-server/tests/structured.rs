@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use lily_server::ServerConfig;
 use serde_json::{json, Value as Json};
 
 fn chat(extra: Json) -> Json {
@@ -77,7 +78,13 @@ fn check_city(value: &Json) {
 
 #[tokio::test]
 async fn json_schema_json_object_and_streaming() {
-    let s = TestServer::real(config()).await;
+    // The trie is built while the weights load, as `lily serve` does (the other tests build it at their first
+    // constrained request).
+    let s = TestServer::real(ServerConfig {
+        structured_at_start: true,
+        ..config()
+    })
+    .await;
     let format =
         json!({"type": "json_schema", "json_schema": {"name": "city", "schema": city_schema(), "strict": true}});
     let (status, r) = s
