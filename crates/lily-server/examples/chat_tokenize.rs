@@ -142,7 +142,7 @@ fn main() -> Result<()> {
             max_request_tokens: usize::MAX,
         },
         special_tokens_in_content: false,
-        structured: LazyStructured::new(tokenizer.clone(), vocab_size),
+        structured: Arc::new(LazyStructured::new(tokenizer.clone(), vocab_size)),
     };
     let list: Vec<&str> = WORDS.split_whitespace().collect();
     let tools = if o.tools { tools(&list) } else { Vec::new() };
