@@ -197,11 +197,6 @@ impl LazyStructured {
                 }
             })
     }
-
-    /// Whether the trie has been built (or found not to fit the model).
-    pub fn is_built(&self) -> bool {
-        self.env.get().is_some()
-    }
 }
 
 pub struct AppState {
@@ -818,9 +813,9 @@ mod tests {
         let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
         let vocab_size = lily_model::Config::from_dir(&dir).expect("config").vocab_size;
         let lazy = Arc::new(LazyStructured::new(tokenizer, vocab_size));
-        assert!(!lazy.is_built());
+        assert!(lazy.env.get().is_none());
         lazy.build_in_background().unwrap().join().unwrap();
-        assert!(lazy.is_built());
+        assert!(lazy.env.get().is_some());
         let built = lazy.env.get().unwrap().as_ref().expect("the trie fits the model") as *const StructuredEnv;
         assert!(std::ptr::eq(lazy.get().unwrap(), built));
     }
